@@ -1,0 +1,43 @@
+# The two commands a new user needs: `make demo` (the main job) and `make test` (the suite).
+# Both set everything up themselves on a fresh machine.
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+# CPU build by default; on a CUDA machine e.g. `make setup TORCH_SPEC="torch==2.6.0 --index-url ..."`.
+TORCH_SPEC  ?= torch==2.13.0
+EXTRAS      ?= dev
+MODEL_DIR   ?= models/smollm2-135m-instruct
+STAMP       := $(VENV)/.setup-stamp
+
+.PHONY: setup model test test-fast demo lint bench-engine clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+model: setup
+	$(VENV)/bin/mtp-model fetch smollm2-135m --out $(MODEL_DIR)
+
+# pytest exits 5 when it collected nothing; that is not a failure of the suite.
+test: model
+	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+demo: model
+	$(VENV)/bin/mtp-demo --model $(MODEL_DIR)
+
+lint: setup
+	$(VENV)/bin/ruff check mtp_train tests bench
+
+bench-engine: model
+	$(PY) bench/bench_engine.py --model $(MODEL_DIR)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

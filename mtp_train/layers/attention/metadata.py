@@ -1,0 +1,136 @@
+"""Per-step attention metadata: built once per forward by the engine, read by every layer.
+
+A step packs the new tokens of B sequences into one flat buffer of T tokens (no padding). Sequence b
+contributes `qo_lens[b]` new tokens whose positions are the last `qo_lens[b]` of its `kv_lens[b]`
+tokens. The three modes are special cases of that one shape:
+
+* prefill: no cached prefix (`kv_lens == qo_lens`), e.g. stage-one precompute or a prompt prefill;
+* decode:  one new token per sequence;
+* verify:  several new tokens per sequence on top of a cached prefix (speculative verification,
+  chunked prefill).
+
+With a paged KV cache, the K/V of sequence b live in pages `block_tables[b]`; token j of the sequence
+sits at page `block_tables[b][j // page_size]`, offset `j % page_size`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    VERIFY = "verify"
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs to know about one forward step (shapes in comments)."""
+
+    mode: ForwardMode
+    qo_lens: list[int]  # (B,) new tokens per sequence, on the host
+    kv_lens: list[int]  # (B,) tokens in each sequence's KV after this step, on the host
+    qo_indptr: torch.Tensor  # (B+1,) int32 offsets of each sequence's new tokens in the packed batch
+    positions: torch.Tensor  # (T,) int64 absolute position of every new token
+    page_size: int = 0  # tokens per KV page; 0 when the step uses no KV cache
+    block_tables: torch.Tensor | None = None  # (B, max_pages) int32 page ids, padded with 0
+    slot_pages: torch.Tensor | None = None  # (T,) int64 page id that receives each new token's K/V
+    slot_offsets: torch.Tensor | None = None  # (T,) int64 offset inside that page
+    kv_indptr: torch.Tensor | None = None  # (B+1,) int32 FlashInfer layout: offsets into kv_indices
+    kv_indices: torch.Tensor | None = None  # (sum pages,) int32 page ids of all sequences, concatenated
+    kv_last_page_len: torch.Tensor | None = None  # (B,) int32 tokens used in each sequence's last page
+    # Filled by the backend's `prepare` (e.g. masks, planned kernels), shared by all layers of the step.
+    backend_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.qo_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.page_size > 0
+
+    @classmethod
+    def build(
+        cls,
+        qo_lens: Sequence[int],
+        kv_lens: Sequence[int] | None = None,
+        block_tables: Sequence[Sequence[int]] | None = None,
+        page_size: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build the metadata of one step.
+
+        qo_lens: new tokens per sequence. kv_lens: total tokens per sequence after the step (default:
+        equal to qo_lens, i.e. a prefill). block_tables: page ids per sequence (enough pages for
+        kv_lens); None means attention among the new tokens only, with nothing written to a cache.
+        """
+        qo = [int(n) for n in qo_lens]
+        kv = list(qo) if kv_lens is None else [int(n) for n in kv_lens]
+        if len(kv) != len(qo):
+            raise ValueError(f"qo_lens has {len(qo)} sequences but kv_lens has {len(kv)}")
+        if any(q < 1 for q in qo):
+            raise ValueError(f"every sequence needs at least one new token, got qo_lens={qo}")
+        if any(k < q for q, k in zip(qo, kv)):
+            raise ValueError(f"kv_lens {kv} must be >= qo_lens {qo}")
+        if block_tables is None and kv != qo:
+            raise ValueError("a step with a cached prefix (kv_lens > qo_lens) needs block tables")
+
+        if kv == qo:
+            mode = ForwardMode.PREFILL
+        elif all(q == 1 for q in qo):
+            mode = ForwardMode.DECODE
+        else:
+            mode = ForwardMode.VERIFY
+
+        qo_t = torch.tensor(qo, dtype=torch.int64)
+        kv_t = torch.tensor(kv, dtype=torch.int64)
+        qo_indptr = torch.zeros(len(qo) + 1, dtype=torch.int32)
+        qo_indptr[1:] = torch.cumsum(qo_t, 0)
+        # position of the i-th new token of sequence b: kv_len - qo_len + i
+        starts = torch.repeat_interleave(kv_t - qo_t, qo_t)
+        within = torch.arange(int(qo_t.sum())) - torch.repeat_interleave(qo_indptr[:-1].long(), qo_t)
+        positions = starts + within
+
+        meta = cls(mode=mode, qo_lens=qo, kv_lens=kv, qo_indptr=qo_indptr.to(device),
+                   positions=positions.to(device))
+        if block_tables is None:
+            return meta
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1 when block tables are given")
+        if len(block_tables) != len(qo):
+            raise ValueError(f"{len(block_tables)} block tables for {len(qo)} sequences")
+        for b, (pages, n) in enumerate(zip(block_tables, kv)):
+            need = -(-n // page_size)
+            if len(pages) < need:
+                raise ValueError(f"sequence {b} holds {n} tokens and needs {need} pages, has {len(pages)}")
+        pages_used = [list(p[: -(-n // page_size)]) for p, n in zip(block_tables, kv)]
+        max_pages = max(len(p) for p in pages_used)
+        bt = torch.zeros(len(qo), max_pages, dtype=torch.int32)
+        for b, p in enumerate(pages_used):
+            bt[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(qo)), qo_t)
+        slot_pages = bt[seq_of_token, positions // page_size].long()
+        slot_offsets = positions % page_size
+        kv_indptr = torch.zeros(len(qo) + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.cumsum(torch.tensor([len(p) for p in pages_used]), 0)
+        kv_indices = torch.tensor([i for p in pages_used for i in p], dtype=torch.int32)
+        last = torch.tensor([(n - 1) % page_size + 1 for n in kv], dtype=torch.int32)
+        meta.page_size = page_size
+        meta.block_tables = bt.to(device)
+        meta.slot_pages = slot_pages.to(device)
+        meta.slot_offsets = slot_offsets.to(device)
+        meta.kv_indptr = kv_indptr.to(device)
+        meta.kv_indices = kv_indices.to(device)
+        meta.kv_last_page_len = last.to(device)
+        return meta

@@ -1,0 +1,92 @@
+"""Reference attention backend: PyTorch SDPA with explicit masks, on any device.
+
+Prefill runs causal SDPA per sequence over its new tokens only. Decode and verify gather each
+sequence's pages into a contiguous (B, S, Hkv, D) view and run one batched SDPA with a mask that
+encodes both the sequence lengths and causality among the new tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mtp_train.layers.attention.base import AttentionBackend
+from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
+
+
+def _causal_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """q_pos: (..., Q) absolute positions → bool (..., Q, kv_len), True = attend."""
+    kv_pos = torch.arange(kv_len, device=q_pos.device)
+    mask = kv_pos <= q_pos[..., None]
+    if window is not None:
+        mask &= kv_pos > q_pos[..., None] - window
+    return mask
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        st = meta.backend_state
+        if meta.mode is ForwardMode.PREFILL:
+            # One mask per distinct length, only when a sliding window makes is_causal insufficient.
+            if self.sliding_window is not None:
+                for n in set(meta.qo_lens):
+                    pos = torch.arange(n, device=meta.positions.device)
+                    st[("prefill_mask", n)] = _causal_mask(pos, n, self.sliding_window)
+            return
+        q = meta.qo_lens[0]
+        if all(n == q for n in meta.qo_lens):
+            # Batched path: queries (B, Q), keys padded to S = max_pages * page_size.
+            s = meta.block_tables.shape[1] * meta.page_size
+            q_pos = meta.positions.view(meta.batch_size, q)
+            st["mask"] = _causal_mask(q_pos, s, self.sliding_window)[:, None]  # (B, 1, Q, S)
+            st["uniform"] = True
+        else:
+            st["uniform"] = False
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool) -> torch.Tensor:
+        """q: (B, Q, Hq, D); k, v: (B, S, Hkv, D) → (B, Q, Hq, D)."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            is_causal=causal and mask is None, scale=self.scale,
+            enable_gqa=self.num_q_heads != self.num_kv_heads,
+        )
+        return out.transpose(1, 2)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        if kv_cache is not None:
+            kv_cache[meta.slot_pages, 0, meta.slot_offsets] = k
+            kv_cache[meta.slot_pages, 1, meta.slot_offsets] = v
+        st = meta.backend_state
+        if meta.mode is ForwardMode.PREFILL:
+            # The new tokens are the whole sequence: attend among them, never touch the pool.
+            if meta.batch_size == 1:
+                mask = st.get(("prefill_mask", meta.qo_lens[0]))
+                return self._sdpa(q[None], k[None], v[None], mask, causal=True)[0]
+            outs = []
+            for b, n in enumerate(meta.qo_lens):
+                lo = int(meta.qo_indptr[b])
+                sl = slice(lo, lo + n)
+                mask = st.get(("prefill_mask", n))
+                outs.append(self._sdpa(q[None, sl], k[None, sl], v[None, sl], mask, causal=True)[0])
+            return torch.cat(outs, 0)
+
+        assert kv_cache is not None, "decode/verify steps need the KV cache"
+        pages = kv_cache[meta.block_tables.long()]  # (B, P, 2, ps, Hkv, D)
+        b, p = pages.shape[:2]
+        keys = pages[:, :, 0].reshape(b, p * meta.page_size, self.num_kv_heads, self.head_dim)
+        values = pages[:, :, 1].reshape(b, p * meta.page_size, self.num_kv_heads, self.head_dim)
+        if st["uniform"]:
+            qb = q.view(b, meta.qo_lens[0], self.num_q_heads, self.head_dim)
+            return self._sdpa(qb, keys, values, st["mask"], causal=False).reshape(q.shape)
+        outs = []
+        for i, (n, kv_len) in enumerate(zip(meta.qo_lens, meta.kv_lens)):
+            lo = int(meta.qo_indptr[i])
+            q_pos = meta.positions[lo: lo + n]
+            mask = _causal_mask(q_pos, kv_len, self.sliding_window)[None]  # (1, Q, S)
+            outs.append(self._sdpa(q[None, lo: lo + n], keys[i: i + 1, :kv_len], values[i: i + 1, :kv_len],
+                                   mask[:, None], causal=False)[0])
+        return torch.cat(outs, 0)

@@ -1,0 +1,30 @@
+"""RMSNorm, computed in float32 and cast back exactly as the reference implementation does."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm over the last dimension.
+
+    The statistics are taken in float32 whatever the input dtype, and the weight multiplies the
+    result after it is cast back, so bf16 outputs match `transformers` bit for bit.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., dim) → (..., dim) in x's dtype."""
+        in_dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(in_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

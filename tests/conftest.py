@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny random checkpoints of every supported family, and the real default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+# name → (transformers config class name, overrides)
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {"tie_word_embeddings": False}),
+    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama3-rope": ("LlamaConfig", {
+        "tie_word_embeddings": False, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    }),
+    "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": 16}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),
+}
+
+
+def make_tiny_checkpoint(name: str, out: Path, seed: int = 0):
+    """Save a random tiny HF model of family `name` to `out`; return the HF model (fp32, eval)."""
+    import transformers
+
+    cls_name, over = TINY_CONFIGS[name]
+    cfg = getattr(transformers, cls_name)(**{**_BASE, **over})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    # Random init gives tiny weights; scale norms away from 1 so the norms are really tested.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif n.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """All tiny families, saved once per session: name → (folder, HF model)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: (root / name, make_tiny_checkpoint(name, root / name)) for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The converted SmolLM2 folder; skip when it has not been fetched (`make model`)."""
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        pytest.skip(f"{DEFAULT_MODEL} missing: run `make model`")
+    return DEFAULT_MODEL
