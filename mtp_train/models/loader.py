@@ -1,0 +1,159 @@
+"""Loading a Llama-family checkpoint from (sharded) safetensors onto a meta-initialised model.
+
+The model is built on the meta device (no memory, no random init), then every parameter is
+assigned from the checkpoint: tensors already in the wanted dtype are taken as they come from
+safetensors' memory map; q/k/v and gate/up are concatenated into the fused projections.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mtp_train.layers.attention import make_attention_backend
+from mtp_train.models.config import ModelArgs, ModelConfigError
+from mtp_train.models.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# fused parameter → the checkpoint parameters concatenated along dim 0, in order
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+# checkpoint tensors that carry no weights we need
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs | None = None) -> torch.dtype:
+    """'auto' → the checkpoint's dtype (float32 if it names none); names or torch dtypes accepted."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        name = (args.torch_dtype if args else None) or "float32"
+        return DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file that holds it (single file or sharded index)."""
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelConfigError(f"{index}: not a valid safetensors index ({e})") from None
+        files = {name: path / fname for name, fname in weight_map.items()}
+        for f in set(files.values()):
+            if not f.is_file():
+                raise ModelConfigError(f"{index} names {f.name}, which is missing from {path}")
+        return files
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    raise ModelConfigError(
+        f"no model.safetensors or model.safetensors.index.json in {path}; only safetensors checkpoints "
+        "are supported (convert .bin files with transformers' save_pretrained(safe_serialization=True))"
+    )
+
+
+def _iter_tensors(files: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) file by file, each file opened once through safetensors' mmap."""
+    by_file: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        by_file.setdefault(f, []).append(name)
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for name in names:
+                yield name, fh.get_tensor(name)
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    backend: str = "auto",
+) -> LlamaForCausalLM:
+    """Load a Hugging Face Llama-family folder (config.json + safetensors) for inference.
+
+    dtype: auto | float32 | bfloat16 | float16; device: where the weights go; backend: attention
+    backend (auto | torch | flashinfer). The model is in eval mode with gradients off.
+    """
+    path = Path(path)
+    args = ModelArgs.from_dir(path)
+    dt = resolve_dtype(dtype, args)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    expected = {n: p for n, p in model.named_parameters()}
+    if args.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+
+    # Where each checkpoint tensor goes: (our name, row offset in a fused tensor or None).
+    fused_parts: dict[str, list[tuple[str, int]]] = {}
+    for full, p in expected.items():
+        for fused, parts in _FUSED.items():
+            if f".{fused}." in full:
+                prefix, suffix = full.split(f".{fused}.")
+                fused_parts[full] = [(f"{prefix}.{part}.{suffix}", 0) for part in parts]
+    routes: dict[str, tuple[str, int | None]] = {}
+    for full, parts in fused_parts.items():
+        for src, _ in parts:
+            routes[src] = (full, 0)
+    for full in expected:
+        if full not in fused_parts:
+            routes[full] = (full, None)
+
+    files = checkpoint_files(path)
+    state: dict[str, torch.Tensor] = {}
+    fused_buffers: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in _iter_tensors(files):
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
+            continue
+        if name not in routes:
+            raise ModelConfigError(f"{files[name]}: unexpected tensor {name!r} for a {args.model_type} model")
+        target, offset = routes[name]
+        if offset is None:
+            want = tuple(expected[target].shape)
+            if tuple(tensor.shape) != want:
+                raise ModelConfigError(
+                    f"{files[name]}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {want}"
+                )
+            state[target] = tensor.to(device=device, dtype=dt)
+        else:
+            fused_buffers.setdefault(target, []).append((name, tensor))
+
+    for target, parts in fused_parts.items():
+        got = dict(fused_buffers.get(target, []))
+        missing = [src for src, _ in parts if src not in got]
+        if missing:
+            continue  # reported below with every other missing tensor
+        full = torch.cat([got[src].to(dt) for src, _ in parts], dim=0)
+        want = tuple(expected[target].shape)
+        if tuple(full.shape) != want:
+            raise ModelConfigError(
+                f"{path}: {', '.join(src for src, _ in parts)} concatenate to {tuple(full.shape)}, "
+                f"config.json implies {want}"
+            )
+        state[target] = full.to(device)
+
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelConfigError(f"{path}: checkpoint lacks {len(missing)} tensor(s): {shown}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    # Buffers created on meta (rotary frequencies) are recomputed on the target device.
+    model.rotary = type(model.rotary)(args.rope, device=device)
+    model.attn = make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim,
+                                        args.sliding_window, device=device)
+    model.eval().requires_grad_(False)
+    return model
