@@ -1,0 +1,24 @@
+"""The inference engine: paged KV cache, model runner, sampling and batched generation."""
+
+from mtp_train.engine.kv_cache import BlockAllocator, KVCache, OutOfPagesError
+from mtp_train.engine.llm import GenerationOutput, GenerationStats, LLMEngine
+from mtp_train.engine.runner import ModelRunner, prefill_hidden
+from mtp_train.engine.sampling import SamplingBatch, SamplingParams, filtered_probs, sample
+from mtp_train.engine.sequence import Sequence, SeqStatus
+
+__all__ = [
+    "BlockAllocator",
+    "GenerationOutput",
+    "GenerationStats",
+    "KVCache",
+    "LLMEngine",
+    "ModelRunner",
+    "OutOfPagesError",
+    "SamplingBatch",
+    "SamplingParams",
+    "SeqStatus",
+    "Sequence",
+    "filtered_probs",
+    "prefill_hidden",
+    "sample",
+]

@@ -1,0 +1,89 @@
+"""Paged KV cache: one pool tensor per model and a plain-Python block allocator over a free list.
+
+Pool layout: (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim); layer i's slice is
+FlashInfer's NHD paged layout, so the torch and FlashInfer backends read the same memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class OutOfPagesError(RuntimeError):
+    """The KV page pool cannot hold what was asked for."""
+
+
+class BlockAllocator:
+    """Hands out page ids from a free list; O(1) allocate/free per page."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take n pages; raises OutOfPagesError (taking none) when fewer are free."""
+        if n > len(self._free):
+            raise OutOfPagesError(
+                f"KV cache out of pages: {n} needed, {len(self._free)} free of {self.num_pages}; "
+                "give the engine more pages (num_pages / kv_cache_gb), or lower the batch size or max length"
+            )
+        pages = [self._free.popleft() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        """Return pages to the pool; freeing a page that is not in use is a bug and raises."""
+        for p in pages:
+            if p not in self._used:
+                raise ValueError(f"page {p} is not allocated (double free?)")
+            self._used.remove(p)
+            self._free.append(p)
+
+
+class KVCache:
+    """The page pool of one model plus its allocator.
+
+    A sequence owns a list of page ids; `ensure` grows it to hold a number of tokens and
+    `truncate` shrinks it (e.g. after rejected speculative tokens).
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        # Uninitialised memory is fine: a slot is always written before any query can attend to it.
+        self.pool = torch.empty(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim,
+                                dtype=dtype, device=device)
+        self.layers = list(self.pool.unbind(0))  # per-layer (num_pages, 2, page_size, Hkv, D) views
+        self.allocator = BlockAllocator(num_pages)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def ensure(self, pages: list[int], num_tokens: int) -> None:
+        """Append pages to `pages` (in place) until they hold num_tokens tokens."""
+        extra = self.pages_for(num_tokens) - len(pages)
+        if extra > 0:
+            pages.extend(self.allocator.allocate(extra))
+
+    def truncate(self, pages: list[int], num_tokens: int) -> None:
+        """Free the pages beyond those needed for num_tokens tokens (in place)."""
+        keep = self.pages_for(num_tokens)
+        if len(pages) > keep:
+            self.allocator.free(pages[keep:])
+            del pages[keep:]

@@ -1,0 +1,179 @@
+"""Batched generation with continuous batching over the paged KV cache.
+
+Scheduling (one `step` = one forward): waiting requests are admitted as soon as the batch has room
+and the pool can hold them at their longest (prompt + max_new_tokens, counted as a reservation,
+so a running sequence never runs out of pages and nothing needs preempting); an admission step
+prefills the new prompts, otherwise every running sequence decodes one token. Finished sequences
+free their pages at once, and the next step admits whoever waits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from mtp_train.engine.kv_cache import OutOfPagesError
+from mtp_train.engine.runner import ModelRunner
+from mtp_train.engine.sampling import SamplingBatch, SamplingParams, sample
+from mtp_train.engine.sequence import SeqStatus, Sequence
+from mtp_train.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class GenerationOutput:
+    """The result of one request."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class GenerationStats:
+    """Counters of a generate call."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class LLMEngine:
+    """Greedy or sampled generation for many prompts through our model runner."""
+
+    def __init__(self, model: LlamaForCausalLM, *, num_pages: int | None = None, page_size: int = 16,
+                 kv_cache_gb: float = 1.0, max_batch_size: int = 32, max_batch_tokens: int = 4096) -> None:
+        self.model = model
+        self.runner = ModelRunner.create(model, num_pages=num_pages, page_size=page_size, kv_cache_gb=kv_cache_gb)
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._reserved_pages = 0
+        self._next_id = 0
+        self.stats = GenerationStats()
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> Sequence:
+        """Queue a request; raises OutOfPagesError if it could never fit in the pool."""
+        seq = Sequence.new(self._next_id, list(prompt_ids), params, device=self.model.device)
+        self._next_id += 1
+        if seq.params.stop_token_ids is None and not seq.params.ignore_eos:
+            seq.params.stop_token_ids = list(self.model.args.eos_token_ids)
+        need = self.runner.kv.pages_for(seq.max_len)
+        if need > self.runner.kv.num_pages:
+            raise OutOfPagesError(
+                f"request {seq.seq_id} needs {need} pages ({seq.max_len} tokens at page size "
+                f"{self.runner.kv.page_size}) but the pool has {self.runner.kv.num_pages}; raise num_pages/"
+                "kv_cache_gb or lower max_new_tokens"
+            )
+        self.waiting.append(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        tokens = 0
+        kv = self.runner.kv
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            seq = self.waiting[0]
+            need = kv.pages_for(seq.max_len)
+            if self._reserved_pages + need > kv.num_pages:
+                break
+            if admitted and tokens + len(seq) > self.max_batch_tokens:
+                break
+            self.waiting.popleft()
+            self._reserved_pages += need
+            tokens += len(seq)
+            seq.status = SeqStatus.RUNNING
+            admitted.append(seq)
+        return admitted
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.runner.free(seq)
+        self._reserved_pages -= self.runner.kv.pages_for(seq.max_len)
+
+    def step(self) -> list[Sequence]:
+        """Run one forward (prefill of newly admitted prompts, else one decode step for all running).
+
+        Returns the sequences that finished in this step.
+        """
+        admitted = self._admit()
+        batch = admitted if admitted else self.running
+        if not batch:
+            return []
+        out = self.runner.run(batch, logits="last")
+        if admitted:
+            self.stats.prefill_steps += 1
+            self.stats.prompt_tokens += sum(len(s) for s in admitted)
+            self.running.extend(admitted)
+        else:
+            self.stats.decode_steps += 1
+        next_tokens = sample(out.logits, SamplingBatch([s.params for s in batch], [s.generator for s in batch]))
+        finished = []
+        for seq, tok in zip(batch, next_tokens.tolist()):
+            seq.token_ids.append(tok)
+            self.stats.generated_tokens += 1
+            p = seq.params
+            if not p.ignore_eos and p.stop_token_ids and tok in p.stop_token_ids:
+                self._finish(seq, "stop")
+            elif len(seq.output_ids) >= p.max_new_tokens:
+                self._finish(seq, "length")
+            else:
+                continue
+            finished.append(seq)
+        if finished:
+            self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+        return finished
+
+    @torch.inference_mode()
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 on_finish: Callable[[int, GenerationOutput], None] | None = None,
+                 progress: bool = False) -> list[GenerationOutput]:
+        """Generate for every prompt (token ids); outputs come back in prompt order.
+
+        params: one SamplingParams for all, or one per prompt. on_finish(index, output) is called as
+        each request completes (for streaming results to disk).
+        """
+        if params is None or isinstance(params, SamplingParams):
+            params = [SamplingParams(**vars(params)) if params else SamplingParams() for _ in prompts]
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        index = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            index[self.add_request(prompt, p).seq_id] = i
+        results: list[GenerationOutput | None] = [None] * len(prompts)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        t0 = time.perf_counter()
+        while self.has_unfinished():
+            for seq in self.step():
+                res = GenerationOutput(seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.finish_reason)
+                i = index[seq.seq_id]
+                results[i] = res
+                if on_finish:
+                    on_finish(i, res)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{self.stats.generated_tokens / (time.perf_counter() - t0):.1f}")
+        self.stats.seconds += time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        return results  # type: ignore[return-value]

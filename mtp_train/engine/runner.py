@@ -1,0 +1,97 @@
+"""Model runner: turns a list of sequences into one packed forward over the paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from mtp_train.engine.kv_cache import KVCache
+from mtp_train.engine.sequence import Sequence
+from mtp_train.layers.attention import AttentionMetadata
+from mtp_train.models.llama import ForwardOutput, LlamaForCausalLM
+
+
+class ModelRunner:
+    """Runs `model` over the uncached tokens of a batch of sequences.
+
+    One call is one step of any kind: a prompt prefill (all tokens uncached), a decode step (one
+    uncached token per sequence) or a verify step (several). Pages are grown as needed and each
+    sequence's `num_cached` advances by the tokens it fed.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
+        self.model = model
+        self.kv = kv_cache
+        self.device = model.device
+
+    @classmethod
+    def create(cls, model: LlamaForCausalLM, num_pages: int | None = None, page_size: int = 16,
+               kv_cache_gb: float = 1.0) -> ModelRunner:
+        """Build a runner with its own page pool (num_pages, or as many as kv_cache_gb holds)."""
+        a = model.args
+        if num_pages is None:
+            per_token = KVCache.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, model.dtype)
+            num_pages = max(1, int(kv_cache_gb * 2**30) // (per_token * page_size))
+        kv = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, model.dtype, model.device)
+        return cls(model, kv)
+
+    def build_metadata(self, seqs: Seq[Sequence]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Grow pages and pack the uncached tokens: returns input_ids (T,) and the step's metadata."""
+        qo_lens, kv_lens, tokens = [], [], []
+        for s in seqs:
+            n = s.num_uncached
+            if n < 1:
+                raise ValueError(f"sequence {s.seq_id} has no uncached token to run")
+            self.kv.ensure(s.pages, len(s))
+            qo_lens.append(n)
+            kv_lens.append(len(s))
+            tokens.extend(s.token_ids[s.num_cached:])
+        meta = AttentionMetadata.build(qo_lens, kv_lens, [s.pages for s in seqs], self.kv.page_size, self.device)
+        return torch.tensor(tokens, dtype=torch.long, device=self.device), meta
+
+    @torch.inference_mode()
+    def run(self, seqs: Seq[Sequence], logits: str = "last", hidden_layers: Seq[int] = ()) -> ForwardOutput:
+        """Forward the uncached tokens of `seqs`.
+
+        logits: "last" → (B, V) at each sequence's last token; "all" → (T, V) at every new token;
+        "none" → no lm_head. Returned hidden is (T, H) over all new tokens, packed in `seqs` order.
+        """
+        input_ids, meta = self.build_metadata(seqs)
+        if logits == "last":
+            idx = meta.qo_indptr[1:].long() - 1
+        elif logits == "all":
+            idx = torch.arange(meta.num_tokens, device=self.device)
+        elif logits == "none":
+            idx = None
+        else:
+            raise ValueError(f"logits must be last|all|none, got {logits!r}")
+        out = self.model(input_ids, meta, self.kv.layers, logits_indices=idx, hidden_layers=hidden_layers)
+        for s in seqs:
+            s.num_cached = len(s)
+        return out
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop tokens (and their cache entries) beyond num_tokens, e.g. rejected draft tokens."""
+        del seq.token_ids[num_tokens:]
+        seq.num_cached = min(seq.num_cached, num_tokens)
+        self.kv.truncate(seq.pages, num_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        """Give a finished sequence's pages back to the pool."""
+        self.kv.truncate(seq.pages, 0)
+        seq.num_cached = 0
+
+
+@torch.inference_mode()
+def prefill_hidden(model: LlamaForCausalLM, token_lists: Seq[Seq[int]],
+                   hidden_layers: Seq[int] = ()) -> ForwardOutput:
+    """Cache-free packed prefill of several sequences (stage-one precompute): no pages, no lm_head.
+
+    Returns hidden (T, H) after the final norm over all tokens, packed in order, plus the
+    requested intermediate layers.
+    """
+    lens = [len(t) for t in token_lists]
+    meta = AttentionMetadata.build(lens, device=model.device)
+    ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=model.device)
+    return model(ids, meta, None, hidden_layers=hidden_layers)
