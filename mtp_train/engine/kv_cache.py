@@ -62,8 +62,9 @@ class KVCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.num_pages = num_pages
-        # Uninitialised memory is fine: a slot is always written before any query can attend to it.
-        self.pool = torch.empty(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim,
+        # Zeroed, not empty: masked-out slots still enter the attention matmul (weight 0), and
+        # uninitialised memory may hold NaN/inf, for which 0 * NaN = NaN.
+        self.pool = torch.zeros(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
         self.layers = list(self.pool.unbind(0))  # per-layer (num_pages, 2, page_size, Hkv, D) views
         self.allocator = BlockAllocator(num_pages)

@@ -1,0 +1,84 @@
+"""Bad model input gets a clear error that names the file or key and says what to do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from mtp_train.models import ModelArgs, ModelConfigError, load_model
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(ModelConfigError, match=r"does not exist.*mtp-model fetch"):
+        load_model(tmp_path / "nope")
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelConfigError, match="config.json is missing"):
+        load_model(tmp_path)
+
+
+def _copy(tiny_checkpoints, tmp_path, name="llama"):
+    dst = tmp_path / name
+    shutil.copytree(tiny_checkpoints[name][0], dst)
+    return dst
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_unsupported_architecture(tiny_checkpoints, tmp_path):
+    p = _copy(tiny_checkpoints, tmp_path)
+    _edit_config(p, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ModelConfigError, match=r"model_type 'gpt2'.*not supported.*llama, mistral, qwen2, qwen3"):
+        load_model(p)
+
+
+def test_missing_config_keys(tiny_checkpoints, tmp_path):
+    p = _copy(tiny_checkpoints, tmp_path)
+    _edit_config(p, hidden_size=None, vocab_size=None)
+    with pytest.raises(ModelConfigError, match=r"config.json: missing required key\(s\) hidden_size, vocab_size"):
+        load_model(p)
+
+
+def test_unsupported_rope_type():
+    with pytest.raises(ModelConfigError, match="rope type 'yarn' is not supported"):
+        ModelArgs.from_hf_config({"model_type": "llama", "hidden_size": 8, "intermediate_size": 8,
+                                  "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 4,
+                                  "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+def test_invalid_json_names_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama",\n oops}')
+    with pytest.raises(ModelConfigError, match="invalid JSON at line 2"):
+        load_model(tmp_path)
+
+
+def test_missing_weights_file_and_tensors(tiny_checkpoints, tmp_path):
+    p = _copy(tiny_checkpoints, tmp_path)
+    (p / "model.safetensors").unlink()
+    with pytest.raises(ModelConfigError, match="no model.safetensors"):
+        load_model(p)
+
+
+def test_shape_mismatch_names_tensor(tiny_checkpoints, tmp_path):
+    p = _copy(tiny_checkpoints, tmp_path)
+    _edit_config(p, intermediate_size=96)
+    with pytest.raises(ModelConfigError, match=r"model.layers.0.mlp.*config.json implies \((64, 96|192, 64)\)"):
+        load_model(p)
+
+
+def test_unknown_dtype_and_backend(tiny_checkpoints):
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_model(tiny_checkpoints["llama"][0], dtype="int3")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        load_model(tiny_checkpoints["llama"][0], backend="xformers")
