@@ -4,7 +4,7 @@ from mtp_train.engine.kv_cache import BlockAllocator, KVCache, OutOfPagesError
 from mtp_train.engine.llm import GenerationOutput, GenerationStats, LLMEngine
 from mtp_train.engine.runner import ModelRunner, prefill_hidden
 from mtp_train.engine.sampling import SamplingBatch, SamplingParams, filtered_probs, sample
-from mtp_train.engine.sequence import Sequence, SeqStatus
+from mtp_train.engine.sequence import SeqStatus, Sequence
 
 __all__ = [
     "BlockAllocator",

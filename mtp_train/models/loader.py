@@ -99,7 +99,7 @@ def load_model(
 
     # Where each checkpoint tensor goes: (our name, row offset in a fused tensor or None).
     fused_parts: dict[str, list[tuple[str, int]]] = {}
-    for full, p in expected.items():
+    for full in expected:
         for fused, parts in _FUSED.items():
             if f".{fused}." in full:
                 prefix, suffix = full.split(f".{fused}.")

@@ -1,0 +1,106 @@
+"""Our engine against `transformers` on the same model, machine and process run.
+
+Measures (all ratios ours / baseline, higher = ours faster, except verify_cost):
+- prefill: hidden states of 4×512 tokens. Ours: packed prefill, no lm_head. Baseline: HF forward
+  with output_hidden_states=True (what existing trainers run to dump hidden states).
+- decode: batch-1 greedy generation of N tokens after a chat prompt. Baseline: HF `generate`.
+- verify_cost: forward time for 1, 2, 4, 8, 16 new tokens on a context of 256, relative to 1
+  (what a speculative verify step costs against a decode step on this machine).
+
+Usage: python bench/bench_engine.py --model models/smollm2-135m-instruct [--dtype float32]
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import report, timeit  # noqa: E402
+
+from mtp_train.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, prefill_hidden  # noqa: E402
+from mtp_train.models import load_model, resolve_dtype  # noqa: E402
+
+PROMPT = "Write a short story about a robot who learns to paint. Make it warm and vivid."
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="float32", help="dtype of both implementations")
+    ap.add_argument("--prefill-batch", type=int, default=4)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--verify-context", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = resolve_dtype(args.dtype)
+    torch.manual_seed(0)
+    ours = load_model(args.model, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    vocab = ours.args.vocab_size
+    res: dict = {"model": Path(args.model).name, "dtype": str(dtype).replace("torch.", ""),
+                 "threads": torch.get_num_threads(), "machine": platform.machine()}
+
+    # -- prefill ------------------------------------------------------------------------------
+    seqs = torch.randint(0, vocab, (args.prefill_batch, args.prefill_len))
+    n_tok = seqs.numel()
+    with torch.inference_mode():
+        t_ours = timeit(lambda: prefill_hidden(ours, seqs.tolist()), repeat=args.repeat)
+        t_hf = timeit(lambda: hf(seqs, output_hidden_states=True), repeat=args.repeat)
+    res.update(prefill_tok_s_ours=n_tok / t_ours, prefill_tok_s_hf=n_tok / t_hf, prefill_speedup_vs_hf=t_hf / t_ours)
+    print(f"prefill {args.prefill_batch}x{args.prefill_len}: ours {n_tok / t_ours:.0f} tok/s, "
+          f"transformers {n_tok / t_hf:.0f} tok/s", flush=True)
+
+    # -- batch-1 greedy decode ----------------------------------------------------------------
+    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=True)["input_ids"]
+    n_new = args.decode_tokens
+    engine = LLMEngine(ours, kv_cache_gb=0.25)
+    params = SamplingParams(max_new_tokens=n_new, ignore_eos=True)
+    out_ours: list = []
+    t_ours = timeit(lambda: out_ours.append(engine.generate([prompt], params)[0]), repeat=args.repeat)
+    x = torch.tensor([prompt])
+    out_hf: list = []
+    with torch.inference_mode():
+        t_hf = timeit(lambda: out_hf.append(hf.generate(x, do_sample=False, max_new_tokens=n_new,
+                                                        min_new_tokens=n_new, pad_token_id=tok.eos_token_id)),
+                      repeat=args.repeat)
+    same = out_ours[-1].output_ids == out_hf[-1][0, len(prompt):].tolist()
+    res.update(decode_tok_s_ours=n_new / t_ours, decode_tok_s_hf=n_new / t_hf, decode_speedup_vs_hf=t_hf / t_ours,
+               decode_same_tokens=same)
+    print(f"decode batch 1, {n_new} tokens: ours {n_new / t_ours:.1f} tok/s, transformers {n_new / t_hf:.1f} tok/s, "
+          f"same tokens: {same}", flush=True)
+
+    # -- verify cost ----------------------------------------------------------------------------
+    runner = ModelRunner.create(ours, num_pages=64, page_size=16)
+    ctx = torch.randint(0, vocab, (args.verify_context,)).tolist()
+    seq = Sequence.new(0, ctx)
+    runner.run([seq])
+    costs = {}
+
+    def verify(k: int) -> None:
+        seq.token_ids.extend(ctx[:k])
+        runner.run([seq], logits="all")
+        runner.truncate(seq, len(ctx))
+
+    for k in (1, 2, 4, 8, 16):
+        costs[k] = timeit(lambda k=k: verify(k), repeat=max(5, args.repeat), warmup=2)
+    res["verify_cost"] = {str(k): costs[k] / costs[1] for k in costs}
+    res["verify_ms_1"] = costs[1] * 1000
+    print("verify cost at context", args.verify_context, {k: round(v, 2) for k, v in res["verify_cost"].items()})
+    report(res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
