@@ -1,0 +1,41 @@
+"""Conversations in (readers of chat and prompt sets), token ids and assistant-only loss masks out (chat)."""
+
+from mtp_train.data.chat import (
+    ChatTemplateError,
+    TokenizedSample,
+    TokenizeStats,
+    assistant_char_spans,
+    chat_template_fingerprint,
+    render,
+    tokenize_conversation,
+    tokenize_conversations,
+    tokenizer_fingerprint,
+)
+from mtp_train.data.readers import (
+    BadRecord,
+    Conversation,
+    DataError,
+    ReadStats,
+    iter_conversations,
+    parse_record,
+    read_conversations,
+)
+
+__all__ = [
+    "BadRecord",
+    "ChatTemplateError",
+    "Conversation",
+    "DataError",
+    "ReadStats",
+    "TokenizeStats",
+    "TokenizedSample",
+    "assistant_char_spans",
+    "chat_template_fingerprint",
+    "iter_conversations",
+    "parse_record",
+    "read_conversations",
+    "render",
+    "tokenize_conversation",
+    "tokenize_conversations",
+    "tokenizer_fingerprint",
+]

@@ -1,0 +1,354 @@
+"""Chat template rendering and the assistant-only loss mask, derived from the template itself.
+
+`loss_mask` is 1 on the tokens of every assistant turn's content and on that turn's end-of-turn marker as the
+template renders it (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...), and 0 everywhere else: system and user turns, role
+headers (`<|im_start|>assistant\\n`), text a template inserts before the content (an empty `<think></think>`), and
+whitespace after the end marker. No marker string is known to this module; every boundary comes from renderings:
+
+* Where the content sits: the conversation is rendered again with this turn's content replaced by a probe
+  character; the text that differs from the real rendering is the rendered content. (When the template rewrote the
+  start of the content, e.g. re-formatted a `<think>` block, the raw content is matched where it ends.)
+* Where the turn ends (prefix method): `messages[:i+1]` rendered alone ends where turn i ends in the full rendering.
+  Templates that re-render history (Qwen3 drops the reasoning of earlier turns and adds an empty `<think>` block
+  to the last one) give prefixes that are not prefixes of the full rendering; for those the turn's closing text
+  is taken per turn (diff method) as the common ending of `messages[:i+1]` rendered with the real and with a
+  probe content, and matched after the content in the full rendering.
+
+Tokens are mapped to characters with the fast tokenizer's offsets; a token is masked when its characters overlap
+an assistant span and do not run past its end. (A token that straddles a header and the content, e.g. `\\n\\n` when
+the content itself starts with a newline after a header ending in one, is therefore masked: the text is
+tokenized as a whole, as at inference.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mtp_train.data.readers import Conversation
+
+Messages = Sequence[Mapping[str, str]]
+# Private-use characters: no template special-cases them and real text practically never contains them. A probe
+# must not occur in the content it stands in for, or the diff could run into the content.
+PROBES = ("\ue000", "\ue001", "\ue002")
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer has no usable chat template, or a rendering could not be mapped back to its turns."""
+
+
+@dataclass
+class TokenizedSample:
+    """One tokenized conversation; `loss_mask[t]` is 1 where token t belongs to an assistant turn."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool = False  # cut to `max_seq_len`
+    id: str | None = None  # the conversation's id, when tokenized from a `Conversation`
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class TokenizeStats:
+    """Counts of a `tokenize_conversations` run."""
+
+    conversations: int = 0
+    kept: int = 0
+    truncated: int = 0  # kept, but cut to max_seq_len
+    dropped_no_assistant: int = 0  # no assistant token at all (e.g. a prompt-only conversation)
+    dropped_truncated: int = 0  # every assistant token was beyond max_seq_len
+    diff_method: int = 0  # conversations whose turn ends came from the per-turn diff (history re-rendering)
+    tokens: int = 0  # tokens of kept samples
+    loss_tokens: int = 0  # masked tokens of kept samples
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_no_assistant + self.dropped_truncated
+
+
+# ------------------------------------------------------------------------------------------------- rendering
+
+
+def _require_template(tokenizer: Any) -> None:
+    if getattr(tokenizer, "chat_template", None) is None:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ChatTemplateError(f"tokenizer {name!r} has no chat template; set `tokenizer.chat_template` to one")
+
+
+def render(tokenizer: Any, messages: Messages, add_generation_prompt: bool = False,
+           template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The template's text for `messages` (what the model sees), without tokenizing."""
+    _require_template(tokenizer)
+    try:
+        text = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+    except Exception as exc:  # jinja raises several types; all mean the same thing here
+        roles = [m.get("role") for m in messages]
+        raise ChatTemplateError(f"chat template failed on roles {roles}: {exc}") from exc
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
+    return text
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (binary search over slice comparisons, which run in C)."""
+    lo, hi = 0, min(len(a), len(b))  # invariant: a[:lo] == b[:lo]
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # and a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _common_suffix(a: str, b: str) -> int:
+    """Length of the longest common suffix."""
+    return _common_prefix(a[::-1], b[::-1])
+
+
+def _probe_for(content: str) -> str:
+    """A probe character absent from `content`."""
+    for probe in PROBES:
+        if probe not in content:
+            return probe
+    raise ChatTemplateError("content contains every probe character; cannot locate it in the rendering")
+
+
+def _with_content(messages: Messages, i: int, content: str) -> list[dict[str, str]]:
+    out = [dict(m) for m in messages]
+    out[i]["content"] = content
+    return out
+
+
+def _closing_in_full(full: str, at: int, closing: str) -> int:
+    """How much of `closing` (the text after a final turn's content) follows position `at` of `full`.
+
+    A closing may hold more than the end-of-turn marker when the turn is last (an end-of-conversation token
+    after `<|end|>` and a newline, say); where only part of it matches, the match is cut back to its last
+    whitespace, where the next turn's text starts.
+    """
+    matched = _common_prefix(full[at:at + len(closing)], closing)
+    if matched == len(closing):
+        return matched
+    part = full[at:at + matched]
+    last_space = max((k for k, ch in enumerate(part) if ch.isspace()), default=-1)
+    return last_space + 1 if last_space >= 0 else matched
+
+
+def assistant_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mapping[str, Any] | None = None,
+                         ) -> tuple[str, list[tuple[int, int]], str]:
+    """Render `messages`; return (text, [start, end) of every assistant span in it, method).
+
+    A span runs from the first character of the rendered content to the end of the turn's end-of-turn marker
+    (trailing whitespace after the marker excluded). `method` is "prefix", or "diff" when any turn needed the
+    per-turn diff because the template re-renders history.
+    """
+    kw = template_kwargs
+    full = render(tokenizer, messages, template_kwargs=kw)
+    spans: list[tuple[int, int]] = []
+    method = "prefix"
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        where = f"assistant turn {i}"
+        # Start bound: the generation prompt for this turn (header) is rendered history, never assistant text.
+        # Where the full text does not continue the generation prompt (a prompt ending in an empty <think> block
+        # that the data's own reasoning replaces), only the history before the prompt bounds the turn.
+        gen = render(tokenizer, messages[:i], add_generation_prompt=True, template_kwargs=kw) if i else ""
+        if full.startswith(gen):
+            start_bound = len(gen)
+        else:
+            start_bound = _common_prefix(full, render(tokenizer, messages[:i], template_kwargs=kw))
+
+        # Content span: what changes when only this turn's content changes.
+        probe = _probe_for(message["content"])
+        alt = render(tokenizer, _with_content(messages, i, probe), template_kwargs=kw)
+        c0 = _common_prefix(full, alt)
+        c1 = max(c0, len(full) - _common_suffix(full, alt))
+        raw = message["content"].strip()
+        if raw and len(raw) > c1 - c0 and c1 - len(raw) >= start_bound and full[c1 - len(raw):c1] == raw:
+            # The template rewrote the start (e.g. probes get an empty <think> block where the real content has
+            # its own): the raw content is still there, ending where the rendered content ends.
+            c0 = c1 - len(raw)
+        if c0 < start_bound:
+            raise ChatTemplateError(f"{where}: its content changes the rendering before the turn starts")
+
+        # Turn end: from the prefix rendering when it is a prefix of the full text, else per-turn diff.
+        upto = render(tokenizer, messages[: i + 1], template_kwargs=kw)
+        if full.startswith(upto) and len(upto) >= c1:
+            turn_end = len(upto)
+        else:
+            method = "diff"
+            alt_upto = render(tokenizer, _with_content(messages[: i + 1], i, probe), template_kwargs=kw)
+            closing = _common_suffix(upto, alt_upto)
+            turn_end = c1 + _closing_in_full(full, c1, upto[len(upto) - closing:] if closing else "")
+        end = c1 + len(full[c1:turn_end].rstrip())
+        if spans and c0 < spans[-1][1]:
+            raise ChatTemplateError(f"{where}: span overlaps the previous assistant turn")
+        spans.append((c0, end))
+    return full, spans, method
+
+
+# ---------------------------------------------------------------------------------------------- tokenization
+
+
+def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[int]:
+    """1 for every token whose characters overlap a span without running past its end; spans sorted, disjoint.
+
+    A token that starts before a span and reaches into it carries assistant text and is masked; one that starts
+    inside and runs past the end carries the next turn's text (e.g. its header) and is not.
+    """
+    mask = [0] * len(offsets)
+    k = 0
+    for t, (s, e) in enumerate(offsets):
+        if e <= s:  # zero-width (e.g. tokens a post-processor adds): no characters of the text
+            continue
+        while k < len(spans) and spans[k][1] <= s:
+            k += 1
+        if k < len(spans) and spans[k][0] < e <= spans[k][1]:
+            mask[t] = 1
+    return mask
+
+
+def _encode(tokenizer: Any, convs: Sequence[Messages], template_kwargs: Mapping[str, Any] | None,
+            ) -> list[tuple[list[int], list[int], str]]:
+    """(input_ids, loss_mask, method) of each whole conversation, untruncated; one tokenizer call for all."""
+    rendered = [assistant_char_spans(tokenizer, messages, template_kwargs) for messages in convs]
+    try:
+        # The template already writes BOS and friends, so the tokenizer must not add them again. A batch call
+        # lets a fast tokenizer encode on all cores.
+        enc = tokenizer([text for text, _, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError as exc:
+        raise ChatTemplateError("loss masks need a fast tokenizer (character offsets)") from exc
+    out = []
+    for (_, spans, method), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
+        out.append((list(ids), _mask_from_offsets([tuple(o) for o in offsets], spans), method))
+    return out
+
+
+def _as_messages(conv: Messages | Conversation) -> tuple[Messages, str | None]:
+    if isinstance(conv, Conversation):
+        return conv.messages, conv.id
+    return conv, None
+
+
+def _finish(ids: list[int], mask: list[int], conv_id: str | None,
+            max_seq_len: int | None) -> tuple[TokenizedSample | None, str]:
+    """Truncate; (sample or None, outcome) with outcome "kept", "no_assistant" or "truncated_away"."""
+    if not any(mask):
+        return None, "no_assistant"
+    truncated = max_seq_len is not None and len(ids) > max_seq_len
+    if truncated:
+        # Keep the start: the context a turn is conditioned on must stay whole.
+        ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+        if not any(mask):
+            return None, "truncated_away"
+    return TokenizedSample(ids, mask, truncated, conv_id), "kept"
+
+
+def _check_max_seq_len(max_seq_len: int | None) -> None:
+    if max_seq_len is not None and max_seq_len <= 0:
+        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+
+
+def tokenize_conversation(tokenizer: Any, messages: Messages | Conversation, max_seq_len: int | None = None, *,
+                          template_kwargs: Mapping[str, Any] | None = None) -> TokenizedSample | None:
+    """Render `messages` with the tokenizer's chat template and tokenize it with an assistant-only loss mask.
+
+    Truncates to `max_seq_len` tokens (keeping the start). Returns None when no assistant token remains.
+    `template_kwargs` go to the template (e.g. `{"enable_thinking": False}`).
+    """
+    _check_max_seq_len(max_seq_len)
+    msgs, conv_id = _as_messages(messages)
+    ids, mask, _ = _encode(tokenizer, [msgs], template_kwargs)[0]
+    return _finish(ids, mask, conv_id, max_seq_len)[0]
+
+
+def tokenize_conversations(tokenizer: Any, convs: Iterable[Messages | Conversation], max_seq_len: int | None = None,
+                           *, template_kwargs: Mapping[str, Any] | None = None, batch_size: int = 64,
+                           ) -> tuple[list[TokenizedSample], TokenizeStats]:
+    """`tokenize_conversation` over many conversations; counts what was truncated and dropped, and why.
+
+    Conversations are tokenized `batch_size` at a time (one tokenizer call each), in order.
+    """
+    _check_max_seq_len(max_seq_len)
+    _require_template(tokenizer)
+    stats = TokenizeStats()
+    samples = []
+    it = iter(convs)
+    while batch := [_as_messages(c) for c in itertools.islice(it, batch_size)]:
+        encoded = _encode(tokenizer, [msgs for msgs, _ in batch], template_kwargs)
+        for (_, conv_id), (ids, mask, method) in zip(batch, encoded):
+            stats.conversations += 1
+            stats.diff_method += method == "diff"
+            sample, outcome = _finish(ids, mask, conv_id, max_seq_len)
+            if sample is None:
+                if outcome == "no_assistant":
+                    stats.dropped_no_assistant += 1
+                else:
+                    stats.dropped_truncated += 1
+                continue
+            stats.kept += 1
+            stats.truncated += sample.truncated
+            stats.tokens += len(sample.input_ids)
+            stats.loss_tokens += sample.num_loss_tokens
+            samples.append(sample)
+    return samples, stats
+
+
+# ----------------------------------------------------------------------------------------------- fingerprints
+
+
+def chat_template_fingerprint(tokenizer: Any) -> str:
+    """sha256 (hex) of the chat template text; named templates (a dict) are hashed as sorted JSON."""
+    _require_template(tokenizer)
+    template = tokenizer.chat_template
+    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _special_tokens(tokenizer: Any) -> dict[str, Any]:
+    # The template renders bos/eos by name, so a changed special token changes the training text.
+    names = ("bos_token", "eos_token", "unk_token", "pad_token")
+    return {n: str(getattr(tokenizer, n, None)) for n in names}
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 (hex) over the vocabulary, merges, added tokens, pipeline and special tokens, stably serialised.
+
+    Runtime settings (truncation, padding) are left out: they do not change how text becomes ids.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps(_special_tokens(tokenizer), sort_keys=True).encode("utf-8"))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # `to_str` is a fixed-order serialisation: {"version", "truncation", "padding", "added_tokens", ...,
+        # "model"}. Parsing the whole of it takes a second for a large vocabulary, so only the small head with the
+        # runtime settings is parsed and normalised; the rest is hashed as written.
+        text = backend.to_str()
+        cut = text.find(',"added_tokens":')
+        if text.startswith('{"version"') and cut > 0:
+            head = json.loads(text[:cut] + "}")
+            tail = text[cut:]
+        else:
+            head, tail = json.loads(text), ""
+        head.pop("truncation", None)
+        head.pop("padding", None)
+        h.update(json.dumps(head, sort_keys=True, ensure_ascii=False).encode("utf-8"))
+        h.update(tail.encode("utf-8"))
+    else:  # a slow tokenizer: its vocabulary and added tokens are what we can see
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        spec = {"vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
+                "added": {str(k): str(v) for k, v in sorted(added.items())}}
+        h.update(json.dumps(spec, sort_keys=True, ensure_ascii=False).encode("utf-8"))
+    return h.hexdigest()

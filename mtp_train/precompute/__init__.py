@@ -1,0 +1,45 @@
+"""Stage one: target hidden states precomputed into checksummed shards with a manifest, and their reader."""
+
+from mtp_train.precompute.manifest import (
+    FORMAT_VERSION,
+    HiddenInfo,
+    Manifest,
+    ManifestError,
+    ManifestMismatchError,
+    ShardInfo,
+    SplitInfo,
+    TargetInfo,
+    TokenizerInfo,
+    Totals,
+    is_val,
+)
+from mtp_train.precompute.reader import (
+    CorruptShardError,
+    LengthBucketedBatchSampler,
+    MissingShardError,
+    PrecomputedDataset,
+    ShardError,
+)
+from mtp_train.precompute.writer import PrecomputeError, Sample, precompute
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CorruptShardError",
+    "HiddenInfo",
+    "LengthBucketedBatchSampler",
+    "Manifest",
+    "ManifestError",
+    "ManifestMismatchError",
+    "MissingShardError",
+    "PrecomputeError",
+    "PrecomputedDataset",
+    "Sample",
+    "ShardError",
+    "ShardInfo",
+    "SplitInfo",
+    "TargetInfo",
+    "TokenizerInfo",
+    "Totals",
+    "is_val",
+    "precompute",
+]

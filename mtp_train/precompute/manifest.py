@@ -1,0 +1,277 @@
+"""The precompute output contract: `manifest.json`, the train/val rule, and atomic file writes.
+
+A precompute folder holds `shard-r{rank}-{n:05d}.safetensors` files (each with a `.json` sidecar
+written after it) and, written last, `manifest.json`. The manifest is the only source of truth: a shard
+it does not list does not exist for readers, and a folder without a manifest is an unfinished run.
+
+Shard file (safetensors), S samples of T tokens in total, H = hidden size, k = number of aux layers:
+
+    input_ids   int32  (T,)      the samples' tokens, concatenated
+    loss_mask   uint8  (T,)      1 on tokens the head learns to predict (assistant tokens)
+    hidden      bf16   (T, H)    target hidden state after the final norm (storage dtype configurable)
+    aux_hidden  bf16   (T, k*H)  optional: HF `hidden_states[j]` for each aux layer j, concatenated in order
+    offsets     int64  (S+1,)    sample s is rows offsets[s]:offsets[s+1]
+    metadata: {"format_version": "1", "sample_ids": JSON list of S ids, "hidden_dtype", "aux_layers": JSON}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+TMP_PREFIX = ".tmp-"
+# How the train/val split is decided, written into every manifest so the rule travels with the data.
+SPLIT_RULE = "val iff int.from_bytes(sha256(f'{seed}:{id}')[:8], 'big') / 2**64 < val_fraction"
+
+
+class ManifestError(ValueError):
+    """A precompute folder or manifest that cannot be used; the message says what to do."""
+
+
+class ManifestMismatchError(ManifestError):
+    """The folder was precomputed for another target, tokenizer or chat template."""
+
+
+def is_val(sample_id: str, seed: int, val_fraction: float) -> bool:
+    """Whether `sample_id` falls in the validation split (`SPLIT_RULE`).
+
+    Hashing the id, not its position, keeps the split the same for any world size, shard size or
+    sample order, and lets the reader recompute it without a stored list of ids.
+    """
+    if val_fraction <= 0.0:
+        return False
+    digest = hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < val_fraction
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# atomic writes
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename inside it survives a crash (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Create `path` atomically: `write(tmp)` fills `.tmp-<name>`, which is fsynced and renamed into place.
+
+    A crash leaves either the old file or the new one, never a torn file; leftover `.tmp-*` files are
+    removed by the next run.
+    """
+    tmp = path.with_name(TMP_PREFIX + path.name)
+    try:
+        write(tmp)
+        with tmp.open("rb+") as fh:
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    """Hex sha256 of a whole file, read in chunks (never whole into memory)."""
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# manifest
+
+
+@dataclass
+class TargetInfo:
+    """The target model whose hidden states the folder holds."""
+
+    path: str  # model folder as given to precompute
+    fingerprint: str  # mtp_train.models.fingerprint.weights_fingerprint
+    model_type: str
+    hidden_size: int  # H
+    num_layers: int
+    vocab_size: int
+    dtype: str  # dtype the target computed in, e.g. "bfloat16"
+
+
+@dataclass
+class TokenizerInfo:
+    """Given by the caller; readers compare them with the tokenizer they use."""
+
+    fingerprint: str
+    chat_template_fingerprint: str
+
+
+@dataclass
+class HiddenInfo:
+    """What the `hidden` / `aux_hidden` tensors are."""
+
+    kind: str = "final_norm"  # hidden is the target's last hidden state after the final norm
+    dtype: str = "bfloat16"  # storage dtype of hidden and aux_hidden
+    aux_layers: list[int] = field(default_factory=list)  # HF hidden_states indices in aux_hidden, in order
+
+
+@dataclass
+class SplitInfo:
+    """The train/val split: a rule over sample ids (`SPLIT_RULE`) and what it gave."""
+
+    val_fraction: float
+    seed: int
+    rule: str = SPLIT_RULE
+    counts: dict[str, int] = field(default_factory=dict)  # {train,val}_{samples,tokens,loss_tokens}
+
+
+@dataclass
+class ShardInfo:
+    """One shard as listed in the manifest (and, with a few more keys, in its sidecar)."""
+
+    file: str  # name inside the folder
+    rank: int  # rank that wrote it
+    index: int  # n in shard-r{rank}-{n:05d}
+    samples: int  # S
+    tokens: int  # T
+    loss_tokens: int  # tokens with loss_mask == 1
+    sha256: str  # of the whole file
+    bytes: int  # file size
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardInfo:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+@dataclass
+class Totals:
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Manifest:
+    """Everything a later stage needs to trust and read a precompute folder."""
+
+    target: TargetInfo
+    tokenizer: TokenizerInfo
+    hidden: HiddenInfo
+    data: dict[str, Any]  # given by the caller: sources, max_seq_len, limit, dropped rows, ...
+    split: SplitInfo
+    shards: list[ShardInfo]
+    totals: Totals
+    provenance: dict[str, Any]  # package version, settings, caller's command/config
+    created_at: str = ""  # ISO 8601 UTC
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        # format_version and created_at first: what a person opening the file looks for.
+        return {"format_version": d.pop("format_version"), "created_at": d.pop("created_at"), **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = MANIFEST_NAME) -> Manifest:
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ManifestError(
+                f"{source}: format_version {version!r} is not supported (this version reads {FORMAT_VERSION}); "
+                "re-run precompute with this version of mtp_train"
+            )
+        try:
+            return cls(
+                format_version=version,
+                created_at=d.get("created_at", ""),
+                target=TargetInfo(**d["target"]),
+                tokenizer=TokenizerInfo(**d["tokenizer"]),
+                hidden=HiddenInfo(**d["hidden"]),
+                data=dict(d.get("data") or {}),
+                split=SplitInfo(**d["split"]),
+                shards=[ShardInfo.from_dict(s) for s in d["shards"]],
+                totals=Totals(**d["totals"]),
+                provenance=dict(d.get("provenance") or {}),
+            )
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"{source}: malformed manifest ({type(e).__name__}: {e}); re-run precompute") from None
+
+    def save(self, directory: str | Path) -> Path:
+        """Write `<directory>/manifest.json` atomically; returns its path."""
+        path = Path(directory) / MANIFEST_NAME
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Manifest:
+        """Read `<directory>/manifest.json` with errors that say what went wrong and what to do."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise ManifestError(f"precompute folder {directory} does not exist; point at the folder precompute wrote")
+        path = directory / MANIFEST_NAME
+        if not path.is_file():
+            shards = sorted(directory.glob("shard-r*.safetensors"))
+            if shards:
+                why = (f"it holds {len(shards)} shard(s) but no {MANIFEST_NAME}: the precompute run did not finish; "
+                       "re-run it with the same settings (finished shards are kept)")
+            else:
+                why = f"it has no {MANIFEST_NAME}: point at the folder a finished precompute run wrote"
+            raise ManifestError(f"{directory} is not a finished precompute folder: {why}")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ManifestError(
+                f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; re-run precompute"
+            ) from None
+        if not isinstance(d, dict):
+            raise ManifestError(f"{path}: expected a JSON object; re-run precompute")
+        return cls.from_dict(d, source=str(path))
+
+    def check(self, *, target_fingerprint: str | None = None, tokenizer_fingerprint: str | None = None,
+              chat_template_fingerprint: str | None = None, where: str = "this folder") -> None:
+        """Raise ManifestMismatchError if any expected fingerprint differs from the recorded one (None = skip)."""
+        checks = [
+            ("target weights", target_fingerprint, self.target.fingerprint,
+             f"re-run precompute for this target (the folder was made from {self.target.path})"),
+            ("tokenizer", tokenizer_fingerprint, self.tokenizer.fingerprint,
+             "re-run precompute with this tokenizer"),
+            ("chat template", chat_template_fingerprint, self.tokenizer.chat_template_fingerprint,
+             "re-run precompute with this chat template"),
+        ]
+        for what, want, have, todo in checks:
+            if want is not None and want != have:
+                raise ManifestMismatchError(
+                    f"{where} was precomputed with {what} fingerprint {have}, but this run expects {want}: "
+                    f"{todo}, or point at the folder precomputed for it"
+                )
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomic JSON write (sidecars, manifests)."""
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    with path.open() as fh:
+        return json.load(fh)

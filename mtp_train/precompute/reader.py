@@ -1,0 +1,264 @@
+"""Reading a precompute folder: a memory-mapped, per-sample dataset and a length-bucketed batch sampler.
+
+Nothing is loaded whole: building the dataset reads each shard's header and `offsets` (a few KB), and
+`ds[i]` reads only sample i's rows through safetensors' memory map. A shard's file is opened the first
+time one of its samples is read, then kept open.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+
+from mtp_train.precompute.manifest import Manifest, ShardInfo, is_val, sha256_file
+
+VERIFY_MODES = ("first_open", "never", "always")
+
+
+class ShardError(RuntimeError):
+    """A shard listed in the manifest cannot be used."""
+
+
+class MissingShardError(ShardError):
+    """A shard file listed in the manifest is not in the folder."""
+
+
+class CorruptShardError(ShardError):
+    """A shard whose bytes are not the ones precompute wrote."""
+
+
+def _advice(path: Path) -> str:
+    return f"delete {path} and re-run precompute with the same settings: it redoes that shard"
+
+
+@dataclass
+class _ShardIndex:
+    info: ShardInfo
+    path: Path
+    ids: list[str]  # (S,)
+    offsets: np.ndarray  # (S+1,) int64
+
+
+class PrecomputedDataset(torch.utils.data.Dataset):
+    """Random access to the samples of a precompute folder.
+
+    `ds[i]` → {"id": str, "input_ids": LongTensor (L,), "loss_mask": uint8 (L,), "hidden": (L, H) in the
+    storage dtype (bf16), and "aux_hidden": (L, k*H) when the folder has aux layers}.
+
+    expect_*_fingerprint: refuse a folder made for another target / tokenizer / chat template (None = do
+    not check). split: "train", "val" or "all", by the manifest's recorded rule. verify: "first_open" hashes
+    a shard the first time this object opens it, "always" hashes every shard here, before any sample is
+    read, "never" only checks sizes. rank / world: this rank keeps every world-th sample of the split,
+    starting at rank (disjoint, and the same whatever the shard layout).
+
+    Worker processes get a copy without open files (they reopen lazily) but with the set of shards
+    already verified, so verifying before the DataLoader starts avoids hashing again in each worker.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        expect_target_fingerprint: str | None = None,
+        expect_tokenizer_fingerprint: str | None = None,
+        expect_chat_template_fingerprint: str | None = None,
+        split: str = "train",
+        verify: str = "first_open",
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
+        if split not in ("train", "val", "all"):
+            raise ValueError(f"split must be train|val|all, got {split!r}")
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {'|'.join(VERIFY_MODES)}, got {verify!r}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in 0..{world - 1}")
+        self.directory = Path(directory)
+        self.manifest = Manifest.load(self.directory)
+        self.manifest.check(target_fingerprint=expect_target_fingerprint,
+                            tokenizer_fingerprint=expect_tokenizer_fingerprint,
+                            chat_template_fingerprint=expect_chat_template_fingerprint,
+                            where=f"precompute folder {self.directory}")
+        self.split, self.verify, self.rank, self.world = split, verify, rank, world
+        self._shards = [self._index_shard(s) for s in self.manifest.shards]
+        self._handles: dict[int, Any] = {}
+        self._verified: set[int] = set()
+        if verify == "always":
+            for k in range(len(self._shards)):
+                self._verify(k)
+
+        # (shard, row) of every selected sample, in manifest order, then this rank's share.
+        sel = self.manifest.split
+        picked: list[tuple[int, int]] = []
+        for k, sh in enumerate(self._shards):
+            for j, sid in enumerate(sh.ids):
+                if split == "all" or (split == "val") == is_val(sid, sel.seed, sel.val_fraction):
+                    picked.append((k, j))
+        picked = picked[rank::world]
+        self._shard_of = np.array([k for k, _ in picked], dtype=np.int32)
+        self._row_of = np.array([j for _, j in picked], dtype=np.int64)
+        self.lengths: list[int] = [int(self._shards[k].offsets[j + 1] - self._shards[k].offsets[j])
+                                   for k, j in picked]
+        self.ids: list[str] = [self._shards[k].ids[j] for k, j in picked]
+
+    def _index_shard(self, info: ShardInfo) -> _ShardIndex:
+        """Check a shard's size and read its ids and offsets (header only, no hidden states)."""
+        path = self.directory / info.file
+        if not path.is_file():
+            raise MissingShardError(
+                f"{path} is listed in {self.directory / 'manifest.json'} but missing; restore it, or re-run "
+                "precompute with the same settings (it redoes missing shards)"
+            )
+        size = path.stat().st_size
+        if size != info.bytes:
+            raise CorruptShardError(f"{path} has {size} bytes, the manifest says {info.bytes}: {_advice(path)}")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                offsets = f.get_tensor("offsets").numpy()
+            ids = json.loads(meta["sample_ids"])
+        except (SafetensorError, KeyError, ValueError, OSError) as e:
+            raise CorruptShardError(f"{path}: unreadable header ({e}): {_advice(path)}") from None
+        if len(ids) != info.samples or offsets.shape != (info.samples + 1,) or int(offsets[-1]) != info.tokens:
+            raise CorruptShardError(f"{path}: sample table does not match the manifest: {_advice(path)}")
+        return _ShardIndex(info=info, path=path, ids=ids, offsets=offsets.astype(np.int64))
+
+    def _verify(self, k: int) -> None:
+        if k in self._verified:
+            return
+        sh = self._shards[k]
+        actual = sha256_file(sh.path)
+        if actual != sh.info.sha256:
+            raise CorruptShardError(
+                f"{sh.path} is corrupt: sha256 {actual}, the manifest expects {sh.info.sha256}; {_advice(sh.path)}"
+            )
+        self._verified.add(k)
+
+    def _handle(self, k: int) -> Any:
+        h = self._handles.get(k)
+        if h is None:
+            if self.verify == "first_open":
+                self._verify(k)
+            h = safe_open(str(self._shards[k].path), framework="pt", device="cpu")
+            self._handles[k] = h
+        return h
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        i = i % len(self)
+        k, j = int(self._shard_of[i]), int(self._row_of[i])
+        sh = self._shards[k]
+        a, b = int(sh.offsets[j]), int(sh.offsets[j + 1])
+        f = self._handle(k)
+        # get_slice reads only rows a:b of each tensor from the memory map.
+        item = {
+            "id": sh.ids[j],
+            "input_ids": f.get_slice("input_ids")[a:b].long(),  # (L,)
+            "loss_mask": f.get_slice("loss_mask")[a:b],  # (L,) uint8
+            "hidden": f.get_slice("hidden")[a:b],  # (L, H)
+        }
+        if self.manifest.hidden.aux_layers:
+            item["aux_hidden"] = f.get_slice("aux_hidden")[a:b]  # (L, k*H)
+        return item
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open safetensors handles cannot be pickled (DataLoader workers); they reopen lazily.
+        return {**self.__dict__, "_handles": {}}
+
+
+class LengthBucketedBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Batches of samples of similar length, at most `max_tokens` padded tokens each, in lock-step across ranks.
+
+    Each epoch, samples are sorted by length (ties in an order drawn from seed + epoch when shuffling) and
+    cut greedily into batches with len(batch) * longest ≤ max_tokens; a sample longer than max_tokens is a
+    batch of its own. The batch order is then shuffled from seed + epoch, identically on every rank, and
+    rank r takes batches r, r+world, ... . Every rank must yield the same number of batches or DDP hangs,
+    so the batch list is first made a multiple of world: drop_last=True drops the last (at most world-1)
+    batches, otherwise the first batches are repeated (a few samples are seen twice that epoch).
+
+    State for resuming is (epoch, position), position = batches this rank has handed out in the epoch.
+    A DataLoader asks for batches ahead of the training loop (prefetch), so save the number of steps
+    the loop has taken as position, not the sampler's own count.
+    """
+
+    def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0, rank: int = 0,
+                 world: int = 1, drop_last: bool = False) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in 0..{world - 1}")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
+        self.rank, self.world, self.drop_last = rank, world, drop_last
+        self.epoch = 0
+        self.position = 0
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` from its first batch."""
+        self.epoch, self.position = epoch, 0
+
+    def _all_batches(self) -> list[list[int]]:
+        """All ranks' batches of the current epoch, in order, before the per-rank split."""
+        n = len(self.lengths)
+        rng = np.random.default_rng([self.seed, self.epoch])
+        tie = rng.permutation(n) if self.shuffle else np.arange(n)
+        order = np.lexsort((tie, self.lengths))  # by length, then tie-break
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        longest = 0
+        for i in order.tolist():
+            n_i = int(self.lengths[i])
+            if cur and max(longest, n_i) * (len(cur) + 1) > self.max_tokens:
+                batches.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, n_i)
+        if cur:
+            batches.append(cur)
+        if self.shuffle:
+            batches = [batches[k] for k in rng.permutation(len(batches))]
+        return batches
+
+    def _rank_batches(self) -> list[list[int]]:
+        if self._cache is not None and self._cache[0] == self.epoch:
+            return self._cache[1]
+        batches = self._all_batches()
+        if self.drop_last:
+            batches = batches[: len(batches) - len(batches) % self.world]
+        elif batches and len(batches) % self.world:
+            want = math.ceil(len(batches) / self.world) * self.world
+            batches = batches + [batches[i % len(batches)] for i in range(want - len(batches))]
+        mine = batches[self.rank::self.world]
+        self._cache = (self.epoch, mine)  # len() and iter() of one epoch share one plan
+        return mine
+
+    def __len__(self) -> int:
+        return len(self._rank_batches())
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self._rank_batches()
+        while self.position < len(batches):
+            b = batches[self.position]
+            self.position += 1
+            yield b
+        # A finished epoch restarts from its beginning if iterated again without set_epoch.
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at batch `position` of epoch `epoch` (same lengths, max_tokens, seed, rank and world)."""
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

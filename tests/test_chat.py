@@ -1,0 +1,348 @@
+"""Chat rendering and assistant-only loss masks: golden masks for four template families, truncation, drops,
+errors and fingerprints.
+
+The Llama-3, Mistral and Qwen3 tokenizers are built here: the SmolLM2 tokenizer (or, without it, a small
+byte-level BPE trained on the spot) plus each family's special tokens, with a template from
+`tests/fixtures/chat_templates/` that reproduces the structure of that family's template (plus Phi-3, whose
+end-of-conversation token exercises the per-turn diff).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+
+from mtp_train.data.chat import (
+    ChatTemplateError,
+    assistant_char_spans,
+    chat_template_fingerprint,
+    render,
+    tokenize_conversation,
+    tokenize_conversations,
+    tokenizer_fingerprint,
+)
+from mtp_train.data.readers import Conversation
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
+TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
+REGEN = ROOT.parent / "shared" / "data" / "train" / "regen_smollm2_greedy.jsonl"
+
+FAMILY_TOKENS = {  # family → (special tokens, plain added tokens, bos, eos)
+    "llama3": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], [],
+               "<|begin_of_text|>", "<|eot_id|>"),
+    "mistral": (["<s>", "</s>", "[INST]", "[/INST]"], [], "<s>", "</s>"),
+    # Qwen3's think markers are ordinary added tokens (they survive skip_special_tokens).
+    "qwen3": (["<|im_start|>", "<|im_end|>"], ["<think>", "</think>"], None, "<|im_end|>"),
+    "phi3": (["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"], [], None, "<|endoftext|>"),
+}
+END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "mistral": "</s>", "qwen3": "<|im_end|>",
+               "phi3": "<|end|>"}
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris is the capital.",
+    "user assistant system Hello! How are you? I am fine, thank you. Let me think step by step.",
+    "2 + 2 = 4. 3 * 3 = 9. The answer is 42. def add(a, b):\n    return a + b\n",
+]
+
+
+def _trained_bpe():
+    """A small byte-level BPE with ChatML specials, for when the SmolLM2 folder is absent."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>")
+
+
+@functools.cache
+def _smollm2():
+    """The real SmolLM2 tokenizer (with its ChatML template), or None when the model folder is absent."""
+    if not (DEFAULT_MODEL / "tokenizer.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    tok = _smollm2()
+    if tok is None:
+        pytest.skip(f"{DEFAULT_MODEL} missing: run `make model`")
+    return tok
+
+
+@pytest.fixture(scope="session")
+def base_tokenizer():
+    """Byte-level BPE to build the other families on: SmolLM2's when present, else a trained one."""
+    return _smollm2() or _trained_bpe()
+
+
+@pytest.fixture(scope="session")
+def families(base_tokenizer) -> dict:
+    """family name → tokenizer with that family's special tokens and template."""
+    out = {}
+    for name, (special, plain, bos, eos) in FAMILY_TOKENS.items():
+        tok = copy.deepcopy(base_tokenizer)
+        tok.add_tokens(special, special_tokens=True)
+        if plain:
+            tok.add_tokens(plain, special_tokens=False)
+        if bos is not None:
+            tok.bos_token = bos
+        tok.eos_token = eos
+        tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+        out[name] = tok
+    return out
+
+
+def masked_text(tok, sample) -> str:
+    return tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m], skip_special_tokens=False,
+                      clean_up_tokenization_spaces=False)
+
+
+def mask_runs(mask: list[int]) -> int:
+    return sum(1 for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1]))
+
+
+def check_golden(tok, messages, expected_turns: list[str], **kw):
+    """Masked tokens decode to the expected assistant texts (each followed by its end-of-turn marker), one
+    contiguous run per turn, and the ids are exactly the tokenized rendering."""
+    sample = tokenize_conversation(tok, messages, **kw)
+    assert sample is not None
+    assert masked_text(tok, sample) == "".join(expected_turns)
+    assert mask_runs(sample.loss_mask) == len(expected_turns)
+    text = render(tok, messages, template_kwargs=kw.get("template_kwargs"))
+    assert sample.input_ids == tok(text, add_special_tokens=False)["input_ids"]
+    return sample
+
+
+MULTI_TURN = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris is the capital of France."},
+    {"role": "user", "content": "And 2 + 2?"},
+    {"role": "assistant", "content": "2 + 2 = 4.\n\nThe answer is  4 (two spaces)."},
+]
+WITH_SYSTEM = [{"role": "system", "content": "You are terse."}, *MULTI_TURN]
+
+
+# -------------------------------------------------------------------------------------------------- golden
+
+
+def test_chatml_smollm2_golden(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    expected = [m["content"] + "<|im_end|>" for m in MULTI_TURN if m["role"] == "assistant"]
+    sample = check_golden(tok, MULTI_TURN, expected)
+    text = render(tok, MULTI_TURN)
+    assert "You are a helpful AI assistant" in text  # the template's default system turn: rendered, not masked
+    # The header before each answer and the newline after each <|im_end|> stay unmasked.
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for k, (t, m) in enumerate(zip(sample.input_ids, sample.loss_mask)):
+        if m and t == im_end:
+            assert tok.decode([sample.input_ids[k + 1]]) == "\n" and sample.loss_mask[k + 1] == 0
+    assert spans_method(tok, MULTI_TURN) == "prefix"
+
+
+def test_chatml_smollm2_system_prompt(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    expected = [m["content"] + "<|im_end|>" for m in WITH_SYSTEM if m["role"] == "assistant"]
+    check_golden(tok, WITH_SYSTEM, expected)
+    text = render(tok, WITH_SYSTEM)
+    assert "You are terse." in text and "SmolLM" not in text
+
+
+@pytest.mark.skipif(not REGEN.is_file(), reason="../shared/data not present")
+def test_chatml_smollm2_on_regenerated_conversations(smollm2_tokenizer):
+    """Real answers of the default target (long, code, loops): the mask is exact on every one of them."""
+    from mtp_train.data.readers import read_conversations
+
+    convs, _ = read_conversations(REGEN, limit=50)
+    samples, stats = tokenize_conversations(smollm2_tokenizer, convs)
+    assert stats.kept == len(convs) == 50 and stats.diff_method == 0
+    for conv, sample in zip(convs, samples):
+        expected = "".join(m["content"] + "<|im_end|>" for m in conv.messages if m["role"] == "assistant")
+        assert masked_text(smollm2_tokenizer, sample) == expected, conv.id
+
+
+def spans_method(tok, messages, **kw) -> str:
+    return assistant_char_spans(tok, messages, kw or None)[2]
+
+
+@pytest.mark.parametrize("messages", [MULTI_TURN, WITH_SYSTEM], ids=["no-system", "system"])
+def test_llama3_golden(families, messages):
+    tok = families["llama3"]
+    expected = [m["content"] + "<|eot_id|>" for m in messages if m["role"] == "assistant"]
+    sample = check_golden(tok, messages, expected)
+    text = render(tok, messages)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>")
+    assert ("<|start_header_id|>system" in text) == (messages[0]["role"] == "system")  # no default system
+    assert sample.loss_mask[0] == 0 and spans_method(tok, messages) == "prefix"
+
+
+@pytest.mark.parametrize("messages", [MULTI_TURN, WITH_SYSTEM], ids=["no-system", "system"])
+def test_mistral_golden(families, messages):
+    tok = families["mistral"]
+    expected = [m["content"] + "</s>" for m in messages if m["role"] == "assistant"]
+    check_golden(tok, messages, expected)
+    text = render(tok, messages)
+    assert text.startswith("<s>[INST] ") and text.endswith("</s>")
+    if messages[0]["role"] == "system":
+        assert "[INST] You are terse.\n\nWhat is" in text  # folded into the first user turn, unmasked
+
+
+QWEN3_THINKING = [
+    {"role": "system", "content": "Think before answering."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "<think>\nTwo plus two makes four.\n</think>\n\nThe answer is 4."},
+    {"role": "user", "content": "And 3 * 3?"},
+    {"role": "assistant", "content": "<think>\nThree times three is nine.\n</think>\n\nIt is 9."},
+]
+
+
+def test_qwen3_thinking_multi_turn_uses_per_turn_diff(families):
+    tok = families["qwen3"]
+    text = render(tok, QWEN3_THINKING)
+    # The template drops the reasoning of the earlier turn and keeps it in the last one, so rendering a prefix
+    # of the conversation does not give a prefix of this text.
+    assert "Two plus two" not in text and "Three times three" in text
+    upto_first = render(tok, QWEN3_THINKING[:3])
+    assert not text.startswith(upto_first)
+    assert spans_method(tok, QWEN3_THINKING) == "diff"
+    expected = ["The answer is 4.<|im_end|>", QWEN3_THINKING[4]["content"] + "<|im_end|>"]
+    check_golden(tok, QWEN3_THINKING, expected)
+
+
+def test_qwen3_inserted_empty_think_block_is_not_masked(families):
+    tok = families["qwen3"]
+    messages = [*QWEN3_THINKING[:4], {"role": "assistant", "content": "It is 9."}]
+    assert "<think>\n\n</think>\n\nIt is 9." in render(tok, messages)  # the template adds it, the data did not
+    check_golden(tok, messages, ["The answer is 4.<|im_end|>", "It is 9.<|im_end|>"])
+    # A single turn renders as a plain prefix: the fast path, same answer.
+    single = QWEN3_THINKING[:3]
+    assert spans_method(tok, single) == "prefix"
+    check_golden(tok, single, [single[2]["content"] + "<|im_end|>"])
+
+
+def test_qwen3_template_kwargs_reach_the_template(families):
+    tok = families["qwen3"]
+    prompt = QWEN3_THINKING[:2]
+    assert render(tok, prompt, add_generation_prompt=True, template_kwargs={"enable_thinking": False}).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    check_golden(tok, QWEN3_THINKING, ["The answer is 4.<|im_end|>", QWEN3_THINKING[4]["content"] + "<|im_end|>"],
+                 template_kwargs={"enable_thinking": False})
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "phi3"])
+def test_awkward_contents(families, family):
+    """Whitespace runs, unicode, a probe character and marker-like text inside the content stay exact."""
+    tok = families[family]
+    answers = ["Tabs\tand  spaces,\nnew lines\n\nand émojis 🙂.", "Private \ue000 use and a literal [INST]-ish word."]
+    messages = [{"role": "user", "content": "Go."}, {"role": "assistant", "content": answers[0]},
+                {"role": "user", "content": "Again."}, {"role": "assistant", "content": answers[1]}]
+    last_closing = "<|end|>\n<|endoftext|>" if family == "phi3" else END_OF_TURN[family]
+    check_golden(tok, messages, [answers[0] + END_OF_TURN[family], answers[1] + last_closing])
+
+
+def test_end_of_conversation_token_after_the_last_turn(families):
+    """Phi-3 closes the conversation with an extra token after the last answer only, so earlier turns must not
+    take it (nor the next turn's header) for part of their closing: per-turn diff, cut at the next header."""
+    tok = families["phi3"]
+    text = render(tok, MULTI_TURN)
+    assert text.endswith("<|end|>\n<|endoftext|>") and text.count("<|endoftext|>") == 1
+    assert spans_method(tok, MULTI_TURN) == "diff"
+    answers = [m["content"] for m in MULTI_TURN if m["role"] == "assistant"]
+    check_golden(tok, MULTI_TURN, [answers[0] + "<|end|>", answers[1] + "<|end|>\n<|endoftext|>"])
+
+
+def test_assistant_spans_end_at_the_marker(families):
+    tok = families["qwen3"]
+    text, spans, _ = assistant_char_spans(tok, QWEN3_THINKING)
+    assert [text[a:b] for a, b in spans] == ["The answer is 4.<|im_end|>", QWEN3_THINKING[4]["content"] + "<|im_end|>"]
+    assert all(text[b] == "\n" for _, b in spans)  # the newline the template writes after <|im_end|> is outside
+
+
+# ------------------------------------------------------------------------------------ truncation and drops
+
+
+def test_truncation_keeps_the_start(families):
+    tok = families["llama3"]
+    full = tokenize_conversation(tok, MULTI_TURN)
+    first_masked = full.loss_mask.index(1)
+    cut = first_masked + 3
+    sample = tokenize_conversation(tok, MULTI_TURN, max_seq_len=cut)
+    assert sample.truncated and not full.truncated
+    assert sample.input_ids == full.input_ids[:cut] and sample.loss_mask == full.loss_mask[:cut]
+    assert tokenize_conversation(tok, MULTI_TURN, max_seq_len=len(full.input_ids)).truncated is False
+
+
+def test_dropped_samples_are_counted(families):
+    tok = families["mistral"]
+    full = tokenize_conversation(tok, MULTI_TURN)
+    before_answer = full.loss_mask.index(1)  # no assistant token fits
+    prompt_only = [{"role": "user", "content": "Only a question."}]
+    assert tokenize_conversation(tok, prompt_only) is None
+    assert tokenize_conversation(tok, MULTI_TURN, max_seq_len=before_answer) is None
+    convs = [Conversation("a", MULTI_TURN, "f.jsonl", 1), Conversation("b", prompt_only, "f.jsonl", 2),
+             Conversation("c", WITH_SYSTEM, "f.jsonl", 3)]
+    samples, stats = tokenize_conversations(tok, convs, max_seq_len=before_answer + 2)
+    assert [s.id for s in samples] == ["a"]  # c's system text pushes its answer past the limit
+    assert (stats.conversations, stats.kept, stats.truncated) == (3, 1, 1)
+    assert (stats.dropped_no_assistant, stats.dropped_truncated, stats.dropped) == (1, 1, 2)
+    assert stats.tokens == before_answer + 2 and stats.loss_tokens == 2
+    samples, stats = tokenize_conversations(tok, convs)
+    assert [s.id for s in samples] == ["a", "c"] and stats.truncated == 0 and stats.dropped == 1
+    with pytest.raises(ValueError, match="max_seq_len"):
+        tokenize_conversation(tok, MULTI_TURN, max_seq_len=0)
+
+
+def test_diff_method_is_counted(families):
+    _, stats = tokenize_conversations(families["qwen3"], [QWEN3_THINKING, QWEN3_THINKING[:3]])
+    assert stats.diff_method == 1 and stats.kept == 2
+
+
+# ------------------------------------------------------------------------------------------------- errors
+
+
+def test_no_template_is_a_clear_error(families):
+    tok = copy.deepcopy(families["llama3"])
+    tok.chat_template = None
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tokenize_conversation(tok, MULTI_TURN)
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tokenize_conversations(tok, [])
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        chat_template_fingerprint(tok)
+
+
+def test_template_failure_is_wrapped(families):
+    # The Mistral template refuses two user turns in a row.
+    bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        tokenize_conversation(families["mistral"], bad)
+
+
+# ------------------------------------------------------------------------------------------- fingerprints
+
+
+def test_fingerprints(families):
+    tok = families["llama3"]
+    twin = copy.deepcopy(tok)
+    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(twin)
+    assert chat_template_fingerprint(tok) == chat_template_fingerprint(twin)
+    assert len(tokenizer_fingerprint(tok)) == len(chat_template_fingerprint(tok)) == 64
+    # Runtime settings do not matter; the vocabulary, special tokens and template do.
+    twin.backend_tokenizer.enable_truncation(16)
+    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(twin)
+    twin.add_tokens(["<|new|>"], special_tokens=True)
+    assert tokenizer_fingerprint(tok) != tokenizer_fingerprint(twin)
+    assert tokenizer_fingerprint(tok) != tokenizer_fingerprint(families["mistral"])
+    twin.chat_template = tok.chat_template + " "
+    assert chat_template_fingerprint(tok) != chat_template_fingerprint(twin)
