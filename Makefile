@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo lint bench-engine clean
+.PHONY: setup model test test-fast demo lint bench-engine bench-precompute clean
 
 setup: $(STAMP)
 
@@ -41,3 +41,6 @@ bench-engine: model
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+bench-precompute: model
+	$(PY) bench/bench_precompute.py --model $(MODEL_DIR)

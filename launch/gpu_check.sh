@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# FlashInfer vs torch attention parity (prefill, decode, verify) and tokens/s on a CUDA machine.
+# Prints PASS/FAIL per check; exits non-zero if any check fails. Finishes in a few minutes on one H100/H200
+# (the first FlashInfer use JIT-compiles its kernels).
+#   bash launch/gpu_check.sh [--model models/smollm2-135m-instruct]
+# Wheels placed in .whl/ (flashinfer-python and its pure-Python needs) are installed to a private folder
+# first when FlashInfer is not importable (for machines without a package index).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+if ! "$PY" -c "import flashinfer" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/mtp-gpu-site .whl/*.whl
+  export PYTHONPATH=/tmp/mtp-gpu-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+exec "$PY" launch/gpu_check.py "$@"

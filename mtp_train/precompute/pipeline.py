@@ -1,0 +1,107 @@
+"""Stage one end to end: conversations → chat template + loss masks → target prefill → shards + manifest.
+
+`run_precompute` is what `mtp-precompute` calls once the model, tokenizer and distributed setup are
+ready, so tests and other tools can call it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import mtp_train
+from mtp_train.data import (
+    chat_template_fingerprint,
+    read_conversations,
+    tokenize_conversations,
+    tokenizer_fingerprint,
+)
+from mtp_train.models.llama import LlamaForCausalLM
+from mtp_train.precompute.manifest import Manifest
+from mtp_train.precompute.writer import Sample, precompute
+
+log = logging.getLogger(__name__)
+
+
+def _unique_ids(ids: list[str]) -> list[str]:
+    """Make conversation ids unique (two sources may both have an id "1"): repeats get "#2", "#3", ..."""
+    seen: Counter[str] = Counter()
+    out = []
+    for i in ids:
+        seen[i] += 1
+        out.append(i if seen[i] == 1 else f"{i}#{seen[i]}")
+    return out
+
+
+def build_samples(tokenizer: Any, data: Mapping[str, Any], max_seq_len: int, limit: int | None = None,
+                  template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[Sample], dict[str, Any]]:
+    """Read and tokenize the data config's conversations; returns samples and what happened to the rows.
+
+    data: a DataConfig-shaped mapping (paths, format, field_map, system_prompt, on_bad_row, name).
+    """
+    if not data.get("paths"):
+        raise ValueError("data.paths is empty: give the conversation files, e.g. data.paths=[convs.jsonl]")
+    convs, read_stats = read_conversations(
+        list(data["paths"]), format=data.get("format", "auto"), field_map=dict(data.get("field_map") or {}),
+        system_prompt=data.get("system_prompt"), on_bad_row=data.get("on_bad_row", "error"), limit=limit,
+    )
+    if read_stats.num_bad:
+        log.warning("%s", read_stats.summary())
+    tokenized, tok_stats = tokenize_conversations(tokenizer, convs, max_seq_len,
+                                                  template_kwargs=dict(template_kwargs or {}))
+    ids = _unique_ids([t.id or f"sample-{i}" for i, t in enumerate(tokenized)])
+    samples = [Sample(i, t.input_ids, t.loss_mask) for i, t in zip(ids, tokenized)]
+    if not samples:
+        raise ValueError(
+            f"no usable sample in {list(data['paths'])}: {read_stats.summary()}; "
+            f"{tok_stats.dropped_no_assistant} conversations had no assistant turn (regenerate prompt-only data "
+            f"with mtp-regenerate first), {tok_stats.dropped_truncated} lost every assistant token to max_seq_len"
+        )
+    info = {
+        "name": data.get("name", "custom"),
+        "sources": [str(p) for p in data["paths"]],
+        "format": data.get("format", "auto"),
+        "max_seq_len": max_seq_len,
+        "limit": limit,
+        "rows": read_stats.rows,
+        "bad_rows": dict(read_stats.bad),
+        "conversations": tok_stats.conversations,
+        "samples": tok_stats.kept,
+        "truncated": tok_stats.truncated,
+        "dropped_no_assistant": tok_stats.dropped_no_assistant,
+        "dropped_truncated": tok_stats.dropped_truncated,
+    }
+    return samples, info
+
+
+def run_precompute(model: LlamaForCausalLM, tokenizer: Any, model_dir: str | Path, cfg: Mapping[str, Any], *,
+                   rank: int = 0, world: int = 1, config_dict: dict[str, Any] | None = None) -> Manifest | None:
+    """Run stage one for a PrecomputeConfig-shaped `cfg`; returns the manifest on rank 0, else None."""
+    samples, info = build_samples(tokenizer, cfg["data"], int(cfg["max_seq_len"]), cfg.get("limit"),
+                                  cfg.get("chat_template_kwargs"))
+    if rank == 0:
+        log.info("precompute: %d samples, %d tokens (%d assistant) → %s", len(samples),
+                 sum(len(s.input_ids) for s in samples), sum(sum(s.loss_mask) for s in samples), cfg["out"])
+    return precompute(
+        model, samples, cfg["out"],
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        chat_template_fingerprint=chat_template_fingerprint(tokenizer),
+        model_dir=model_dir,
+        data_info=info,
+        shard_tokens=int(cfg.get("shard_tokens", 1 << 17)),
+        batch_tokens=int(cfg.get("batch_tokens", 8192)),
+        aux_layers=list(cfg.get("aux_layers") or []),
+        val_fraction=float(cfg.get("val_fraction", 0.0)),
+        seed=int(cfg.get("seed", 0)),
+        rank=rank,
+        world=world,
+        hidden_dtype=torch.bfloat16,
+        provenance={"package": "mtp_train", "version": mtp_train.__version__, "config": config_dict or {}},
+        progress=bool(cfg.get("progress", True)),
+        verify_on_resume=bool(cfg.get("verify_on_resume", True)),
+    )
