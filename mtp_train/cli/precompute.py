@@ -1,0 +1,77 @@
+"""`mtp-precompute`: conversations → target hidden states as sharded safetensors with a manifest.
+
+    mtp-precompute model=smollm2-135m data.paths=[convs.jsonl] out=runs/precompute max_seq_len=2048 limit=1000
+    mtp-precompute data=shared-regen out=runs/pc aux_layers=[2,15,27]
+    torchrun --nproc_per_node 8 -m mtp_train.cli.precompute model=llama3.1-8b data.paths=[...] out=/data/pc
+
+A re-run with the same settings resumes: finished shards are verified and skipped. Each rank writes its own
+shards; rank 0 writes `manifest.json` last. The resolved config is saved as `<out>/config.yaml`.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from mtp_train import dist
+from mtp_train.cli.common import (
+    CONF_DIR,
+    dist_device_kind,
+    ensure_model,
+    load_target,
+    run_command,
+    run_device,
+    save_config,
+    to_dict,
+)
+from mtp_train.config import register_configs
+from mtp_train.precompute.pipeline import run_precompute
+
+log = logging.getLogger(__name__)
+PROG = "mtp-precompute"
+
+
+def precompute_main(cfg: DictConfig) -> dict[str, Any]:
+    """Run `mtp-precompute` with a composed config; returns the manifest's totals (on every rank)."""
+    info = dist.init_distributed(dist_device_kind(cfg.model))
+    try:
+        group = dist.cpu_group(timedelta(hours=24))
+        out = Path(cfg.out)
+        if info.is_main:
+            ensure_model(cfg.model)  # one rank converts a missing default model; the others wait
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out / "config.yaml")
+        dist.barrier(group)
+        model, tokenizer, model_path = load_target(cfg.model, run_device(cfg.model, info))
+        manifest = run_precompute(model, tokenizer, model_path, to_dict(cfg), rank=info.rank, world=info.world,
+                                  config_dict=to_dict(cfg))
+        if manifest is None:
+            return {"out": str(out), "rank": info.rank}
+        t = manifest.totals
+        result = {"out": str(out), "samples": t.samples, "tokens": t.tokens, "loss_tokens": t.loss_tokens,
+                  "bytes": t.bytes, "shards": len(manifest.shards), "world": info.world}
+        print(f"{PROG}: {t.samples} samples, {t.tokens} tokens ({t.loss_tokens} assistant) in "
+              f"{len(manifest.shards)} shards, {t.bytes / 2**20:.1f} MiB → {out}/manifest.json", flush=True)
+        return result
+    finally:
+        dist.destroy()
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="precompute")
+def _hydra_main(cfg: DictConfig) -> None:
+    run_command(PROG, precompute_main, cfg)
+
+
+def main() -> None:
+    """Console entry point: register the config schemas, then let Hydra parse the command line."""
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""`mtp-regenerate`: answer the conversations' user turns with the target (self-distillation).
+
+    mtp-regenerate model=smollm2-135m data=demo out=runs/regenerate/demo.jsonl max_new_tokens=512
+    mtp-regenerate data.paths=[prompts.jsonl] n=4 temperature=0.8 top_p=0.95 seed=1 out=runs/regenerate/x.jsonl
+    torchrun --nproc_per_node 8 -m mtp_train.cli.regenerate model=llama3.1-8b data=shared-mix ...
+
+Writes messages JSONL at `out` (one record per conversation and sample, with provenance), `<out>.config.yaml`
+with the resolved config, and prints a summary. A re-run with the same settings resumes. See
+`mtp_train.data.regenerate` for the record format and how resume and ranks work.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch.distributed as tdist
+from omegaconf import DictConfig
+
+from mtp_train import dist
+from mtp_train.cli.common import (
+    CONF_DIR,
+    dist_device_kind,
+    ensure_model,
+    load_target,
+    run_command,
+    run_device,
+    save_config,
+    to_dict,
+)
+from mtp_train.config import register_configs
+from mtp_train.data.readers import read_conversations
+from mtp_train.data.regenerate import (
+    RegenerateError,
+    RegenerateStats,
+    SamplingSettings,
+    make_provenance,
+    regenerate,
+    stop_token_ids,
+)
+from mtp_train.engine.llm import LLMEngine
+from mtp_train.models.fingerprint import weights_fingerprint
+
+log = logging.getLogger(__name__)
+PROG = "mtp-regenerate"
+# Ranks finish at very different times (a resumed rank may have nothing left), so the barriers get a long timeout.
+BARRIER_TIMEOUT = timedelta(hours=24)
+
+
+def config_path(out: str | Path) -> Path:
+    """Where the resolved config of a run writing `out` is saved."""
+    out = Path(out)
+    return out.with_name(out.name + ".config.yaml")
+
+
+def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
+    """Run `mtp-regenerate` with a composed config; return the totals over all ranks (see `RegenerateStats`)."""
+    # Settings first: a wrong combination fails before anything is loaded.
+    settings = SamplingSettings(n=cfg.n, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    template_kwargs = to_dict(cfg.chat_template_kwargs)
+    info = dist.init_distributed(dist_device_kind(cfg.model))
+    try:
+        group = dist.cpu_group(BARRIER_TIMEOUT)
+        wait = lambda: dist.barrier(group)
+        out = Path(cfg.out)
+        if info.is_main:
+            ensure_model(cfg.model)  # one rank converts a missing default model; the others wait
+            save_config(cfg, config_path(out))
+        wait()
+
+        data = cfg.data
+        paths = list(data.paths)
+        convs, read_stats = read_conversations(paths, format=data.format, field_map=to_dict(data.field_map),
+                                               system_prompt=data.system_prompt, on_bad_row=data.on_bad_row,
+                                               limit=cfg.limit)
+        if not convs:
+            raise RegenerateError(f"no conversations to answer in data.paths={paths} ({read_stats.summary()})")
+
+        model, tokenizer, model_path = load_target(cfg.model, run_device(cfg.model, info))
+        engine = LLMEngine(model, page_size=cfg.model.page_size, kv_cache_gb=cfg.model.kv_cache_gb,
+                           max_batch_size=cfg.max_batch_size)
+        stop_ids = stop_token_ids(tokenizer, model.args.eos_token_ids, template_kwargs)
+        provenance = make_provenance(target_name=cfg.model.name, target_path=model_path,
+                                     weights_fingerprint=weights_fingerprint(model_path), tokenizer=tokenizer,
+                                     settings=settings, stop_ids=stop_ids, chat_template_kwargs=template_kwargs)
+        stats = regenerate(convs, engine, tokenizer, out, settings=settings, provenance=provenance, stop_ids=stop_ids,
+                           max_prompt_tokens=cfg.max_prompt_tokens, chat_template_kwargs=template_kwargs,
+                           rank=info.rank, world=info.world, barrier=wait, progress=cfg.progress and info.is_main)
+        total = _gather(stats, group)
+        result = {**total.as_dict(), "out": str(out), "world": info.world, "rows_read": read_stats.rows,
+                  "bad_rows": dict(read_stats.bad)}
+        if info.is_main:
+            print(f"{PROG}: {total.summary()}\n{PROG}: wrote {out} (config: {config_path(out)})", flush=True)
+        return result
+    finally:
+        dist.destroy()
+
+
+def _gather(stats: RegenerateStats, group: Any) -> RegenerateStats:
+    """Every rank's counters summed (the same on every rank)."""
+    if not tdist.is_initialized():
+        return stats
+    everyone: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(everyone, stats.as_dict(), group=group)
+    total = RegenerateStats()
+    for d in everyone:
+        total.merge(RegenerateStats.from_dict(d))
+    return total
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="regenerate")
+def _hydra_main(cfg: DictConfig) -> None:
+    run_command(PROG, regenerate_main, cfg)
+
+
+def main() -> None:
+    """Console entry point: register the config schemas, then let Hydra parse the command line."""
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
