@@ -91,12 +91,23 @@ def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
     e = rel_err(df_[-1], dt_[-1])
     check(f"{tag} verify (4 new tokens per seq)", e < TOL, f"max rel err {e:.2e}")
 
-    # greedy generation: bf16 near-ties may flip late tokens, so compare the first 16
+    # greedy generation: bf16 kernels differ in summation order, so a divergence is accepted only where
+    # the reference logits are a near-tie between the two chosen tokens (random weights have many)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     gt = LLMEngine(ours_t, kv_cache_gb=1).generate(seqs, params)
     gf = LLMEngine(ours_f, kv_cache_gb=1).generate(seqs, params)
-    agree = sum(a.output_ids[:16] == b.output_ids[:16] for a, b in zip(gt, gf))
-    check(f"{tag} greedy generate (first 16 tokens)", agree == len(seqs), f"{agree}/{len(seqs)} sequences agree")
+    agree = ties = 0
+    for s, a, b in zip(seqs, gt, gf):
+        i = next((j for j, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), None)
+        if i is None:
+            agree += 1
+            continue
+        ctx = s + a.output_ids[:i]
+        logits = ours_t.compute_logits(prefill_hidden(ours_t, [ctx]).hidden[-1:])[0].float()
+        gap = (logits[a.output_ids[i]] - logits[b.output_ids[i]]).abs().item()
+        ties += gap <= TOL * logits.abs().max().item()
+    check(f"{tag} greedy generate (32 tokens)", agree + ties == len(seqs),
+          f"{agree}/{len(seqs)} identical, {ties} diverge at a near-tie of the reference logits")
 
     if hf_parity:
         from transformers import AutoModelForCausalLM

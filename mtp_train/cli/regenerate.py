@@ -67,11 +67,7 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
         group = dist.cpu_group(BARRIER_TIMEOUT)
         wait = lambda: dist.barrier(group)
         out = Path(cfg.out)
-        if info.is_main:
-            ensure_model(cfg.model)  # one rank converts a missing default model; the others wait
-            save_config(cfg, config_path(out))
-        wait()
-
+        # Every rank reads all conversations (the order of the merged output); data errors surface before the model.
         data = cfg.data
         paths = list(data.paths)
         convs, read_stats = read_conversations(paths, format=data.format, field_map=to_dict(data.field_map),
@@ -79,6 +75,10 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
                                                limit=cfg.limit)
         if not convs:
             raise RegenerateError(f"no conversations to answer in data.paths={paths} ({read_stats.summary()})")
+        if info.is_main:
+            ensure_model(cfg.model)  # one rank converts a missing default model; the others wait
+            save_config(cfg, config_path(out))
+        wait()
 
         model, tokenizer, model_path = load_target(cfg.model, run_device(cfg.model, info))
         engine = LLMEngine(model, page_size=cfg.model.page_size, kv_cache_gb=cfg.model.kv_cache_gb,
