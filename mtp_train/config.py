@@ -32,7 +32,7 @@ class DataConfig:
     """Where conversations come from and how they are read (`conf/data/*.yaml`)."""
 
     name: str = "custom"  # short name recorded in manifests
-    paths: list[str] = field(default_factory=list)  # .jsonl/.json/.parquet/.csv files, folders, globs, saved HF datasets
+    paths: list[str] = field(default_factory=list)  # .jsonl/.json/.parquet/.csv files, folders, globs, HF datasets
     format: str = "auto"  # auto | sharegpt | messages | prompt
     field_map: dict[str, str] = field(default_factory=dict)  # our field name → the file's field name
     system_prompt: str | None = None  # added to every conversation that has no system turn

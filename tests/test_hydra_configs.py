@@ -1,0 +1,55 @@
+"""Every Hydra root config composes with every model and data choice; wrong keys are refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from mtp_train.cli.common import CONF_DIR
+from mtp_train.config import register_configs
+
+CONF = Path(CONF_DIR)
+ROOTS = sorted(p.stem for p in CONF.glob("*.yaml"))
+MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+DATAS = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hydra():
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        yield
+
+
+@pytest.mark.parametrize("root", ROOTS)
+@pytest.mark.parametrize("model", MODELS)
+def test_root_composes_with_every_model(root, model):
+    cfg = compose(root, overrides=[f"model={model}"])
+    assert cfg.model.name == model
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+
+
+@pytest.mark.parametrize("root", ROOTS)
+@pytest.mark.parametrize("data", DATAS)
+def test_root_composes_with_every_data(root, data):
+    cfg = compose(root, overrides=[f"data={data}"])
+    assert cfg.data.name == data
+
+
+@pytest.mark.parametrize("root", ROOTS)
+def test_wrong_key_is_refused_by_name(root):
+    with pytest.raises(ConfigCompositionException, match="max_seq_lenn|max_new_tokenz"):
+        compose(root, overrides=["max_seq_lenn=3" if root == "precompute" else "max_new_tokenz=3"])
+    with pytest.raises(ConfigCompositionException, match="pagesize"):
+        compose(root, overrides=["model.pagesize=3"])
+
+
+def test_command_line_overrides_reach_the_config():
+    cfg = compose("precompute", overrides=["data.paths=[a.jsonl,b.jsonl]", "out=/tmp/x", "max_seq_len=128",
+                                           "limit=5", "aux_layers=[2,15]"])
+    assert list(cfg.data.paths) == ["a.jsonl", "b.jsonl"] and cfg.max_seq_len == 128 and cfg.limit == 5
+    assert list(cfg.aux_layers) == [2, 15]
