@@ -30,6 +30,7 @@ from mtp_train.data.regenerate import (
     RegenerateError,
     SamplingSettings,
     consolidate,
+    end_of_turn_token_id,
     make_provenance,
     part_path,
     plan_order,
@@ -45,9 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 CHAT_ROWS = [
-    {"id": "add", "prompt": "What is 2+2?"},
-    {"id": "color", "system": "You answer in one short sentence.", "prompt": "Name a color."},
-    {"id": "mt", "turns": ["Say hi.", "Now say bye."]},
+    {"id": "add", "prompt": "What is 2+2?"},  # SmolLM2 answers in 11 tokens, the last one <|im_end|>
+    {"id": "mt", "system": "You answer in one short sentence.", "turns": ["Say hi.", "Now say bye."]},
     # Existing answers are dropped and the user turns answered again.
     {"id": "old", "messages": [{"role": "user", "content": "Capital of France?"},
                                {"role": "assistant", "content": "OLD ANSWER ONE"},
@@ -160,14 +160,14 @@ def test_turn_by_turn_answers_equal_the_engine_on_rerendered_prompts(smollm2, de
     data = _write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS)
     out = tmp_path / "out" / "regen.jsonl"
     stats = regenerate_main(_compose([f"model.path={default_model_dir}", f"data.paths=[{data}]", f"out={out}",
-                                      "max_new_tokens=16", "model.kv_cache_gb=0.05", "progress=false"]))
+                                      "max_new_tokens=12", "model.kv_cache_gb=0.05", "progress=false"]))
     recs = _records(out)
-    assert [r["id"] for r in recs] == ["add", "color", "mt", "old"]
+    assert [r["id"] for r in recs] == ["add", "mt", "old"]
     roles = [[m["role"] for m in r["messages"]] for r in recs]
-    assert roles == [["user", "assistant"], ["system", "user", "assistant"],
-                     ["user", "assistant", "user", "assistant"], ["user", "assistant", "user", "assistant"]]
+    assert roles == [["user", "assistant"], ["system", "user", "assistant", "user", "assistant"],
+                     ["user", "assistant", "user", "assistant"]]
     assert "OLD ANSWER" not in out.read_text()
-    assert recs[3]["source"] == {"file": str(data), "line": 4, "id": "old"}
+    assert recs[2]["source"] == {"file": str(data), "line": 3, "id": "old"}
 
     # Re-render every turn's prompt from the stored conversation and generate directly, one batch per turn.
     assert tok.convert_tokens_to_ids("<|im_end|>") == 2 and stop_token_ids(tok, model.args.eos_token_ids) == [2]
@@ -181,7 +181,7 @@ def test_turn_by_turn_answers_equal_the_engine_on_rerendered_prompts(smollm2, de
                 text = render(tok, msgs[: users[turn] + 1], add_generation_prompt=True)
                 cases.append((r, turn, msgs[users[turn] + 1]["content"], text))
         prompts = [tok(text, add_special_tokens=False)["input_ids"] for *_, text in cases]
-        direct = engine.generate(prompts, SamplingParams(max_new_tokens=16))
+        direct = engine.generate(prompts, SamplingParams(max_new_tokens=12))
         for (r, t, answer, text), res in zip(cases, direct):
             ids = res.output_ids[:-1] if res.finish_reason == "stop" else res.output_ids
             text_out = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -193,18 +193,30 @@ def test_turn_by_turn_answers_equal_the_engine_on_rerendered_prompts(smollm2, de
     assert "stop" in finishes  # ended on <|im_end|>, which is not part of the stored text
     assert not any("<|im_end|>" in m["content"] for r in recs for m in r["messages"])
 
-    assert stats["requests"] == 6 and stats["written"] == stats["records"] == 4 and stats["skipped"] == {}
+    assert stats["requests"] == 5 and stats["written"] == stats["records"] == 3 and stats["skipped"] == {}
     assert stats["generated_tokens"] == sum(sum(r["gen_tokens"]) for r in recs)
     prov = recs[0]["provenance"]
     assert prov["target"]["weights_fingerprint"] == weights_fingerprint(default_model_dir)
-    assert prov["sampling"] == {"n": 1, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 16, "seed": 0}
+    assert prov["sampling"] == {"n": 1, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": 12, "seed": 0}
     assert prov["stop_token_ids"] == [2] and {"tokenizer_fingerprint", "chat_template_fingerprint",
                                               "package_version", "created_at"} <= set(prov)
     saved = OmegaConf.load(config_path(out))
-    assert saved.max_new_tokens == 16 and saved.data.paths == [str(data)]
+    assert saved.max_new_tokens == 12 and saved.data.paths == [str(data)]
     # The output reads back as conversations (messages format) for the next stage.
     back, _ = read_conversations([out])
     assert [c.messages for c in back] == [r["messages"] for r in recs]
+
+
+def test_end_of_turn_token_comes_from_the_template(default_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    assert end_of_turn_token_id(tok) == tok.convert_tokens_to_ids("<|im_end|>") == 2
+    # A template that closes turns with another special token: that token ends answers too.
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|endoftext|>\n{% endfor %}"
+    assert end_of_turn_token_id(tok) == 0 and stop_token_ids(tok, [2]) == [2, 0]
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}"  # no marker: EOS alone
+    assert end_of_turn_token_id(tok) is None and stop_token_ids(tok, [2]) == [2]
 
 
 # ------------------------------------------------------------------------------------------------- resume
@@ -272,7 +284,8 @@ def test_merge_orders_by_conversation_and_keeps_foreign_records(tmp_path):
     out.write_text(rec("b") + rec("zz-foreign"))
     part_path(out, 1).write_text(rec("c") + rec("a"))
     part_path(out, 0).write_text(rec("b"))  # a duplicate of a merged record (killed before the parts were removed)
-    convs = [Conversation(id=i, messages=[], source="f", line=1) for i in ("a", "b", "c")]
+    # Repeated ids (skipped when answering) push later conversations' positions past the number of records.
+    convs = [Conversation(id=i, messages=[], source="f", line=1) for i in ("a", "a", "a", "a", "b", "c")]
     assert consolidate(out, plan_order(convs, 1)) == 4
     assert [r["id"] for r in _records(out)] == ["a", "b", "c", "zz-foreign"]
     assert not part_path(out, 0).exists() and not part_path(out, 1).exists()
@@ -280,9 +293,12 @@ def test_merge_orders_by_conversation_and_keeps_foreign_records(tmp_path):
 
 def test_resume_with_other_settings_is_refused(tiny, convs, tmp_path):
     out = tmp_path / "regen.jsonl"
-    _run(tiny, convs[:1], out)
-    with pytest.raises(RegenerateError, match="max_new_tokens"):
-        _run(tiny, convs[:2], out, settings=SamplingSettings(max_new_tokens=5))
+    started = []
+    _run(tiny, convs[:1], out, on_start=lambda: started.append(1))
+    kept = _lines(out)
+    with pytest.raises(RegenerateError, match=r"regen\.jsonl:1 .*max_new_tokens: 6 != 5"):
+        _run(tiny, convs[:2], out, settings=SamplingSettings(max_new_tokens=5), on_start=lambda: started.append(2))
+    assert started == [1] and _lines(out) == kept  # refused before anything (the saved config too) changed
 
 
 # ----------------------------------------------------------------------------------------------- sampling
@@ -367,7 +383,7 @@ def test_entry_point_runs_and_reports_config_errors(tiny_chat_dir, tmp_path):
     res = _cli([f"model.path={tiny_chat_dir}", f"data.paths=[{data}]", f"out={out}", "max_new_tokens=4", "limit=2",
                 "model.kv_cache_gb=0.01"], cwd=tmp_path)  # from elsewhere: the config folder is found anyway
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert [r["id"] for r in _records(out)] == ["add", "color"]
+    assert [r["id"] for r in _records(out)] == ["add", "mt"]
     assert "2 records in the output" in res.stdout and config_path(out).is_file()
 
     res = _cli(["max_new_tokenz=3"])

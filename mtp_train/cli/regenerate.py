@@ -77,7 +77,6 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
             raise RegenerateError(f"no conversations to answer in data.paths={paths} ({read_stats.summary()})")
         if info.is_main:
             ensure_model(cfg.model)  # one rank converts a missing default model; the others wait
-            save_config(cfg, config_path(out))
         wait()
 
         model, tokenizer, model_path = load_target(cfg.model, run_device(cfg.model, info))
@@ -89,7 +88,8 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
                                      settings=settings, stop_ids=stop_ids, chat_template_kwargs=template_kwargs)
         stats = regenerate(convs, engine, tokenizer, out, settings=settings, provenance=provenance, stop_ids=stop_ids,
                            max_prompt_tokens=cfg.max_prompt_tokens, chat_template_kwargs=template_kwargs,
-                           rank=info.rank, world=info.world, barrier=wait, progress=cfg.progress and info.is_main)
+                           rank=info.rank, world=info.world, barrier=wait, progress=cfg.progress and info.is_main,
+                           on_start=lambda: save_config(cfg, config_path(out)))
         total = _gather(stats, group)
         result = {**total.as_dict(), "out": str(out), "world": info.world, "rows_read": read_stats.rows,
                   "bad_rows": dict(read_stats.bad)}

@@ -62,6 +62,7 @@ TEMPLATE_ERROR = "template_error"  # the chat template failed on the conversatio
 DUPLICATE_ID = "duplicate_id"  # a conversation id seen earlier in the data (records are keyed by id)
 NO_USER_TURN = "no_user_turn"
 
+AFTER_ALL = 1 << 62  # sort position of records that are not in the current selection: after every conversation
 PROVENANCE_VOLATILE = ("created_at", "package_version", "target.path", "target.name")  # may differ on resume
 
 
@@ -355,7 +356,7 @@ def scan_records(path: str | Path, expect: Mapping[str, Any] | None = None) -> l
                         "`out` or remove the file")
             lines.append(_Line(rid, path, start, len(raw)))
     if bad is not None:
-        log.warning("%s:%d: dropping a torn last line (%s), left by an interrupted write; that record is "
+        log.warning("%s:%d: dropping a torn last line (%s), left by an interrupted write; its record is "
                     "generated again", path, bad[0], bad[1])
     return lines
 
@@ -384,7 +385,7 @@ def consolidate(out: str | Path, order: Mapping[str, tuple[int, int]], expect: M
         key = order.get(line.id)
         if key is None:
             unknown += 1
-            key = (len(order) + 1, unknown)  # after every known record, in the order met
+            key = (AFTER_ALL, unknown)  # after every known record, in the order met
         merged[line.id] = (key, line)
     if unknown:
         log.warning("%d record(s) in %s are not in the current data selection; they are kept at the end", unknown, out)
@@ -471,11 +472,13 @@ def regenerate(conversations: Sequence[Conversation], engine: LLMEngine, tokeniz
                settings: SamplingSettings, provenance: Mapping[str, Any], stop_ids: Sequence[int] | None = None,
                max_prompt_tokens: int | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
                rank: int = 0, world: int = 1, barrier: Callable[[], None] = lambda: None, progress: bool = False,
-               fsync_every: int = 64) -> RegenerateStats:
+               fsync_every: int = 64, on_start: Callable[[], None] | None = None) -> RegenerateStats:
     """Answer the user turns of `conversations` with `engine` and write/merge the records into `out`.
 
     Every rank passes the same `conversations` (all of them, in order) and takes its share r, r + world, ...;
     `barrier` waits for all ranks (a no-op for one). `stop_ids` default to `stop_token_ids(tokenizer, model eos)`.
+    `on_start` runs on rank 0 once an existing output has been merged and found compatible, before anything is
+    generated (the place to save the run's config beside `out`: a refused resume must not overwrite it).
     On return `out` holds every finished record, in conversation order, on every rank. The counters are this
     rank's; `records` (the merged total) is set on rank 0.
     """
@@ -489,6 +492,8 @@ def regenerate(conversations: Sequence[Conversation], engine: LLMEngine, tokeniz
     if rank == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         consolidate(out, order, provenance)
+        if on_start is not None:
+            on_start()
     barrier()
     done = {line.id for line in scan_records(out)} if out.exists() else set()
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata
+from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import RotaryEmbedding, apply_rotary
 from mtp_train.models.config import ModelArgs
@@ -39,8 +40,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
@@ -66,8 +67,8 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.inter = args.intermediate_size
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, H) → (T, H): down(silu(gate(x)) * up(x))."""
@@ -110,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = LlamaBackbone(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args.rope)
         self.attn: AttentionBackend | None = None  # set by the loader / engine
 

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from mtp_train.layers.attention import make_attention_backend
+from mtp_train.layers.linear import prepack_linears
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.llama import LlamaForCausalLM
 
@@ -81,11 +82,14 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     backend: str = "auto",
+    cpu_prepack: bool = True,
 ) -> LlamaForCausalLM:
     """Load a Hugging Face Llama-family folder (config.json + safetensors) for inference.
 
     dtype: auto | float32 | bfloat16 | float16; device: where the weights go; backend: attention
-    backend (auto | torch | flashinfer). The model is in eval mode with gradients off.
+    backend (auto | torch | flashinfer). cpu_prepack: on CPU in float32, keep an MKL-packed copy of
+    each projection for faster decode (`mtp_train.layers.linear`; doubles the weights' memory).
+    The model is in eval mode with gradients off.
     """
     path = Path(path)
     args = ModelArgs.from_dir(path)
@@ -156,4 +160,6 @@ def load_model(
     model.attn = make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim,
                                         args.sliding_window, device=device)
     model.eval().requires_grad_(False)
+    if cpu_prepack:
+        prepack_linears(model)
     return model
