@@ -24,7 +24,10 @@ from mtp_train.cli.regenerate import config_path, regenerate_main
 from mtp_train.config import register_configs
 from mtp_train.data.chat import render
 from mtp_train.data.readers import Conversation, read_conversations
-from mtp_train.data.regenerate import (
+from mtp_train.engine import LLMEngine, SamplingParams
+from mtp_train.models import load_model
+from mtp_train.models.fingerprint import weights_fingerprint
+from mtp_train.precompute.regenerate import (
     EXCEEDS_KV_CACHE,
     PROMPT_TOO_LONG,
     RegenerateError,
@@ -38,9 +41,6 @@ from mtp_train.data.regenerate import (
     request_seed,
     stop_token_ids,
 )
-from mtp_train.engine import LLMEngine, SamplingParams
-from mtp_train.models import load_model
-from mtp_train.models.fingerprint import weights_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")

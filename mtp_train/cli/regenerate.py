@@ -6,7 +6,7 @@
 
 Writes messages JSONL at `out` (one record per conversation and sample, with provenance), `<out>.config.yaml`
 with the resolved config, and prints a summary. A re-run with the same settings resumes. See
-`mtp_train.data.regenerate` for the record format and how resume and ranks work.
+`mtp_train.precompute.regenerate` for the record format and how resume and ranks work.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from mtp_train.cli.common import (
 )
 from mtp_train.config import register_configs
 from mtp_train.data.readers import read_conversations
-from mtp_train.data.regenerate import (
+from mtp_train.engine.llm import LLMEngine
+from mtp_train.models.fingerprint import weights_fingerprint
+from mtp_train.precompute.regenerate import (
     RegenerateError,
     RegenerateStats,
     SamplingSettings,
@@ -41,8 +43,6 @@ from mtp_train.data.regenerate import (
     regenerate,
     stop_token_ids,
 )
-from mtp_train.engine.llm import LLMEngine
-from mtp_train.models.fingerprint import weights_fingerprint
 
 log = logging.getLogger(__name__)
 PROG = "mtp-regenerate"

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -147,11 +147,17 @@ class LLMEngine:
                  progress: bool = False) -> list[GenerationOutput]:
         """Generate for every prompt (token ids); outputs come back in prompt order.
 
-        params: one SamplingParams for all, or one per prompt. on_finish(index, output) is called as
+        params: one SamplingParams for all (prompt i seeded with seed + i), or one per prompt (seeds as
+        given). on_finish(index, output) is called as
         each request completes (for streaming results to disk).
         """
         if params is None or isinstance(params, SamplingParams):
-            params = [SamplingParams(**vars(params)) if params else SamplingParams() for _ in prompts]
+            # One setting for all: prompt i is seeded with seed + i, so prompts never share a random stream
+            # and a prompt's output does not depend on the batch it runs in.
+            base = params or SamplingParams()
+            params = [replace(base, seed=None if base.seed is None else base.seed + i,
+                              stop_token_ids=None if base.stop_token_ids is None else list(base.stop_token_ids))
+                      for i in range(len(prompts))]
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         index = {}

@@ -21,7 +21,7 @@ class SamplingParams:
     max_new_tokens: int = 128  # stop after this many generated tokens
     stop_token_ids: list[int] | None = None  # None = the model's EOS ids
     ignore_eos: bool = False  # generate exactly max_new_tokens
-    seed: int | None = None  # seeds this request's own generator; None = torch's global RNG
+    seed: int | None = None  # seeds this request's own generator exactly; None = torch's global RNG
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -37,12 +37,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def make_generator(self, device: torch.device | str = "cpu", offset: int = 0) -> torch.Generator | None:
-        """A generator seeded with seed + offset (offset = sample index), or None when unseeded."""
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """A generator seeded with `seed`, or None when unseeded."""
         if self.seed is None:
             return None
         g = torch.Generator(device=device)
-        g.manual_seed(self.seed + offset)
+        g.manual_seed(self.seed)
         return g
 
 

@@ -37,7 +37,7 @@ class Sequence:
             raise ValueError(f"request {seq_id}: the prompt is empty")
         params = params or SamplingParams()
         return cls(seq_id=seq_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
-                   params=params, generator=params.make_generator(device, offset=seq_id))
+                   params=params, generator=params.make_generator(device))
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -25,8 +25,8 @@ run must use the same target, tokenizer, chat template and sampling settings (ch
 Seeds: every request gets its own seed from (seed, conversation id, sample index, turn), so that the text does not
 depend on batching, on the rank split or on what an earlier run already did.
 
-This is the one module of `data/` that drives the engine (the architecture lists regeneration with the data
-tools); it imports the engine's sampling types, never the other way round.
+It lives with stage one, on the floor above the engine that it drives; `data/` below supplies the
+readers and chat rendering.
 """
 
 from __future__ import annotations
@@ -101,20 +101,8 @@ class SamplingSettings:
 
     def params(self, seed: int | None, stop_ids: Sequence[int]) -> SamplingParams:
         """The engine's parameters for one request seeded with `seed` (None for greedy)."""
-        return _RequestSeeded(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                               max_new_tokens=self.max_new_tokens, stop_token_ids=list(stop_ids), seed=seed)
-
-
-class _RequestSeeded(SamplingParams):
-    """SamplingParams whose generator is seeded with `seed` itself.
-
-    The engine adds the request's sequence id to the seed, so that one SamplingParams shared by many prompts gives
-    each its own stream. Our seeds are already per request, and a sequence id depends on what else was submitted
-    before (resume, rank split, turn), so the offset would make the text irreproducible.
-    """
-
-    def make_generator(self, device: Any = "cpu", offset: int = 0) -> Any:
-        return super().make_generator(device, offset=0)
 
 
 def record_id(conv_id: str, k: int, n: int) -> str:
