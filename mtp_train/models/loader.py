@@ -23,12 +23,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # fused parameter → the checkpoint parameters concatenated along dim 0, in order
-_FUSED = {
+FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 # checkpoint tensors that carry no weights we need
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs | None = None) -> torch.dtype:
@@ -66,7 +66,7 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     )
 
 
-def _iter_tensors(files: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(files: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) file by file, each file opened once through safetensors' mmap."""
     by_file: dict[Path, list[str]] = {}
     for name, f in files.items():
@@ -104,7 +104,7 @@ def load_model(
     # Where each checkpoint tensor goes: (our name, row offset in a fused tensor or None).
     fused_parts: dict[str, list[tuple[str, int]]] = {}
     for full in expected:
-        for fused, parts in _FUSED.items():
+        for fused, parts in FUSED_PROJECTIONS.items():
             if f".{fused}." in full:
                 prefix, suffix = full.split(f".{fused}.")
                 fused_parts[full] = [(f"{prefix}.{part}.{suffix}", 0) for part in parts]
@@ -119,8 +119,8 @@ def load_model(
     files = checkpoint_files(path)
     state: dict[str, torch.Tensor] = {}
     fused_buffers: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in _iter_tensors(files):
-        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
+    for name, tensor in iter_tensors(files):
+        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
             continue
         if name not in routes:
             raise ModelConfigError(f"{files[name]}: unexpected tensor {name!r} for a {args.model_type} model")

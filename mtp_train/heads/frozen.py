@@ -1,0 +1,128 @@
+"""The target tensors a draft head uses but never trains: `embed_tokens`, `lm_head`, and (for init) a decoder layer.
+
+Only the named tensors are read from the target's safetensors, never the whole model. The frozen
+embedding and lm_head live in a plain object, not in the head's `nn.Module` tree, so that a training
+engine that casts, shards, optimises or saves the head's module never sees them: their dtype and
+device stay the caller's choice and head checkpoints never contain them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mtp_train.models.config import ModelArgs, ModelConfigError
+from mtp_train.models.llama import LlamaForCausalLM
+
+# The loader's name mapping is reused so that a fused head layer reads a checkpoint exactly as the target does.
+from mtp_train.models.loader import FUSED_PROJECTIONS, IGNORED_SUFFIXES, checkpoint_files, iter_tensors, resolve_dtype
+
+EMBED_NAME = "model.embed_tokens.weight"
+LM_HEAD_NAME = "lm_head.weight"
+
+
+@dataclass(eq=False)
+class FrozenTargetParts:
+    """The target's input embedding and output projection, frozen (requires_grad False).
+
+    embed: (V, H); lm_head: (V, H), the same tensor as `embed` when the target ties them.
+    """
+
+    embed: torch.Tensor  # (V, H)
+    lm_head: torch.Tensor  # (V, H)
+    args: ModelArgs  # the target's shape (vocab, hidden size, ...)
+
+    def __post_init__(self) -> None:
+        # Detached views: whatever they came from, no gradient can ever reach them. A tied pair stays one object.
+        same = self.lm_head is self.embed or self.lm_head.data_ptr() == self.embed.data_ptr()
+        self.embed = self.embed.detach()
+        self.lm_head = self.embed if same else self.lm_head.detach()
+
+    @property
+    def tied(self) -> bool:
+        return self.lm_head is self.embed
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
+                        dtype: str | torch.dtype = "auto") -> FrozenTargetParts:
+        """Read only `model.embed_tokens.weight` and `lm_head.weight` (tied: the embedding) from a target folder."""
+        path = Path(path)
+        args = ModelArgs.from_dir(path)
+        dt = resolve_dtype(dtype, args)
+        files = checkpoint_files(path)
+        names = [EMBED_NAME] if args.tie_word_embeddings else [EMBED_NAME, LM_HEAD_NAME]
+        missing = [n for n in names if n not in files]
+        if missing:
+            raise ModelConfigError(f"{path}: checkpoint lacks {', '.join(missing)}")
+        want = (args.vocab_size, args.hidden_size)
+        got: dict[str, torch.Tensor] = {}
+        for name, t in iter_tensors({n: files[n] for n in names}):
+            if tuple(t.shape) != want:
+                raise ModelConfigError(f"{files[name]}: tensor {name} has shape {tuple(t.shape)}, "
+                                       f"config.json implies {want}")
+            got[name] = t.to(device=device, dtype=dt)
+        embed = got[EMBED_NAME]
+        return cls(embed=embed, lm_head=got.get(LM_HEAD_NAME, embed), args=args)
+
+    @classmethod
+    def from_model(cls, model: LlamaForCausalLM) -> FrozenTargetParts:
+        """Share the tensors of an already loaded target (no copy), e.g. inside the inference engine."""
+        return cls(embed=model.model.embed_tokens.weight, lm_head=model.lm_head.weight, args=model.args)
+
+    def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> FrozenTargetParts:
+        """A copy on `device` / in `dtype`; a tied pair stays one tensor."""
+        embed = self.embed.to(device=device, dtype=dtype)
+        lm_head = embed if self.tied else self.lm_head.to(device=device, dtype=dtype)
+        return FrozenTargetParts(embed=embed, lm_head=lm_head, args=self.args)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids: (T,) int → (T, H) in the frozen dtype."""
+        return F.embedding(token_ids, self.embed)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, H) → (N, V) in the frozen dtype (hidden is cast to it)."""
+        return F.linear(hidden.to(self.lm_head.dtype), self.lm_head)
+
+
+def read_decoder_layer(path: str | Path, index: int = -1, dtype: str | torch.dtype = "auto") -> dict[str, torch.Tensor]:
+    """The weights of target layer `index` (negative counts from the end), named as our fused `DecoderLayer` names them.
+
+    q/k/v and gate/up are concatenated exactly as `load_model` does (`FUSED_PROJECTIONS`); only that
+    layer's tensors are read.
+    Returns e.g. {"self_attn.qkv_proj.weight": ((Hq+2Hkv)·D, H), "mlp.gate_up_proj.weight": (2I, H), ...} on CPU.
+    """
+    path = Path(path)
+    args = ModelArgs.from_dir(path)
+    if not -args.num_layers <= index < args.num_layers:
+        raise ValueError(f"layer index {index} out of range for a target with {args.num_layers} layers")
+    idx = index % args.num_layers
+    prefix = f"model.layers.{idx}."
+    files = {n: f for n, f in checkpoint_files(path).items() if n.startswith(prefix)}
+    if not files:
+        raise ModelConfigError(f"{path}: checkpoint has no tensors under {prefix}*")
+    dt = resolve_dtype(dtype, args)
+    raw = {n[len(prefix):]: t.to(dt) for n, t in iter_tensors(files) if not n.endswith(IGNORED_SUFFIXES)}
+    state: dict[str, torch.Tensor] = {}
+    for fused, parts in FUSED_PROJECTIONS.items():
+        for kind in ("weight", "bias"):
+            names = [f"{p}.{kind}" for p in parts]
+            present = [n for n in names if n in raw]
+            if not present:
+                continue
+            if len(present) != len(names):
+                absent = sorted(set(names) - set(present))
+                raise ModelConfigError(f"{path}: layer {idx} has {', '.join(present)} but lacks {', '.join(absent)}")
+            state[f"{fused}.{kind}"] = torch.cat([raw.pop(n) for n in names], dim=0)
+    state.update(raw)
+    return state

@@ -1,0 +1,79 @@
+"""The RMSNorm-restored MTP head (DeepSeek-V3 MTP shape), with every norm behind a HeadConfig switch.
+
+    x = fc [ enorm(E(t_{i+1})) ; hnorm(h_i) ]     (2H → H, embedding first)
+    x = DecoderLayer(x)                          (input norm, attention, post-attention norm, MLP, residuals)
+    ĥ_{i+1} = norm(x)                            (the predicted feature, and the hidden of the next draft step)
+    logits = lm_head(ĥ_{i+1})                    (frozen target lm_head)
+
+Why the norms: the embedding and lm_head are frozen, so the layer must map into the space the lm_head
+expects (the target's post-final-norm hidden states). Without a final norm one MLP has to learn "MLP followed
+by a norm"; without the input norms the fc sees an embedding and a hidden state on very different scales.
+With every switch off this is the original EAGLE head (see `eagle1.py`), so ablations are one flag at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mtp_train.heads.base import DraftHead, HeadConfig, register_head
+from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer
+from mtp_train.layers.attention import AttentionBackend, AttentionMetadata
+from mtp_train.layers.norm import RMSNorm
+from mtp_train.models.config import ModelArgs, ModelConfigError
+from mtp_train.models.llama import DecoderLayer
+
+
+@register_head
+class MTPHead(DraftHead):
+    """fc over [embedding ; hidden] → one decoder layer with the target's shapes (GQA included) → optional norm."""
+
+    type_name = "mtp"
+
+    def __init__(self, cfg: HeadConfig, target_args: ModelArgs, frozen: FrozenTargetParts | None = None,
+                 backend: str = "torch") -> None:
+        super().__init__(cfg, target_args, frozen, backend)
+        c, a = self.cfg, self.args
+        h, eps = a.hidden_size, a.rms_norm_eps
+        self.enorm = RMSNorm(h, eps) if c.enorm else None
+        self.hnorm = RMSNorm(h, eps) if c.hnorm else None
+        self.fc = nn.Linear(2 * h, h, bias=c.fc_bias)
+        # A list of one, so that names read `layers.0.*` as in EAGLE / vLLM / Qwen3-Next MTP checkpoints.
+        self.layers = nn.ModuleList([DecoderLayer(a, input_norm=c.input_norm)])
+        self.norm = RMSNorm(h, eps) if c.final_norm else None
+
+    def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
+                 kv_cache: torch.Tensor | None, attn: AttentionBackend) -> torch.Tensor:
+        """(T, H) hidden + (T,) next tokens → (T, H) predicted next hidden (see DraftHead.features)."""
+        e = self.embed(token_ids)  # (T, H)
+        h = hidden.to(e.dtype)  # stored features are bf16; the head may train in fp32
+        if self.enorm is not None:
+            e = self.enorm(e)
+        if self.hnorm is not None:
+            h = self.hnorm(h)
+        x = self.fc(torch.cat([e, h], dim=-1))  # (T, 2H) → (T, H)
+        cos, sin = self.rope(meta.positions, x.dtype)
+        x = self.layers[0](x, cos, sin, attn, kv_cache, meta)
+        return x if self.norm is None else self.norm(x)
+
+    def init_from_target(self, target_dir: str | Path) -> None:
+        """Copy the target's last decoder layer (fused q/k/v and gate/up, as the loader fuses them) into ours.
+
+        A head without the layer's input norm simply does not take the target's input_layernorm.
+        """
+        state = read_decoder_layer(target_dir, -1)
+        layer = self.layers[0]
+        if layer.input_layernorm is None:
+            state.pop("input_layernorm.weight", None)
+        own = layer.state_dict()
+        bad = [f"{k}: target {tuple(v.shape)}, head {tuple(own[k].shape)}"
+               for k, v in state.items() if k in own and v.shape != own[k].shape]
+        missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+        if bad or missing or unexpected:
+            raise ModelConfigError(f"{target_dir}: last layer does not fit the head: mismatched {bad}, "
+                                   f"missing {missing}, unexpected {unexpected}")
+        with torch.no_grad():
+            for k, v in state.items():
+                own[k].copy_(v)

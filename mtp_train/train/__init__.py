@@ -1,0 +1,21 @@
+"""Stage two: training draft heads on precomputed target hidden states."""
+
+from mtp_train.train.losses import (
+    LossConfig,
+    chunked_soft_ce,
+    draft_loss,
+    step_targets,
+    step_token_counts,
+    uniform_noise,
+    unrolled_loss,
+)
+
+__all__ = [
+    "LossConfig",
+    "chunked_soft_ce",
+    "draft_loss",
+    "step_targets",
+    "step_token_counts",
+    "uniform_noise",
+    "unrolled_loss",
+]

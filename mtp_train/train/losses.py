@@ -1,0 +1,255 @@
+"""The draft-head training loss: feature regression plus soft cross-entropy against the target, vocabulary-chunked.
+
+Per counted row r (a row whose target position is in the loss mask, see `step_targets`):
+
+    loss_r = w_feat · mean_H SmoothL1(ĥ_r, h_r) + w_tok · CE(softmax(lm_head(h_r)), log_softmax(lm_head(ĥ_r)))
+
+summed over rows and divided by `num_tokens` (by default the local count of counted rows; a trainer passes
+the count over all ranks). The target distribution is recomputed from the stored (bf16) target hidden with
+the frozen lm_head, never stored. Logits are computed `chunk_size` rows at a time, so a (T, V) tensor never
+exists: `impl="checkpoint"` recomputes each chunk's logits in the backward (torch.utils.checkpoint,
+non-reentrant); `impl="fused"` computes the gradient with respect to ĥ chunk by chunk during the forward and
+keeps only that (N, H) gradient, which saves the recomputation (about a third of the lm_head work).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from mtp_train.heads.base import UNROLL_ATTENTION, DraftHead, packed_shift, resolve_seq_lens
+
+CE_IMPLS = ("checkpoint", "fused")
+TOPK = 3  # the second accuracy reported: target argmax within the head's top-3
+
+
+@dataclass
+class LossConfig:
+    """Weights and knobs of the head loss."""
+
+    w_feat: float = 1.0  # weight of the SmoothL1 feature loss
+    w_tok: float = 0.1  # weight of the soft cross-entropy against the target's distribution
+    smooth_l1_beta: float = 1.0  # SmoothL1 switch point between quadratic and linear
+    steps: int = 1  # chained draft steps unrolled per batch
+    step_decay: float = 0.8  # step j weighs step_decay ** j, unless step_weights is given
+    step_weights: list[float] | None = None  # explicit per-step weights (length = steps)
+    unroll_attention: str = "chain"  # chain (as the inference chain sees it) | causal (DeepSeek-V3 MTP style)
+    chunk_size: int = 1024  # rows per lm_head chunk: bounds memory at ~3 · chunk_size · V floats
+    ce_impl: str = "checkpoint"  # checkpoint | fused (see the module docstring)
+    noise_std: float = 0.0  # uniform noise U(-std, std) on the input features in training mode (EAGLE); 0 = off
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.step_weights is not None and len(self.step_weights) != self.steps:
+            raise ValueError(f"{len(self.step_weights)} step_weights for {self.steps} steps")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.unroll_attention not in UNROLL_ATTENTION:
+            raise ValueError(f"unknown unroll_attention {self.unroll_attention!r}; "
+                             f"choose one of {', '.join(UNROLL_ATTENTION)}")
+        if self.ce_impl not in CE_IMPLS:
+            raise ValueError(f"unknown ce_impl {self.ce_impl!r}; choose one of {', '.join(CE_IMPLS)}")
+
+    def weights(self) -> list[float]:
+        """Per-step loss weights."""
+        if self.step_weights is not None:
+            return [float(w) for w in self.step_weights]
+        return [self.step_decay**j for j in range(self.steps)]
+
+
+# --- alignment --------------------------------------------------------------------------------------------------
+
+
+def step_targets(hidden: torch.Tensor, loss_mask: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
+                 step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets of draft step `step` (0-based) for a packed batch.
+
+    hidden: (T, H) target hidden h_i; loss_mask: (T,) 1 on tokens to learn (assistant tokens).
+    Returns target (T, H) = h_{i+step+1} and counted (T,) bool = loss_mask[i+step+1], False on the last
+    step+1 rows of each sequence (no target there). The mask travels with the target: row i is counted
+    when the position whose hidden it predicts is a masked-in token.
+    """
+    shift = step + 1
+    target = packed_shift(hidden, seq_lens, shift)
+    counted = packed_shift(loss_mask.to(torch.bool), seq_lens, shift, fill=False)
+    return target, counted
+
+
+def step_token_counts(loss_mask: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor, steps: int) -> torch.Tensor:
+    """(steps,) float counted rows per step: all-reduce (sum) it over ranks and pass it as `num_tokens`."""
+    mask = loss_mask.to(torch.bool)
+    return torch.stack([packed_shift(mask, seq_lens, j + 1, fill=False).sum() for j in range(steps)]).float()
+
+
+def uniform_noise(x: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """x + U(-std, std), elementwise (EAGLE's feature augmentation)."""
+    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+    return x + ((2 * u - 1) * std).to(x.dtype)
+
+
+# --- chunked soft cross-entropy -------------------------------------------------------------------------------
+
+
+def _chunk_logits(pred: torch.Tensor, target: torch.Tensor,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(C, H), (C, H), (V, H) → head logits z (C, V), target probs p (C, V) (no grad), target argmax.
+
+    The matmuls run in the lm_head's dtype; softmax statistics in float32 at least (float64 stays float64).
+    """
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    z = F.linear(pred.to(weight.dtype), weight).to(acc)
+    with torch.no_grad():
+        p = F.linear(target.to(weight.dtype), weight).to(acc).softmax(-1)
+    return z, p, p.argmax(-1)
+
+
+def _accuracy(z: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose head argmax / top-k contains the target's argmax `best` (counts, no grad)."""
+    with torch.no_grad():
+        top = z.topk(min(TOPK, z.shape[-1]), dim=-1).indices  # (C, k)
+        return (top[:, 0] == best).sum(), (top == best[:, None]).any(-1).sum()
+
+
+def _ce_chunk(pred: torch.Tensor, target: torch.Tensor,
+              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Soft CE summed over one chunk's rows, plus top-1 / top-k counts."""
+    z, p, best = _chunk_logits(pred, target, weight)
+    # -Σ p·log_softmax(z) = logsumexp(z) - Σ p·z  (Σ p = 1): no (C, V) log-softmax tensor is kept
+    ce = (torch.logsumexp(z, -1) - (p * z).sum(-1)).sum()
+    top1, topk = _accuracy(z, best)
+    return ce, top1, topk
+
+
+class _FusedSoftCE(torch.autograd.Function):
+    """Soft CE over all rows; d/d pred is computed chunk by chunk in the forward, so only (N, H) is kept."""
+
+    @staticmethod
+    def forward(ctx, pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ce = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=pred.device)
+        top1 = torch.zeros((), dtype=torch.long, device=pred.device)
+        topk = torch.zeros_like(top1)
+        grad = torch.empty_like(pred) if ctx.needs_input_grad[0] else None
+        for s in range(0, pred.shape[0], chunk_size):
+            z, p, best = _chunk_logits(pred[s:s + chunk_size], target[s:s + chunk_size], weight)
+            lse = torch.logsumexp(z, -1)  # (C,)
+            ce += (lse - (p * z).sum(-1)).sum()
+            a, b = _accuracy(z, best)
+            top1 += a
+            topk += b
+            if grad is not None:
+                # d CE / d z = softmax(z) - p, then through the linear: (C, V) @ (V, H)
+                dz = (z - lse[:, None]).exp_().sub_(p)
+                grad[s:s + chunk_size] = (dz.to(weight.dtype) @ weight).to(pred.dtype)
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
+        ctx.mark_non_differentiable(top1, topk)
+        return ce, top1, topk
+
+    @staticmethod
+    def backward(ctx, g_ce: torch.Tensor, *_: torch.Tensor):  # type: ignore[override]
+        (grad,) = ctx.saved_tensors
+        return grad * g_ce.to(grad.dtype), None, None, None
+
+
+def chunked_soft_ce(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.Tensor, chunk_size: int = 1024,
+                    impl: str = "checkpoint") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Soft cross-entropy of the head's distribution against the target's, summed over rows.
+
+    pred: (N, H) head features ĥ (differentiable); target: (N, H) target hidden h; lm_head: (V, H) frozen.
+    Returns (ce_sum scalar in float32 or wider, top1 count, top3 count): top-k = the target's argmax is among
+    the head's k most likely tokens. At most `chunk_size` rows of (·, V) logits exist at a time. Gradients
+    reach `pred` only (the target and the lm_head are constants).
+    """
+    if impl not in CE_IMPLS:
+        raise ValueError(f"unknown ce impl {impl!r}; choose one of {', '.join(CE_IMPLS)}")
+    n = pred.shape[0]
+    grad = torch.is_grad_enabled() and pred.requires_grad
+    if impl == "fused" and grad:
+        return _FusedSoftCE.apply(pred, target.detach(), lm_head.detach(), chunk_size)
+    ce = torch.zeros((), dtype=torch.promote_types(lm_head.dtype, torch.float32), device=pred.device)
+    top1 = torch.zeros((), dtype=torch.long, device=pred.device)
+    topk = torch.zeros_like(top1)
+    for s in range(0, n, chunk_size):
+        args = (pred[s:s + chunk_size], target[s:s + chunk_size].detach(), lm_head.detach())
+        # Non-reentrant: unrolled steps reuse one module, which reentrant checkpointing breaks under ZeRO-2.
+        c, a, b = checkpoint(_ce_chunk, *args, use_reentrant=False) if grad else _ce_chunk(*args)
+        ce = ce + c
+        top1 += a
+        topk += b
+    return ce, top1, topk
+
+
+# --- the losses -------------------------------------------------------------------------------------------------
+
+
+def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, lm_head: torch.Tensor,
+               num_tokens: float | torch.Tensor | None = None, *, w_feat: float = 1.0, w_tok: float = 0.1,
+               smooth_l1_beta: float = 1.0, chunk_size: int = 1024,
+               impl: str = "checkpoint") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one draft step.
+
+    pred: (T, H) head output; target: (T, H) target hidden of the same rows; counted: (T,) bool rows to learn;
+    lm_head: (V, H) frozen; num_tokens: the normaliser (None → counted.sum(); a trainer passes the global
+    count). Rows not counted are dropped before any arithmetic, so their values (even NaN) never matter.
+    Returns (loss, metrics): loss, feat_loss, tok_loss, top1, top3, each a sum over this batch's rows divided
+    by num_tokens (so they add up over ranks), and num_tokens = this batch's counted rows.
+    """
+    idx = counted.nonzero().squeeze(1)
+    p, t = pred[idx], target[idx]  # (N, H)
+    n_local = torch.tensor(float(idx.numel()), device=pred.device)
+    denom = n_local if num_tokens is None else torch.as_tensor(num_tokens, dtype=torch.float32, device=pred.device)
+    denom = denom.clamp_min(1.0)  # a batch without counted rows gives a zero (still differentiable) loss
+    acc = torch.promote_types(pred.dtype, torch.float32)  # bf16 features are compared in float32
+    feat = F.smooth_l1_loss(p.to(acc), t.to(acc), reduction="none", beta=smooth_l1_beta).mean(-1).sum()
+    ce, top1, top3 = chunked_soft_ce(p, t, lm_head, chunk_size, impl)
+    feat_loss, tok_loss = feat / denom, ce / denom
+    loss = w_feat * feat_loss + w_tok * tok_loss
+    metrics = {
+        "loss": loss.detach(),
+        "feat_loss": feat_loss.detach(),
+        "tok_loss": tok_loss.detach(),
+        "top1": top1.float() / denom,
+        "top3": top3.float() / denom,
+        "num_tokens": n_local,
+    }
+    return loss, metrics
+
+
+def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                  seq_lens: Sequence[int] | torch.Tensor, cfg: LossConfig,
+                  num_tokens: Sequence[float] | torch.Tensor | None = None,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The training loss of a packed batch over `cfg.steps` chained draft steps.
+
+    hidden: (T, H) stored target hidden h_i; input_ids: (T,) tokens t_i; loss_mask: (T,); seq_lens: (B,).
+    Step j is aligned as in `mtp_train.heads.base` (row i predicts h_{i+j+1}, counted by loss_mask[i+j+1]).
+    num_tokens: per-step normalisers (steps,) (None → local counts; see `step_token_counts`). In training
+    mode, uniform noise of `cfg.noise_std` is added to the input features (never to the targets).
+    Returns (Σ_j w_j · loss_j, metrics): loss (the total), step{j}/{loss,feat_loss,tok_loss,top1,top3,
+    num_tokens} and the step-0 values without prefix.
+    """
+    lens = resolve_seq_lens(hidden.shape[0], seq_lens)
+    if num_tokens is not None and len(num_tokens) != cfg.steps:
+        raise ValueError(f"{len(num_tokens)} num_tokens for {cfg.steps} steps")
+    lm_head = head.require_frozen().lm_head
+    x = hidden
+    if head.training and cfg.noise_std > 0:
+        x = uniform_noise(hidden, cfg.noise_std, generator)
+    preds = head.unroll(x, input_ids, lens, cfg.steps, cfg.unroll_attention)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    metrics: dict[str, torch.Tensor] = {}
+    for j, (pred, w) in enumerate(zip(preds, cfg.weights())):
+        target, counted = step_targets(hidden, loss_mask, lens, j)
+        loss_j, m = draft_loss(pred, target, counted, lm_head, None if num_tokens is None else num_tokens[j],
+                               w_feat=cfg.w_feat, w_tok=cfg.w_tok, smooth_l1_beta=cfg.smooth_l1_beta,
+                               chunk_size=cfg.chunk_size, impl=cfg.ce_impl)
+        total = total + w * loss_j
+        metrics.update({f"step{j}/{k}": v for k, v in m.items()})
+    metrics.update({k: metrics[f"step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")})
+    metrics["loss"] = total.detach()
+    return total, metrics

@@ -1,0 +1,257 @@
+"""The head loss: alignment and masking, normalisation, vocabulary chunking, metrics, unrolled steps, a tiny overfit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtp_train.engine import prefill_hidden
+from mtp_train.heads import HeadConfig, build_head
+from mtp_train.models import load_model
+from mtp_train.train.losses import (
+    LossConfig,
+    chunked_soft_ce,
+    draft_loss,
+    step_targets,
+    step_token_counts,
+    unrolled_loss,
+)
+
+V, H = 96, 16
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The machine is shared: tiny matmuls gain nothing from threads."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _rand(*shape, seed: int, scale: float = 1.0, dtype=torch.float64) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype) * scale
+
+
+def _reference(pred, target, lm_head):
+    """Unchunked soft CE (summed) and top-1 / top-3 counts, straight from the definition."""
+    z, t = pred @ lm_head.T, target @ lm_head.T  # (N, V)
+    ce = -(t.softmax(-1) * z.log_softmax(-1)).sum()
+    best = t.argmax(-1)
+    top3 = z.topk(3, -1).indices
+    return ce, (top3[:, 0] == best).sum(), (top3 == best[:, None]).any(-1).sum()
+
+
+@pytest.fixture(scope="module")
+def tiny_batch(tiny_checkpoints):
+    """A head on the tiny llama target and a packed batch of its real hidden states with an assistant-like mask."""
+    path = tiny_checkpoints["llama"][0]
+    target = load_model(path, dtype="float32", backend="torch")
+    g = torch.Generator().manual_seed(0)
+    lens = [13, 11]
+    seqs = [torch.randint(0, target.args.vocab_size, (n,), generator=g).tolist() for n in lens]
+    hidden = prefill_hidden(target, seqs).hidden
+    ids = torch.tensor([t for s in seqs for t in s])
+    mask = torch.cat([torch.tensor([0] * 3 + [1] * (n - 3)) for n in lens])  # a 3-token "prompt" per sequence
+    return path, hidden, ids, mask, lens
+
+
+# --- alignment --------------------------------------------------------------------------------------------------
+
+
+def test_step_targets_and_counts_by_hand():
+    lens = [4, 3]
+    hidden = torch.arange(7.0)[:, None].repeat(1, 2)  # row r holds r
+    mask = torch.tensor([0, 1, 1, 1, 1, 1, 0])
+    t0, c0 = step_targets(hidden, mask, lens, 0)
+    assert t0[:, 0].tolist() == [1, 2, 3, 0, 5, 6, 0]  # h_{i+1}, nothing after a sequence's end
+    assert c0.tolist() == [True, True, True, False, True, False, False]  # mask[i+1], never past the end
+    t1, c1 = step_targets(hidden, mask, lens, 1)
+    assert t1[:, 0].tolist() == [2, 3, 0, 0, 6, 0, 0]
+    assert c1.tolist() == [True, True, False, False, False, False, False]
+    assert step_token_counts(mask, lens, 3).tolist() == [4.0, 2.0, 1.0]
+
+
+# --- the chunked soft cross-entropy -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["checkpoint", "fused"])
+@pytest.mark.parametrize("chunk", [1, 5, 23, 1000])
+def test_chunked_soft_ce_equals_unchunked_value_and_gradient(impl, chunk):
+    lm_head = _rand(V, H, seed=0, scale=0.5)
+    target = _rand(23, H, seed=1)
+    pred = (target + _rand(23, H, seed=2, scale=0.5)).requires_grad_(True)
+    ref_pred = pred.detach().clone().requires_grad_(True)
+    ce, top1, top3 = chunked_soft_ce(pred, target, lm_head, chunk_size=chunk, impl=impl)
+    ref_ce, ref_top1, ref_top3 = _reference(ref_pred, target, lm_head)
+    torch.testing.assert_close(ce, ref_ce)
+    assert (top1.item(), top3.item()) == (ref_top1.item(), ref_top3.item())
+    assert 0 < top1 < top3 < 23  # a test that can tell top-1 from top-3
+    (2.5 * ce).backward()
+    (2.5 * ref_ce).backward()
+    torch.testing.assert_close(pred.grad, ref_pred.grad)
+
+
+@pytest.mark.parametrize("impl", ["checkpoint", "fused"])
+def test_no_full_vocabulary_tensor_is_kept_for_backward(impl):
+    """Autograd keeps no (rows > chunk, V) tensor: the logits exist one chunk at a time."""
+    lm_head, target = _rand(V, H, seed=0), _rand(40, H, seed=1)
+    pred = _rand(40, H, seed=2).requires_grad_(True)
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _reference(pred, target, lm_head)
+    assert (40, V) in saved  # the hook sees what the naive computation keeps
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ce, _, _ = chunked_soft_ce(pred, target, lm_head, chunk_size=8, impl=impl)
+    assert saved and not [s for s in saved if s[-1] == V and s[0] > 8]
+    ce.backward()
+    assert pred.grad is not None and torch.isfinite(pred.grad).all()
+
+
+def test_bf16_chunked_matches_unchunked():
+    lm_head, target = _rand(V, H, seed=0, dtype=torch.bfloat16), _rand(30, H, seed=1, dtype=torch.bfloat16)
+    pred = _rand(30, H, seed=2, dtype=torch.bfloat16).requires_grad_(True)
+    full, _, _ = chunked_soft_ce(pred, target, lm_head, chunk_size=10**6)
+    for impl in ("checkpoint", "fused"):
+        ce, _, _ = chunked_soft_ce(pred, target, lm_head, chunk_size=7, impl=impl)
+        torch.testing.assert_close(ce, full, rtol=1e-5, atol=1e-4)
+
+
+# --- the step loss ----------------------------------------------------------------------------------------------
+
+
+def _step_loss_inputs(seed: int = 0):
+    lm_head = _rand(V, H, seed=seed, scale=0.5)
+    target = _rand(20, H, seed=seed + 1)
+    pred = target + _rand(20, H, seed=seed + 2, scale=0.7)
+    counted = torch.rand(20, generator=torch.Generator().manual_seed(seed + 3)) < 0.6
+    return pred, target, counted, lm_head
+
+
+def test_masked_rows_contribute_nothing():
+    pred, target, counted, lm_head = _step_loss_inputs()
+    p1 = pred.clone().requires_grad_(True)
+    loss1, m1 = draft_loss(p1, target, counted, lm_head, chunk_size=4)
+    loss1.backward()
+    p2, t2 = pred.clone(), target.clone()
+    p2[~counted], t2[~counted] = float("nan"), 1e6  # anything at all in the rows that are not counted
+    p2.requires_grad_(True)
+    loss2, m2 = draft_loss(p2, t2, counted, lm_head, chunk_size=4)
+    loss2.backward()
+    torch.testing.assert_close(loss2, loss1, rtol=0, atol=0)
+    assert m1 == m2 or all(torch.equal(m1[k], m2[k]) for k in m1)
+    torch.testing.assert_close(p2.grad, p1.grad, rtol=0, atol=0)
+    assert (p1.grad[~counted] == 0).all() and (p1.grad[counted] != 0).any()
+
+
+def test_normalised_by_num_tokens_and_additive_over_ranks():
+    pred, target, counted, lm_head = _step_loss_inputs()
+    n = int(counted.sum())
+    loss, m = draft_loss(pred, target, counted, lm_head, w_feat=1.0, w_tok=0.1)
+    feat = F.smooth_l1_loss(pred[counted].float(), target[counted].float(), reduction="none").mean(-1).sum()
+    ce = _reference(pred[counted], target[counted], lm_head)[0]
+    torch.testing.assert_close(loss, (feat + 0.1 * ce) / n)
+    assert m["num_tokens"].item() == n
+    half, mh = draft_loss(pred, target, counted, lm_head, num_tokens=2 * n)
+    torch.testing.assert_close(half, loss / 2)
+    torch.testing.assert_close(mh["top1"], m["top1"] / 2)
+
+    # Two "ranks" holding half the rows each, normalised by the global count, add up to the whole batch.
+    parts = [slice(0, 9), slice(9, 20)]
+    p = pred.clone().requires_grad_(True)
+    total = sum(draft_loss(p[s], target[s], counted[s], lm_head, num_tokens=n)[0] for s in parts)
+    total.backward()
+    q = pred.clone().requires_grad_(True)
+    whole, _ = draft_loss(q, target, counted, lm_head)
+    whole.backward()
+    torch.testing.assert_close(total, whole)
+    torch.testing.assert_close(p.grad, q.grad)
+
+    empty, me = draft_loss(pred.requires_grad_(True), target, torch.zeros(20, dtype=torch.bool), lm_head)
+    assert empty.item() == 0 and me["num_tokens"].item() == 0
+    empty.backward()  # still differentiable: a rank without counted rows takes part in the gradient exchange
+
+
+def test_perfect_prediction_scores_top1_one_and_target_entropy():
+    _, target, counted, lm_head = _step_loss_inputs()
+    loss, m = draft_loss(target.clone(), target, counted, lm_head, w_feat=1.0, w_tok=1.0)
+    assert m["top1"].item() == 1.0 and m["top3"].item() == 1.0 and m["feat_loss"].item() == 0.0
+    p = (target[counted] @ lm_head.T).softmax(-1)
+    entropy = -(p * p.log()).sum(-1).mean()
+    torch.testing.assert_close(m["tok_loss"], entropy)
+    torch.testing.assert_close(loss, m["tok_loss"])
+
+
+# --- unrolled steps ---------------------------------------------------------------------------------------------
+
+
+def test_unrolled_loss_weights_steps_and_reports_per_step_metrics(tiny_batch):
+    path, hidden, ids, mask, lens = tiny_batch
+    head = build_head(HeadConfig(type="mtp"), path, dtype="float32")
+    cfg = LossConfig(steps=3, chunk_size=7)
+    loss, m = unrolled_loss(head, hidden, ids, mask, lens, cfg)
+    per_step = [m[f"step{j}/loss"] for j in range(3)]
+    torch.testing.assert_close(loss.detach(), sum(0.8**j * x for j, x in enumerate(per_step)))
+    counts = step_token_counts(mask, lens, 3)
+    assert [m[f"step{j}/num_tokens"].item() for j in range(3)] == counts.tolist() == [18.0, 18.0, 18.0]
+    for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens"):
+        assert all(f"step{j}/{k}" in m for j in range(3)) and torch.equal(m[k], m[f"step0/{k}"])
+    # Each step's loss is the step loss of the unrolled prediction against h_{i+j+1}.
+    preds = head.unroll(hidden, ids, lens, 3)
+    target, counted = step_targets(hidden, mask, lens, 2)
+    ref, _ = draft_loss(preds[2], target, counted, head.frozen.lm_head)
+    torch.testing.assert_close(m["step2/loss"], ref.detach())
+    # Explicit weights and global per-step counts pass straight through.
+    cfg = LossConfig(steps=3, step_weights=[1.0, 0.0, 0.0])
+    only0, m0 = unrolled_loss(head, hidden, ids, mask, lens, cfg, num_tokens=2 * counts)
+    torch.testing.assert_close(only0.detach(), m["step0/loss"] / 2)
+    loss.backward()
+    assert all(p.grad is not None for p in head.parameters())
+    with pytest.raises(ValueError, match="step_weights"):
+        LossConfig(steps=2, step_weights=[1.0])
+
+
+def test_feature_noise_only_in_training_mode(tiny_batch):
+    path, hidden, ids, mask, lens = tiny_batch
+    head = build_head(HeadConfig(type="eagle1"), path, dtype="float32")
+    clean, _ = unrolled_loss(head, hidden, ids, mask, lens, LossConfig())
+    noisy_cfg = LossConfig(noise_std=0.5)
+    head.eval()
+    assert unrolled_loss(head, hidden, ids, mask, lens, noisy_cfg)[0].item() == clean.item()
+    head.train()
+    a = unrolled_loss(head, hidden, ids, mask, lens, noisy_cfg, generator=torch.Generator().manual_seed(1))[0]
+    b = unrolled_loss(head, hidden, ids, mask, lens, noisy_cfg, generator=torch.Generator().manual_seed(1))[0]
+    assert a.item() == b.item() != clean.item()
+
+
+@pytest.mark.parametrize("type_", ["mtp", "eagle1"])
+def test_tiny_overfit(tiny_batch, type_):
+    """A hundred Adam steps on one fixed batch: both loss terms collapse and top-1 beats the trivial baseline."""
+    path, hidden, ids, mask, lens = tiny_batch
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type=type_), path, dtype="float32")
+    cfg = LossConfig(steps=2, w_tok=1.0, chunk_size=8)
+    target, counted = step_targets(hidden, mask, lens, 0)
+    p = head.compute_logits(target[counted]).softmax(-1)
+    # The tiny random target is nearly uniform: the soft CE can only fall to its entropy, so compare the excess.
+    entropy = -(p * p.log()).sum(-1).mean()
+    baseline = p.argmax(-1).bincount().max().item() / len(p)  # always guessing the most frequent target token
+    opt = torch.optim.Adam(head.parameters(), lr=5e-3)
+    first = None
+    for _ in range(100):
+        loss, m = unrolled_loss(head, hidden, ids, mask, lens, cfg)
+        first = first if first is not None else m
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert m["loss"] < first["loss"]
+    assert m["feat_loss"] < 0.05 * first["feat_loss"], (first["feat_loss"], m["feat_loss"])
+    assert m["tok_loss"] - entropy < 0.05 * (first["tok_loss"] - entropy), (first["tok_loss"], m["tok_loss"], entropy)
+    assert m["top1"] >= baseline + 0.5 and m["step1/top1"] >= baseline + 0.5, (baseline, m["top1"], m["step1/top1"])
