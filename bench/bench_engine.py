@@ -8,6 +8,7 @@ Measures (all ratios ours / baseline, higher = ours faster, except verify_cost):
   (what a speculative verify step costs against a decode step on this machine).
 
 Usage: python bench/bench_engine.py --model models/smollm2-135m-instruct [--dtype float32]
+Ours and transformers are timed alternately and each ratio is the median of per-round ratios.
 The last line printed is one JSON object.
 """
 
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report, timeit  # noqa: E402
+from common import compare, report, timeit  # noqa: E402
 
 from mtp_train.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, prefill_hidden  # noqa: E402
 from mtp_train.models import load_model, resolve_dtype  # noqa: E402
@@ -55,9 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
     seqs = torch.randint(0, vocab, (args.prefill_batch, args.prefill_len))
     n_tok = seqs.numel()
     with torch.inference_mode():
-        t_ours = timeit(lambda: prefill_hidden(ours, seqs.tolist()), repeat=args.repeat)
-        t_hf = timeit(lambda: hf(seqs, output_hidden_states=True), repeat=args.repeat)
-    res.update(prefill_tok_s_ours=n_tok / t_ours, prefill_tok_s_hf=n_tok / t_hf, prefill_speedup_vs_hf=t_hf / t_ours)
+        t_ours, t_hf, ratio = compare(lambda: prefill_hidden(ours, seqs.tolist()),
+                                      lambda: hf(seqs, output_hidden_states=True), repeat=args.repeat)
+    res.update(prefill_tok_s_ours=n_tok / t_ours, prefill_tok_s_hf=n_tok / t_hf, prefill_speedup_vs_hf=ratio)
     print(f"prefill {args.prefill_batch}x{args.prefill_len}: ours {n_tok / t_ours:.0f} tok/s, "
           f"transformers {n_tok / t_hf:.0f} tok/s", flush=True)
 
@@ -68,15 +70,16 @@ def main(argv: list[str] | None = None) -> dict:
     engine = LLMEngine(ours, kv_cache_gb=0.25)
     params = SamplingParams(max_new_tokens=n_new, ignore_eos=True)
     out_ours: list = []
-    t_ours = timeit(lambda: out_ours.append(engine.generate([prompt], params)[0]), repeat=args.repeat)
     x = torch.tensor([prompt])
     out_hf: list = []
     with torch.inference_mode():
-        t_hf = timeit(lambda: out_hf.append(hf.generate(x, do_sample=False, max_new_tokens=n_new,
-                                                        min_new_tokens=n_new, pad_token_id=tok.eos_token_id)),
-                      repeat=args.repeat)
+        t_ours, t_hf, ratio = compare(
+            lambda: out_ours.append(engine.generate([prompt], params)[0]),
+            lambda: out_hf.append(hf.generate(x, do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
+                                              pad_token_id=tok.eos_token_id)),
+            repeat=args.repeat)
     same = out_ours[-1].output_ids == out_hf[-1][0, len(prompt):].tolist()
-    res.update(decode_tok_s_ours=n_new / t_ours, decode_tok_s_hf=n_new / t_hf, decode_speedup_vs_hf=t_hf / t_ours,
+    res.update(decode_tok_s_ours=n_new / t_ours, decode_tok_s_hf=n_new / t_hf, decode_speedup_vs_hf=ratio,
                decode_same_tokens=same)
     print(f"decode batch 1, {n_new} tokens: ours {n_new / t_ours:.1f} tok/s, transformers {n_new / t_hf:.1f} tok/s, "
           f"same tokens: {same}", flush=True)
@@ -86,17 +89,22 @@ def main(argv: list[str] | None = None) -> dict:
     ctx = torch.randint(0, vocab, (args.verify_context,)).tolist()
     seq = Sequence.new(0, ctx)
     runner.run([seq])
-    costs = {}
-
     def verify(k: int) -> None:
         seq.token_ids.extend(ctx[:k])
         runner.run([seq], logits="all")
         runner.truncate(seq, len(ctx))
 
-    for k in (1, 2, 4, 8, 16):
-        costs[k] = timeit(lambda k=k: verify(k), repeat=max(5, args.repeat), warmup=2)
-    res["verify_cost"] = {str(k): costs[k] / costs[1] for k in costs}
-    res["verify_ms_1"] = costs[1] * 1000
+    # rounds over all k, each k's cost relative to k=1 of the same round (robust to changing load)
+    ks = (1, 2, 4, 8, 16)
+    for k in ks:
+        verify(k)
+    rounds = []
+    for _ in range(max(5, args.repeat)):
+        t = {k: timeit(lambda k=k: verify(k), repeat=1, warmup=0) for k in ks}
+        rounds.append(t)
+    costs = {k: statistics.median(r[k] / r[1] for r in rounds) for k in ks}
+    res["verify_cost"] = {str(k): costs[k] for k in ks}
+    res["verify_ms_1"] = statistics.median(r[1] for r in rounds) * 1000
     print("verify cost at context", args.verify_context, {k: round(v, 2) for k, v in res["verify_cost"].items()})
     report(res)
     return res
