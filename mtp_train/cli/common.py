@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from mtp_train.config import ModelConfig, resolve_device
 from mtp_train.data.chat import ChatTemplateError
 from mtp_train.data.readers import DataError
 from mtp_train.dist import DistInfo
+from mtp_train.fileio import atomic_write_text
 from mtp_train.models.config import ModelConfigError
 from mtp_train.models.fetch import REGISTRY, ModelFetchError, fetch_model
 
@@ -51,23 +51,6 @@ def to_dict(cfg: DictConfig | dict[str, Any] | None) -> dict[str, Any]:
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     return dict(cfg)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a temporary sibling and a rename, so a reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique sibling opened normally (not mkstemp, whose 0600 mode would survive the rename): the umask applies.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with tmp.open("x", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def save_config(cfg: DictConfig, path: str | Path) -> Path:

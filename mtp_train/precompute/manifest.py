@@ -16,18 +16,16 @@ Shard file (safetensors), S samples of T tokens in total, H = hidden size, k = n
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from mtp_train.fileio import atomic_write_text
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-TMP_PREFIX = ".tmp-"
 # How the train/val split is decided, written into every manifest so the rule travels with the data.
 SPLIT_RULE = "val iff int.from_bytes(sha256(f'{seed}:{id}')[:8], 'big') / 2**64 < val_fraction"
 
@@ -50,57 +48,6 @@ def is_val(sample_id: str, seed: int, val_fraction: float) -> bool:
         return False
     digest = hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64 < val_fraction
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# atomic writes
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename inside it survives a crash (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Create `path` atomically: `write(tmp)` fills `.tmp-<name>`, which is fsynced and renamed into place.
-
-    A crash leaves either the old file or the new one, never a torn file; leftover `.tmp-*` files are
-    removed by the next run.
-    """
-    tmp = path.with_name(TMP_PREFIX + path.name)
-    try:
-        write(tmp)
-        with tmp.open("rb+") as fh:
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(text))
-
-
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    """Hex sha256 of a whole file, read in chunks (never whole into memory)."""
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from mtp_train.precompute.manifest import Manifest, ShardInfo, is_val, sha256_file
+from mtp_train.fileio import sha256_file
+from mtp_train.precompute.manifest import Manifest, ShardInfo, is_val
 
 VERIFY_MODES = ("first_open", "never", "always")
 

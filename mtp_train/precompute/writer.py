@@ -35,12 +35,12 @@ from tqdm.auto import tqdm
 import mtp_train
 from mtp_train import dist as mdist
 from mtp_train.engine.runner import prefill_hidden
+from mtp_train.fileio import TMP_PREFIX, atomic_write, sha256_file
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.models.llama import LlamaForCausalLM
 from mtp_train.precompute.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
-    TMP_PREFIX,
     HiddenInfo,
     Manifest,
     ShardInfo,
@@ -48,10 +48,8 @@ from mtp_train.precompute.manifest import (
     TargetInfo,
     TokenizerInfo,
     Totals,
-    atomic_write,
     is_val,
     read_json,
-    sha256_file,
     write_json,
 )
 
