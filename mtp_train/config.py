@@ -94,3 +94,125 @@ def register_configs() -> None:
     cs.store(name="regenerate_schema", node=RegenerateConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="head", name="head_schema", node=HeadCfg)
+    cs.store(group="deepspeed", name="deepspeed_schema", node=DeepSpeedCfg)
+
+
+# --- stage two: `mtp-train` -------------------------------------------------------------------------------------
+
+
+@dataclass
+class HeadCfg:
+    """Which draft head to train (`conf/head/*.yaml`); mirrors `mtp_train.heads.HeadConfig`."""
+
+    type: str = "mtp"  # mtp (RMSNorm-restored, DeepSeek-V3 MTP shape) | eagle1 (original EAGLE)
+    enorm: bool | None = None  # RMSNorm on the token embedding before the fc; null = the type's default
+    hnorm: bool | None = None  # RMSNorm on the input hidden state before the fc; null = the type's default
+    input_norm: bool | None = None  # the decoder layer's input_layernorm; null = the type's default
+    final_norm: bool | None = None  # RMSNorm after the layer (its output is the predicted feature); null = default
+    fc_bias: bool = False  # bias on the 2H→H fc (vLLM's EAGLE layout has none, SGLang's has one)
+    init: str = "scratch"  # scratch (random) | last_layer (copy the target's last decoder layer)
+
+
+@dataclass
+class TrainDataCfg(DataConfig):
+    """Training data: the precompute folder `dir` (`mtp-precompute`'s `out`).
+
+    The inherited fields (the `data=` group: name, paths, ...) name the conversations that folder was made
+    from; training reads only `dir` and records the rest with the run.
+    """
+
+    dir: str = "runs/precompute"  # precompute folder: shards + manifest.json for this target
+    num_workers: int = 0  # DataLoader worker processes per rank (0 = read in the training process)
+    verify: str = "first_open"  # shard checksums: first_open | always (before training) | never (sizes only)
+
+
+@dataclass
+class OptimCfg:
+    """AdamW and its learning-rate schedule (linear warmup, then cosine down to min_lr_ratio · lr)."""
+
+    lr: float = 1e-4  # peak learning rate
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 100  # optimizer steps of linear warmup from lr/warmup_steps to lr
+    min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio · lr at train.max_steps
+    grad_clip: float = 0.5  # clip the global gradient norm to this (0 = off)
+
+
+@dataclass
+class LossCfg:
+    """The head loss (`mtp_train.train.losses.LossConfig`)."""
+
+    w_feat: float = 1.0  # weight of the SmoothL1 feature loss
+    w_tok: float = 0.1  # weight of the soft cross-entropy against the target's distribution
+    smooth_l1_beta: float = 1.0  # SmoothL1 switch point between quadratic and linear
+    steps: int = 1  # chained draft steps unrolled per batch
+    step_decay: float = 0.8  # step j weighs step_decay ** j, unless step_weights is given
+    step_weights: list[float] | None = None  # explicit per-step weights (length = steps)
+    unroll_attention: str = "chain"  # chain (as the inference chain sees it) | causal (DeepSeek-V3 MTP style)
+    chunk_size: int = 1024  # rows per lm_head chunk: bounds memory at ~3 · chunk_size · V floats
+    ce_impl: str = "checkpoint"  # checkpoint | fused (see mtp_train.train.losses)
+    noise_std: float = 0.0  # uniform noise U(-std, std) on the input features while training (EAGLE); 0 = off
+
+
+@dataclass
+class LoopCfg:
+    """The training loop (`train.*`): steps, batch sizes, evaluation, checkpoints, logging."""
+
+    max_steps: int = 1000  # optimizer steps in the whole run (the cosine schedule ends here)
+    micro_batch_tokens: int = 8192  # token budget of one packed micro-batch (len(batch) · longest ≤ this)
+    grad_accum: int = 1  # micro-batches per rank per optimizer step (global batch = world · grad_accum of them)
+    eval_every: int = 500  # evaluate on the val split every N steps (0 = only at the end)
+    eval_batches: int = 16  # val micro-batches per rank per evaluation (0 = no evaluation)
+    save_every: int = 1000  # full checkpoint + head export every N steps (0 = only at the end)
+    log_every: int = 10  # log training metrics every N steps
+    seed: int = 0  # seeds the head's init, the batch order and the feature noise
+    progress: bool = True  # tqdm progress bar on rank 0
+
+
+@dataclass
+class DeepSpeedCfg:
+    """DeepSpeed JSON-config fields (`conf/deepspeed/*.yaml`); "auto" values are filled from the train config."""
+
+    name: str = "zero2"  # short name of this preset (not a DeepSpeed key)
+    train_micro_batch_size_per_gpu: Any = 1  # must be 1: a micro-batch is one token-budget packed batch
+    gradient_accumulation_steps: Any = "auto"  # auto = train.grad_accum
+    gradient_clipping: Any = "auto"  # auto = optim.grad_clip
+    bf16: dict[str, Any] = field(default_factory=lambda: {"enabled": "auto"})  # auto = on for CUDA, off (fp32) on CPU
+    zero_optimization: dict[str, Any] = field(default_factory=lambda: {"stage": 2})  # ZeRO stage 0, 1 or 2 + knobs
+    optimizer: dict[str, Any] = field(default_factory=lambda: {  # AdamW; auto params come from optim.*
+        "type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
+                                    "torch_adam": "auto"}})
+    steps_per_print: int = 1_000_000_000  # DeepSpeed's own periodic log line: effectively off (we log ourselves)
+    wall_clock_breakdown: bool = False  # DeepSpeed's forward/backward/step timers
+    extra: dict[str, Any] = field(default_factory=dict)  # any other DeepSpeed keys, passed through unchanged
+
+
+@dataclass
+class WandbCfg:
+    """Weights & Biases logging (rank 0 only)."""
+
+    mode: str = "online"  # online | offline | disabled; online falls back to offline when no API key is set
+    project: str = "mtp-train"  # W&B project
+    entity: str | None = None  # W&B team or user; null = the account's default
+    name: str | None = None  # run name; null = W&B picks one
+    dir: str | None = None  # where the run's files go; null = the run's `out` folder
+    tags: list[str] = field(default_factory=list)  # run tags
+
+
+@dataclass
+class TrainConfig:
+    """`mtp-train`: a draft head trained on precomputed target hidden states with DeepSpeed."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    head: HeadCfg = field(default_factory=HeadCfg)
+    data: TrainDataCfg = field(default_factory=TrainDataCfg)
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    loss: LossCfg = field(default_factory=LossCfg)
+    train: LoopCfg = field(default_factory=LoopCfg)
+    deepspeed: DeepSpeedCfg = field(default_factory=DeepSpeedCfg)
+    wandb: WandbCfg = field(default_factory=WandbCfg)
+    out: str = "runs/train"  # run folder: config.yaml, metrics.jsonl, checkpoints/, heads/, wandb/
+    resume: str = "auto"  # auto (the latest checkpoint under out, if any) | none | a checkpoint tag folder

@@ -1,0 +1,69 @@
+"""`mtp-train`: a draft head trained on precomputed target hidden states (DeepSpeed ZeRO, torchrun).
+
+    mtp-train model=smollm2-135m head=mtp data.dir=runs/precompute out=runs/train train.max_steps=2000
+    mtp-train head=eagle1 deepspeed=zero1 loss.steps=3 optim.lr=3e-4 wandb.mode=offline
+    torchrun --nproc_per_node 8 -m mtp_train.cli.train model=llama3.1-8b data.dir=/data/pc out=/runs/mtp
+    launch/train_1node.sh ... | launch/train_multinode.sh ... | sbatch launch/train.sbatch ...
+
+A re-run with the same `out` resumes from its latest checkpoint (`resume=auto`). Rank 0 saves the resolved config
+as `<out>/config.yaml`, logs to W&B and `<out>/metrics.jsonl`, and exports the head to `<out>/heads/step-N/`.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from mtp_train import dist
+from mtp_train.cli.common import CONF_DIR, dist_device_kind, ensure_model, run_command, run_device, save_config
+from mtp_train.config import register_configs
+from mtp_train.train.trainer import StepHook, as_train_config, train
+
+log = logging.getLogger(__name__)
+PROG = "mtp-train"
+
+
+def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, Any]:
+    """Run `mtp-train` with a composed config; returns the final metrics (on every rank).
+
+    on_step(trainer, step, metrics) is called on every rank after each optimizer step (see Trainer).
+    """
+    as_train_config(cfg)  # a wrong value type fails here, before any process group or model is touched
+    info = dist.init_distributed(dist_device_kind(cfg.model))
+    try:
+        group = dist.cpu_group(timedelta(hours=2))  # rank 0 may fetch the default model meanwhile
+        out = Path(cfg.out)
+        if info.is_main:
+            ensure_model(cfg.model)
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out / "config.yaml")
+        dist.barrier(group)
+        result = train(cfg, info, run_device(cfg.model, info), on_step=on_step)
+        if info.is_main:
+            top1 = result.get("eval/top1")
+            print(f"{PROG}: step {result['step']}, train loss {result.get('train/loss', float('nan')):.4f}"
+                  + (f", eval top-1 {top1:.3f}" if top1 is not None else "")
+                  + f"; head → {result['head_dir']}", flush=True)
+        return result
+    finally:
+        dist.destroy()
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
+def _hydra_main(cfg: DictConfig) -> None:
+    run_command(PROG, train_main, cfg)
+
+
+def main() -> None:
+    """Console entry point: register the config schemas, then let Hydra parse the command line."""
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

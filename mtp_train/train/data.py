@@ -1,0 +1,130 @@
+"""Packed micro-batches of precomputed samples, and an endless, resumable stream of them.
+
+A micro-batch is one `LengthBucketedBatchSampler` batch (at most `max_tokens` padded tokens) packed without
+padding: the samples' rows are concatenated into (T, ...) buffers with their lengths alongside, the layout the
+heads' training forward takes.
+
+Ranks: the dataset is NOT split by rank; the batch sampler splits the *batches* (rank r takes batches r, r+world,
+...). Every rank then yields the same number of batches (the sampler pads the list to a multiple of world), and
+the global batch of a step (world · grad_accum micro-batches) is the same run of batches whatever world and
+grad_accum are, so a run on 2 ranks sees exactly what 1 rank with twice the accumulation sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from mtp_train.precompute import LengthBucketedBatchSampler, PrecomputedDataset
+
+
+@dataclass
+class PackedBatch:
+    """Samples packed row after row (T = Σ seq_lens rows, H = hidden size)."""
+
+    input_ids: torch.Tensor  # (T,) int64 tokens t_i
+    loss_mask: torch.Tensor  # (T,) uint8, 1 on tokens to learn
+    hidden: torch.Tensor  # (T, H) target hidden h_i, storage dtype (bf16)
+    seq_lens: list[int]  # (B,) rows per sample, in order
+    ids: list[str]  # (B,) sample ids
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """The same batch on `device` (tensors only; lengths and ids stay Python lists)."""
+        return PackedBatch(
+            input_ids=self.input_ids.to(device, non_blocking=non_blocking),
+            loss_mask=self.loss_mask.to(device, non_blocking=non_blocking),
+            hidden=self.hidden.to(device, non_blocking=non_blocking),
+            seq_lens=self.seq_lens,
+            ids=self.ids,
+        )
+
+    def pin_memory(self) -> PackedBatch:
+        """Page-locked copies, so that the copy to the GPU can overlap compute (DataLoader pin_memory)."""
+        return PackedBatch(self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.hidden.pin_memory(),
+                           self.seq_lens, self.ids)
+
+
+def collate_packed(items: Sequence[dict[str, Any]]) -> PackedBatch:
+    """PrecomputedDataset items → one PackedBatch (concatenated in the given order, no padding)."""
+    if not items:
+        raise ValueError("cannot pack an empty batch")
+    return PackedBatch(
+        input_ids=torch.cat([it["input_ids"].long() for it in items]),
+        loss_mask=torch.cat([it["loss_mask"] for it in items]),
+        hidden=torch.cat([it["hidden"] for it in items]),
+        seq_lens=[int(it["input_ids"].shape[0]) for it in items],
+        ids=[str(it["id"]) for it in items],
+    )
+
+
+def make_loader(dataset: PrecomputedDataset, sampler: LengthBucketedBatchSampler, num_workers: int = 0,
+                pin_memory: bool = False) -> DataLoader:
+    """A DataLoader yielding PackedBatch in the sampler's order (workers read and pack ahead of the loop)."""
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_packed, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=False)
+
+
+class MicroBatchStream:
+    """Endless micro-batches over epochs, with a resumable position.
+
+    Epoch e plays the sampler's batch plan for e (shuffled from seed + e); when it ends, epoch e + 1 starts.
+    The position is (epoch, batches this rank has taken in the epoch), counted here as batches are handed
+    to the loop, not by the sampler, which the DataLoader runs ahead of the loop.
+    """
+
+    def __init__(self, dataset: PrecomputedDataset, sampler: LengthBucketedBatchSampler, num_workers: int = 0,
+                 pin_memory: bool = False) -> None:
+        self.dataset, self.sampler = dataset, sampler
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.epoch, self.position = 0, 0
+        self._it: Iterator[PackedBatch] | None = None
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at batch `position` of epoch `epoch` (same data, sampler settings, rank and world)."""
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._it = None
+
+    def _start(self) -> Iterator[PackedBatch]:
+        self.sampler.set_epoch(self.epoch)
+        self.sampler.load_state_dict({"epoch": self.epoch, "position": self.position})
+        return iter(make_loader(self.dataset, self.sampler, self.num_workers, self.pin_memory))
+
+    def next(self) -> PackedBatch:
+        """The next micro-batch of this rank (a new epoch starts when one ends)."""
+        for _ in range(2):  # at most one epoch change per call
+            if self._it is None:
+                self._it = self._start()
+            batch = next(self._it, None)
+            if batch is not None:
+                self.position += 1
+                return batch
+            self.epoch, self.position, self._it = self.epoch + 1, 0, None
+        raise ValueError(f"{self.dataset.directory}: the {self.dataset.split} split yields no batch")
+
+
+def eval_batches(dataset: PrecomputedDataset, max_tokens: int, n: int, rank: int = 0, world: int = 1,
+                 seed: int = 0) -> Iterator[PackedBatch]:
+    """This rank's share of the first n·world batches of epoch 0 of a split (evaluation).
+
+    The batch plan is shuffled from a fixed seed, so every evaluation of a run reads the same batches, of all
+    lengths (an unshuffled plan would start with the shortest samples only).
+    """
+    if n <= 0 or len(dataset) == 0:
+        return
+    sampler = LengthBucketedBatchSampler(dataset.lengths, max_tokens, shuffle=True, seed=seed, rank=rank,
+                                         world=world)
+    for k, batch in enumerate(make_loader(dataset, sampler)):
+        if k == n:
+            break
+        yield batch

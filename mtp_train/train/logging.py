@@ -1,0 +1,129 @@
+"""Run logging on rank 0: Weights & Biases (online | offline | disabled) and a local `metrics.jsonl`.
+
+`metrics.jsonl` gets one JSON object per logged step, whatever the W&B mode, so a run's numbers are on disk
+beside its checkpoints. On resume the lines after the resumed step are dropped: the resumed run logs those
+steps again.
+
+W&B `online` needs an API key (`WANDB_API_KEY`, or `wandb login`'s netrc entry). Without one the run is
+logged `offline` instead, with a log line saying so, rather than stopping a training job at its start or
+hanging on a login prompt; `wandb sync <run folder>` uploads it later. Only rank 0 constructs a W&B run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import netrc
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from mtp_train.fileio import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+WANDB_MODES = ("online", "offline", "disabled")
+METRICS_FILE = "metrics.jsonl"
+RUN_ID_FILE = "wandb-run-id"
+
+
+def has_wandb_key() -> bool:
+    """True when W&B can authenticate: WANDB_API_KEY is set, or the netrc has an entry for the W&B host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """The mode W&B actually runs in: `online` without an API key becomes `offline` (logged)."""
+    if mode not in WANDB_MODES:
+        raise ValueError(f"wandb.mode must be one of {'|'.join(WANDB_MODES)}, got {mode!r}")
+    if mode == "online" and not has_wandb_key():
+        log.warning("wandb: no API key (WANDB_API_KEY unset and no netrc entry): logging offline instead; "
+                    "upload later with `wandb sync <run folder>`")
+        return "offline"
+    return mode
+
+
+def _scalar(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    return v
+
+
+class RunLogger:
+    """Metrics sink of one run. On ranks other than 0 (`enabled=False`) every call is a no-op.
+
+    out: the run folder (metrics.jsonl, the W&B run id); wandb_cfg: the `wandb` node (mode, project, entity,
+    name, dir, tags); config: the resolved run config, recorded with the W&B run; resume_step: the step a
+    resumed run continues after (None for a fresh run).
+    """
+
+    def __init__(self, *, enabled: bool, out: str | Path, wandb_cfg: Mapping[str, Any], config: dict[str, Any],
+                 resume_step: int | None = None) -> None:
+        self.enabled = enabled
+        self.out = Path(out)
+        self.run: Any = None
+        self.mode = "disabled"
+        if not enabled:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._metrics_path = self.out / METRICS_FILE
+        self._start_metrics_file(resume_step)
+        self.mode = resolve_wandb_mode(str(wandb_cfg.get("mode", "online")))
+        if self.mode == "disabled":
+            return
+
+        import wandb  # only rank 0 with W&B on pays for the import
+
+        run_dir = Path(wandb_cfg.get("dir") or self.out)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        id_file = self.out / RUN_ID_FILE
+        kwargs: dict[str, Any] = {}
+        if resume_step is not None and self.mode == "online" and id_file.is_file():
+            # Continue the same W&B run after a resume (offline runs cannot be continued; they start a new one).
+            kwargs = {"id": id_file.read_text().strip(), "resume": "allow"}
+        self.run = wandb.init(mode=self.mode, project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"),
+                              name=wandb_cfg.get("name"), dir=str(run_dir), tags=list(wandb_cfg.get("tags") or []),
+                              config=config, **kwargs)
+        atomic_write_text(id_file, self.run.id + "\n")
+        log.info("wandb: %s run %s in %s", self.mode, self.run.id, run_dir)
+
+    def _start_metrics_file(self, resume_step: int | None) -> None:
+        """A fresh run starts an empty file; a resumed one keeps the lines up to its step."""
+        kept: list[str] = []
+        if resume_step is not None and self._metrics_path.is_file():
+            for line in self._metrics_path.read_text().splitlines():
+                if line.strip() and int(json.loads(line).get("step", 0)) <= resume_step:
+                    kept.append(line)
+        atomic_write_text(self._metrics_path, "".join(k + "\n" for k in kept))
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Record `metrics` (floats or 0-d tensors) at optimizer step `step`."""
+        if not self.enabled or not metrics:
+            return
+        row = {k: _scalar(v) for k, v in metrics.items()}
+        with self._metrics_path.open("a") as fh:
+            fh.write(json.dumps({"step": step, **row}) + "\n")
+        if self.run is not None:
+            self.run.log(row, step=step)
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        """Final values shown on the W&B run page (e.g. the last evaluation)."""
+        if self.run is not None:
+            for k, v in values.items():
+                self.run.summary[k] = _scalar(v)
+
+    def finish(self) -> None:
+        """Close the W&B run (flushes an offline run's files)."""
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
