@@ -62,3 +62,13 @@ def default_model_dir() -> Path:
     if not (DEFAULT_MODEL / "config.json").is_file():
         pytest.skip(f"{DEFAULT_MODEL} missing: run `make model`")
     return DEFAULT_MODEL
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread on a shared two-core machine; use with
+    `pytestmark = pytest.mark.usefixtures("one_thread")` (module scope: set before the module's runs)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

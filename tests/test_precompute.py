@@ -39,13 +39,7 @@ KW = dict(tokenizer_fingerprint="tok-fp", chat_template_fingerprint="tmpl-fp", d
           progress=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The tiny model's matmuls are far slower with two threads on a busy two-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -56,13 +56,7 @@ CHAT_ROWS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny matmuls run slower with two threads on a busy two-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -50,13 +50,7 @@ CONF = Path(CONF_DIR)
 VOCAB_USED = 24  # tokens 0..23 of the tiny target's 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The machine is shared: tiny matmuls gain nothing from threads (module scope: before the module's runs)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_train_samples(n: int, seed: int) -> list[Sample]:
