@@ -12,6 +12,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from mtp_train.train.losses import LossConfig
+
 
 @dataclass
 class ModelConfig:
@@ -141,20 +143,8 @@ class OptimCfg:
     grad_clip: float = 0.5  # clip the global gradient norm to this (0 = off)
 
 
-@dataclass
-class LossCfg:
-    """The head loss (`mtp_train.train.losses.LossConfig`)."""
-
-    w_feat: float = 1.0  # weight of the SmoothL1 feature loss
-    w_tok: float = 0.1  # weight of the soft cross-entropy against the target's distribution
-    smooth_l1_beta: float = 1.0  # SmoothL1 switch point between quadratic and linear
-    steps: int = 1  # chained draft steps unrolled per batch
-    step_decay: float = 0.8  # step j weighs step_decay ** j, unless step_weights is given
-    step_weights: list[float] | None = None  # explicit per-step weights (length = steps)
-    unroll_attention: str = "chain"  # chain (as the inference chain sees it) | causal (DeepSeek-V3 MTP style)
-    chunk_size: int = 1024  # rows per lm_head chunk: bounds memory at ~3 · chunk_size · V floats
-    ce_impl: str = "checkpoint"  # checkpoint | fused (see mtp_train.train.losses)
-    noise_std: float = 0.0  # uniform noise U(-std, std) on the input features while training (EAGLE); 0 = off
+# The loss schema is the library's own dataclass, so the YAML and the code can never drift apart.
+LossCfg = LossConfig
 
 
 @dataclass

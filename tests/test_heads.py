@@ -28,13 +28,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 LENS = [5, 9, 7]  # a packed batch of three sequences
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The machine is shared: tiny matmuls gain nothing from threads."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _head(tiny, name: str, type_: str = "mtp", **kw) -> DraftHead:

@@ -21,13 +21,7 @@ from mtp_train.train.losses import (
 V, H = 96, 16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The machine is shared: tiny matmuls gain nothing from threads."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rand(*shape, seed: int, scale: float = 1.0, dtype=torch.float64) -> torch.Tensor:
