@@ -19,10 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mtp_train.config import ModelConfig, resolve_device
+from mtp_train.config import ModelConfig, register_configs, resolve_device
 from mtp_train.data.chat import ChatTemplateError
 from mtp_train.data.readers import DataError
 from mtp_train.dist import DistInfo
@@ -131,3 +132,18 @@ def run_command(prog: str, fn: Callable[[DictConfig], Any], cfg: DictConfig) -> 
             f"{exc.strerror or 'not found'}: {exc.filename}"
         print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
+
+
+def hydra_entry(prog: str, config_name: str, fn: Callable[[DictConfig], Any]) -> Callable[[], None]:
+    """The console entry point of a Hydra command: register the schemas, parse the command line with the
+    root config `conf/<config_name>.yaml`, then `run_command(prog, fn, cfg)`."""
+
+    @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)
+    def _hydra_main(cfg: DictConfig) -> None:
+        run_command(prog, fn, cfg)
+
+    def main() -> None:
+        register_configs()
+        _hydra_main()
+
+    return main

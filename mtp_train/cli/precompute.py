@@ -15,21 +15,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig
 
 from mtp_train import dist
 from mtp_train.cli.common import (
-    CONF_DIR,
     dist_device_kind,
     ensure_model,
+    hydra_entry,
     load_target,
-    run_command,
     run_device,
     save_config,
     to_dict,
 )
-from mtp_train.config import register_configs
 from mtp_train.precompute.pipeline import run_precompute
 
 log = logging.getLogger(__name__)
@@ -62,15 +59,7 @@ def precompute_main(cfg: DictConfig) -> dict[str, Any]:
         dist.destroy()
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="precompute")
-def _hydra_main(cfg: DictConfig) -> None:
-    run_command(PROG, precompute_main, cfg)
-
-
-def main() -> None:
-    """Console entry point: register the config schemas, then let Hydra parse the command line."""
-    register_configs()
-    _hydra_main()
+main = hydra_entry(PROG, "precompute", precompute_main)
 
 
 if __name__ == "__main__":

@@ -16,22 +16,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch.distributed as tdist
 from omegaconf import DictConfig
 
 from mtp_train import dist
 from mtp_train.cli.common import (
-    CONF_DIR,
     dist_device_kind,
     ensure_model,
+    hydra_entry,
     load_target,
-    run_command,
     run_device,
     save_config,
     to_dict,
 )
-from mtp_train.config import register_configs
 from mtp_train.data.readers import read_conversations
 from mtp_train.engine.llm import LLMEngine
 from mtp_train.models.fingerprint import weights_fingerprint
@@ -112,15 +109,7 @@ def _gather(stats: RegenerateStats, group: Any) -> RegenerateStats:
     return total
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="regenerate")
-def _hydra_main(cfg: DictConfig) -> None:
-    run_command(PROG, regenerate_main, cfg)
-
-
-def main() -> None:
-    """Console entry point: register the config schemas, then let Hydra parse the command line."""
-    register_configs()
-    _hydra_main()
+main = hydra_entry(PROG, "regenerate", regenerate_main)
 
 
 if __name__ == "__main__":

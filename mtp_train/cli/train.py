@@ -16,12 +16,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig
 
 from mtp_train import dist
-from mtp_train.cli.common import CONF_DIR, dist_device_kind, ensure_model, run_command, run_device, save_config
-from mtp_train.config import register_configs
+from mtp_train.cli.common import dist_device_kind, ensure_model, hydra_entry, run_device, save_config
 from mtp_train.train.trainer import StepHook, as_train_config, train
 
 log = logging.getLogger(__name__)
@@ -54,15 +52,7 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
         dist.destroy()
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
-def _hydra_main(cfg: DictConfig) -> None:
-    run_command(PROG, train_main, cfg)
-
-
-def main() -> None:
-    """Console entry point: register the config schemas, then let Hydra parse the command line."""
-    register_configs()
-    _hydra_main()
+main = hydra_entry(PROG, "train", train_main)
 
 
 if __name__ == "__main__":
