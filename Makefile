@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo lint bench-engine bench-precompute clean
+.PHONY: setup model test test-fast demo lint bench-engine bench-precompute bench-train ablation clean
 
 setup: $(STAMP)
 
@@ -44,3 +44,10 @@ clean:
 
 bench-precompute: model
 	$(PY) bench/bench_precompute.py --model $(MODEL_DIR)
+
+bench-train: model
+	$(PY) bench/bench_train.py --model $(MODEL_DIR)
+
+# The norm ablation (mtp vs eagle1) at the CPU-sized default; e.g. `make ablation ABLATION_ARGS="--steps 2000"`.
+ablation: model
+	$(PY) bench/ablation_norms.py --model $(MODEL_DIR) $(ABLATION_ARGS)

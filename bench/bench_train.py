@@ -1,0 +1,250 @@
+"""Stage two's training throughput: the `mtp` head trained through `train_main` on the default target.
+
+A small precompute folder is made in a temp dir first: from the regenerated SmolLM2 conversations in
+`../shared/data/train/regen_smollm2_greedy.jsonl` when that file exists (`--limit` conversations, `--max-seq-len`
+tokens), else from random token sequences with random loss masks (the output says which, as `data`). Then
+`--warmup` + `--steps` optimizer steps run (W&B disabled, no intermediate eval or checkpoint), timed from the step
+hook: only the last `--steps` steps count.
+
+Reported (one process run): tokens_per_s (all packed rows) and counted_tokens_per_s (rows in the loss at draft
+step 0), the achieved GFLOP/s of the training step, the peak matmul GFLOP/s of this machine measured in the same
+run (median of a few 2048×2048 matmuls, fp32 on CPU, bf16 on CUDA like the engine), mfu_ratio = achieved ÷ peak,
+and peak memory (ru_maxrss on CPU, torch.cuda.max_memory_allocated on CUDA; ru_maxrss is the process's
+lifetime peak, so it also covers the precompute stage, which holds the whole target in fp32).
+
+FLOPs are counted analytically per optimizer step, summed over its packed batches and unrolled draft steps j:
+
+    body_j   = 2 · P · T + Σ_layers 4 · H · Σ_seq n·(n+1)/2      (P: trainable head params, T: packed rows,
+                                                                   causal attention: QKᵀ and AV over i+1 keys;
+                                                                   for j > 0 an estimate: the chain's own keys
+                                                                   are left out)
+    train    = 3 · Σ_j body_j                                     (forward + backward ≈ 3 × forward)
+             + Σ_j (2 + 2 + 4) · N_j · H · V                      (N_j: counted rows of step j; the target's
+                                                                   logits, the head's logits, their backward)
+
+The lm_head products dominate for a small head over a large vocabulary. Recomputation inside the chunked loss
+(ce_impl=checkpoint) is not counted: it is work the step does, not useful FLOPs.
+
+Usage: python bench/bench_train.py [--model DIR] [--data FILE] [--limit 64] [--max-seq-len 512] [--steps 20]
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import report, timeit  # noqa: E402
+
+from mtp_train.precompute import Sample, precompute  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "train" / "regen_smollm2_greedy.jsonl"
+
+
+def random_samples(n: int, max_seq_len: int, vocab: int, seed: int = 0) -> list[Sample]:
+    """n random token sequences of max_seq_len/4..max_seq_len tokens, ~70% of them in the loss."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(max(2, max_seq_len // 4), max_seq_len + 1, (1,), generator=g))
+        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+        mask = (torch.rand(length, generator=g) < 0.7).long().tolist()
+        out.append(Sample(id=f"rand-{i:04d}", input_ids=ids, loss_mask=mask))
+    return out
+
+
+def make_precompute(model_dir: str | Path, out_dir: str | Path, data: str | Path | None = DEFAULT_DATA,
+                    limit: int = 64, max_seq_len: int = 512, val_fraction: float = 0.1) -> tuple[str, str]:
+    """Precompute the target's hidden states of a small data set into out_dir; returns (what, data name).
+
+    From the conversations in `data` when that file exists ("conversations:<file>"), else from random token
+    samples ("random"). The data name is the one recorded in the folder's manifest (pass it as `data.name`).
+    The target runs in fp32 on CPU.
+    """
+    from transformers import AutoTokenizer
+
+    from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
+    from mtp_train.models import load_model
+    from mtp_train.precompute.pipeline import build_samples
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    if data is not None and Path(data).is_file():
+        samples, info = build_samples(tok, {"paths": [str(data)], "format": "auto", "name": Path(data).stem},
+                                      max_seq_len, limit)
+        kind = f"conversations:{Path(data).name}"
+    else:
+        samples = random_samples(limit, max_seq_len, len(tok))
+        info = {"name": "random", "limit": limit, "max_seq_len": max_seq_len}
+        kind = "random"
+    model = load_model(str(model_dir), dtype="float32")
+    precompute(model, samples, out_dir, tokenizer_fingerprint=tokenizer_fingerprint(tok),
+               chat_template_fingerprint=chat_template_fingerprint(tok), model_dir=str(model_dir), data_info=info,
+               val_fraction=val_fraction, seed=0, progress=False)
+    del model
+    return kind, str(info["name"])
+
+
+def compose_train(overrides: list[str], experiment: str | None = None) -> Any:
+    """The `train` config composed by Hydra with `overrides` (and `+experiment=<name>` first, when given)."""
+    from hydra import compose, initialize_config_dir
+
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.config import register_configs
+
+    register_configs()
+    items = ([f"+experiment={experiment}"] if experiment else []) + overrides
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("train", overrides=items)
+
+
+def peak_matmul_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048, repeat: int = 5) -> float:
+    """Median GFLOP/s of an n×n by n×n matmul (2·n³ FLOPs) on device in dtype."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def run() -> None:
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return 2 * n**3 / timeit(run, repeat=repeat, warmup=2) / 1e9
+
+
+def body_flops(params: int, seq_lens: list[int], hidden: int, layers: int) -> float:
+    """Forward FLOPs of the head's body for one draft step over a packed batch (matmuls + causal attention)."""
+    rows = sum(seq_lens)
+    attn = sum(n * (n + 1) // 2 for n in seq_lens)
+    return 2.0 * params * rows + layers * 4.0 * hidden * attn
+
+
+class StepMeter:
+    """The on_step hook: wall time per optimizer step, and the packed batches each step consumed.
+
+    At the first call it wraps the trainer's batch stream so that later steps' batches (lengths only) are
+    recorded; steps after `warmup` are the measured ones.
+    """
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.times: list[float] = []  # seconds per measured step
+        self.rows: list[int] = []  # packed rows per measured step
+        self.counted: list[list[float]] = []  # counted rows per draft step, per measured step
+        self.seq_lens: list[list[int]] = []  # all sequence lengths of each measured step
+        self._pending: list[int] = []
+        self._last = 0.0
+        self.params = 0
+        self.layers = 1
+        self.hidden = 0
+        self.vocab = 0
+
+    def __call__(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if device_is_cuda(trainer.device):
+            torch.cuda.synchronize(trainer.device)
+        now = time.perf_counter()
+        if step == 1:
+            stream = trainer.stream
+            inner = stream.next
+
+            def recording_next() -> Any:
+                batch = inner()
+                self._pending.extend(batch.seq_lens)
+                return batch
+
+            stream.next = recording_next
+            head = trainer.head
+            self.params = sum(p.numel() for p in trainer.engine.module.parameters() if p.requires_grad)
+            self.layers = int(head.kv_shape[0])
+            self.vocab, self.hidden = (int(d) for d in head.require_frozen().lm_head.shape)
+        elif step > self.warmup:
+            self.times.append(now - self._last)
+            self.rows.append(sum(self._pending))
+            self.seq_lens.append(list(self._pending))
+            steps = trainer.loss_cfg.steps
+            self.counted.append([metrics.get(f"train/step{j}/num_tokens", 0.0) for j in range(steps)])
+        self._pending = []
+        self._last = time.perf_counter()
+
+    def flops(self) -> float:
+        """Analytic training FLOPs of all measured steps (see the module docstring)."""
+        total = 0.0
+        for lens, counted in zip(self.seq_lens, self.counted):
+            body = body_flops(self.params, lens, self.hidden, self.layers)
+            total += 3.0 * body * len(counted)
+            total += sum(8.0 * n * self.hidden * self.vocab for n in counted)
+        return total
+
+
+def device_is_cuda(device: torch.device) -> bool:
+    """Whether steps on device run asynchronously (then the hook synchronizes before reading the clock)."""
+    return device.type == "cuda"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--data", default=str(DEFAULT_DATA), help="conversations (random tokens when missing)")
+    ap.add_argument("--limit", type=int, default=64, help="conversations (or random samples) to precompute")
+    ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20, help="measured optimizer steps")
+    ap.add_argument("--warmup", type=int, default=3, help="optimizer steps before the measured ones")
+    ap.add_argument("--micro-batch-tokens", type=int, default=1024)
+    ap.add_argument("--head", default="mtp")
+    ap.add_argument("overrides", nargs="*", help="more mtp-train overrides, key=value")
+    args = ap.parse_args(argv)
+
+    from mtp_train.cli.train import train_main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = Path(tmp) / "pc"
+        t0 = time.perf_counter()
+        kind, name = make_precompute(args.model, data_dir, args.data, args.limit, args.max_seq_len)
+        print(f"precompute ({kind}): {time.perf_counter() - t0:.1f}s", flush=True)
+        cfg = compose_train([
+            f"model.path={args.model}", f"head={args.head}", f"data.dir={data_dir}", f"data.name={name}",
+            f"out={Path(tmp) / 'run'}",
+            "wandb.mode=disabled", "train.progress=false", f"train.max_steps={args.warmup + args.steps}",
+            f"train.micro_batch_tokens={args.micro_batch_tokens}", "train.eval_every=0", "train.eval_batches=1",
+            "train.save_every=0", "train.log_every=1", *args.overrides,
+        ])
+        meter = StepMeter(args.warmup)
+        result = train_main(cfg, on_step=meter)
+
+    device = torch.device("cuda") if torch.cuda.is_available() and cfg.model.device != "cpu" else torch.device("cpu")
+    if device.type == "cuda":
+        peak_mem_mb = torch.cuda.max_memory_allocated() / 2**20
+        dtype = torch.bfloat16
+    else:
+        peak_mem_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        dtype = torch.float32
+    gflops_peak = peak_matmul_gflops(device, dtype)
+    seconds = sum(meter.times)
+    rows, counted = sum(meter.rows), sum(c[0] for c in meter.counted)
+    gflops = meter.flops() / seconds / 1e9
+    res: dict[str, Any] = {
+        "data": kind, "device": str(device), "head": args.head, "steps": len(meter.times),
+        "warmup_steps": args.warmup, "micro_batch_tokens": args.micro_batch_tokens,
+        "loss_steps": int(cfg.loss.steps), "head_params": meter.params,
+        "tokens_per_s": rows / seconds, "counted_tokens_per_s": counted / seconds,
+        "step_s_median": statistics.median(meter.times), "gflops_achieved": gflops, "gflops_peak": gflops_peak,
+        "mfu_ratio": gflops / gflops_peak, "peak_memory_mb": peak_mem_mb,
+        "final_train_loss": result.get("train/loss"),
+    }
+    print(f"{res['tokens_per_s']:.0f} tok/s ({res['counted_tokens_per_s']:.0f} counted), {gflops:.1f} GFLOP/s of "
+          f"{gflops_peak:.1f} peak (MFU {res['mfu_ratio']:.2f}), peak memory {peak_mem_mb:.0f} MiB", flush=True)
+    report(res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
