@@ -35,6 +35,9 @@ class TorchBackend(AttentionBackend):
                     pos = torch.arange(n, device=meta.positions.device)
                     st[("prefill_mask", n)] = _causal_mask(pos, n, self.sliding_window)
             return
+        # flat page ids, converted once per step: index_select over dim 0 gathers pages much faster than
+        # advanced indexing with the 2-D table
+        st["page_ids"] = meta.block_tables.reshape(-1).long()
         q = meta.qo_lens[0]
         if all(n == q for n in meta.qo_lens):
             # Batched path: queries (B, Q), keys padded to S = max_pages * page_size.
@@ -75,8 +78,8 @@ class TorchBackend(AttentionBackend):
             return torch.cat(outs, 0)
 
         assert kv_cache is not None, "decode/verify steps need the KV cache"
-        pages = kv_cache[meta.block_tables.long()]  # (B, P, 2, ps, Hkv, D)
-        b, p = pages.shape[:2]
+        b, p = meta.block_tables.shape
+        pages = kv_cache.index_select(0, st["page_ids"]).view(b, p, *kv_cache.shape[1:])  # (B, P, 2, ps, Hkv, D)
         keys = pages[:, :, 0].reshape(b, p * meta.page_size, self.num_kv_heads, self.head_dim)
         values = pages[:, :, 1].reshape(b, p * meta.page_size, self.num_kv_heads, self.head_dim)
         if st["uniform"]:
