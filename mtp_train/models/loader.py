@@ -101,51 +101,42 @@ def load_model(
     if args.tie_word_embeddings:
         expected.pop("lm_head.weight")
 
-    # Where each checkpoint tensor goes: (our name, row offset in a fused tensor or None).
-    fused_parts: dict[str, list[tuple[str, int]]] = {}
+    # Fused parameters and the checkpoint tensors concatenated into them, in order; every other
+    # parameter is read under its own name.
+    fused_parts: dict[str, list[str]] = {}
     for full in expected:
         for fused, parts in FUSED_PROJECTIONS.items():
             if f".{fused}." in full:
                 prefix, suffix = full.split(f".{fused}.")
-                fused_parts[full] = [(f"{prefix}.{part}.{suffix}", 0) for part in parts]
-    routes: dict[str, tuple[str, int | None]] = {}
-    for full, parts in fused_parts.items():
-        for src, _ in parts:
-            routes[src] = (full, 0)
-    for full in expected:
-        if full not in fused_parts:
-            routes[full] = (full, None)
+                fused_parts[full] = [f"{prefix}.{part}.{suffix}" for part in parts]
+    fused_target = {src: full for full, parts in fused_parts.items() for src in parts}
 
     files = checkpoint_files(path)
     state: dict[str, torch.Tensor] = {}
-    fused_buffers: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    fused_got: dict[str, torch.Tensor] = {}  # checkpoint name → tensor, for the fused parameters
     for name, tensor in iter_tensors(files):
         if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
             continue
-        if name not in routes:
+        if name in fused_target:
+            fused_got[name] = tensor
+            continue
+        if name not in expected or name in fused_parts:
             raise ModelConfigError(f"{files[name]}: unexpected tensor {name!r} for a {args.model_type} model")
-        target, offset = routes[name]
-        if offset is None:
-            want = tuple(expected[target].shape)
-            if tuple(tensor.shape) != want:
-                raise ModelConfigError(
-                    f"{files[name]}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {want}"
-                )
-            state[target] = tensor.to(device=device, dtype=dt)
-        else:
-            fused_buffers.setdefault(target, []).append((name, tensor))
+        want = tuple(expected[name].shape)
+        if tuple(tensor.shape) != want:
+            raise ModelConfigError(
+                f"{files[name]}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {want}"
+            )
+        state[name] = tensor.to(device=device, dtype=dt)
 
     for target, parts in fused_parts.items():
-        got = dict(fused_buffers.get(target, []))
-        missing = [src for src, _ in parts if src not in got]
-        if missing:
+        if any(src not in fused_got for src in parts):
             continue  # reported below with every other missing tensor
-        full = torch.cat([got[src].to(dt) for src, _ in parts], dim=0)
+        full = torch.cat([fused_got.pop(src).to(dt) for src in parts], dim=0)
         want = tuple(expected[target].shape)
         if tuple(full.shape) != want:
             raise ModelConfigError(
-                f"{path}: {', '.join(src for src, _ in parts)} concatenate to {tuple(full.shape)}, "
-                f"config.json implies {want}"
+                f"{path}: {', '.join(parts)} concatenate to {tuple(full.shape)}, config.json implies {want}"
             )
         state[target] = full.to(device)
 
