@@ -115,6 +115,7 @@ class HeadCfg:
     final_norm: bool | None = None  # RMSNorm after the layer (its output is the predicted feature); null = default
     fc_bias: bool = False  # bias on the 2H→H fc (vLLM's EAGLE layout has none, SGLang's has one)
     init: str = "scratch"  # scratch (random) | last_layer (copy the target's last decoder layer)
+    draft_vocab_size: int = 0  # draft over the N most frequent training tokens only; 0 = the full vocabulary
 
 
 @dataclass

@@ -70,10 +70,10 @@ class LLMEngine:
         self._next_id += 1
         if seq.params.stop_token_ids is None and not seq.params.ignore_eos:
             seq.params.stop_token_ids = list(self.model.args.eos_token_ids)
-        need = self.runner.kv.pages_for(seq.max_len)
+        need = self.runner.kv.pages_for(self.reserve_tokens(seq))
         if need > self.runner.kv.num_pages:
             raise OutOfPagesError(
-                f"request {seq.seq_id} needs {need} pages ({seq.max_len} tokens at page size "
+                f"request {seq.seq_id} needs {need} pages ({self.reserve_tokens(seq)} tokens at page size "
                 f"{self.runner.kv.page_size}) but the pool has {self.runner.kv.num_pages}; raise num_pages/"
                 "kv_cache_gb or lower max_new_tokens"
             )
@@ -84,13 +84,17 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     # -- scheduling -----------------------------------------------------------------------------
+    def reserve_tokens(self, seq: Sequence) -> int:
+        """Tokens of KV a sequence may ever occupy; its pages are reserved at admission."""
+        return seq.max_len
+
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
         tokens = 0
         kv = self.runner.kv
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
-            need = kv.pages_for(seq.max_len)
+            need = kv.pages_for(self.reserve_tokens(seq))
             if self._reserved_pages + need > kv.num_pages:
                 break
             if admitted and tokens + len(seq) > self.max_batch_tokens:
@@ -106,7 +110,24 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.runner.free(seq)
-        self._reserved_pages -= self.runner.kv.pages_for(seq.max_len)
+        self._reserved_pages -= self.runner.kv.pages_for(self.reserve_tokens(seq))
+
+    def _emit(self, seq: Sequence, tokens: Seq[int]) -> bool:
+        """Append generated tokens one by one until a stop token or max_new_tokens; True if seq finished.
+
+        Tokens after the stop are dropped (a speculative step may emit several at once).
+        """
+        p = seq.params
+        for tok in tokens:
+            seq.token_ids.append(tok)
+            self.stats.generated_tokens += 1
+            if not p.ignore_eos and p.stop_token_ids and tok in p.stop_token_ids:
+                self._finish(seq, "stop")
+                return True
+            if len(seq.output_ids) >= p.max_new_tokens:
+                self._finish(seq, "length")
+                return True
+        return False
 
     def step(self) -> list[Sequence]:
         """Run one forward (prefill of newly admitted prompts, else one decode step for all running).
@@ -125,18 +146,7 @@ class LLMEngine:
         else:
             self.stats.decode_steps += 1
         next_tokens = sample(out.logits, SamplingBatch([s.params for s in batch], [s.generator for s in batch]))
-        finished = []
-        for seq, tok in zip(batch, next_tokens.tolist()):
-            seq.token_ids.append(tok)
-            self.stats.generated_tokens += 1
-            p = seq.params
-            if not p.ignore_eos and p.stop_token_ids and tok in p.stop_token_ids:
-                self._finish(seq, "stop")
-            elif len(seq.output_ids) >= p.max_new_tokens:
-                self._finish(seq, "length")
-            else:
-                continue
-            finished.append(seq)
+        finished = [seq for seq, tok in zip(batch, next_tokens.tolist()) if self._emit(seq, [tok])]
         if finished:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return finished

@@ -87,8 +87,14 @@ class HeadConfig:
     final_norm: bool | None = None  # RMSNorm after the layer; its output is the predicted feature
     fc_bias: bool = False  # bias on the 2H→H fc (vLLM's EAGLE layout has none, SGLang's has one)
     init: str = "scratch"  # scratch (random) | last_layer (copy the target's last decoder layer)
+    # Draft over the N most frequent target tokens only (EAGLE-3's draft vocabulary, FR-Spec): the head's logits
+    # are lm_head rows of those tokens, so each draft step and the training loss cost N/V of the full lm_head.
+    # 0 = the target's whole vocabulary. The token ids are a buffer of the head (`draft_vocab`), saved with it.
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0 (0 = the full vocabulary), got {self.draft_vocab_size}")
         if self.type not in NORM_DEFAULTS:
             raise ValueError(f"unknown head type {self.type!r}; choose one of {', '.join(NORM_DEFAULTS)}")
         if self.init not in INITS:
@@ -248,6 +254,16 @@ class DraftHead(nn.Module, ABC):
         self._attn: dict[torch.device, AttentionBackend] = {}
         # RoPE frequencies outside the module tree: an engine that casts the module to bf16 must not round them.
         self._rotary: dict[torch.device, RotaryEmbedding] = {}
+        n = self.cfg.draft_vocab_size
+        if n > a.vocab_size:
+            raise ValueError(f"draft_vocab_size {n} exceeds the target's vocabulary ({a.vocab_size})")
+        self.draft_vocab: torch.Tensor | None
+        if 0 < n < a.vocab_size:
+            # Target token ids of the draft vocabulary, ascending; set from data with `set_draft_vocab`.
+            self.register_buffer("draft_vocab", torch.arange(n, dtype=torch.long))
+        else:
+            self.draft_vocab = None
+        self._lm_head_rows: tuple[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] | None = None
 
     # -- what a head type implements --
 
@@ -302,9 +318,46 @@ class DraftHead(nn.Module, ABC):
         """token_ids: (T,) → (T, H) frozen target embeddings, in the head's dtype."""
         return self.require_frozen().embed_tokens(token_ids).to(self.dtype)
 
+    @property
+    def vocab_size(self) -> int:
+        """Size of the head's output distribution: draft_vocab_size, or the target's vocabulary."""
+        return self.args.vocab_size if self.draft_vocab is None else int(self.draft_vocab.numel())
+
+    def set_draft_vocab(self, token_ids: Sequence[int] | torch.Tensor) -> None:
+        """Set the draft vocabulary: `draft_vocab_size` distinct target token ids (stored ascending)."""
+        if self.draft_vocab is None:
+            raise ValueError("this head drafts over the full vocabulary (draft_vocab_size = 0)")
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()  # sorted
+        n = self.draft_vocab.numel()
+        if ids.numel() != n:
+            raise ValueError(f"draft vocabulary needs {n} distinct token ids, got {ids.numel()}")
+        if int(ids[0]) < 0 or int(ids[-1]) >= self.args.vocab_size:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {self.args.vocab_size})")
+        with torch.no_grad():
+            self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """(Vd, H) frozen output projection of the head: the target lm_head, or its draft-vocabulary rows."""
+        w = self.require_frozen().lm_head
+        dv = self.draft_vocab
+        if dv is None:
+            return w
+        key = (w.data_ptr(), dv.data_ptr(), dv._version, w.device, w.dtype)
+        if self._lm_head_rows is None or self._lm_head_rows[0] != key:
+            self._lm_head_rows = (key, w.index_select(0, dv.to(w.device)).contiguous())
+        return self._lm_head_rows[1]
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into the head's logits (any shape) → target token ids."""
+        return idx if self.draft_vocab is None else self.draft_vocab.to(idx.device)[idx]
+
     def compute_logits(self, head_hidden: torch.Tensor) -> torch.Tensor:
-        """head_hidden: (N, H) → (N, V) through the frozen target lm_head."""
-        return self.require_frozen().logits(head_hidden)
+        """head_hidden: (N, H) → (N, Vd) through the frozen lm_head rows of the draft vocabulary (Vd = vocab_size).
+
+        Column c is target token `to_target_ids(c)`.
+        """
+        w = self.lm_head_weight()
+        return F.linear(head_hidden.to(w.dtype), w)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) → cos, sin (T, 1, D), from float32 frequencies kept per device."""
@@ -384,7 +437,7 @@ class DraftHead(nn.Module, ABC):
     def extra_repr(self) -> str:
         c = self.cfg
         return (f"type={c.type}, enorm={c.enorm}, hnorm={c.hnorm}, input_norm={c.input_norm}, "
-                f"final_norm={c.final_norm}, fc_bias={c.fc_bias}")
+                f"final_norm={c.final_norm}, fc_bias={c.fc_bias}, draft_vocab={self.vocab_size}")
 
 
 # --- building, saving, loading ----------------------------------------------------------------------------------
@@ -497,7 +550,10 @@ def load_head(head_dir: str | Path, target_dir: str | Path, device: str | torch.
             raise ModelConfigError(f"head {head_dir} was trained for target weights {recorded}, but {target_dir} "
                                    f"has {actual}; pass the right target (or verify_fingerprint=False)")
 
-    dt = resolve_dtype(dtype, args) if dtype is not None else next(iter(state.values())).dtype
-    head.load_state_dict({k: v.to(device=device, dtype=dt) for k, v in state.items()}, assign=True)
+    dt = resolve_dtype(dtype, args) if dtype is not None else next(v for v in state.values()
+                                                                   if v.is_floating_point()).dtype
+    # Integer buffers (the draft vocabulary) keep their dtype.
+    head.load_state_dict({k: v.to(device=device, dtype=dt if v.is_floating_point() else v.dtype)
+                          for k, v in state.items()}, assign=True)
     head.attach(FrozenTargetParts.from_pretrained(target_dir, device=device, dtype=dt))
     return head.eval()

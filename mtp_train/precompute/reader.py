@@ -173,6 +173,29 @@ class PrecomputedDataset(torch.utils.data.Dataset):
             item["aux_hidden"] = f.get_slice("aux_hidden")[a:b]  # (L, k*H)
         return item
 
+    def token_counts(self, vocab_size: int, masked_only: bool = True) -> torch.Tensor:
+        """(vocab_size,) int64 occurrences of each token id over this dataset's samples (its split and rank share).
+
+        masked_only counts only tokens under the loss mask (the assistant tokens a head learns to draft).
+        Reads the token and mask columns shard by shard, never the hidden states.
+        """
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for k in np.unique(self._shard_of).tolist():
+            sh = self._shards[k]
+            f = self._handle(k)
+            ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
+            rows = self._row_of[self._shard_of == k]
+            keep = torch.zeros(ids.shape[0], dtype=torch.bool)
+            for j in rows.tolist():
+                keep[int(sh.offsets[j]):int(sh.offsets[j + 1])] = True
+            if masked_only:
+                keep &= mask
+            sel = ids[keep]
+            if sel.numel() and int(sel.max()) >= vocab_size:
+                raise ValueError(f"{sh.path}: token id {int(sel.max())} >= vocabulary size {vocab_size}")
+            counts += torch.bincount(sel, minlength=vocab_size)
+        return counts
+
     def __getstate__(self) -> dict[str, Any]:
         # Open safetensors handles cannot be pickled (DataLoader workers); they reopen lazily.
         return {**self.__dict__, "_handles": {}}

@@ -67,3 +67,18 @@ def accept_stochastic(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, tar
         num_accepted.append(n)
         tokens.append(draft_tokens[b, :n].tolist() + [extra])
     return AcceptResult(num_accepted, tokens)
+
+
+def accept_stochastic_flashinfer(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                                 target_probs: torch.Tensor) -> AcceptResult:
+    """The same rule with FlashInfer's fused `chain_speculative_sampling` (CUDA, torch's default generator).
+
+    Shapes as in `accept_stochastic`. The kernel marks positions after the first rejection with -1.
+    """
+    from flashinfer.sampling import chain_speculative_sampling  # lazy: GPU only
+
+    out = chain_speculative_sampling(draft_probs.float().contiguous(), draft_tokens.int().contiguous(),
+                                     target_probs.float().contiguous())  # (B, k+1)
+    rows = out.tolist()
+    tokens = [[t for t in row if t >= 0] for row in rows]
+    return AcceptResult([len(t) - 1 for t in tokens], tokens)

@@ -236,7 +236,7 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
     lens = resolve_seq_lens(hidden.shape[0], seq_lens)
     if num_tokens is not None and len(num_tokens) != cfg.steps:
         raise ValueError(f"{len(num_tokens)} num_tokens for {cfg.steps} steps")
-    lm_head = head.require_frozen().lm_head
+    lm_head = head.lm_head_weight()  # (Vd, H): the draft vocabulary's rows when the head has one
     x = hidden
     if head.training and cfg.noise_std > 0:
         x = uniform_noise(hidden, cfg.noise_std, generator)

@@ -165,7 +165,7 @@ def evaluate(head: DraftHead, batches: Iterable[PackedBatch], loss_cfg: LossConf
     """
     was_training = head.training
     head.eval()
-    lm_head = head.require_frozen().lm_head
+    lm_head = head.lm_head_weight()
     steps = loss_cfg.steps
     sums = torch.zeros(steps, 5, dtype=torch.float64, device=device)  # feat, tok, top1, top3, count per step
     for batch in batches:
@@ -195,6 +195,19 @@ def evaluate(head: DraftHead, batches: Iterable[PackedBatch], loss_cfg: LossConf
     out["eval/loss"] = total
     out.update({f"eval/{k}": out[f"eval/step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")})
     return out
+
+
+def draft_vocab_from_data(dataset: PrecomputedDataset, size: int, vocab_size: int,
+                          always: Sequence[int] = ()) -> torch.Tensor:
+    """(size,) ascending ids of the `size` most frequent assistant tokens of `dataset`, plus the `always` ids (EOS).
+
+    Ties go to the lower id, and every rank reads the same (whole) split, so every rank picks the same set.
+    """
+    counts = dataset.token_counts(vocab_size)
+    keep = [int(t) for t in always if 0 <= int(t) < vocab_size]
+    counts[keep] = torch.iinfo(torch.long).max  # always in
+    order = torch.sort(-counts, stable=True).indices  # stable: ties stay in id order
+    return order[:size].sort().values
 
 
 # --- the trainer --------------------------------------------------------------------------------------------------
@@ -303,6 +316,9 @@ class Trainer:
         torch.manual_seed(c.train.seed)  # the same initial head on every rank (DeepSpeed also broadcasts rank 0's)
         head = build_head(HeadConfig(**dataclasses.asdict(c.head)), self.target_dir, device=self.device,
                           dtype=torch.float32, backend=c.model.backend, frozen=frozen)
+        if head.draft_vocab is not None:
+            head.set_draft_vocab(draft_vocab_from_data(self.train_set, head.vocab_size, head.args.vocab_size,
+                                                             head.args.eos_token_ids))
         head.train()
         module = HeadLoss(head, self.loss_cfg)
         params = [p for p in module.parameters() if p.requires_grad]

@@ -1,0 +1,184 @@
+"""Speculative decoding on our engine: one scheduler and one page allocation for target and proposer.
+
+`SpecEngine` is `LLMEngine` (continuous batching, page reservation, per-request seeds) with a speculative
+step. An admission step prefills the new prompts with the target, samples their first token and lets the
+proposer prefill too. Every other step, for all running sequences at once:
+
+    draft    the proposer guesses d_1..d_k (greedy, or sampled from its filtered distribution q)
+    verify   the target runs [t_{L-1}, d_1..d_k] in one forward → k+1 distributions p (and hidden states)
+    accept   greedy: the longest prefix equal to the target's argmax, then the target's token;
+             sampled: the Leviathan/Chen rule (`mtp_train.spec.acceptance`) with the request's generator
+    rollback the rejected drafts leave the sequence and the target's cache; the proposer catches up
+
+so every sequence advances by its own 1..k+1 tokens per target forward. Pages are reserved for prompt +
+max_new_tokens + k + 1 tokens, so a step never runs out of pages. Greedy speculative output equals plain
+greedy output token for token (up to floating-point near-ties between the verify and decode kernels).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from mtp_train.engine.llm import GenerationStats, LLMEngine
+from mtp_train.engine.sampling import SamplingBatch, filtered_probs, sample
+from mtp_train.engine.sequence import SeqStatus, Sequence
+from mtp_train.models.llama import LlamaForCausalLM
+from mtp_train.spec.acceptance import accept_greedy, accept_stochastic, accept_stochastic_flashinfer
+from mtp_train.spec.metrics import SpecMetrics
+from mtp_train.spec.proposers import Proposer
+
+METHODS = ("none", "mtp", "draft")
+
+
+@dataclass
+class SpecStats(GenerationStats):
+    """GenerationStats plus the speculative counters and the draft / verify time split."""
+
+    verify_steps: int = 0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0  # target forward + acceptance
+    update_seconds: float = 0.0  # the proposer's catch-up after acceptance
+    metrics: SpecMetrics = field(default_factory=lambda: SpecMetrics(1))
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                "prefill_steps": self.prefill_steps, "verify_steps": self.verify_steps, "seconds": self.seconds,
+                "tokens_per_s": self.tokens_per_s, "prefill_seconds": self.prefill_seconds,
+                "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
+                "update_seconds": self.update_seconds, **self.metrics.as_dict()}
+
+
+class SpecEngine(LLMEngine):
+    """Batched speculative generation: `generate(prompts, params)` as in LLMEngine, k drafts per step."""
+
+    def __init__(self, model: LlamaForCausalLM, proposer: Proposer, k: int, *, num_pages: int | None = None,
+                 page_size: int = 16, kv_cache_gb: float = 1.0, max_batch_size: int = 32,
+                 max_batch_tokens: int = 4096, use_flashinfer_sampling: bool = True) -> None:
+        if k < 1:
+            raise ValueError(f"k (draft tokens per step) must be >= 1, got {k}")
+        super().__init__(model, num_pages=num_pages, page_size=page_size, kv_cache_gb=kv_cache_gb,
+                         max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
+        self.k = k
+        self.proposer = proposer
+        proposer.bind(self.runner.kv)
+        self.stats = SpecStats(metrics=SpecMetrics(k))
+        self.use_flashinfer_sampling = use_flashinfer_sampling and model.device.type == "cuda"
+
+    def reserve_tokens(self, seq: Sequence) -> int:
+        # A step may hold k drafts beyond the last token before the rollback.
+        return seq.max_len + self.k + 1
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        super()._finish(seq, reason)
+        self.proposer.release(seq)
+
+    def _sync(self) -> float:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return time.perf_counter()
+
+    def step(self) -> list[Sequence]:
+        """One prefill of newly admitted prompts, else one draft → verify → accept step for all running."""
+        admitted = self._admit()
+        if admitted:
+            return self._prefill(admitted)
+        if not self.running:
+            return []
+        finished = self._speculate(self.running)
+        if finished:
+            self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+        return finished
+
+    def _prefill(self, seqs: list[Sequence]) -> list[Sequence]:
+        t0 = self._sync()
+        out = self.runner.run(seqs, logits="last")
+        first = sample(out.logits, SamplingBatch([s.params for s in seqs], [s.generator for s in seqs])).tolist()
+        for s, tok in zip(seqs, first):
+            s.token_ids.append(tok)
+        self.proposer.prefill(seqs, out.hidden)  # its rows read t_{i+1}, the first token included
+        self.stats.prefill_steps += 1
+        self.stats.prompt_tokens += sum(s.num_prompt_tokens for s in seqs)
+        finished = []
+        for s, tok in zip(seqs, first):
+            s.token_ids.pop()  # emitted again through _emit, which applies the stop / length rules
+            if self._emit(s, [tok]):
+                finished.append(s)
+            else:
+                self.running.append(s)
+        self.stats.prefill_seconds += self._sync() - t0
+        return finished
+
+    def _accept(self, seqs: Seq[Sequence], drafts: torch.Tensor, probs: list[torch.Tensor | None],
+                logits: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+        """drafts (B, k), logits (B, k+1, V) → (accepted n per sequence, emitted tokens per sequence)."""
+        num = [0] * len(seqs)
+        tokens: list[list[int]] = [[] for _ in seqs]
+        greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            res = accept_greedy(drafts.to(logits.device)[idx], logits[idx])
+            for b, n, t in zip(greedy, res.num_accepted, res.tokens):
+                num[b], tokens[b] = n, t
+        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
+        if not sampled:
+            return num, tokens
+        # FlashInfer's fused kernel draws from one generator for the batch: it fits unseeded requests only.
+        fused = self.use_flashinfer_sampling and all(seqs[b].generator is None for b in sampled)
+        groups = [sampled] if fused else [[b] for b in sampled]
+        for group in groups:
+            p = torch.stack([filtered_probs(logits[b], seqs[b].params.temperature, seqs[b].params.top_k,
+                                            seqs[b].params.top_p) for b in group])  # (G, k+1, V)
+            q = torch.stack([probs[b] for b in group]).to(p.device)  # type: ignore[misc]  (G, k, V)
+            d = drafts[group].to(p.device)
+            res = (accept_stochastic_flashinfer(d, q, p) if fused
+                   else accept_stochastic(d, q, p, [seqs[b].generator for b in group]))
+            for b, n, t in zip(group, res.num_accepted, res.tokens):
+                num[b], tokens[b] = n, t
+        return num, tokens
+
+    def _speculate(self, seqs: list[Sequence]) -> list[Sequence]:
+        k, kv = self.k, self.runner.kv
+        lens = [len(s) for s in seqs]
+        for s in seqs:
+            kv.ensure(s.pages, len(s) + k)  # the proposer writes into pages the verify then fills
+
+        t0 = self._sync()
+        proposal = self.proposer.propose(seqs, k)
+        t1 = self._sync()
+        for s, d in zip(seqs, proposal.tokens.tolist()):
+            s.token_ids.extend(d)
+        out = self.runner.run(seqs, logits="all")
+        b_size = len(seqs)
+        logits = out.logits.view(b_size, k + 1, -1)
+        num, emitted = self._accept(seqs, proposal.tokens, proposal.probs, logits)
+        t2 = self._sync()
+
+        finished, alive, alive_idx = [], [], []
+        for b, (s, n_tok, n) in enumerate(zip(seqs, lens, num)):
+            self.stats.metrics.add(n)
+            # Roll back: the drafts leave the token list (the accepted ones come back through _emit, which
+            # applies the stop / length rules) but the cache keeps t_{L-1} and the n accepted drafts.
+            del s.token_ids[n_tok:]
+            kv.truncate(s.pages, n_tok + n)
+            if self._emit(s, emitted[b]):
+                finished.append(s)
+                continue
+            # The target's cache keeps t_{L-1} and the accepted drafts; the new token stays uncached.
+            s.num_cached = n_tok + n
+            alive.append(s)
+            alive_idx.append(b)
+        self.stats.verify_steps += 1
+        self.stats.decode_steps += 1
+        if alive:
+            hidden = out.hidden.view(b_size, k + 1, -1)[torch.tensor(alive_idx, device=out.hidden.device)]
+            self.proposer.update(alive, [lens[b] for b in alive_idx], [num[b] for b in alive_idx], hidden, k)
+        t3 = self._sync()
+        self.stats.draft_seconds += t1 - t0
+        self.stats.verify_seconds += t2 - t1
+        self.stats.update_seconds += t3 - t2
+        return finished

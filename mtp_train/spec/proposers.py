@@ -1,0 +1,235 @@
+"""Draft proposers: who guesses the next k tokens of every running sequence.
+
+Both proposers keep their own paged KV pool with the same page ids as the target (one allocation, owned by
+the target's allocator): a sequence's page list serves the target, the head and the draft model alike.
+
+Notation (see `mtp_train.heads.base`): a sequence of length L has tokens t_0..t_{L-1}; the target has cached
+positions 0..L-2 and t_{L-1} (the last emitted token) is uncached. A step drafts d_1..d_k for positions
+L..L+k-1, the target verifies [t_{L-1}, d_1..d_k] in one forward, n drafts are accepted plus one token of the
+target's, and the sequence becomes L' = L + n + 1 long.
+
+`mtp` (`HeadProposer`): the head's cache holds positions 0..L-2, computed from the target's hidden states; its
+last output ĥ_{L-1} (and its logits, which give d_1) is kept per sequence. Drafting chains k-1 head decode steps
+(row L-2+j reads ĥ and d_{j}, writes its KV at that position, gives d_{j+1}). After verification the head
+*catches up* over the accepted tokens with the target's true hidden states h_{L-1}..h_{L-1+n} (rows L-1..L+n-1,
+overwriting the chain's own entries), which yields ĥ_{L'-1} and d_1 of the next step in the same forward.
+
+`draft` (`DraftModelProposer`): a small Llama-family model with the target's tokenizer; it feeds its uncached
+tokens (the whole prompt the first time, then t_{L-1}, or d_k and t_{L-1} after a fully accepted step) and then
+one token at a time; after verification its cache is cut back to the accepted prefix.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from mtp_train.engine.kv_cache import KVCache
+from mtp_train.engine.sampling import filtered_probs
+from mtp_train.engine.sequence import Sequence
+from mtp_train.heads.base import DraftHead
+from mtp_train.layers.attention import AttentionMetadata
+from mtp_train.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class Proposal:
+    """k draft tokens per sequence and, for sampled sequences, the distributions they were drawn from."""
+
+    tokens: torch.Tensor  # (B, k) int64 target token ids
+    probs: list[torch.Tensor | None]  # (B,) each (k, V) float32 draft distribution q over the target vocab, or None
+
+
+def pick(logits: torch.Tensor, seqs: Seq[Sequence], to_ids: torch.Tensor | None,
+         vocab_size: int) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One draft token per sequence from draft logits (B, Vd): argmax when greedy, else a sample from q.
+
+    to_ids maps logit columns to target ids (a draft vocabulary) or is None. Returns (tokens (B,), q per
+    sequence over the target vocabulary (V,), None when greedy). q is processed exactly as the target's p.
+    """
+    idx = logits.argmax(-1).tolist()
+    qs: list[torch.Tensor | None] = [None] * len(seqs)
+    for b, s in enumerate(seqs):
+        p = s.params
+        if p.greedy:
+            continue
+        q = filtered_probs(logits[b], p.temperature, p.top_k, p.top_p)
+        idx[b] = int(torch.multinomial(q, 1, generator=s.generator))
+        if to_ids is not None:
+            q = torch.zeros(vocab_size, dtype=q.dtype, device=q.device).index_copy_(0, to_ids.to(q.device), q)
+        qs[b] = q
+    tokens = idx if to_ids is None else to_ids[torch.tensor(idx, device=to_ids.device)].tolist()
+    return tokens, qs
+
+
+class Proposer(ABC):
+    """The drafting side of speculative decoding, driven by `SpecEngine`."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def bind(self, target_kv: KVCache) -> None:
+        """Create the proposer's KV pool with the target's page count and size (pages are shared by id)."""
+
+    @abstractmethod
+    def prefill(self, seqs: Seq[Sequence], target_hidden: torch.Tensor) -> None:
+        """After the target's prompt prefill: seqs hold prompt + the first sampled token (uncached).
+
+        target_hidden: (Σ prompt lens, H) the target's final hidden states over the prompts, packed in order.
+        """
+
+    @abstractmethod
+    def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
+        """k draft tokens for every sequence (pages already hold len(seq) + k tokens)."""
+
+    @abstractmethod
+    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
+               target_hidden: torch.Tensor, k: int) -> None:
+        """After verification of the surviving sequences.
+
+        old_lens: (B,) lengths L before the step; num_accepted: (B,) n; seqs now hold L + n + 1 tokens.
+        target_hidden: (B, k+1, H) the target's hidden states at positions L-1..L+k-1 of each sequence.
+        """
+
+    @abstractmethod
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished sequence."""
+
+
+class HeadProposer(Proposer):
+    """The MTP / EAGLE head drafting a chain over its own one-layer paged KV cache."""
+
+    name = "mtp"
+
+    def __init__(self, head: DraftHead) -> None:
+        self.head = head.eval()
+        self.kv: KVCache | None = None
+        self._feat: dict[int, torch.Tensor] = {}  # seq_id → (H,) the head's last output ĥ_{L-1}
+        self._logits: dict[int, torch.Tensor] = {}  # seq_id → (Vd,) logits of the first draft token
+
+    def bind(self, target_kv: KVCache) -> None:
+        layers, kv_heads, head_dim = self.head.kv_shape
+        self.kv = KVCache(layers, target_kv.num_pages, target_kv.page_size, kv_heads, head_dim,
+                          dtype=self.head.dtype, device=self.head.device)
+
+    def _forward(self, hidden: torch.Tensor, tokens: list[int], qo_lens: list[int], kv_lens: list[int],
+                 seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head step over `seqs` → (last feature (B, H), last-row logits (B, Vd)) per sequence."""
+        assert self.kv is not None, "bind() the proposer to the target's KV cache first"
+        dev = self.head.device
+        meta = AttentionMetadata.build(qo_lens, kv_lens, [s.pages for s in seqs], self.kv.page_size, dev)
+        last = meta.qo_indptr[1:].long() - 1
+        out = self.head(hidden.to(dev), torch.tensor(tokens, dtype=torch.long, device=dev), meta,
+                        self.kv.layers[0], logits_indices=last)
+        return out.hidden[last], out.logits
+
+    def _store(self, seqs: Seq[Sequence], feat: torch.Tensor, logits: torch.Tensor) -> None:
+        for b, s in enumerate(seqs):
+            self._feat[s.seq_id] = feat[b]
+            self._logits[s.seq_id] = logits[b]
+
+    @torch.inference_mode()
+    def prefill(self, seqs: Seq[Sequence], target_hidden: torch.Tensor) -> None:
+        # Row i of a prompt reads (h_i, t_{i+1}); t_p is the token the target just sampled.
+        lens = [s.num_prompt_tokens for s in seqs]
+        tokens = [t for s in seqs for t in s.token_ids[1:s.num_prompt_tokens + 1]]
+        feat, logits = self._forward(target_hidden, tokens, lens, lens, seqs)
+        self._store(seqs, feat, logits)
+
+    @torch.inference_mode()
+    def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
+        head = self.head
+        to_ids, vocab = head.draft_vocab, head.args.vocab_size
+        drafts = [[0] * k for _ in seqs]
+        qs: list[list[torch.Tensor | None]] = [[None] * k for _ in seqs]
+        feat = torch.stack([self._feat[s.seq_id] for s in seqs])  # (B, H)
+        logits = torch.stack([self._logits[s.seq_id] for s in seqs])  # (B, Vd)
+        lens = [len(s) for s in seqs]
+        for j in range(k):
+            tokens, q = pick(logits, seqs, to_ids, vocab)
+            for b in range(len(seqs)):
+                drafts[b][j], qs[b][j] = tokens[b], q[b]
+            if j == k - 1:
+                break
+            # Draft step j+2: row at position L-1+j reads ĥ and d_{j+1}.
+            kv_lens = [n + j for n in lens]
+            feat, logits = self._forward(feat, [d[j] for d in drafts], [1] * len(seqs), kv_lens, seqs)
+        probs = [None if q[0] is None else torch.stack(q) for q in qs]  # type: ignore[misc]
+        return Proposal(torch.tensor(drafts, dtype=torch.long), probs)
+
+    @torch.inference_mode()
+    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
+               target_hidden: torch.Tensor, k: int) -> None:
+        if not seqs:
+            return
+        # Catch-up rows L-1..L-1+n read the target's h and the tokens after them (d_1..d_n, the new token).
+        hidden = torch.cat([target_hidden[b, :n + 1] for b, n in enumerate(num_accepted)])
+        tokens = [t for s, L, n in zip(seqs, old_lens, num_accepted) for t in s.token_ids[L:L + n + 1]]
+        qo = [n + 1 for n in num_accepted]
+        kv = [L + n for L, n in zip(old_lens, num_accepted)]
+        feat, logits = self._forward(hidden, tokens, qo, kv, seqs)
+        self._store(seqs, feat, logits)
+
+    def release(self, seq: Sequence) -> None:
+        self._feat.pop(seq.seq_id, None)
+        self._logits.pop(seq.seq_id, None)
+
+
+class DraftModelProposer(Proposer):
+    """A small target-family model with the same tokenizer, drafting with its own KV pool."""
+
+    name = "draft"
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.kv: KVCache | None = None
+        self._cached: dict[int, int] = {}  # seq_id → tokens in the draft model's cache
+
+    def bind(self, target_kv: KVCache) -> None:
+        a = self.model.args
+        self.kv = KVCache(a.num_layers, target_kv.num_pages, target_kv.page_size, a.num_kv_heads, a.head_dim,
+                          dtype=self.model.dtype, device=self.model.device)
+
+    def prefill(self, seqs: Seq[Sequence], target_hidden: torch.Tensor) -> None:
+        for s in seqs:  # the prompt is fed with the first drafting forward
+            self._cached[s.seq_id] = 0
+
+    def _forward(self, seqs: Seq[Sequence], tokens: list[list[int]], kv_lens: list[int]) -> torch.Tensor:
+        """Feed `tokens` per sequence (ending at kv_lens) → last-row logits (B, V)."""
+        assert self.kv is not None, "bind() the proposer to the target's KV cache first"
+        dev = self.model.device
+        meta = AttentionMetadata.build([len(t) for t in tokens], kv_lens, [s.pages for s in seqs],
+                                       self.kv.page_size, dev)
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=dev)
+        out = self.model(ids, meta, self.kv.layers, logits_indices=meta.qo_indptr[1:].long() - 1)
+        return out.logits
+
+    @torch.inference_mode()
+    def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
+        vocab = self.model.args.vocab_size
+        drafts = [[0] * k for _ in seqs]
+        qs: list[list[torch.Tensor | None]] = [[None] * k for _ in seqs]
+        lens = [len(s) for s in seqs]
+        tokens = [s.token_ids[self._cached[s.seq_id]:] for s in seqs]
+        for j in range(k):
+            logits = self._forward(seqs, tokens, [n + j for n in lens])
+            picked, q = pick(logits, seqs, None, vocab)
+            for b in range(len(seqs)):
+                drafts[b][j], qs[b][j] = picked[b], q[b]
+            tokens = [[d[j]] for d in drafts]
+        for s, n in zip(seqs, lens):
+            self._cached[s.seq_id] = n + k - 1  # fed up to d_{k-1}
+        probs = [None if q[0] is None else torch.stack(q) for q in qs]  # type: ignore[misc]
+        return Proposal(torch.tensor(drafts, dtype=torch.long), probs)
+
+    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
+               target_hidden: torch.Tensor, k: int) -> None:
+        # Entries up to the last accepted draft are valid; the new token (and a rejected tail) are not.
+        for s in seqs:
+            self._cached[s.seq_id] = min(self._cached[s.seq_id], len(s) - 1)
+
+    def release(self, seq: Sequence) -> None:
+        self._cached.pop(seq.seq_id, None)
