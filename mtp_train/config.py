@@ -80,6 +80,31 @@ class RegenerateConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class EvalConfig:
+    """`mtp-eval`: speculative decoding on held-out prompts, against plain decoding in the same run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: str = "mtp"  # mtp (a trained head) | draft (a small model) | none (plain decoding only)
+    head_ckpt: str | None = None  # head folder (mtp-train's heads/step-N or an mtp-export native folder)
+    draft_model: str | None = None  # Hugging Face folder of the draft model (method=draft), same tokenizer
+    prompts: list[str] = field(default_factory=lambda: ["demo-heldout"])  # conf/data names or prompt files
+    k: Any = 4  # draft tokens per step: an int or a list (a grid)
+    temperature: Any = 0.0  # a float or a list (a grid); 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0  # request i of a turn is seeded seed + i
+    max_new_tokens: int = 256  # per turn
+    limit: int | None = None  # first N conversations of each prompt set
+    batch_size: int = 1  # concurrent requests (1 = per-request latency, what speculation is for)
+    warmup: bool = True  # one short untimed generation per engine first
+    verify_fingerprint: bool = True  # refuse a head trained for other target weights
+    out: str = "runs/eval"  # report.json, report.md, outputs.jsonl, *.png
+    plots: bool = True
+    progress: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
 def resolve_device(device: str) -> str:
     """`auto` → cuda when available, else cpu."""
     if device != "auto":
@@ -94,6 +119,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="precompute_schema", node=PrecomputeConfig)
     cs.store(name="regenerate_schema", node=RegenerateConfig)
+    cs.store(name="eval_schema", node=EvalConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(name="train_schema", node=TrainConfig)

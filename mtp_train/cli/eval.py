@@ -1,0 +1,174 @@
+"""`mtp-eval`: speculative decoding through our engine on held-out prompts, measured against plain decoding.
+
+    mtp-eval model=smollm2-135m head_ckpt=runs/train/heads/step-1000 prompts=[demo-heldout,mt-bench] k=4
+    mtp-eval head_ckpt=DIR k=[1,2,3,4,5,6] temperature=[0,1] limit=20 max_new_tokens=128 out=runs/eval/grid
+    mtp-eval method=draft draft_model=models/draft k=3 prompts=[data/demo_heldout.jsonl]
+
+Writes into `out`: report.json (one row per prompt set and grid point, plus "overall" rows and the best k at
+temperature 0), report.md (the same as a table), outputs.jsonl (per prompt: each turn's token ids and text),
+acceptance_per_position.png and tau_speedup_vs_k.png, and config.yaml. See `mtp_train.spec.evaluate`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from mtp_train.cli.common import (
+    CONF_DIR,
+    ensure_model,
+    hydra_entry,
+    load_target,
+    load_tokenizer,
+    save_config,
+    to_dict,
+)
+from mtp_train.config import DataConfig, resolve_device
+from mtp_train.data.chat import tokenizer_fingerprint
+from mtp_train.data.readers import DataError, read_conversations
+from mtp_train.fileio import atomic_write_text
+from mtp_train.models.config import ModelConfigError
+from mtp_train.precompute.regenerate import stop_token_ids
+from mtp_train.spec.engine import METHODS
+from mtp_train.spec.evaluate import EvalSettings, PromptSet, best_row, evaluate, overall_rows, result_row
+from mtp_train.spec.proposers import DraftModelProposer, HeadProposer
+from mtp_train.spec.report import markdown_table, output_records, plot, write_jsonl
+
+log = logging.getLogger(__name__)
+PROG = "mtp-eval"
+
+
+def as_list(value: Any, what: str, kind: type) -> list:
+    """An int/float or a list of them (a grid axis) → a non-empty list."""
+    values = list(value) if isinstance(value, list | tuple) or OmegaConf.is_list(value) else [value]
+    if not values:
+        raise ValueError(f"`{what}` is empty")
+    try:
+        return [kind(v) for v in values]
+    except (TypeError, ValueError):
+        raise ValueError(f"`{what}` must be a {kind.__name__} or a list of them, got {value!r}") from None
+
+
+def data_config(entry: str) -> DataConfig:
+    """A prompt-set entry → DataConfig: an existing file/folder, else `conf/data/<entry>.yaml`."""
+    if Path(entry).exists():
+        return DataConfig(name=Path(entry).stem, paths=[entry])
+    yaml = Path(CONF_DIR) / "data" / f"{entry}.yaml"
+    if not yaml.is_file():
+        known = sorted(p.stem for p in (Path(CONF_DIR) / "data").glob("*.yaml"))
+        raise DataError(f"prompts entry {entry!r} is neither a file nor a data config; known configs: "
+                        f"{', '.join(known)}")
+    merged = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(yaml))
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def load_prompt_sets(entries: list[str], limit: int | None) -> list[PromptSet]:
+    sets = []
+    for entry in entries:
+        d = data_config(entry)
+        missing = [p for p in d.paths if not any(Path().glob(p)) and not Path(p).exists()]
+        if missing:
+            raise DataError(f"prompt set {entry!r}: {', '.join(missing)} not found")
+        convs, _ = read_conversations(list(d.paths), format=d.format, field_map=dict(d.field_map),
+                                      system_prompt=d.system_prompt, on_bad_row=d.on_bad_row, limit=limit)
+        convs = [c for c in convs if any(m["role"] == "user" for m in c.messages)]
+        if not convs:
+            raise DataError(f"prompt set {entry!r} ({', '.join(d.paths)}) has no user turns")
+        sets.append(PromptSet(d.name, convs))
+    return sets
+
+
+def make_proposers(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Path) -> dict[str, Any]:
+    """method → factory of a fresh proposer; {} for method none."""
+    method = cfg.method
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} is unknown; choose one of {', '.join(METHODS)}")
+    if method == "none":
+        return {}
+    if method == "mtp":
+        if not cfg.head_ckpt:
+            raise ValueError("method=mtp needs head_ckpt=DIR (a folder written by mtp-train or mtp-export)")
+        from mtp_train.heads import load_head
+
+        head = load_head(cfg.head_ckpt, target_dir, device=target.device, dtype=target.dtype,
+                         backend=cfg.model.backend, verify_fingerprint=cfg.verify_fingerprint)
+        log.info("head %s: %s, %.2fM parameters, draft vocabulary %d", cfg.head_ckpt, head.cfg.type,
+                 head.num_params() / 1e6, head.vocab_size)
+        return {"mtp": lambda: HeadProposer(head)}
+    if not cfg.draft_model:
+        raise ValueError("method=draft needs draft_model=DIR (a Hugging Face folder with the target's tokenizer)")
+    from mtp_train.models.loader import load_model
+
+    draft_dir = Path(cfg.draft_model)
+    if tokenizer_fingerprint(load_tokenizer(draft_dir)) != tokenizer_fingerprint(tokenizer):
+        raise ModelConfigError(f"draft model {draft_dir} has another tokenizer than the target {target_dir}; "
+                               "speculative decoding needs the same one")
+    draft = load_model(draft_dir, dtype=str(target.dtype).replace("torch.", ""), device=target.device,
+                       backend=cfg.model.backend)
+    if draft.args.vocab_size != target.args.vocab_size:
+        raise ModelConfigError(f"draft model {draft_dir} has vocab_size {draft.args.vocab_size}, the target "
+                               f"{target.args.vocab_size}")
+    return {"draft": lambda: DraftModelProposer(draft)}
+
+
+def eval_main(cfg: DictConfig) -> dict[str, Any]:
+    """Run `mtp-eval` with a composed config; returns the report (also written to `<out>/report.json`)."""
+    ks = as_list(cfg.k, "k", int)
+    temps = as_list(cfg.temperature, "temperature", float)
+    if any(k < 1 for k in ks):
+        raise ValueError(f"k must be >= 1, got {ks}")
+    prompt_sets = load_prompt_sets(list(cfg.prompts), cfg.limit)  # data errors before the model loads
+    ensure_model(cfg.model)
+    target, tokenizer, target_dir = load_target(cfg.model, torch.device(resolve_device(cfg.model.device)))
+    proposers = make_proposers(cfg, target, tokenizer, target_dir)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    template_kwargs = to_dict(cfg.chat_template_kwargs)
+    settings = EvalSettings(ks=ks, temperatures=temps, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k,
+                            top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.batch_size,
+                            page_size=cfg.model.page_size, kv_cache_gb=cfg.model.kv_cache_gb,
+                            stop_token_ids=stop_token_ids(tokenizer, target.args.eos_token_ids, template_kwargs),
+                            template_kwargs=template_kwargs, warmup=cfg.warmup, progress=cfg.progress)
+    ids = {ps.name: [c.id for c in ps.convs] for ps in prompt_sets}
+
+    def on_result(run: Any, base: Any) -> None:
+        r = result_row(run, base)
+        log.info("%s %s k=%d T=%g: tau %.2f, acceptance %.2f, %.1f vs %.1f tok/s, speed-up %.2f", r["dataset"],
+                 r["method"], r["k"], r["temperature"], r.get("tau", 1.0), r.get("acceptance_rate", 0.0),
+                 r["tokens_per_s"], r["baseline_tokens_per_s"], r["speedup"])
+
+    pairs, baselines = evaluate(target, tokenizer, prompt_sets, proposers, settings, on_result=on_result)
+    if proposers:
+        rows = [result_row(run, base) for run, base in pairs]
+        rows += overall_rows(pairs)
+        outputs = [rec for run, _ in pairs for rec in output_records(run, tokenizer, ids[run.dataset])]
+    else:  # method none: the plain runs themselves
+        rows = [result_row(b, b) for b in baselines] + overall_rows([(b, b) for b in baselines])
+        outputs = []
+    outputs += [rec for b in baselines for rec in output_records(b, tokenizer, ids[b.dataset])]
+    best = best_row(rows, 0.0) if proposers else None
+    report = {"config": to_dict(cfg), "rows": rows, "best": best, "target": str(target_dir),
+              "device": str(target.device), "dtype": str(target.dtype).replace("torch.", "")}
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
+    write_jsonl(out / "outputs.jsonl", outputs)
+    table = markdown_table(rows)
+    atomic_write_text(out / "report.md", f"# mtp-eval: {cfg.method}\n\n{table}\n")
+    files = plot(rows, out) if cfg.plots and proposers else []
+    print(table, flush=True)
+    if best is not None:
+        print(f"{PROG}: best at T=0: k={best['k']} tau {best['tau']:.2f} speed-up {best['speedup']:.2f} "
+              f"→ {out}/report.json", flush=True)
+    log.info("wrote %s", ", ".join(str(p) for p in [out / "report.json", out / "outputs.jsonl", *files]))
+    return report
+
+
+main = hydra_entry(PROG, "eval", eval_main)
+
+if __name__ == "__main__":
+    main()

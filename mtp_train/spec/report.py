@@ -1,0 +1,95 @@
+"""Write an evaluation's results: report.json, outputs.jsonl, report.md and PNG plots, each atomically."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mtp_train.fileio import atomic_write, atomic_write_text
+from mtp_train.spec.evaluate import RunResult
+
+COLUMNS = ("dataset", "method", "k", "temperature", "tau", "acceptance_rate", "tokens_per_s",
+           "baseline_tokens_per_s", "speedup", "exact_match")
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One line per row: τ, acceptance rate, tokens/s (ours, plain), speed-up, exact match (temperature 0)."""
+    head = "| " + " | ".join(COLUMNS) + " |\n|" + "|".join("---" if c in ("dataset", "method") else "---:"
+                                                          for c in COLUMNS) + "|"
+    lines = [head] + ["| " + " | ".join(_cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def output_records(run: RunResult, tokenizer: Any, ids: Sequence[str]) -> list[dict[str, Any]]:
+    """outputs.jsonl records of one run: per conversation, the generated token ids and text of every turn."""
+    return [{"dataset": run.dataset, "id": cid, "method": run.method, "k": run.k, "temperature": run.temperature,
+             "turns": [{"prompt_tokens": len(o.prompt_ids), "output_ids": o.output_ids,
+                        "text": tokenizer.decode(o.output_ids, skip_special_tokens=True),
+                        "finish_reason": o.finish_reason} for o in turns]}
+            for cid, turns in zip(ids, run.answers)]
+
+
+def write_jsonl(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def plot(rows: Sequence[Mapping[str, Any]], out: Path) -> list[Path]:
+    """acceptance_per_position.png and tau_speedup_vs_k.png from the overall rows; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a display
+    import matplotlib.pyplot as plt
+
+    overall = [r for r in rows if r["dataset"] == "overall" and "tau" in r]
+    if not overall:
+        return []
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in sorted(overall, key=lambda r: (r["method"], r["temperature"], r["k"])):
+        pos = r["per_position"]
+        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=f"{r['method']} k={r['k']} T={r['temperature']:g}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (share of steps reaching it)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(_save(fig, out / "acceptance_per_position.png"))
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    series: dict[tuple[str, float], list[Mapping[str, Any]]] = {}
+    for r in overall:
+        series.setdefault((r["method"], r["temperature"]), []).append(r)
+    for (method, temp), rs in sorted(series.items()):
+        rs = sorted(rs, key=lambda r: r["k"])
+        label = f"{method} T={temp:g}"
+        a1.plot([r["k"] for r in rs], [r["tau"] for r in rs], marker="o", label=label)
+        a2.plot([r["k"] for r in rs], [r["speedup"] for r in rs], marker="o", label=label)
+    a1.set_xlabel("k")
+    a1.set_ylabel("mean acceptance length τ")
+    a2.set_xlabel("k")
+    a2.set_ylabel("speed-up vs none")
+    a2.axhline(1.0, color="grey", lw=0.8, ls="--")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(_save(fig, out / "tau_speedup_vs_k.png"))
+    plt.close(fig)
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    return path

@@ -1,0 +1,163 @@
+"""Speculative decoding through the engine: greedy output equals plain greedy output, the head's catch-up state
+equals a recompute, sampled output follows the target's distribution, and a bad head is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.heads import HeadConfig, build_head
+from mtp_train.layers import AttentionMetadata
+from mtp_train.models import load_model
+from mtp_train.spec.engine import SpecEngine
+from mtp_train.spec.proposers import DraftModelProposer, HeadProposer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[3, 17, 42], [5, 9, 11, 200, 7, 1, 8], list(range(20, 33)), [250] * 2 + list(range(40, 58))]
+
+
+def _greedy(model, prompts, n=20, page_size=3):
+    out = LLMEngine(model, page_size=page_size, num_pages=256).generate(
+        prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    return [o.output_ids for o in out]
+
+
+def _head(tiny_checkpoints, name="llama", draft_vocab_size=0, seed=0):
+    torch.manual_seed(seed)
+    return build_head(HeadConfig(type="mtp", init="last_layer", draft_vocab_size=draft_vocab_size),
+                      tiny_checkpoints[name][0])
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+def test_greedy_mtp_equals_plain_greedy(tiny_checkpoints, name, k):
+    model = load_model(tiny_checkpoints[name][0])
+    ref = _greedy(model, PROMPTS)
+    eng = SpecEngine(model, HeadProposer(_head(tiny_checkpoints, name)), k, page_size=3, num_pages=256)
+    out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert [o.output_ids for o in out] == ref
+    m = eng.stats.metrics
+    assert m.num_drafts >= eng.stats.verify_steps  # one drafting step per sequence and verify step
+    assert 1.0 <= m.mean_acceptance_length <= k + 1
+    assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages  # every page came back
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_draft_model_equals_plain_greedy(tiny_checkpoints, k):
+    target = load_model(tiny_checkpoints["llama"][0])
+    ref = _greedy(target, PROMPTS)
+    # Another model of the same vocabulary drafts: few acceptances, same output.
+    other = SpecEngine(target, DraftModelProposer(load_model(tiny_checkpoints["llama-tied"][0])), k, page_size=3,
+                       num_pages=256)
+    assert [o.output_ids for o in other.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))] == ref
+    # The target drafting for itself: every draft accepted, τ = k + 1 exactly, and still the same output.
+    own = SpecEngine(target, DraftModelProposer(target), k, page_size=3, num_pages=256)
+    assert [o.output_ids for o in own.generate(PROMPTS, SamplingParams(max_new_tokens=21, ignore_eos=True))] == \
+        _greedy(target, PROMPTS, 21)
+    m = own.stats.metrics
+    assert m.acceptance_rate == 1.0 and m.per_position == [1.0] * k
+    assert m.mean_acceptance_length == k + 1
+
+
+def test_untrained_head_gives_correct_output_with_low_tau(tiny_checkpoints):
+    model = load_model(tiny_checkpoints["llama"][0])
+    eng = SpecEngine(model, HeadProposer(_head(tiny_checkpoints, draft_vocab_size=64)), 4, page_size=3,
+                     num_pages=256)
+    out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert [o.output_ids for o in out] == _greedy(model, PROMPTS)
+    assert eng.stats.metrics.mean_acceptance_length < 1.5
+
+
+def test_stop_tokens_and_max_new_tokens_cut_a_multi_token_step(tiny_checkpoints):
+    model = load_model(tiny_checkpoints["llama"][0])
+    ref = _greedy(model, PROMPTS, 12)
+    stop = ref[1][5]  # the 6th token of prompt 1 becomes a stop token
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=[stop])
+    plain = LLMEngine(model, page_size=3, num_pages=256).generate(PROMPTS, params)
+    spec = SpecEngine(model, DraftModelProposer(model), 4, page_size=3, num_pages=256).generate(PROMPTS, params)
+    assert [(o.output_ids, o.finish_reason) for o in spec] == [(o.output_ids, o.finish_reason) for o in plain]
+    assert spec[1].output_ids[-1] == stop and spec[1].finish_reason == "stop"
+    assert all(len(o.output_ids) <= 12 for o in spec)
+
+
+def test_head_catch_up_state_equals_a_recompute_over_the_accepted_sequence(tiny_checkpoints):
+    """After every step, the head's kept feature ĥ_{L-1} is what a fresh cache-free prefill of the head over the
+    target's hidden states of the whole accepted sequence gives: the catch-up overwrote every chain entry."""
+    model = load_model(tiny_checkpoints["qwen3"][0])
+    head = _head(tiny_checkpoints, "qwen3")
+    proposer = HeadProposer(head)
+    eng = SpecEngine(model, proposer, 3, page_size=3, num_pages=256)
+    for p in PROMPTS:
+        eng.add_request(p, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    checked = 0
+    while eng.has_unfinished():
+        eng.step()
+        for s in eng.running:
+            ids = s.token_ids[:-1]  # t_0..t_{L-2}: rows 0..L-2 read (h_i, t_{i+1})
+            hidden = prefill_hidden(model, [ids]).hidden
+            with torch.no_grad():
+                ref = head(hidden, torch.tensor(s.token_ids[1:]), AttentionMetadata.build([len(ids)])).hidden[-1]
+            torch.testing.assert_close(proposer._feat[s.seq_id], ref, rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked > 10
+
+
+def _marginal_of_second_token(model, prompt, temperature):
+    """Exact P(t2 | prompt) = Σ_t1 p(t1 | prompt) p(t2 | prompt, t1) of the target at `temperature`."""
+    from mtp_train.engine.sampling import filtered_probs
+
+    v = model.args.vocab_size
+    with torch.no_grad():
+        first = filtered_probs(model(torch.tensor(prompt), AttentionMetadata.build([len(prompt)]), None,
+                                     logits_indices=torch.tensor([len(prompt) - 1])).logits[0], temperature)
+        seqs = [prompt + [t] for t in range(v)]
+        n = len(prompt) + 1
+        out = model(torch.tensor([t for s in seqs for t in s]), AttentionMetadata.build([n] * v), None,
+                    logits_indices=torch.arange(v) * n + n - 1).logits
+        second = filtered_probs(out, temperature)  # (V, V): row t1
+    return (first[:, None] * second).sum(0)
+
+
+@pytest.mark.parametrize("proposer", ["head", "draft"])
+def test_sampled_speculation_follows_the_target_distribution(tiny_checkpoints, proposer):
+    """Chi-square: the second generated token (the first one that goes through speculative acceptance) of many
+    seeded requests is distributed as the target's exact marginal (fixed seeds; bins with expected < 5 merged)."""
+    model = load_model(tiny_checkpoints["llama"][0])
+    prompt, temp, n = [3, 17, 42, 7], 0.7, 3000
+    expected_p = _marginal_of_second_token(model, prompt, temp)
+    prop = HeadProposer(_head(tiny_checkpoints, draft_vocab_size=96)) if proposer == "head" else \
+        DraftModelProposer(load_model(tiny_checkpoints["llama-tied"][0]))
+    eng = SpecEngine(model, prop, 3, page_size=4, num_pages=4096, max_batch_size=256)
+    outs = eng.generate([prompt] * n, SamplingParams(temperature=temp, max_new_tokens=2, ignore_eos=True, seed=1234))
+    assert eng.stats.metrics.num_drafts > 0
+    counts = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=model.args.vocab_size).double()
+    exp = expected_p.double() * n
+    big = exp >= 5
+    obs_b, exp_b = counts[big], exp[big]
+    if (~big).any():  # the small bins merged into one
+        obs_b, exp_b = torch.cat([obs_b, counts[~big].sum()[None]]), torch.cat([exp_b, exp[~big].sum()[None]])
+    chi2 = float(((obs_b - exp_b) ** 2 / exp_b).sum())
+    dof = obs_b.numel() - 1
+    # 99.9% quantile of chi-square(dof) by Wilson–Hilferty; a wrong rule (e.g. accepting q-samples as they
+    # are) is off by hundreds here.
+    z = 3.09
+    limit = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+    assert chi2 < limit, (chi2, limit, dof)
+
+
+def test_self_draft_accepts_everything_when_sampling(tiny_checkpoints):
+    """p and q come from the same processing (temperature, top-k, top-p): a model drafting for itself is always
+    accepted, so the rule's min(1, p/q) is exactly 1."""
+    model = load_model(tiny_checkpoints["llama"][0])
+    eng = SpecEngine(model, DraftModelProposer(model), 3, page_size=4, num_pages=256)
+    eng.generate(PROMPTS, SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_new_tokens=13, ignore_eos=True,
+                                         seed=3))
+    assert eng.stats.metrics.acceptance_rate == 1.0
+
+
+def test_invalid_k_is_refused(tiny_checkpoints):
+    model = load_model(tiny_checkpoints["llama"][0])
+    with pytest.raises(ValueError, match="k"):
+        SpecEngine(model, DraftModelProposer(model), 0)
