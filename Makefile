@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo lint bench-engine bench-precompute bench-train ablation clean
+.PHONY: setup model test test-fast demo lint bench-engine bench-precompute bench-train bench-spec ablation clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,10 @@ bench-precompute: model
 
 bench-train: model
 	$(PY) bench/bench_train.py --model $(MODEL_DIR)
+
+# Speculative decoding with a trained head (default: the newest under runs/, e.g. after `make demo`).
+bench-spec: model
+	$(PY) bench/bench_spec.py --model $(MODEL_DIR) $(BENCH_SPEC_ARGS)
 
 # The norm ablation (mtp vs eagle1) at the CPU-sized default; e.g. `make ablation ABLATION_ARGS="--steps 2000"`.
 ablation: model

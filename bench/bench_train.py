@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"out={Path(tmp) / 'run'}",
             "wandb.mode=disabled", "train.progress=false", f"train.max_steps={args.warmup + args.steps}",
             f"train.micro_batch_tokens={args.micro_batch_tokens}", "train.eval_every=0", "train.eval_batches=1",
-            "train.save_every=0", "train.log_every=1", *args.overrides,
+            "train.save_every=0", "train.log_every=1", "spec_eval.prompts=[]", *args.overrides,
         ])
         meter = StepMeter(args.warmup)
         result = train_main(cfg, on_step=meter)

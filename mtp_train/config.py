@@ -8,11 +8,14 @@ instead of being silently ignored.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
 from mtp_train.train.losses import LossConfig
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # the YAML tree (an editable install's checkout)
 
 
 @dataclass
@@ -190,6 +193,17 @@ class LoopCfg:
 
 
 @dataclass
+class SpecEvalCfg:
+    """Speculative decoding on held-out prompts at every evaluation (`spec_eval.*`, rank 0): logs spec/tau."""
+
+    prompts: list[str] = field(default_factory=list)  # conf/data names or prompt files; [] = off
+    limit: int = 8  # conversations per prompt set
+    k: int = 3  # draft tokens per step
+    max_new_tokens: int = 64  # per turn, greedy
+    batch_size: int = 8  # concurrent requests
+
+
+@dataclass
 class DeepSpeedCfg:
     """DeepSpeed JSON-config fields (`conf/deepspeed/*.yaml`); "auto" values are filled from the train config."""
 
@@ -231,5 +245,6 @@ class TrainConfig:
     train: LoopCfg = field(default_factory=LoopCfg)
     deepspeed: DeepSpeedCfg = field(default_factory=DeepSpeedCfg)
     wandb: WandbCfg = field(default_factory=WandbCfg)
+    spec_eval: SpecEvalCfg = field(default_factory=SpecEvalCfg)
     out: str = "runs/train"  # run folder: config.yaml, metrics.jsonl, checkpoints/, heads/, wandb/
     resume: str = "auto"  # auto (the latest checkpoint under out, if any) | none | a checkpoint tag folder

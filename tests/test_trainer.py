@@ -89,7 +89,7 @@ def _overrides(setup: Setup, out: Path, *extra: str) -> list[str]:
     items = [f"model.path={setup.target}", "model.device=cpu", "model.backend=torch", f"data.dir={setup.data}",
              f"out={out}", "wandb.mode=disabled", "train.progress=false", "train.micro_batch_tokens=512",
              "train.log_every=1", "train.eval_every=0", "train.eval_batches=4", "train.save_every=0",
-             "optim.lr=1e-2", "optim.warmup_steps=5", *extra]
+             "optim.lr=1e-2", "optim.warmup_steps=5", "spec_eval.prompts=[]", *extra]
     merged: dict[str, str] = {}
     for item in items:
         key, value = item.split("=", 1)

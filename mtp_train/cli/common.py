@@ -23,8 +23,8 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mtp_train.config import ModelConfig, register_configs, resolve_device
-from mtp_train.data.chat import ChatTemplateError
+from mtp_train.config import CONF_DIR, ModelConfig, register_configs, resolve_device
+from mtp_train.data.chat import ChatTemplateError, load_tokenizer
 from mtp_train.data.readers import DataError
 from mtp_train.dist import DistInfo
 from mtp_train.fileio import atomic_write_text
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 # The repository's conf/ folder. An absolute path: a relative `config_path` is resolved by Hydra against the
 # calling module's package (`pkg://conf`), which does not exist when the command runs as a console script.
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 # Errors whose message tells the user what to change; shown as one line instead of a traceback. ValueError covers
 # invalid settings (SamplingParams, dtype, ...), DataError and ModelConfigError (both subclass it).
@@ -94,17 +93,6 @@ def ensure_model(model_cfg: ModelConfig | DictConfig) -> Path:
         "set `model.fetch` to a known model name to create it"
     raise ModelConfigError(f"model folder {path} does not exist (or has no config.json); point `model.path` at a "
                            f"Hugging Face folder, or {hint}")
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """The Hugging Face tokenizer of a model folder, with a clear error when the folder has none."""
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ModelConfigError(f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
-                               f"commands that render chats need the target's tokenizer beside its weights")
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def load_target(model_cfg: ModelConfig | DictConfig, device: torch.device | str,

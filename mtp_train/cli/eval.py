@@ -20,22 +20,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mtp_train.cli.common import (
-    CONF_DIR,
     ensure_model,
     hydra_entry,
     load_target,
-    load_tokenizer,
     save_config,
     to_dict,
 )
-from mtp_train.config import DataConfig, resolve_device
-from mtp_train.data.chat import tokenizer_fingerprint
-from mtp_train.data.readers import DataError, read_conversations
+from mtp_train.config import resolve_device
+from mtp_train.data.chat import load_tokenizer, tokenizer_fingerprint
 from mtp_train.fileio import atomic_write_text
 from mtp_train.models.config import ModelConfigError
 from mtp_train.precompute.regenerate import stop_token_ids
 from mtp_train.spec.engine import METHODS
-from mtp_train.spec.evaluate import EvalSettings, PromptSet, best_row, evaluate, overall_rows, result_row
+from mtp_train.spec.evaluate import EvalSettings, best_row, evaluate, overall_rows, result_row
+from mtp_train.spec.prompts import load_prompt_sets
 from mtp_train.spec.proposers import DraftModelProposer, HeadProposer
 from mtp_train.spec.report import markdown_table, output_records, plot, write_jsonl
 
@@ -52,35 +50,6 @@ def as_list(value: Any, what: str, kind: type) -> list:
         return [kind(v) for v in values]
     except (TypeError, ValueError):
         raise ValueError(f"`{what}` must be a {kind.__name__} or a list of them, got {value!r}") from None
-
-
-def data_config(entry: str) -> DataConfig:
-    """A prompt-set entry → DataConfig: an existing file/folder, else `conf/data/<entry>.yaml`."""
-    if Path(entry).exists():
-        return DataConfig(name=Path(entry).stem, paths=[entry])
-    yaml = Path(CONF_DIR) / "data" / f"{entry}.yaml"
-    if not yaml.is_file():
-        known = sorted(p.stem for p in (Path(CONF_DIR) / "data").glob("*.yaml"))
-        raise DataError(f"prompts entry {entry!r} is neither a file nor a data config; known configs: "
-                        f"{', '.join(known)}")
-    merged = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(yaml))
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
-
-
-def load_prompt_sets(entries: list[str], limit: int | None) -> list[PromptSet]:
-    sets = []
-    for entry in entries:
-        d = data_config(entry)
-        missing = [p for p in d.paths if not any(Path().glob(p)) and not Path(p).exists()]
-        if missing:
-            raise DataError(f"prompt set {entry!r}: {', '.join(missing)} not found")
-        convs, _ = read_conversations(list(d.paths), format=d.format, field_map=dict(d.field_map),
-                                      system_prompt=d.system_prompt, on_bad_row=d.on_bad_row, limit=limit)
-        convs = [c for c in convs if any(m["role"] == "user" for m in c.messages)]
-        if not convs:
-            raise DataError(f"prompt set {entry!r} ({', '.join(d.paths)}) has no user turns")
-        sets.append(PromptSet(d.name, convs))
-    return sets
 
 
 def make_proposers(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Path) -> dict[str, Any]:

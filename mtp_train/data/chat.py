@@ -27,9 +27,11 @@ import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mtp_train.data.readers import Conversation
+from mtp_train.models.config import ModelConfigError
 
 Messages = Sequence[Mapping[str, str]]
 # Private-use characters: no template special-cases them and real text practically never contains them. A probe
@@ -352,3 +354,14 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
                 "added": {str(k): str(v) for k, v in sorted(added.items())}}
         h.update(json.dumps(spec, sort_keys=True, ensure_ascii=False).encode("utf-8"))
     return h.hexdigest()
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The Hugging Face tokenizer of a model folder, with a clear error when the folder has none."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ModelConfigError(f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                               f"commands that render chats need the target's tokenizer beside its weights")
+    return AutoTokenizer.from_pretrained(str(path))

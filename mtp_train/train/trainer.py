@@ -259,6 +259,7 @@ class Trainer:
         self.samples_seen = 0
         self.tokens_seen = 0
         self.last_eval: dict[str, float] = {}
+        self._spec_target: tuple[Any, Any, list, list[int]] | None = None  # (model, tokenizer, prompts, stops)
         self.last_train: dict[str, float] = {}
         self.head_dir: Path | None = None
         self._saved_step = -1
@@ -415,7 +416,36 @@ class Trainer:
         batches = eval_batches(self.val_set, c.train.micro_batch_tokens, c.train.eval_batches, self.info.rank,
                                self.info.world, seed=c.train.seed)
         self.last_eval = evaluate(self.head, batches, self.loss_cfg, self.device, self.info.world)
+        if c.spec_eval.prompts and self.info.is_main:
+            self.last_eval.update(self.spec_acceptance())
         return self.last_eval
+
+    def spec_acceptance(self) -> dict[str, float]:
+        """spec/tau, spec/acceptance_rate, spec/pos{j}: greedy speculative decoding with the current head on the
+        held-out prompts of `spec_eval`, through the inference engine (the target is loaded on first use)."""
+        from mtp_train.data.chat import load_tokenizer
+        from mtp_train.models.loader import load_model
+        from mtp_train.precompute.regenerate import stop_token_ids
+        from mtp_train.spec.evaluate import head_acceptance
+        from mtp_train.spec.prompts import load_prompt_sets
+        from mtp_train.spec.proposers import HeadProposer
+
+        se = self.cfg.spec_eval
+        if self._spec_target is None:
+            dtype = "bfloat16" if bf16_enabled(self.device) else "float32"
+            model = load_model(self.target_dir, dtype=dtype, device=self.device, backend=self.cfg.model.backend)
+            tokenizer = load_tokenizer(self.target_dir)
+            convs = [c for ps in load_prompt_sets(list(se.prompts), se.limit) for c in ps.convs]
+            self._spec_target = (model, tokenizer, convs, stop_token_ids(tokenizer, model.args.eos_token_ids))
+        model, tokenizer, convs, stops = self._spec_target
+        head = self.head
+        was_training = head.training
+        try:
+            return head_acceptance(model, tokenizer, lambda: HeadProposer(head), convs, se.k, se.max_new_tokens,
+                                   page_size=self.cfg.model.page_size, batch_size=se.batch_size,
+                                   stop_token_ids=stops)
+        finally:
+            head.train(was_training)
 
     def save(self) -> None:
         """Checkpoint the current step on every rank, export the head on rank 0, then mark it `latest`."""

@@ -1,0 +1,104 @@
+"""`mtp-eval` end to end on the real default model, and the training validation that runs speculative decoding:
+precompute a few conversations → train a head briefly (spec/tau logged) → evaluate it against plain decoding."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from mtp_train.cli.eval import eval_main
+from mtp_train.cli.precompute import precompute_main
+from mtp_train.cli.train import train_main
+from mtp_train.config import CONF_DIR, register_configs
+from mtp_train.heads import HeadConfig, build_head, save_head
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+HELDOUT = ROOT / "data" / "demo_heldout.jsonl"
+
+
+def _cfg(name, overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def trained(default_model_dir, tmp_path_factory):
+    """A head trained for 3 steps on 12 demo conversations; returns (run folder, train result)."""
+    root = tmp_path_factory.mktemp("spec")
+    convs = root / "convs.jsonl"
+    rows = [json.loads(line) for line in (ROOT / "data" / "demo_prompts.jsonl").read_text().splitlines()[:12]]
+    convs.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": r.get("prompt") or r["turns"][0]},
+        {"role": "assistant", "content": "Sure. Here is a short answer, written plainly and without fuss."}]}) + "\n"
+        for i, r in enumerate(rows)))
+    precompute_main(_cfg("precompute", [f"model.path={default_model_dir}", f"data.paths=[{convs}]",
+                                        f"out={root / 'pc'}", "max_seq_len=128", "progress=false",
+                                        "val_fraction=0.2"]))
+    res = train_main(_cfg("train", [
+        f"model.path={default_model_dir}", "model.device=cpu", f"data.dir={root / 'pc'}", f"out={root / 'run'}",
+        "wandb.mode=disabled", "train.progress=false", "train.max_steps=3", "train.micro_batch_tokens=512",
+        "train.eval_every=0", "train.eval_batches=1", "train.save_every=0", "head.draft_vocab_size=4096",
+        f"spec_eval.prompts=[{HELDOUT}]", "spec_eval.limit=2", "spec_eval.max_new_tokens=8", "spec_eval.k=2"]))
+    return root, res
+
+
+def test_training_validation_logs_speculative_acceptance(trained):
+    root, res = trained
+    assert 1.0 <= res["spec/tau"] <= 3.0 and 0.0 <= res["spec/acceptance_rate"] <= 1.0
+    rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("spec/tau" in r for r in rows)
+
+
+def test_eval_writes_reports_and_greedy_speculation_equals_plain_decoding(trained, default_model_dir):
+    root, _ = trained
+    head = sorted((root / "run" / "heads").iterdir())[-1]
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "one", "prompt": "Name three colours."}) + "\n" + json.dumps(
+        {"id": "two", "turns": ["What is 2 + 2?", "And doubled?"]}) + "\n")
+    out = root / "eval"
+    report = eval_main(_cfg("eval", [f"model.path={default_model_dir}", "model.device=cpu", f"head_ckpt={head}",
+                                     f"prompts=[{prompts}]", "max_new_tokens=10", "k=[1,3]",
+                                     f"out={out}", "progress=false", "warmup=false"]))
+    rows = report["rows"]
+    assert {(r["dataset"], r["k"]) for r in rows} == {("prompts", 1), ("prompts", 3), ("overall", 1),
+                                                     ("overall", 3)}
+    for r in rows:
+        assert r["exact_match"] == 1.0  # greedy speculation reproduces plain greedy decoding
+        assert 1.0 <= r["tau"] <= r["k"] + 1 and len(r["per_position"]) == r["k"]
+        assert r["speedup"] > 0 and r["baseline_tokens_per_s"] > 0
+    assert report["best"]["k"] in (1, 3)
+    for name in ("report.json", "report.md", "outputs.jsonl", "config.yaml", "acceptance_per_position.png",
+                 "tau_speedup_vs_k.png"):
+        assert (out / name).is_file(), name
+    assert (out / "acceptance_per_position.png").read_bytes()[:4] == b"\x89PNG"
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert {o["method"] for o in outputs} == {"mtp", "none"}
+    assert all(o["turns"] and isinstance(o["turns"][0]["text"], str) for o in outputs)
+    # The two-turn conversation is answered turn by turn, by both methods.
+    assert sorted(len(o["turns"]) for o in outputs if o["id"] == "two") == [2, 2, 2]
+    assert all(len(o["turns"]) == 1 for o in outputs if o["id"] == "one")
+
+
+def test_eval_refuses_a_head_of_another_target(tiny_checkpoints, default_model_dir, tmp_path):
+    """A head saved for a tiny target cannot draft for SmolLM2: the command exits 2 naming the mismatched dims."""
+    head = build_head(HeadConfig(type="mtp"), tiny_checkpoints["llama"][0])
+    save_head(head, tmp_path / "head")
+    proc = subprocess.run([sys.executable, "-m", "mtp_train.cli.eval", f"model.path={default_model_dir}",
+                           f"head_ckpt={tmp_path / 'head'}", "limit=1", f"out={tmp_path / 'eval'}"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "mtp-eval: error:" in proc.stderr and "dims.hidden_size" in proc.stderr
+
+
+def test_eval_names_an_unknown_prompt_set(default_model_dir, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mtp_train.cli.eval", f"model.path={default_model_dir}",
+                           "method=none", "prompts=[no-such-set]", f"out={tmp_path / 'eval'}"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "no-such-set" in proc.stderr and "demo-heldout" in proc.stderr
