@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report  # noqa: E402
 
 from mtp_train.data.chat import load_tokenizer  # noqa: E402
+from mtp_train.eval.acceptance import EvalSettings, best_row, evaluate, overall_rows, result_row  # noqa: E402
+from mtp_train.eval.prompts import load_prompt_sets  # noqa: E402
 from mtp_train.heads import load_head  # noqa: E402
 from mtp_train.models import load_model  # noqa: E402
 from mtp_train.precompute.regenerate import stop_token_ids  # noqa: E402
-from mtp_train.spec.evaluate import EvalSettings, best_row, evaluate, overall_rows, result_row  # noqa: E402
-from mtp_train.spec.prompts import load_prompt_sets  # noqa: E402
 from mtp_train.spec.proposers import HeadProposer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -108,6 +108,30 @@ class EvalConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class ExportConfig:
+    """`mtp-export`: a trained head in a layout serving engines load."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)  # the target the head was trained for
+    head_ckpt: str | None = None  # head folder (mtp-train's heads/step-N)
+    format: str = "native"  # native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp
+    out: str = "runs/export"
+    verify_fingerprint: bool = True  # refuse a head trained for other target weights
+
+
+@dataclass
+class DemoConfig:
+    """`mtp-demo` (`conf/demo.yaml`): the pipeline's output folder and each stage's Hydra overrides."""
+
+    out: str = "runs/demo"
+    model_path: str = "models/smollm2-135m-instruct"  # fetched on first use (model.fetch)
+    regenerate: list[str] = field(default_factory=list)
+    precompute: list[str] = field(default_factory=list)
+    train: list[str] = field(default_factory=list)
+    eval: list[str] = field(default_factory=list)
+    export: list[str] = field(default_factory=list)
+
+
 def resolve_device(device: str) -> str:
     """`auto` → cuda when available, else cpu."""
     if device != "auto":
@@ -123,6 +147,7 @@ def register_configs() -> None:
     cs.store(name="precompute_schema", node=PrecomputeConfig)
     cs.store(name="regenerate_schema", node=RegenerateConfig)
     cs.store(name="eval_schema", node=EvalConfig)
+    cs.store(name="export_schema", node=ExportConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(name="train_schema", node=TrainConfig)

@@ -1,78 +1,168 @@
-"""`mtp-demo`: greedy chat answers through our engine, with tokens/s next to transformers'.
+"""`mtp-demo`: the whole pipeline on the embedded default model, in one command.
 
-Usage: mtp-demo [--model models/smollm2-135m-instruct] [--max-new-tokens 96] [--no-hf]
+    mtp-demo                       # runs/demo: regenerate → precompute → train → eval → export
+    mtp-demo out=runs/demo2 train=[train.max_steps=200]   # replace one stage's overrides
+
+Stages, each the project's own command run in this process with the overrides of `conf/demo.yaml`:
+
+1. `mtp-regenerate` answers the project's demo prompts (data/demo_prompts.jsonl) with the target;
+2. `mtp-precompute` stores the target's hidden states over those conversations;
+3. `mtp-train` trains the `mtp` head (DeepSpeed, CPU);
+4. `mtp-eval` runs speculative decoding with the head on the held-out prompts against plain decoding;
+5. `mtp-export` writes the head in the `native` layout.
+
+A finished stage is recorded in `<out>/stages.json` with its overrides; a re-run skips it while its overrides
+and outputs are unchanged (and each command resumes by itself if it was interrupted). The summary (τ,
+acceptance rate, speed-up, where outputs are) is printed and written to `<out>/summary.json`.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
+import logging
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-DEMO_PROMPTS = [
-    "What is the capital of France? Answer in one sentence.",
-    "Write a haiku about autumn leaves.",
-    "Explain in two sentences why the sky is blue.",
-]
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from mtp_train.cli.common import EXIT_USER_ERROR, USER_ERRORS
+from mtp_train.config import CONF_DIR, DemoConfig, register_configs
+from mtp_train.fileio import atomic_write_text
+
+log = logging.getLogger(__name__)
+PROG = "mtp-demo"
+STAGES = ("regenerate", "precompute", "train", "eval", "export")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mtp-demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="models/smollm2-135m-instruct", help="Hugging Face model folder")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
-    args = ap.parse_args(argv)
+def stage_overrides(cfg: DemoConfig, out: Path) -> dict[str, list[str]]:
+    """Each stage's Hydra overrides: the wiring between stages, then the config's own lists."""
+    model = [f"model.path={cfg.model_path}"]
+    regen = out / "regenerated.jsonl"
+    return {
+        "regenerate": [*model, "data=demo", f"out={regen}", *cfg.regenerate],
+        "precompute": [*model, "data=demo-regen", f"data.paths=[{regen}]", f"out={out / 'precompute'}",
+                       *cfg.precompute],
+        "train": [*model, "data=demo-regen", f"data.dir={out / 'precompute'}", f"out={out / 'train'}",
+                  "resume=auto", *cfg.train],
+        "eval": [*model, "method=mtp", f"out={out / 'eval'}", *cfg.eval],  # head_ckpt added after training
+        "export": [f"out={out / 'export'}", *cfg.export],  # head_ckpt added after training
+    }
 
-    import torch
-    from transformers import AutoTokenizer
 
-    from mtp_train.engine import LLMEngine, SamplingParams
-    from mtp_train.models import ModelConfigError, load_model
+def _compose(name: str, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(name, overrides=overrides)
 
-    try:
-        model = load_model(args.model, dtype=args.dtype)
-    except (ModelConfigError, ValueError) as e:
-        print(f"mtp-demo: error: {e}", file=sys.stderr)
-        return 2
-    tok = AutoTokenizer.from_pretrained(args.model)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=True)["input_ids"] for p in DEMO_PROMPTS]
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
 
-    # One request at a time: batch-1 latency is what speculative decoding is about.
-    engine = LLMEngine(model, kv_cache_gb=0.25)
-    engine.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2))  # warm-up
-    ours, n_ours, t_ours = [], 0, 0.0
-    for p in prompts:
+def _load_state(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run (or resume) the pipeline; returns the summary."""
+    from mtp_train.cli.eval import eval_main
+    from mtp_train.cli.export import export_main
+    from mtp_train.cli.precompute import precompute_main
+    from mtp_train.cli.regenerate import regenerate_main
+    from mtp_train.cli.train import train_main
+
+    register_configs()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / "stages.json"
+    state = _load_state(state_path)
+    overrides = stage_overrides(cfg, out)
+    mains: dict[str, tuple[str, Callable[[DictConfig], Any]]] = {
+        "regenerate": ("regenerate", regenerate_main), "precompute": ("precompute", precompute_main),
+        "train": ("train", train_main), "eval": ("eval", eval_main), "export": ("export", export_main),
+    }
+    t_run = time.perf_counter()
+    rows = []
+    for stage in STAGES:
+        ov = list(overrides[stage])
+        if stage in ("eval", "export"):
+            ov.insert(0, f"head_ckpt={state['train']['head_dir']}")
+        done = state.get(stage)
+        outputs_exist = done is not None and all(Path(p).exists() for p in done.get("outputs", []))
+        if done is not None and done.get("overrides") == ov and outputs_exist:
+            rows.append((stage, "skipped", done["minutes"], done["outputs"][0]))
+            continue
+        print(f"{PROG}: {stage} …", flush=True)
+        name, fn = mains[stage]
         t0 = time.perf_counter()
-        out = engine.generate([p], params)[0]
-        t_ours += time.perf_counter() - t0
-        n_ours += len(out.output_ids)
-        ours.append(out.output_ids)
+        result = fn(_compose(name, ov))
+        minutes = (time.perf_counter() - t0) / 60
+        record: dict[str, Any] = {"overrides": ov, "minutes": minutes}
+        if stage == "regenerate":
+            record["outputs"] = [str(out / "regenerated.jsonl")]
+        elif stage == "precompute":
+            record["outputs"] = [str(out / "precompute" / "manifest.json")]
+        elif stage == "train":
+            record["head_dir"] = str(result["head_dir"])
+            record["outputs"] = [str(result["head_dir"])]
+            # A new head invalidates what was measured and exported from the old one.
+            state.pop("eval", None)
+            state.pop("export", None)
+        elif stage == "eval":
+            best = result["best"]
+            record["metrics"] = {k: best[k] for k in ("k", "tau", "acceptance_rate", "speedup", "tokens_per_s",
+                                                      "baseline_tokens_per_s", "exact_match") if k in best}
+            record["outputs"] = [str(out / "eval" / "report.json"), str(out / "eval" / "outputs.jsonl")]
+        elif stage == "export":
+            record["outputs"] = [str(result["out"])]
+        state[stage] = record
+        atomic_write_text(state_path, json.dumps(state, indent=2) + "\n")
+        rows.append((stage, "done", minutes, record["outputs"][0]))
 
-    print(f"model: {args.model} ({args.dtype}), greedy, batch 1\n")
-    for q, ids in zip(DEMO_PROMPTS, ours):
-        print(f"> {q}\n{tok.decode(ids, skip_special_tokens=True).strip()}\n")
-    print(f"mtp_train engine : {n_ours / t_ours:6.1f} tokens/s ({n_ours} tokens)")
+    m = state["eval"]["metrics"]
+    summary = {
+        "tau": m["tau"], "acceptance_rate": m["acceptance_rate"], "speedup": m["speedup"], "k": m["k"],
+        "tokens_per_s": m["tokens_per_s"], "baseline_tokens_per_s": m["baseline_tokens_per_s"],
+        "exact_match": m.get("exact_match"),
+        "minutes": sum(state[s]["minutes"] for s in STAGES),
+        "minutes_this_run": (time.perf_counter() - t_run) / 60,
+        "outputs": {s: state[s]["outputs"] for s in STAGES},
+    }
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    print_summary(rows, summary)
+    return summary
 
-    if not args.no_hf:
-        from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=model.dtype).eval()
-        n_hf, t_hf, same = 0, 0.0, 0
-        with torch.inference_mode():
-            for p, mine in zip(prompts, ours):
-                t0 = time.perf_counter()
-                g = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=args.max_new_tokens,
-                                pad_token_id=tok.eos_token_id)[0, len(p):].tolist()
-                t_hf += time.perf_counter() - t0
-                n_hf += len(g)
-                same += g == mine
-        print(f"transformers     : {n_hf / t_hf:6.1f} tokens/s ({n_hf} tokens)")
-        print(f"speed-up         : {(n_ours / t_ours) / (n_hf / t_hf):6.2f}x; identical answers: {same}/{len(prompts)}")
-    return 0
+def print_summary(rows: list[tuple[str, str, float, str]], s: dict[str, Any]) -> None:
+    print(f"\n{'stage':<11} {'status':<8} {'minutes':>7}  output")
+    for stage, status, minutes, output in rows:
+        print(f"{stage:<11} {status:<8} {minutes:>7.1f}  {output}")
+    print(f"\nmtp head, k={s['k']}, greedy, held-out prompts: τ {s['tau']:.2f} · acceptance rate "
+          f"{s['acceptance_rate']:.2f} · speed-up {s['speedup']:.2f}× ({s['tokens_per_s']:.1f} vs "
+          f"{s['baseline_tokens_per_s']:.1f} tok/s) · identical to plain greedy: "
+          f"{'yes' if s.get('exact_match') == 1.0 else s.get('exact_match')}")
+    print(f"pipeline minutes: {s['minutes']:.1f} (this run {s['minutes_this_run']:.1f}) → summary.json beside "
+          f"{s['outputs']['eval'][0]}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`mtp-demo [key=value ...]`: overrides of conf/demo.yaml (e.g. out=runs/demo2)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        base = OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.load(Path(CONF_DIR) / "demo.yaml"))
+        cfg = OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.from_dotlist(args)))
+        run_demo(cfg)  # type: ignore[arg-type]
+    except USER_ERRORS as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    except Exception as exc:  # a misspelt key is an OmegaConf error: name it, no traceback
+        from omegaconf.errors import OmegaConfBaseException
+
+        if isinstance(exc, OmegaConfBaseException):
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+        raise
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

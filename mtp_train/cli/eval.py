@@ -6,7 +6,7 @@
 
 Writes into `out`: report.json (one row per prompt set and grid point, plus "overall" rows and the best k at
 temperature 0), report.md (the same as a table), outputs.jsonl (per prompt: each turn's token ids and text),
-acceptance_per_position.png and tau_speedup_vs_k.png, and config.yaml. See `mtp_train.spec.evaluate`.
+acceptance_per_position.png and tau_speedup_vs_k.png, and config.yaml. See `mtp_train.eval.acceptance`.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from mtp_train.cli.common import (
 )
 from mtp_train.config import resolve_device
 from mtp_train.data.chat import load_tokenizer, tokenizer_fingerprint
+from mtp_train.eval.acceptance import EvalSettings, best_row, evaluate, overall_rows, result_row
+from mtp_train.eval.prompts import load_prompt_sets
+from mtp_train.eval.report import markdown_table, output_records, plot, write_jsonl
 from mtp_train.fileio import atomic_write_text
 from mtp_train.models.config import ModelConfigError
 from mtp_train.precompute.regenerate import stop_token_ids
 from mtp_train.spec.engine import METHODS
-from mtp_train.spec.evaluate import EvalSettings, best_row, evaluate, overall_rows, result_row
-from mtp_train.spec.prompts import load_prompt_sets
 from mtp_train.spec.proposers import DraftModelProposer, HeadProposer
-from mtp_train.spec.report import markdown_table, output_records, plot, write_jsonl
 
 log = logging.getLogger(__name__)
 PROG = "mtp-eval"

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from mtp_train.config import CONF_DIR, DataConfig
 from mtp_train.data.readers import DataError, read_conversations
-from mtp_train.spec.evaluate import PromptSet
+from mtp_train.eval.acceptance import PromptSet
 
 
 def data_config(entry: str, conf_dir: str | Path = CONF_DIR) -> DataConfig:

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mtp_train.eval.acceptance import RunResult
 from mtp_train.fileio import atomic_write, atomic_write_text
-from mtp_train.spec.evaluate import RunResult
 
 COLUMNS = ("dataset", "method", "k", "temperature", "tau", "acceptance_rate", "tokens_per_s",
            "baseline_tokens_per_s", "speedup", "exact_match")

@@ -1,0 +1,136 @@
+"""Export a trained head in a layout a serving engine loads, and load such an export back (round trips).
+
+An export folder holds `model.safetensors` (the layout's names) and `config.json`: for `native` our own head
+config (`save_head`); for the other layouts the target's config.json with the layout's keys (e.g.
+`architectures`, `num_nextn_predict_layers`) plus an `mtp_train` block (head type, norms, dims, target
+fingerprint, format) that engines ignore and `load_export` reads back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mtp_train.export.layouts import FORMATS, LAYOUTS, Layout, LayoutError
+from mtp_train.fileio import atomic_write, atomic_write_text
+from mtp_train.heads.base import (
+    HEAD_TYPES,
+    DraftHead,
+    HeadConfig,
+    head_dims,
+    load_head,
+    read_head_config,
+    save_head,
+)
+from mtp_train.heads.frozen import FrozenTargetParts
+from mtp_train.models.config import ModelArgs, ModelConfigError
+
+
+def _layout(fmt: str) -> Layout:
+    if fmt not in LAYOUTS:
+        raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return LAYOUTS[fmt]
+
+
+def check_fits(head: DraftHead, fmt: str) -> None:
+    """Raise LayoutError naming every reason the head does not fit `fmt`."""
+    if fmt == "native":
+        return
+    layout = _layout(fmt)
+    if head.cfg.type not in layout.head_types:
+        raise LayoutError(f"format {fmt} takes {'/'.join(layout.head_types)} heads; this head is "
+                          f"{head.cfg.type!r} (use format=native, or a format for {head.cfg.type} heads)")
+    problems = layout.check(head)
+    if problems:
+        raise LayoutError(f"this {head.cfg.type} head does not fit format {fmt}:\n  " + "\n  ".join(problems))
+
+
+def layout_tensors(head: DraftHead, fmt: str) -> dict[str, torch.Tensor]:
+    """The head's tensors under the names of `fmt` (CPU, contiguous), after checking that the map is exact."""
+    check_fits(head, fmt)
+    layout = _layout(fmt)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
+    tensors = {k: v.contiguous() for k, v in layout.to_layout(state, head).items()}
+    back = layout.from_layout(tensors, head)
+    own = {k: tuple(v.shape) for k, v in state.items() if k != "draft_vocab"}
+    got = {k: tuple(v.shape) for k, v in back.items()}
+    if own != got:  # every tensor of the head must land in the layout and come back with its shape
+        raise LayoutError(f"format {fmt} does not cover the head: missing {sorted(own.keys() - got.keys())}, "
+                          f"extra {sorted(got.keys() - own.keys())}, shapes "
+                          f"{ {k: (own[k], got[k]) for k in own.keys() & got.keys() if own[k] != got[k]} }")
+    return tensors
+
+
+def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str | Path, *,
+                verify_fingerprint: bool = True) -> Path:
+    """Export the head in `head_dir` (trained for the target in `target_dir`) as `fmt` into `out`."""
+    if fmt not in FORMATS:
+        raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    cfg = read_head_config(head_dir)
+    head = load_head(head_dir, target_dir, verify_fingerprint=verify_fingerprint)
+    out = Path(out)
+    if fmt == "native":
+        return save_head(head, out, extra_config=cfg.get("extra"), target_fingerprint=cfg.get("target_fingerprint"))
+    tensors = layout_tensors(head, fmt)
+    target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    config = _layout(fmt).config(head, target_cfg)
+    config["mtp_train"] = {"format": fmt, "head": head.cfg.to_dict(), "dims": head_dims(head.target_args),
+                           "target_fingerprint": cfg.get("target_fingerprint"), "num_params": head.num_params(),
+                           "draft_vocab_size": head.cfg.draft_vocab_size}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "model.safetensors",
+                 lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt", "layout": fmt}))
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def load_export(export_dir: str | Path, target_dir: str | Path, device: str | torch.device = "cpu",
+                dtype: torch.dtype | None = None) -> DraftHead:
+    """Load a folder written by `export_head` (any format) back into one of our heads.
+
+    Refuses, naming the keys, a folder whose tensors are not exactly those of its recorded layout.
+    """
+    export_dir = Path(export_dir)
+    cfg = json.loads((export_dir / "config.json").read_text()) if (export_dir / "config.json").is_file() else {}
+    meta = cfg.get("mtp_train")
+    if meta is None:  # native
+        return load_head(export_dir, target_dir, device=device, dtype=dtype, verify_fingerprint=False)
+    fmt = meta["format"]
+    layout = _layout(fmt)
+    args = ModelArgs.from_dir(target_dir)
+    if meta["dims"] != head_dims(args):
+        raise ModelConfigError(f"{export_dir}: exported for dims {meta['dims']}, target {target_dir} has "
+                               f"{head_dims(args)}")
+    # The layouts carry no draft vocabulary: a loaded export drafts over the whole vocabulary.
+    head_cfg = HeadConfig(**{**meta["head"], "draft_vocab_size": 0})
+    frozen = FrozenTargetParts.from_pretrained(target_dir, device=device)
+    head = HEAD_TYPES[head_cfg.type](head_cfg, args, frozen)
+    expected = layout_tensors(head, fmt)
+    with safe_open(str(export_dir / "model.safetensors"), framework="pt", device="cpu") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    problems = [f"{k}: missing" for k in sorted(expected.keys() - tensors.keys())]
+    problems += [f"{k}: not a tensor of format {fmt}" for k in sorted(tensors.keys() - expected.keys())]
+    problems += [f"{k}: shape {tuple(tensors[k].shape)}, expected {tuple(expected[k].shape)}"
+                 for k in sorted(expected.keys() & tensors.keys()) if tensors[k].shape != expected[k].shape]
+    if problems:
+        raise ModelConfigError(f"{export_dir} is not a valid {fmt} export:\n  " + "\n  ".join(problems))
+    state = layout.from_layout(tensors, head)
+    dt = dtype or next(iter(state.values())).dtype
+    head.load_state_dict({k: v.to(dt) for k, v in state.items()})
+    head.attach(frozen.to(device=device, dtype=dt))
+    return head.to(device=device, dtype=dt).eval()
+
+
+def describe(export_dir: str | Path) -> dict[str, Any]:
+    """Format, head type and tensor count of an export folder (for logs)."""
+    export_dir = Path(export_dir)
+    cfg = json.loads((export_dir / "config.json").read_text())
+    meta = cfg.get("mtp_train") or {"format": "native", "head": cfg.get("head")}
+    with safe_open(str(export_dir / "model.safetensors"), framework="pt", device="cpu") as f:
+        n = len(list(f.keys()))
+    return {"format": meta["format"], "head": (meta.get("head") or {}).get("type"), "tensors": n}

@@ -1,0 +1,246 @@
+"""Checkpoint layouts of draft heads that serving engines load, as name maps over our head's state dict.
+
+Our head stores fused projections (`qkv_proj`, `gate_up_proj`, as the target loader fuses them); every other
+layout stores them split. A layout is a pair of functions: `to_layout(state, head) → {name: tensor}` and
+`from_layout(tensors, head) → state`, exact inverses of each other (tensors are moved, never changed), plus the
+config.json it writes and the checks a head must pass first.
+
+| format          | heads   | names (config.json)                                                          |
+|-----------------|---------|------------------------------------------------------------------------------|
+| native          | any     | our own (`save_head`): fused, `draft_vocab` kept                             |
+| vllm-eagle      | eagle1  | `fc.weight` (no bias), `layers.0.*` split, no layer-0 input norm, no final    |
+|                 |         | norm, no embed / lm_head (the target's are shared) ("LlamaForCausalLM")      |
+| sglang-eagle    | eagle1  | as vllm-eagle plus `fc.bias` (zeros for a bias-free head); the engine adds   |
+|                 |         | the `model.` prefix itself ("LlamaForCausalLMEagle")                         |
+| deepseek-mtp    | mtp     | `model.layers.{L}.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head,    |
+|                 |         | embed_tokens}` + the block under the same prefix, L = the target's layer     |
+|                 |         | count (`num_nextn_predict_layers: 1`)                                        |
+| qwen3-next-mtp  | mtp     | `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,layers.0.*,norm}`; every   |
+|                 |         | RMSNorm weight stored as w − 1 (Qwen3-Next norms compute x·(1 + w))          |
+
+Fit: vLLM's EAGLE-1 and both MTP layouts have no fc bias, so a head trained with `fc_bias` only exports to
+native / sglang-eagle. Two differences an engine brings, not the file: DeepSeek-V3's MTP module feeds the
+*un-normed* block output to its next step (ours feeds the final-normed feature, as Qwen3-Next does), so chained
+drafts from the second on differ there; and engines' DeepSeek MTP blocks are MLA, so a Llama-family head (plain
+q/k/v attention) in that layout loads where the engine accepts a dense attention block. Qwen3-Next's attention
+has an output gate by default: the config sets `attn_output_gate: false` for our ungated layer.
+The concatenation order inside fc / eh_proj is the same everywhere: [embedding ; hidden].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mtp_train.heads.base import DraftHead
+
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+class LayoutError(ValueError):
+    """A head that does not fit a layout (wrong head type, a norm the layout has no place for, ...)."""
+
+
+def _split_sizes(head: DraftHead, fused: str) -> list[int]:
+    a = head.args
+    if fused == "self_attn.qkv_proj":
+        return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+    return [a.intermediate_size, a.intermediate_size]
+
+
+def unfuse_layer(layer: dict[str, torch.Tensor], head: DraftHead) -> dict[str, torch.Tensor]:
+    """Decoder-layer tensors with fused names → split q/k/v and gate/up (Hugging Face names)."""
+    out = dict(layer)
+    for fused, parts in FUSED.items():
+        for kind in ("weight", "bias"):
+            name = f"{fused}.{kind}"
+            if name in out:
+                for part, t in zip(parts, torch.split(out.pop(name), _split_sizes(head, fused), dim=0)):
+                    out[f"{part}.{kind}"] = t.contiguous()
+    return out
+
+
+def fuse_layer(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `unfuse_layer`."""
+    out = dict(layer)
+    for fused, parts in FUSED.items():
+        for kind in ("weight", "bias"):
+            names = [f"{p}.{kind}" for p in parts]
+            if all(n in out for n in names):
+                out[f"{fused}.{kind}"] = torch.cat([out.pop(n) for n in names], dim=0)
+    return out
+
+
+def _layer_items(state: dict[str, torch.Tensor], prefix: str = "layers.0.") -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One export format."""
+
+    name: str
+    head_types: tuple[str, ...]
+    check: Callable[[DraftHead], list[str]]  # problems that make the head unfit (empty = fits)
+    to_layout: Callable[[dict[str, torch.Tensor], DraftHead], dict[str, torch.Tensor]]
+    from_layout: Callable[[dict[str, torch.Tensor], DraftHead], dict[str, torch.Tensor]]
+    config: Callable[[DraftHead, dict[str, Any]], dict[str, Any]]  # (head, target config.json) → config.json
+    needs_frozen: bool = False  # the layout carries the embedding / lm_head itself
+
+
+def _no_draft_vocab(head: DraftHead) -> list[str]:
+    # Layouts without a draft vocabulary still fit: they carry or share the full lm_head, whose rows include
+    # the draft vocabulary's, so the engine drafts over the whole vocabulary.
+    return []
+
+
+def _no_fc_bias(head: DraftHead) -> list[str]:
+    return ["fc_bias=True: the layout's fc has no bias (retrain with head.fc_bias=false, or export native / "
+            "sglang-eagle)"] if head.cfg.fc_bias else []
+
+
+def _eagle_check(bias_ok: bool) -> Callable[[DraftHead], list[str]]:
+    def check(head: DraftHead) -> list[str]:
+        c = head.cfg
+        problems = [f"{flag}=True: the EAGLE-1 layout has no place for it"
+                    for flag in ("enorm", "hnorm", "final_norm") if getattr(c, flag)]
+        if c.input_norm:
+            problems.append("input_norm=True: EAGLE-1's first decoder layer has no input_layernorm")
+        return problems + ([] if bias_ok else _no_fc_bias(head)) + _no_draft_vocab(head)
+
+    return check
+
+
+def _mtp_check(head: DraftHead) -> list[str]:
+    c = head.cfg
+    return [f"{flag}=False: the layout requires it (an RMSNorm weight is always present)"
+            for flag in ("enorm", "hnorm", "input_norm", "final_norm") if not getattr(c, flag)] + _no_fc_bias(head)
+
+
+def _drop_vocab(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if k != "draft_vocab"}
+
+
+# --- vLLM / SGLang EAGLE-1 -------------------------------------------------------------------------------------
+
+
+def _eagle_to(prefix: str, bias: bool) -> Callable[[dict[str, torch.Tensor], DraftHead], dict[str, torch.Tensor]]:
+    def to(state: dict[str, torch.Tensor], head: DraftHead) -> dict[str, torch.Tensor]:
+        state = _drop_vocab(state)
+        out = {f"{prefix}fc.weight": state["fc.weight"]}
+        if "fc.bias" in state:
+            out[f"{prefix}fc.bias"] = state["fc.bias"]
+        elif bias:  # the layout always has one: a zero bias is the same function
+            out[f"{prefix}fc.bias"] = torch.zeros(state["fc.weight"].shape[0], dtype=state["fc.weight"].dtype)
+        out.update({f"{prefix}layers.0.{k}": v for k, v in unfuse_layer(_layer_items(state), head).items()})
+        return out
+
+    return to
+
+
+def _eagle_from(prefix: str) -> Callable[[dict[str, torch.Tensor], DraftHead], dict[str, torch.Tensor]]:
+    def frm(tensors: dict[str, torch.Tensor], head: DraftHead) -> dict[str, torch.Tensor]:
+        state = {"fc.weight": tensors[f"{prefix}fc.weight"]}
+        if head.cfg.fc_bias:
+            state["fc.bias"] = tensors[f"{prefix}fc.bias"]
+        layer = fuse_layer(_layer_items(tensors, f"{prefix}layers.0."))
+        state.update({f"layers.0.{k}": v for k, v in layer.items()})
+        return state
+
+    return frm
+
+
+def _hf_config(target: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    cfg = {k: v for k, v in target.items() if not k.startswith("_")}
+    cfg.update(extra)
+    return cfg
+
+
+def _eagle_config(arch: str) -> Callable[[DraftHead, dict[str, Any]], dict[str, Any]]:
+    def config(head: DraftHead, target: dict[str, Any]) -> dict[str, Any]:
+        return _hf_config(target, architectures=[arch], model_type="llama", num_hidden_layers=1)
+
+    return config
+
+
+# --- DeepSeek-V3 MTP -------------------------------------------------------------------------------------------
+
+
+def _ds_prefix(head: DraftHead) -> str:
+    return f"model.layers.{head.target_args.num_layers}."
+
+
+def _ds_to(state: dict[str, torch.Tensor], head: DraftHead) -> dict[str, torch.Tensor]:
+    state = _drop_vocab(state)
+    p = _ds_prefix(head)
+    frozen = head.require_frozen()
+    out = {f"{p}enorm.weight": state["enorm.weight"], f"{p}hnorm.weight": state["hnorm.weight"],
+           f"{p}eh_proj.weight": state["fc.weight"], f"{p}shared_head.norm.weight": state["norm.weight"],
+           # Copies: a tied target shares one tensor, which safetensors refuses to store under two names.
+           f"{p}shared_head.head.weight": frozen.lm_head.detach().to("cpu").clone(),
+           f"{p}embed_tokens.weight": frozen.embed.detach().to("cpu").clone()}
+    out.update({f"{p}{k}": v for k, v in unfuse_layer(_layer_items(state), head).items()})
+    return out
+
+
+def _ds_from(tensors: dict[str, torch.Tensor], head: DraftHead) -> dict[str, torch.Tensor]:
+    p = _ds_prefix(head)
+    state = {"enorm.weight": tensors[f"{p}enorm.weight"], "hnorm.weight": tensors[f"{p}hnorm.weight"],
+             "fc.weight": tensors[f"{p}eh_proj.weight"], "norm.weight": tensors[f"{p}shared_head.norm.weight"]}
+    skip = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
+    layer = {k: v for k, v in _layer_items(tensors, p).items() if not k.startswith(skip)}
+    state.update({f"layers.0.{k}": v for k, v in fuse_layer(layer).items()})
+    return state
+
+
+def _ds_config(head: DraftHead, target: dict[str, Any]) -> dict[str, Any]:
+    return _hf_config(target, num_nextn_predict_layers=1)
+
+
+# --- Qwen3-Next MTP --------------------------------------------------------------------------------------------
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def _gemma(tensors: dict[str, torch.Tensor], shift: float) -> dict[str, torch.Tensor]:
+    """Qwen3-Next RMSNorms compute x·(1 + w): store w − 1 (shift −1) and read back w + 1 (shift +1)."""
+    return {k: v + shift if _is_norm(k) else v for k, v in tensors.items()}
+
+
+def _qn_to(state: dict[str, torch.Tensor], head: DraftHead) -> dict[str, torch.Tensor]:
+    state = _drop_vocab(state)
+    out = {"mtp.pre_fc_norm_embedding.weight": state["enorm.weight"],
+           "mtp.pre_fc_norm_hidden.weight": state["hnorm.weight"], "mtp.fc.weight": state["fc.weight"],
+           "mtp.norm.weight": state["norm.weight"]}
+    out.update({f"mtp.layers.0.{k}": v for k, v in unfuse_layer(_layer_items(state), head).items()})
+    return _gemma(out, -1.0)
+
+
+def _qn_from(tensors: dict[str, torch.Tensor], head: DraftHead) -> dict[str, torch.Tensor]:
+    tensors = _gemma(tensors, 1.0)
+    state = {"enorm.weight": tensors["mtp.pre_fc_norm_embedding.weight"],
+             "hnorm.weight": tensors["mtp.pre_fc_norm_hidden.weight"], "fc.weight": tensors["mtp.fc.weight"],
+             "norm.weight": tensors["mtp.norm.weight"]}
+    state.update({f"layers.0.{k}": v for k, v in fuse_layer(_layer_items(tensors, "mtp.layers.0.")).items()})
+    return state
+
+
+def _qn_config(head: DraftHead, target: dict[str, Any]) -> dict[str, Any]:
+    return _hf_config(target, num_nextn_predict_layers=1, attn_output_gate=False)
+
+
+LAYOUTS: dict[str, Layout] = {
+    "vllm-eagle": Layout("vllm-eagle", ("eagle1",), _eagle_check(bias_ok=False), _eagle_to("", bias=False),
+                         _eagle_from(""), _eagle_config("LlamaForCausalLM")),
+    "sglang-eagle": Layout("sglang-eagle", ("eagle1",), _eagle_check(bias_ok=True), _eagle_to("", bias=True),
+                           _eagle_from(""), _eagle_config("LlamaForCausalLMEagle")),
+    "deepseek-mtp": Layout("deepseek-mtp", ("mtp",), _mtp_check, _ds_to, _ds_from, _ds_config, needs_frozen=True),
+    "qwen3-next-mtp": Layout("qwen3-next-mtp", ("mtp",), _mtp_check, _qn_to, _qn_from, _qn_config),
+}
+FORMATS = ("native", *LAYOUTS)

@@ -1,0 +1,132 @@
+"""Exports: every layout round-trips (export → load back → the same features and logits), the files carry the
+layout's names and config keys, and heads that do not fit a layout are refused with the reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mtp_train.export import LayoutError, export_head, load_export
+from mtp_train.heads import HeadConfig, build_head, load_head, save_head
+from mtp_train.layers import AttentionMetadata
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CASES = [("native", "mtp"), ("native", "eagle1"), ("vllm-eagle", "eagle1"), ("sglang-eagle", "eagle1"),
+         ("deepseek-mtp", "mtp"), ("qwen3-next-mtp", "mtp")]
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # MKL's results may depend on memory alignment; the tensors are bit-equal
+
+
+def _trained_like(tiny_checkpoints, name, type_, tmp_path, **cfg):
+    """A head with weights away from their init (norms ≠ 1), saved as mtp-train saves it."""
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type=type_, **cfg), tiny_checkpoints[name][0])
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            p.add_(torch.randn_like(p) * (0.2 if n.endswith("norm.weight") else 0.02))
+    return save_head(head, tmp_path / "head")
+
+
+def _features_and_logits(head, rows=9):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(rows, head.args.hidden_size, generator=g)
+    tokens = torch.randint(0, head.args.vocab_size, (rows,), generator=g)
+    with torch.no_grad():
+        out = head(hidden, tokens, AttentionMetadata.build([4, 5]), logits_indices=torch.arange(rows))
+    return out.hidden, out.logits
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize(("fmt", "type_"), CASES, ids=[f"{f}-{t}" for f, t in CASES])
+def test_export_round_trip_gives_identical_features_and_logits(tiny_checkpoints, tmp_path, name, fmt, type_):
+    target = tiny_checkpoints[name][0]
+    head_dir = _trained_like(tiny_checkpoints, name, type_, tmp_path)
+    out = export_head(head_dir, target, fmt, tmp_path / fmt)
+    a, b = load_head(head_dir, target), load_export(out, target)
+    for x, y in zip(_features_and_logits(a), _features_and_logits(b)):
+        torch.testing.assert_close(y, x, **TOL)
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_layout_names_and_config_keys(tiny_checkpoints, tmp_path):
+    target = tiny_checkpoints["llama"][0]
+    n_layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+
+    def names(folder):
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            return set(f.keys())
+
+    mtp = _trained_like(tiny_checkpoints, "llama", "mtp", tmp_path / "m")
+    ds = names(export_head(mtp, target, "deepseek-mtp", tmp_path / "ds"))
+    p = f"model.layers.{n_layers}."
+    assert {f"{p}enorm.weight", f"{p}hnorm.weight", f"{p}eh_proj.weight", f"{p}shared_head.norm.weight",
+            f"{p}shared_head.head.weight", f"{p}embed_tokens.weight", f"{p}self_attn.q_proj.weight",
+            f"{p}self_attn.k_proj.weight", f"{p}mlp.gate_proj.weight", f"{p}input_layernorm.weight"} <= ds
+    assert not any("qkv_proj" in n or "gate_up" in n for n in ds)
+    assert json.loads((tmp_path / "ds" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    qn_dir = export_head(mtp, target, "qwen3-next-mtp", tmp_path / "qn")
+    qn = names(qn_dir)
+    assert {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+            "mtp.layers.0.self_attn.v_proj.weight", "mtp.layers.0.mlp.up_proj.weight"} <= qn
+    # Qwen3-Next norms are x·(1 + w): the stored weight is ours minus one.
+    ours = load_head(mtp, target).norm.weight
+    with safe_open(str(qn_dir / "model.safetensors"), "pt") as f:
+        torch.testing.assert_close(f.get_tensor("mtp.norm.weight") + 1, ours.detach())
+    assert json.loads((qn_dir / "config.json").read_text())["attn_output_gate"] is False
+
+    eagle = _trained_like(tiny_checkpoints, "llama", "eagle1", tmp_path / "e")
+    v = names(export_head(eagle, target, "vllm-eagle", tmp_path / "v"))
+    assert "fc.weight" in v and "fc.bias" not in v and "layers.0.input_layernorm.weight" not in v
+    assert not any(n.startswith("model.") or "lm_head" in n or "embed_tokens" in n for n in v)
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    s = names(export_head(eagle, target, "sglang-eagle", tmp_path / "s"))
+    assert s == v | {"fc.bias"}
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+
+
+@pytest.mark.parametrize(("fmt", "type_", "cfg", "match"), [
+    ("vllm-eagle", "mtp", {}, "takes eagle1 heads"),
+    ("deepseek-mtp", "eagle1", {}, "takes mtp heads"),
+    ("deepseek-mtp", "mtp", {"final_norm": False}, "final_norm=False"),
+    ("qwen3-next-mtp", "mtp", {"fc_bias": True}, "fc_bias=True"),
+    ("vllm-eagle", "eagle1", {"fc_bias": True}, "fc_bias=True"),
+    ("sglang-eagle", "eagle1", {"input_norm": True}, "input_layernorm"),
+    ("tensorrt", "mtp", {}, "unknown export format"),
+])
+def test_heads_that_do_not_fit_are_refused(tiny_checkpoints, tmp_path, fmt, type_, cfg, match):
+    head_dir = _trained_like(tiny_checkpoints, "llama", type_, tmp_path, **cfg)
+    with pytest.raises(LayoutError, match=match):
+        export_head(head_dir, tiny_checkpoints["llama"][0], fmt, tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_draft_vocabulary_head_exports_with_the_full_vocabulary(tiny_checkpoints, tmp_path):
+    """Layouts have no draft vocabulary: the export drafts over the whole vocabulary, with the same features,
+    and its logits restricted to the draft vocabulary are the head's."""
+    target = tiny_checkpoints["llama"][0]
+    head_dir = _trained_like(tiny_checkpoints, "llama", "mtp", tmp_path, draft_vocab_size=40)
+    a = load_head(head_dir, target)
+    a.set_draft_vocab(torch.arange(0, 200, 5))
+    save_head(a, head_dir)
+    b = load_export(export_head(head_dir, target, "deepseek-mtp", tmp_path / "ds"), target)
+    (fa, la), (fb, lb) = _features_and_logits(a), _features_and_logits(b)
+    torch.testing.assert_close(fb, fa, **TOL)
+    assert lb.shape[-1] == a.args.vocab_size and la.shape[-1] == 40
+    torch.testing.assert_close(lb[:, a.draft_vocab], la, **TOL)
+
+
+def test_a_tampered_export_is_refused_naming_the_key(tiny_checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_checkpoints["llama"][0]
+    out = export_head(_trained_like(tiny_checkpoints, "llama", "mtp", tmp_path), target, "qwen3-next-mtp",
+                      tmp_path / "qn")
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors.pop("mtp.fc.weight")
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(Exception, match="mtp.fc.weight: missing"):
+        load_export(out, target)
