@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo lint bench-engine bench-precompute bench-train bench-spec ablation clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-precompute bench-train bench-spec ablation clean
 
 setup: $(STAMP)
 
@@ -30,8 +30,12 @@ test: model
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# The whole pipeline on the embedded default (conf/demo.yaml): regenerate → precompute → train → eval → export.
 demo: model
-	$(VENV)/bin/mtp-demo --model $(MODEL_DIR)
+	$(VENV)/bin/mtp-demo model_path=$(MODEL_DIR) $(DEMO_ARGS)
+
+chat: model
+	$(VENV)/bin/mtp-chat --model $(MODEL_DIR)
 
 lint: setup
 	$(VENV)/bin/ruff check mtp_train tests bench

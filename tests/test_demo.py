@@ -1,0 +1,41 @@
+"""`mtp-demo` end to end at a tiny size on the real default model: every stage runs, the summary is written, and a
+re-run skips every finished stage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtp_train.cli.demo import STAGES, run_demo
+from mtp_train.config import DemoConfig
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_runs_every_stage_then_skips_them(default_model_dir, tmp_path, capsys):
+    cfg = DemoConfig(
+        out=str(tmp_path / "demo"), model_path=str(default_model_dir),
+        regenerate=["limit=8", "max_new_tokens=24", "progress=false"],
+        precompute=["max_seq_len=192", "val_fraction=0.25", "progress=false"],
+        train=["head.draft_vocab_size=1024", "train.max_steps=2", "train.micro_batch_tokens=512",
+               "train.eval_every=0", "train.eval_batches=1", "train.save_every=0", "train.progress=false",
+               "spec_eval.limit=1", "spec_eval.max_new_tokens=8", "wandb.mode=offline"],
+        eval=["prompts=[demo-heldout]", "limit=2", "k=2", "max_new_tokens=12", "progress=false", "warmup=false"],
+        export=["format=deepseek-mtp"],
+    )
+    summary = run_demo(cfg)
+    out = tmp_path / "demo"
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["tau"] == summary["tau"] and 1.0 <= saved["tau"] <= 3.0
+    assert {"tau", "acceptance_rate", "speedup", "minutes"} <= saved.keys()
+    assert saved["exact_match"] == 1.0
+    assert (out / "eval" / "report.json").is_file() and (out / "export" / "model.safetensors").is_file()
+    assert list((out / "train" / "wandb").glob("offline-run-*"))  # a real W&B offline run
+    first = capsys.readouterr().out
+    assert "τ" in first and all(s in first for s in STAGES)
+
+    again = run_demo(cfg)
+    lines = capsys.readouterr().out.splitlines()
+    assert sum("skipped" in line for line in lines) == len(STAGES)
+    assert again["tau"] == summary["tau"] and again["minutes_this_run"] < summary["minutes"]
