@@ -41,7 +41,7 @@ def read_evals(run_dir: Path) -> dict[int, dict[str, float]]:
         if not line.strip():
             continue
         row = json.loads(line)
-        values = {k: v for k, v in row.items() if k.startswith("eval/")}
+        values = {k: v for k, v in row.items() if k.startswith(("eval/", "spec/"))}
         if values:
             evals.setdefault(int(row["step"]), {}).update(values)
     return evals
@@ -52,18 +52,20 @@ def _fmt(value: float | None, digits: int) -> str:
 
 
 def markdown_table(evals: dict[str, dict[int, dict[str, float]]], draft_steps: int) -> str:
-    """Per eval step and draft step j: val loss and top-1 of each head side by side, and the top-1 difference."""
+    """Per eval step and draft step j: val loss and top-1 of each head side by side, the top-1 difference, and
+    (on the j = 0 line) τ of greedy speculative decoding on held-out prompts (spec_eval, k as configured)."""
     a, b = HEADS
-    header = (f"| step | j | val loss {a} | val loss {b} | top-1 {a} | top-1 {b} | Δ top-1 ({a} − {b}) |\n"
-              "|---:|---:|---:|---:|---:|---:|---:|")
+    header = (f"| step | j | val loss {a} | val loss {b} | top-1 {a} | top-1 {b} | Δ top-1 ({a} − {b}) | τ {a} | "
+              f"τ {b} |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [header]
     for step in sorted(set(evals[a]) | set(evals[b])):
         for j in range(draft_steps):
             la, lb = (evals[h].get(step, {}).get(f"eval/step{j}/loss") for h in HEADS)
             ta, tb = (evals[h].get(step, {}).get(f"eval/step{j}/top1") for h in HEADS)
             delta = None if ta is None or tb is None else ta - tb
+            tau = [evals[h].get(step, {}).get("spec/tau") if j == 0 else None for h in HEADS]
             lines.append(f"| {step} | {j} | {_fmt(la, 4)} | {_fmt(lb, 4)} | {_fmt(ta, 3)} | {_fmt(tb, 3)} | "
-                         f"{'–' if delta is None else f'{delta:+.3f}'} |")
+                         f"{'–' if delta is None else f'{delta:+.3f}'} | {_fmt(tau[0], 2)} | {_fmt(tau[1], 2)} |")
     return "\n".join(lines)
 
 
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         for j in range(draft_steps):
             summary[f"{h}_step{j}_val_loss"] = last.get(f"eval/step{j}/loss")
             summary[f"{h}_step{j}_top1"] = last.get(f"eval/step{j}/top1")
+        summary[f"{h}_tau"] = last.get("spec/tau")
     (out / "ablation.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     report({k: v for k, v in summary.items() if k != "heads"})
     return summary

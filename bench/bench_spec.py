@@ -46,7 +46,7 @@ def hf_tokens_per_s(model_dir: str, prompts: list[list[int]], max_new_tokens: in
     """Greedy HF `generate`, batch 1, over `prompts` (token ids); generated tokens per second."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokens, secs = 0, 0.0
     with torch.inference_mode():
         hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)  # warm-up

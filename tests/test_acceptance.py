@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mtp_train.spec import accept_greedy, accept_stochastic
@@ -62,3 +63,19 @@ def test_seeded_acceptance_is_reproducible():
         return accept_stochastic(draft, q, p, [torch.Generator().manual_seed(i) for i in range(n)])
 
     assert run() == run()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer's fused speculative sampling needs CUDA")
+def test_flashinfer_chain_sampling_reproduces_the_target_distribution():
+    pytest.importorskip("flashinfer")
+    from mtp_train.spec.acceptance import accept_stochastic_flashinfer
+
+    torch.manual_seed(0)
+    v, k, n = 5, 3, 20000
+    p = torch.tensor([0.45, 0.25, 0.15, 0.10, 0.05], device="cuda")
+    q = torch.tensor([0.10, 0.20, 0.30, 0.25, 0.15], device="cuda")
+    draft = torch.multinomial(q.expand(n * k, v), 1, replacement=True).view(n, k)
+    res = accept_stochastic_flashinfer(draft, q.expand(n, k, v), p.expand(n, k + 1, v))
+    first = torch.tensor([t[0] for t in res.tokens])
+    assert _chi_square(first, p.cpu()) < 18.47
+    assert all(len(t) == a + 1 for t, a in zip(res.tokens, res.num_accepted))
