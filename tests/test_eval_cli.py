@@ -102,3 +102,14 @@ def test_eval_names_an_unknown_prompt_set(default_model_dir, tmp_path):
                            "method=none", "prompts=[no-such-set]", f"out={tmp_path / 'eval'}"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "no-such-set" in proc.stderr and "demo-heldout" in proc.stderr
+
+
+def test_eval_draft_method_with_the_target_as_its_own_draft(default_model_dir, tmp_path):
+    """method=draft: the target drafting for itself accepts every draft (τ = k + 1) and reproduces plain greedy."""
+    report = eval_main(_cfg("eval", [f"model.path={default_model_dir}", "model.device=cpu", "method=draft",
+                                     f"draft_model={default_model_dir}", f"prompts=[{HELDOUT}]", "limit=1",
+                                     "max_new_tokens=9", "k=2", f"out={tmp_path}", "progress=false",
+                                     "warmup=false", "plots=false"]))
+    row = report["best"]
+    assert row["method"] == "draft" and row["exact_match"] == 1.0
+    assert row["acceptance_rate"] == 1.0 and row["tau"] == 3.0

@@ -129,6 +129,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     }
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     print_summary(rows, summary)
+    print(f"summary → {out / 'summary.json'}", flush=True)
     return summary
 
 
@@ -140,8 +141,9 @@ def print_summary(rows: list[tuple[str, str, float, str]], s: dict[str, Any]) ->
           f"{s['acceptance_rate']:.2f} · speed-up {s['speedup']:.2f}× ({s['tokens_per_s']:.1f} vs "
           f"{s['baseline_tokens_per_s']:.1f} tok/s) · identical to plain greedy: "
           f"{'yes' if s.get('exact_match') == 1.0 else s.get('exact_match')}")
-    print(f"pipeline minutes: {s['minutes']:.1f} (this run {s['minutes_this_run']:.1f}) → summary.json beside "
-          f"{s['outputs']['eval'][0]}", flush=True)
+    print(f"pipeline minutes: {s['minutes']:.1f} (this run {s['minutes_this_run']:.1f}); eval report "
+          f"{s['outputs']['eval'][0]}, outputs {s['outputs']['eval'][1]}, head {s['outputs']['export'][0]}",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,9 +36,7 @@ from typing import Any
 import torch
 
 from mtp_train.heads.base import DraftHead
-
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+from mtp_train.models.loader import FUSED_PROJECTIONS as FUSED  # fused name → the split names, in order
 
 
 class LayoutError(ValueError):
