@@ -1,0 +1,232 @@
+"""Tensor parallelism for the Llama-family target, applied from outside the model file.
+
+Megatron-style sharding over a `torch.distributed` group of `tp` ranks (NCCL on GPU, gloo on CPU):
+
+| tensor (HF name)                         | split                        | forward                          |
+|------------------------------------------|------------------------------|----------------------------------|
+| `self_attn.{q,k,v}_proj` (weight, bias)  | rows, by heads (column)      | local heads attend locally       |
+| `self_attn.o_proj.weight`                | columns (row-parallel)       | partial sums → all-reduce, +bias |
+| `mlp.{gate,up}_proj`                     | rows (column)                | local                            |
+| `mlp.down_proj.weight`                   | columns (row-parallel)       | partial sums → all-reduce, +bias |
+| `model.embed_tokens.weight`              | vocabulary rows              | masked lookup → all-reduce       |
+| `lm_head.weight`                         | vocabulary rows              | local logits → all-gather        |
+| norms, q/k norms                         | replicated                   |                                  |
+
+Each rank builds the model with its local shapes (`local_args`: heads and intermediate size divided by tp), reads
+only its slices of every checkpoint tensor (safetensors `get_slice`), and then has its row-parallel projections,
+embedding and lm_head wrapped (`parallelize`). The model file itself is unchanged: the attention backend and the KV
+cache see the local head counts, so each rank caches only its heads. Hidden states and logits are replicated on every
+rank after each step, equal to the single-process model's up to summation order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from mtp_train.layers.attention import make_attention_backend
+from mtp_train.layers.linear import Linear, prepack_linears
+from mtp_train.models.config import ModelArgs, ModelConfigError
+from mtp_train.models.llama import LlamaForCausalLM
+from mtp_train.models.loader import FUSED_PROJECTIONS, IGNORED_SUFFIXES, checkpoint_files, resolve_dtype
+
+COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW = ("self_attn.o_proj", "mlp.down_proj")
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's place in its tensor-parallel group."""
+
+    rank: int  # rank inside the group, 0..size-1
+    size: int
+    group: tdist.ProcessGroup | None = None  # None: the default group (when it is exactly the TP group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            tdist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate each rank's x (same shape everywhere) along the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        tdist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def tp_groups(tp: int) -> tuple[TPGroup, int, int]:
+    """Split the initialised world into consecutive TP groups of `tp` ranks (inside a node when tp ≤ GPUs per node).
+
+    Returns (this rank's TPGroup, data-parallel rank, data-parallel world): group g holds ranks g·tp..g·tp+tp-1,
+    and the groups are the data-parallel replicas. Every rank must call this (new_group is collective).
+    """
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    if tp < 1 or world % tp:
+        raise ValueError(f"model.tp={tp} must divide the number of processes ({world})")
+    if tp == 1:
+        return TPGroup(0, 1), rank, world
+    mine = None
+    for g in range(world // tp):
+        ranks = list(range(g * tp, (g + 1) * tp))
+        pg = tdist.new_group(ranks) if world > tp else None
+        if rank in ranks:
+            mine = TPGroup(rank - g * tp, tp, pg)
+    assert mine is not None
+    return mine, rank // tp, world // tp
+
+
+def local_args(args: ModelArgs, tp: int) -> ModelArgs:
+    """The shapes one rank of `tp` holds: heads, KV heads and intermediate size divided by tp."""
+    problems = [f"{name}={getattr(args, name)}" for name in ("num_heads", "num_kv_heads", "intermediate_size")
+                if getattr(args, name) % tp]
+    if problems:
+        raise ModelConfigError(f"tensor parallelism tp={tp} needs {', '.join(problems)} divisible by {tp}")
+    return dataclasses.replace(args, num_heads=args.num_heads // tp, num_kv_heads=args.num_kv_heads // tp,
+                               intermediate_size=args.intermediate_size // tp)
+
+
+def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
+    """(first id, end id, padded rows per rank) of this rank's vocabulary shard (the last one may be short)."""
+    per = -(-vocab // tp)
+    lo = min(rank * per, vocab)
+    return lo, min(lo + per, vocab), per
+
+
+def _slice(name: str, sl, args: ModelArgs, tp: TPGroup) -> torch.Tensor:
+    """Read this rank's part of checkpoint tensor `name` through a safetensors slice (nothing else is read)."""
+    shape = sl.get_shape()
+    module = name.rsplit(".", 1)[0]
+    if any(module.endswith(c) for c in COLUMN):
+        n = shape[0] // tp.size
+        return sl[tp.rank * n:(tp.rank + 1) * n]
+    if any(module.endswith(r) for r in ROW) and name.endswith(".weight"):
+        n = shape[1] // tp.size
+        return sl[:, tp.rank * n:(tp.rank + 1) * n]
+    if name in VOCAB:
+        lo, hi, per = vocab_range(shape[0], tp.size, tp.rank)
+        part = sl[lo:hi]
+        if hi - lo < per:  # pad the short last shard so that every rank gathers the same shape
+            part = torch.cat([part, part.new_zeros(per - (hi - lo), *part.shape[1:])])
+        return part
+    return sl[:]
+
+
+class RowParallelLinear(nn.Module):
+    """A projection whose input features are split over the group: local partial product, all-reduce, then bias."""
+
+    def __init__(self, inner: Linear, tp: TPGroup) -> None:
+        super().__init__()
+        self.bias = inner.bias
+        inner.bias = None
+        self.inner, self.tp = inner, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(self.inner(x))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows [lo, hi) on this rank: ids outside give zeros, and the all-reduce fills them in."""
+
+    def __init__(self, weight: torch.Tensor, lo: int, hi: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.lo, self.hi, self.tp = lo, hi, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.lo) & (ids < self.hi)
+        out = F.embedding(torch.where(mine, ids - self.lo, torch.zeros_like(ids)), self.weight)
+        return self.tp.all_reduce(out * mine.unsqueeze(-1).to(out.dtype))
+
+
+class VocabParallelLMHead(nn.Module):
+    """lm_head rows of this rank's vocabulary shard: local logits, gathered over the group, padding dropped."""
+
+    def __init__(self, weight: torch.Tensor, vocab: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.vocab, self.tp = vocab, tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last(F.linear(hidden, self.weight))[..., :self.vocab]
+
+
+def parallelize(model: LlamaForCausalLM, tp: TPGroup, vocab: int) -> LlamaForCausalLM:
+    """Wrap a model holding this rank's slices (see `_slice`) so that its forward is the full model's."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, tp)
+        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, tp)
+    lo, hi, _ = vocab_range(vocab, tp.size, tp.rank)
+    embed = model.model.embed_tokens.weight
+    model.model.embed_tokens = VocabParallelEmbedding(embed.data, lo, hi, tp)
+    head = model.model.embed_tokens.weight if model.args.tie_word_embeddings else model.lm_head.weight
+    model.lm_head = VocabParallelLMHead(head, vocab, tp)  # type: ignore[assignment]
+    model.tp = tp  # type: ignore[attr-defined]
+    return model
+
+
+def load_model_tp(path: str | Path, tp: TPGroup, dtype: str | torch.dtype = "auto",
+                  device: str | torch.device = "cpu", backend: str = "auto",
+                  cpu_prepack: bool = True) -> LlamaForCausalLM:
+    """`load_model` for one rank of a tensor-parallel group: local shapes, only this rank's slices read."""
+    path = Path(path)
+    full = ModelArgs.from_dir(path)
+    args = local_args(full, tp.size)
+    dt = resolve_dtype(dtype, full)
+    device = torch.device(device)
+    per = vocab_range(full.vocab_size, tp.size, tp.rank)[2]
+    with torch.device("meta"):  # the vocabulary dimension is this rank's (padded) shard
+        model = LlamaForCausalLM(dataclasses.replace(args, vocab_size=per))
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    if args.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    files = checkpoint_files(path)
+    raw: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        by_file.setdefault(f, []).append(name)
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for name in names:
+                if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
+                    continue
+                raw[name] = _slice(name, fh.get_slice(name), full, tp).to(dtype=dt)
+    state: dict[str, torch.Tensor] = {}
+    for name in expected:
+        for fused, parts in FUSED_PROJECTIONS.items():
+            if f".{fused}." in name:
+                prefix, suffix = name.split(f".{fused}.")
+                srcs = [f"{prefix}.{p}.{suffix}" for p in parts]
+                if all(s in raw for s in srcs):
+                    state[name] = torch.cat([raw.pop(s) for s in srcs], dim=0)
+                break
+        else:
+            if name in raw:
+                state[name] = raw.pop(name)
+    problems = [f"{n}: missing" for n in sorted(expected.keys() - state.keys())]
+    problems += [f"{n}: rank slice {tuple(state[n].shape)}, expected {expected[n]}"
+                 for n in sorted(expected.keys() & state.keys()) if tuple(state[n].shape) != expected[n]]
+    if problems:
+        raise ModelConfigError(f"{path} (tp rank {tp.rank}/{tp.size}):\n  " + "\n  ".join(problems[:8]))
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
+    model.tie_weights()
+    model.rotary = type(model.rotary)(args.rope, device=device)
+    model.attn = make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim,
+                                        args.sliding_window, device=device)
+    model.eval().requires_grad_(False)
+    model.args = dataclasses.replace(args, vocab_size=full.vocab_size)
+    parallelize(model, tp, full.vocab_size)
+    if cpu_prepack:
+        prepack_linears(model)
+    return model
