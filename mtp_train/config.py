@@ -29,6 +29,7 @@ class ModelConfig:
     backend: str = "auto"  # attention backend: auto (flashinfer on CUDA when installed) | torch | flashinfer
     page_size: int = 16  # tokens per KV-cache page
     kv_cache_gb: float = 1.0  # memory for the paged KV cache of one engine
+    tp: int = 1  # tensor-parallel ranks per model replica (mtp-precompute under torchrun; groups of consecutive ranks)
     fetch: str | None = "smollm2-135m"  # `mtp-model fetch` name that can create `path` when missing
 
 

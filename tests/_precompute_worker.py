@@ -1,7 +1,9 @@
 """One rank of a multi-rank precompute, started by torchrun from tests/test_precompute.py.
 
     torchrun --standalone --nproc_per_node 2 tests/_precompute_worker.py MODEL_DIR OUT_DIR N SEED \
-        SHARD_TOKENS BATCH_TOKENS AUX_LAYERS VAL_FRACTION
+        SHARD_TOKENS BATCH_TOKENS AUX_LAYERS VAL_FRACTION [TP]
+
+TP > 1 runs the target tensor-parallel in groups of TP ranks (each group one data-parallel rank).
 
 Every rank builds the same samples from the seed (`make_samples`, shared with the test).
 """
@@ -32,17 +34,26 @@ def main(argv: list[str]) -> None:
     from mtp_train.models import load_model
     from mtp_train.precompute import precompute
 
-    model_dir, out_dir, n, seed, shard_tokens, batch_tokens, aux, val_fraction = argv
+    model_dir, out_dir, n, seed, shard_tokens, batch_tokens, aux, val_fraction, *rest = argv
+    tp_size = int(rest[0]) if rest else 1
     torch.set_num_threads(1)  # two ranks on a small CPU: avoid oversubscription
     info = dist.init_distributed(device="cpu")
     try:
-        model = load_model(model_dir, dtype="float32", backend="torch")
+        if tp_size > 1:
+            from mtp_train.models.tensor_parallel import load_model_tp, tp_groups
+
+            tp, rank, world = tp_groups(tp_size)
+            model = load_model_tp(model_dir, tp, dtype="float32", backend="torch")
+            tp_rank = tp.rank
+        else:
+            model = load_model(model_dir, dtype="float32", backend="torch")
+            rank, world, tp_rank = info.rank, info.world, 0
         precompute(
             model, make_samples(int(n), int(seed)), out_dir,
             tokenizer_fingerprint="tok-fp", chat_template_fingerprint="tmpl-fp", model_dir=model_dir,
             data_info={"source": "random"}, shard_tokens=int(shard_tokens), batch_tokens=int(batch_tokens),
             aux_layers=[int(j) for j in aux.split(",") if j], val_fraction=float(val_fraction), seed=0,
-            rank=info.rank, world=info.world, progress=False,
+            rank=rank, world=world, tp_rank=tp_rank, tp_size=tp_size, progress=False,
         )
     finally:
         dist.destroy()

@@ -279,6 +279,33 @@ def test_two_ranks_give_the_same_samples_as_one(model, model_dir, tmp_path):
                 assert torch.equal(a[k][key], b[k][key]), (k, key)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_precompute_matches_one_process(model, model_dir, tmp_path):
+    """model.tp=2 on two processes: one data-parallel rank whose TP group computes every shard and whose tp rank 0
+    alone writes; the samples and (up to summation order, in bf16) the hidden states equal one process's."""
+    n, seed, shard_tokens, batch_tokens, val = 13, 5, 150, 64, 0.2
+    one = precompute(model, make_samples(n, seed), tmp_path / "one", model_dir=model_dir, shard_tokens=shard_tokens,
+                     batch_tokens=batch_tokens, aux_layers=(2,), val_fraction=val, seed=0,
+                     tokenizer_fingerprint="tok-fp", chat_template_fingerprint="tmpl-fp",
+                     data_info={"source": "random"}, progress=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "_precompute_worker.py"), str(model_dir), str(tmp_path / "tp"), str(n), str(seed),
+           str(shard_tokens), str(batch_tokens), "2", str(val), "2"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    tp = Manifest.load(tmp_path / "tp")
+    assert {s.rank for s in tp.shards} == {0} and tp.provenance["settings"]["tp"] == 2
+    assert [(s.file, s.samples, s.tokens) for s in tp.shards] == [(s.file, s.samples, s.tokens) for s in one.shards]
+    a, b = PrecomputedDataset(tmp_path / "one", split="all"), PrecomputedDataset(tmp_path / "tp", split="all")
+    assert a.ids == b.ids
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        for key in ("hidden", "aux_hidden"):
+            torch.testing.assert_close(y[key].float(), x[key].float(), rtol=2e-2, atol=2e-2)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # refusals
 

@@ -3,6 +3,7 @@
     mtp-precompute model=smollm2-135m data.paths=[convs.jsonl] out=runs/precompute max_seq_len=2048 limit=1000
     mtp-precompute data=shared-regen out=runs/pc aux_layers=[2,15,27]
     torchrun --nproc_per_node 8 -m mtp_train.cli.precompute model=llama3.1-8b data.paths=[...] out=/data/pc
+    torchrun --nproc_per_node 8 -m mtp_train.cli.precompute model=llama3.1-70b model.tp=8 data.paths=[...] out=...
 
 A re-run with the same settings resumes: finished shards are verified and skipped. Each rank writes its own
 shards; rank 0 writes `manifest.json` last. The resolved config is saved as `<out>/config.yaml`.
@@ -44,9 +45,21 @@ def precompute_main(cfg: DictConfig) -> dict[str, Any]:
             out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, out / "config.yaml")
         dist.barrier(group)
-        model, tokenizer, model_path = load_target(cfg.model, run_device(cfg.model, info))
-        manifest = run_precompute(model, tokenizer, model_path, to_dict(cfg), rank=info.rank, world=info.world,
-                                  config_dict=to_dict(cfg))
+        tp_size = int(cfg.model.tp)
+        if tp_size > 1:
+            from mtp_train.data.chat import load_tokenizer
+            from mtp_train.models.tensor_parallel import load_model_tp, tp_groups
+
+            tp, dp_rank, dp_world = tp_groups(tp_size)
+            model_path = Path(cfg.model.path)
+            model = load_model_tp(model_path, tp, dtype=cfg.model.dtype, device=run_device(cfg.model, info),
+                                  backend=cfg.model.backend)
+            tokenizer = load_tokenizer(model_path)
+        else:
+            model, tokenizer, model_path = load_target(cfg.model, run_device(cfg.model, info))
+            dp_rank, dp_world, tp = info.rank, info.world, None
+        manifest = run_precompute(model, tokenizer, model_path, to_dict(cfg), rank=dp_rank, world=dp_world,
+                                  tp_rank=0 if tp is None else tp.rank, tp_size=tp_size, config_dict=to_dict(cfg))
         if manifest is None:
             return {"out": str(out), "rank": info.rank}
         t = manifest.totals

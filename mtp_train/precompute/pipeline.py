@@ -80,11 +80,16 @@ def build_samples(tokenizer: Any, data: Mapping[str, Any], max_seq_len: int, lim
 
 
 def run_precompute(model: LlamaForCausalLM, tokenizer: Any, model_dir: str | Path, cfg: Mapping[str, Any], *,
-                   rank: int = 0, world: int = 1, config_dict: dict[str, Any] | None = None) -> Manifest | None:
-    """Run stage one for a PrecomputeConfig-shaped `cfg`; returns the manifest on rank 0, else None."""
+                   rank: int = 0, world: int = 1, tp_rank: int = 0, tp_size: int = 1,
+                   config_dict: dict[str, Any] | None = None) -> Manifest | None:
+    """Run stage one for a PrecomputeConfig-shaped `cfg`; returns the manifest on rank 0, else None.
+
+    rank / world are data-parallel; with tensor parallelism every TP group (tp_size processes, see
+    `mtp_train.models.tensor_parallel`) is one data-parallel rank and only its tp_rank 0 writes.
+    """
     samples, info = build_samples(tokenizer, cfg["data"], int(cfg["max_seq_len"]), cfg.get("limit"),
                                   cfg.get("chat_template_kwargs"))
-    if rank == 0:
+    if rank == 0 and tp_rank == 0:
         log.info("precompute: %d samples, %d tokens (%d assistant) → %s", len(samples),
                  sum(len(s.input_ids) for s in samples), sum(sum(s.loss_mask) for s in samples), cfg["out"])
     return precompute(
@@ -100,6 +105,8 @@ def run_precompute(model: LlamaForCausalLM, tokenizer: Any, model_dir: str | Pat
         seed=int(cfg.get("seed", 0)),
         rank=rank,
         world=world,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         hidden_dtype=torch.bfloat16,
         provenance={"package": "mtp_train", "version": mtp_train.__version__, "config": config_dict or {}},
         progress=bool(cfg.get("progress", True)),

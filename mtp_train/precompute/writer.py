@@ -299,6 +299,8 @@ def precompute(
     seed: int = 0,
     rank: int = 0,
     world: int = 1,
+    tp_rank: int = 0,
+    tp_size: int = 1,
     hidden_dtype: torch.dtype = torch.bfloat16,
     provenance: dict[str, Any] | None = None,
     progress: bool = True,
@@ -316,6 +318,9 @@ def precompute(
     (skipped=False) or found done (skipped=True); an exception from it stops the run, which resumes
     later. barrier_timeout: how long ranks wait for each other at the end (a resumed rank may have
     nothing to do). With world > 1, torch.distributed must be initialised (`mtp_train.dist`).
+    Tensor parallelism: rank / world are the data-parallel rank and world (one per TP group of tp_size
+    processes); every member of a group runs the same shards (its forward is collective), and only the group's
+    tp_rank 0 writes them. The manifest is written by data-parallel rank 0's tp_rank 0.
 
     Host memory: up to two shards (the one being written, the one being computed), i.e. about
     2 * shard_tokens * (k+1) * H * 2 bytes in bf16.
@@ -332,17 +337,20 @@ def precompute(
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in 0..{world - 1}")
-    if world > 1 and (mdist.get_world_size() != world or mdist.get_rank() != rank):
+    procs = world * tp_size
+    if procs > 1 and (mdist.get_world_size() != procs or mdist.get_rank() != rank * tp_size + tp_rank):
         raise PrecomputeError(
-            f"rank {rank} of {world} needs torch.distributed initialised with the same rank and world "
+            f"data-parallel rank {rank} of {world} (tp rank {tp_rank} of {tp_size}) needs torch.distributed "
+            f"initialised with {procs} processes, this one rank {rank * tp_size + tp_rank} "
             "(launch with torchrun and call mtp_train.dist.init_distributed() first)"
         )
+    writer = tp_rank == 0  # the group's other members compute the same shards and write nothing
     args = model.args
     rows = _rows(samples, args.vocab_size)
     if not rows:
         raise ValueError("no samples to precompute")
     out_dir.mkdir(parents=True, exist_ok=True)
-    group = mdist.cpu_group(barrier_timeout) if world > 1 else None
+    group = mdist.cpu_group(barrier_timeout) if procs > 1 else None
 
     target = TargetInfo(path=str(Path(model_dir).resolve()), fingerprint=weights_fingerprint(model_dir),
                         model_type=args.model_type, hidden_size=args.hidden_size, num_layers=args.num_layers,
@@ -356,11 +364,12 @@ def precompute(
 
     # A stale manifest would vouch for shards this run is about to rewrite; the barrier keeps other
     # ranks from writing before it is gone. Leftover temporaries of this rank are from a crash.
-    if rank == 0:
+    if rank == 0 and writer:
         for stale in (out_dir / MANIFEST_NAME, out_dir / (TMP_PREFIX + MANIFEST_NAME)):
             stale.unlink(missing_ok=True)
-    for tmp in out_dir.glob(f"{TMP_PREFIX}shard-r{rank}-*"):
-        tmp.unlink(missing_ok=True)
+    if writer:
+        for tmp in out_dir.glob(f"{TMP_PREFIX}shard-r{rank}-*"):
+            tmp.unlink(missing_ok=True)
     mdist.barrier(group)
 
     plans = plan_rank(rows, rank, world, shard_tokens, settings)
@@ -375,16 +384,19 @@ def precompute(
         log.info("resuming: %d of %d shards of rank 0 are done", len(done), len(plans))
 
     bar = tqdm(total=sum(p.tokens for p in plans), initial=sum(p.tokens for p in plans if p.index in done),
-               unit="tok", unit_scale=True, desc="precompute", disable=not (progress and rank == 0), dynamic_ncols=True)
+               unit="tok", unit_scale=True, desc="precompute", disable=not (progress and rank == 0 and writer),
+               dynamic_ncols=True)
     # One writer thread: shard n is serialised, fsynced and hashed while the target computes shard n+1.
     with bar, ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
         pending: Future[ShardInfo] | None = None
         for p in plans:
             if p.index in done:
                 continue
-            side = sidecar_path(out_dir / p.name)
-            side.unlink(missing_ok=True)  # the old sidecar no longer describes what will be there
+            if writer:
+                sidecar_path(out_dir / p.name).unlink(missing_ok=True)  # it no longer describes what will be there
             tensors = _compute_shard(model, p, batch_tokens, aux_layers, hidden_dtype, bar)
+            if not writer:
+                continue
             if pending is not None:
                 _finish(pending, on_shard)
             pending = pool.submit(_write_shard, out_dir, p, tensors, metadata)
@@ -393,7 +405,7 @@ def precompute(
 
     mdist.barrier(group)
     manifest = None
-    if rank == 0:
+    if rank == 0 and writer:
         shards = []
         for r in range(world):
             for p in (plans if r == 0 else plan_rank(rows, r, world, shard_tokens, settings)):
@@ -406,8 +418,8 @@ def precompute(
         prov = {
             "package_version": mtp_train.__version__,
             "torch_version": torch.__version__,
-            "settings": {"world": world, "shard_tokens": shard_tokens, "batch_tokens": batch_tokens,
-                         "rank_assignment": RANK_ASSIGNMENT},
+            "settings": {"world": world, "tp": tp_size, "shard_tokens": shard_tokens,
+                         "batch_tokens": batch_tokens, "rank_assignment": RANK_ASSIGNMENT},
             **(provenance or {}),
         }
         manifest = Manifest(
