@@ -243,6 +243,9 @@ class DraftHead(nn.Module, ABC):
         super().__init__()
         if cfg.type != self.type_name:
             raise ValueError(f"{type(self).__name__} needs a HeadConfig of type {self.type_name!r}, got {cfg.type!r}")
+        if target_args.model_type == "deepseek_v2":
+            raise ModelConfigError("draft heads for DeepSeek-V2 targets (an MLA block) are not implemented yet; "
+                                   "heads take Llama-family targets")
         self.cfg = cfg.resolved()
         self.target_args = target_args
         self.args = dataclasses.replace(target_args, num_layers=1)  # the head's decoder: target shapes, one layer

@@ -59,6 +59,8 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
         """Parse a `transformers` config dict; `source` names it in error messages."""
         model_type = cfg.get("model_type")
+        if model_type == "deepseek_v2" and cls is ModelArgs:
+            return DeepseekV2Args.from_hf_config(cfg, source)
         if model_type not in FAMILIES:
             archs = cfg.get("architectures")
             raise ModelConfigError(
@@ -139,3 +141,74 @@ def _rope_from_config(cfg: dict[str, Any], head_dim: int, source: str) -> RopeCo
         return RopeConfig(head_dim=head_dim, theta=theta, rope_type=rope_type, scaling=merged)
     except ValueError as e:
         raise ModelConfigError(f"{source}: {e}") from None
+
+
+@dataclass
+class DeepseekV2Args(ModelArgs):
+    """DeepSeek-V2: multi-head latent attention (MLA) with a compressed KV cache, decoupled RoPE, and MoE layers.
+
+    The engine's KV cache holds one latent "head" per token: num_kv_heads = 1 and head_dim = kv_lora_rank +
+    qk_rope_head_dim (the normed compressed KV c and the shared RoPE key k_pe). `rope` covers the RoPE part only.
+    """
+
+    q_lora_rank: int | None = None  # None: a plain q_proj (V2-Lite); else q_a_proj → norm → q_b_proj
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    moe_intermediate_size: int = 1408
+    n_routed_experts: int = 64
+    n_shared_experts: int = 2
+    num_experts_per_tok: int = 6
+    first_k_dense_replace: int = 1  # layers before this one have a dense MLP
+    topk_method: str = "greedy"  # greedy | group_limited_greedy
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    softmax_scale: float = 0.0  # (qk_nope + qk_rope)^-0.5
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> DeepseekV2Args:
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                               "intermediate_size") if cfg.get(k) is None]
+        if missing:
+            raise ModelConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        rope_dim = int(cfg["qk_rope_head_dim"])
+        rope = _rope_from_config(cfg, rope_dim, source)
+        if rope.rope_type != "default":
+            raise ModelConfigError(f"{source}: DeepSeek-V2 rope type {rope.rope_type!r} is not supported yet "
+                                   "(only default RoPE)")
+        topk = cfg.get("topk_method", "greedy")
+        if topk not in ("greedy", "group_limited_greedy"):
+            raise ModelConfigError(f"{source}: topk_method {topk!r} is not supported (greedy, group_limited_greedy)")
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        kv_lora = int(cfg["kv_lora_rank"])
+        nope = int(cfg["qk_nope_head_dim"])
+        q_lora = cfg.get("q_lora_rank")
+        return cls(
+            model_type="deepseek_v2", hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=int(cfg["num_attention_heads"]), num_kv_heads=1, head_dim=kv_lora + rope_dim,
+            vocab_size=int(cfg["vocab_size"]), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=rope,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            o_bias=bool(cfg.get("attention_bias", False)), qkv_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)), hidden_act=act,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"), bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids, raw=dict(cfg),
+            q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=kv_lora, qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope_dim, v_head_dim=int(cfg["v_head_dim"]),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            n_routed_experts=int(cfg.get("n_routed_experts") or 0),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 1),
+            first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0), topk_method=topk,
+            n_group=cfg.get("n_group"), topk_group=cfg.get("topk_group"),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            softmax_scale=(nope + rope_dim) ** -0.5,
+        )

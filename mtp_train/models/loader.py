@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from mtp_train.layers.attention import make_attention_backend
 from mtp_train.layers.linear import prepack_linears
@@ -96,7 +97,7 @@ def load_model(
     dt = resolve_dtype(dtype, args)
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(args)
+        model = model_class(args)(args)
     expected = {n: p for n, p in model.named_parameters()}
     if args.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -150,7 +151,21 @@ def load_model(
     model.rotary = type(model.rotary)(args.rope, device=device)
     model.attn = make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim,
                                         args.sliding_window, device=device)
+    scale = getattr(model, "softmax_scale", None)
+    if scale:  # MLA attends over a latent head whose width is not the one its scores are scaled by
+        model.attn.scale = scale
     model.eval().requires_grad_(False)
     if cpu_prepack:
         prepack_linears(model)
     return model
+
+
+def model_class(args: ModelArgs) -> type[nn.Module]:
+    """The implementation of a parsed config: the Llama family, or DeepSeek-V2."""
+    from mtp_train.models.config import DeepseekV2Args
+
+    if isinstance(args, DeepseekV2Args):
+        from mtp_train.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+        return DeepseekV2ForCausalLM
+    return LlamaForCausalLM

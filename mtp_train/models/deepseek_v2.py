@@ -1,0 +1,208 @@
+"""Inference implementation of DeepSeek-V2 (and V2-Lite): multi-head latent attention with a compressed KV cache,
+decoupled RoPE, and mixture-of-experts layers with shared experts.
+
+MLA, as the engine runs it (weight absorption): per token the cache holds one latent "head" [c ; k_pe] of
+kv_lora_rank + qk_rope_head_dim values, where c = RMSNorm(kv_a(x)[:kv_lora]) and k_pe is the RoPE'd shared key.
+kv_b_proj splits per head into W_UK (kv_lora → qk_nope) and W_UV (kv_lora → v_head). A query becomes
+[q_nope · W_UK ; q_pe] so that its dot product with [c ; k_pe] equals q_nope·k_nope + q_pe·k_pe of the expanded
+form; the attention output over values c is then mapped through W_UV. Every head attends to the same single
+latent head (multi-query attention over the paged cache), with the softmax scale of the expanded head dimension.
+
+RoPE here rotates consecutive pairs (x[2i], x[2i+1]) (DeepSeek's complex-number form), not halves. The forward
+has the Llama model's signature and outputs, so the engine, precompute and speculative decoding drive it alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_train.layers.attention import AttentionBackend, AttentionMetadata
+from mtp_train.layers.linear import Linear
+from mtp_train.layers.norm import RMSNorm
+from mtp_train.layers.rotary import RotaryEmbedding
+from mtp_train.models.config import DeepseekV2Args
+from mtp_train.models.llama import ForwardOutput
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, R); cos/sin: (T, 1, R/2) → x with pairs (x[2i], x[2i+1]) rotated by angle i."""
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos.float(), sin.float()
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention over a compressed paged cache (one latent head per token)."""
+
+    def __init__(self, a: DeepseekV2Args) -> None:
+        super().__init__()
+        self.a = a
+        h, qk = a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+        if a.q_lora_rank is None:
+            self.q_proj = Linear(a.hidden_size, h * qk, bias=False)
+        else:
+            self.q_a_proj = Linear(a.hidden_size, a.q_lora_rank, bias=a.qkv_bias)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, 1e-6)
+            self.q_b_proj = Linear(a.q_lora_rank, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, bias=a.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, 1e-6)
+        self.kv_b_proj = Linear(a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
+        self.o_proj = Linear(h * a.v_head_dim, a.hidden_size, bias=a.o_bias)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK (H, nope, kv_lora) and W_UV (H, v, kv_lora) views of kv_b_proj."""
+        a = self.a
+        w = self.kv_b_proj.weight.view(a.num_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
+        return w[:, :a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """x: (T, H) → (T, H)."""
+        a, t = self.a, x.shape[0]
+        q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim)
+        q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        ckv = self.kv_a_proj_with_mqa(x)
+        c, k_pe = ckv.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        c = self.kv_a_layernorm(c)  # (T, kv_lora)
+        q_pe = rotate_pairs(q_pe, cos, sin)
+        k_pe = rotate_pairs(k_pe.unsqueeze(1), cos, sin)  # (T, 1, R)
+        w_uk, w_uv = self._absorbed()
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # (T, Hq, kv_lora)
+        query = torch.cat([q_lat, q_pe], dim=-1)  # (T, Hq, kv_lora + R)
+        key = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # (T, 1, kv_lora + R)
+        value = torch.cat([c.unsqueeze(1), torch.zeros_like(k_pe)], dim=-1)  # the values are c
+        out = attn.forward(query, key, value, kv_cache, meta)[..., :a.kv_lora_rank]  # (T, Hq, kv_lora)
+        out = torch.einsum("thc,hvc->thv", out, w_uv)  # (T, Hq, v_head)
+        return self.o_proj(out.reshape(t, a.num_heads * a.v_head_dim))
+
+
+class DenseMLP(nn.Module):
+    """SiLU-gated MLP with separate gate / up projections (DeepSeek's tensor names)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, inter, bias=bias)
+        self.up_proj = Linear(hidden, inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Routed experts (softmax gate, top-k, optionally group-limited) plus always-on shared experts."""
+
+    def __init__(self, a: DeepseekV2Args) -> None:
+        super().__init__()
+        self.a = a
+        self.gate = nn.Linear(a.hidden_size, a.n_routed_experts, bias=False)
+        self.experts = nn.ModuleList(DenseMLP(a.hidden_size, a.moe_intermediate_size, a.mlp_bias)
+                                     for _ in range(a.n_routed_experts))
+        self.shared_experts = (DenseMLP(a.hidden_size, a.moe_intermediate_size * a.n_shared_experts, a.mlp_bias)
+                               if a.n_shared_experts else None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, H) → (weights (T, k) float32, expert ids (T, k))."""
+        a = self.a
+        scores = F.linear(x.float(), self.gate.weight.float()).softmax(-1)  # (T, E)
+        if a.topk_method == "group_limited_greedy":
+            g = int(a.n_group)
+            group_best = scores.view(-1, g, a.n_routed_experts // g).max(-1).values
+            keep = torch.zeros_like(group_best).scatter_(1, group_best.topk(int(a.topk_group), -1).indices, 1.0)
+            scores = scores.masked_fill(~keep.repeat_interleave(a.n_routed_experts // g, 1).bool(), 0.0)
+        w, idx = scores.topk(a.num_experts_per_tok, dim=-1)
+        return w * a.routed_scaling_factor, idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = self.route(x)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            y = self.experts[e](x[rows]) * w[rows, slot, None].to(x.dtype)
+            out.index_add_(0, rows, y)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekV2Layer(nn.Module):
+    def __init__(self, a: DeepseekV2Args, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = MLAttention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        moe = a.n_routed_experts > 0 and index >= a.first_k_dense_replace
+        self.mlp = MoE(a) if moe else DenseMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV2Backbone(nn.Module):
+    def __init__(self, a: DeepseekV2Args) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV2Layer(a, i) for i in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """A DeepSeek-V2 target with the Llama model's interface (build with `mtp_train.models.load_model`)."""
+
+    def __init__(self, args: DeepseekV2Args) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DeepseekV2Backbone(args)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(args.rope)
+        self.attn: AttentionBackend | None = None
+        self.softmax_scale = args.softmax_scale  # the expanded head's scale, not the latent head's
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: Sequence[torch.Tensor] | None = None, *, logits_indices: torch.Tensor | None = None,
+                hidden_layers: Sequence[int] = ()) -> ForwardOutput:
+        """As `LlamaForCausalLM.forward`; kv_caches are (num_pages, 2, page_size, 1, kv_lora + rope) per layer."""
+        if self.attn is None:
+            raise RuntimeError("no attention backend set; load the model with mtp_train.models.load_model")
+        n_layers = self.args.num_layers
+        wanted = set(hidden_layers)
+        bad = [j for j in wanted if not 0 <= j <= n_layers]
+        if bad:
+            raise ValueError(f"hidden_layers {bad} out of range 0..{n_layers}")
+        self.attn.prepare(meta)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(meta.positions, torch.float32)
+        half = self.args.qk_rope_head_dim // 2
+        cos, sin = cos[..., :half], sin[..., :half]  # one angle per rotated pair
+        layers: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in wanted:
+                layers[i] = x
+            x = layer(x, cos, sin, self.attn, None if kv_caches is None else kv_caches[i], meta)
+        hidden = self.model.norm(x)
+        if n_layers in wanted:
+            layers[n_layers] = hidden
+        logits = None if logits_indices is None else self.compute_logits(hidden[logits_indices])
+        return ForwardOutput(hidden=hidden, layers=layers, logits=logits)

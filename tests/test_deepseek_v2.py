@@ -1,0 +1,94 @@
+"""DeepSeek-V2 targets (MLA with a compressed paged KV cache, decoupled RoPE, MoE): parity with transformers on tiny
+random configs, paged decode = HF generate, and the model in precompute and speculative decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.heads import HeadConfig, build_head
+from mtp_train.models import ModelConfigError, load_model
+from mtp_train.precompute import PrecomputedDataset, Sample, precompute
+from mtp_train.spec.engine import SpecEngine
+from mtp_train.spec.proposers import DraftModelProposer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+            max_position_embeddings=512, tie_word_embeddings=False)
+CONFIGS = {
+    "lite": {"q_lora_rank": None},  # V2-Lite shape: plain q_proj, greedy routing
+    "full": {"q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+             "routed_scaling_factor": 1.5, "n_shared_experts": 2, "tie_word_embeddings": True},
+}
+PROMPTS = [[3, 17, 42, 9, 100, 7, 8, 200, 13], [5, 6], list(range(30, 52))]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import transformers
+
+    out = {}
+    for name, over in CONFIGS.items():
+        torch.manual_seed(0)
+        cfg = transformers.DeepseekV2Config(**{**BASE, **over})
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for n, p in hf.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+                elif n.endswith("mlp.gate.weight"):
+                    p.normal_(0, 0.5)  # a router with real preferences
+        path = tmp_path_factory.mktemp("ds") / name
+        hf.save_pretrained(path, safe_serialization=True)
+        out[name] = (path, hf)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hidden_states_and_logits_match_transformers(checkpoints, name):
+    path, hf = checkpoints[name]
+    model = load_model(path, dtype="float32", backend="torch")
+    for ids in PROMPTS:
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids]), output_hidden_states=True)
+        out = prefill_hidden(model, [ids], hidden_layers=range(4))
+        for j in range(4):
+            torch.testing.assert_close(out.layers[j], ref.hidden_states[j][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.compute_logits(out.hidden), ref.logits[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_paged_decode_and_speculative_decoding_equal_transformers_generate(checkpoints, name):
+    path, hf = checkpoints[name]
+    model = load_model(path, dtype="float32", backend="torch")
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    ref = [hf.generate(torch.tensor([p]), max_new_tokens=14, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    plain = LLMEngine(model, page_size=3, num_pages=128).generate(PROMPTS, params)
+    assert [o.output_ids for o in plain] == ref
+    # the compressed cache: one latent head of kv_lora + rope values per token and layer
+    assert model.args.num_kv_heads == 1 and model.args.head_dim == 32 + 8
+    spec = SpecEngine(model, DraftModelProposer(model), 3, page_size=3, num_pages=128)
+    assert [o.output_ids for o in spec.generate(PROMPTS, params)] == ref
+    assert spec.stats.metrics.acceptance_rate == 1.0
+
+
+def test_precompute_stores_the_models_hidden_states(checkpoints, tmp_path):
+    path, _ = checkpoints["lite"]
+    model = load_model(path, dtype="float32", backend="torch")
+    samples = [Sample(f"s{i}", p, [1] * len(p)) for i, p in enumerate(PROMPTS)]
+    precompute(model, samples, tmp_path / "pc", tokenizer_fingerprint="t", chat_template_fingerprint="c",
+               model_dir=path, data_info={}, shard_tokens=64, batch_tokens=64, progress=False)
+    ds = PrecomputedDataset(tmp_path / "pc", split="all")
+    for i in range(len(ds)):
+        item = ds[i]
+        ref = prefill_hidden(model, [item["input_ids"].tolist()]).hidden.to(torch.bfloat16)
+        torch.testing.assert_close(item["hidden"].float(), ref.float(), rtol=0, atol=2e-2)
+
+
+def test_heads_for_deepseek_targets_are_refused_clearly(checkpoints):
+    with pytest.raises(ModelConfigError, match="DeepSeek-V2"):
+        build_head(HeadConfig(type="mtp"), checkpoints["lite"][0])
