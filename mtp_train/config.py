@@ -169,6 +169,7 @@ class HeadCfg:
     input_norm: bool | None = None  # the decoder layer's input_layernorm; null = the type's default
     final_norm: bool | None = None  # RMSNorm after the layer (its output is the predicted feature); null = default
     fc_bias: bool = False  # bias on the 2H→H fc (vLLM's EAGLE layout has none, SGLang's has one)
+    moe: bool = False  # DeepSeek-V2 targets: an MoE block (the target's experts' shapes) instead of a dense MLP
     init: str = "scratch"  # scratch (random) | last_layer (copy the target's last decoder layer)
     draft_vocab_size: int = 0  # draft over the N most frequent training tokens only; 0 = the full vocabulary
 

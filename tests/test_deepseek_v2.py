@@ -89,6 +89,57 @@ def test_precompute_stores_the_models_hidden_states(checkpoints, tmp_path):
         torch.testing.assert_close(item["hidden"].float(), ref.float(), rtol=0, atol=2e-2)
 
 
-def test_heads_for_deepseek_targets_are_refused_clearly(checkpoints):
-    with pytest.raises(ModelConfigError, match="DeepSeek-V2"):
-        build_head(HeadConfig(type="mtp"), checkpoints["lite"][0])
+def test_eagle1_heads_and_dense_targets_with_moe_are_refused_clearly(checkpoints, tiny_checkpoints):
+    with pytest.raises(ModelConfigError, match="DeepSeek-V2 target takes an mtp head"):
+        build_head(HeadConfig(type="eagle1"), checkpoints["lite"][0])
+    with pytest.raises(ValueError, match="needs a DeepSeek-V2 target"):
+        build_head(HeadConfig(type="mtp", moe=True), tiny_checkpoints["llama"][0])
+
+
+# --- an MTP head for a DeepSeek-V2 target: DeepSeek's own block (MLA + dense MLP, or MoE) -----------------------
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_mtp_head_with_a_deepseek_block_trains_drafts_and_exports(checkpoints, tmp_path, moe):
+    from safetensors import safe_open
+
+    from mtp_train.export import export_head, load_export
+    from mtp_train.heads import load_head, packed_shift, save_head
+    from mtp_train.layers import AttentionMetadata
+    from mtp_train.spec.proposers import HeadProposer
+
+    path, _ = checkpoints["lite"]
+    model = load_model(path, dtype="float32", backend="torch")
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type="mtp", moe=moe, init="last_layer" if moe else "scratch"), path)
+    assert type(head.layers[0].self_attn).__name__ == "MLAttention"
+    # training forward = inference prefill over the head's paged (compressed) cache
+    lens = [len(p) for p in PROMPTS]
+    hidden = prefill_hidden(model, PROMPTS).hidden
+    tokens = torch.tensor([t for p in PROMPTS for t in p])
+    nxt = packed_shift(tokens, lens, 1)
+    train = head.forward_train(hidden, nxt, lens)
+    with torch.no_grad():
+        inf = head(hidden, nxt, AttentionMetadata.build(lens)).hidden
+    torch.testing.assert_close(inf, train, rtol=1e-5, atol=1e-5)
+    # speculative decoding with it reproduces plain greedy decoding
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ref = [o.output_ids for o in LLMEngine(model, page_size=3, num_pages=128).generate(PROMPTS, params)]
+    spec = SpecEngine(model, HeadProposer(head), 3, page_size=3, num_pages=128)
+    assert [o.output_ids for o in spec.generate(PROMPTS, params)] == ref
+    # deepseek-mtp export: DeepSeek's MLA names under model.layers.{L}., and it loads back to the same features
+    save_head(head, tmp_path / "head")
+    out = export_head(tmp_path / "head", path, "deepseek-mtp", tmp_path / "ds")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    p = "model.layers.3."
+    assert {f"{p}eh_proj.weight", f"{p}enorm.weight", f"{p}hnorm.weight", f"{p}shared_head.norm.weight",
+            f"{p}shared_head.head.weight", f"{p}embed_tokens.weight", f"{p}self_attn.q_proj.weight",
+            f"{p}self_attn.kv_a_proj_with_mqa.weight", f"{p}self_attn.kv_a_layernorm.weight",
+            f"{p}self_attn.kv_b_proj.weight", f"{p}self_attn.o_proj.weight"} <= names
+    assert (f"{p}mlp.experts.0.gate_proj.weight" in names) == moe and (f"{p}mlp.gate_proj.weight" in names) != moe
+    back, again = load_export(out, path), load_head(tmp_path / "head", path)
+    meta = AttentionMetadata.build(lens)
+    with torch.no_grad():
+        torch.testing.assert_close(back(hidden, nxt, meta).hidden, again(hidden, nxt, meta).hidden,
+                                   rtol=1e-5, atol=1e-6)

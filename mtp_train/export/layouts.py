@@ -62,13 +62,14 @@ def unfuse_layer(layer: dict[str, torch.Tensor], head: DraftHead) -> dict[str, t
     return out
 
 
-def fuse_layer(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of `unfuse_layer`."""
+def fuse_layer(layer: dict[str, torch.Tensor], head: DraftHead) -> dict[str, torch.Tensor]:
+    """The inverse of `unfuse_layer`: fuses only what the head's block fuses (a DeepSeek block keeps gate/up)."""
     out = dict(layer)
+    own = set(head.layers[0].state_dict())
     for fused, parts in FUSED.items():
         for kind in ("weight", "bias"):
             names = [f"{p}.{kind}" for p in parts]
-            if all(n in out for n in names):
+            if f"{fused}.{kind}" in own and all(n in out for n in names):
                 out[f"{fused}.{kind}"] = torch.cat([out.pop(n) for n in names], dim=0)
     return out
 
@@ -145,7 +146,7 @@ def _eagle_from(prefix: str) -> Callable[[dict[str, torch.Tensor], DraftHead], d
         state = {"fc.weight": tensors[f"{prefix}fc.weight"]}
         if head.cfg.fc_bias:
             state["fc.bias"] = tensors[f"{prefix}fc.bias"]
-        layer = fuse_layer(_layer_items(tensors, f"{prefix}layers.0."))
+        layer = fuse_layer(_layer_items(tensors, f"{prefix}layers.0."), head)
         state.update({f"layers.0.{k}": v for k, v in layer.items()})
         return state
 
@@ -191,7 +192,7 @@ def _ds_from(tensors: dict[str, torch.Tensor], head: DraftHead) -> dict[str, tor
              "fc.weight": tensors[f"{p}eh_proj.weight"], "norm.weight": tensors[f"{p}shared_head.norm.weight"]}
     skip = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
     layer = {k: v for k, v in _layer_items(tensors, p).items() if not k.startswith(skip)}
-    state.update({f"layers.0.{k}": v for k, v in fuse_layer(layer).items()})
+    state.update({f"layers.0.{k}": v for k, v in fuse_layer(layer, head).items()})
     return state
 
 
@@ -225,7 +226,7 @@ def _qn_from(tensors: dict[str, torch.Tensor], head: DraftHead) -> dict[str, tor
     state = {"enorm.weight": tensors["mtp.pre_fc_norm_embedding.weight"],
              "hnorm.weight": tensors["mtp.pre_fc_norm_hidden.weight"], "fc.weight": tensors["mtp.fc.weight"],
              "norm.weight": tensors["mtp.norm.weight"]}
-    state.update({f"layers.0.{k}": v for k, v in fuse_layer(_layer_items(tensors, "mtp.layers.0.")).items()})
+    state.update({f"layers.0.{k}": v for k, v in fuse_layer(_layer_items(tensors, "mtp.layers.0."), head).items()})
     return state
 
 

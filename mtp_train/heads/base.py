@@ -86,6 +86,7 @@ class HeadConfig:
     input_norm: bool | None = None  # the decoder layer's input_layernorm
     final_norm: bool | None = None  # RMSNorm after the layer; its output is the predicted feature
     fc_bias: bool = False  # bias on the 2H→H fc (vLLM's EAGLE layout has none, SGLang's has one)
+    moe: bool = False  # DeepSeek-V2 targets: the block's MLP is the target's MoE (default: a dense MLP)
     init: str = "scratch"  # scratch (random) | last_layer (copy the target's last decoder layer)
     # Draft over the N most frequent target tokens only (EAGLE-3's draft vocabulary, FR-Spec): the head's logits
     # are lm_head rows of those tokens, so each draft step and the training loss cost N/V of the full lm_head.
@@ -243,9 +244,9 @@ class DraftHead(nn.Module, ABC):
         super().__init__()
         if cfg.type != self.type_name:
             raise ValueError(f"{type(self).__name__} needs a HeadConfig of type {self.type_name!r}, got {cfg.type!r}")
-        if target_args.model_type == "deepseek_v2":
-            raise ModelConfigError("draft heads for DeepSeek-V2 targets (an MLA block) are not implemented yet; "
-                                   "heads take Llama-family targets")
+        if target_args.model_type == "deepseek_v2" and cfg.type != "mtp":
+            raise ModelConfigError(f"{cfg.type} heads take Llama-family targets; a DeepSeek-V2 target takes an mtp "
+                                   "head (its block is DeepSeek's: MLA + a dense MLP, or MoE with head.moe=true)")
         self.cfg = cfg.resolved()
         self.target_args = target_args
         self.args = dataclasses.replace(target_args, num_layers=1)  # the head's decoder: target shapes, one layer
@@ -253,7 +254,8 @@ class DraftHead(nn.Module, ABC):
         self.backend_name = backend
         a = self.args
         # Training always uses the torch backend (SDPA supports autograd); inference uses `backend`, per device.
-        self._train_attn = make_attention_backend("torch", a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window)
+        self._train_attn = self._scaled(make_attention_backend("torch", a.num_heads, a.num_kv_heads, a.head_dim,
+                                                               a.sliding_window))
         self._attn: dict[torch.device, AttentionBackend] = {}
         # RoPE frequencies outside the module tree: an engine that casts the module to bf16 must not round them.
         self._rotary: dict[torch.device, RotaryEmbedding] = {}
@@ -367,6 +369,10 @@ class DraftHead(nn.Module, ABC):
         rot = self._rotary.get(positions.device)
         if rot is None:
             rot = self._rotary[positions.device] = RotaryEmbedding(self.args.rope, device=positions.device)
+        if self.args.model_type == "deepseek_v2":  # pairwise rotation: one angle per pair, in float32
+            cos, sin = rot(positions, torch.float32)
+            half = self.args.rope.head_dim // 2
+            return cos[..., :half], sin[..., :half]
         return rot(positions, dtype)
 
     def attention_backend(self, device: torch.device) -> AttentionBackend:
@@ -374,8 +380,15 @@ class DraftHead(nn.Module, ABC):
         attn = self._attn.get(device)
         if attn is None:
             a = self.args
-            attn = self._attn[device] = make_attention_backend(self.backend_name, a.num_heads, a.num_kv_heads,
-                                                               a.head_dim, a.sliding_window, device=device)
+            attn = self._attn[device] = self._scaled(make_attention_backend(
+                self.backend_name, a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window, device=device))
+        return attn
+
+    def _scaled(self, attn: AttentionBackend) -> AttentionBackend:
+        """MLA (DeepSeek-V2 targets) scales scores by the expanded head width, not the latent cache width."""
+        scale = getattr(self.args, "softmax_scale", 0.0)
+        if scale:
+            attn.scale = scale
         return attn
 
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
@@ -425,7 +438,7 @@ class DraftHead(nn.Module, ABC):
             raise ValueError(f"unknown unroll attention {attention!r}; choose one of {', '.join(UNROLL_ATTENTION)}")
         lens = resolve_seq_lens(hidden.shape[0], seq_lens)
         a = self.args
-        attn = (ChainTrainAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window)
+        attn = (self._scaled(ChainTrainAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window))
                 if attention == "chain" else self._train_attn)
         outs: list[torch.Tensor] = []
         x = hidden

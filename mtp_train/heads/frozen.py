@@ -114,6 +114,8 @@ def read_decoder_layer(path: str | Path, index: int = -1, dtype: str | torch.dty
     dt = resolve_dtype(dtype, args)
     raw = {n[len(prefix):]: t.to(dt) for n, t in iter_tensors(files) if not n.endswith(IGNORED_SUFFIXES)}
     state: dict[str, torch.Tensor] = {}
+    if args.model_type == "deepseek_v2":  # DeepSeek blocks keep the checkpoint's own (unfused) names
+        return raw
     for fused, parts in FUSED_PROJECTIONS.items():
         for kind in ("weight", "bias"):
             names = [f"{p}.{kind}" for p in parts]

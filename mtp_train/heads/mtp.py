@@ -41,7 +41,16 @@ class MTPHead(DraftHead):
         self.hnorm = RMSNorm(h, eps) if c.hnorm else None
         self.fc = nn.Linear(2 * h, h, bias=c.fc_bias)
         # A list of one, so that names read `layers.0.*` as in EAGLE / vLLM / Qwen3-Next MTP checkpoints.
-        self.layers = nn.ModuleList([DecoderLayer(a, input_norm=c.input_norm)])
+        if a.model_type == "deepseek_v2":  # DeepSeek's own MTP block: MLA + dense MLP (or MoE)
+            from mtp_train.models.deepseek_v2 import DeepseekV2Layer
+
+            if not c.input_norm:
+                raise ValueError("a DeepSeek-V2 block always has its input norm (input_norm must stay on)")
+            self.layers = nn.ModuleList([DeepseekV2Layer(a, moe=c.moe)])
+        else:
+            if c.moe:
+                raise ValueError("head.moe=true needs a DeepSeek-V2 target (Llama-family blocks have no MoE)")
+            self.layers = nn.ModuleList([DecoderLayer(a, input_norm=c.input_norm)])
         self.norm = RMSNorm(h, eps) if c.final_norm else None
 
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,

@@ -131,12 +131,15 @@ class MoE(nn.Module):
 
 
 class DeepseekV2Layer(nn.Module):
-    def __init__(self, a: DeepseekV2Args, index: int) -> None:
+    """Pre-norm block: MLA, then a dense MLP or the MoE (also the block of an MTP head for this target)."""
+
+    def __init__(self, a: DeepseekV2Args, moe: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = MLAttention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        moe = a.n_routed_experts > 0 and index >= a.first_k_dense_replace
+        if moe and a.n_routed_experts < 1:
+            raise ValueError("an MoE block needs n_routed_experts > 0 in the config")
         self.mlp = MoE(a) if moe else DenseMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
@@ -149,7 +152,8 @@ class DeepseekV2Backbone(nn.Module):
     def __init__(self, a: DeepseekV2Args) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV2Layer(a, i) for i in range(a.num_layers))
+        self.layers = nn.ModuleList(DeepseekV2Layer(a, moe=a.n_routed_experts > 0 and i >= a.first_k_dense_replace)
+                                    for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
