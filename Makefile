@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-precompute bench-train bench-spec ablation clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-precompute bench-train bench-spec bench-memory ablation clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,10 @@ bench-precompute: model
 
 bench-train: model
 	$(PY) bench/bench_train.py --model $(MODEL_DIR)
+
+# GPU memory per rank (precompute, training) and disk per million tokens at the shipped configs (no GPU needed).
+bench-memory: setup
+	$(PY) bench/memory_plan.py $(BENCH_MEMORY_ARGS)
 
 # Speculative decoding with a trained head (default: the newest under runs/, e.g. after `make demo`).
 bench-spec: model

@@ -6,8 +6,12 @@ Checks, each printed as PASS/FAIL with its measured error:
   - verify (4 new tokens per sequence on cached prefixes): logits
   - greedy generation: tokens agree between backends
   - parity of our model (flashinfer) with transformers in bf16
+  - speculative decoding (self-draft and an untrained mtp head) = plain greedy; fused chain sampling runs
 on a small random Llama and on SmolLM2 (the converted folder when present, else a random model of
-SmolLM2's exact shape), all in bf16. Then prefill and decode tokens/s for both backends.
+SmolLM2's exact shape), all in bf16. Then prefill and decode tokens/s for both backends. Also:
+  - DeepSeek-V2 (MLA over the compressed paged cache, MoE) on the GPU against transformers: hidden states, and
+    paged greedy decoding = HF generate (near-ties aside);
+  - with two or more GPUs: tensor parallelism over 2 GPUs (NCCL) = one GPU (hidden states, logits, tokens).
 
 Usage: python launch/gpu_check.py [--model models/smollm2-135m-instruct]
 """
@@ -164,6 +168,56 @@ def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
               f"batch 32 {d32:,.0f} tok/s", flush=True)
 
 
+def deepseek_checks(tmp: Path) -> None:
+    """MLA + MoE on the GPU (torch backend) against transformers, bf16."""
+    import transformers
+
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=96, kv_lora_rank=128, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, max_position_embeddings=1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(DT)
+    hf.save_pretrained(tmp / "ds", safe_serialization=True)
+    hf = hf.cuda().eval()
+    ours = load_model(tmp / "ds", dtype=DT, device="cuda", backend="torch")
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (17, 5, 40)]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([seqs[2]], device="cuda"), output_hidden_states=True).hidden_states[-1][0]
+    e = rel_err(prefill_hidden(ours, [seqs[2]]).hidden, ref)
+    check("deepseek-v2 (MLA + MoE) vs transformers (hidden)", e < TOL, f"max rel err {e:.2e}")
+    out = LLMEngine(ours, kv_cache_gb=1).generate(seqs, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    same = 0
+    for s, o in zip(seqs, out):
+        with torch.inference_mode():
+            r = hf.generate(torch.tensor([s], device="cuda"), max_new_tokens=16, do_sample=False)[0, len(s):].tolist()
+        same += r == o.output_ids
+    check("deepseek-v2 paged greedy decode = HF generate", same >= len(seqs) - 1,
+          f"{same}/{len(seqs)} identical (bf16: one divergence at a near-tie is tolerated)")
+
+
+def tensor_parallel_check(tmp: Path, path: Path) -> None:
+    """TP over 2 GPUs (torchrun, NCCL) against one GPU."""
+    import subprocess
+
+    worker = Path(__file__).resolve().parent / "gpu_tp_worker.py"
+    out = tmp / "tp.pt"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(worker), str(path), str(out)], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        check("tensor parallel tp=2 (NCCL)", False, proc.stderr[-800:])
+        return
+    got = torch.load(out)
+    one = load_model(path, dtype=DT, device="cuda", backend="torch")
+    ref = prefill_hidden(one, got["prompts"])
+    e = rel_err(got["hidden"].cuda(), ref.hidden)
+    el = rel_err(got["logits"].cuda(), one.compute_logits(ref.hidden))
+    check("tensor parallel tp=2 (NCCL) vs one GPU", e < TOL and el < TOL,
+          f"hidden max rel err {e:.2e}, logits {el:.2e}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -186,10 +240,16 @@ def main() -> int:
                                      intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                                      num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
                                      rms_norm_eps=1e-5, tie_word_embeddings=True)
-        for t, p, hfp in (("small", small, True), (tag, smol, True)):
+        jobs = [(t, lambda p=p, t=t: run_checks(t, p, True)) for t, p in (("small", small), (tag, smol))]
+        jobs.append(("deepseek-v2", lambda: deepseek_checks(Path(tmp))))
+        if torch.cuda.device_count() > 1:
+            jobs.append(("tensor parallel", lambda: tensor_parallel_check(Path(tmp), small)))
+        else:
+            print("INFO  one GPU: tensor parallelism is checked on machines with two or more")
+        for t, job in jobs:
             try:
-                run_checks(t, p, hfp)
-            except Exception as e:  # report and continue with the next model
+                job()
+            except Exception as e:  # report and continue with the next check
                 traceback.print_exc()
                 check(f"{t} (crashed)", False, f"{type(e).__name__}: {e}")
     n_ok = sum(ok for _, ok, _ in RESULTS)

@@ -1,0 +1,125 @@
+"""Memory plan: GPU memory per rank for precompute and training at the shipped configs, and disk per million tokens.
+
+For Llama-3.1-8B, Llama-3.1-70B and DeepSeek-V2-Lite (the `conf/model` entries). Shapes come from the model folder's
+config.json when it is present, else from the public config.json values embedded below; parameter counts are exact
+(our target and head are built on the meta device and counted). Memory is an estimate from those counts:
+
+precompute (bf16, cache-free packed prefill of `batch_tokens`, tensor parallel over `model.tp` ranks):
+    weights / tp + the largest per-layer temporaries of one step (hidden, q/k/v, the MLP's 2·I/tp) + output rows
+training (head in bf16 with fp32 master weights, DeepSpeed ZeRO-2 over `world` ranks, AdamW):
+    frozen embedding + lm_head (bf16) + head weights (bf16 + fp32 master) + gradients (fp32, sharded)
+    + AdamW moments (2 × fp32, sharded) + activations of `micro_batch_tokens` rows (~12·H + 3·I bf16 values per row
+    and unrolled step) + one vocabulary chunk of the soft cross-entropy (3 × chunk × V fp32)
+disk: stored hidden states in bf16, 2·H bytes + 5 bytes of token id and mask per token (+ 2·H per aux layer).
+
+Usage: python bench/memory_plan.py [--world 8] [--micro-batch-tokens N]   (last line: one JSON object)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import report  # noqa: E402
+
+from mtp_train.heads import HEAD_TYPES, HeadConfig  # noqa: E402
+from mtp_train.models.config import ModelArgs  # noqa: E402
+from mtp_train.models.loader import model_class  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+# Public config.json values (Hugging Face model cards), used when the folder is not on this machine.
+LLAMA31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+                  rope_theta=500000.0, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192})
+LLAMA31_70B = {**LLAMA31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+               "num_attention_heads": 64}
+DEEPSEEK_V2_LITE = dict(model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+                        num_attention_heads=16, num_key_value_heads=16, vocab_size=102400, q_lora_rank=None,
+                        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                        first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0,
+                        tie_word_embeddings=False, rms_norm_eps=1e-6)
+MODELS = {"llama3.1-8b": LLAMA31_8B, "llama3.1-70b": LLAMA31_70B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
+
+
+def model_conf(name: str) -> dict:
+    return yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text())
+
+
+def target_args(name: str) -> tuple[ModelArgs, str]:
+    conf = model_conf(name)
+    cfg_file = ROOT / conf["path"] / "config.json"
+    if cfg_file.is_file():
+        return ModelArgs.from_dir(cfg_file.parent), str(cfg_file)
+    return ModelArgs.from_hf_config(MODELS[name], source=f"{name} (public config.json values)"), "embedded"
+
+
+def count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int, steps: int) -> dict:
+    args, source = target_args(name)
+    tp = int(model_conf(name).get("tp", 1))
+    with torch.device("meta"):
+        target = model_class(args)(args)
+        head = HEAD_TYPES["mtp"](HeadConfig(type="mtp"), args, None)
+    p_target, p_head = count(target), count(head)
+    h, v = args.hidden_size, args.vocab_size
+    inter = args.intermediate_size
+    if args.model_type == "deepseek_v2":  # the widest MLP of a step: the dense layers', or the active experts'
+        inter = max(inter, args.moe_intermediate_size * (args.num_experts_per_tok + args.n_shared_experts))
+    qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+    bf16, fp32 = 2, 4
+
+    pre_weights = p_target * bf16 / tp
+    pre_act = batch_tokens * (4 * h + qkv / tp + 3 * inter / tp) * bf16 + batch_tokens * h * bf16
+    frozen = (1 if args.tie_word_embeddings else 2) * v * h * bf16
+    head_w = p_head * (bf16 + fp32)
+    grads = p_head * fp32 / world
+    adam = 2 * p_head * fp32 / world
+    act = micro_tokens * steps * (12 * h + 3 * args.intermediate_size) * bf16 + 3 * chunk * v * fp32
+    return {
+        "model": name, "config": source, "target_params_b": round(p_target / 1e9, 2),
+        "head_params_m": round(p_head / 1e6, 1), "tp": tp,
+        "precompute_gib_per_rank": round((pre_weights + pre_act) / GIB, 1),
+        "train_gib_per_rank": round((frozen + head_w + grads + adam + act) / GIB, 1),
+        "train_frozen_gib": round(frozen / GIB, 2), "train_activations_gib": round(act / GIB, 2),
+        "disk_gib_per_million_tokens": round((2 * h + 5) * 1e6 / GIB, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=8, help="training ranks (ZeRO-2 shards optimizer state over them)")
+    pre = yaml.safe_load((ROOT / "conf" / "precompute.yaml").read_text())
+    train = yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())
+    ap.add_argument("--batch-tokens", type=int, default=int(pre["batch_tokens"]))
+    ap.add_argument("--micro-batch-tokens", type=int, default=int(train["train"]["micro_batch_tokens"]))
+    args = ap.parse_args(argv)
+    chunk, steps = int(train["loss"]["chunk_size"]), int(train["loss"]["steps"])
+    rows = [plan(m, args.world, args.batch_tokens, args.micro_batch_tokens, chunk, steps) for m in MODELS]
+    print(f"precompute: batch_tokens={args.batch_tokens}, bf16; training: micro_batch_tokens="
+          f"{args.micro_batch_tokens}, loss.steps={steps}, chunk_size={chunk}, ZeRO-2 over {args.world} ranks\n")
+    print("| model | target params | tp | precompute GiB/rank | head params | train GiB/rank | disk GiB / 1M tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['target_params_b']}B | {r['tp']} | {r['precompute_gib_per_rank']} | "
+              f"{r['head_params_m']}M | {r['train_gib_per_rank']} | {r['disk_gib_per_million_tokens']} |")
+    result = {"world": args.world, "batch_tokens": args.batch_tokens, "micro_batch_tokens": args.micro_batch_tokens,
+              "models": {r["model"]: r for r in rows}}
+    report(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
