@@ -23,6 +23,10 @@ CONFIGS = {
     "lite": {"q_lora_rank": None},  # V2-Lite shape: plain q_proj, greedy routing
     "full": {"q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
              "routed_scaling_factor": 1.5, "n_shared_experts": 2, "tie_word_embeddings": True},
+    # the released V2-Lite's YaRN scaling (factor 40 from 4k), on a short original context so it bites here
+    "yarn": {"q_lora_rank": None, "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 40.0,
+                                                   "original_max_position_embeddings": 16, "beta_fast": 32,
+                                                   "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}},
 }
 PROMPTS = [[3, 17, 42, 9, 100, 7, 8, 200, 13], [5, 6], list(range(30, 52))]
 

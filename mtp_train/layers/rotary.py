@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass
@@ -55,7 +55,48 @@ def rope_inv_freq(cfg: RopeConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif cfg.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(cfg)
     return inv_freq
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(cfg: RopeConfig) -> float:
+    """YaRN's cos/sin magnitude: `attention_factor`, else mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    s = cfg.scaling
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return _yarn_mscale(factor, float(s["mscale"])) / _yarn_mscale(factor, float(s["mscale_all_dim"]))
+    return _yarn_mscale(factor)
+
+
+def _yarn_inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): interpolate low frequencies by `factor`, keep high ones, ramp in between."""
+    s, d, base = cfg.scaling, cfg.head_dim, cfg.theta
+    try:
+        factor, old_ctx = float(s["factor"]), float(s["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ValueError(f"yarn rope scaling needs the key {e.args[0]!r} in rope_scaling") from None
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
 
 
 class RotaryEmbedding(nn.Module):
@@ -65,11 +106,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        # YaRN scales cos and sin (hence every rotated q·k term) by its attention factor.
+        self.attention_scaling = yarn_attention_factor(cfg) if cfg.rope_type == "yarn" else 1.0
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) int → cos, sin: (T, 1, head_dim) in `dtype`, broadcastable over heads."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, D)
+        if self.attention_scaling != 1.0:
+            return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

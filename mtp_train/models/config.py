@@ -8,6 +8,7 @@ anything it cannot run with a message that names the key.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,9 +180,15 @@ class DeepseekV2Args(ModelArgs):
             raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
         rope_dim = int(cfg["qk_rope_head_dim"])
         rope = _rope_from_config(cfg, rope_dim, source)
-        if rope.rope_type != "default":
-            raise ModelConfigError(f"{source}: DeepSeek-V2 rope type {rope.rope_type!r} is not supported yet "
-                                   "(only default RoPE)")
+        if rope.rope_type not in ("default", "yarn"):
+            raise ModelConfigError(f"{source}: DeepSeek-V2 rope type {rope.rope_type!r} is not supported "
+                                   "(default, yarn)")
+        scale = (int(cfg["qk_nope_head_dim"]) + rope_dim) ** -0.5
+        if rope.rope_type == "yarn" and rope.scaling.get("mscale_all_dim"):
+            # YaRN's softmax correction, applied to the whole score (transformers' yarn_apply_mscale)
+            factor, m = float(rope.scaling["factor"]), float(rope.scaling["mscale_all_dim"])
+            mscale = 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+            scale *= mscale * mscale
         topk = cfg.get("topk_method", "greedy")
         if topk not in ("greedy", "group_limited_greedy"):
             raise ModelConfigError(f"{source}: topk_method {topk!r} is not supported (greedy, group_limited_greedy)")
@@ -210,5 +217,5 @@ class DeepseekV2Args(ModelArgs):
             first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0), topk_method=topk,
             n_group=cfg.get("n_group"), topk_group=cfg.get("topk_group"),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            softmax_scale=(nope + rope_dim) ** -0.5,
+            softmax_scale=scale,
         )
