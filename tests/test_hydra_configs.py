@@ -13,7 +13,8 @@ from mtp_train.cli.common import CONF_DIR
 from mtp_train.config import register_configs
 
 CONF = Path(CONF_DIR)
-ROOTS = sorted(p.stem for p in CONF.glob("*.yaml"))
+ROOTS = sorted(p.stem for p in CONF.glob("*.yaml") if p.stem != "demo")  # demo.yaml lists overrides of the others
+DATA_ROOTS = [r for r in ROOTS if "- data:" in (CONF / f"{r}.yaml").read_text()]
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 DATAS = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
 
@@ -33,7 +34,7 @@ def test_root_composes_with_every_model(root, model):
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
 
 
-@pytest.mark.parametrize("root", ROOTS)
+@pytest.mark.parametrize("root", DATA_ROOTS)
 @pytest.mark.parametrize("data", DATAS)
 def test_root_composes_with_every_data(root, data):
     cfg = compose(root, overrides=[f"data={data}"])
@@ -53,3 +54,16 @@ def test_command_line_overrides_reach_the_config():
                                            "limit=5", "aux_layers=[2,15]"])
     assert list(cfg.data.paths) == ["a.jsonl", "b.jsonl"] and cfg.max_seq_len == 128 and cfg.limit == 5
     assert list(cfg.aux_layers) == [2, 15]
+
+
+def test_demo_config_is_typed_and_its_stage_overrides_compose():
+    from mtp_train.cli.demo import stage_overrides
+    from mtp_train.config import DemoConfig
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.load(CONF / "demo.yaml")))
+    for stage, overrides in stage_overrides(cfg, Path("runs/demo")).items():
+        name = "train" if stage == "train" else stage
+        extra = ["head_ckpt=x"] if stage in ("eval", "export") else []
+        compose(name, overrides=extra + overrides)
+    with pytest.raises(Exception, match="trian"):
+        OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.create({"trian": []}))
