@@ -51,10 +51,10 @@ def test_missing_config_keys(tiny_checkpoints, tmp_path):
 
 
 def test_unsupported_rope_type():
-    with pytest.raises(ModelConfigError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(ModelConfigError, match="rope type .longrope. is not supported"):
         ModelArgs.from_hf_config({"model_type": "llama", "hidden_size": 8, "intermediate_size": 8,
                                   "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 4,
-                                  "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+                                  "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
 
 
 def test_invalid_json_names_line(tmp_path):
