@@ -14,8 +14,6 @@ has the Llama model's signature and outputs, so the engine, precompute and specu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +23,7 @@ from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import DeepseekV2Args
-from mtp_train.models.llama import ForwardOutput
+from mtp_train.models.llama import CausalLM
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -157,8 +155,11 @@ class DeepseekV2Backbone(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
-    """A DeepSeek-V2 target with the Llama model's interface (build with `mtp_train.models.load_model`)."""
+class DeepseekV2ForCausalLM(CausalLM):
+    """A DeepSeek-V2 target with the Llama model's interface (build with `mtp_train.models.load_model`).
+
+    kv_caches are (num_pages, 2, page_size, 1, kv_lora + rope) per layer: the compressed latent head.
+    """
 
     def __init__(self, args: DeepseekV2Args) -> None:
         super().__init__()
@@ -166,47 +167,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.model = DeepseekV2Backbone(args)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args.rope)
-        self.attn: AttentionBackend | None = None
+        self.attn = None
         self.softmax_scale = args.softmax_scale  # the expanded head's scale, not the latent head's
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
-    def tie_weights(self) -> None:
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: Sequence[torch.Tensor] | None = None, *, logits_indices: torch.Tensor | None = None,
-                hidden_layers: Sequence[int] = ()) -> ForwardOutput:
-        """As `LlamaForCausalLM.forward`; kv_caches are (num_pages, 2, page_size, 1, kv_lora + rope) per layer."""
-        if self.attn is None:
-            raise RuntimeError("no attention backend set; load the model with mtp_train.models.load_model")
-        n_layers = self.args.num_layers
-        wanted = set(hidden_layers)
-        bad = [j for j in wanted if not 0 <= j <= n_layers]
-        if bad:
-            raise ValueError(f"hidden_layers {bad} out of range 0..{n_layers}")
-        self.attn.prepare(meta)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(meta.positions, torch.float32)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, 1, R/2) in float32: one angle per rotated pair."""
+        cos, sin = self.rotary(positions, torch.float32)
         half = self.args.qk_rope_head_dim // 2
-        cos, sin = cos[..., :half], sin[..., :half]  # one angle per rotated pair
-        layers: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in wanted:
-                layers[i] = x
-            x = layer(x, cos, sin, self.attn, None if kv_caches is None else kv_caches[i], meta)
-        hidden = self.model.norm(x)
-        if n_layers in wanted:
-            layers[n_layers] = hidden
-        logits = None if logits_indices is None else self.compute_logits(hidden[logits_indices])
-        return ForwardOutput(hidden=hidden, layers=layers, logits=logits)
+        return cos[..., :half], sin[..., :half]

@@ -104,16 +104,17 @@ class LlamaBackbone(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    """A Llama-family target. Build with `mtp_train.models.load_model`."""
+class CausalLM(nn.Module):
+    """What every target family shares: `model.{embed_tokens, layers, norm}`, `lm_head`, RoPE and the step loop.
 
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = LlamaBackbone(args)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(args.rope)
-        self.attn: AttentionBackend | None = None  # set by the loader / engine
+    A family sets `args`, `model`, `lm_head` and `rotary` and may override `rope` (how RoPE angles reach its layers).
+    """
+
+    args: ModelArgs
+    model: nn.Module
+    lm_head: nn.Module
+    rotary: RotaryEmbedding
+    attn: AttentionBackend | None
 
     @property
     def device(self) -> torch.device:
@@ -130,6 +131,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, H) after the final norm → (N, V)."""
         return self.lm_head(hidden)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) → cos, sin (T, 1, D) in the rotate-half layout."""
+        return self.rotary(positions, dtype)
 
     def forward(
         self,
@@ -159,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
 
         self.attn.prepare(meta)
         x = self.model.embed_tokens(input_ids)  # (T, H)
-        cos, sin = self.rotary(meta.positions, x.dtype)
+        cos, sin = self.rope(meta.positions, x.dtype)
         layers: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in wanted:
@@ -170,3 +175,15 @@ class LlamaForCausalLM(nn.Module):
             layers[n_layers] = hidden
         logits = None if logits_indices is None else self.compute_logits(hidden[logits_indices])
         return ForwardOutput(hidden=hidden, layers=layers, logits=logits)
+
+
+class LlamaForCausalLM(CausalLM):
+    """A Llama-family target. Build with `mtp_train.models.load_model`."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaBackbone(args)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(args.rope)
+        self.attn = None  # set by the loader / engine

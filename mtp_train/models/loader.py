@@ -67,12 +67,17 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     )
 
 
-def iter_tensors(files: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) file by file, each file opened once through safetensors' mmap."""
+def names_by_file(files: dict[str, Path]) -> dict[Path, list[str]]:
+    """{tensor name: file} → {file: its tensor names}, so that each file is opened once."""
     by_file: dict[Path, list[str]] = {}
     for name, f in files.items():
         by_file.setdefault(f, []).append(name)
-    for f, names in by_file.items():
+    return by_file
+
+
+def iter_tensors(files: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) file by file, each file opened once through safetensors' mmap."""
+    for f, names in names_by_file(files).items():
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in names:
                 yield name, fh.get_tensor(name)

@@ -35,7 +35,13 @@ from mtp_train.layers.attention import make_attention_backend
 from mtp_train.layers.linear import Linear, prepack_linears
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.llama import LlamaForCausalLM
-from mtp_train.models.loader import FUSED_PROJECTIONS, IGNORED_SUFFIXES, checkpoint_files, resolve_dtype
+from mtp_train.models.loader import (
+    FUSED_PROJECTIONS,
+    IGNORED_SUFFIXES,
+    checkpoint_files,
+    names_by_file,
+    resolve_dtype,
+)
 
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
@@ -193,10 +199,7 @@ def load_model_tp(path: str | Path, tp: TPGroup, dtype: str | torch.dtype = "aut
         expected.pop("lm_head.weight", None)
     files = checkpoint_files(path)
     raw: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, f in files.items():
-        by_file.setdefault(f, []).append(name)
-    for f, names in by_file.items():
+    for f, names in names_by_file(files).items():
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in names:
                 if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
