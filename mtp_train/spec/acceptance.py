@@ -77,8 +77,10 @@ def accept_stochastic_flashinfer(draft_tokens: torch.Tensor, draft_probs: torch.
     """
     from flashinfer.sampling import chain_speculative_sampling  # lazy: GPU only
 
-    out = chain_speculative_sampling(draft_probs.float().contiguous(), draft_tokens.int().contiguous(),
-                                     target_probs.float().contiguous())  # (B, k+1)
+    res = chain_speculative_sampling(draft_probs.float().contiguous(), draft_tokens.int().contiguous(),
+                                     target_probs.float().contiguous())
+    # 0.5.x returns (output_token_ids (B, k+1), accepted_num, emitted_num); older releases the ids alone
+    out = res[0] if isinstance(res, tuple) else res
     rows = out.tolist()
     tokens = [[t for t in row if t >= 0] for row in rows]
     return AcceptResult([len(t) - 1 for t in tokens], tokens)
