@@ -147,3 +147,10 @@ def test_mtp_head_with_a_deepseek_block_trains_drafts_and_exports(checkpoints, t
     with torch.no_grad():
         torch.testing.assert_close(back(hidden, nxt, meta).hidden, again(hidden, nxt, meta).hidden,
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_flashinfer_backend_is_refused_for_mla_and_auto_picks_torch(checkpoints):
+    path, _ = checkpoints["lite"]
+    assert type(load_model(path, backend="auto").attn).__name__ == "TorchBackend"
+    with pytest.raises(ModelConfigError, match="torch backend"):
+        load_model(path, backend="flashinfer")

@@ -154,6 +154,11 @@ def load_model(
     model.tie_weights()
     # Buffers created on meta (rotary frequencies) are recomputed on the target device.
     model.rotary = type(model.rotary)(args.rope, device=device)
+    if args.model_type == "deepseek_v2":  # MLA's latent head (kv_lora + rope wide) runs on the torch backend
+        if backend == "flashinfer":
+            raise ModelConfigError(f"{path}: DeepSeek-V2 (MLA) runs on the torch backend; FlashInfer's MLA kernels "
+                                   "are not wired yet (use model.backend=torch or auto)")
+        backend = "torch"
     model.attn = make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim,
                                         args.sliding_window, device=device)
     scale = getattr(model, "softmax_scale", None)
