@@ -154,3 +154,10 @@ def test_flashinfer_backend_is_refused_for_mla_and_auto_picks_torch(checkpoints)
     assert type(load_model(path, backend="auto").attn).__name__ == "TorchBackend"
     with pytest.raises(ModelConfigError, match="torch backend"):
         load_model(path, backend="flashinfer")
+
+
+def test_tensor_parallel_refuses_deepseek_clearly(checkpoints):
+    from mtp_train.models.tensor_parallel import TPGroup, load_model_tp
+
+    with pytest.raises(ModelConfigError, match="model.tp=1"):
+        load_model_tp(checkpoints["lite"][0], TPGroup(0, 2))

@@ -188,6 +188,9 @@ def load_model_tp(path: str | Path, tp: TPGroup, dtype: str | torch.dtype = "aut
     """`load_model` for one rank of a tensor-parallel group: local shapes, only this rank's slices read."""
     path = Path(path)
     full = ModelArgs.from_dir(path)
+    if full.model_type == "deepseek_v2":
+        raise ModelConfigError(f"{path}: tensor parallelism covers Llama-family targets; run DeepSeek-V2 (MLA + MoE) "
+                               "with model.tp=1 (data parallel over ranks)")
     args = local_args(full, tp.size)
     dt = resolve_dtype(dtype, full)
     device = torch.device(device)
