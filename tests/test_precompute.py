@@ -246,20 +246,28 @@ def test_bad_samples_are_refused(model, model_dir, tmp_path):
 # two ranks
 
 
-@pytest.mark.slow
-def test_two_ranks_give_the_same_samples_as_one(model, model_dir, tmp_path):
-    # batch_tokens=1: every sample is its own prefill, so values cannot depend on who packed with whom.
-    n, seed, shard_tokens, batch_tokens, aux, val = 21, 3, 150, 1, "2", 0.3
-    one = precompute(model, make_samples(n, seed), tmp_path / "one", model_dir=model_dir, shard_tokens=shard_tokens,
+def _one_then_two_processes(model, model_dir, one_dir, two_dir, *, n, seed, shard_tokens, batch_tokens, val,
+                            tp=1):
+    """Precompute the same samples (aux layer 2) in this process into one_dir, then with two torchrun processes
+    (tensor-parallel when tp=2) into two_dir; returns the single process's manifest."""
+    one = precompute(model, make_samples(n, seed), one_dir, model_dir=model_dir, shard_tokens=shard_tokens,
                      batch_tokens=batch_tokens, aux_layers=(2,), val_fraction=val, seed=0,
                      tokenizer_fingerprint="tok-fp", chat_template_fingerprint="tmpl-fp",
                      data_info={"source": "random"}, progress=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests" / "_precompute_worker.py"), str(model_dir), str(tmp_path / "two"), str(n), str(seed),
-           str(shard_tokens), str(batch_tokens), aux, str(val)]
+           str(ROOT / "tests" / "_precompute_worker.py"), str(model_dir), str(two_dir), str(n), str(seed),
+           str(shard_tokens), str(batch_tokens), "2", str(val), str(tp)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return one
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_same_samples_as_one(model, model_dir, tmp_path):
+    # batch_tokens=1: every sample is its own prefill, so values cannot depend on who packed with whom.
+    one = _one_then_two_processes(model, model_dir, tmp_path / "one", tmp_path / "two", n=21, seed=3,
+                                  shard_tokens=150, batch_tokens=1, val=0.3)
 
     two = Manifest.load(tmp_path / "two")
     assert {s.rank for s in two.shards} == {0, 1}
@@ -283,17 +291,8 @@ def test_two_ranks_give_the_same_samples_as_one(model, model_dir, tmp_path):
 def test_tensor_parallel_precompute_matches_one_process(model, model_dir, tmp_path):
     """model.tp=2 on two processes: one data-parallel rank whose TP group computes every shard and whose tp rank 0
     alone writes; the samples and (up to summation order, in bf16) the hidden states equal one process's."""
-    n, seed, shard_tokens, batch_tokens, val = 13, 5, 150, 64, 0.2
-    one = precompute(model, make_samples(n, seed), tmp_path / "one", model_dir=model_dir, shard_tokens=shard_tokens,
-                     batch_tokens=batch_tokens, aux_layers=(2,), val_fraction=val, seed=0,
-                     tokenizer_fingerprint="tok-fp", chat_template_fingerprint="tmpl-fp",
-                     data_info={"source": "random"}, progress=False)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests" / "_precompute_worker.py"), str(model_dir), str(tmp_path / "tp"), str(n), str(seed),
-           str(shard_tokens), str(batch_tokens), "2", str(val), "2"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    one = _one_then_two_processes(model, model_dir, tmp_path / "one", tmp_path / "tp", n=13, seed=5,
+                                  shard_tokens=150, batch_tokens=64, val=0.2, tp=2)
     tp = Manifest.load(tmp_path / "tp")
     assert {s.rank for s in tp.shards} == {0} and tp.provenance["settings"]["tp"] == 2
     assert [(s.file, s.samples, s.tokens) for s in tp.shards] == [(s.file, s.samples, s.tokens) for s in one.shards]

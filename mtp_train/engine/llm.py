@@ -61,6 +61,10 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self._reserved_pages = 0
         self._next_id = 0
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Start counting afresh (e.g. after a warm-up generation)."""
         self.stats = GenerationStats()
 
     # -- requests -------------------------------------------------------------------------------

@@ -147,9 +147,7 @@ def evaluate(target: LlamaForCausalLM, tokenizer: Any, prompt_sets: Sequence[Pro
         if s.warmup:
             engine.generate([[int(t) for t in tokenizer("Hello", add_special_tokens=False)["input_ids"]]],
                             SamplingParams(max_new_tokens=4, ignore_eos=True))
-            # Measure the real run only.
-            stats_cls = type(engine.stats)
-            engine.stats = stats_cls(metrics=SpecMetrics(engine.k)) if isinstance(engine, SpecEngine) else stats_cls()
+            engine.reset_stats()  # measure the real run only
 
     pairs: list[tuple[RunResult, RunResult]] = []
     baselines: list[RunResult] = []

@@ -21,7 +21,6 @@ from torch import nn
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata
 from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
-from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import DeepseekV2Args
 from mtp_train.models.llama import CausalLM
 
@@ -162,12 +161,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     """
 
     def __init__(self, args: DeepseekV2Args) -> None:
-        super().__init__()
-        self.args = args
-        self.model = DeepseekV2Backbone(args)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(args.rope)
-        self.attn = None
+        super().__init__(args, DeepseekV2Backbone(args))
         self.softmax_scale = args.softmax_scale  # the expanded head's scale, not the latent head's
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

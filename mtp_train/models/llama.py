@@ -107,14 +107,16 @@ class LlamaBackbone(nn.Module):
 class CausalLM(nn.Module):
     """What every target family shares: `model.{embed_tokens, layers, norm}`, `lm_head`, RoPE and the step loop.
 
-    A family sets `args`, `model`, `lm_head` and `rotary` and may override `rope` (how RoPE angles reach its layers).
+    A family passes its backbone and may override `rope` (how RoPE angles reach its layers).
     """
 
-    args: ModelArgs
-    model: nn.Module
-    lm_head: nn.Module
-    rotary: RotaryEmbedding
-    attn: AttentionBackend | None
+    def __init__(self, args: ModelArgs, backbone: nn.Module) -> None:
+        super().__init__()
+        self.args = args
+        self.model = backbone
+        self.lm_head: nn.Module = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(args.rope)
+        self.attn: AttentionBackend | None = None  # set by the loader / engine
 
     @property
     def device(self) -> torch.device:
@@ -181,9 +183,4 @@ class LlamaForCausalLM(CausalLM):
     """A Llama-family target. Build with `mtp_train.models.load_model`."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = LlamaBackbone(args)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(args.rope)
-        self.attn = None  # set by the loader / engine
+        super().__init__(args, LlamaBackbone(args))

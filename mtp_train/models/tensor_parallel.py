@@ -109,7 +109,7 @@ def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
     return lo, min(lo + per, vocab), per
 
 
-def _slice(name: str, sl, args: ModelArgs, tp: TPGroup) -> torch.Tensor:
+def _slice(name: str, sl, tp: TPGroup) -> torch.Tensor:
     """Read this rank's part of checkpoint tensor `name` through a safetensors slice (nothing else is read)."""
     shape = sl.get_shape()
     module = name.rsplit(".", 1)[0]
@@ -207,7 +207,7 @@ def load_model_tp(path: str | Path, tp: TPGroup, dtype: str | torch.dtype = "aut
             for name in names:
                 if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
                     continue
-                raw[name] = _slice(name, fh.get_slice(name), full, tp).to(dtype=dt)
+                raw[name] = _slice(name, fh.get_slice(name), tp).to(dtype=dt)
     state: dict[str, torch.Tensor] = {}
     for name in expected:
         for fused, parts in FUSED_PROJECTIONS.items():

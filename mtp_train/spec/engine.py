@@ -38,12 +38,16 @@ METHODS = ("none", "mtp", "draft")
 class SpecStats(GenerationStats):
     """GenerationStats plus the speculative counters and the draft / verify time split."""
 
-    verify_steps: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # target forward + acceptance
     update_seconds: float = 0.0  # the proposer's catch-up after acceptance
     metrics: SpecMetrics = field(default_factory=lambda: SpecMetrics(1))
+
+    @property
+    def verify_steps(self) -> int:
+        """Speculative steps: every decode step of this engine drafts and verifies."""
+        return self.decode_steps
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
@@ -61,13 +65,15 @@ class SpecEngine(LLMEngine):
                  max_batch_tokens: int = 4096, use_flashinfer_sampling: bool = True) -> None:
         if k < 1:
             raise ValueError(f"k (draft tokens per step) must be >= 1, got {k}")
+        self.k = k  # before the base constructor: its reset_stats() sizes the metrics by k
         super().__init__(model, num_pages=num_pages, page_size=page_size, kv_cache_gb=kv_cache_gb,
                          max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
-        self.k = k
         self.proposer = proposer
         proposer.bind(self.runner.kv)
-        self.stats = SpecStats(metrics=SpecMetrics(k))
         self.use_flashinfer_sampling = use_flashinfer_sampling and model.device.type == "cuda"
+
+    def reset_stats(self) -> None:
+        self.stats = SpecStats(metrics=SpecMetrics(self.k))
 
     def reserve_tokens(self, seq: Sequence) -> int:
         # A step may hold k drafts beyond the last token before the rollback.
@@ -172,7 +178,6 @@ class SpecEngine(LLMEngine):
             s.num_cached = n_tok + n
             alive.append(s)
             alive_idx.append(b)
-        self.stats.verify_steps += 1
         self.stats.decode_steps += 1
         if alive:
             hidden = out.hidden.view(b_size, k + 1, -1)[torch.tensor(alive_idx, device=out.hidden.device)]

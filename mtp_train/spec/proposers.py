@@ -65,6 +65,27 @@ def pick(logits: torch.Tensor, seqs: Seq[Sequence], to_ids: torch.Tensor | None,
     return tokens, qs
 
 
+class _Drafts:
+    """The k draft tokens of a step and, for sampled sequences, the distributions they came from."""
+
+    def __init__(self, seqs: Seq[Sequence], to_ids: torch.Tensor | None, vocab_size: int) -> None:
+        self.seqs, self.to_ids, self.vocab_size = seqs, to_ids, vocab_size
+        self.tokens: list[list[int]] = [[] for _ in seqs]
+        self.probs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
+
+    def add(self, logits: torch.Tensor) -> list[int]:
+        """Pick the next draft token of every sequence from logits (B, Vd); returns them."""
+        picked, qs = pick(logits, self.seqs, self.to_ids, self.vocab_size)
+        for b, (t, q) in enumerate(zip(picked, qs)):
+            self.tokens[b].append(t)
+            self.probs[b].append(q)
+        return picked
+
+    def proposal(self) -> Proposal:
+        probs = [None if q[0] is None else torch.stack(q) for q in self.probs]  # type: ignore[misc]
+        return Proposal(torch.tensor(self.tokens, dtype=torch.long), probs)
+
+
 class Proposer(ABC):
     """The drafting side of speculative decoding, driven by `SpecEngine`."""
 
@@ -141,24 +162,16 @@ class HeadProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
-        head = self.head
-        to_ids, vocab = head.draft_vocab, head.args.vocab_size
-        drafts = [[0] * k for _ in seqs]
-        qs: list[list[torch.Tensor | None]] = [[None] * k for _ in seqs]
+        drafts = _Drafts(seqs, self.head.draft_vocab, self.head.args.vocab_size)
         feat = torch.stack([self._feat[s.seq_id] for s in seqs])  # (B, H)
         logits = torch.stack([self._logits[s.seq_id] for s in seqs])  # (B, Vd)
         lens = [len(s) for s in seqs]
         for j in range(k):
-            tokens, q = pick(logits, seqs, to_ids, vocab)
-            for b in range(len(seqs)):
-                drafts[b][j], qs[b][j] = tokens[b], q[b]
-            if j == k - 1:
-                break
-            # Draft step j+2: row at position L-1+j reads ĥ and d_{j+1}.
-            kv_lens = [n + j for n in lens]
-            feat, logits = self._forward(feat, [d[j] for d in drafts], [1] * len(seqs), kv_lens, seqs)
-        probs = [None if q[0] is None else torch.stack(q) for q in qs]  # type: ignore[misc]
-        return Proposal(torch.tensor(drafts, dtype=torch.long), probs)
+            picked = drafts.add(logits)
+            if j < k - 1:
+                # Draft step j+2: row at position L-1+j reads ĥ and d_{j+1}.
+                feat, logits = self._forward(feat, picked, [1] * len(seqs), [n + j for n in lens], seqs)
+        return drafts.proposal()
 
     @torch.inference_mode()
     def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
@@ -209,21 +222,14 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
-        vocab = self.model.args.vocab_size
-        drafts = [[0] * k for _ in seqs]
-        qs: list[list[torch.Tensor | None]] = [[None] * k for _ in seqs]
+        drafts = _Drafts(seqs, None, self.model.args.vocab_size)
         lens = [len(s) for s in seqs]
         tokens = [s.token_ids[self._cached[s.seq_id]:] for s in seqs]
         for j in range(k):
-            logits = self._forward(seqs, tokens, [n + j for n in lens])
-            picked, q = pick(logits, seqs, None, vocab)
-            for b in range(len(seqs)):
-                drafts[b][j], qs[b][j] = picked[b], q[b]
-            tokens = [[d[j]] for d in drafts]
+            tokens = [[t] for t in drafts.add(self._forward(seqs, tokens, [n + j for n in lens]))]
         for s, n in zip(seqs, lens):
             self._cached[s.seq_id] = n + k - 1  # fed up to d_{k-1}
-        probs = [None if q[0] is None else torch.stack(q) for q in qs]  # type: ignore[misc]
-        return Proposal(torch.tensor(drafts, dtype=torch.long), probs)
+        return drafts.proposal()
 
     def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
                target_hidden: torch.Tensor, k: int) -> None:
