@@ -1,5 +1,6 @@
-"""DeepSeek-V2 targets (MLA with a compressed paged KV cache, decoupled RoPE, MoE): parity with transformers on tiny
-random configs, paged decode = HF generate, and the model in precompute and speculative decoding."""
+"""DeepSeek-V2 targets (MLA over a latent-only paged KV cache, decoupled RoPE, MoE): parity with transformers on tiny
+random configs, paged decode = HF generate and = a full recompute, verify = single steps, the model in precompute and
+speculative decoding, and MLA backend selection (FlashInfer's MLA kernels on CUDA, torch elsewhere)."""
 
 from __future__ import annotations
 
@@ -149,11 +150,134 @@ def test_mtp_head_with_a_deepseek_block_trains_drafts_and_exports(checkpoints, t
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_flashinfer_backend_is_refused_for_mla_and_auto_picks_torch(checkpoints):
+def test_mla_backend_selection_on_cpu(checkpoints):
     path, _ = checkpoints["lite"]
-    assert type(load_model(path, backend="auto").attn).__name__ == "TorchBackend"
-    with pytest.raises(ModelConfigError, match="torch backend"):
+    assert type(load_model(path, backend="auto").attn).__name__ == "TorchMLA"
+    assert type(load_model(path, backend="torch").attn).__name__ == "TorchMLA"
+    with pytest.raises(ModelConfigError, match="DeepSeek-V2 \\(MLA\\): the flashinfer MLA backend needs a CUDA device"):
         load_model(path, backend="flashinfer")
+
+
+# --- the latent-only cache: the engine's pools, paged decode and verify through the model -------------------------
+
+
+def test_target_and_head_pools_hold_only_the_latent_rows(checkpoints):
+    from mtp_train.engine import ModelRunner
+    from mtp_train.spec.proposers import HeadProposer
+
+    path, _ = checkpoints["lite"]
+    model = load_model(path, dtype="float32", backend="torch")
+    runner = ModelRunner.create(model, num_pages=10, page_size=3)
+    assert runner.kv.layers[0].shape == (10, 3, 32 + 8)  # (num_pages, page_size, kv_lora + rope)
+    assert len(runner.kv.layers) == 3
+    # kv_cache_gb sizes the pool by (C + R) · 4 bytes per token and layer: half of a K head plus a V head
+    per_token = 3 * (32 + 8) * 4
+    assert ModelRunner.create(model, page_size=3, kv_cache_gb=per_token * 3 * 7 / 2**30).kv.num_pages == 7
+    head = build_head(HeadConfig(type="mtp"), path)
+    assert head.kv_shape[1].latent
+    proposer = HeadProposer(head)
+    proposer.bind(runner.kv)
+    assert proposer.kv.layers[0].shape == (10, 3, 40) and len(proposer.kv.layers) == 1
+
+
+def _decode_logits(model, prompts, steps, page_size=3):
+    """Prefill `prompts` into pages, then teacher-force `steps` tokens one at a time: logits (steps, B, V)."""
+    from mtp_train.engine import ModelRunner, Sequence
+
+    runner = ModelRunner.create(model, num_pages=64, page_size=page_size)
+    seqs = [Sequence.new(i, list(p)) for i, p in enumerate(prompts)]
+    runner.run(seqs)
+    out = []
+    for j in range(steps):
+        for i, s in enumerate(seqs):
+            s.token_ids.append((17 * j + 5 * i + 3) % model.args.vocab_size)
+        out.append(runner.run(seqs).logits)
+    return torch.stack(out), seqs
+
+
+@pytest.mark.parametrize("name", ["lite", "yarn"])
+def test_paged_decode_over_pages_of_3_equals_a_full_recompute(checkpoints, name):
+    path, _ = checkpoints[name]
+    model = load_model(path, dtype="float32", backend="torch")
+    steps = 6
+    got, seqs = _decode_logits(model, PROMPTS, steps)
+    for b, s in enumerate(seqs):
+        n = len(PROMPTS[b])
+        for j in range(steps):  # the whole sequence up to the fed token, without any cache
+            hidden = prefill_hidden(model, [s.token_ids[: n + j + 1]]).hidden[-1:]
+            torch.testing.assert_close(got[j, b], model.compute_logits(hidden)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_verify_of_several_new_tokens_equals_single_steps(checkpoints):
+    from mtp_train.engine import ModelRunner, Sequence
+
+    path, _ = checkpoints["full"]
+    model = load_model(path, dtype="float32", backend="torch")
+    new = [[7, 8, 9, 10], [11, 12], [13, 14, 15]]  # uneven: the per-sequence verify path
+    runner = ModelRunner.create(model, num_pages=64, page_size=3)
+    seqs = [Sequence.new(i, list(p)) for i, p in enumerate(PROMPTS)]
+    runner.run(seqs)
+    for s, t in zip(seqs, new):
+        s.token_ids.extend(t)
+    got = runner.run(seqs, logits="all").logits  # (Σ new, V)
+    runner = ModelRunner.create(model, num_pages=64, page_size=3)
+    seqs = [Sequence.new(i, list(p)) for i, p in enumerate(PROMPTS)]
+    runner.run(seqs)
+    want: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for j in range(max(map(len, new))):
+        live = [b for b, t in enumerate(new) if j < len(t)]
+        for b in live:
+            seqs[b].token_ids.append(new[b][j])
+        logits = runner.run([seqs[b] for b in live]).logits
+        for i, b in enumerate(live):
+            want[b].append(logits[i])
+    torch.testing.assert_close(got, torch.cat([torch.stack(w) for w in want]), rtol=1e-5, atol=1e-5)
+
+
+def test_deepseek_head_chained_training_equals_its_latent_cache_inference(checkpoints):
+    """The unrolled chain (MLA through the generic chain attention) = draft steps over the head's latent pool."""
+    from mtp_train.train.trainer import inference_chain
+
+    path, _ = checkpoints["lite"]
+    model = load_model(path, dtype="float32", backend="torch")
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type="mtp", moe=True, init="last_layer"), path).eval()
+    lens = [len(p) for p in PROMPTS]
+    hidden = prefill_hidden(model, PROMPTS).hidden
+    tokens = torch.tensor([t for p in PROMPTS for t in p])
+    with torch.no_grad():
+        train_path = head.unroll(hidden, tokens, lens, 3, attention="chain")
+    infer_path = inference_chain(head, hidden, tokens, lens, 3, kv_slots=64)
+    for j, (x, y) in enumerate(zip(train_path, infer_path)):
+        valid = torch.cat([torch.arange(n) < n - j - 1 for n in lens])  # rows with a real chain
+        torch.testing.assert_close(y[valid], x[valid], rtol=1e-4, atol=1e-5, msg=f"step {j}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flashinfer")
+def test_flashinfer_mla_model_matches_torch_on_cuda(tmp_path):
+    pytest.importorskip("flashinfer.mla")
+    import transformers
+
+    from mtp_train.engine import LLMEngine
+
+    # FlashInfer's MLA widths (kv_lora 512, rope 64) on an otherwise tiny model, bf16
+    over = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_attention_heads": 8, "num_key_value_heads": 8,
+            "q_lora_rank": None}
+    cfg = transformers.DeepseekV2Config(**{**BASE, **over})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "ds")
+    fi = load_model(tmp_path / "ds", dtype="bfloat16", device="cuda", backend="auto")
+    ref = load_model(tmp_path / "ds", dtype="bfloat16", device="cuda", backend="torch")
+    assert type(fi.attn).__name__ == "FlashInferMLA" and type(ref.attn).__name__ == "TorchMLA"
+    torch.testing.assert_close(prefill_hidden(fi, PROMPTS).hidden.float(), prefill_hidden(ref, PROMPTS).hidden.float(),
+                               rtol=3e-2, atol=3e-2)
+    got, _ = _decode_logits(fi, PROMPTS, 8, page_size=16)
+    want, _ = _decode_logits(ref, PROMPTS, 8, page_size=16)
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    out = LLMEngine(fi, kv_cache_gb=0.5).generate(PROMPTS, params)
+    assert all(len(o.output_ids) == 8 for o in out)
 
 
 def test_tensor_parallel_refuses_deepseek_clearly(checkpoints):

@@ -21,6 +21,7 @@ from mtp_train.heads import (
     save_head,
 )
 from mtp_train.layers import AttentionMetadata
+from mtp_train.layers.attention import KVLayout
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.models.fingerprint import weights_fingerprint
 
@@ -49,8 +50,8 @@ def _starts(lens):
 
 
 def _new_cache(head: DraftHead, page_size: int) -> KVCache:
-    layers, kv_heads, head_dim = head.kv_shape
-    return KVCache(layers, num_pages=64, page_size=page_size, num_kv_heads=kv_heads, head_dim=head_dim)
+    layers, layout = head.kv_shape
+    return KVCache(layers, num_pages=64, page_size=page_size, layout=layout)
 
 
 # --- frozen target parts ----------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def test_shapes_follow_the_target_config_gqa_included(tiny_checkpoints, name, ty
     assert layer.self_attn.o_proj.weight.shape == (h, hq * d)
     assert layer.mlp.gate_up_proj.weight.shape == (2 * a.intermediate_size, h)
     assert (layer.self_attn.q_norm is not None) == (name == "qwen3")
-    assert head.kv_shape == (1, hkv, d)
+    assert head.kv_shape == (1, KVLayout(hkv, d))
     hidden, tokens = _batch(tiny_checkpoints, name)
     out = head.forward_train(hidden, packed_shift(tokens, LENS, 1), LENS)
     assert out.shape == hidden.shape and out.dtype == torch.float32

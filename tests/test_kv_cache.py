@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mtp_train.engine import BlockAllocator, KVCache, OutOfPagesError
+from mtp_train.layers.attention import KVLayout
 
 
 def test_allocate_and_free_reuse_pages():
@@ -35,7 +36,7 @@ def test_double_free_is_refused():
 
 
 def test_kv_cache_ensure_and_truncate():
-    kv = KVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=8)
+    kv = KVCache(num_layers=2, num_pages=8, page_size=4, layout=KVLayout(2, 8))
     assert kv.pool.shape == (2, 8, 2, 4, 2, 8)
     assert kv.layers[1].shape == (8, 2, 4, 2, 8)
     pages: list[int] = []
@@ -45,4 +46,17 @@ def test_kv_cache_ensure_and_truncate():
     assert len(pages) == 3
     kv.truncate(pages, 4)
     assert len(pages) == 1 and kv.allocator.num_free == 7
-    assert KVCache.bytes_per_token(30, 3, 64, torch.float32) == 30 * 2 * 3 * 64 * 4
+    assert KVCache.bytes_per_token(30, KVLayout(3, 64), torch.float32) == 30 * 2 * 3 * 64 * 4
+
+
+def test_latent_pool_holds_one_row_per_token_half_of_a_k_and_v_head():
+    # MLA (DeepSeek-V2-Lite widths): one [c ; k_pe] row of kv_lora_rank + rope = 512 + 64 per token and layer
+    latent = KVLayout(1, 512 + 64, latent=True)
+    kv = KVCache(num_layers=3, num_pages=5, page_size=4, layout=latent, dtype=torch.bfloat16)
+    assert kv.pool.shape == (3, 5, 4, 576) and kv.layers[0].shape == (5, 4, 576)
+    per_token = KVCache.bytes_per_token(27, latent, torch.bfloat16)
+    assert per_token == 27 * 576 * 2  # (C + R) · dtype bytes per layer
+    assert 2 * per_token == KVCache.bytes_per_token(27, KVLayout(1, 576), torch.bfloat16)  # the old K + V slots
+    assert kv.pool.numel() * kv.pool.element_size() == 3 * 5 * 4 * 576 * 2
+    with pytest.raises(ValueError, match="one row per token"):
+        KVLayout(2, 576, latent=True)

@@ -1,7 +1,11 @@
 """Paged KV cache: one pool tensor per model and a plain-Python block allocator over a free list.
 
-Pool layout: (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim); layer i's slice is
-FlashInfer's NHD paged layout, so the torch and FlashInfer backends read the same memory.
+Pool layout, by the model's `KVLayout` (`ModelArgs.kv_layout`):
+
+* K/V (Llama family): (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim); layer i's slice is
+  FlashInfer's NHD paged layout, so the torch and FlashInfer backends read the same memory;
+* MLA latent (DeepSeek-V2): (num_layers, num_pages, page_size, kv_lora_rank + qk_rope_head_dim), one [c ; k_pe]
+  row per token and layer — half of storing it as a K head plus a V head.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+
+from mtp_train.layers.attention import KVLayout
 
 
 class OutOfPagesError(RuntimeError):
@@ -56,22 +62,24 @@ class KVCache:
     `truncate` shrinks it (e.g. after rejected speculative tokens).
     """
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, layout: KVLayout,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.num_pages = num_pages
+        self.layout = layout
         # Zeroed, not empty: masked-out slots still enter the attention matmul (weight 0), and
         # uninitialised memory may hold NaN/inf, for which 0 * NaN = NaN.
-        self.pool = torch.zeros(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)
-        self.layers = list(self.pool.unbind(0))  # per-layer (num_pages, 2, page_size, Hkv, D) views
+        self.pool = torch.zeros(num_layers, num_pages, *layout.page_shape(page_size), dtype=dtype, device=device)
+        # per-layer views: (num_pages, 2, page_size, Hkv, D), or (num_pages, page_size, C + R) for the latent layout
+        self.layers = list(self.pool.unbind(0))
         self.allocator = BlockAllocator(num_pages)
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(num_layers: int, layout: KVLayout, dtype: torch.dtype) -> int:
+        """Pool bytes per cached token over all layers."""
+        return num_layers * layout.values_per_token * torch.empty((), dtype=dtype).element_size()
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

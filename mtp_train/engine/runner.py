@@ -28,12 +28,16 @@ class ModelRunner:
     @classmethod
     def create(cls, model: LlamaForCausalLM, num_pages: int | None = None, page_size: int = 16,
                kv_cache_gb: float = 1.0) -> ModelRunner:
-        """Build a runner with its own page pool (num_pages, or as many as kv_cache_gb holds)."""
+        """Build a runner with its own page pool (num_pages, or as many as kv_cache_gb holds).
+
+        The pool has the model's layout (`args.kv_layout`): K/V pages, or MLA's latent rows for DeepSeek-V2.
+        """
         a = model.args
+        layout = a.kv_layout
         if num_pages is None:
-            per_token = KVCache.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, model.dtype)
+            per_token = KVCache.bytes_per_token(a.num_layers, layout, model.dtype)
             num_pages = max(1, int(kv_cache_gb * 2**30) // (per_token * page_size))
-        kv = KVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, model.dtype, model.device)
+        kv = KVCache(a.num_layers, num_pages, page_size, layout, model.dtype, model.device)
         return cls(model, kv)
 
     def build_metadata(self, seqs: Seq[Sequence]) -> tuple[torch.Tensor, AttentionMetadata]:

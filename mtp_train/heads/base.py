@@ -48,7 +48,14 @@ from torch import nn
 
 from mtp_train.fileio import atomic_write, atomic_write_text
 from mtp_train.heads.frozen import FrozenTargetParts
-from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
+from mtp_train.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVLayout,
+    LatentAsOneHead,
+    MLABackend,
+    make_attention_backend,
+)
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.fingerprint import weights_fingerprint
@@ -254,9 +261,8 @@ class DraftHead(nn.Module, ABC):
         self.backend_name = backend
         a = self.args
         # Training always uses the torch backend (SDPA supports autograd); inference uses `backend`, per device.
-        self._train_attn = self._scaled(make_attention_backend("torch", a.num_heads, a.num_kv_heads, a.head_dim,
-                                                               a.sliding_window))
-        self._attn: dict[torch.device, AttentionBackend] = {}
+        self._train_attn = self._make_attention("torch", torch.device("cpu"), None)
+        self._attn: dict[torch.device, AttentionBackend | MLABackend] = {}
         # RoPE frequencies outside the module tree: an engine that casts the module to bf16 must not round them.
         self._rotary: dict[torch.device, RotaryEmbedding] = {}
         n = self.cfg.draft_vocab_size
@@ -274,12 +280,13 @@ class DraftHead(nn.Module, ABC):
 
     @abstractmethod
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: torch.Tensor | None, attn: AttentionBackend) -> torch.Tensor:
+                 kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend) -> torch.Tensor:
         """The head's output feature for every row.
 
         hidden: (T, H) input features (h_i, or the previous step's output); token_ids: (T,) the token that
-        follows each row (t_{i+1}); meta: the step's metadata, already prepared for `attn`; kv_cache: the
-        head's one-layer pool (num_pages, 2, page_size, Hkv, D), written at the step's slots, or None.
+        follows each row (t_{i+1}); meta: the step's metadata, already prepared for `attn` (an MLABackend for a
+        DeepSeek block); kv_cache: the head's one-layer pool (num_pages, 2, page_size, Hkv, D), or (num_pages,
+        page_size, C + R) latent rows for a DeepSeek block, written at the step's slots, or None.
         Returns (T, H): the estimate of h_{i+1}.
         """
 
@@ -298,9 +305,12 @@ class DraftHead(nn.Module, ABC):
         return next(self.parameters()).dtype
 
     @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) of the head's KV pool, e.g. for `KVCache(*kv_shape[:1], ...)`."""
-        return self.num_kv_layers, self.args.num_kv_heads, self.args.head_dim
+    def kv_shape(self) -> tuple[int, KVLayout]:
+        """(num_layers, layout) of the head's KV pool: `KVCache(layers, num_pages, page_size, layout, ...)`.
+
+        The layout is the target's: K/V pages, or MLA's latent rows for a DeepSeek block.
+        """
+        return self.num_kv_layers, self.args.kv_layout
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -375,21 +385,22 @@ class DraftHead(nn.Module, ABC):
             return cos[..., :half], sin[..., :half]
         return rot(positions, dtype)
 
-    def attention_backend(self, device: torch.device) -> AttentionBackend:
+    def attention_backend(self, device: torch.device) -> AttentionBackend | MLABackend:
         """The inference backend for `device` (created on first use: flashinfer plans need the device)."""
         attn = self._attn.get(device)
         if attn is None:
-            a = self.args
-            attn = self._attn[device] = self._scaled(make_attention_backend(
-                self.backend_name, a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window, device=device))
+            attn = self._attn[device] = self._make_attention(self.backend_name, device, self.dtype)
         return attn
 
-    def _scaled(self, attn: AttentionBackend) -> AttentionBackend:
-        """MLA (DeepSeek-V2 targets) scales scores by the expanded head width, not the latent cache width."""
-        scale = getattr(self.args, "softmax_scale", 0.0)
-        if scale:
-            attn.scale = scale
-        return attn
+    def _make_attention(self, name: str, device: torch.device,
+                        dtype: torch.dtype | None) -> AttentionBackend | MLABackend:
+        """The backend `name` for the head's block: generic attention, or MLA for a DeepSeek block."""
+        a = self.args
+        if a.kv_layout.latent:
+            from mtp_train.models.deepseek_v2 import make_mla_attention
+
+            return make_mla_attention(a, name, device, dtype)
+        return make_attention_backend(name, a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window, device=device)
 
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor | None = None, *, logits_indices: torch.Tensor | None = None) -> HeadOutput:
@@ -398,7 +409,8 @@ class DraftHead(nn.Module, ABC):
         hidden: (T, H) target hidden states h_i of the step's rows (or the head's own output for chained
         draft steps); token_ids: (T,) the token after each row, t_{i+1}; meta: the step's metadata (the
         rows' positions i, and the same page ids as the target); kv_cache: the head's one-layer pool
-        (num_pages, 2, page_size, Hkv, D) or None for a cache-free prefill; logits_indices: (N,) rows whose
+        (num_pages, 2, page_size, Hkv, D), or (num_pages, page_size, C + R) latent rows for a DeepSeek block (see
+        `kv_shape`), or None for a cache-free prefill; logits_indices: (N,) rows whose
         logits are wanted. Returns (hidden (T, H), logits (N, V) or None).
         """
         if hidden.shape[0] != token_ids.shape[0]:
@@ -438,8 +450,14 @@ class DraftHead(nn.Module, ABC):
             raise ValueError(f"unknown unroll attention {attention!r}; choose one of {', '.join(UNROLL_ATTENTION)}")
         lens = resolve_seq_lens(hidden.shape[0], seq_lens)
         a = self.args
-        attn = (self._scaled(ChainTrainAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window))
-                if attention == "chain" else self._train_attn)
+        attn: AttentionBackend | MLABackend = self._train_attn
+        if attention == "chain":
+            chain = ChainTrainAttention(a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window)
+            if a.kv_layout.latent:  # MLA: the latent row is the chain's one KV head, scaled as the expanded head
+                chain.scale = a.softmax_scale
+                attn = LatentAsOneHead(chain, a.kv_lora_rank)
+            else:
+                attn = chain
         outs: list[torch.Tensor] = []
         x = hidden
         for j in range(steps):

@@ -20,7 +20,7 @@ from torch import nn
 
 from mtp_train.heads.base import DraftHead, HeadConfig, register_head
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer
-from mtp_train.layers.attention import AttentionBackend, AttentionMetadata
+from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.llama import DecoderLayer
@@ -41,7 +41,8 @@ class MTPHead(DraftHead):
         self.hnorm = RMSNorm(h, eps) if c.hnorm else None
         self.fc = nn.Linear(2 * h, h, bias=c.fc_bias)
         # A list of one, so that names read `layers.0.*` as in EAGLE / vLLM / Qwen3-Next MTP checkpoints.
-        if a.model_type == "deepseek_v2":  # DeepSeek's own MTP block: MLA + dense MLP (or MoE)
+        # DeepSeek's own MTP block: MLA (an MLABackend, over a latent-only pool) + dense MLP (or MoE).
+        if a.model_type == "deepseek_v2":
             from mtp_train.models.deepseek_v2 import DeepseekV2Layer
 
             if not c.input_norm:
@@ -54,7 +55,7 @@ class MTPHead(DraftHead):
         self.norm = RMSNorm(h, eps) if c.final_norm else None
 
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: torch.Tensor | None, attn: AttentionBackend) -> torch.Tensor:
+                 kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend) -> torch.Tensor:
         """(T, H) hidden + (T,) next tokens → (T, H) predicted next hidden (see DraftHead.features)."""
         e = self.embed(token_ids)  # (T, H)
         h = hidden.to(e.dtype)  # stored features are bf16; the head may train in fp32

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtp_train.layers.attention.base import KVLayout
 from mtp_train.layers.rotary import RopeConfig
 
 # model_type → what differs inside the family
@@ -55,6 +56,11 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # the config.json as read
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What a layer's KV pool holds per token: K and V of Hkv heads of D."""
+        return KVLayout(self.num_kv_heads, self.head_dim)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
@@ -148,8 +154,9 @@ def _rope_from_config(cfg: dict[str, Any], head_dim: int, source: str) -> RopeCo
 class DeepseekV2Args(ModelArgs):
     """DeepSeek-V2: multi-head latent attention (MLA) with a compressed KV cache, decoupled RoPE, and MoE layers.
 
-    The engine's KV cache holds one latent "head" per token: num_kv_heads = 1 and head_dim = kv_lora_rank +
-    qk_rope_head_dim (the normed compressed KV c and the shared RoPE key k_pe). `rope` covers the RoPE part only.
+    The engine's KV cache holds one latent row per token and layer, nothing else (`kv_layout`, latent): num_kv_heads
+    = 1 and head_dim = kv_lora_rank + qk_rope_head_dim (the normed compressed KV c and the shared RoPE key k_pe).
+    `rope` covers the RoPE part only.
     """
 
     q_lora_rank: int | None = None  # None: a plain q_proj (V2-Lite); else q_a_proj → norm → q_b_proj
@@ -167,6 +174,11 @@ class DeepseekV2Args(ModelArgs):
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
     softmax_scale: float = 0.0  # (qk_nope + qk_rope)^-0.5
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """MLA's latent-only cache: one [c ; k_pe] row of kv_lora_rank + qk_rope_head_dim per token."""
+        return KVLayout(1, self.kv_lora_rank + self.qk_rope_head_dim, latent=True)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> DeepseekV2Args:

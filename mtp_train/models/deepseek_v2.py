@@ -1,12 +1,14 @@
 """Inference implementation of DeepSeek-V2 (and V2-Lite): multi-head latent attention with a compressed KV cache,
 decoupled RoPE, and mixture-of-experts layers with shared experts.
 
-MLA, as the engine runs it (weight absorption): per token the cache holds one latent "head" [c ; k_pe] of
-kv_lora_rank + qk_rope_head_dim values, where c = RMSNorm(kv_a(x)[:kv_lora]) and k_pe is the RoPE'd shared key.
-kv_b_proj splits per head into W_UK (kv_lora → qk_nope) and W_UV (kv_lora → v_head). A query becomes
-[q_nope · W_UK ; q_pe] so that its dot product with [c ; k_pe] equals q_nope·k_nope + q_pe·k_pe of the expanded
-form; the attention output over values c is then mapped through W_UV. Every head attends to the same single
-latent head (multi-query attention over the paged cache), with the softmax scale of the expanded head dimension.
+MLA, as the engine runs it (weight absorption): per token and layer the cache holds one latent row [c ; k_pe] of
+kv_lora_rank + qk_rope_head_dim values and nothing else (`KVLayout` latent: (num_pages, page_size, C + R) per layer),
+where c = RMSNorm(kv_a(x)[:kv_lora]) and k_pe is the RoPE'd shared key. kv_b_proj splits per head into W_UK
+(kv_lora → qk_nope) and W_UV (kv_lora → v_head). A query becomes [q_nope · W_UK ; q_pe] so that its dot product with
+[c ; k_pe] equals q_nope·k_nope + q_pe·k_pe of the expanded form; the attention output over values c is then mapped
+through W_UV. Every head attends to the same single latent row (multi-query attention over the paged cache), with
+the softmax scale of the expanded head dimension. The attention itself is an `MLABackend`
+(`mtp_train.layers.attention.mla`): torch on any device, FlashInfer's MLA kernels on CUDA.
 
 RoPE here rotates consecutive pairs (x[2i], x[2i+1]) (DeepSeek's complex-number form), not halves. The forward
 has the Llama model's signature and outputs, so the engine, precompute and speculative decoding drive it alike.
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp_train.layers.attention import AttentionBackend, AttentionMetadata
+from mtp_train.layers.attention import AttentionMetadata, MLABackend, make_mla_backend
 from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import DeepseekV2Args
@@ -56,9 +58,9 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(a.num_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
         return w[:, :a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: MLABackend,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
-        """x: (T, H) → (T, H)."""
+        """x: (T, H) → (T, H); kv_cache: this layer's (num_pages, page_size, C + R) latent rows, or None."""
         a, t = self.a, x.shape[0]
         q = self.q_proj(x) if a.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim)
@@ -66,14 +68,11 @@ class MLAttention(nn.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         c, k_pe = ckv.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c)  # (T, kv_lora)
-        q_pe = rotate_pairs(q_pe, cos, sin)
-        k_pe = rotate_pairs(k_pe.unsqueeze(1), cos, sin)  # (T, 1, R)
+        q_pe = rotate_pairs(q_pe, cos, sin)  # (T, Hq, R)
+        k_pe = rotate_pairs(k_pe.unsqueeze(1), cos, sin).squeeze(1)  # (T, R)
         w_uk, w_uv = self._absorbed()
         q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # (T, Hq, kv_lora)
-        query = torch.cat([q_lat, q_pe], dim=-1)  # (T, Hq, kv_lora + R)
-        key = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # (T, 1, kv_lora + R)
-        value = torch.cat([c.unsqueeze(1), torch.zeros_like(k_pe)], dim=-1)  # the values are c
-        out = attn.forward(query, key, value, kv_cache, meta)[..., :a.kv_lora_rank]  # (T, Hq, kv_lora)
+        out = attn.forward(q_lat, q_pe, c, k_pe, kv_cache, meta)  # (T, Hq, kv_lora): sums of c
         out = torch.einsum("thc,hvc->thv", out, w_uv)  # (T, Hq, v_head)
         return self.o_proj(out.reshape(t, a.num_heads * a.v_head_dim))
 
@@ -139,7 +138,7 @@ class DeepseekV2Layer(nn.Module):
             raise ValueError("an MoE block needs n_routed_experts > 0 in the config")
         self.mlp = MoE(a) if moe else DenseMLP(a.hidden_size, a.intermediate_size, a.mlp_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: MLABackend,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -157,15 +156,26 @@ class DeepseekV2Backbone(nn.Module):
 class DeepseekV2ForCausalLM(CausalLM):
     """A DeepSeek-V2 target with the Llama model's interface (build with `mtp_train.models.load_model`).
 
-    kv_caches are (num_pages, 2, page_size, 1, kv_lora + rope) per layer: the compressed latent head.
+    kv_caches are (num_pages, page_size, kv_lora + rope) per layer: the latent rows (`args.kv_layout`); `attn` is
+    an MLABackend (`make_mla_attention`).
     """
 
     def __init__(self, args: DeepseekV2Args) -> None:
         super().__init__(args, DeepseekV2Backbone(args))
-        self.softmax_scale = args.softmax_scale  # the expanded head's scale, not the latent head's
+        self.attn: MLABackend | None = None  # set by the loader: MLA has its own backend interface
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, 1, R/2) in float32: one angle per rotated pair."""
         cos, sin = self.rotary(positions, torch.float32)
         half = self.args.qk_rope_head_dim // 2
         return cos[..., :half], sin[..., :half]
+
+
+def make_mla_attention(args: DeepseekV2Args, backend: str, device: torch.device | str,
+                       dtype: torch.dtype | None) -> MLABackend:
+    """The MLA backend (auto | torch | flashinfer) for a DeepSeek-V2 model or block of this shape and dtype.
+
+    Scores are scaled by the expanded head's softmax scale (YaRN's mscale included), not by the latent width's.
+    """
+    return make_mla_backend(backend, args.num_heads, args.kv_lora_rank, args.qk_rope_head_dim, args.softmax_scale,
+                            device=device, dtype=dtype)

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from mtp_train.layers.attention import make_attention_backend
+from mtp_train.layers.attention import AttentionBackend, MLABackend, make_attention_backend
 from mtp_train.layers.linear import prepack_linears
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.llama import LlamaForCausalLM
@@ -93,8 +93,9 @@ def load_model(
     """Load a Hugging Face Llama-family folder (config.json + safetensors) for inference.
 
     dtype: auto | float32 | bfloat16 | float16; device: where the weights go; backend: attention
-    backend (auto | torch | flashinfer). cpu_prepack: on CPU in float32, keep an MKL-packed copy of
-    each projection for faster decode (`mtp_train.layers.linear`; doubles the weights' memory).
+    backend (auto | torch | flashinfer; DeepSeek-V2 gets the MLA backends, see `attention_for`). cpu_prepack:
+    on CPU in float32, keep an MKL-packed copy of each projection for faster decode (`mtp_train.layers.linear`;
+    doubles the weights' memory).
     The model is in eval mode with gradients off.
     """
     path = Path(path)
@@ -154,20 +155,32 @@ def load_model(
     model.tie_weights()
     # Buffers created on meta (rotary frequencies) are recomputed on the target device.
     model.rotary = type(model.rotary)(args.rope, device=device)
-    if args.model_type == "deepseek_v2":  # MLA's latent head (kv_lora + rope wide) runs on the torch backend
-        if backend == "flashinfer":
-            raise ModelConfigError(f"{path}: DeepSeek-V2 (MLA) runs on the torch backend; FlashInfer's MLA kernels "
-                                   "are not wired yet (use model.backend=torch or auto)")
-        backend = "torch"
-    model.attn = make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim,
-                                        args.sliding_window, device=device)
-    scale = getattr(model, "softmax_scale", None)
-    if scale:  # MLA attends over a latent head whose width is not the one its scores are scaled by
-        model.attn.scale = scale
+    model.attn = attention_for(args, backend, device, dt, source=path)
     model.eval().requires_grad_(False)
     if cpu_prepack:
         prepack_linears(model)
     return model
+
+
+def attention_for(args: ModelArgs, backend: str, device: torch.device, dtype: torch.dtype,
+                  source: str | Path = "config.json") -> AttentionBackend | MLABackend:
+    """The attention backend for a model: generic attention, or MLA for DeepSeek-V2.
+
+    DeepSeek-V2 under `auto`: FlashInfer's MLA kernels on CUDA when FlashInfer imports and the shape and dtype fit
+    (kv_lora_rank 512, qk_rope_head_dim 64, fp16/bf16), else torch; an explicit flashinfer that cannot run is a
+    ModelConfigError naming the constraint.
+    """
+    from mtp_train.models.config import DeepseekV2Args
+
+    if isinstance(args, DeepseekV2Args):
+        from mtp_train.models.deepseek_v2 import make_mla_attention
+
+        try:
+            return make_mla_attention(args, backend, device, dtype)
+        except ValueError as e:
+            raise ModelConfigError(f"{source}: DeepSeek-V2 (MLA): {e}") from None
+    return make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim, args.sliding_window,
+                                  device=device)
 
 
 def model_class(args: ModelArgs) -> type[nn.Module]:

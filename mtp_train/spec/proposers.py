@@ -132,8 +132,8 @@ class HeadProposer(Proposer):
         self._logits: dict[int, torch.Tensor] = {}  # seq_id → (Vd,) logits of the first draft token
 
     def bind(self, target_kv: KVCache) -> None:
-        layers, kv_heads, head_dim = self.head.kv_shape
-        self.kv = KVCache(layers, target_kv.num_pages, target_kv.page_size, kv_heads, head_dim,
+        layers, layout = self.head.kv_shape  # a DeepSeek-block head caches MLA's latent rows
+        self.kv = KVCache(layers, target_kv.num_pages, target_kv.page_size, layout,
                           dtype=self.head.dtype, device=self.head.device)
 
     def _forward(self, hidden: torch.Tensor, tokens: list[int], qo_lens: list[int], kv_lens: list[int],
@@ -203,7 +203,7 @@ class DraftModelProposer(Proposer):
 
     def bind(self, target_kv: KVCache) -> None:
         a = self.model.args
-        self.kv = KVCache(a.num_layers, target_kv.num_pages, target_kv.page_size, a.num_kv_heads, a.head_dim,
+        self.kv = KVCache(a.num_layers, target_kv.num_pages, target_kv.page_size, a.kv_layout,
                           dtype=self.model.dtype, device=self.model.device)
 
     def prefill(self, seqs: Seq[Sequence], target_hidden: torch.Tensor) -> None:

@@ -130,9 +130,8 @@ def inference_chain(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tens
     lens = [int(n) for n in seq_lens]
     total = hidden.shape[0]
     device = hidden.device
-    layers, kv_heads, head_dim = head.kv_shape
-    cache = KVCache(layers, num_pages=total * steps, page_size=1, num_kv_heads=kv_heads, head_dim=head_dim,
-                    dtype=head.dtype, device=device)
+    layers, layout = head.kv_shape
+    cache = KVCache(layers, num_pages=total * steps, page_size=1, layout=layout, dtype=head.dtype, device=device)
     starts = np.cumsum([0] + lens[:-1]).tolist()
     # Page r holds row r's step-0 entry; page total·j + r holds chain r's step-j entry.
     meta = AttentionMetadata.build(lens, lens, [list(range(s, s + n)) for s, n in zip(starts, lens)], 1, device)

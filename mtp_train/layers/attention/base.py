@@ -1,20 +1,51 @@
-"""The attention backend interface and its selection.
+"""The attention backend interface, its selection, and the layout of one layer's KV pool.
 
 A backend computes attention for one layer over the packed new tokens of a step, reading and
 writing that layer's slice of the paged KV cache. The KV cache of one layer is a tensor of shape
 (num_pages, 2, page_size, num_kv_heads, head_dim) — FlashInfer's NHD layout, index 0 = K, 1 = V —
-so that both backends read the same pool.
+so that both backends read the same pool. Multi-head latent attention (DeepSeek-V2) caches one
+latent row per token instead (`KVLayout(latent=True)`, read by the backends in `mla.py`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from mtp_train.layers.attention.metadata import AttentionMetadata
 
 BACKENDS = ("auto", "torch", "flashinfer")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one layer's paged pool holds per token, hence the shape of one page.
+
+    K/V (latent False): a page is (2, page_size, num_kv_heads, head_dim), FlashInfer's NHD layout (0 = K, 1 = V).
+    MLA latent (latent True): a page is (page_size, head_dim), one [c ; k_pe] row per token and nothing else —
+    FlashInfer MLA's ckv / kpe page layout, the two being the leading and trailing columns; num_kv_heads is 1.
+    """
+
+    num_kv_heads: int  # Hkv (1 for the latent layout)
+    head_dim: int  # D, or kv_lora_rank + qk_rope_head_dim for the latent layout
+    latent: bool = False  # MLA: one latent row per token, no separate V
+
+    def __post_init__(self) -> None:
+        if self.latent and self.num_kv_heads != 1:
+            raise ValueError(f"the latent (MLA) layout has one row per token, got num_kv_heads={self.num_kv_heads}")
+
+    def page_shape(self, page_size: int) -> tuple[int, ...]:
+        """The shape of one page: (2, page_size, Hkv, D), or (page_size, D) for the latent layout."""
+        if self.latent:
+            return (page_size, self.head_dim)
+        return (2, page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def values_per_token(self) -> int:
+        """Cached values per token in one layer: 2·Hkv·D (K and V), or D (the latent row)."""
+        return self.head_dim if self.latent else 2 * self.num_kv_heads * self.head_dim
 
 
 class AttentionBackend(ABC):
