@@ -9,8 +9,10 @@ Checks, each printed as PASS/FAIL with its measured error:
   - speculative decoding (self-draft and an untrained mtp head) = plain greedy; fused chain sampling runs
 on a small random Llama and on SmolLM2 (the converted folder when present, else a random model of
 SmolLM2's exact shape), all in bf16. Then prefill and decode tokens/s for both backends. Also:
-  - DeepSeek-V2 (MLA over the compressed paged cache, MoE) on the GPU against transformers: hidden states, and
-    paged greedy decoding = HF generate (near-ties aside);
+  - DeepSeek-V2 (MLA over the latent-only paged cache, MoE) at FlashInfer's MLA widths (kv_lora 512, rope 64):
+    FlashInfer's MLA kernels against the torch MLA backend (prefill, decode over pages of 4, verify), the torch
+    backend against transformers, paged greedy decoding = HF generate and speculative decoding with an mtp head on
+    the FlashInfer backend (near-ties aside);
   - with two or more GPUs: tensor parallelism over 2 GPUs (NCCL) = one GPU (hidden states, logits, tokens).
 
 Usage: python launch/gpu_check.py [--model models/smollm2-135m-instruct]
@@ -59,6 +61,24 @@ def random_checkpoint(out: Path, **shape) -> Path:
     return out
 
 
+def teacher_forced(model, vocab: int, steps: int = 24, page_size: int = 4) -> list[torch.Tensor]:
+    """The same teacher-forced tokens through the model's paged cache: `steps` decode logits (4, V), then the
+    logits (16, V) of a verify step of 4 new tokens per sequence."""
+    runner = ModelRunner.create(model, num_pages=256, page_size=page_size)
+    ss = [Sequence.new(i, torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(i)).tolist())
+          for i, n in enumerate((3, 17, 40, 65))]
+    runner.run(ss)
+    out = []
+    for step in range(steps):
+        for i, s in enumerate(ss):
+            s.token_ids.append((step * 31 + i * 7) % vocab)
+        out.append(runner.run(ss).logits)
+    for i, s in enumerate(ss):
+        s.token_ids.extend([(i + j) % vocab for j in range(4)])
+    out.append(runner.run(ss, logits="all").logits)
+    return out
+
+
 def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
     ours_t = load_model(path, dtype=DT, device="cuda", backend="torch")
     ours_f = load_model(path, dtype=DT, device="cuda", backend="flashinfer")
@@ -72,24 +92,8 @@ def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
     e = rel_err(hf_, ht)
     check(f"{tag} prefill (3 seqs, no cache)", e < TOL, f"max rel err {e:.2e}")
 
-    # decode: the same teacher-forced tokens through both backends' paged caches
-    def decode_run(model, steps=24):
-        runner = ModelRunner.create(model, num_pages=256, page_size=4)
-        ss = [Sequence.new(i, torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(i)).tolist())
-              for i, n in enumerate((3, 17, 40, 65))]
-        runner.run(ss)
-        out = []
-        for step in range(steps):
-            for i, s in enumerate(ss):
-                s.token_ids.append((step * 31 + i * 7) % vocab)
-            out.append(runner.run(ss).logits)
-        # verify: 4 new tokens per sequence at once
-        for i, s in enumerate(ss):
-            s.token_ids.extend([(i + j) % vocab for j in range(4)])
-        out.append(runner.run(ss, logits="all").logits)
-        return out
-
-    dt_, df_ = decode_run(ours_t), decode_run(ours_f)
+    # decode and verify: the same teacher-forced tokens through both backends' paged caches
+    dt_, df_ = teacher_forced(ours_t, vocab), teacher_forced(ours_f, vocab)
     e = max(rel_err(a, b) for a, b in zip(df_[:-1], dt_[:-1]))
     check(f"{tag} decode (4 seqs, 24 steps, page_size 4)", e < TOL, f"max rel err {e:.2e}")
     e = rel_err(df_[-1], dt_[-1])
@@ -168,34 +172,63 @@ def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
               f"batch 32 {d32:,.0f} tok/s", flush=True)
 
 
-def deepseek_checks(tmp: Path) -> None:
-    """MLA + MoE on the GPU (torch backend) against transformers, bf16."""
+def deepseek_checks(tmp: Path, device: str = "cuda") -> None:
+    """MLA + MoE on the GPU in bf16, at FlashInfer's MLA widths: FlashInfer's MLA kernels against the torch MLA
+    backend (prefill, decode, verify), torch against transformers, the engine on FlashInfer against HF generate.
+
+    `device` is for a dry run of the plumbing on CPU (there `auto` is torch and the first check reports it).
+    """
     import transformers
 
+    from mtp_train.heads import HeadConfig, build_head
+    from mtp_train.spec.engine import SpecEngine
+    from mtp_train.spec.proposers import HeadProposer
+
+    vocab = 1024
     cfg = transformers.DeepseekV2Config(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=96, kv_lora_rank=128, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        vocab_size=vocab, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=96, kv_lora_rank=512, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
         first_k_dense_replace=1, max_position_embeddings=1024, tie_word_embeddings=False)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(DT)
     hf.save_pretrained(tmp / "ds", safe_serialization=True)
-    hf = hf.cuda().eval()
-    ours = load_model(tmp / "ds", dtype=DT, device="cuda", backend="torch")
+    hf = hf.to(device).eval()
+    ours_t = load_model(tmp / "ds", dtype=DT, device=device, backend="torch")
+    ours_f = load_model(tmp / "ds", dtype=DT, device=device, backend="auto")
+    kind = type(ours_f.attn).__name__
+    check("deepseek-v2 backend=auto picks FlashInfer's MLA kernels", kind == "FlashInferMLA", kind)
     g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (17, 5, 40)]
+    seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (17, 5, 40)]
+
     with torch.inference_mode():
-        ref = hf(torch.tensor([seqs[2]], device="cuda"), output_hidden_states=True).hidden_states[-1][0]
-    e = rel_err(prefill_hidden(ours, [seqs[2]]).hidden, ref)
-    check("deepseek-v2 (MLA + MoE) vs transformers (hidden)", e < TOL, f"max rel err {e:.2e}")
-    out = LLMEngine(ours, kv_cache_gb=1).generate(seqs, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        ref = hf(torch.tensor([seqs[2]], device=device), output_hidden_states=True).hidden_states[-1][0]
+    e = rel_err(prefill_hidden(ours_t, [seqs[2]]).hidden, ref)
+    check("deepseek-v2 (MLA + MoE, torch) vs transformers (hidden)", e < TOL, f"max rel err {e:.2e}")
+    e = rel_err(prefill_hidden(ours_f, seqs).hidden, prefill_hidden(ours_t, seqs).hidden)
+    check("deepseek-v2 MLA flashinfer vs torch: prefill (3 seqs, no cache)", e < TOL, f"max rel err {e:.2e}")
+    dt_, df_ = teacher_forced(ours_t, vocab), teacher_forced(ours_f, vocab)
+    e = max(rel_err(a, b) for a, b in zip(df_[:-1], dt_[:-1]))
+    check("deepseek-v2 MLA flashinfer vs torch: decode (4 seqs, 24 steps, page_size 4)", e < TOL,
+          f"max rel err {e:.2e}")
+    e = rel_err(df_[-1], dt_[-1])
+    check("deepseek-v2 MLA flashinfer vs torch: verify (4 new tokens per seq)", e < TOL, f"max rel err {e:.2e}")
+
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    out = LLMEngine(ours_f, kv_cache_gb=1).generate(seqs, params)
     same = 0
     for s, o in zip(seqs, out):
         with torch.inference_mode():
-            r = hf.generate(torch.tensor([s], device="cuda"), max_new_tokens=16, do_sample=False)[0, len(s):].tolist()
+            r = hf.generate(torch.tensor([s], device=device), max_new_tokens=16, do_sample=False)[0, len(s):].tolist()
         same += r == o.output_ids
-    check("deepseek-v2 paged greedy decode = HF generate", same >= len(seqs) - 1,
+    check("deepseek-v2 paged greedy decode (flashinfer MLA) = HF generate", same >= len(seqs) - 1,
           f"{same}/{len(seqs)} identical (bf16: one divergence at a near-tie is tolerated)")
+    head = build_head(HeadConfig(type="mtp", moe=True, init="last_layer"), tmp / "ds", device=device, dtype=DT,
+                      backend="auto")
+    spec = SpecEngine(ours_f, HeadProposer(head), 3, kv_cache_gb=1).generate(seqs, params)
+    same = sum(a.output_ids == b.output_ids for a, b in zip(spec, out))
+    check("deepseek-v2 speculative (mtp head, flashinfer MLA pools) = plain greedy", same >= len(seqs) - 1,
+          f"{same}/{len(seqs)} identical")
 
 
 def tensor_parallel_check(tmp: Path, path: Path) -> None:
