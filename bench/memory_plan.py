@@ -11,6 +11,9 @@ training (head in bf16 with fp32 master weights, DeepSpeed ZeRO-2 over `world` r
     + AdamW moments (2 × fp32, sharded) + activations of `micro_batch_tokens` rows (~12·H + 3·I bf16 values per row
     and unrolled step) + one vocabulary chunk of the soft cross-entropy (3 × chunk × V fp32)
 disk: stored hidden states in bf16, 2·H bytes + 5 bytes of token id and mask per token (+ 2·H per aux layer).
+KV cache (inference, speculative decoding): bytes per cached token in bf16 of the target's pool on one rank (its
+    KV heads under `model.tp`) and of the `mtp` head's one-layer pool (`KVCache.bytes_per_token` of each layout):
+    2·Hkv·D per layer for the Llama family, one latent row of kv_lora_rank + qk_rope_head_dim for DeepSeek-V2's MLA.
 
 Usage: python bench/memory_plan.py [--world 8] [--micro-batch-tokens N]   (last line: one JSON object)
 """
@@ -27,9 +30,11 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report  # noqa: E402
 
+from mtp_train.engine import KVCache  # noqa: E402
 from mtp_train.heads import HEAD_TYPES, HeadConfig  # noqa: E402
 from mtp_train.models.config import ModelArgs  # noqa: E402
 from mtp_train.models.loader import model_class  # noqa: E402
+from mtp_train.models.tensor_parallel import local_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -88,6 +93,9 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
     grads = p_head * fp32 / world
     adam = 2 * p_head * fp32 / world
     act = micro_tokens * steps * (12 * h + 3 * args.intermediate_size) * bf16 + 3 * chunk * v * fp32
+    rank_args = local_args(args, tp) if tp > 1 else args
+    kv_target = KVCache.bytes_per_token(args.num_layers, rank_args.kv_layout, torch.bfloat16)
+    kv_head = KVCache.bytes_per_token(*head.kv_shape, torch.bfloat16)
     return {
         "model": name, "config": source, "target_params_b": round(p_target / 1e9, 2),
         "head_params_m": round(p_head / 1e6, 1), "tp": tp,
@@ -95,6 +103,7 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
         "train_gib_per_rank": round((frozen + head_w + grads + adam + act) / GIB, 1),
         "train_frozen_gib": round(frozen / GIB, 2), "train_activations_gib": round(act / GIB, 2),
         "disk_gib_per_million_tokens": round((2 * h + 5) * 1e6 / GIB, 2),
+        "kv_kib_per_token_target": round(kv_target / 1024, 1), "kv_kib_per_token_head": round(kv_head / 1024, 1),
     }
 
 
@@ -110,11 +119,13 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [plan(m, args.world, args.batch_tokens, args.micro_batch_tokens, chunk, steps) for m in MODELS]
     print(f"precompute: batch_tokens={args.batch_tokens}, bf16; training: micro_batch_tokens="
           f"{args.micro_batch_tokens}, loss.steps={steps}, chunk_size={chunk}, ZeRO-2 over {args.world} ranks\n")
-    print("| model | target params | tp | precompute GiB/rank | head params | train GiB/rank | disk GiB / 1M tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| model | target params | tp | precompute GiB/rank | head params | train GiB/rank | disk GiB / 1M tokens "
+          "| KV cache KiB/token (target per rank + head) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | {r['target_params_b']}B | {r['tp']} | {r['precompute_gib_per_rank']} | "
-              f"{r['head_params_m']}M | {r['train_gib_per_rank']} | {r['disk_gib_per_million_tokens']} |")
+              f"{r['head_params_m']}M | {r['train_gib_per_rank']} | {r['disk_gib_per_million_tokens']} | "
+              f"{r['kv_kib_per_token_target']} + {r['kv_kib_per_token_head']} |")
     result = {"world": args.world, "batch_tokens": args.batch_tokens, "micro_batch_tokens": args.micro_batch_tokens,
               "models": {r["model"]: r for r in rows}}
     report(result)
