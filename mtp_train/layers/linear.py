@@ -1,11 +1,13 @@
 """A Linear layer with faster CPU paths for the few-row products of decode and verify steps.
 
 On CPU, a fp32 `F.linear` over 1–128 rows is far from the memory bandwidth it could reach (its GEMM
-packs the weight on every call). Measured on a 2-core AVX2 machine (bench/bench_engine.py):
+packs the weight on every call). Measured on a 2-core AVX2 machine (30 layers' worth of SmolLM2
+weights per call, so that nothing stays in cache; bench/bench_engine.py shows the effect on decode):
 
-* 1 row (decode): MKL's pre-packed GEMM (`torch.ops.mkl._mkl_linear` with a weight packed once at
-  load time) is ~1.5× faster than `F.linear`;
-* 2–128 rows (verify, small batches): `(W @ xᵀ)ᵀ` is ~2× faster than `x @ Wᵀ`;
+* 1–16 rows (decode, verify): the native kernel of `cpu_kernels` streams the weight once at ~16 GB/s,
+  ~1.7× MKL's pre-packed GEMM and ~2× `F.linear` for one row, ~1.4× `(W @ xᵀ)ᵀ` for 2–6 rows;
+* without it, 1 row: MKL's pre-packed GEMM (`torch.ops.mkl._mkl_linear` with a weight packed once
+  at load time), ~1.5× `F.linear`; 2–128 rows: `(W @ xᵀ)ᵀ`, ~2× `x @ Wᵀ`;
 * more rows (prefill): `F.linear` is the fastest.
 
 The results equal `F.linear` up to floating-point summation order. These paths are used only for
@@ -18,7 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp_train.layers import cpu_kernels
+
 SMALL_M_MAX = 128  # up to this many rows, (W @ xᵀ)ᵀ beats x @ Wᵀ on CPU
+GEMV_M_MAX = 16  # up to this many rows, the native kernel beats both (it turns compute-bound beyond)
 
 
 def _mkl_packing_available() -> bool:
@@ -33,9 +38,14 @@ class Linear(nn.Linear):
         self._packed: torch.Tensor | None = None  # MKL-packed copy of the weight for 1-row products
 
     def prepack(self) -> None:
-        """Pack the weight for MKL's 1-row GEMM (CPU, fp32). Call again if the weight changes."""
+        """Pack the weight for MKL's 1-row GEMM (CPU, fp32). Call again if the weight changes.
+
+        Not needed (and not done: the packed copy doubles the weight's memory) when the native kernel
+        serves 1-row products.
+        """
         w = self.weight
-        if w.device.type == "cpu" and w.dtype == torch.float32 and _mkl_packing_available():
+        if (w.device.type == "cpu" and w.dtype == torch.float32 and _mkl_packing_available()
+                and not cpu_kernels.available()):
             self._packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,6 +53,8 @@ class Linear(nn.Linear):
         if (x.device.type == "cpu" and x.dim() == 2 and x.dtype == torch.float32
                 and not (torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad))):
             m = x.shape[0]
+            if m <= GEMV_M_MAX and self.weight.dtype == torch.float32 and cpu_kernels.available():
+                return cpu_kernels.gemv(x, self.weight, self.bias)
             if m == 1 and self._packed is not None:
                 return torch.ops.mkl._mkl_linear(x, self._packed, self.weight, self.bias, 1)
             if 1 < m <= SMALL_M_MAX:

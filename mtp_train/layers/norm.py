@@ -6,6 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp_train.layers import cpu_kernels
+
+NATIVE_ROWS_MAX = 64  # beyond a few rows torch's vectorised ops catch up; the native kernel is single-threaded
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm over the last dimension.
@@ -23,6 +27,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim) → (..., dim) in x's dtype."""
         in_dtype = x.dtype
+        if (in_dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+                and self.weight.dtype == torch.float32 and x.shape[0] <= NATIVE_ROWS_MAX
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                and cpu_kernels.available()):
+            # decode / verify rows on CPU: one native pass instead of torch's composite of ~6 ops
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         if in_dtype == torch.float32:
             # one fused kernel; identical math to the general path below when nothing needs casting
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

@@ -79,9 +79,17 @@ class TorchBackend(AttentionBackend):
 
         assert kv_cache is not None, "decode/verify steps need the KV cache"
         b, p = meta.block_tables.shape
-        pages = kv_cache.index_select(0, st["page_ids"]).view(b, p, *kv_cache.shape[1:])  # (B, P, 2, ps, Hkv, D)
-        keys = pages[:, :, 0].reshape(b, p * meta.page_size, self.num_kv_heads, self.head_dim)
-        values = pages[:, :, 1].reshape(b, p * meta.page_size, self.num_kv_heads, self.head_dim)
+        s = p * meta.page_size
+        # Gather K and V separately: index_select over the (strided) K or V half of the pool yields
+        # (B*P, page_size, Hkv, D) contiguous pages, so the (B, S, Hkv, D) view costs no second copy.
+        keys = kv_cache[:, 0].index_select(0, st["page_ids"]).view(b, s, self.num_kv_heads, self.head_dim)
+        values = kv_cache[:, 1].index_select(0, st["page_ids"]).view(b, s, self.num_kv_heads, self.head_dim)
+        if b == 1:
+            # One sequence: attend over its kv_len tokens only; a single new token needs no mask
+            # (unless a sliding window hides the oldest ones).
+            n, kv_len = meta.qo_lens[0], meta.kv_lens[0]
+            mask = None if n == 1 and self.sliding_window is None else st["mask"][..., :kv_len]
+            return self._sdpa(q[None], keys[:, :kv_len], values[:, :kv_len], mask, causal=False)[0]
         if st["uniform"]:
             qb = q.view(b, meta.qo_lens[0], self.num_q_heads, self.head_dim)
             return self._sdpa(qb, keys, values, st["mask"], causal=False).reshape(q.shape)

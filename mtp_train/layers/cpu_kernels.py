@@ -1,0 +1,167 @@
+"""Native CPU kernels, compiled on first use, for the few-row fp32 work of decode and verify steps.
+
+A batch-1 decode step reads every weight once per token, so on CPU it is bound by memory bandwidth,
+and the BLAS paths torch offers for 1–16 rows reach about half of it (MKL's GEMM is built for large
+products). `gemv` (csrc/cpu_kernels.c) streams each weight matrix once, keeps the few input rows in
+L1 and splits the rows of W over torch's own OpenMP threads. `rms_norm` replaces torch's composite
+RMSNorm, whose half-dozen ops cost ~70 µs on a decode row (30 layers × 2 norms per token). See
+bench/bench_engine.py for what they buy.
+
+The kernel is plain C (AVX2 + FMA, no torch headers) and is called through ctypes, so building it
+takes about a second with the system C compiler and needs nothing from the Python environment. The
+library goes to `$MTP_TRAIN_KERNEL_DIR` (default `~/.cache/mtp_train/kernels`), named by a hash of
+its source and flags, written atomically, so concurrent processes share one build. Where it cannot
+be used (not x86-64 with AVX2, no compiler, a failed build, `MTP_TRAIN_CPU_KERNELS=0`), `gemv()`
+is not available and callers keep torch's paths; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c99")
+LIBS = ("-lm",)
+ENV_SWITCH = "MTP_TRAIN_CPU_KERNELS"
+ENV_DIR = "MTP_TRAIN_KERNEL_DIR"
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_reason = ""
+
+
+def _cache_dir() -> Path:
+    d = os.environ.get(ENV_DIR)
+    return Path(d) if d else Path.home() / ".cache" / "mtp_train" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(cc: str) -> Path:
+    """Compile SOURCE into the cache (atomic rename; an existing build is reused) and return its path."""
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha256(src + " ".join(CFLAGS + LIBS).encode()).hexdigest()[:16]
+    out_dir = _cache_dir()
+    out = out_dir / f"mtp_cpu_kernels_{tag}.so"
+    if out.exists():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {SOURCE}:\n{res.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> ctypes.CDLL | None:
+    """Build and load the library once per process; None (with `_reason` set) where it cannot be used."""
+    global _lib, _tried, _reason
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get(ENV_SWITCH, "1") == "0":
+            _reason = f"{ENV_SWITCH}=0"
+        elif platform.machine().lower() not in ("x86_64", "amd64"):
+            _reason = f"needs x86-64, this is {platform.machine()}"
+        elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+            _reason = f"needs AVX2, this CPU offers {torch.backends.cpu.get_cpu_capability()}"
+        elif (cc := _compiler()) is None:
+            _reason = "no C compiler (cc/gcc/clang) on PATH"
+        else:
+            try:
+                lib = ctypes.CDLL(str(_build(cc)))
+                fn = lib.mtp_gemv_f32
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                fn = lib.mtp_rmsnorm_f32
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_float]
+                fn.restype = None
+                _lib = lib
+            except (OSError, RuntimeError) as e:
+                _reason = str(e)
+        if _lib is None:
+            log.info("native CPU kernels not used (%s); torch's paths serve decode steps", _reason)
+        return _lib
+
+
+def available() -> bool:
+    """True when the native kernels can run here (builds it on the first call)."""
+    if _tried:  # the per-call fast path: no lock once decided
+        return _lib is not None
+    return _load() is not None
+
+
+def unavailable_reason() -> str:
+    """Why `available()` is False ('' when it is True or has not been asked yet)."""
+    return _reason
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) float32 CPU, weight (N, K), bias (N,) or None → x @ weightᵀ + bias, (M, N).
+
+    Meant for small M (decode, verify); equals `F.linear` up to summation order. Call only when
+    `available()`; inputs with a non-unit inner stride are made contiguous first.
+    """
+    lib = _lib if _lib is not None else _load()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are not available: {_reason}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"gemv: x has {k} columns, weight has {weight.shape[1]}")
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.mtp_gemv_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                     y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (M, K) float32 CPU with unit inner stride, weight (K,) float32 → weight * x / sqrt(mean(x²) + eps).
+
+    Equals the float32 RMSNorm up to summation order. Call only when `available()`.
+    """
+    lib = _lib if _lib is not None else _load()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are not available: {_reason}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, k, dtype=torch.float32)
+    lib.mtp_rmsnorm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), m, k, eps)
+    return y

@@ -1,0 +1,115 @@
+"""The native CPU kernels equal torch's results, build once into their cache, and step aside cleanly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtp_train.layers import cpu_kernels
+from mtp_train.layers.linear import GEMV_M_MAX, Linear
+from mtp_train.layers.norm import RMSNorm
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                   reason=f"native CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17])
+@pytest.mark.parametrize("k", [8, 37, 576, 1536])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_equals_f_linear(m, k, bias, threads):
+    torch.manual_seed(m * 1000 + k)
+    n = 3 if k == 8 else 301  # odd N: the last thread chunk is short
+    w, b = torch.randn(n, k), (torch.randn(n) if bias else None)
+    x = torch.randn(m, k)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+def test_gemv_reads_strided_rows_and_large_outputs(threads):
+    torch.manual_seed(0)
+    wide = torch.randn(5, 700)
+    x = wide[:, 50:626]  # rows 700 floats apart, not contiguous
+    w = torch.randn(49152, 576)  # an lm_head: split over threads
+    out = cpu_kernels.gemv(x, w)
+    assert out.shape == (5, 49152) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="columns"):
+        cpu_kernels.gemv(torch.randn(1, 575), w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 64])
+@pytest.mark.parametrize("k", [7, 64, 576])
+def test_rms_norm_equals_torch(m, k):
+    torch.manual_seed(k)
+    x, w = torch.randn(m, k + 3)[:, :k], torch.randn(k)  # strided rows too
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (k,), w, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_layers_take_the_kernels_in_inference_and_autograd_in_training():
+    torch.manual_seed(1)
+    lin, norm = Linear(64, 96, bias=True), RMSNorm(64, 1e-6)
+    norm.weight.data.normal_()
+    x = torch.randn(GEMV_M_MAX, 64)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), cpu_kernels.gemv(x, lin.weight, lin.bias))
+        assert torch.equal(norm(x), cpu_kernels.rms_norm(x, norm.weight, 1e-6))
+    xg = x.clone().requires_grad_(True)
+    lin(norm(xg)).sum().backward()
+    assert xg.grad is not None and lin.weight.grad is not None and norm.weight.grad is not None
+
+
+def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
+    cc = cpu_kernels._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path))
+    first = cpu_kernels._build(cc)
+    assert first.parent == tmp_path and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels._build(cc) == first and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_a_failed_build_names_the_source(tmp_path, monkeypatch):
+    cc = cpu_kernels._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    bad = tmp_path / "bad.c"
+    bad.write_text("int broken( {\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", bad)
+    monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path / "out"))
+    with pytest.raises(RuntimeError, match="bad.c"):
+        cpu_kernels._build(cc)
+    assert not list((tmp_path / "out").iterdir())
+
+
+def test_switched_off_falls_back_to_torch_paths():
+    code = ("import torch, torch.nn.functional as F\n"
+            "from mtp_train.layers import cpu_kernels\n"
+            "from mtp_train.layers.linear import Linear\n"
+            "assert not cpu_kernels.available(), 'kernels should be off'\n"
+            "print(cpu_kernels.unavailable_reason())\n"
+            "lin = Linear(32, 16); x = torch.randn(1, 32)\n"
+            "with torch.inference_mode():\n"
+            "    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))\n")
+    env = {**os.environ, cpu_kernels.ENV_SWITCH: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"{cpu_kernels.ENV_SWITCH}=0" in out.stdout
