@@ -47,7 +47,7 @@ def test_gemv_reads_strided_rows_and_large_outputs(threads):
     out = cpu_kernels.gemv(x, w)
     assert out.shape == (5, 49152) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="columns"):
+    with pytest.raises(ValueError, match="575 columns"):
         cpu_kernels.gemv(torch.randn(1, 575), w)
 
 
@@ -113,3 +113,44 @@ def test_switched_off_falls_back_to_torch_paths():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"{cpu_kernels.ENV_SWITCH}=0" in out.stdout
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [16, 64, 6])
+def test_rope_in_place_equals_apply_rotary(head_dim):
+    from mtp_train.layers.rotary import apply_rotary
+
+    torch.manual_seed(head_dim)
+    t, heads = 5, 3
+    qkv = torch.randn(t, heads * head_dim + 7)  # trailing columns (v) stay untouched
+    ang = torch.randn(t, 1, head_dim // 2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    want = apply_rotary(qkv[:, :heads * head_dim].view(t, heads, head_dim), cos, sin).reshape(t, -1)
+    tail = qkv[:, heads * head_dim:].clone()
+    cpu_kernels.rope_(qkv, heads, head_dim, cos, sin)
+    torch.testing.assert_close(qkv[:, :heads * head_dim], want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, heads * head_dim:], tail)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (40, 2)])
+def test_paged_attention_equals_the_gathered_sdpa_path(window, heads, threads):
+    from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
+
+    hq, hkv = heads
+    torch.manual_seed(hq)
+    backend = make_attention_backend("torch", hq, hkv, 40, window)
+    cache = torch.randn(40, 2, 3, hkv, 40)
+    qo, kv = [1, 4, 2], [7, 13, 9]  # a decode row and two verify runs in one step, pages of 3
+    pages = [[5, 0, 2], [10, 11, 30, 13, 14], [20, 22, 21]]
+    q, k, v = torch.randn(7, hq, 40) * 3, torch.randn(7, hkv, 40), torch.randn(7, hkv, 40)
+    outs = []
+    for native in (True, False):
+        meta = AttentionMetadata.build(qo, kv, pages, 3)
+        with torch.inference_mode():
+            backend.prepare(meta)
+            assert meta.backend_state["native"]
+            meta.backend_state["native"] = native
+            outs.append(backend.forward(q, k, v, cache.clone(), meta))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=3e-5)

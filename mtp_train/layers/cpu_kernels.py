@@ -3,9 +3,11 @@
 A batch-1 decode step reads every weight once per token, so on CPU it is bound by memory bandwidth,
 and the BLAS paths torch offers for 1–16 rows reach about half of it (MKL's GEMM is built for large
 products). `gemv` (csrc/cpu_kernels.c) streams each weight matrix once, keeps the few input rows in
-L1 and splits the rows of W over torch's own OpenMP threads. `rms_norm` replaces torch's composite
-RMSNorm, whose half-dozen ops cost ~70 µs on a decode row (30 layers × 2 norms per token). See
-bench/bench_engine.py for what they buy.
+L1 and splits the rows of W over torch's own OpenMP threads. `rms_norm` and `rope_` replace torch's
+composites of 5–7 small ops (each op costs microseconds of dispatch on a decode row, ×30 layers).
+`paged_attention` attends decode / verify tokens straight over the pages
+(the torch path gathers every page of the sequence into a contiguous copy first, then runs SDPA).
+See bench/bench_engine.py for what they buy.
 
 The kernel is plain C (AVX2 + FMA, no torch headers) and is called through ctypes, so building it
 takes about a second with the system C compiler and needs nothing from the Python environment. The
@@ -100,6 +102,16 @@ def _load() -> ctypes.CDLL | None:
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
                 fn.restype = ctypes.c_int
+                fn = lib.mtp_paged_attention_f32
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+                               ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+                fn.restype = None
+                fn = lib.mtp_rope_f32
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_void_p, ctypes.c_void_p]
+                fn.restype = None
                 fn = lib.mtp_rmsnorm_f32
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                ctypes.c_int, ctypes.c_float]
@@ -110,6 +122,13 @@ def _load() -> ctypes.CDLL | None:
         if _lib is None:
             log.info("native CPU kernels not used (%s); torch's paths serve decode steps", _reason)
         return _lib
+
+
+def _require() -> ctypes.CDLL:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are not available: {_reason}")
+    return lib
 
 
 def available() -> bool:
@@ -125,25 +144,24 @@ def unavailable_reason() -> str:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) float32 CPU, weight (N, K), bias (N,) or None → x @ weightᵀ + bias, (M, N).
+    """x (M, K) float32 CPU, weight (N, K) contiguous, bias (N,) contiguous or None → x @ weightᵀ + bias, (M, N).
 
     Meant for small M (decode, verify); equals `F.linear` up to summation order. Call only when
-    `available()`; inputs with a non-unit inner stride are made contiguous first.
+    `available()`; x with a non-unit inner stride is made contiguous first. (Kept lean: it runs ~120
+    times per decode step.)
     """
-    lib = _lib if _lib is not None else _load()
-    if lib is None:
-        raise RuntimeError(f"the native CPU kernels are not available: {_reason}")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    m, k = x.shape
+    n, kw = weight.shape
+    if kw != k:
+        raise ValueError(f"gemv: x has {k} columns, the weight {tuple(weight.shape)} has {kw}")
     if not weight.is_contiguous():
         weight = weight.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"gemv: x has {k} columns, weight has {weight.shape[1]}")
     y = torch.empty(m, n, dtype=torch.float32)
+    lib = _lib or _require()
     lib.mtp_gemv_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                      y.data_ptr(), n, m, n, k, torch.get_num_threads())
     return y
@@ -154,14 +172,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     Equals the float32 RMSNorm up to summation order. Call only when `available()`.
     """
-    lib = _lib if _lib is not None else _load()
-    if lib is None:
-        raise RuntimeError(f"the native CPU kernels are not available: {_reason}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if not weight.is_contiguous():
         weight = weight.contiguous()
     m, k = x.shape
     y = torch.empty(m, k, dtype=torch.float32)
+    lib = _lib or _require()
     lib.mtp_rmsnorm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), m, k, eps)
     return y
+
+
+def paged_attention_args(block_tables: torch.Tensor, qo_indptr: torch.Tensor, positions: torch.Tensor,
+                         max_kv: int) -> tuple:
+    """The per-step arguments of `paged_attention` (built once per step, shared by every layer)."""
+    return (block_tables.to(torch.int32).contiguous(), qo_indptr.to(torch.int32).contiguous(),
+            positions.to(torch.int64).contiguous(), int(max_kv))
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, scale: float,
+                    sliding_window: int | None) -> torch.Tensor:
+    """Decode / verify attention read straight from one layer's pages (no gather, no mask tensor).
+
+    q: (T, Hq, D) float32; kv_cache: (num_pages, 2, page_size, Hkv, D) float32 contiguous, already holding
+    the new tokens' K/V; step_args: from `paged_attention_args` (block tables (B, max_pages), qo_indptr
+    (B+1,), positions (T,), the longest sequence's token count). Token t attends causally to its own
+    sequence (within the sliding window, if any). Returns (T, Hq, D). Call only when `available()`.
+    """
+    if not kv_cache.is_contiguous():
+        raise ValueError("paged_attention needs a contiguous KV pool")
+    bt, indptr, pos, max_kv = step_args
+    q = q.contiguous()
+    t, hq, d = q.shape
+    scores = torch.empty(t * hq * max_kv, dtype=torch.float32)
+    out = torch.empty(t, hq, d, dtype=torch.float32)
+    lib = _lib or _require()
+    lib.mtp_paged_attention_f32(q.data_ptr(), t, hq, kv_cache.shape[3], d, kv_cache.data_ptr(), kv_cache.shape[2],
+                                bt.data_ptr(), bt.shape[1], indptr.data_ptr(), indptr.shape[0] - 1, pos.data_ptr(),
+                                sliding_window or 0, scale, scores.data_ptr(), max_kv, out.data_ptr(),
+                                torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place on the first `heads` heads of each row of x (T, ≥ heads·head_dim).
+
+    x: float32 with unit inner stride (e.g. the fused q|k|v projection output, whose q and k heads are
+    adjacent); cos, sin: (T, 1, head_dim) or (T, head_dim) float32. Call only when `available()`.
+    """
+    if x.stride(-1) != 1 or x.shape[-1] < heads * head_dim:
+        raise ValueError(f"rope_: x {tuple(x.shape)} needs unit inner stride and {heads} heads of {head_dim}")
+    cos, sin = cos.reshape(-1, head_dim).contiguous(), sin.reshape(-1, head_dim).contiguous()
+    lib = _lib or _require()
+    lib.mtp_rope_f32(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(), sin.data_ptr())

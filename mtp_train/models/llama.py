@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata
 from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
@@ -52,13 +53,19 @@ class Attention(nn.Module):
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
         """x: (T, H) → (T, H)."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        native_rope = (self.q_norm is None and qkv.dtype == torch.float32 and qkv.device.type == "cpu"
+                       and cos.dtype == torch.float32 and not qkv.requires_grad and cpu_kernels.available())
+        if native_rope:  # CPU inference: rotate q and k (adjacent in the fused output) in one native pass
+            cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if not native_rope:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attn.forward(q, k, v, kv_cache, meta)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.q_size))
 

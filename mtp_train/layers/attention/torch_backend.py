@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention.base import AttentionBackend
 from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
 
@@ -38,6 +39,11 @@ class TorchBackend(AttentionBackend):
         # flat page ids, converted once per step: index_select over dim 0 gathers pages much faster than
         # advanced indexing with the 2-D table
         st["page_ids"] = meta.block_tables.reshape(-1).long()
+        # CPU inference: the native kernel reads the pages in place (see forward)
+        st["native"] = meta.positions.device.type == "cpu" and cpu_kernels.available()
+        if st["native"]:
+            st["native_args"] = cpu_kernels.paged_attention_args(meta.block_tables, meta.qo_indptr, meta.positions,
+                                                                 max(meta.kv_lens))
         q = meta.qo_lens[0]
         if all(n == q for n in meta.qo_lens):
             # Batched path: queries (B, Q), keys padded to S = max_pages * page_size.
@@ -78,6 +84,9 @@ class TorchBackend(AttentionBackend):
             return torch.cat(outs, 0)
 
         assert kv_cache is not None, "decode/verify steps need the KV cache"
+        if (st["native"] and q.dtype == torch.float32 and kv_cache.dtype == torch.float32
+                and kv_cache.is_contiguous() and not (torch.is_grad_enabled() and q.requires_grad)):
+            return cpu_kernels.paged_attention(q, kv_cache, st["native_args"], self.scale, self.sliding_window)
         b, p = meta.block_tables.shape
         s = p * meta.page_size
         # Gather K and V separately: index_select over the (strided) K or V half of the pool yields

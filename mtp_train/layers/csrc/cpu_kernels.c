@@ -110,3 +110,132 @@ void mtp_rmsnorm_f32(const float *x, long xs, const float *w, float *y, int M, i
         for (; k < K; k++) yr[k] = w[k] * (xr[k] * r);
     }
 }
+
+/* e^x for 8 floats (x <= 0 here: scores minus their max): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2,
+ * p a degree-6 Taylor polynomial (relative error < 2e-7 on that interval, like expf's). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  /* below: e^x underflows to 0 in fp32 anyway */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 split in two for accuracy */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* Attention of decode / verify tokens straight over the paged KV cache (no gather).
+ *
+ * q: (T, Hq, D) contiguous, already rotated; cache: one layer's pool (num_pages, 2, ps, Hkv, D)
+ * contiguous (index 0 = K, 1 = V); block_tables: (B, max_pages) int32; qo_indptr: (B + 1,) int32
+ * (new tokens of sequence b are rows qo_indptr[b] .. qo_indptr[b + 1] - 1); positions: (T,) int64
+ * absolute position of each new token, whose K/V are already in the cache. Token t attends to
+ * positions max(0, pos - window + 1) .. pos (window <= 0: no window) of its own sequence — causal
+ * among the new tokens, as the metadata defines. One task is one token, all heads: each cached
+ * token's K (then V) row of Hkv * D floats is read once, front to back, page after page.
+ * scores: scratch of T * Hq * max_kv floats. out: (T, Hq, D). Softmax in two passes (max, then exp
+ * and sum), as in the reference.
+ */
+void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, const float *cache, int ps,
+                             const int *block_tables, int max_pages, const int *qo_indptr, int B,
+                             const long *positions, int window, float scale, float *scores, long max_kv,
+                             float *out, int num_threads) {
+    int group = Hq / Hkv;
+    long tok_stride = (long)Hkv * D;          /* between tokens of a page */
+    long page_stride = 2L * ps * tok_stride;  /* between pages; V starts ps * tok_stride after K */
+    long work = 0;
+    for (int t = 0; t < T; t++) work += positions[t] + 1;
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1 && T > 1 && work * Hq * D >= 262144)
+    for (int t = 0; t < T; t++) {
+        int b = 0;
+        while (b + 1 < B && qo_indptr[b + 1] <= t) b++;
+        const int *bt = block_tables + (size_t)b * max_pages;
+        long pos = positions[t];
+        long lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+        long n = pos - lo + 1;
+        const float *qt = q + (size_t)t * Hq * D;
+        float *st = scores + (size_t)t * Hq * max_kv;  /* head h's scores at st[h * max_kv + (j - lo)] */
+        float *ot = out + (size_t)t * Hq * D;
+        float mx[Hq], inv[Hq];
+        for (int h = 0; h < Hq; h++) mx[h] = -INFINITY;
+        /* pass 1: scores, page by page, row by row */
+        for (long p = lo / ps; p <= pos / ps; p++) {
+            const float *kpage = cache + (size_t)bt[p] * page_stride;
+            long j0 = p * ps > lo ? p * ps : lo, j1 = (p + 1) * ps - 1 < pos ? (p + 1) * ps - 1 : pos;
+            for (long j = j0; j <= j1; j++) {
+                const float *krow = kpage + (j - p * ps) * tok_stride;
+                for (int h = 0; h < Hq; h++) {
+                    float v = dot1(krow + (long)(h / group) * D, qt + (long)h * D, D) * scale;
+                    st[(long)h * max_kv + (j - lo)] = v;
+                    if (v > mx[h]) mx[h] = v;
+                }
+            }
+        }
+        /* pass 2: exp and sum */
+        for (int h = 0; h < Hq; h++) {
+            float *s = st + (long)h * max_kv;
+            __m256 m8 = _mm256_set1_ps(mx[h]), acc = _mm256_setzero_ps();
+            long j = 0;
+            for (; j + 8 <= n; j += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
+                _mm256_storeu_ps(s + j, e);
+                acc = _mm256_add_ps(acc, e);
+            }
+            float sum = hsum(acc);
+            for (; j < n; j++) { s[j] = expf(s[j] - mx[h]); sum += s[j]; }
+            inv[h] = 1.f / sum;
+        }
+        /* pass 3: weighted sum of the values */
+        for (int i = 0; i < Hq * D; i++) ot[i] = 0.f;
+        for (long p = lo / ps; p <= pos / ps; p++) {
+            const float *vpage = cache + (size_t)bt[p] * page_stride + (long)ps * tok_stride;
+            long j0 = p * ps > lo ? p * ps : lo, j1 = (p + 1) * ps - 1 < pos ? (p + 1) * ps - 1 : pos;
+            for (long j = j0; j <= j1; j++) {
+                const float *vrow = vpage + (j - p * ps) * tok_stride;
+                for (int h = 0; h < Hq; h++) {
+                    const float *vp = vrow + (long)(h / group) * D;
+                    float w = st[(long)h * max_kv + (j - lo)] * inv[h];
+                    float *o = ot + (long)h * D;
+                    __m256 pw = _mm256_set1_ps(w);
+                    int d = 0;
+                    for (; d + 8 <= D; d += 8)
+                        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pw, _mm256_loadu_ps(vp + d), _mm256_loadu_ps(o + d)));
+                    for (; d < D; d++) o[d] += w * vp[d];
+                }
+            }
+        }
+    }
+}
+
+/* Rotate-half RoPE in place: x rows (T, row stride xs) hold `heads` consecutive heads of D values from
+ * column 0; cos, sin: (T, D) contiguous. x[i] <- x[i] cos[i] - x[i + D/2] sin[i],
+ * x[i + D/2] <- x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2] (the reference's x cos + rotate_half(x) sin). */
+void mtp_rope_f32(float *x, long xs, int T, int heads, int D, const float *cos, const float *sin) {
+    int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (size_t)t * D, *s = sin + (size_t)t * D;
+        for (int h = 0; h < heads; h++) {
+            float *v = x + (size_t)t * xs + (size_t)h * D;
+            int i = 0;
+            for (; i + 8 <= half; i += 8) {
+                __m256 a = _mm256_loadu_ps(v + i), b = _mm256_loadu_ps(v + half + i);
+                __m256 ra = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + i)), _mm256_mul_ps(b, _mm256_loadu_ps(s + i)));
+                __m256 rb = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + i)),
+                                          _mm256_mul_ps(a, _mm256_loadu_ps(s + half + i)));
+                _mm256_storeu_ps(v + i, ra);
+                _mm256_storeu_ps(v + half + i, rb);
+            }
+            for (; i < half; i++) {
+                float a = v[i], b = v[half + i];
+                v[i] = a * c[i] - b * s[i];
+                v[half + i] = b * c[half + i] + a * s[half + i];
+            }
+        }
+    }
+}
