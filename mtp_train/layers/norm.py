@@ -26,13 +26,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim) → (..., dim) in x's dtype."""
-        in_dtype = x.dtype
-        if (in_dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
-                and self.weight.dtype == torch.float32 and x.shape[0] <= NATIVE_ROWS_MAX
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        in_dtype, w = x.dtype, self.weight
+        if (in_dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= NATIVE_ROWS_MAX and x.device.type == "cpu"
+                and w.dtype == torch.float32
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
                 and cpu_kernels.available()):
             # decode / verify rows on CPU: one native pass instead of torch's composite of ~6 ops
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            return cpu_kernels.rms_norm(x, w, self.eps)
         if in_dtype == torch.float32:
             # one fused kernel; identical math to the general path below when nothing needs casting
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
