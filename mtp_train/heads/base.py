@@ -56,6 +56,7 @@ from mtp_train.layers.attention import (
     MLABackend,
     make_attention_backend,
 )
+from mtp_train.layers.linear import linear
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.fingerprint import weights_fingerprint
@@ -372,7 +373,7 @@ class DraftHead(nn.Module, ABC):
         Column c is target token `to_target_ids(c)`.
         """
         w = self.lm_head_weight()
-        return F.linear(head_hidden.to(w.dtype), w)
+        return linear(head_hidden.to(w.dtype), w)  # the CPU fast paths serve draft steps' few rows
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) → cos, sin (T, 1, D), from float32 frequencies kept per device."""

@@ -30,6 +30,28 @@ def _mkl_packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` with the CPU inference fast paths above; x: (M, in) or (..., in) → (M, out) / (..., out).
+
+    packed: MKL-packed copy of weight for 1-row products (`Linear.prepack`), if any. Autograd, GPUs and other
+    dtypes take `F.linear`.
+    """
+    if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+        m = x.shape[0]
+        if m <= GEMV_M_MAX and weight.dtype == torch.float32 and cpu_kernels.available():
+            return cpu_kernels.gemv(x, weight, bias)
+        if m == 1 and packed is not None:
+            return torch.ops.mkl._mkl_linear(x, packed, weight, bias, 1)
+        if 1 < m <= SMALL_M_MAX:
+            out = torch.mm(weight, x.t()).t()
+            if bias is not None:
+                out = out + bias
+            return out.contiguous()
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state dict) with the CPU inference fast paths above."""
 
@@ -50,20 +72,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (M, in) or (..., in) → (M, out) / (..., out)."""
-        w = self.weight  # one module attribute lookup: this runs ~120 times per decode step
-        if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
-                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
-            m = x.shape[0]
-            if m <= GEMV_M_MAX and w.dtype == torch.float32 and cpu_kernels.available():
-                return cpu_kernels.gemv(x, w, self.bias)
-            if m == 1 and self._packed is not None:
-                return torch.ops.mkl._mkl_linear(x, self._packed, w, self.bias, 1)
-            if 1 < m <= SMALL_M_MAX:
-                out = torch.mm(w, x.t()).t()
-                if self.bias is not None:
-                    out = out + self.bias
-                return out.contiguous()
-        return F.linear(x, w, self.bias)
+        return linear(x, self.weight, self.bias, self._packed)
 
 
 def prepack_linears(module: nn.Module) -> int:
