@@ -22,19 +22,9 @@ from mtp_train.layers.attention import (
     resolve_backend_name,
 )
 from mtp_train.layers.attention.torch_backend import TorchBackend
+from tests._gpu import needs_flashinfer
 
-
-def _flashinfer_on_cuda() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import flashinfer  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-gpu = pytest.mark.skipif(not _flashinfer_on_cuda(), reason="needs CUDA and flashinfer")
+gpu = needs_flashinfer("flashinfer")
 
 HEAD_DIM = 128
 PAGE_SIZE = 4

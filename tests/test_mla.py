@@ -24,21 +24,12 @@ from mtp_train.layers.attention import (
     resolve_mla_backend_name,
 )
 from mtp_train.layers.attention.torch_backend import TorchBackend
+from tests._gpu import needs_flashinfer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _flashinfer_on_cuda() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import flashinfer.mla  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-gpu = pytest.mark.skipif(not _flashinfer_on_cuda(), reason="needs CUDA and flashinfer")
+gpu = needs_flashinfer("flashinfer.mla")
 
 SMALL = (4, 16, 8)  # (H, C, R) for the CPU tests
 DEEPSEEK = (16, 512, 64)  # V2-Lite's MLA widths: what FlashInfer's kernels run
