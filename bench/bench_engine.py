@@ -3,7 +3,8 @@
 Measures (all ratios ours / baseline, higher = ours faster, except verify_cost):
 - prefill: hidden states of 4×512 tokens. Ours: packed prefill, no lm_head. Baseline: HF forward
   with output_hidden_states=True (what existing trainers run to dump hidden states).
-- decode: batch-1 greedy generation of N tokens after a chat prompt. Baseline: HF `generate`.
+- decode: batch-1 greedy generation of N tokens after a chat prompt. Baseline: HF `generate`. Then ours
+  against ours with the native CPU kernels switched off (`decode_native_kernels_speedup`).
 - verify_cost: forward time for 1, 2, 4, 8, 16 new tokens on a context of 256, relative to 1
   (what a speculative verify step costs against a decode step on this machine).
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import compare, report, timeit  # noqa: E402
 
 from mtp_train.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, prefill_hidden  # noqa: E402
+from mtp_train.layers import cpu_kernels  # noqa: E402
 from mtp_train.models import load_model, resolve_dtype  # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to paint. Make it warm and vivid."
@@ -83,6 +85,23 @@ def main(argv: list[str] | None = None) -> dict:
                decode_same_tokens=same)
     print(f"decode batch 1, {n_new} tokens: ours {n_new / t_ours:.1f} tok/s, transformers {n_new / t_hf:.1f} tok/s, "
           f"same tokens: {same}", flush=True)
+
+    # -- what the native CPU kernels buy: ours with them against ours on torch's paths ------------
+    if cpu_kernels.available():
+        out_off: list = []
+
+        def torch_paths() -> None:
+            with cpu_kernels.disabled():
+                out_off.append(engine.generate([prompt], params)[0])
+
+        with torch.inference_mode():
+            t_on, t_off, ratio = compare(lambda: engine.generate([prompt], params), torch_paths, repeat=args.repeat)
+        res.update(decode_tok_s_torch_paths=n_new / t_off, decode_native_kernels_speedup=ratio,
+                   decode_torch_paths_same_tokens=out_off[-1].output_ids == out_ours[-1].output_ids)
+        print(f"decode on torch's paths (native CPU kernels off): {n_new / t_off:.1f} tok/s; "
+              f"the kernels give {ratio:.2f}x", flush=True)
+    else:
+        print(f"native CPU kernels unavailable ({cpu_kernels.unavailable_reason()}): decode ran on torch's paths")
 
     # -- verify cost ----------------------------------------------------------------------------
     runner = ModelRunner.create(ours, num_pages=64, page_size=16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -154,3 +155,42 @@ def test_paged_attention_equals_the_gathered_sdpa_path(window, heads, threads):
             meta.backend_state["native"] = native
             outs.append(backend.forward(q, k, v, cache.clone(), meta))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=3e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"])
+def test_model_decode_and_verify_equal_the_torch_paths(tiny_checkpoints, family):
+    """Whole-model steps through the paged cache: the native paths give torch's logits and hidden states."""
+    from mtp_train.engine import ModelRunner, Sequence
+    from mtp_train.models import load_model
+
+    model = load_model(tiny_checkpoints[family][0], dtype="float32")
+    vocab = model.args.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 19, 33)]  # the mistral window is 16: the longer ones slide
+    outs = []
+    for native in (True, False):
+        runner = ModelRunner.create(model, num_pages=64, page_size=4)
+        seqs = [Sequence.new(i, p) for i, p in enumerate(prompts)]
+        steps = []
+        with torch.inference_mode(), (nullcontext() if native else cpu_kernels.disabled()):
+            runner.run(seqs)
+            for step in range(6):  # decode steps, then verify steps of 3 new tokens
+                for s in seqs:
+                    s.token_ids.extend([(7 * step + s.seq_id) % vocab] * (1 if step < 3 else 3))
+                out = runner.run(seqs, logits="all")
+                steps.append((out.hidden, out.logits))
+        outs.append(steps)
+    for (h_n, l_n), (h_t, l_t) in zip(*outs):
+        torch.testing.assert_close(h_n, h_t, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(l_n, l_t, rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_switches_every_path_off_and_back():
+    was = cpu_kernels.available()
+    with cpu_kernels.disabled():
+        assert not cpu_kernels.available()
+        with cpu_kernels.disabled():
+            assert not cpu_kernels.available()
+        assert not cpu_kernels.available()
+    assert cpu_kernels.available() == was

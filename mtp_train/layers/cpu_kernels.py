@@ -28,6 +28,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -44,6 +46,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _reason = ""
+_off = 0  # depth of `disabled()` blocks
 
 
 def _cache_dir() -> Path:
@@ -134,8 +137,19 @@ def _require() -> ctypes.CDLL:
 def available() -> bool:
     """True when the native kernels can run here (builds it on the first call)."""
     if _tried:  # the per-call fast path: no lock once decided
-        return _lib is not None
-    return _load() is not None
+        return _lib is not None and not _off
+    return _load() is not None and not _off
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block every caller takes torch's paths (e.g. to compare both in one process)."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
 
 
 def unavailable_reason() -> str:
