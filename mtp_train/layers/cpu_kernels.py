@@ -121,7 +121,11 @@ def _load() -> ctypes.CDLL | None:
                 fn.restype = None
                 _lib = lib
             except (OSError, RuntimeError) as e:
+                # unexpected on a machine that should build them: say so where it is seen
                 _reason = str(e)
+                log.warning("native CPU kernels could not be built or loaded, CPU decoding runs ~2x slower on "
+                            "torch's paths: %s", _reason)
+                return None
         if _lib is None:
             log.info("native CPU kernels not used (%s); torch's paths serve decode steps", _reason)
         return _lib
