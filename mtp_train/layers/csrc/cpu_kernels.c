@@ -8,7 +8,7 @@
  * x in L1: each W row is loaded from memory once and used for all M rows of x. Rows of W are split
  * over OpenMP threads (the runtime torch itself uses, so both share one thread pool).
  *
- * Summation order: 4 (M = 1) or 1 (M > 1) interleaved 8-wide partial sums per output, then a
+ * Summation order: 4 (M = 1) or 2 (M > 1) interleaved 8-wide partial sums per output, then a
  * horizontal sum, then the K % 8 tail in scalar order.
  *
  * mtp_rmsnorm_f32 — RMSNorm of few rows, y = w * x / sqrt(mean(x^2) + eps), one pass to sum the
@@ -44,15 +44,22 @@ static inline float dot1(const float *restrict w, const float *restrict x, int K
 /* MB (1..4) outputs of one W row: y[m * ys] = dot(w, x[m * xs]); the W chunk is loaded once per k. */
 static inline __attribute__((always_inline)) void dot_rows(const float *restrict w, const float *restrict x,
                                                            long xs, int MB, int K, float *y, long ys) {
-    __m256 a[4];
-    for (int m = 0; m < MB; m++) a[m] = _mm256_setzero_ps();
+    __m256 a[4], c[4];  /* two partial sums per output: twice the FMAs in flight */
+    for (int m = 0; m < MB; m++) { a[m] = _mm256_setzero_ps(); c[m] = _mm256_setzero_ps(); }
     int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 wv = _mm256_loadu_ps(w + k), wv2 = _mm256_loadu_ps(w + k + 8);
+        for (int m = 0; m < MB; m++) {
+            a[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * xs + k), a[m]);
+            c[m] = _mm256_fmadd_ps(wv2, _mm256_loadu_ps(x + m * xs + k + 8), c[m]);
+        }
+    }
     for (; k + 8 <= K; k += 8) {
         __m256 wv = _mm256_loadu_ps(w + k);
         for (int m = 0; m < MB; m++) a[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * xs + k), a[m]);
     }
     for (int m = 0; m < MB; m++) {
-        float s = hsum(a[m]);
+        float s = hsum(_mm256_add_ps(a[m], c[m]));
         for (int kk = k; kk < K; kk++) s += w[kk] * x[m * xs + kk];
         y[m * ys] = s;
     }
