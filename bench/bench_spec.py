@@ -4,7 +4,9 @@ On SmolLM2 (CPU, fp32, batch 1), for k = 1..6 at temperature 0: τ, acceptance r
 split and the speed-up of `mtp` over `none` (our plain engine) on the same prompts in the same process run.
 Prompts: MT-bench (both turns, answered turn by turn) from ../shared/data/dev when present, else the project's
 held-out demo prompts. `speedup_vs_hf`: tokens/s of `mtp` at the best k against HF greedy `generate` on exactly
-the prompts (all turns) the plain run answered, with the same max_new_tokens.
+the prompts (all turns) the plain run answered, with the same max_new_tokens. `step_cost` per k: one speculative
+step in plain decode steps (τ / speed-up, the break-even τ); `speedup_at_tau_3_by_k`: 3 / step_cost, what the same
+engine would give a head reaching the goal's τ of 3 at that k (a prediction from measured costs, not a measurement).
 
 Usage: python bench/bench_spec.py --head runs/demo/train/heads/step-N [--limit 5] [--max-new-tokens 96]
 The head defaults to the newest export under runs/ (runs/*/heads/step-* or runs/**/heads/step-*).
@@ -86,8 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
     def show(run, base) -> None:
         r = result_row(run, base)
         print(f"k={r['k']}: tau {r['tau']:.2f}  acceptance {r['acceptance_rate']:.2f}  {r['tokens_per_s']:.1f} vs "
-              f"{r['baseline_tokens_per_s']:.1f} tok/s  speed-up {r['speedup']:.2f}  "
-              f"(draft {r['draft_seconds']:.1f}s, verify {r['verify_seconds']:.1f}s, update "
+              f"{r['baseline_tokens_per_s']:.1f} tok/s  speed-up {r['speedup']:.2f}  step cost "
+              f"{r['step_cost']:.2f}  (draft {r['draft_seconds']:.1f}s, verify {r['verify_seconds']:.1f}s, update "
               f"{r['update_seconds']:.1f}s)", flush=True)
 
     pairs, baselines = evaluate(model, tokenizer, sets, {"mtp": lambda: HeadProposer(head)}, settings,
@@ -103,8 +105,13 @@ def main(argv: list[str] | None = None) -> dict:
         "speedup": round(best["speedup"], 3), "exact_match": best.get("exact_match"),
         "tokens_per_s": round(best["tokens_per_s"], 2), "none_tokens_per_s": round(best["baseline_tokens_per_s"], 2),
         "per_k": {r["k"]: {"tau": round(r["tau"], 3), "speedup": round(r["speedup"], 3),
+                           "step_cost": round(r["step_cost"], 3),
                            "per_position": [round(a, 3) for a in r["per_position"]]} for r in rows},
     }
+    # What the engine would give a head that reaches the goal's τ, from each k's measured step cost (τ / step cost)
+    goal_tau = 3.0
+    result["speedup_at_tau_3_by_k"] = {r["k"]: round(goal_tau / r["step_cost"], 3) for r in rows
+                                       if r["k"] + 1 >= goal_tau and r["step_cost"]}
     if not args.no_hf:
         turn_prompts = [o.prompt_ids for conv in baselines[0].answers for o in conv]
         hf_tps = hf_tokens_per_s(args.model, turn_prompts, args.max_new_tokens, stops)

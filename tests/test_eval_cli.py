@@ -73,7 +73,9 @@ def test_eval_writes_reports_and_greedy_speculation_equals_plain_decoding(traine
         assert r["exact_match"] == 1.0  # greedy speculation reproduces plain greedy decoding
         assert 1.0 <= r["tau"] <= r["k"] + 1 and len(r["per_position"]) == r["k"]
         assert r["speedup"] > 0 and r["baseline_tokens_per_s"] > 0
+        assert r["step_cost"] == pytest.approx(r["tau"] / r["speedup"])  # the break-even τ on this machine
     assert report["best"]["k"] in (1, 3)
+    assert "step_cost" in (out / "report.md").read_text()
     for name in ("report.json", "report.md", "outputs.jsonl", "config.yaml", "acceptance_per_position.png",
                  "tau_speedup_vs_k.png"):
         assert (out / name).is_file(), name

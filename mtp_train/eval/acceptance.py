@@ -183,9 +183,20 @@ def result_row(run: RunResult, base: RunResult) -> dict[str, Any]:
     if m is not None:
         row.update({"tau": m.mean_acceptance_length, "acceptance_rate": m.acceptance_rate,
                     "per_position": m.per_position, "num_drafts": m.num_drafts, "num_accepted": m.num_accepted})
+        row["step_cost"] = step_cost(row)
     if run.temperature == 0:
         row["exact_match"] = exact_match(run, base)
     return row
+
+
+def step_cost(row: Mapping[str, Any]) -> float | None:
+    """What one speculative step (draft → verify → catch-up) cost, in plain decode steps: τ / speed-up.
+
+    Speed-up = τ / step cost, so this is also the break-even τ on this machine, and τ_x / step_cost predicts the
+    speed-up of a head reaching τ_x with the same k (the step's cost barely depends on what gets accepted).
+    """
+    tau, speedup = row.get("tau"), row.get("speedup")
+    return tau / speedup if tau is not None and speedup else None
 
 
 def overall_rows(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[dict[str, Any]]:
@@ -214,6 +225,7 @@ def overall_rows(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[dict[str,
             "tau": m.mean_acceptance_length, "acceptance_rate": m.acceptance_rate, "per_position": m.per_position,
             "num_drafts": m.num_drafts, "num_accepted": m.num_accepted,
         }
+        row["step_cost"] = step_cost(row)
         for key in ("prefill_seconds", "draft_seconds", "verify_seconds", "update_seconds"):
             row[key] = sum(r.split.get(key, 0.0) for r, _ in items)
         if temp == 0:

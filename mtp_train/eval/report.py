@@ -11,7 +11,7 @@ from mtp_train.eval.acceptance import RunResult
 from mtp_train.fileio import atomic_write, atomic_write_text
 
 COLUMNS = ("dataset", "method", "k", "temperature", "tau", "acceptance_rate", "tokens_per_s",
-           "baseline_tokens_per_s", "speedup", "exact_match")
+           "baseline_tokens_per_s", "speedup", "step_cost", "exact_match")
 
 
 def _cell(v: Any) -> str:
@@ -23,7 +23,10 @@ def _cell(v: Any) -> str:
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """One line per row: τ, acceptance rate, tokens/s (ours, plain), speed-up, exact match (temperature 0)."""
+    """One line per row: τ, acceptance rate, tokens/s (ours, plain), speed-up, step cost, exact match (temperature 0).
+
+    step_cost: one speculative step in plain decode steps (τ / speed-up), i.e. the τ at which the method breaks even.
+    """
     head = "| " + " | ".join(COLUMNS) + " |\n|" + "|".join("---" if c in ("dataset", "method") else "---:"
                                                           for c in COLUMNS) + "|"
     lines = [head] + ["| " + " | ".join(_cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
