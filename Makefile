@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-precompute bench-train bench-spec bench-memory ablation clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-spec bench-memory ablation clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,9 @@ lint: setup
 
 bench-engine: model
 	$(PY) bench/bench_engine.py --model $(MODEL_DIR)
+
+bench-kernels: setup
+	$(PY) bench/bench_cpu_kernels.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,11 +1,12 @@
 """A Linear layer with faster CPU paths for the few-row products of decode and verify steps.
 
 On CPU, a fp32 `F.linear` over 1–128 rows is far from the memory bandwidth it could reach (its GEMM
-packs the weight on every call). Measured on a 2-core AVX2 machine (30 layers' worth of SmolLM2
-weights per call, so that nothing stays in cache; bench/bench_engine.py shows the effect on decode):
+packs the weight on every call). Measured on a 2-core AVX2 machine (bench/bench_cpu_kernels.py: 30 layers'
+worth of SmolLM2 weights per round, so that nothing stays in cache; bench/bench_engine.py shows the effect on
+decode):
 
-* 1–16 rows (decode, verify): the native kernel of `cpu_kernels` streams the weight once at ~16 GB/s,
-  ~1.7× MKL's pre-packed GEMM and ~2× `F.linear` for one row, ~1.4× `(W @ xᵀ)ᵀ` for 2–6 rows;
+* 1–16 rows (decode, verify): the native kernel of `cpu_kernels` streams the weight once, ~1.9× MKL's
+  pre-packed GEMM and `F.linear` for one row, 1.1–1.6× `(W @ xᵀ)ᵀ` and 2–3× `F.linear` for 2–16 rows;
 * without it, 1 row: MKL's pre-packed GEMM (`torch.ops.mkl._mkl_linear` with a weight packed once
   at load time), ~1.5× `F.linear`; 2–128 rows: `(W @ xᵀ)ᵀ`, ~2× `x @ Wᵀ`;
 * more rows (prefill): `F.linear` is the fastest.
