@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -151,7 +152,7 @@ static inline __m256 exp8(__m256 x) {
  */
 void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, const float *cache, int ps,
                              const int *block_tables, int max_pages, const int *qo_indptr, int B,
-                             const long *positions, int window, float scale, float *scores, long max_kv,
+                             const int64_t *positions, int window, float scale, float *scores, long max_kv,
                              float *out, int num_threads) {
     int group = Hq / Hkv;
     long tok_stride = (long)Hkv * D;          /* between tokens of a page */
