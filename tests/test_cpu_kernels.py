@@ -194,3 +194,14 @@ def test_disabled_switches_every_path_off_and_back():
             assert not cpu_kernels.available()
         assert not cpu_kernels.available()
     assert cpu_kernels.available() == was
+
+
+@needs_kernels
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_kernels_share_torchs_openmp_runtime():
+    """One OpenMP runtime in the process: the kernels' parallel regions run on torch's own threads."""
+    runtimes = cpu_kernels._openmp_runtimes()
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("this torch does not run on OpenMP")
+    assert len(runtimes) == 1, runtimes
+    assert cpu_kernels._threads_ok

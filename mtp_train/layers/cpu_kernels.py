@@ -47,6 +47,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _reason = ""
 _off = 0  # depth of `disabled()` blocks
+_threads_ok = False  # True when the library shares torch's OpenMP runtime (else the kernels run one thread)
 
 
 def _cache_dir() -> Path:
@@ -83,9 +84,19 @@ def _build(cc: str) -> Path:
     return out
 
 
+def _openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return {line.split()[-1] for line in f
+                    if any(n in line for n in ("libgomp", "libiomp", "libomp")) and "/" in line}
+    except OSError:
+        return set()
+
+
 def _load() -> ctypes.CDLL | None:
     """Build and load the library once per process; None (with `_reason` set) where it cannot be used."""
-    global _lib, _tried, _reason
+    global _lib, _tried, _reason, _threads_ok
     with _lock:
         if _tried:
             return _lib
@@ -120,6 +131,13 @@ def _load() -> ctypes.CDLL | None:
                                ctypes.c_int, ctypes.c_float]
                 fn.restype = None
                 _lib = lib
+                # One runtime means our parallel regions reuse torch's threads. A second one (a torch built
+                # on another OpenMP) would bring its own spinning threads onto the same cores: stay serial.
+                runtimes = _openmp_runtimes()
+                _threads_ok = len(runtimes) == 1
+                if not _threads_ok:
+                    log.info("native CPU kernels run single-threaded: OpenMP runtimes loaded: %s",
+                             sorted(runtimes) or "unknown")
             except (OSError, RuntimeError) as e:
                 # unexpected on a machine that should build them: say so where it is seen
                 _reason = str(e)
@@ -181,7 +199,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(m, n, dtype=torch.float32)
     lib = _lib or _require()
     lib.mtp_gemv_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                     y.data_ptr(), n, m, n, k, torch.get_num_threads())
+                     y.data_ptr(), n, m, n, k, torch.get_num_threads() if _threads_ok else 1)
     return y
 
 
@@ -228,7 +246,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
     lib.mtp_paged_attention_f32(q.data_ptr(), t, hq, kv_cache.shape[3], d, kv_cache.data_ptr(), kv_cache.shape[2],
                                 bt.data_ptr(), bt.shape[1], indptr.data_ptr(), indptr.shape[0] - 1, pos.data_ptr(),
                                 sliding_window or 0, scale, scores.data_ptr(), max_kv, out.data_ptr(),
-                                torch.get_num_threads())
+                                torch.get_num_threads() if _threads_ok else 1)
     return out
 
 
