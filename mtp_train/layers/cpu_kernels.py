@@ -3,11 +3,12 @@
 A batch-1 decode step reads every weight once per token, so on CPU it is bound by memory bandwidth,
 and the BLAS paths torch offers for 1–16 rows reach about half of it (MKL's GEMM is built for large
 products). `gemv` (csrc/cpu_kernels.c) streams each weight matrix once, keeps the few input rows in
-L1 and splits the rows of W over torch's own OpenMP threads. `rms_norm` and `rope_` replace torch's
+L1 and splits the rows of W over torch's own OpenMP threads (serial instead if loading it would bring a second
+OpenMP runtime into the process). `rms_norm` and `rope_` replace torch's
 composites of 5–7 small ops (each op costs microseconds of dispatch on a decode row, ×30 layers).
 `paged_attention` attends decode / verify tokens straight over the pages
 (the torch path gathers every page of the sequence into a contiguous copy first, then runs SDPA).
-See bench/bench_engine.py for what they buy.
+See bench/bench_cpu_kernels.py and bench/bench_engine.py for what they buy.
 
 The kernel is plain C (AVX2 + FMA, no torch headers) and is called through ctypes, so building it
 takes about a second with the system C compiler and needs nothing from the Python environment. The
