@@ -48,7 +48,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _reason = ""
 _off = 0  # depth of `disabled()` blocks
-_threads_ok = False  # True when the library shares torch's OpenMP runtime (else the kernels run one thread)
+_threads_ok = False  # True when the library bound to the OpenMP runtime already loaded (else one thread)
 
 
 def _cache_dir() -> Path:
@@ -112,6 +112,7 @@ def _load() -> ctypes.CDLL | None:
             _reason = "no C compiler (cc/gcc/clang) on PATH"
         else:
             try:
+                before = _openmp_runtimes()
                 lib = ctypes.CDLL(str(_build(cc)))
                 fn = lib.mtp_gemv_f32
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -132,13 +133,14 @@ def _load() -> ctypes.CDLL | None:
                                ctypes.c_int, ctypes.c_float]
                 fn.restype = None
                 _lib = lib
-                # One runtime means our parallel regions reuse torch's threads. A second one (a torch built
-                # on another OpenMP) would bring its own spinning threads onto the same cores: stay serial.
-                runtimes = _openmp_runtimes()
-                _threads_ok = len(runtimes) == 1
+                # Our libgomp.so.1 binds to the one torch already loaded, so our parallel regions reuse torch's
+                # threads. If loading it brought a runtime of its own (a torch built on another OpenMP), that
+                # runtime's spinning threads would share the cores with torch's: stay serial then.
+                added = _openmp_runtimes() - before
+                _threads_ok = bool(before) and not added
                 if not _threads_ok:
-                    log.info("native CPU kernels run single-threaded: OpenMP runtimes loaded: %s",
-                             sorted(runtimes) or "unknown")
+                    log.info("native CPU kernels run single-threaded: their OpenMP runtime is not torch's (%s)",
+                             sorted(added) or "none found")
             except (OSError, RuntimeError) as e:
                 # unexpected on a machine that should build them: say so where it is seen
                 _reason = str(e)
