@@ -23,6 +23,7 @@ from mtp_train.layers.attention import (
 )
 from mtp_train.layers.attention.torch_backend import TorchBackend
 from tests._gpu import needs_flashinfer
+from tests._pages import random_block_tables
 
 gpu = needs_flashinfer("flashinfer")
 
@@ -38,15 +39,7 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
 
 
 def _block_tables(kv_lens: list[int], gen: torch.Generator) -> list[list[int]]:
-    """Random, non-contiguous page ids for each sequence, never shared between sequences."""
-    perm = torch.randperm(NUM_PAGES, generator=gen).tolist()
-    tables, at = [], 0
-    for n in kv_lens:
-        need = -(-n // PAGE_SIZE)
-        tables.append(perm[at: at + need])
-        at += need
-    assert at <= NUM_PAGES
-    return tables
+    return random_block_tables(kv_lens, PAGE_SIZE, NUM_PAGES, gen)
 
 
 def _qkv(t: int, hq: int, hkv: int, dtype: torch.dtype, device: str, gen: torch.Generator):

@@ -25,6 +25,7 @@ from mtp_train.layers.attention import (
 )
 from mtp_train.layers.attention.torch_backend import TorchBackend
 from tests._gpu import needs_flashinfer
+from tests._pages import random_block_tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,15 +40,7 @@ NUM_PAGES = 48
 
 def _block_tables(kv_lens: list[int], page_size: int, gen: torch.Generator,
                   num_pages: int = NUM_PAGES) -> list[list[int]]:
-    """Random, non-contiguous page ids for each sequence, never shared between sequences."""
-    perm = torch.randperm(num_pages, generator=gen).tolist()
-    tables, at = [], 0
-    for n in kv_lens:
-        need = -(-n // page_size)
-        tables.append(perm[at: at + need])
-        at += need
-    assert at <= num_pages
-    return tables
+    return random_block_tables(kv_lens, page_size, num_pages, gen)
 
 
 def _tokens(n: int, shape: tuple[int, int, int], gen: torch.Generator, dtype=torch.float32, device="cpu"):
