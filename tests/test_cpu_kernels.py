@@ -208,3 +208,16 @@ def test_the_kernels_share_torchs_openmp_runtime():
     torch_lib = os.path.dirname(torch.__file__)
     assert any(r.startswith(torch_lib) for r in cpu_kernels._openmp_runtimes())
     assert cpu_kernels._threads_ok
+
+
+@needs_kernels
+def test_serves_only_float32_cpu_inference():
+    x, w = torch.randn(2, 8), torch.randn(8)
+    assert cpu_kernels.serves(x, w)
+    assert not cpu_kernels.serves(x.bfloat16(), w) and not cpu_kernels.serves(x, w.double())
+    wg = w.clone().requires_grad_(True)
+    assert not cpu_kernels.serves(x, wg)  # autograd needs torch's ops
+    with torch.no_grad():
+        assert cpu_kernels.serves(x, wg)
+    with cpu_kernels.disabled():
+        assert not cpu_kernels.serves(x, w)

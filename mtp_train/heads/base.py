@@ -381,9 +381,9 @@ class DraftHead(nn.Module, ABC):
         if rot is None:
             rot = self._rotary[positions.device] = RotaryEmbedding(self.args.rope, device=positions.device)
         if self.args.model_type == "deepseek_v2":  # pairwise rotation: one angle per pair, in float32
-            cos, sin = rot(positions, torch.float32)
-            half = self.args.rope.head_dim // 2
-            return cos[..., :half], sin[..., :half]
+            from mtp_train.models.deepseek_v2 import pair_angles
+
+            return pair_angles(rot, positions)
         return rot(positions, dtype)
 
     def attention_backend(self, device: torch.device) -> AttentionBackend | MLABackend:

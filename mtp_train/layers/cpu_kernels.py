@@ -166,6 +166,16 @@ def available() -> bool:
     return _load() is not None and not _off
 
 
+def serves(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the native kernels take an op on x (and its other operands): all float32 on the CPU, nothing that
+    autograd has to differentiate, and the kernels available. Shape rules stay with each caller."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or any(t.dtype != torch.float32 for t in others):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in others)):
+        return False
+    return available()
+
+
 @contextmanager
 def disabled() -> Iterator[None]:
     """Inside the block every caller takes torch's paths (e.g. to compare both in one process)."""

@@ -27,10 +27,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim) → (..., dim) in x's dtype."""
         in_dtype, w = x.dtype, self.weight
-        if (in_dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= NATIVE_ROWS_MAX and x.device.type == "cpu"
-                and w.dtype == torch.float32
-                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-                and cpu_kernels.available()):
+        if x.dim() == 2 and x.shape[0] <= NATIVE_ROWS_MAX and cpu_kernels.serves(x, w):
             # decode / verify rows on CPU: one native pass instead of torch's composite of ~6 ops
             return cpu_kernels.rms_norm(x, w, self.eps)
         if in_dtype == torch.float32:

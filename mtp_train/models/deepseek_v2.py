@@ -23,6 +23,7 @@ from torch import nn
 from mtp_train.layers.attention import AttentionMetadata, MLABackend, make_mla_backend
 from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
+from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import DeepseekV2Args
 from mtp_train.models.llama import CausalLM
 
@@ -166,9 +167,17 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, 1, R/2) in float32: one angle per rotated pair."""
-        cos, sin = self.rotary(positions, torch.float32)
-        half = self.args.qk_rope_head_dim // 2
-        return cos[..., :half], sin[..., :half]
+        return pair_angles(self.rotary, positions)
+
+
+def pair_angles(rotary: RotaryEmbedding, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: (T,) → cos, sin (T, 1, R/2) in float32, one angle per pair `rotate_pairs` rotates.
+
+    `rotary` gives the rotate-half layout (the R/2 angles twice); its first half is the pairs' angles.
+    """
+    cos, sin = rotary(positions, torch.float32)
+    half = rotary.cfg.head_dim // 2
+    return cos[..., :half], sin[..., :half]
 
 
 def make_mla_attention(args: DeepseekV2Args, backend: str, device: torch.device | str,

@@ -54,8 +54,7 @@ class Attention(nn.Module):
         """x: (T, H) → (T, H)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        native_rope = (self.q_norm is None and qkv.dtype == torch.float32 and qkv.device.type == "cpu"
-                       and cos.dtype == torch.float32 and not qkv.requires_grad and cpu_kernels.available())
+        native_rope = self.q_norm is None and cpu_kernels.serves(qkv, cos)
         if native_rope:  # CPU inference: rotate q and k (adjacent in the fused output) in one native pass
             cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

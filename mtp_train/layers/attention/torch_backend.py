@@ -84,8 +84,7 @@ class TorchBackend(AttentionBackend):
             return torch.cat(outs, 0)
 
         assert kv_cache is not None, "decode/verify steps need the KV cache"
-        if (st["native"] and q.dtype == torch.float32 and kv_cache.dtype == torch.float32
-                and kv_cache.is_contiguous() and not (torch.is_grad_enabled() and q.requires_grad)):
+        if st["native"] and kv_cache.is_contiguous() and cpu_kernels.serves(q, kv_cache):
             return cpu_kernels.paged_attention(q, kv_cache, st["native_args"], self.scale, self.sliding_window)
         b, p = meta.block_tables.shape
         s = p * meta.page_size
