@@ -11,7 +11,7 @@ from mtp_train.heads import HeadConfig, build_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import load_model
 from mtp_train.spec.engine import SpecEngine
-from mtp_train.spec.proposers import DraftModelProposer, HeadProposer
+from mtp_train.spec.proposers import DraftModelProposer, HeadProposer, NgramProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,6 +28,14 @@ def _head(tiny_checkpoints, name="llama", draft_vocab_size=0, seed=0):
     torch.manual_seed(seed)
     return build_head(HeadConfig(type="mtp", init="last_layer", draft_vocab_size=draft_vocab_size),
                       tiny_checkpoints[name][0])
+
+
+def _sharp_head(tiny_checkpoints, draft_vocab_size=0):
+    """An untrained head whose draft confidences spread over (0.15, 0.75): its final norm scaled up 20×."""
+    head = _head(tiny_checkpoints, draft_vocab_size=draft_vocab_size)
+    with torch.no_grad():
+        head.norm.weight.mul_(20.0)
+    return head
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -120,18 +128,26 @@ def _marginal_of_second_token(model, prompt, temperature):
     return (first[:, None] * second).sum(0)
 
 
-@pytest.mark.parametrize("proposer", ["head", "draft"])
+@pytest.mark.parametrize("proposer", ["head", "head-threshold", "draft", "ngram"])
 def test_sampled_speculation_follows_the_target_distribution(tiny_checkpoints, proposer):
     """Chi-square: the second generated token (the first one that goes through speculative acceptance) of many
-    seeded requests is distributed as the target's exact marginal (fixed seeds; bins with expected < 5 merged)."""
+    seeded requests is distributed as the target's exact marginal (fixed seeds; bins with expected < 5 merged).
+    Covers variable draft lengths (a threshold) and a deterministic proposer (prompt lookup: q one-hot)."""
     model = load_model(tiny_checkpoints["llama"][0])
-    prompt, temp, n = [3, 17, 42, 7], 0.7, 3000
+    # prompt lookup drafts when the first sampled token occurs in the prompt: give it many tokens to match
+    prompt = [3, 17, 42, 7] + (list(range(60, 120)) if proposer == "ngram" else [])
+    temp, n = 0.7, 3000
     expected_p = _marginal_of_second_token(model, prompt, temp)
-    prop = HeadProposer(_head(tiny_checkpoints, draft_vocab_size=96)) if proposer == "head" else \
-        DraftModelProposer(load_model(tiny_checkpoints["llama-tied"][0]))
+    if proposer.startswith("head"):
+        prop = (HeadProposer(_sharp_head(tiny_checkpoints, 96), draft_threshold=0.4) if proposer == "head-threshold"
+                else HeadProposer(_head(tiny_checkpoints, draft_vocab_size=96)))
+    elif proposer == "ngram":
+        prop = NgramProposer()
+    else:
+        prop = DraftModelProposer(load_model(tiny_checkpoints["llama-tied"][0]))
     eng = SpecEngine(model, prop, 3, page_size=4, num_pages=4096, max_batch_size=256)
     outs = eng.generate([prompt] * n, SamplingParams(temperature=temp, max_new_tokens=2, ignore_eos=True, seed=1234))
-    assert eng.stats.metrics.num_drafts > 0
+    assert eng.stats.metrics.num_draft_tokens > 0
     counts = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=model.args.vocab_size).double()
     exp = expected_p.double() * n
     big = exp >= 5
@@ -161,3 +177,96 @@ def test_invalid_k_is_refused(tiny_checkpoints):
     model = load_model(tiny_checkpoints["llama"][0])
     with pytest.raises(ValueError, match="k"):
         SpecEngine(model, DraftModelProposer(model), 0)
+
+
+def test_prompt_lookup_finds_the_longest_most_recent_match():
+    ng = NgramProposer(n_max=3, n_min=1)
+    # suffix [7, 8, 9] occurs at 0 and 5: the most recent one is followed by 4, 4
+    assert ng.lookup([7, 8, 9, 1, 2, 7, 8, 9, 4, 4, 7, 8, 9], 2) == [4, 4]
+    # no 3- or 2-gram match: the 1-gram [5] occurs last at index 2, followed by 6, 1
+    assert ng.lookup([1, 5, 5, 6, 1, 3, 5], 2) == [6, 1]
+    # the continuation is cut at the end of the sequence
+    assert ng.lookup([1, 2, 3, 1, 2], 5) == [3, 1, 2]
+    assert ng.lookup([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert NgramProposer(n_max=3, n_min=2).lookup([1, 5, 2, 5], 3) == []  # only a 1-gram would match
+    with pytest.raises(ValueError, match="n_min"):
+        NgramProposer(n_max=1, n_min=2)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_prompt_lookup_equals_plain_greedy(tiny_checkpoints, k):
+    model = load_model(tiny_checkpoints["llama"][0])
+    prompts = PROMPTS + [[9, 8, 7, 6] * 5]  # a looping prompt: the lookup drafts from the first step
+    ref = _greedy(model, prompts, 24)
+    eng = SpecEngine(model, NgramProposer(), k, page_size=3, num_pages=256)
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.output_ids for o in out] == ref
+    m = eng.stats.metrics
+    assert m.num_draft_tokens > 0 and m.num_empty > 0  # some steps drafted, some found no match
+    assert m.mean_draft_length < k or k == 1
+    assert 1.0 <= m.mean_acceptance_length <= k + 1
+    assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.6])
+def test_dynamic_draft_length_keeps_greedy_output(tiny_checkpoints, threshold):
+    model = load_model(tiny_checkpoints["llama"][0])
+    ref = _greedy(model, PROMPTS)
+    head = _sharp_head(tiny_checkpoints)
+    fixed = SpecEngine(model, HeadProposer(head), 4, page_size=3, num_pages=256)
+    fixed.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert fixed.stats.metrics.mean_draft_length == 4
+    eng = SpecEngine(model, HeadProposer(head, draft_threshold=threshold), 4, page_size=3, num_pages=256)
+    out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert [o.output_ids for o in out] == ref
+    m = eng.stats.metrics
+    assert m.mean_draft_length < 4  # some chains stopped before k
+    assert m.num_empty > 0  # and some before their first draft
+    assert m.num_draft_tokens > 0
+    assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages
+    with pytest.raises(ValueError, match="draft_threshold"):
+        HeadProposer(head, draft_threshold=1.0)
+
+
+def _row(pool: torch.Tensor, pages: list[int], pos: int, page_size: int) -> torch.Tensor:
+    """The head cache's (2, Hkv, D) K/V entry at a token position."""
+    return pool[pages[pos // page_size], :, pos % page_size].clone()
+
+
+@pytest.mark.parametrize("mode", ["target", "own"])
+def test_catch_up_modes_keep_or_rewrite_the_chain_rows(tiny_checkpoints, mode):
+    """After a step that accepted 2 of 3 drafts: catch_up=own keeps the rows the chain wrote for d_1, d_2
+    (positions L-1, L) and writes only row L+1 from the target's h; catch_up=target rewrites all three from
+    the target's hidden states, so only then is the kept ĥ what a recompute over the sequence gives."""
+    model = load_model(tiny_checkpoints["llama"][0])
+    prop = HeadProposer(_head(tiny_checkpoints), catch_up=mode)
+    eng = SpecEngine(model, prop, 3, page_size=3, num_pages=64)
+    eng.add_request(PROMPTS[3], SamplingParams(max_new_tokens=16, ignore_eos=True))
+    eng.step()  # prefill: the prompt and the first token
+    (seq,) = eng.running
+    L = len(seq)
+    eng.runner.kv.ensure(seq.pages, L + 3)
+    drafts = prop.propose([seq], 3).tokens[0]
+    chain = [_row(prop.kv.layers[0], seq.pages, L - 1 + j, 3) for j in range(2)]  # rows of d_1, d_2
+    hidden = prefill_hidden(model, [seq.token_ids + drafts]).hidden[L - 1:L + 3]  # h at L-1..L+2
+    seq.token_ids.extend(drafts[:2] + [7])  # pretend d_1, d_2 were accepted and the target said 7
+    prop.update([seq], [L], [2], [hidden], [3])
+    after = [_row(prop.kv.layers[0], seq.pages, L - 1 + j, 3) for j in range(2)]
+    kept = [torch.equal(a, b) for a, b in zip(after, chain)]
+    assert kept == ([True, True] if mode == "own" else [False, False])
+    # The kept ĥ is a recompute over the target's hidden states of the whole sequence only for catch_up=target.
+    ids = seq.token_ids[:-1]
+    with torch.no_grad():
+        ref = prop.head(prefill_hidden(model, [ids]).hidden, torch.tensor(seq.token_ids[1:]),
+                        AttentionMetadata.build([len(ids)])).hidden[-1]
+    assert torch.allclose(prop._feat[seq.seq_id], ref, rtol=1e-4, atol=1e-4) == (mode == "target")
+
+
+def test_own_catch_up_gives_plain_greedy_output(tiny_checkpoints):
+    model = load_model(tiny_checkpoints["qwen3"][0])
+    ref = _greedy(model, PROMPTS)
+    eng = SpecEngine(model, HeadProposer(_head(tiny_checkpoints, "qwen3"), catch_up="own"), 3, page_size=3,
+                     num_pages=256)
+    assert [o.output_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))] == ref
+    with pytest.raises(ValueError, match="catch_up"):
+        HeadProposer(_head(tiny_checkpoints), catch_up="draft")

@@ -23,3 +23,24 @@ def test_empty_and_invalid():
     assert m.acceptance_rate == 0.0 and m.mean_acceptance_length == 0.0 and m.per_position == [0.0, 0.0]
     with pytest.raises(ValueError, match="accepted 3 of 2"):
         m.add(3)
+
+
+def test_variable_draft_lengths_count_every_step():
+    m = SpecMetrics(k=3)
+    m.add(2, 3)  # a full chain, two accepted
+    m.add(0, 0)  # no draft at all: the step still emitted one token
+    m.add(1, 1)  # a chain stopped after one draft, accepted
+    assert (m.num_drafts, m.num_draft_tokens, m.num_accepted, m.num_empty) == (3, 4, 3, 1)
+    assert m.mean_acceptance_length == 2.0  # 6 tokens in 3 target steps
+    assert m.acceptance_rate == 0.75 and m.mean_draft_length == 4 / 3
+    assert m.per_position == [2 / 3, 1 / 3, 0.0]
+    with pytest.raises(ValueError, match="accepted 2 of 1"):
+        m.add(2, 1)
+    with pytest.raises(ValueError, match="at most k=3"):
+        m.add(0, 4)
+    other = SpecMetrics(k=3)
+    other.add(3)
+    m.merge(other)
+    assert (m.num_drafts, m.num_accepted, m.accepted_per_pos) == (4, 6, [3, 2, 1])
+    with pytest.raises(ValueError, match="merge"):
+        m.merge(SpecMetrics(k=2))

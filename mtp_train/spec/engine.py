@@ -4,8 +4,9 @@
 step. An admission step prefills the new prompts with the target, samples their first token and lets the
 proposer prefill too. Every other step, for all running sequences at once:
 
-    draft    the proposer guesses d_1..d_k (greedy, or sampled from its filtered distribution q)
-    verify   the target runs [t_{L-1}, d_1..d_k] in one forward → k+1 distributions p (and hidden states)
+    draft    the proposer guesses d_1..d_k_b, k_b <= k per sequence (greedy, or sampled from its filtered
+             distribution q; a dynamic chain or prompt lookup may draft fewer, even none)
+    verify   the target runs [t_{L-1}, d_1..d_k_b] in one forward → k_b+1 distributions p (and hidden states)
     accept   greedy: the longest prefix equal to the target's argmax, then the target's token;
              sampled: the Leviathan/Chen rule (`mtp_train.spec.acceptance`) with the request's generator
     rollback the rejected drafts leave the sequence and the target's cache; the proposer catches up
@@ -29,9 +30,9 @@ from mtp_train.engine.sequence import SeqStatus, Sequence
 from mtp_train.models.llama import LlamaForCausalLM
 from mtp_train.spec.acceptance import accept_greedy, accept_stochastic, accept_stochastic_flashinfer
 from mtp_train.spec.metrics import SpecMetrics
-from mtp_train.spec.proposers import Proposer
+from mtp_train.spec.proposers import Proposal, Proposer
 
-METHODS = ("none", "mtp", "draft")
+METHODS = ("none", "mtp", "draft", "ngram")
 
 
 @dataclass
@@ -119,32 +120,36 @@ class SpecEngine(LLMEngine):
         self.stats.prefill_seconds += self._sync() - t0
         return finished
 
-    def _accept(self, seqs: Seq[Sequence], drafts: torch.Tensor, probs: list[torch.Tensor | None],
-                logits: torch.Tensor) -> tuple[list[int], list[list[int]]]:
-        """drafts (B, k), logits (B, k+1, V) → (accepted n per sequence, emitted tokens per sequence)."""
+    def _accept(self, seqs: Seq[Sequence], proposal: Proposal, logits: list[torch.Tensor]
+                ) -> tuple[list[int], list[list[int]]]:
+        """proposal: k_b drafts per sequence; logits: (B,) each (k_b+1, V) → (accepted n, emitted tokens) per sequence.
+
+        Sequences are verified in groups of equal draft length, each group as one batch.
+        """
         num = [0] * len(seqs)
         tokens: list[list[int]] = [[] for _ in seqs]
-        greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
-        if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            res = accept_greedy(drafts.to(logits.device)[idx], logits[idx])
-            for b, n, t in zip(greedy, res.num_accepted, res.tokens):
-                num[b], tokens[b] = n, t
-        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
-        if not sampled:
-            return num, tokens
-        # FlashInfer's fused kernel draws from one generator for the batch: it fits unseeded requests only.
-        fused = self.use_flashinfer_sampling and all(seqs[b].generator is None for b in sampled)
-        groups = [sampled] if fused else [[b] for b in sampled]
-        for group in groups:
-            p = torch.stack([filtered_probs(logits[b], seqs[b].params.temperature, seqs[b].params.top_k,
-                                            seqs[b].params.top_p) for b in group])  # (G, k+1, V)
-            q = torch.stack([probs[b] for b in group]).to(p.device)  # type: ignore[misc]  (G, k, V)
-            d = drafts[group].to(p.device)
-            res = (accept_stochastic_flashinfer(d, q, p) if fused
-                   else accept_stochastic(d, q, p, [seqs[b].generator for b in group]))
-            for b, n, t in zip(group, res.num_accepted, res.tokens):
-                num[b], tokens[b] = n, t
+        groups: dict[tuple[bool, int], list[int]] = {}
+        for b, (s, d) in enumerate(zip(seqs, proposal.tokens)):
+            groups.setdefault((s.params.greedy, len(d)), []).append(b)
+        for (greedy, k_b), rows in groups.items():
+            drafts = torch.tensor([proposal.tokens[b] for b in rows], dtype=torch.long,
+                                  device=logits[0].device).view(len(rows), k_b)
+            if greedy:
+                res = accept_greedy(drafts, torch.stack([logits[b] for b in rows]))
+                for b, n, t in zip(rows, res.num_accepted, res.tokens):
+                    num[b], tokens[b] = n, t
+                continue
+            # FlashInfer's fused kernel draws from one generator for the batch: it fits unseeded requests only.
+            fused = self.use_flashinfer_sampling and k_b > 0 and all(seqs[b].generator is None for b in rows)
+            for group in [rows] if fused else [[b] for b in rows]:
+                p = torch.stack([filtered_probs(logits[b], seqs[b].params.temperature, seqs[b].params.top_k,
+                                                seqs[b].params.top_p) for b in group])  # (G, k_b+1, V)
+                q = torch.stack([_draft_probs(proposal, b, p.shape[-1]) for b in group]).to(p.device)  # (G, k_b, V)
+                d = drafts[[rows.index(b) for b in group]].to(p.device)
+                res = (accept_stochastic_flashinfer(d, q, p) if fused
+                       else accept_stochastic(d, q, p, [seqs[b].generator for b in group]))
+                for b, n, t in zip(group, res.num_accepted, res.tokens):
+                    num[b], tokens[b] = n, t
         return num, tokens
 
     def _speculate(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -155,18 +160,20 @@ class SpecEngine(LLMEngine):
 
         t0 = self._sync()
         proposal = self.proposer.propose(seqs, k)
+        drafted = proposal.lengths
+        if any(d > k for d in drafted):
+            raise ValueError(f"proposer {self.proposer.name} drafted {max(drafted)} tokens with k={k}")
         t1 = self._sync()
-        for s, d in zip(seqs, proposal.tokens.tolist()):
+        for s, d in zip(seqs, proposal.tokens):
             s.token_ids.extend(d)
-        out = self.runner.run(seqs, logits="all")
-        b_size = len(seqs)
-        logits = out.logits.view(b_size, k + 1, -1)
-        num, emitted = self._accept(seqs, proposal.tokens, proposal.probs, logits)
+        out = self.runner.run(seqs, logits="all")  # (Σ (k_b+1), V): each sequence's last token and drafts
+        logits = list(out.logits.split([d + 1 for d in drafted]))
+        num, emitted = self._accept(seqs, proposal, logits)
         t2 = self._sync()
 
         finished, alive, alive_idx = [], [], []
         for b, (s, n_tok, n) in enumerate(zip(seqs, lens, num)):
-            self.stats.metrics.add(n)
+            self.stats.metrics.add(n, drafted[b])
             # Roll back: the drafts leave the token list (the accepted ones come back through _emit, which
             # applies the stop / length rules) but the cache keeps t_{L-1} and the n accepted drafts.
             del s.token_ids[n_tok:]
@@ -180,10 +187,20 @@ class SpecEngine(LLMEngine):
             alive_idx.append(b)
         self.stats.decode_steps += 1
         if alive:
-            hidden = out.hidden.view(b_size, k + 1, -1)[torch.tensor(alive_idx, device=out.hidden.device)]
-            self.proposer.update(alive, [lens[b] for b in alive_idx], [num[b] for b in alive_idx], hidden, k)
+            hidden = out.hidden.split([d + 1 for d in drafted])
+            self.proposer.update(alive, [lens[b] for b in alive_idx], [num[b] for b in alive_idx],
+                                 [hidden[b] for b in alive_idx], [drafted[b] for b in alive_idx])
         t3 = self._sync()
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1
         self.stats.update_seconds += t3 - t2
         return finished
+
+
+def _draft_probs(proposal: Proposal, b: int, vocab_size: int) -> torch.Tensor:
+    """q (k_b, V) of sequence b: the proposer's distributions, or one-hot at its drafts when it is deterministic."""
+    q = proposal.probs[b]
+    if q is not None:
+        return q
+    d = torch.tensor(proposal.tokens[b], dtype=torch.long)
+    return torch.zeros(len(d), vocab_size).scatter_(1, d.view(-1, 1), 1.0)

@@ -1,8 +1,12 @@
-"""Speculative decoding metrics as vLLM defines them.
+"""Speculative decoding metrics as vLLM defines them, for chains of variable length.
 
 acceptance rate = accepted draft tokens / drafted tokens;
-mean acceptance length τ = 1 + accepted draft tokens / drafting steps (tokens emitted per target step);
-per-position acceptance j (0-based) = share of drafting steps that accepted at least j+1 tokens.
+mean acceptance length τ = 1 + accepted draft tokens / speculative steps (tokens emitted per target step);
+per-position acceptance j (0-based) = share of speculative steps that accepted at least j+1 tokens.
+
+A step counts once per sequence per verification, also when its proposer drafted nothing (prompt lookup without
+a match, or a dynamic chain stopped before its first token): such a step still costs a target forward and emits
+one token, so τ stays the number of tokens per target step, the figure a speed-up is made of.
 """
 
 from __future__ import annotations
@@ -12,27 +16,42 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpecMetrics:
-    """Counters over many verification steps with a fixed number k of draft tokens."""
+    """Counters over many verification steps with at most k draft tokens each."""
 
     k: int
-    num_drafts: int = 0  # drafting steps (one per sequence per verification)
+    num_drafts: int = 0  # speculative steps (one per sequence per verification), with or without drafts
     num_draft_tokens: int = 0
     num_accepted: int = 0
+    num_empty: int = 0  # steps whose proposer drafted no token (verified the last token alone)
     accepted_per_pos: list[int] = field(default_factory=list)  # steps with >= j+1 accepted, j = 0..k-1
 
     def __post_init__(self) -> None:
         if not self.accepted_per_pos:
             self.accepted_per_pos = [0] * self.k
 
-    def add(self, num_accepted: int) -> None:
-        """Record one drafting step that accepted `num_accepted` of its k tokens."""
-        if not 0 <= num_accepted <= self.k:
-            raise ValueError(f"accepted {num_accepted} of {self.k} draft tokens")
+    def add(self, num_accepted: int, num_drafted: int | None = None) -> None:
+        """Record one step that drafted `num_drafted` (default k) tokens and accepted `num_accepted` of them."""
+        drafted = self.k if num_drafted is None else num_drafted
+        if not 0 <= drafted <= self.k:
+            raise ValueError(f"drafted {drafted} tokens with at most k={self.k}")
+        if not 0 <= num_accepted <= drafted:
+            raise ValueError(f"accepted {num_accepted} of {drafted} draft tokens")
         self.num_drafts += 1
-        self.num_draft_tokens += self.k
+        self.num_draft_tokens += drafted
         self.num_accepted += num_accepted
+        self.num_empty += drafted == 0
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
+
+    def merge(self, other: SpecMetrics) -> None:
+        """Add another run's counters (same k) to these."""
+        if other.k != self.k:
+            raise ValueError(f"cannot merge metrics of k={other.k} into k={self.k}")
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted += other.num_accepted
+        self.num_empty += other.num_empty
+        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos)]
 
     @property
     def acceptance_rate(self) -> float:
@@ -43,10 +62,16 @@ class SpecMetrics:
         return 1.0 + self.num_accepted / self.num_drafts if self.num_drafts else 0.0
 
     @property
+    def mean_draft_length(self) -> float:
+        """Draft tokens verified per step (k for a fixed chain; less with a threshold or prompt lookup)."""
+        return self.num_draft_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
     def per_position(self) -> list[float]:
         return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_pos]
 
     def as_dict(self) -> dict:
         return {"k": self.k, "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted": self.num_accepted, "acceptance_rate": self.acceptance_rate,
-                "tau": self.mean_acceptance_length, "per_position": self.per_position}
+                "num_accepted": self.num_accepted, "num_empty": self.num_empty,
+                "acceptance_rate": self.acceptance_rate, "tau": self.mean_acceptance_length,
+                "mean_draft_len": self.mean_draft_length, "per_position": self.per_position}

@@ -37,10 +37,15 @@ from mtp_train.models.llama import LlamaForCausalLM
 
 @dataclass
 class Proposal:
-    """k draft tokens per sequence and, for sampled sequences, the distributions they were drawn from."""
+    """Up to k draft tokens per sequence and, for sampled sequences, the distributions they were drawn from."""
 
-    tokens: torch.Tensor  # (B, k) int64 target token ids
-    probs: list[torch.Tensor | None]  # (B,) each (k, V) float32 draft distribution q over the target vocab, or None
+    tokens: list[list[int]]  # (B,) each (k_b,) target token ids, 0 <= k_b <= k (a dynamic chain may stop early)
+    probs: list[torch.Tensor | None]  # (B,) each (k_b, V) float32 draft distribution q over the target vocab;
+    # None when the sequence is greedy or the proposer is deterministic (q is then one-hot at each draft)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(t) for t in self.tokens]
 
 
 def pick(logits: torch.Tensor, seqs: Seq[Sequence], to_ids: torch.Tensor | None,
@@ -66,24 +71,25 @@ def pick(logits: torch.Tensor, seqs: Seq[Sequence], to_ids: torch.Tensor | None,
 
 
 class _Drafts:
-    """The k draft tokens of a step and, for sampled sequences, the distributions they came from."""
+    """The draft tokens of a step and, for sampled sequences, the distributions they came from."""
 
     def __init__(self, seqs: Seq[Sequence], to_ids: torch.Tensor | None, vocab_size: int) -> None:
         self.seqs, self.to_ids, self.vocab_size = seqs, to_ids, vocab_size
         self.tokens: list[list[int]] = [[] for _ in seqs]
         self.probs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
 
-    def add(self, logits: torch.Tensor) -> list[int]:
-        """Pick the next draft token of every sequence from logits (B, Vd); returns them."""
-        picked, qs = pick(logits, self.seqs, self.to_ids, self.vocab_size)
-        for b, (t, q) in enumerate(zip(picked, qs)):
+    def add(self, logits: torch.Tensor, rows: Seq[int] | None = None) -> list[int]:
+        """Pick the next draft token of the sequences `rows` (default all) from their logits (R, Vd)."""
+        rows = range(len(self.seqs)) if rows is None else rows
+        picked, qs = pick(logits, [self.seqs[b] for b in rows], self.to_ids, self.vocab_size)
+        for b, t, q in zip(rows, picked, qs):
             self.tokens[b].append(t)
             self.probs[b].append(q)
         return picked
 
     def proposal(self) -> Proposal:
-        probs = [None if q[0] is None else torch.stack(q) for q in self.probs]  # type: ignore[misc]
-        return Proposal(torch.tensor(self.tokens, dtype=torch.long), probs)
+        probs = [None if not q or q[0] is None else torch.stack(q) for q in self.probs]  # type: ignore[misc]
+        return Proposal(self.tokens, probs)
 
 
 class Proposer(ABC):
@@ -104,15 +110,16 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
-        """k draft tokens for every sequence (pages already hold len(seq) + k tokens)."""
+        """At most k draft tokens for every sequence (pages already hold len(seq) + k tokens)."""
 
     @abstractmethod
     def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
-               target_hidden: torch.Tensor, k: int) -> None:
+               target_hidden: Seq[torch.Tensor], num_drafted: Seq[int]) -> None:
         """After verification of the surviving sequences.
 
-        old_lens: (B,) lengths L before the step; num_accepted: (B,) n; seqs now hold L + n + 1 tokens.
-        target_hidden: (B, k+1, H) the target's hidden states at positions L-1..L+k-1 of each sequence.
+        old_lens: (B,) lengths L before the step; num_drafted: (B,) k_b tokens verified; num_accepted: (B,)
+        n <= k_b; seqs now hold L + n + 1 tokens. target_hidden: (B,) each (k_b+1, H), the target's hidden
+        states at positions L-1..L-1+k_b of its sequence.
         """
 
     @abstractmethod
@@ -120,13 +127,30 @@ class Proposer(ABC):
         """Forget a finished sequence."""
 
 
+CATCH_UP = ("target", "own")
+
+
 class HeadProposer(Proposer):
-    """The MTP / EAGLE head drafting a chain over its own one-layer paged KV cache."""
+    """The MTP / EAGLE head drafting a chain over its own one-layer paged KV cache.
+
+    draft_threshold: stop a sequence's chain before a draft whose top-1 probability under the head (softmax of
+    its logits) is below it, so tokens that would likely be rejected are not verified (0 = always k drafts;
+    k is then the maximum). catch_up: after verification re-run every accepted row with the target's hidden
+    states ("target", the seed system's rule), or keep the rows the chain wrote for accepted drafts and run only
+    the rows it never wrote, from the target's hidden states ("own": cheaper, the cache holds the head's own
+    features).
+    """
 
     name = "mtp"
 
-    def __init__(self, head: DraftHead) -> None:
+    def __init__(self, head: DraftHead, draft_threshold: float = 0.0, catch_up: str = "target") -> None:
+        if not 0.0 <= draft_threshold < 1.0:
+            raise ValueError(f"draft_threshold must be in [0, 1), got {draft_threshold}")
+        if catch_up not in CATCH_UP:
+            raise ValueError(f"catch_up must be one of {', '.join(CATCH_UP)}, got {catch_up!r}")
         self.head = head.eval()
+        self.draft_threshold = draft_threshold
+        self.catch_up = catch_up
         self.kv: KVCache | None = None
         self._feat: dict[int, torch.Tensor] = {}  # seq_id → (H,) the head's last output ĥ_{L-1}
         self._logits: dict[int, torch.Tensor] = {}  # seq_id → (Vd,) logits of the first draft token
@@ -160,28 +184,47 @@ class HeadProposer(Proposer):
         feat, logits = self._forward(target_hidden, tokens, lens, lens, seqs)
         self._store(seqs, feat, logits)
 
+    def _confident(self, logits: torch.Tensor) -> list[bool]:
+        """(R, Vd) draft logits → whether each row's top-1 probability reaches the threshold."""
+        if self.draft_threshold <= 0.0:
+            return [True] * logits.shape[0]
+        return (torch.softmax(logits.float(), -1).amax(-1) >= self.draft_threshold).tolist()
+
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
         drafts = _Drafts(seqs, self.head.draft_vocab, self.head.args.vocab_size)
         feat = torch.stack([self._feat[s.seq_id] for s in seqs])  # (B, H)
         logits = torch.stack([self._logits[s.seq_id] for s in seqs])  # (B, Vd)
         lens = [len(s) for s in seqs]
+        rows = list(range(len(seqs)))  # sequences whose chain goes on
         for j in range(k):
-            picked = drafts.add(logits)
+            keep = self._confident(logits)
+            if not all(keep):
+                sel = [i for i, ok in enumerate(keep) if ok]
+                rows = [rows[i] for i in sel]
+                if not rows:
+                    break
+                idx = torch.tensor(sel, device=logits.device)
+                feat, logits = feat[idx], logits[idx]
+            picked = drafts.add(logits, rows)
             if j < k - 1:
                 # Draft step j+2: row at position L-1+j reads ĥ and d_{j+1}.
-                feat, logits = self._forward(feat, picked, [1] * len(seqs), [n + j for n in lens], seqs)
+                feat, logits = self._forward(feat, picked, [1] * len(rows), [lens[b] + j for b in rows],
+                                             [seqs[b] for b in rows])
         return drafts.proposal()
 
     @torch.inference_mode()
     def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
-               target_hidden: torch.Tensor, k: int) -> None:
+               target_hidden: Seq[torch.Tensor], num_drafted: Seq[int]) -> None:
         if not seqs:
             return
-        # Catch-up rows L-1..L-1+n read the target's h and the tokens after them (d_1..d_n, the new token).
-        hidden = torch.cat([target_hidden[b, :n + 1] for b, n in enumerate(num_accepted)])
-        tokens = [t for s, L, n in zip(seqs, old_lens, num_accepted) for t in s.token_ids[L:L + n + 1]]
-        qo = [n + 1 for n in num_accepted]
+        # Rows L-1+m..L-1+n read the target's h and the tokens after them (d_{m+1}..d_n, the new token). With
+        # catch_up=target m = 0: every accepted row is re-run. With own, the chain's rows for accepted drafts
+        # stay: it wrote rows L-1..L+k_b-3 (one per draft after the first), so the first min(n, k_b-1) are kept.
+        keep = [0 if self.catch_up == "target" else max(0, min(n, d - 1)) for n, d in zip(num_accepted, num_drafted)]
+        hidden = torch.cat([h[m:n + 1] for h, m, n in zip(target_hidden, keep, num_accepted)])
+        tokens = [t for s, L, m, n in zip(seqs, old_lens, keep, num_accepted) for t in s.token_ids[L + m:L + n + 1]]
+        qo = [n - m + 1 for m, n in zip(keep, num_accepted)]
         kv = [L + n for L, n in zip(old_lens, num_accepted)]
         feat, logits = self._forward(hidden, tokens, qo, kv, seqs)
         self._store(seqs, feat, logits)
@@ -189,6 +232,51 @@ class HeadProposer(Proposer):
     def release(self, seq: Sequence) -> None:
         self._feat.pop(seq.seq_id, None)
         self._logits.pop(seq.seq_id, None)
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (training-free n-gram drafting, as serving engines ship it).
+
+    For every sequence: the longest suffix of n_max..n_min tokens that also occurs earlier in the sequence so
+    far (prompt and output); the k tokens that followed its most recent earlier occurrence are the drafts
+    (fewer near the end of the sequence, none without a match: that step verifies the last token alone).
+    Deterministic, so q is one-hot at every draft and no cache is kept.
+    """
+
+    name = "ngram"
+
+    def __init__(self, n_max: int = 3, n_min: int = 1) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"prompt lookup needs 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
+        self.n_max, self.n_min = n_max, n_min
+
+    def bind(self, target_kv: KVCache) -> None:
+        pass  # no cache of its own
+
+    def prefill(self, seqs: Seq[Sequence], target_hidden: torch.Tensor) -> None:
+        pass
+
+    def lookup(self, tokens: Seq[int], k: int) -> list[int]:
+        """The ≤ k tokens after the most recent earlier occurrence of the longest matching suffix, or []."""
+        size = len(tokens)
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            suffix = list(tokens[size - n:])
+            first = suffix[0]
+            # Scan backwards for the most recent start i < size - n with tokens[i:i+n] == suffix.
+            for i in range(size - n - 1, -1, -1):
+                if tokens[i] == first and list(tokens[i:i + n]) == suffix:
+                    return list(tokens[i + n:i + n + k])
+        return []
+
+    def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
+        return Proposal([self.lookup(s.token_ids, k) for s in seqs], [None] * len(seqs))
+
+    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
+               target_hidden: Seq[torch.Tensor], num_drafted: Seq[int]) -> None:
+        pass  # it reads the sequence itself
+
+    def release(self, seq: Sequence) -> None:
+        pass
 
 
 class DraftModelProposer(Proposer):
@@ -232,7 +320,7 @@ class DraftModelProposer(Proposer):
         return drafts.proposal()
 
     def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
-               target_hidden: torch.Tensor, k: int) -> None:
+               target_hidden: Seq[torch.Tensor], num_drafted: Seq[int]) -> None:
         # Entries up to the last accepted draft are valid; the new token (and a rejected tail) are not.
         for s in seqs:
             self._cached[s.seq_id] = min(self._cached[s.seq_id], len(s) - 1)
