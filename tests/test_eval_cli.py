@@ -65,26 +65,39 @@ def test_eval_writes_reports_and_greedy_speculation_equals_plain_decoding(traine
     out = root / "eval"
     report = eval_main(_cfg("eval", [f"model.path={default_model_dir}", "model.device=cpu", f"head_ckpt={head}",
                                      f"prompts=[{prompts}]", "max_new_tokens=10", "k=[1,3]",
+                                     "draft_threshold=[0.0,0.5]", "catch_up=[target,own]",
                                      f"out={out}", "progress=false", "warmup=false"]))
     rows = report["rows"]
-    assert {(r["dataset"], r["k"]) for r in rows} == {("prompts", 1), ("prompts", 3), ("overall", 1),
-                                                     ("overall", 3)}
+    heads = [r for r in rows if r["method"] == "mtp"]
+    assert {(r["dataset"], r["k"], r["draft_threshold"], r["catch_up"]) for r in heads} == {
+        (d, k, t, c) for d in ("prompts", "overall") for k in (1, 3) for t in (0.0, 0.5) for c in ("target", "own")}
+    # prompt lookup ran beside the head at every k, and every head row carries its figures
+    assert {(r["dataset"], r["k"]) for r in rows if r["method"] == "ngram"} == {
+        (d, k) for d in ("prompts", "overall") for k in (1, 3)}
+    floor = {(r["dataset"], r["k"]): r for r in rows if r["method"] == "ngram"}
     for r in rows:
         assert r["exact_match"] == 1.0  # greedy speculation reproduces plain greedy decoding
         assert 1.0 <= r["tau"] <= r["k"] + 1 and len(r["per_position"]) == r["k"]
         assert r["speedup"] > 0 and r["baseline_tokens_per_s"] > 0
         assert r["step_cost"] == pytest.approx(r["tau"] / r["speedup"])  # the break-even τ on this machine
-    assert report["best"]["k"] in (1, 3)
-    assert "step_cost" in (out / "report.md").read_text()
+        assert 0 <= r["mean_draft_len"] <= r["k"]
+        if r["method"] == "mtp":
+            ng = floor[(r["dataset"], r["k"])]
+            assert (r["tau_ngram"], r["speedup_ngram"]) == (ng["tau"], ng["speedup"])
+            if r["draft_threshold"] == 0.0:
+                assert r["mean_draft_len"] == r["k"]  # a fixed chain always drafts k
+    assert report["best"]["k"] in (1, 3) and report["best"]["method"] == "mtp"
+    md = (out / "report.md").read_text()
+    assert "step_cost" in md and "tau_ngram" in md and "mean_draft_len" in md
     for name in ("report.json", "report.md", "outputs.jsonl", "config.yaml", "acceptance_per_position.png",
                  "tau_speedup_vs_k.png"):
         assert (out / name).is_file(), name
     assert (out / "acceptance_per_position.png").read_bytes()[:4] == b"\x89PNG"
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
-    assert {o["method"] for o in outputs} == {"mtp", "none"}
+    assert {o["method"] for o in outputs} == {"mtp", "none", "ngram"}
     assert all(o["turns"] and isinstance(o["turns"][0]["text"], str) for o in outputs)
-    # The two-turn conversation is answered turn by turn, by both methods.
-    assert sorted(len(o["turns"]) for o in outputs if o["id"] == "two") == [2, 2, 2]
+    # The two-turn conversation is answered turn by turn, by every run: 8 head runs, 2 lookup runs, plain once.
+    assert [len(o["turns"]) for o in outputs if o["id"] == "two"] == [2] * 11
     assert all(len(o["turns"]) == 1 for o in outputs if o["id"] == "one")
 
 
@@ -106,12 +119,26 @@ def test_eval_names_an_unknown_prompt_set(default_model_dir, tmp_path):
     assert proc.returncode == 2 and "no-such-set" in proc.stderr and "demo-heldout" in proc.stderr
 
 
+def test_eval_prompt_lookup_alone(default_model_dir, tmp_path):
+    """method=ngram needs no head: rows for prompt lookup only, identical to plain greedy; bad n refused."""
+    report = eval_main(_cfg("eval", [f"model.path={default_model_dir}", "model.device=cpu", "method=ngram",
+                                     f"prompts=[{HELDOUT}]", "limit=2", "max_new_tokens=24", "k=3", f"out={tmp_path}",
+                                     "progress=false", "warmup=false", "plots=false"]))
+    assert {r["method"] for r in report["rows"]} == {"ngram"}
+    best = report["best"]
+    assert best["method"] == "ngram" and best["exact_match"] == 1.0 and "tau_ngram" not in best
+    with pytest.raises(ValueError, match="n_min"):
+        eval_main(_cfg("eval", [f"model.path={default_model_dir}", "method=ngram", "ngram.n_min=4",
+                                f"out={tmp_path / 'bad'}"]))
+
+
 def test_eval_draft_method_with_the_target_as_its_own_draft(default_model_dir, tmp_path):
     """method=draft: the target drafting for itself accepts every draft (τ = k + 1) and reproduces plain greedy."""
     report = eval_main(_cfg("eval", [f"model.path={default_model_dir}", "model.device=cpu", "method=draft",
                                      f"draft_model={default_model_dir}", f"prompts=[{HELDOUT}]", "limit=1",
                                      "max_new_tokens=9", "k=2", f"out={tmp_path}", "progress=false",
-                                     "warmup=false", "plots=false"]))
+                                     "warmup=false", "plots=false", "ngram.compare=false"]))
+    assert {r["method"] for r in report["rows"]} == {"draft"}
     row = report["best"]
     assert row["method"] == "draft" and row["exact_match"] == 1.0
     assert row["acceptance_rate"] == 1.0 and row["tau"] == 3.0

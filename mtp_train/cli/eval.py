@@ -28,14 +28,22 @@ from mtp_train.cli.common import (
 )
 from mtp_train.config import resolve_device
 from mtp_train.data.chat import load_tokenizer, tokenizer_fingerprint
-from mtp_train.eval.acceptance import EvalSettings, best_row, evaluate, overall_rows, result_row
+from mtp_train.eval.acceptance import (
+    EvalSettings,
+    Method,
+    attach_ngram,
+    best_row,
+    evaluate,
+    overall_rows,
+    result_row,
+)
 from mtp_train.eval.prompts import load_prompt_sets
 from mtp_train.eval.report import markdown_table, output_records, plot, write_jsonl
 from mtp_train.fileio import atomic_write_text
 from mtp_train.models.config import ModelConfigError
 from mtp_train.precompute.regenerate import stop_token_ids
 from mtp_train.spec.engine import METHODS
-from mtp_train.spec.proposers import DraftModelProposer, HeadProposer
+from mtp_train.spec.proposers import DraftModelProposer, HeadProposer, NgramProposer
 
 log = logging.getLogger(__name__)
 PROG = "mtp-eval"
@@ -52,13 +60,27 @@ def as_list(value: Any, what: str, kind: type) -> list:
         raise ValueError(f"`{what}` must be a {kind.__name__} or a list of them, got {value!r}") from None
 
 
-def make_proposers(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Path) -> dict[str, Any]:
-    """method → factory of a fresh proposer; {} for method none."""
+def make_proposers(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Path) -> list[Method]:
+    """The methods of the grid (each a factory of fresh proposers); [] for method none.
+
+    method=mtp: one per (draft_threshold, catch_up) of the grid; prompt lookup joins every method but none
+    when `ngram.compare` is on.
+    """
     method = cfg.method
     if method not in METHODS:
         raise ValueError(f"method {method!r} is unknown; choose one of {', '.join(METHODS)}")
     if method == "none":
-        return {}
+        return []
+    ng = cfg.ngram
+    ngram = Method("ngram", lambda: NgramProposer(n_max=ng.n_max, n_min=ng.n_min))
+    ngram.make()  # n_min / n_max errors now, before any run
+    if method == "ngram":
+        return [ngram]
+    return [*_drafters(cfg, target, tokenizer, target_dir), *([ngram] if ng.compare else [])]
+
+
+def _drafters(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Path) -> list[Method]:
+    method = cfg.method
     if method == "mtp":
         if not cfg.head_ckpt:
             raise ValueError("method=mtp needs head_ckpt=DIR (a folder written by mtp-train or mtp-export)")
@@ -68,7 +90,15 @@ def make_proposers(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Pat
                          backend=cfg.model.backend, verify_fingerprint=cfg.verify_fingerprint)
         log.info("head %s: %s, %.2fM parameters, draft vocabulary %d", cfg.head_ckpt, head.cfg.type,
                  head.num_params() / 1e6, head.vocab_size)
-        return {"mtp": lambda: HeadProposer(head)}
+        thresholds = as_list(cfg.draft_threshold, "draft_threshold", float)
+        catch_ups = as_list(cfg.catch_up, "catch_up", str)
+        methods = []
+        for thr in thresholds:
+            for cu in catch_ups:
+                HeadProposer(head, draft_threshold=thr, catch_up=cu)  # a bad value fails before any run
+                methods.append(Method("mtp", lambda t=thr, c=cu: HeadProposer(head, draft_threshold=t, catch_up=c),
+                                      {"draft_threshold": thr, "catch_up": cu}))
+        return methods
     if not cfg.draft_model:
         raise ValueError("method=draft needs draft_model=DIR (a Hugging Face folder with the target's tokenizer)")
     from mtp_train.models.loader import load_model
@@ -82,7 +112,7 @@ def make_proposers(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Pat
     if draft.args.vocab_size != target.args.vocab_size:
         raise ModelConfigError(f"draft model {draft_dir} has vocab_size {draft.args.vocab_size}, the target "
                                f"{target.args.vocab_size}")
-    return {"draft": lambda: DraftModelProposer(draft)}
+    return [Method("draft", lambda: DraftModelProposer(draft))]
 
 
 def eval_main(cfg: DictConfig) -> dict[str, Any]:
@@ -108,14 +138,17 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
 
     def on_result(run: Any, base: Any) -> None:
         r = result_row(run, base)
-        log.info("%s %s k=%d T=%g: tau %.2f, acceptance %.2f, %.1f vs %.1f tok/s, speed-up %.2f", r["dataset"],
-                 r["method"], r["k"], r["temperature"], r.get("tau", 1.0), r.get("acceptance_rate", 0.0),
-                 r["tokens_per_s"], r["baseline_tokens_per_s"], r["speedup"])
+        opts = "".join(f" {k}={v}" for k, v in run.options.items())
+        log.info("%s %s%s k=%d T=%g: tau %.2f, acceptance %.2f, drafted %.2f/step, %.1f vs %.1f tok/s, speed-up %.2f",
+                 r["dataset"], r["method"], opts, r["k"], r["temperature"], r.get("tau", 1.0),
+                 r.get("acceptance_rate", 0.0), r.get("mean_draft_len", 0.0), r["tokens_per_s"],
+                 r["baseline_tokens_per_s"], r["speedup"])
 
     pairs, baselines = evaluate(target, tokenizer, prompt_sets, proposers, settings, on_result=on_result)
     if proposers:
         rows = [result_row(run, base) for run, base in pairs]
         rows += overall_rows(pairs)
+        attach_ngram(rows)
         outputs = [rec for run, _ in pairs for rec in output_records(run, tokenizer, ids[run.dataset])]
     else:  # method none: the plain runs themselves
         rows = [result_row(b, b) for b in baselines] + overall_rows([(b, b) for b in baselines])
@@ -131,8 +164,10 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
     files = plot(rows, out) if cfg.plots and proposers else []
     print(table, flush=True)
     if best is not None:
-        print(f"{PROG}: best at T=0: k={best['k']} tau {best['tau']:.2f} speed-up {best['speedup']:.2f} "
-              f"→ {out}/report.json", flush=True)
+        floor = (f" (prompt lookup: tau {best['tau_ngram']:.2f}, speed-up {best['speedup_ngram']:.2f})"
+                 if "tau_ngram" in best else "")
+        print(f"{PROG}: best at T=0: {best['method']} k={best['k']} tau {best['tau']:.2f} speed-up "
+              f"{best['speedup']:.2f}{floor} → {out}/report.json", flush=True)
     log.info("wrote %s", ", ".join(str(p) for p in [out / "report.json", out / "outputs.jsonl", *files]))
     return report
 

@@ -35,8 +35,17 @@ class PromptSet:
 
 
 @dataclass
+class Method:
+    """One speculative method of the grid: a name, a factory of fresh proposers and the options that set it."""
+
+    name: str  # mtp | draft | ngram
+    make: Callable[[], Proposer]
+    options: dict[str, Any] = field(default_factory=dict)  # e.g. {"draft_threshold": 0.5, "catch_up": "own"}
+
+
+@dataclass
 class RunResult:
-    """One (prompt set, method, k, temperature) run."""
+    """One (prompt set, method and options, k, temperature) run."""
 
     dataset: str
     method: str
@@ -47,6 +56,7 @@ class RunResult:
     seconds: float
     metrics: SpecMetrics | None = None  # None for `none`
     split: dict[str, float] = field(default_factory=dict)  # prefill / draft / verify / update seconds
+    options: dict[str, Any] = field(default_factory=dict)  # the method's options (Method.options)
 
     @property
     def tokens_per_s(self) -> float:
@@ -129,14 +139,16 @@ class EvalSettings:
 
 
 def evaluate(target: LlamaForCausalLM, tokenizer: Any, prompt_sets: Sequence[PromptSet],
-             proposers: Mapping[str, Callable[[], Proposer]], s: EvalSettings,
+             proposers: Sequence[Method] | Mapping[str, Callable[[], Proposer]], s: EvalSettings,
              on_result: Callable[[RunResult, RunResult], None] | None = None,
              ) -> tuple[list[tuple[RunResult, RunResult]], list[RunResult]]:
     """Run the grid: per prompt set and temperature, `none` once, then every method × k of `proposers`.
 
-    proposers: method name → a factory of a fresh proposer (its state is per engine). Returns the (run,
-    baseline) pairs in order and the baseline runs; on_result(run, baseline) is called after each run.
+    proposers: the methods (or method name → a factory of a fresh proposer; its state is per engine). Returns
+    the (run, baseline) pairs in order and the baseline runs; on_result(run, baseline) is called after each run.
     """
+    methods = ([Method(name, make) for name, make in proposers.items()] if isinstance(proposers, Mapping)
+               else list(proposers))
     engine_kw = {"page_size": s.page_size, "kv_cache_gb": s.kv_cache_gb, "max_batch_size": s.batch_size}
 
     def params(temp: float) -> SamplingParams:
@@ -158,11 +170,13 @@ def evaluate(target: LlamaForCausalLM, tokenizer: Any, prompt_sets: Sequence[Pro
             base = _run(base_engine, ps, tokenizer, params(temp), "none", 0, s.template_kwargs, s.progress)
             del base_engine
             baselines.append(base)
-            for method, make in proposers.items():
+            for method in methods:
                 for k in s.ks:
-                    engine = SpecEngine(target, make(), k, **engine_kw)
+                    engine = SpecEngine(target, method.make(), k, **engine_kw)
                     warm(engine)
-                    run = _run(engine, ps, tokenizer, params(temp), method, k, s.template_kwargs, s.progress)
+                    run = _run(engine, ps, tokenizer, params(temp), method.name, k, s.template_kwargs,
+                               s.progress)
+                    run.options = dict(method.options)
                     del engine
                     pairs.append((run, base))
                     if on_result is not None:
@@ -174,7 +188,7 @@ def result_row(run: RunResult, base: RunResult) -> dict[str, Any]:
     """The report row of one run against its baseline."""
     m = run.metrics
     row: dict[str, Any] = {
-        "dataset": run.dataset, "method": run.method, "k": run.k, "temperature": run.temperature,
+        "dataset": run.dataset, "method": run.method, "k": run.k, "temperature": run.temperature, **run.options,
         "prompts": len(run.answers), "generated_tokens": run.generated_tokens, "seconds": run.seconds,
         "tokens_per_s": run.tokens_per_s, "baseline_tokens_per_s": base.tokens_per_s,
         "speedup": run.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else 0.0,
@@ -182,7 +196,8 @@ def result_row(run: RunResult, base: RunResult) -> dict[str, Any]:
     }
     if m is not None:
         row.update({"tau": m.mean_acceptance_length, "acceptance_rate": m.acceptance_rate,
-                    "per_position": m.per_position, "num_drafts": m.num_drafts, "num_accepted": m.num_accepted})
+                    "per_position": m.per_position, "num_drafts": m.num_drafts, "num_accepted": m.num_accepted,
+                    "mean_draft_len": m.mean_draft_length, "num_empty": m.num_empty})
         row["step_cost"] = step_cost(row)
     if run.temperature == 0:
         row["exact_match"] = exact_match(run, base)
@@ -200,30 +215,30 @@ def step_cost(row: Mapping[str, Any]) -> float | None:
 
 
 def overall_rows(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[dict[str, Any]]:
-    """Per (method, k, temperature), all prompt sets together: counts summed, tokens/s over the summed time."""
-    groups: dict[tuple[str, int, float], list[tuple[RunResult, RunResult]]] = {}
+    """Per (method and options, k, temperature), all prompt sets together: counts summed, tokens/s over the summed
+    time."""
+    groups: dict[tuple[str, tuple, int, float], list[tuple[RunResult, RunResult]]] = {}
     for run, base in pairs:
-        groups.setdefault((run.method, run.k, run.temperature), []).append((run, base))
+        key = (run.method, tuple(sorted(run.options.items())), run.k, run.temperature)
+        groups.setdefault(key, []).append((run, base))
     rows = []
-    for (method, k, temp), items in groups.items():
+    for (method, options, k, temp), items in groups.items():
         m = SpecMetrics(k)
         for run, _ in items:
             if run.metrics is not None:
-                m.num_drafts += run.metrics.num_drafts
-                m.num_draft_tokens += run.metrics.num_draft_tokens
-                m.num_accepted += run.metrics.num_accepted
-                m.accepted_per_pos = [a + b for a, b in zip(m.accepted_per_pos, run.metrics.accepted_per_pos)]
+                m.merge(run.metrics)
         tokens = sum(r.generated_tokens for r, _ in items)
         secs = sum(r.seconds for r, _ in items)
         btokens = sum(b.generated_tokens for _, b in items)
         bsecs = sum(b.seconds for _, b in items)
         tps, btps = tokens / secs if secs else 0.0, btokens / bsecs if bsecs else 0.0
         row: dict[str, Any] = {
-            "dataset": "overall", "method": method, "k": k, "temperature": temp,
+            "dataset": "overall", "method": method, "k": k, "temperature": temp, **dict(options),
             "prompts": sum(len(r.answers) for r, _ in items), "generated_tokens": tokens, "seconds": secs,
             "tokens_per_s": tps, "baseline_tokens_per_s": btps, "speedup": tps / btps if btps else 0.0,
             "tau": m.mean_acceptance_length, "acceptance_rate": m.acceptance_rate, "per_position": m.per_position,
-            "num_drafts": m.num_drafts, "num_accepted": m.num_accepted,
+            "num_drafts": m.num_drafts, "num_accepted": m.num_accepted, "mean_draft_len": m.mean_draft_length,
+            "num_empty": m.num_empty,
         }
         row["step_cost"] = step_cost(row)
         for key in ("prefill_seconds", "draft_seconds", "verify_seconds", "update_seconds"):
@@ -235,9 +250,22 @@ def overall_rows(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[dict[str,
     return rows
 
 
+def attach_ngram(rows: Sequence[dict[str, Any]]) -> None:
+    """Give every row of another method `tau_ngram` and `speedup_ngram`: prompt lookup's on the same prompt set, k
+    and temperature of the same run (when it ran), the floor a trained drafter has to clear."""
+    floor = {(r["dataset"], r["k"], r["temperature"]): r for r in rows if r["method"] == "ngram"}
+    for r in rows:
+        ng = floor.get((r["dataset"], r["k"], r["temperature"]))
+        if r["method"] != "ngram" and ng is not None:
+            r["tau_ngram"], r["speedup_ngram"] = ng.get("tau"), ng["speedup"]
+
+
 def best_row(rows: Sequence[Mapping[str, Any]], temperature: float = 0.0) -> Mapping[str, Any] | None:
-    """The overall row with the highest speed-up at `temperature` (None when there is none)."""
+    """The overall row with the highest speed-up at `temperature` (None when there is none); prompt lookup's rows
+    only when no other method ran (it is the comparison, not the candidate)."""
     cands = [r for r in rows if r["dataset"] == "overall" and r["temperature"] == temperature]
+    drafters = [r for r in cands if r["method"] != "ngram"]
+    cands = drafters or cands
     return max(cands, key=lambda r: r["speedup"]) if cands else None
 
 

@@ -10,8 +10,9 @@ from typing import Any
 from mtp_train.eval.acceptance import RunResult
 from mtp_train.fileio import atomic_write, atomic_write_text
 
-COLUMNS = ("dataset", "method", "k", "temperature", "tau", "acceptance_rate", "tokens_per_s",
-           "baseline_tokens_per_s", "speedup", "step_cost", "exact_match")
+COLUMNS = ("dataset", "method", "k", "draft_threshold", "catch_up", "temperature", "tau", "mean_draft_len",
+           "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup", "step_cost", "tau_ngram",
+           "speedup_ngram", "exact_match")
 
 
 def _cell(v: Any) -> str:
@@ -23,7 +24,8 @@ def _cell(v: Any) -> str:
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """One line per row: τ, acceptance rate, tokens/s (ours, plain), speed-up, step cost, exact match (temperature 0).
+    """One line per row: τ, drafts verified per step, acceptance rate, tokens/s (ours, plain), speed-up, step cost,
+    prompt lookup's τ and speed-up on the same prompts, exact match (temperature 0).
 
     step_cost: one speculative step in plain decode steps (τ / speed-up), i.e. the τ at which the method breaks even.
     """
@@ -58,9 +60,9 @@ def plot(rows: Sequence[Mapping[str, Any]], out: Path) -> list[Path]:
         return []
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in sorted(overall, key=lambda r: (r["method"], r["temperature"], r["k"])):
+    for r in sorted(overall, key=lambda r: (_label(r), r["temperature"], r["k"])):
         pos = r["per_position"]
-        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=f"{r['method']} k={r['k']} T={r['temperature']:g}")
+        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=f"{_label(r)} k={r['k']} T={r['temperature']:g}")
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (share of steps reaching it)")
     ax.set_ylim(0, 1)
@@ -73,7 +75,7 @@ def plot(rows: Sequence[Mapping[str, Any]], out: Path) -> list[Path]:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
     series: dict[tuple[str, float], list[Mapping[str, Any]]] = {}
     for r in overall:
-        series.setdefault((r["method"], r["temperature"]), []).append(r)
+        series.setdefault((_label(r), r["temperature"]), []).append(r)
     for (method, temp), rs in sorted(series.items()):
         rs = sorted(rs, key=lambda r: r["k"])
         label = f"{method} T={temp:g}"
@@ -91,6 +93,16 @@ def plot(rows: Sequence[Mapping[str, Any]], out: Path) -> list[Path]:
     written.append(_save(fig, out / "tau_speedup_vs_k.png"))
     plt.close(fig)
     return written
+
+
+def _label(row: Mapping[str, Any]) -> str:
+    """The method and its non-default options, e.g. `mtp thr=0.4 own`."""
+    parts = [row["method"]]
+    if row.get("draft_threshold"):
+        parts.append(f"thr={row['draft_threshold']:g}")
+    if row.get("catch_up", "target") != "target":
+        parts.append(str(row["catch_up"]))
+    return " ".join(parts)
 
 
 def _save(fig: Any, path: Path) -> Path:
