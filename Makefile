@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-spec bench-memory ablation clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-spec bench-memory bench-regenerate ablation clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,10 @@ bench-precompute: model
 
 bench-train: model
 	$(PY) bench/bench_train.py --model $(MODEL_DIR)
+
+# Self-distillation throughput: our batched greedy decoding vs transformers' batched generate, and the peak share.
+bench-regenerate: model
+	$(PY) bench/bench_regenerate.py --model $(MODEL_DIR) $(BENCH_REGENERATE_ARGS)
 
 # GPU memory per rank (precompute, training) and disk per million tokens at the shipped configs (no GPU needed).
 bench-memory: setup

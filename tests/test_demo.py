@@ -29,11 +29,13 @@ def test_demo_runs_every_stage_then_skips_them(default_model_dir, tmp_path, caps
     saved = json.loads((out / "summary.json").read_text())
     assert saved["tau"] == summary["tau"] and 1.0 <= saved["tau"] <= 3.0
     assert {"tau", "acceptance_rate", "speedup", "minutes"} <= saved.keys()
+    # prompt lookup ran on the same held-out prompts in the same eval: the floor the head is compared with
+    assert 1.0 <= saved["tau_ngram"] <= 3.0 and saved["speedup_ngram"] > 0
     assert saved["exact_match"] == 1.0
     assert (out / "eval" / "report.json").is_file() and (out / "export" / "model.safetensors").is_file()
     assert list((out / "train" / "wandb").glob("offline-run-*"))  # a real W&B offline run
     first = capsys.readouterr().out
-    assert "τ" in first and all(s in first for s in STAGES)
+    assert "τ" in first and all(s in first for s in STAGES) and "prompt lookup" in first
 
     again = run_demo(cfg)
     lines = capsys.readouterr().out.splitlines()

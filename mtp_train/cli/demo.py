@@ -109,8 +109,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             state.pop("export", None)
         elif stage == "eval":
             best = result["best"]
-            record["metrics"] = {k: best[k] for k in ("k", "tau", "acceptance_rate", "speedup", "tokens_per_s",
-                                                      "baseline_tokens_per_s", "exact_match") if k in best}
+            record["metrics"] = {k: best[k] for k in ("k", "draft_threshold", "tau", "acceptance_rate", "speedup",
+                                                      "tokens_per_s", "baseline_tokens_per_s", "exact_match",
+                                                      "mean_draft_len", "tau_ngram", "speedup_ngram") if k in best}
             record["outputs"] = [str(out / "eval" / "report.json"), str(out / "eval" / "outputs.jsonl")]
         elif stage == "export":
             record["outputs"] = [str(result["out"])]
@@ -122,7 +123,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     summary = {
         "tau": m["tau"], "acceptance_rate": m["acceptance_rate"], "speedup": m["speedup"], "k": m["k"],
         "tokens_per_s": m["tokens_per_s"], "baseline_tokens_per_s": m["baseline_tokens_per_s"],
-        "exact_match": m.get("exact_match"),
+        "exact_match": m.get("exact_match"), "draft_threshold": m.get("draft_threshold"),
+        "mean_draft_len": m.get("mean_draft_len"),
+        "tau_ngram": m.get("tau_ngram"), "speedup_ngram": m.get("speedup_ngram"),  # prompt lookup, same prompts
         "minutes": sum(state[s]["minutes"] for s in STAGES),
         "minutes_this_run": (time.perf_counter() - t_run) / 60,
         "outputs": {s: state[s]["outputs"] for s in STAGES},
@@ -137,10 +140,14 @@ def print_summary(rows: list[tuple[str, str, float, str]], s: dict[str, Any]) ->
     print(f"\n{'stage':<11} {'status':<8} {'minutes':>7}  output")
     for stage, status, minutes, output in rows:
         print(f"{stage:<11} {status:<8} {minutes:>7.1f}  {output}")
-    print(f"\nmtp head, k={s['k']}, greedy, held-out prompts: τ {s['tau']:.2f} · acceptance rate "
+    thr = f", threshold {s['draft_threshold']:g}" if s.get("draft_threshold") else ""
+    print(f"\nmtp head, k={s['k']}{thr}, greedy, held-out prompts: τ {s['tau']:.2f} · acceptance rate "
           f"{s['acceptance_rate']:.2f} · speed-up {s['speedup']:.2f}× ({s['tokens_per_s']:.1f} vs "
           f"{s['baseline_tokens_per_s']:.1f} tok/s) · identical to plain greedy: "
           f"{'yes' if s.get('exact_match') == 1.0 else s.get('exact_match')}")
+    if s.get("tau_ngram") is not None:
+        print(f"prompt lookup on the same prompts, k={s['k']}: τ {s['tau_ngram']:.2f} · speed-up "
+              f"{s['speedup_ngram']:.2f}×")
     print(f"pipeline minutes: {s['minutes']:.1f} (this run {s['minutes_this_run']:.1f}); eval report "
           f"{s['outputs']['eval'][0]}, outputs {s['outputs']['eval'][1]}, head {s['outputs']['export'][0]}",
           flush=True)
