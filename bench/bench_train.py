@@ -12,20 +12,26 @@ run (median of a few 2048×2048 matmuls, fp32 on CPU, bf16 on CUDA like the engi
 and peak memory (ru_maxrss on CPU, torch.cuda.max_memory_allocated on CUDA; ru_maxrss is the process's
 lifetime peak, so it also covers the precompute stage, which holds the whole target in fp32).
 
-FLOPs are counted analytically per optimizer step, summed over its packed batches and unrolled draft steps j:
+FLOPs are counted analytically per optimizer step, summed over its packed batches and unrolled draft steps j, for
+the loss as configured (V_d: the head's output rows, the draft vocabulary when it has one, else the target's V):
 
     body_j   = 2 · P · T + Σ_layers 4 · H · Σ_seq n·(n+1)/2      (P: trainable head params, T: packed rows,
                                                                    causal attention: QKᵀ and AV over i+1 keys;
                                                                    for j > 0 an estimate: the chain's own keys
                                                                    are left out)
     train    = 3 · Σ_j body_j                                     (forward + backward ≈ 3 × forward)
-             + Σ_j (2 + 2 + 4) · N_j · H · V                      (N_j: counted rows of step j; the target's
-                                                                   logits, the head's logits, their backward)
+             + Σ_j 6 · N_j · H · V_d                              (N_j: counted rows of step j; the target's
+                                                                   logits, the head's logits and their gradient
+                                                                   with respect to ĥ: 2 + 2 + 2; the lm_head is
+                                                                   frozen, so it has no weight gradient)
 
 The lm_head products dominate for a small head over a large vocabulary. Recomputation inside the chunked loss
-(ce_impl=checkpoint) is not counted: it is work the step does, not useful FLOPs.
+(ce_impl=checkpoint recomputes both chunks' logits in the backward) is not counted: it is work the step does, not
+useful FLOPs. The defaults are the demo's training settings (conf/demo.yaml: 8k draft vocabulary, one draft step,
+2k-token micro-batches, w_tok 1).
 
 Usage: python bench/bench_train.py [--model DIR] [--data FILE] [--limit 64] [--max-seq-len 512] [--steps 20]
+                                   [--draft-vocab 8192] [--steps-unrolled 1] [--micro-batch-tokens 2048] [key=value ...]
 The last line printed is one JSON object.
 """
 
@@ -43,7 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report, timeit  # noqa: E402
+from common import compose, report, timeit  # noqa: E402
 
 from mtp_train.precompute import Sample, precompute  # noqa: E402
 
@@ -97,15 +103,7 @@ def make_precompute(model_dir: str | Path, out_dir: str | Path, data: str | Path
 
 def compose_train(overrides: list[str], experiment: str | None = None) -> Any:
     """The `train` config composed by Hydra with `overrides` (and `+experiment=<name>` first, when given)."""
-    from hydra import compose, initialize_config_dir
-
-    from mtp_train.cli.common import CONF_DIR
-    from mtp_train.config import register_configs
-
-    register_configs()
-    items = ([f"+experiment={experiment}"] if experiment else []) + overrides
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose("train", overrides=items)
+    return compose("train", ([f"+experiment={experiment}"] if experiment else []) + overrides)
 
 
 def peak_matmul_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048, repeat: int = 5) -> float:
@@ -165,7 +163,7 @@ class StepMeter:
             head = trainer.head
             self.params = sum(p.numel() for p in trainer.engine.module.parameters() if p.requires_grad)
             self.layers = int(head.kv_shape[0])
-            self.vocab, self.hidden = (int(d) for d in head.require_frozen().lm_head.shape)
+            self.vocab, self.hidden = (int(d) for d in head.lm_head_weight().shape)  # V_d rows: what the loss uses
         elif step > self.warmup:
             self.times.append(now - self._last)
             self.rows.append(sum(self._pending))
@@ -181,7 +179,7 @@ class StepMeter:
         for lens, counted in zip(self.seq_lens, self.counted):
             body = body_flops(self.params, lens, self.hidden, self.layers)
             total += 3.0 * body * len(counted)
-            total += sum(8.0 * n * self.hidden * self.vocab for n in counted)
+            total += sum(6.0 * n * self.hidden * self.vocab for n in counted)
         return total
 
 
@@ -198,8 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20, help="measured optimizer steps")
     ap.add_argument("--warmup", type=int, default=3, help="optimizer steps before the measured ones")
-    ap.add_argument("--micro-batch-tokens", type=int, default=1024)
+    ap.add_argument("--micro-batch-tokens", type=int, default=2048)
     ap.add_argument("--head", default="mtp")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="head.draft_vocab_size (0 = the full vocabulary)")
+    ap.add_argument("--steps-unrolled", type=int, default=1, help="loss.steps: chained draft steps per batch")
     ap.add_argument("overrides", nargs="*", help="more mtp-train overrides, key=value")
     args = ap.parse_args(argv)
 
@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"out={Path(tmp) / 'run'}",
             "wandb.mode=disabled", "train.progress=false", f"train.max_steps={args.warmup + args.steps}",
             f"train.micro_batch_tokens={args.micro_batch_tokens}", "train.eval_every=0", "train.eval_batches=1",
-            "train.save_every=0", "train.log_every=1", "spec_eval.prompts=[]", *args.overrides,
+            "train.save_every=0", "train.log_every=1", "spec_eval.prompts=[]",
+            f"head.draft_vocab_size={args.draft_vocab}", f"loss.steps={args.steps_unrolled}", "loss.w_tok=1.0",
+            *args.overrides,
         ])
         meter = StepMeter(args.warmup)
         result = train_main(cfg, on_step=meter)
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     res: dict[str, Any] = {
         "data": kind, "device": str(device), "head": args.head, "steps": len(meter.times),
         "warmup_steps": args.warmup, "micro_batch_tokens": args.micro_batch_tokens,
-        "loss_steps": int(cfg.loss.steps), "head_params": meter.params,
+        "loss_steps": int(cfg.loss.steps), "head_params": meter.params, "draft_vocab": meter.vocab,
+        "ce_impl": str(cfg.loss.ce_impl),
         "tokens_per_s": rows / seconds, "counted_tokens_per_s": counted / seconds,
         "step_s_median": statistics.median(meter.times), "gflops_achieved": gflops, "gflops_peak": gflops_peak,
         "mfu_ratio": gflops / gflops_peak, "peak_memory_mb": peak_mem_mb,

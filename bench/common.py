@@ -6,6 +6,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def timeit(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
@@ -46,3 +47,16 @@ def compare(ours: Callable[[], object], baseline: Callable[[], object], repeat: 
 def report(results: dict) -> None:
     """Print the results as the benchmark's last line: one JSON object."""
     print(json.dumps(results, sort_keys=True))
+
+
+def compose(config_name: str, overrides: list[str]) -> Any:
+    """The Hydra config `config_name` (conf/<config_name>.yaml) composed with `overrides`, as the CLIs see it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name, overrides=overrides)
