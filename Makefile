@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-spec bench-memory bench-regenerate ablation clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-spec bench-memory bench-regenerate ablation curve clean
 
 setup: $(STAMP)
 
@@ -70,3 +70,8 @@ bench-spec: model
 # The norm ablation (mtp vs eagle1) at the CPU-sized default; e.g. `make ablation ABLATION_ARGS="--steps 2000"`.
 ablation: model
 	$(PY) bench/ablation_norms.py --model $(MODEL_DIR) $(ABLATION_ARGS)
+
+# The learning curve (conf/experiment/curve.yaml): τ of mtp and eagle1 against training tokens, beside prompt lookup;
+# resumes when re-run; e.g. `make curve CURVE_ARGS="--max-tokens 1048576 --out runs/curve_1m"`.
+curve: model
+	$(PY) bench/curve.py --model $(MODEL_DIR) $(CURVE_ARGS)

@@ -1,0 +1,559 @@
+"""The learning curve: τ of each head against its training tokens, beside prompt lookup, at equal budgets.
+
+Config: conf/experiment/curve.yaml (heads, token points, data, the shared mtp-train overrides, evaluation).
+Every head listed there is trained once, with the same recipe on the same precompute folder (so the same batches
+in the same order), to the last token point, into `<out>/<head>`; the step hook exports the head at the step
+where the training tokens (packed rows) reach each log-spaced point, and writes a resumable checkpoint every
+`checkpoint_every` steps (only the newest full checkpoint is kept; a re-run resumes the training, and
+skips points already measured). A head type without an implementation (e.g. `eagle3` before it exists) is
+skipped with a message. Every exported point is then measured by `head_acceptance`: greedy speculative decoding
+through the engine on the held-out prompts (τ at k, acceptance rate, per-position acceptance; no timing),
+and prompt lookup (`NgramProposer`) once on the same prompts, as the floor a trained head must clear.
+
+The data folder is the shared self-distilled set when ../shared/data has it (data=shared-regen), else the demo's
+own conversations (made here as `make demo` makes them).
+
+Outputs in `--out` (default runs/curve): curve.json (every point), curve.md (recipe, command, table, fits),
+curve.png (τ and per-position acceptance against training tokens, log x axis, one line per head, prompt lookup
+as a horizontal line). `--doc` / `--png` write copies elsewhere (e.g. docs/).
+
+Usage: python bench/curve.py [--out runs/curve] [--max-tokens N] [--first-tokens N] [--heads mtp,eagle1]
+                             [--report-only] [--doc docs/curve.md --png docs/curve.png] [key=value ...]
+key=value: more mtp-train overrides for every head. --report-only redoes the table and plot from curve.json
+(and measures prompt lookup if it is missing and available), without training or evaluating heads.
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import DEFAULT_MODEL, compose_train  # noqa: E402
+from common import compose, report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "conf" / "experiment" / "curve.yaml"
+SHARED_REGEN = ROOT.parent / "shared" / "data" / "train" / "regen_smollm2_greedy.jsonl"
+TAU_GOAL = 2.0
+
+
+# --- config -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenPoints:
+    first: int = 16384  # the first evaluation point, in training tokens
+    last: int = 1048576  # the budget (and the last point)
+
+
+@dataclass
+class CurveEval:
+    prompts: list[str] = field(default_factory=lambda: ["demo-heldout"])
+    limit: int = 32
+    k: int = 3
+    max_new_tokens: int = 96
+    batch_size: int = 8
+
+
+@dataclass
+class CurveConfig:
+    """conf/experiment/curve.yaml, typed (a misspelt key is refused by name)."""
+
+    heads: list[str] = field(default_factory=lambda: ["mtp", "eagle1"])
+    tokens: TokenPoints = field(default_factory=TokenPoints)
+    checkpoint_every: int = 64
+    precompute: list[str] = field(default_factory=list)
+    train: list[str] = field(default_factory=list)
+    eval: CurveEval = field(default_factory=CurveEval)
+    ngram: dict[str, int] = field(default_factory=lambda: {"n_max": 3, "n_min": 1})
+
+
+def load_config(path: str | Path = CONFIG) -> CurveConfig:
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(CurveConfig), OmegaConf.load(path))
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def log_spaced(first: int, last: int) -> list[int]:
+    """first, 2·first, 4·first, ... below last, then last itself ([last] when last ≤ first)."""
+    if first < 1 or last < 1:
+        raise ValueError(f"token points must be positive, got first={first}, last={last}")
+    points = []
+    t = first
+    while t < last:
+        points.append(t)
+        t *= 2
+    return points + [last]
+
+
+def head_available(name: str) -> str | None:
+    """None when conf/head/<name>.yaml exists and its type is implemented, else why the head is skipped."""
+    from omegaconf import OmegaConf
+
+    from mtp_train.heads import HEAD_TYPES
+
+    path = ROOT / "conf" / "head" / f"{name}.yaml"
+    if not path.is_file():
+        return f"no conf/head/{name}.yaml"
+    type_ = str(OmegaConf.load(path).get("type", name))
+    if type_ not in HEAD_TYPES:
+        return f"head type {type_!r} has no implementation yet (known: {', '.join(sorted(HEAD_TYPES))})"
+    return None
+
+
+# --- the batch plan: which step reaches which token count ---------------------------------------------------------
+
+
+def steps_for_tokens(lengths: list[int], micro_batch_tokens: int, grad_accum: int, seed: int,
+                     points: list[int]) -> list[tuple[int, int]]:
+    """(step, tokens seen after it) of the first optimizer step whose cumulative packed rows reach each point.
+
+    Replays the trainer's batch plan (LengthBucketedBatchSampler over epochs, one rank) on the sample lengths,
+    so the steps are exact for a run with these settings.
+    """
+    from mtp_train.precompute import LengthBucketedBatchSampler
+
+    sampler = LengthBucketedBatchSampler(lengths, micro_batch_tokens, shuffle=True, seed=seed)
+    out: list[tuple[int, int]] = []
+    todo = sorted(points)
+    step = tokens = epoch = micro = 0
+    while todo:
+        sampler.set_epoch(epoch)
+        for batch in sampler:
+            tokens += sum(lengths[i] for i in batch)
+            micro += 1
+            if micro % grad_accum:
+                continue
+            step += 1
+            while todo and tokens >= todo[0]:
+                out.append((step, tokens))
+                todo.pop(0)
+            if not todo:
+                break
+        epoch += 1
+    return out
+
+
+class PointSaver:
+    """The step hook: export the head (with a full checkpoint) at the points' steps and every `every` steps,
+    then delete every full checkpoint but the newest, and the exports that are not points."""
+
+    def __init__(self, point_steps: list[int], every: int) -> None:
+        self.point_steps, self.every = set(point_steps), every
+
+    def __call__(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        from mtp_train.train.checkpoint import CKPT_DIR, HEADS_DIR, latest_tag, tag_for
+
+        due = step in self.point_steps or (self.every and step % self.every == 0)
+        ckpt = trainer.out / CKPT_DIR
+        if not due or latest_tag(ckpt) == tag_for(step):  # saved already (train.save_every)
+            return
+        trainer.save()
+        if not trainer.info.is_main:
+            return
+        keep = {tag_for(s) for s in self.point_steps}
+        for d in ckpt.glob("step-*"):
+            if d.name != tag_for(step):
+                shutil.rmtree(d, ignore_errors=True)
+        for d in (trainer.out / HEADS_DIR).glob("step-*"):
+            if d.name not in keep and d.name != tag_for(step):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+# --- data, training, evaluation -----------------------------------------------------------------------------------
+
+
+def prepare_data(cfg: CurveConfig, out: Path, model: str) -> tuple[Path, str, str]:
+    """The precompute folder (made or resumed here); returns (folder, data name, description)."""
+    from mtp_train.cli.precompute import precompute_main
+
+    if SHARED_REGEN.is_file():
+        pc = out / "precompute"
+        precompute_main(compose("precompute", [f"model.path={model}", "data=shared-regen", f"out={pc}",
+                                               *cfg.precompute]))
+        return pc, "shared-regen", f"shared self-distilled set ({SHARED_REGEN.name}), {' '.join(cfg.precompute)}"
+    from omegaconf import OmegaConf
+
+    from mtp_train.cli.demo import stage_overrides
+    from mtp_train.cli.regenerate import regenerate_main
+    from mtp_train.config import DemoConfig
+
+    demo = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DemoConfig),
+                                               OmegaConf.load(ROOT / "conf" / "demo.yaml")))
+    demo.model_path = model
+    stages = stage_overrides(demo, out / "demo")
+    regenerate_main(compose("regenerate", stages["regenerate"]))
+    precompute_main(compose("precompute", stages["precompute"]))
+    kind = "the demo's own conversations (data/demo_prompts.jsonl answered by the target)"
+    return out / "demo" / "precompute", "demo-regen", kind
+
+
+def train_overrides(cfg: CurveConfig, head: str, data_dir: Path, data_name: str, out: Path, model: str,
+                    max_steps: int | None, extra: list[str]) -> list[str]:
+    return [f"model.path={model}", f"head={head}", f"data={data_name}", f"data.dir={data_dir}", f"out={out / head}",
+            *cfg.train, *([f"train.max_steps={max_steps}"] if max_steps else []), *extra]
+
+
+def schedule(cfg: CurveConfig, data_dir: Path, points: list[int], train_cfg: Any) -> list[tuple[int, int]]:
+    from mtp_train.precompute import PrecomputedDataset
+
+    lengths = PrecomputedDataset(data_dir, split="train", verify="never").lengths
+    return steps_for_tokens(list(lengths), int(train_cfg.train.micro_batch_tokens), int(train_cfg.train.grad_accum),
+                            int(train_cfg.train.seed), points)
+
+
+class Evaluator:
+    """The target, tokenizer and held-out prompts, loaded once; `measure(proposer_factory)` → one point."""
+
+    def __init__(self, model: str, ev: CurveEval) -> None:
+        from mtp_train.data.chat import load_tokenizer
+        from mtp_train.eval.prompts import load_prompt_sets
+        from mtp_train.models.loader import load_model
+        from mtp_train.precompute.regenerate import stop_token_ids
+
+        self.model_dir, self.ev = model, ev
+        self.target = load_model(model, dtype="float32", device="cpu")
+        self.tokenizer = load_tokenizer(model)
+        self.convs = [c for ps in load_prompt_sets(list(ev.prompts), ev.limit) for c in ps.convs]
+        self.stops = stop_token_ids(self.tokenizer, self.target.args.eos_token_ids)
+
+    def measure(self, proposer_factory: Any) -> dict[str, Any]:
+        from mtp_train.eval.acceptance import head_acceptance
+
+        m = head_acceptance(self.target, self.tokenizer, proposer_factory, self.convs, self.ev.k,
+                            self.ev.max_new_tokens, batch_size=self.ev.batch_size, stop_token_ids=self.stops)
+        return {"tau": m["spec/tau"], "acceptance_rate": m["spec/acceptance_rate"], "seconds": m["spec/seconds"],
+                "pos": [m[f"spec/pos{j}"] for j in range(self.ev.k) if f"spec/pos{j}" in m]}
+
+    def head_point(self, head_dir: Path) -> dict[str, Any]:
+        from mtp_train.heads import load_head, read_head_config
+        from mtp_train.spec.proposers import HeadProposer
+
+        head = load_head(head_dir, self.model_dir, device="cpu", dtype="float32")
+        head.eval()
+        extra = read_head_config(head_dir)["extra"]
+        return {"step": int(extra["step"]), "tokens": int(extra["tokens_seen"]),
+                **self.measure(lambda: HeadProposer(head))}
+
+    def ngram_point(self, n_max: int, n_min: int) -> dict[str, Any] | None:
+        try:
+            from mtp_train.spec.proposers import NgramProposer  # type: ignore[attr-defined]
+        except ImportError:
+            print("curve: prompt lookup not measured (mtp_train.spec.proposers has no NgramProposer yet); "
+                  "re-run with --report-only once it has", flush=True)
+            return None
+        return {"n_max": n_max, "n_min": n_min, **self.measure(lambda: NgramProposer(n_max=n_max, n_min=n_min))}
+
+
+# --- the report -------------------------------------------------------------------------------------------------
+
+
+def log_fit(points: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """Least squares τ = a + b·log2(tokens) over the points; (a, b) (b: τ gained per doubling), None if < 2."""
+    xs = [math.log2(p["tokens"]) for p in points]
+    ys = [p["tau"] for p in points]
+    if len(xs) < 2 or max(xs) == min(xs):
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def tokens_for_tau(fit: tuple[float, float] | None, tau: float = TAU_GOAL) -> float | None:
+    """Where the log-linear fit reaches τ (an extrapolation); None when it does not rise."""
+    if fit is None or fit[1] <= 0:
+        return None
+    return 2.0 ** ((tau - fit[0]) / fit[1])
+
+
+def _tokens(n: float) -> str:
+    """A token count in binary units: 16k, 1.5M, ...; scientific beyond 1000T."""
+    if n >= 1000 * (1 << 50):
+        return f"{n:.2g}"
+    for unit, scale in (("T", 1 << 50), ("G", 1 << 30), ("M", 1 << 20), ("k", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """Per head: the last point, the slope per doubling (all points and the upper half), the crossing count."""
+    heads = {h: sorted(r["points"].values(), key=lambda p: p["tokens"]) for h, r in results["heads"].items()}
+    out: dict[str, Any] = {}
+    for h, pts in heads.items():
+        if not pts:
+            continue
+        upper = pts[len(pts) // 2:] if len(pts) >= 4 else pts
+        fit_all, fit_upper = log_fit(pts), log_fit(upper)
+        out[h] = {"last_tokens": pts[-1]["tokens"], "last_tau": pts[-1]["tau"],
+                  "slope_per_doubling": fit_all[1] if fit_all else None,
+                  "slope_per_doubling_upper": fit_upper[1] if fit_upper else None,
+                  "upper_from_tokens": upper[0]["tokens"],
+                  "tokens_for_tau_goal": tokens_for_tau(fit_upper)}
+    names = [h for h in heads if heads[h]]
+    if len(names) >= 2:
+        a, b = names[:2]
+        by_step = {p["step"]: p["tau"] for p in heads[b]}
+        diffs = [p["tau"] - by_step[p["step"]] for p in heads[a] if p["step"] in by_step]
+        signs = [d > 0 for d in diffs if d != 0]
+        out["pair"] = {"heads": [a, b], "crossings": sum(x != y for x, y in zip(signs, signs[1:])),
+                       "last_diff": diffs[-1] if diffs else None, "diffs": diffs}
+    return out
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """tokens × head → τ and per-position acceptance; prompt lookup as the last row."""
+    heads = [h for h, r in results["heads"].items() if r["points"]]
+    k = int(results["eval"]["k"])
+    pos = " / ".join(f"pos{j}" for j in range(k))
+    header = "| training tokens | step | " + " | ".join(f"τ `{h}` | {pos} `{h}`" for h in heads) + " |"
+    lines = [header, "|---:|---:|" + "---:|---:|" * len(heads)]
+    steps = sorted({p["step"] for h in heads for p in results["heads"][h]["points"].values()})
+    for step in steps:
+        cells, tokens = [], None
+        for h in heads:
+            p = results["heads"][h]["points"].get(str(step))
+            if p is None:
+                cells += ["–", "–"]
+                continue
+            tokens = p["tokens"]
+            cells += [f"{p['tau']:.3f}", " / ".join(f"{a:.3f}" for a in p["pos"])]
+        lines.append(f"| {_tokens(tokens or 0)} ({tokens}) | {step} | " + " | ".join(cells) + " |")
+    ng = results.get("ngram")
+    if ng:
+        cell = [f"{ng['tau']:.3f}", " / ".join(f"{a:.3f}" for a in ng["pos"])]
+        lines.append(f"| prompt lookup (n = {ng['n_min']}..{ng['n_max']}, no training) | – | "
+                     + " | ".join(cell * len(heads)) + " |")
+    return "\n".join(lines)
+
+
+def fits_text(summary: dict[str, Any]) -> str:
+    lines = []
+    for h, s in summary.items():
+        if h == "pair":
+            continue
+        slope = s["slope_per_doubling"]
+        upper = s["slope_per_doubling_upper"]
+        need = s["tokens_for_tau_goal"]
+        lines.append(
+            f"- `{h}`: τ {s['last_tau']:.3f} at {_tokens(s['last_tokens'])} tokens; τ per doubling of the tokens "
+            f"{'–' if slope is None else f'{slope:+.3f}'} over all points, "
+            f"{'–' if upper is None else f'{upper:+.3f}'} from {_tokens(s['upper_from_tokens'])} on; "
+            + (f"extrapolated (log-linear from {_tokens(s['upper_from_tokens'])} on) to τ {TAU_GOAL}: "
+               f"~{_tokens(need)} tokens" if need else f"no rising trend to extrapolate to τ {TAU_GOAL}") + ".")
+    pair = summary.get("pair")
+    if pair and pair["last_diff"] is not None:
+        a, b = pair["heads"]
+        lines.append(f"- `{a}` − `{b}` at the last point: {pair['last_diff']:+.3f} τ; the curves cross "
+                     f"{pair['crossings']} time(s) over the points.")
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    summary = summarize(results)
+    ev = results["eval"]
+    skipped = "".join(f"\n- `{h}` skipped: {why}" for h, why in results.get("skipped", {}).items())
+    return (f"# Learning curve: τ against training tokens\n\n"
+            f"Command: `{results['command']}`\n\n"
+            f"- Data: {results['data']} (`{results['data_dir']}`)\n"
+            f"- Recipe (every head, one run each to {_tokens(results['budget_tokens'])} tokens = "
+            f"{results['max_steps']} steps): `{' '.join(results['recipe'])}`\n"
+            f"- Evaluation at each point: greedy speculative decoding through the engine, k = {ev['k']}, "
+            f"{ev['limit']} conversations of {', '.join(ev['prompts'])}, at most {ev['max_new_tokens']} new tokens "
+            f"per turn, batch {ev['batch_size']}; τ = mean tokens per verify step, posj = acceptance at draft "
+            f"position j.\n"
+            f"- Training tokens = packed rows (prompt and answer tokens) the head has trained on; the smaller "
+            f"points are exports of the same run mid-way through its cosine schedule.{skipped}\n\n"
+            f"{markdown_table(results)}\n\n## Fits (computed)\n\n{fits_text(summary)}\n")
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """τ (left) and per-position acceptance (right) against training tokens, log x axis; prompt lookup dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":", "-."]
+    for i, (h, r) in enumerate(results["heads"].items()):
+        pts = sorted(r["points"].values(), key=lambda p: p["tokens"])
+        if not pts:
+            continue
+        xs = [p["tokens"] for p in pts]
+        ax.plot(xs, [p["tau"] for p in pts], "o-", color=colors[i % len(colors)], label=h)
+        for j in range(len(pts[0]["pos"])):
+            ax2.plot(xs, [p["pos"][j] for p in pts], marker="o", ms=3, ls=styles[j % len(styles)],
+                     color=colors[i % len(colors)], label=f"{h} pos{j}")
+    ng = results.get("ngram")
+    if ng:
+        ax.axhline(ng["tau"], color="gray", ls="--", label=f"prompt lookup (n ≤ {ng['n_max']})")
+        for j, a in enumerate(ng["pos"]):
+            ax2.axhline(a, color="gray", ls=styles[j % len(styles)], lw=0.8,
+                        label="prompt lookup pos0..2" if j == 0 else None)
+    k = results["eval"]["k"]
+    ax.set(xscale="log", xlabel="training tokens", ylabel=f"τ (tokens per verify step, k = {k})",
+           title=f"τ on {', '.join(results['eval']['prompts'])}, greedy")
+    ax2.set(xscale="log", xlabel="training tokens", ylabel="acceptance at draft position j",
+            title="per-position acceptance")
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.grid(True, which="both", alpha=0.3)
+        a.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: _tokens(x)))
+    ax.legend(loc="upper left")
+    ax2.legend(loc="upper left", fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: dict[str, Any], out: Path, doc: Path | None = None, png: Path | None = None) -> str:
+    from mtp_train.fileio import atomic_write_text
+
+    text = markdown(results)
+    atomic_write_text(out / "curve.md", text)
+    plot(results, out / "curve.png")
+    if doc is not None:
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(doc, text)
+    if png is not None:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / "curve.png", png)
+    return text
+
+
+# --- the run ------------------------------------------------------------------------------------------------------
+
+
+def save_results(results: dict[str, Any], out: Path) -> None:
+    from mtp_train.fileio import atomic_write_text
+
+    atomic_write_text(out / "curve.json", json.dumps(results, indent=2, sort_keys=True) + "\n")
+
+
+def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command: str, results: dict[str, Any],
+              data: tuple[Path, str] | None = None) -> dict[str, Any]:
+    """Train and measure every head of cfg.heads (resuming what curve.json and the run folders hold); data:
+    (an existing precompute folder, its data name) instead of the one made here."""
+    from mtp_train.cli.train import train_main
+    from mtp_train.train.checkpoint import HEADS_DIR, tag_for
+
+    t0 = time.perf_counter()
+    if data is None:
+        data_dir, data_name, kind = prepare_data(cfg, out, model)
+        results["precompute_wall_s"] = results.get("precompute_wall_s") or time.perf_counter() - t0
+    else:
+        data_dir, data_name = data
+        kind = f"the precompute folder {data_dir} (data={data_name})"
+    points = log_spaced(cfg.tokens.first, cfg.tokens.last)
+    probe = compose_train(train_overrides(cfg, cfg.heads[0], data_dir, data_name, out, model, None, extra))
+    plan = schedule(cfg, data_dir, points, probe)
+    max_steps = plan[-1][0]
+    recipe = [*cfg.train, *extra]
+    if results.get("recipe") not in (None, recipe) or results.get("max_steps") not in (None, max_steps):
+        print("curve: the recipe or budget changed since curve.json was written; its points are dropped "
+              "(delete the head folders under the out folder to retrain)", flush=True)
+        results["heads"] = {}
+    results.update({"command": command, "data": kind, "data_dir": str(data_dir), "recipe": recipe,
+                    "budget_tokens": cfg.tokens.last, "points": points, "plan": plan, "max_steps": max_steps,
+                    "eval": dataclasses.asdict(cfg.eval), "skipped": {}})
+    results.setdefault("heads", {})
+    print(f"curve: {len(points)} points {', '.join(_tokens(p) for p in points)} tokens → steps "
+          f"{[s for s, _ in plan]} (max_steps {max_steps}); data: {kind}", flush=True)
+    evaluator: Evaluator | None = None
+    for head in cfg.heads:
+        why = head_available(head)
+        if why is not None:
+            print(f"curve: head {head} skipped: {why}", flush=True)
+            results["skipped"][head] = why
+            continue
+        rec = results["heads"].setdefault(head, {"points": {}})
+        run_out = out / head
+        if not (run_out / HEADS_DIR / tag_for(max_steps)).is_dir():
+            t0 = time.perf_counter()
+            ov = train_overrides(cfg, head, data_dir, data_name, out, model, max_steps, extra)
+            final = train_main(compose_train(ov), on_step=PointSaver([s for s, _ in plan], cfg.checkpoint_every))
+            rec["train_wall_s"] = rec.get("train_wall_s", 0.0) + time.perf_counter() - t0
+            rec["final"] = {k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}
+            save_results(results, out)
+        for step, _ in plan:
+            if str(step) in rec["points"]:
+                continue
+            evaluator = evaluator or Evaluator(model, cfg.eval)
+            p = evaluator.head_point(run_out / HEADS_DIR / tag_for(step))
+            rec["points"][str(step)] = p
+            print(f"curve: {head} step {step} ({_tokens(p['tokens'])} tokens): τ {p['tau']:.3f}, pos "
+                  f"{' / '.join(f'{a:.3f}' for a in p['pos'])} ({p['seconds']:.0f}s)", flush=True)
+            save_results(results, out)
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(CONFIG))
+    ap.add_argument("--model", default=str(DEFAULT_MODEL.relative_to(ROOT)))
+    ap.add_argument("--out", default="runs/curve")
+    ap.add_argument("--data-dir", default=None, help="an existing precompute folder of the target (else made here)")
+    ap.add_argument("--data-name", default="shared-regen", help="the conf/data name --data-dir was made from")
+    ap.add_argument("--max-tokens", type=int, default=None, help="the budget (tokens.last); default: the config's")
+    ap.add_argument("--first-tokens", type=int, default=None, help="the first point (tokens.first)")
+    ap.add_argument("--heads", default=None, help="comma-separated conf/head names (default: the config's)")
+    ap.add_argument("--eval-limit", type=int, default=None, help="held-out conversations (eval.limit)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="only the table and plot from curve.json (and prompt lookup if missing)")
+    ap.add_argument("--no-ngram", action="store_true", help="do not measure prompt lookup")
+    ap.add_argument("--doc", default=None, help="also write the Markdown here (e.g. docs/curve.md)")
+    ap.add_argument("--png", default=None, help="also write the plot here (e.g. docs/curve.png)")
+    ap.add_argument("overrides", nargs="*", help="more mtp-train overrides for every head, key=value")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config)
+    if args.max_tokens:
+        cfg.tokens.last = args.max_tokens
+    if args.first_tokens:
+        cfg.tokens.first = args.first_tokens
+    if args.heads:
+        cfg.heads = [h for h in args.heads.split(",") if h]
+    if args.eval_limit:
+        cfg.eval.limit = args.eval_limit
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "curve.json"
+    results: dict[str, Any] = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    t0 = time.perf_counter()
+    if args.report_only:
+        if not results:
+            raise SystemExit(f"--report-only: {results_path} does not exist yet")
+    else:
+        command = "python bench/curve.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                               else sys.argv[1:]))
+        data = (Path(args.data_dir), args.data_name) if args.data_dir else None
+        results = run_curve(cfg, out, args.model, list(args.overrides), command.strip(), results, data)
+    if not args.no_ngram and not results.get("ngram"):
+        ev = CurveEval(**results["eval"])
+        results["ngram"] = Evaluator(args.model, ev).ngram_point(int(cfg.ngram["n_max"]), int(cfg.ngram["n_min"]))
+        save_results(results, out)
+    results["wall_s_this_run"] = time.perf_counter() - t0
+    save_results(results, out)
+    text = write_report(results, out, Path(args.doc) if args.doc else None, Path(args.png) if args.png else None)
+    print(text, flush=True)
+    summary = summarize(results)
+    report({"out": str(out), "summary": summary, "ngram_tau": (results.get("ngram") or {}).get("tau"),
+            "wall_s_this_run": results["wall_s_this_run"]})
+    return results
+
+
+if __name__ == "__main__":
+    main()

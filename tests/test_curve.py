@@ -1,0 +1,146 @@
+"""bench/curve.py without training: the token points, the batch plan, the step hook's pruning, the report
+(table, fits, plot, JSON) on synthetic points, and the recipe composing for every head."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def curve():
+    spec = importlib.util.spec_from_file_location("bench_curve", ROOT / "bench" / "curve.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+def test_token_points_double_up_to_the_budget(curve):
+    assert curve.log_spaced(16384, 524288) == [16384, 32768, 65536, 131072, 262144, 524288]
+    assert curve.log_spaced(1000, 5000) == [1000, 2000, 4000, 5000]  # the budget is always the last point
+    assert curve.log_spaced(16384, 8192) == [8192]
+    with pytest.raises(ValueError):
+        curve.log_spaced(0, 10)
+
+
+def test_steps_for_tokens_replays_the_batch_plan(curve):
+    # 10 samples of 100 tokens, 200-token batches: 5 batches (200 tokens) per epoch, then the next epoch.
+    plan = curve.steps_for_tokens([100] * 10, 200, 1, 0, [200, 1000, 1500])
+    assert plan == [(1, 200), (5, 1000), (8, 1600)]
+    assert curve.steps_for_tokens([100] * 10, 200, 2, 0, [1000]) == [(3, 1200)]  # two micro-batches a step
+    # Uneven lengths: the tokens at each step are what the trainer's sampler hands out, in its order.
+    from mtp_train.precompute import LengthBucketedBatchSampler
+
+    lengths = [37, 250, 90, 410, 12, 180, 333, 64] * 3
+    sampler = LengthBucketedBatchSampler(lengths, 512, shuffle=True, seed=3)
+    sampler.set_epoch(0)
+    cumulative = []
+    for batch in sampler:
+        cumulative.append((cumulative[-1] if cumulative else 0) + sum(lengths[i] for i in batch))
+    step, tokens = curve.steps_for_tokens(lengths, 512, 1, 3, [cumulative[2]])[0]
+    assert (step, tokens) == (3, cumulative[2])
+
+
+def test_point_saver_keeps_the_points_and_the_newest_checkpoint(curve, tmp_path):
+    from mtp_train.train.checkpoint import mark_latest, tag_for
+
+    saved = []
+
+    def save():
+        step = trainer.step
+        (tmp_path / "checkpoints" / tag_for(step)).mkdir(parents=True)
+        (tmp_path / "heads" / tag_for(step)).mkdir(parents=True)
+        mark_latest(tmp_path, step)
+        saved.append(step)
+
+    trainer = SimpleNamespace(out=tmp_path, info=SimpleNamespace(is_main=True, world=1), step=0, save=save)
+    hook = curve.PointSaver([3, 7], every=4)
+    for step in range(1, 10):
+        trainer.step = step
+        hook(trainer, step, {})
+    assert saved == [3, 4, 7, 8]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-8"]
+    assert sorted(p.name for p in (tmp_path / "heads").glob("step-*")) == ["step-3", "step-7", "step-8"]
+    trainer.step = 8
+    hook(trainer, 8, {})  # already the latest checkpoint: not saved twice
+    assert saved == [3, 4, 7, 8]
+
+
+def _synthetic() -> dict:
+    def pts(taus):
+        return {str(10 * 2**i): {"step": 10 * 2**i, "tokens": 16384 * 2**i, "tau": t, "acceptance_rate": (t - 1) / 3,
+                                 "pos": [t - 1, (t - 1) / 2, (t - 1) / 4], "seconds": 1.0}
+                for i, t in enumerate(taus)}
+
+    return {"command": "python bench/curve.py", "data": "synthetic", "data_dir": "/x", "recipe": ["loss.steps=1"],
+            "budget_tokens": 131072, "max_steps": 80, "points": [16384, 32768, 65536, 131072],
+            "eval": {"prompts": ["demo-heldout"], "limit": 32, "k": 3, "max_new_tokens": 96, "batch_size": 8},
+            "skipped": {"eagle3": "head type 'eagle3' has no implementation yet"},
+            "heads": {"mtp": {"points": pts([1.10, 1.15, 1.25, 1.35])},
+                      "eagle1": {"points": pts([1.12, 1.14, 1.20, 1.28])}},
+            "ngram": {"n_max": 3, "n_min": 1, "tau": 1.18, "acceptance_rate": 0.06, "pos": [0.1, 0.05, 0.03],
+                      "seconds": 1.0}}
+
+
+def test_fits_and_crossings(curve):
+    s = curve.summarize(_synthetic())
+    assert s["pair"]["heads"] == ["mtp", "eagle1"] and s["pair"]["crossings"] == 1
+    assert s["pair"]["last_diff"] == pytest.approx(0.07)
+    # upper half (the last two points): +0.10 per doubling from 1.35 at 128k → τ 2.0 after 6.5 more doublings
+    assert s["mtp"]["slope_per_doubling_upper"] == pytest.approx(0.10)
+    assert s["mtp"]["tokens_for_tau_goal"] == pytest.approx(131072 * 2**6.5)
+    assert curve.tokens_for_tau((2.0, -0.1)) is None  # a falling curve has no extrapolation
+    a, b = curve.log_fit([{"tokens": 2**i, "tau": 1 + 0.05 * i} for i in range(4, 9)])
+    assert b == pytest.approx(0.05) and a == pytest.approx(1.0)
+    assert math.isclose(curve.tokens_for_tau((a, b), 1.5), 2**10)
+
+
+def test_report_table_plot_and_json(curve, tmp_path):
+    results = _synthetic()
+    out = tmp_path / "run"
+    out.mkdir()
+    curve.save_results(results, out)
+    assert json.loads((out / "curve.json").read_text())["heads"]["mtp"]["points"]["80"]["tau"] == 1.35
+    text = curve.write_report(results, out, doc=tmp_path / "docs" / "curve.md", png=tmp_path / "docs" / "curve.png")
+    assert "| 16k (16384) | 10 | 1.100 | 0.100 / 0.050 / 0.025 | 1.120 |" in text
+    assert "| prompt lookup (n = 1..3, no training) | – | 1.180 |" in text
+    assert "`eagle3` skipped" in text and "extrapolated" in text and "cross 1 time(s)" in text
+    assert (tmp_path / "docs" / "curve.md").read_text() == text == (out / "curve.md").read_text()
+    for png in (out / "curve.png", tmp_path / "docs" / "curve.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # Without prompt lookup (not measured yet) the report still builds.
+    results["ngram"] = None
+    assert "prompt lookup" not in curve.markdown_table(results)
+
+
+def test_the_recipe_composes_for_every_head_and_unknown_heads_are_skipped(curve, tmp_path):
+    from bench_train import compose_train  # on sys.path once curve.py is loaded
+    from common import compose
+
+    cfg = curve.load_config()
+    assert cfg.tokens.first < cfg.tokens.last and cfg.eval.k == 3
+    heads = [h for h in cfg.heads if curve.head_available(h) is None]
+    assert {"mtp", "eagle1"} <= set(heads)
+    for head in heads:
+        c = compose_train(curve.train_overrides(cfg, head, tmp_path / "pc", "shared-regen", tmp_path,
+                                                "models/smollm2-135m-instruct", 123, []))
+        assert c.head.type == head and c.head.draft_vocab_size == 8192 and c.train.max_steps == 123
+        assert c.resume == "auto" and list(c.spec_eval.prompts) == [] and c.out == str(tmp_path / head)
+        assert c.train.save_every == 0 and c.wandb.mode == "disabled"
+    pc = compose("precompute", ["data=shared-regen", *cfg.precompute])
+    assert pc.max_seq_len == 768 and pc.data.name == "shared-regen"
+    assert curve.head_available("mtp_typo") == "no conf/head/mtp_typo.yaml"
+    with pytest.raises(Exception, match="hedas"):
+        from omegaconf import OmegaConf
+
+        OmegaConf.merge(OmegaConf.structured(curve.CurveConfig), OmegaConf.create({"hedas": []}))
