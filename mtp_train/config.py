@@ -36,7 +36,7 @@ class ModelConfig:
     page_size: int = 16  # tokens per KV-cache page
     kv_cache_gb: float = 1.0  # memory for the paged KV cache of one engine
     tp: int = 1  # tensor-parallel ranks per model replica (mtp-precompute under torchrun; groups of consecutive ranks)
-    fetch: str | None = "smollm2-135m"  # `mtp-model fetch` name that can create `path` when missing
+    fetch: str | None = "smollm2-135m"  # `mtp-model fetch` name: creates `path` when missing, if its default folder
 
 
 @dataclass
@@ -131,7 +131,7 @@ class DemoConfig:
     """`mtp-demo` (`conf/demo.yaml`): the pipeline's output folder and each stage's Hydra overrides."""
 
     out: str = "runs/demo"
-    model_path: str = "models/smollm2-135m-instruct"  # fetched on first use (model.fetch)
+    model_path: str = "models/smollm2-135m-instruct"  # fetched on first use when it is the default folder
     regenerate: list[str] = field(default_factory=list)
     precompute: list[str] = field(default_factory=list)
     train: list[str] = field(default_factory=list)
