@@ -282,6 +282,9 @@ CASES: dict[str, tuple[str, list[str], Prepare, list[str]]] = {
     # Checked when the shard is first read (data.verify=first_open), so the run has started: see STARTED.
     "train-corrupt-shard": ("train", ["train.max_steps=50"], _broken_pc(lambda pc, m: _flip_tail(_shard(pc, m), 64)),
                             ["is corrupt: sha256", "re-run precompute"]),
+    "train-corrupt-shard-in-a-worker": ("train", ["train.max_steps=50", "data.num_workers=1"],
+                                        _broken_pc(lambda pc, m: _flip_tail(_shard(pc, m), 64)),
+                                        ["is corrupt: sha256", "re-run precompute"]),
     "train-corrupt-shard-verified-first": ("train", ["data.verify=always"],
                                            _broken_pc(lambda pc, m: _flip_tail(_shard(pc, m), 64)),
                                            ["is corrupt: sha256"]),
@@ -306,7 +309,8 @@ CASES: dict[str, tuple[str, list[str], Prepare, list[str]]] = {
 
 # Cases whose error comes once the run has started (its inputs checked, its config saved): only the files of a
 # starting run may be there, no checkpoint and no head.
-STARTED = {"train-corrupt-shard": {"config.yaml", "metrics.jsonl"}}
+STARTED = {"train-corrupt-shard": {"config.yaml", "metrics.jsonl"},
+           "train-corrupt-shard-in-a-worker": {"config.yaml", "metrics.jsonl"}}
 
 
 def _base(module: str, w: World, out: Path) -> list[str]:

@@ -134,6 +134,11 @@ def run_command(prog: str, fn: Callable[[DictConfig], Any], cfg: DictConfig | No
             raise
         msg = str(exc) if not isinstance(exc, FileNotFoundError) or not exc.filename else \
             f"{exc.strerror or 'not found'}: {exc.filename}"
+        if "\nOriginal Traceback" in msg:
+            # Re-raised from a DataLoader worker, with the worker's traceback as the message: its last line holds
+            # the error itself ("mtp_train....CorruptShardError: <message>").
+            last = msg.rstrip().splitlines()[-1]
+            msg = last.split(": ", 1)[1] if ": " in last else last
         print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
 
