@@ -341,8 +341,15 @@ def test_two_ranks_zero2_match_one_rank_with_the_same_global_batch(setup, tmp_pa
             assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-7), (s, key)
     # both ranks wrote their part of the checkpoint; rank 0 alone exported the head
     tag = tmp_path / "two" / "checkpoints" / f"step-{steps}"
-    assert {p.name for p in tag.glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
+    assert {p.name for p in tag.glob("rng-rank*.json")} == {"rng-rank0.json", "rng-rank1.json"}
+    assert {"rng-rank0.json", "rng-rank1.json", "mp_rank_00_model_states.pt"} <= set(
+        json.loads((tag / "checksums.json").read_text())["files"])  # every rank's files, checksummed by rank 0
     assert len(list(tag.glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    # Two ranks resume it: rank 0 checks every file, rank 1 its own RNG file, then both load.
+    more = [a if not a.startswith("train.max_steps=") else f"train.max_steps={steps + 1}" for a in cmd]
+    res = subprocess.run(more, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert sorted(_metrics(tmp_path / "two")) == list(range(1, steps + 2))
 
 
 @pytest.mark.slow
