@@ -1,16 +1,26 @@
-"""Crash-safe file writes and file hashing, shared by every stage that writes outputs.
+"""Crash-safe file writes, file hashing and output locks, shared by every stage that writes outputs.
 
 An output is written to `.tmp-<name>` beside its destination, fsynced and renamed into place, then
 the directory is fsynced: a crash leaves either the old file or the new one, never a torn file.
+`output_lock` keeps a second run from writing the same output at the same time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
+import json
+import logging
 import os
-from collections.abc import Callable
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"  # leftovers with this prefix are from killed runs and may be deleted
 
@@ -59,3 +69,103 @@ def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
         for block in iter(lambda: fh.read(chunk), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# --- one run per output -----------------------------------------------------------------------------------------
+
+LOCK_NAME = ".lock"  # inside an output folder; an output file `x` has `x.lock` beside it
+
+
+class OutputLockedError(RuntimeError):
+    """Another live process holds the lock of an output; the message names it (pid, host) and what to do."""
+
+
+def lock_path(out: str | Path, folder: bool = True) -> Path:
+    """The lock file of output `out`: `<out>/.lock` for a folder, `<out>.lock` beside a file."""
+    out = Path(out)
+    return out / LOCK_NAME if folder else out.with_name(out.name + ".lock")
+
+
+def _holder(fd: int) -> dict[str, Any]:
+    """What the lock file open at `fd` says about its last holder ({} when it says nothing readable)."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    if not holder:
+        return "a process that has not recorded itself yet"
+    return (f"pid {holder.get('pid')} on host {holder.get('host')}"
+            + (f" ({holder['command']}" + (f", since {holder['since']}" if holder.get("since") else "") + ")"
+               if holder.get("command") else ""))
+
+
+def _acquire(lock: Path, out: Path, command: str) -> int:
+    """Open and flock `lock`; returns its descriptor, or raises OutputLockedError naming the holder."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise OutputLockedError(
+                f"{out} is in use by another run: {_describe(holder)}. Wait for it to finish (or stop it), or "
+                f"choose another `out`; its lock {lock} is released when that process ends") from None
+        except OSError as exc:  # a file system without locks (some network mounts): run, but say so
+            log.warning("cannot lock %s (%s): nothing stops a second run from writing %s at the same time",
+                        lock, exc.strerror, out)
+            return fd
+        # A run that ended between our open and flock removed the file, and a third may have made a new one:
+        # a lock on the removed file would exclude nobody, so lock whatever file the name now points at.
+        try:
+            current = os.stat(lock).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
+        os.close(fd)
+    previous = _holder(fd)
+    if previous:
+        log.info("%s: taking over the lock left by %s, which is no longer running", out, _describe(previous))
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+              "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    return fd
+
+
+@contextlib.contextmanager
+def output_lock(out: str | Path, *, folder: bool = True, command: str = "") -> Iterator[Path]:
+    """Hold an exclusive lock on output `out` (a folder, or a file with `folder=False`) while the block runs.
+
+    Two runs writing one output would interleave their files, so the second refuses at once
+    (OutputLockedError naming the holder's pid and host). The lock is a `flock` on `lock_path(out)`, which the
+    kernel drops when its holder exits, however it exits: a lock file left by a killed run is taken over by the
+    next one. The file records the holder (pid, host, `command`, start time) for that message and is removed
+    on release. Folders this call creates for the lock are removed again when the block fails while they are
+    still empty, so that a refused run leaves nothing behind.
+    """
+    out = Path(out)
+    home = out if folder else out.parent
+    created = [p for p in (home, *home.parents) if not p.exists()]
+    home.mkdir(parents=True, exist_ok=True)
+    lock = lock_path(out, folder)
+    fd = _acquire(lock, out, command or " ".join(sys.argv)[:300])
+    ok = False
+    try:
+        yield lock
+        ok = True
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()  # while still holding the flock; `_acquire` copes with the name changing under it
+        os.close(fd)
+        if not ok:
+            for d in created:  # deepest first
+                try:
+                    d.rmdir()
+                except OSError:
+                    break

@@ -251,6 +251,15 @@ def test_awkward_contents(families, family):
     check_golden(tok, messages, [answers[0] + END_OF_TURN[family], answers[1] + last_closing])
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_content_holding_the_first_probe_characters_keeps_its_mask(families, family):
+    """U+E000-U+E002 (icon-font glyphs, say) were the only probes: content holding all three stopped the run. Any
+    other private-use character stands in now, and the mask is as exact as for any content."""
+    answer = "Glyphs \ue000\ue001\ue002 in the answer."
+    messages = [{"role": "user", "content": "Icons \ue000\ue001\ue002?"}, {"role": "assistant", "content": answer}]
+    check_golden(families[family], messages, [answer + END_OF_TURN[family]])
+
+
 def test_end_of_conversation_token_after_the_last_turn(families):
     """Phi-3 closes the conversation with an extra token after the last answer only, so earlier turns must not
     take it (nor the next turn's header) for part of their closing: per-turn diff, cut at the next header."""
@@ -327,6 +336,24 @@ def test_template_failure_is_wrapped(families):
     bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
         tokenize_conversation(families["mistral"], bad)
+
+
+def test_a_conversation_the_template_refuses_is_a_bad_row(families):
+    """One conversation the template fails on names its file and line, or is skipped and counted; the others are
+    tokenized as usual."""
+    from mtp_train.data.readers import DataError
+
+    tok = families["mistral"]  # refuses two user turns in a row
+    bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
+    convs = [Conversation("a", MULTI_TURN, "f.jsonl", 1), Conversation("b", bad, "f.jsonl", 2),
+             Conversation("c", WITH_SYSTEM[1:], "f.jsonl", 3)]
+    with pytest.raises(DataError, match=r"^f\.jsonl:2: template_error: .*roles must alternate"):
+        tokenize_conversations(tok, convs)
+    samples, stats = tokenize_conversations(tok, convs, on_bad_row="skip")
+    assert [s.id for s in samples] == ["a", "c"] and stats.dropped_template_error == 1 and stats.dropped == 1
+    assert stats.template_error_examples[0].startswith("f.jsonl:2: chat template failed")
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):  # plain messages have no file to name
+        tokenize_conversations(tok, [MULTI_TURN, bad])
 
 
 # ------------------------------------------------------------------------------------------- fingerprints

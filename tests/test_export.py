@@ -12,6 +12,7 @@ from safetensors import safe_open
 from mtp_train.export import LayoutError, export_head, load_export
 from mtp_train.heads import HeadConfig, build_head, load_head, save_head
 from mtp_train.layers import AttentionMetadata
+from mtp_train.models import ModelConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -128,5 +129,12 @@ def test_a_tampered_export_is_refused_naming_the_key(tiny_checkpoints, tmp_path)
     tensors = load_file(str(out / "model.safetensors"))
     tensors.pop("mtp.fc.weight")
     save_file(tensors, str(out / "model.safetensors"))
+    # The export's config records its weights' sha256: a rewritten file is refused by name at once ...
+    with pytest.raises(ModelConfigError, match=r"model.safetensors has \d+ bytes, .*config.json records"):
+        load_export(out, target)
+    # ... and without that record (edited by hand), by the key that does not fit.
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["mtp_train"]["files"]
+    (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Exception, match="mtp.fc.weight: missing"):
         load_export(out, target)

@@ -84,3 +84,14 @@ def test_sharded_files_all_count(tmp_path):
 def test_folder_without_safetensors(tmp_path):
     with pytest.raises(ModelConfigError, match=r"no \*.safetensors files"):
         weights_fingerprint(tmp_path)
+
+
+def test_truncated_file_is_named_not_fingerprinted(tmp_path):
+    """A cut file would get a new fingerprint and be refused as "other weights" far from the cause."""
+    d = tmp_path / "cut"
+    d.mkdir()
+    f = d / "model.safetensors"
+    save_file({"a.weight": torch.ones(1024)}, str(f))
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(ModelConfigError, match=rf"{f}: truncated \(\d+ bytes of tensor data, its header describes"):
+        weights_fingerprint(d)

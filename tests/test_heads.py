@@ -388,3 +388,36 @@ def test_load_refuses_other_target_weights_or_a_foreign_folder(tiny_checkpoints,
         load_head(tmp_path / "h", llama)
     with pytest.raises(ModelConfigError, match="not a head checkpoint"):
         load_head(tmp_path / "missing", llama)
+
+
+def test_flipped_or_truncated_weights_and_a_damaged_config_are_refused_by_file(tiny_checkpoints, tmp_path, caplog):
+    """The head's config.json records model.safetensors' sha256; a changed byte, a cut file or broken JSON is an
+    error naming the file, before any tensor is read."""
+    llama = tiny_checkpoints["llama"][0]
+    save_head(_head(tiny_checkpoints, "llama", "mtp"), tmp_path / "h")
+    weights, config = tmp_path / "h" / "model.safetensors", tmp_path / "h" / "config.json"
+    assert read_head_config(tmp_path / "h")["files"]["model.safetensors"]["bytes"] == weights.stat().st_size
+    good = weights.read_bytes()
+    flipped = bytearray(good)
+    for i in range(len(good) - 4096, len(good)):  # 4 KB of weights, the header intact: safetensors reads it fine
+        flipped[i] ^= 0xFF
+    weights.write_bytes(bytes(flipped))
+    with pytest.raises(ModelConfigError, match=rf"{weights}.*does not match the sha256 recorded in {config}"):
+        load_head(tmp_path / "h", llama)
+    weights.write_bytes(good[: len(good) // 2])
+    with pytest.raises(ModelConfigError, match=rf"{weights} has \d+ bytes, {config} records"):
+        load_head(tmp_path / "h", llama)
+    weights.write_bytes(good)
+    text = config.read_text()
+    config.write_text(text[: len(text) // 2])
+    with pytest.raises(ModelConfigError, match=rf"{config}: invalid JSON at line \d+ column \d+"):
+        load_head(tmp_path / "h", llama)
+    # A head written before checksums were recorded still loads (with a warning), and a truncated file of one
+    # is named by the safetensors reader.
+    cfg = json.loads(text)
+    del cfg["files"]
+    config.write_text(json.dumps(cfg))
+    assert load_head(tmp_path / "h", llama) is not None and "records no checksums" in caplog.text
+    weights.write_bytes(good[: len(good) // 2])
+    with pytest.raises(ModelConfigError, match=rf"{weights}: not a readable safetensors file"):
+        load_head(tmp_path / "h", llama)

@@ -82,3 +82,15 @@ def test_unknown_dtype_and_backend(tiny_checkpoints):
         load_model(tiny_checkpoints["llama"][0], dtype="int3")
     with pytest.raises(ValueError, match="unknown attention backend"):
         load_model(tiny_checkpoints["llama"][0], backend="xformers")
+
+
+def test_truncated_weights_and_cut_config_name_the_file(tiny_checkpoints, tmp_path):
+    p = _copy(tiny_checkpoints, tmp_path)
+    weights = p / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(ModelConfigError, match=rf"{weights}: not a readable safetensors file.*truncated"):
+        load_model(p)
+    text = (p / "config.json").read_text()
+    (p / "config.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ModelConfigError, match=r"config.json: invalid JSON at line \d+ column \d+: .*; repair"):
+        load_model(p)

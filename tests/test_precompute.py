@@ -342,6 +342,23 @@ def test_truncated_or_missing_shard(ref, tmp_path):
         PrecomputedDataset(d)
 
 
+def test_manifest_of_another_run_is_blamed_not_the_shards(ref, model, model_dir, samples, tmp_path):
+    """A manifest copied over from another precompute describes other shards under the same names: the error says
+    the manifest does not match (the shards are good), and never tells the user to delete a shard."""
+    other = tmp_path / "other"
+    precompute(model, samples[:20], other, model_dir=model_dir, shard_tokens=256, batch_tokens=100, **KW)
+    d = _copy(ref, tmp_path)
+    shutil.copy(other / "manifest.json", d / "manifest.json")
+    for verify in ("never", "always"):
+        with pytest.raises(ManifestError, match=r"manifest.json does not match the shards in .*another precompute "
+                                                r"run") as err:
+            PrecomputedDataset(d, split="all", verify=verify)
+        assert "delete" not in str(err.value)
+    # Its own manifest back: the folder reads as before.
+    shutil.copy(ref[0] / "manifest.json", d / "manifest.json")
+    assert len(PrecomputedDataset(d, split="all", verify="always")) == len(samples)
+
+
 def test_foreign_folder_is_refused(ref, model_dir):
     out, manifest = ref
     fp = weights_fingerprint(model_dir)

@@ -242,3 +242,28 @@ def test_shared_data_first_rows_parse(tmp_path, path):
     assert stats.num_bad == 0, stats.summary()
     assert len(convs) == stats.rows > 0
     assert all(c.messages[0]["role"] in ("user", "system") for c in convs)
+
+
+def test_lone_surrogate_is_a_bad_row_named_and_skippable(tmp_path):
+    r"""`"\ud800"` in JSON decodes to a string no tokenizer or UTF-8 file takes: a bad row at its line, in the
+    content, a prompt field or an id, that `skip` counts."""
+    good = '{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}'
+    bad = ['{"messages": [{"role": "user", "content": "x \\ud800 y"}, {"role": "assistant", "content": "ok"}]}',
+           '{"prompt": "fine", "completion": "\\udfff"}',
+           '{"id": "\\ud83d", "prompt": "fine"}']
+    path = tmp_path / "surrogates.jsonl"
+    path.write_text("\n".join([good, *bad]) + "\n")
+    with pytest.raises(DataError, match=rf"{path}:2: invalid_text: .*lone surrogate '\\ud800' at character 2"):
+        read_conversations(path)
+    convs, stats = read_conversations(path, on_bad_row="skip")
+    assert [c.id for c in convs] == ["a"]
+    assert dict(stats.bad) == {"invalid_text": 3}
+    assert stats.examples["invalid_text"] == [f"{path}:2", f"{path}:3", f"{path}:4"]
+
+
+def test_a_cut_line_is_reported_at_its_real_column(tmp_path):
+    path = tmp_path / "cut.jsonl"
+    line = '{"id": "a", "prompt": "hello"'
+    path.write_text(line + "\n")
+    with pytest.raises(DataError, match=rf"{path}:1: invalid_json: Expecting ',' delimiter at column {len(line) + 1}"):
+        read_conversations(path)

@@ -341,8 +341,15 @@ def test_two_ranks_zero2_match_one_rank_with_the_same_global_batch(setup, tmp_pa
             assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-7), (s, key)
     # both ranks wrote their part of the checkpoint; rank 0 alone exported the head
     tag = tmp_path / "two" / "checkpoints" / f"step-{steps}"
-    assert {p.name for p in tag.glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
+    assert {p.name for p in tag.glob("rng-rank*.json")} == {"rng-rank0.json", "rng-rank1.json"}
+    assert {"rng-rank0.json", "rng-rank1.json", "mp_rank_00_model_states.pt"} <= set(
+        json.loads((tag / "checksums.json").read_text())["files"])  # every rank's files, checksummed by rank 0
     assert len(list(tag.glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    # Two ranks resume it: rank 0 checks every file, rank 1 its own RNG file, then both load.
+    more = [a if not a.startswith("train.max_steps=") else f"train.max_steps={steps + 1}" for a in cmd]
+    res = subprocess.run(more, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert sorted(_metrics(tmp_path / "two")) == list(range(1, steps + 2))
 
 
 @pytest.mark.slow
@@ -499,3 +506,76 @@ def test_a_precompute_folder_of_another_target_is_refused(setup, tmp_path):
     with pytest.raises(ManifestMismatchError, match="target weights fingerprint"):
         train_main(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# --- what resuming trusts -----------------------------------------------------------------------------------------
+
+
+class _Planted:
+    """A pickle whose loading creates `marker`: the stand-in for code planted in a checkpoint file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _refused(cfg, capsys) -> str:
+    """The one-line error of `mtp-train` on `cfg` (exit code 2)."""
+    from mtp_train.cli.common import run_command
+
+    with pytest.raises(SystemExit) as e:
+        run_command("mtp-train", train_main, cfg)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.count("\n") == 0 and err.startswith("mtp-train: error: "), err
+    return err
+
+
+def test_resume_never_unpickles_our_files_and_checks_deepspeeds_first(setup, tmp_path, capsys):
+    """RNG states are JSON and every file of a checkpoint is checked against its checksums before DeepSpeed
+    unpickles anything: a planted pickle never runs, and a replaced file is refused by name, leaving the run's
+    config and metrics as they were."""
+    out = tmp_path / "run"
+    _train(setup, out, "train.max_steps=2")
+    tag = out / "checkpoints" / "step-2"
+    assert (tag / "rng-rank0.json").is_file() and (tag / "checksums.json").is_file()
+    probe = tmp_path / "probe.pt"
+    torch.save(_Planted(tmp_path / "probe-ran"), probe)
+    torch.load(probe, weights_only=False)
+    assert (tmp_path / "probe-ran").exists()  # the payload is live: unpickling it runs it
+
+    # The RNG file name of earlier versions, planted beside ours: never loaded.
+    marker = tmp_path / "planted-ran"
+    torch.save(_Planted(marker), tag / "rng-rank0.pt")
+    resumed = _train(setup, out, "train.max_steps=3")
+    assert resumed.result["step"] == 3 and not marker.exists()
+
+    tag = out / "checkpoints" / "step-3"
+    kept = {name: (out / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
+    for name in ("rng-rank0.json", "mp_rank_00_model_states.pt"):
+        good = (tag / name).read_bytes()
+        torch.save(_Planted(marker), tag / name)
+        err = _refused(_cfg(_overrides(setup, out, "train.max_steps=4")), capsys)
+        assert str(tag / name) in err and "checksums.json" in err and "resume=none" in err
+        assert not marker.exists()
+        assert {name: (out / name).read_bytes() for name in kept} == kept  # nothing of the run was rewritten
+        (tag / name).write_bytes(good)
+    (tag / "checksums.json").unlink()
+    assert "checksums.json is missing" in _refused(_cfg(_overrides(setup, out, "train.max_steps=4")), capsys)
+
+
+def test_torn_last_metrics_line_is_dropped_on_resume(tmp_path, caplog):
+    from mtp_train.train.logging import RunLogger
+
+    rows = [json.dumps({"step": s, "train/loss": 1.0 / s}) for s in (1, 2, 3)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(rows) + "\n" + '{"step": 4, "train/lo')  # killed mid-write
+    with caplog.at_level(logging.WARNING, logger="mtp_train.train.logging"):
+        RunLogger(enabled=True, out=tmp_path, wandb_cfg={"mode": "disabled"}, config={}, resume_step=2)
+    assert metrics.read_text() == "\n".join(rows[:2]) + "\n"
+    assert f"{metrics}:4: dropping a torn last line" in caplog.text
+    # A bad line that is not the last one is damage, named by line.
+    metrics.write_text(rows[0] + "\nnot json\n" + rows[1] + "\n")
+    with pytest.raises(ValueError, match=rf"{metrics}:2: not a metrics record"):
+        RunLogger(enabled=True, out=tmp_path, wandb_cfg={"mode": "disabled"}, config={}, resume_step=2)

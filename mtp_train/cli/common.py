@@ -5,9 +5,11 @@ Every command follows the same shape:
     @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="<command>")
     def _hydra_main(cfg): run_command("mtp-<command>", <command>_main, cfg)
 
-`run_command` turns the errors a user can fix (a missing model folder, a bad data row, a wrong setting) into one
-line on stderr and exit code 2; anything else keeps its traceback. `HYDRA_FULL_ERROR=1`, Hydra's own switch for
-full tracebacks, also shows them for our errors.
+`run_command` turns the errors a user can fix (a missing model folder, a bad data row, a wrong setting, a damaged
+shard or checkpoint, an output another run holds) into one line on stderr and exit code 2; anything else keeps its
+traceback. `HYDRA_FULL_ERROR=1`, Hydra's own switch for full tracebacks, also shows them for our errors.
+`hydra_entry` also refuses, the same way, command-line keys and values the command's schema does not have
+(`mtp_train.config.check_overrides` / `check_config`), before anything is loaded or written.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mtp_train.config import CONF_DIR, ModelConfig, register_configs, resolve_device
+from mtp_train.config import CONF_DIR, ModelConfig, check_config, check_overrides, register_configs, resolve_device
 from mtp_train.data.chat import ChatTemplateError, load_tokenizer
 from mtp_train.data.readers import DataError
 from mtp_train.dist import DistInfo
-from mtp_train.fileio import atomic_write_text
+from mtp_train.fileio import OutputLockedError, atomic_write_text
 from mtp_train.models.config import ModelConfigError
 from mtp_train.models.fetch import REGISTRY, ModelFetchError, fetch_model
+from mtp_train.precompute.reader import ShardError
+from mtp_train.precompute.writer import PrecomputeError
+from mtp_train.train.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +42,11 @@ log = logging.getLogger(__name__)
 # calling module's package (`pkg://conf`), which does not exist when the command runs as a console script.
 
 # Errors whose message tells the user what to change; shown as one line instead of a traceback. ValueError covers
-# invalid settings (SamplingParams, dtype, ...), DataError and ModelConfigError (both subclass it).
+# invalid settings (SamplingParams, dtype, ConfigError, ...), DataError, ManifestError and ModelConfigError (all
+# subclass it); the RuntimeErrors listed carry messages that name the file and what to do.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ModelConfigError, ModelFetchError, DataError, ChatTemplateError, FileNotFoundError, ValueError,
+    ShardError, PrecomputeError, CheckpointError, OutputLockedError,
 )
 EXIT_USER_ERROR = 2
 
@@ -77,22 +84,31 @@ def dist_device_kind(model_cfg: ModelConfig | DictConfig) -> str:
 
 
 def ensure_model(model_cfg: ModelConfig | DictConfig) -> Path:
-    """The target folder of `model_cfg`; fetched first when `path` is missing and `fetch` names a known model.
+    """The target folder of `model_cfg`; fetched first when it is missing and is the default folder of the model
+    `fetch` names (e.g. models/smollm2-135m-instruct for smollm2-135m).
 
-    Under torchrun call this on rank 0 alone, then barrier, so that ranks do not convert the model side by side.
+    Any other missing folder is an error naming the path and the command that fetches a model into it: a
+    mistyped `model.path` must not become a download of the default model into the typo. Under torchrun call
+    this on rank 0 alone, then barrier, so that ranks do not convert the model side by side.
     """
     path = Path(model_cfg.path)
     if (path / "config.json").is_file():
         return path
     name = model_cfg.fetch
-    if name and name in REGISTRY:
-        # fetch_model refuses a non-empty folder it did not make, so a mistyped path is never overwritten.
+    spec = REGISTRY.get(name) if name else None
+    if spec is not None and path.absolute() == Path(spec.default_dir).absolute():
+        # fetch_model refuses a non-empty folder it did not make, so nothing of the user's is overwritten.
         log.info("model folder %s is missing; fetching %s into it (`model.fetch`)", path, name)
         return fetch_model(name, out=path)
-    hint = f"`fetch` names no known model ({name!r}); known: {', '.join(sorted(REGISTRY))}" if name else \
-        "set `model.fetch` to a known model name to create it"
-    raise ModelConfigError(f"model folder {path} does not exist (or has no config.json); point `model.path` at a "
-                           f"Hugging Face folder, or {hint}")
+    what = "does not exist" if not path.exists() else "has no config.json"
+    if spec is not None:
+        todo = (f"check `model.path`, or fetch {name} there with `mtp-model fetch {name} --out {path}` "
+                f"(it is fetched by itself only into its default folder, {spec.default_dir})")
+    else:
+        known = ", ".join(sorted(REGISTRY))
+        todo = (f"point `model.path` at a Hugging Face folder, or fetch a known model ({known}) there with "
+                f"`mtp-model fetch NAME --out {path}`")
+    raise ModelConfigError(f"model folder {path} {what}: {todo}")
 
 
 def load_target(model_cfg: ModelConfig | DictConfig, device: torch.device | str,
@@ -109,7 +125,7 @@ def load_target(model_cfg: ModelConfig | DictConfig, device: torch.device | str,
     return model, tokenizer, path
 
 
-def run_command(prog: str, fn: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
+def run_command(prog: str, fn: Callable[[DictConfig], Any], cfg: DictConfig | None) -> Any:
     """Call `fn(cfg)`; a user error (see USER_ERRORS) becomes `prog: error: <message>` on stderr and exit code 2."""
     try:
         return fn(cfg)
@@ -118,20 +134,39 @@ def run_command(prog: str, fn: Callable[[DictConfig], Any], cfg: DictConfig) -> 
             raise
         msg = str(exc) if not isinstance(exc, FileNotFoundError) or not exc.filename else \
             f"{exc.strerror or 'not found'}: {exc.filename}"
+        if "\nOriginal Traceback" in msg:
+            # Re-raised from a DataLoader worker, with the worker's traceback as the message: its last line holds
+            # the error itself ("mtp_train....CorruptShardError: <message>").
+            last = msg.rstrip().splitlines()[-1]
+            msg = last.split(": ", 1)[1] if ": " in last else last
         print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
 
 
+def command_line_overrides(argv: list[str]) -> list[str]:
+    """The `key=value` overrides of a Hydra command line (its flags, e.g. `--cfg job`, left out)."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args, _ = get_args_parser().parse_known_args(argv)
+    except SystemExit:  # a malformed command line: Hydra reports it itself
+        return []
+    return list(args.overrides or [])
+
+
 def hydra_entry(prog: str, config_name: str, fn: Callable[[DictConfig], Any]) -> Callable[[], None]:
-    """The console entry point of a Hydra command: register the schemas, parse the command line with the
-    root config `conf/<config_name>.yaml`, then `run_command(prog, fn, cfg)`."""
+    """The console entry point of a Hydra command: register the schemas, check the command line's keys against
+    the schema, parse it with the root config `conf/<config_name>.yaml`, check the composed config, then
+    `run_command(prog, fn, cfg)`."""
 
     @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)
     def _hydra_main(cfg: DictConfig) -> None:
-        run_command(prog, fn, cfg)
+        run_command(prog, lambda c: fn(check_config(c, config_name)), cfg)
 
     def main() -> None:
         register_configs()
+        # Before Hydra composes: its own error for a mistyped key is a multi-line hint to add it with `+`.
+        run_command(prog, lambda _: check_overrides(command_line_overrides(sys.argv[1:]), config_name), None)
         _hydra_main()
 
     return main

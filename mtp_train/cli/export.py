@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from mtp_train.cli.common import ensure_model, hydra_entry
+from mtp_train.config import check_config
 from mtp_train.export import describe, export_head, load_export
 
 PROG = "mtp-export"
@@ -40,6 +41,7 @@ def verify_round_trip(head_dir: Path, export_dir: Path, target_dir: Path, rows: 
 
 def export_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-export`; returns {"out", "format", "tensors", "max_abs_diff"}."""
+    check_config(cfg, "export")
     if not cfg.head_ckpt:
         raise ValueError("head_ckpt=DIR is required (a head folder written by mtp-train)")
     target_dir = ensure_model(cfg.model)

@@ -6,11 +6,14 @@
     torchrun --nproc_per_node 8 -m mtp_train.cli.precompute model=llama3.1-70b model.tp=8 data.paths=[...] out=...
 
 A re-run with the same settings resumes: finished shards are verified and skipped. Each rank writes its own
-shards; rank 0 writes `manifest.json` last. The resolved config is saved as `<out>/config.yaml`.
+shards; rank 0 writes `manifest.json` last. Rank 0 holds `<out>/.lock` for the whole run (a second run into the
+same `out` refuses, naming the first one's pid and host). The resolved config is saved as `<out>/config.yaml` once
+the data has been read and tokenized, so a run refused over its inputs leaves the folder as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +31,9 @@ from mtp_train.cli.common import (
     save_config,
     to_dict,
 )
-from mtp_train.precompute.pipeline import run_precompute
+from mtp_train.config import check_config
+from mtp_train.fileio import output_lock
+from mtp_train.precompute.pipeline import dropped_summary, run_precompute
 
 log = logging.getLogger(__name__)
 PROG = "mtp-precompute"
@@ -36,38 +41,43 @@ PROG = "mtp-precompute"
 
 def precompute_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-precompute` with a composed config; returns the manifest's totals (on every rank)."""
+    check_config(cfg, "precompute")
     info = dist.init_distributed(dist_device_kind(cfg.model))
     try:
-        group = dist.cpu_group(timedelta(hours=24))
-        out = Path(cfg.out)
-        if info.is_main:
-            ensure_model(cfg.model)  # one rank converts a missing default model; the others wait
-            out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, out / "config.yaml")
-        dist.barrier(group)
-        tp_size = int(cfg.model.tp)
-        if tp_size > 1:
-            from mtp_train.data.chat import load_tokenizer
-            from mtp_train.models.tensor_parallel import load_model_tp, tp_groups
+        with contextlib.ExitStack() as stack:
+            group = dist.cpu_group(timedelta(hours=24))
+            out = Path(cfg.out)
+            if info.is_main:
+                stack.enter_context(output_lock(out, command=PROG))  # before anything is written to `out`
+                ensure_model(cfg.model)  # one rank converts a missing default model; the others wait
+            dist.barrier(group)
+            tp_size = int(cfg.model.tp)
+            if tp_size > 1:
+                from mtp_train.data.chat import load_tokenizer
+                from mtp_train.models.tensor_parallel import load_model_tp, tp_groups
 
-            tp, dp_rank, dp_world = tp_groups(tp_size)
-            model_path = Path(cfg.model.path)
-            model = load_model_tp(model_path, tp, dtype=cfg.model.dtype, device=run_device(cfg.model, info),
-                                  backend=cfg.model.backend)
-            tokenizer = load_tokenizer(model_path)
-        else:
-            model, tokenizer, model_path = load_target(cfg.model, run_device(cfg.model, info))
-            dp_rank, dp_world, tp = info.rank, info.world, None
-        manifest = run_precompute(model, tokenizer, model_path, to_dict(cfg), rank=dp_rank, world=dp_world,
-                                  tp_rank=0 if tp is None else tp.rank, tp_size=tp_size, config_dict=to_dict(cfg))
-        if manifest is None:
-            return {"out": str(out), "rank": info.rank}
-        t = manifest.totals
-        result = {"out": str(out), "samples": t.samples, "tokens": t.tokens, "loss_tokens": t.loss_tokens,
-                  "bytes": t.bytes, "shards": len(manifest.shards), "world": info.world}
-        print(f"{PROG}: {t.samples} samples, {t.tokens} tokens ({t.loss_tokens} assistant) in "
-              f"{len(manifest.shards)} shards, {t.bytes / 2**20:.1f} MiB → {out}/manifest.json", flush=True)
-        return result
+                tp, dp_rank, dp_world = tp_groups(tp_size)
+                model_path = Path(cfg.model.path)
+                model = load_model_tp(model_path, tp, dtype=cfg.model.dtype, device=run_device(cfg.model, info),
+                                      backend=cfg.model.backend)
+                tokenizer = load_tokenizer(model_path)
+            else:
+                model, tokenizer, model_path = load_target(cfg.model, run_device(cfg.model, info))
+                dp_rank, dp_world, tp = info.rank, info.world, None
+            manifest = run_precompute(model, tokenizer, model_path, to_dict(cfg), rank=dp_rank, world=dp_world,
+                                      tp_rank=0 if tp is None else tp.rank, tp_size=tp_size,
+                                      config_dict=to_dict(cfg), on_start=lambda: save_config(cfg, out / "config.yaml"))
+            if manifest is None:
+                return {"out": str(out), "rank": info.rank}
+            t = manifest.totals
+            result = {"out": str(out), "samples": t.samples, "tokens": t.tokens, "loss_tokens": t.loss_tokens,
+                      "bytes": t.bytes, "shards": len(manifest.shards), "world": info.world}
+            print(f"{PROG}: {t.samples} samples, {t.tokens} tokens ({t.loss_tokens} assistant) in "
+                  f"{len(manifest.shards)} shards, {t.bytes / 2**20:.1f} MiB → {out}/manifest.json", flush=True)
+            dropped = dropped_summary(manifest.data)
+            if dropped:
+                print(f"{PROG}: {dropped} (recorded under `data` in the manifest)", flush=True)
+            return result
     finally:
         dist.destroy()
 

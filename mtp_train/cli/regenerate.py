@@ -5,12 +5,14 @@
     torchrun --nproc_per_node 8 -m mtp_train.cli.regenerate model=llama3.1-8b data=shared-mix ...
 
 Writes messages JSONL at `out` (one record per conversation and sample, with provenance), `<out>.config.yaml`
-with the resolved config, and prints a summary. A re-run with the same settings resumes. See
-`mtp_train.precompute.regenerate` for the record format and how resume and ranks work.
+with the resolved config, and prints a summary. A re-run with the same settings resumes. Rank 0 holds
+`<out>.lock` for the whole run: a second run writing the same `out` refuses, naming the first one's pid and
+host. See `mtp_train.precompute.regenerate` for the record format and how resume and ranks work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -29,8 +31,10 @@ from mtp_train.cli.common import (
     save_config,
     to_dict,
 )
+from mtp_train.config import check_config
 from mtp_train.data.readers import read_conversations
 from mtp_train.engine.llm import LLMEngine
+from mtp_train.fileio import output_lock
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.precompute.regenerate import (
     RegenerateError,
@@ -56,43 +60,49 @@ def config_path(out: str | Path) -> Path:
 def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-regenerate` with a composed config; return the totals over all ranks (see `RegenerateStats`)."""
     # Settings first: a wrong combination fails before anything is loaded.
+    check_config(cfg, "regenerate")
     settings = SamplingSettings(n=cfg.n, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                 max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     template_kwargs = to_dict(cfg.chat_template_kwargs)
     info = dist.init_distributed(dist_device_kind(cfg.model))
     try:
-        group = dist.cpu_group(BARRIER_TIMEOUT)
-        wait = lambda: dist.barrier(group)
-        out = Path(cfg.out)
-        # Every rank reads all conversations (the order of the merged output); data errors surface before the model.
-        data = cfg.data
-        paths = list(data.paths)
-        convs, read_stats = read_conversations(paths, format=data.format, field_map=to_dict(data.field_map),
-                                               system_prompt=data.system_prompt, on_bad_row=data.on_bad_row,
-                                               limit=cfg.limit)
-        if not convs:
-            raise RegenerateError(f"no conversations to answer in data.paths={paths} ({read_stats.summary()})")
-        if info.is_main:
-            ensure_model(cfg.model)  # one rank converts a missing default model; the others wait
-        wait()
-
-        model, tokenizer, model_path = load_target(cfg.model, run_device(cfg.model, info))
-        engine = LLMEngine(model, page_size=cfg.model.page_size, kv_cache_gb=cfg.model.kv_cache_gb,
-                           max_batch_size=cfg.max_batch_size)
-        stop_ids = stop_token_ids(tokenizer, model.args.eos_token_ids, template_kwargs)
-        provenance = make_provenance(target_name=cfg.model.name, target_path=model_path,
-                                     weights_fingerprint=weights_fingerprint(model_path), tokenizer=tokenizer,
-                                     settings=settings, stop_ids=stop_ids, chat_template_kwargs=template_kwargs)
-        stats = regenerate(convs, engine, tokenizer, out, settings=settings, provenance=provenance, stop_ids=stop_ids,
-                           max_prompt_tokens=cfg.max_prompt_tokens, chat_template_kwargs=template_kwargs,
-                           rank=info.rank, world=info.world, barrier=wait, progress=cfg.progress and info.is_main,
-                           on_start=lambda: save_config(cfg, config_path(out)))
-        total = _gather(stats, group)
-        result = {**total.as_dict(), "out": str(out), "world": info.world, "rows_read": read_stats.rows,
-                  "bad_rows": dict(read_stats.bad)}
-        if info.is_main:
-            print(f"{PROG}: {total.summary()}\n{PROG}: wrote {out} (config: {config_path(out)})", flush=True)
-        return result
+        with contextlib.ExitStack() as stack:
+            group = dist.cpu_group(BARRIER_TIMEOUT)
+            wait = lambda: dist.barrier(group)
+            out = Path(cfg.out)
+            # Every rank reads all conversations (the order of the merged output); data errors surface before the
+            # model.
+            data = cfg.data
+            paths = list(data.paths)
+            convs, read_stats = read_conversations(paths, format=data.format, field_map=to_dict(data.field_map),
+                                                   system_prompt=data.system_prompt, on_bad_row=data.on_bad_row,
+                                                   limit=cfg.limit)
+            if not convs:
+                raise RegenerateError(f"no conversations to answer in data.paths={paths} ({read_stats.summary()})")
+            if info.is_main:
+                stack.enter_context(output_lock(out, folder=False, command=PROG))  # before `out` is touched
+                ensure_model(cfg.model)  # one rank converts a missing default model; the others wait
+            wait()
+            model, tokenizer, model_path = load_target(cfg.model, run_device(cfg.model, info))
+            engine = LLMEngine(model, page_size=cfg.model.page_size, kv_cache_gb=cfg.model.kv_cache_gb,
+                               max_batch_size=cfg.max_batch_size)
+            stop_ids = stop_token_ids(tokenizer, model.args.eos_token_ids, template_kwargs)
+            provenance = make_provenance(target_name=cfg.model.name, target_path=model_path,
+                                         weights_fingerprint=weights_fingerprint(model_path), tokenizer=tokenizer,
+                                         settings=settings, stop_ids=stop_ids, chat_template_kwargs=template_kwargs)
+            stats = regenerate(convs, engine, tokenizer, out, settings=settings, provenance=provenance,
+                               stop_ids=stop_ids, max_prompt_tokens=cfg.max_prompt_tokens,
+                               chat_template_kwargs=template_kwargs, rank=info.rank, world=info.world, barrier=wait,
+                               progress=cfg.progress and info.is_main,
+                               on_start=lambda: save_config(cfg, config_path(out)))
+            total = _gather(stats, group)
+            result = {**total.as_dict(), "out": str(out), "world": info.world, "rows_read": read_stats.rows,
+                      "bad_rows": dict(read_stats.bad)}
+            if info.is_main:
+                if read_stats.num_bad:
+                    print(f"{PROG}: data: {read_stats.summary()}", flush=True)
+                print(f"{PROG}: {total.summary()}\n{PROG}: wrote {out} (config: {config_path(out)})", flush=True)
+            return result
     finally:
         dist.destroy()
 

@@ -5,12 +5,15 @@
     torchrun --nproc_per_node 8 -m mtp_train.cli.train model=llama3.1-8b data.dir=/data/pc out=/runs/mtp
     launch/train_1node.sh ... | launch/train_multinode.sh ... | sbatch launch/train.sbatch ...
 
-A re-run with the same `out` resumes from its latest checkpoint (`resume=auto`). Rank 0 saves the resolved config
-as `<out>/config.yaml`, logs to W&B and `<out>/metrics.jsonl`, and exports the head to `<out>/heads/step-N/`.
+A re-run with the same `out` resumes from its latest checkpoint (`resume=auto`). Rank 0 holds `<out>/.lock` for
+the whole run (a second run into the same `out` refuses, naming the first one's pid and host), saves the resolved
+config as `<out>/config.yaml` once the data, the target and the checkpoint to resume from have been checked, logs
+to W&B and `<out>/metrics.jsonl`, and exports the head to `<out>/heads/step-N/`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +23,8 @@ from omegaconf import DictConfig
 
 from mtp_train import dist
 from mtp_train.cli.common import dist_device_kind, ensure_model, hydra_entry, run_device, save_config
+from mtp_train.config import check_config
+from mtp_train.fileio import output_lock
 from mtp_train.train.trainer import StepHook, as_train_config, train
 
 log = logging.getLogger(__name__)
@@ -31,23 +36,25 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
 
     on_step(trainer, step, metrics) is called on every rank after each optimizer step (see Trainer).
     """
+    check_config(cfg, "train")
     as_train_config(cfg)  # a wrong value type fails here, before any process group or model is touched
     info = dist.init_distributed(dist_device_kind(cfg.model))
     try:
-        group = dist.cpu_group(timedelta(hours=2))  # rank 0 may fetch the default model meanwhile
-        out = Path(cfg.out)
-        if info.is_main:
-            ensure_model(cfg.model)
-            out.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, out / "config.yaml")
-        dist.barrier(group)
-        result = train(cfg, info, run_device(cfg.model, info), on_step=on_step)
-        if info.is_main:
-            top1 = result.get("eval/top1")
-            print(f"{PROG}: step {result['step']}, train loss {result.get('train/loss', float('nan')):.4f}"
-                  + (f", eval top-1 {top1:.3f}" if top1 is not None else "")
-                  + f"; head → {result['head_dir']}", flush=True)
-        return result
+        with contextlib.ExitStack() as stack:
+            group = dist.cpu_group(timedelta(hours=2))  # rank 0 may fetch the default model meanwhile
+            out = Path(cfg.out)
+            if info.is_main:
+                stack.enter_context(output_lock(out, command=PROG))  # before anything is written to `out`
+                ensure_model(cfg.model)
+            dist.barrier(group)
+            result = train(cfg, info, run_device(cfg.model, info), on_step=on_step,
+                           on_start=lambda: save_config(cfg, out / "config.yaml"))
+            if info.is_main:
+                top1 = result.get("eval/top1")
+                print(f"{PROG}: step {result['step']}, train loss {result.get('train/loss', float('nan')):.4f}"
+                      + (f", eval top-1 {top1:.3f}" if top1 is not None else "")
+                      + f"; head → {result['head_dir']}", flush=True)
+            return result
     finally:
         dist.destroy()
 

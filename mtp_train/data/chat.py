@@ -26,17 +26,20 @@ import hashlib
 import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtp_train.data.readers import Conversation
+from mtp_train.data.readers import Conversation, DataError
 from mtp_train.models.config import ModelConfigError
 
 Messages = Sequence[Mapping[str, str]]
-# Private-use characters: no template special-cases them and real text practically never contains them. A probe
-# must not occur in the content it stands in for, or the diff could run into the content.
-PROBES = ("\ue000", "\ue001", "\ue002")
+# Private-use characters: no template special-cases them and real text rarely contains them. A probe must not occur
+# in the content it stands in for, or the diff could run into the content; the first absent one is used, so text
+# holding U+E000-U+E002 (icon fonts put glyphs there) takes another from the rest of the private-use area.
+PROBES = ("\ue000", "\ue001", "\ue002", *(chr(c) for c in range(0xE003, 0xF900)))
+TEMPLATE_ERROR = "template_error"  # the bad-row reason of a conversation that the chat template cannot render
+EXAMPLES_KEPT = 3  # file:line examples kept for the drop summary
 
 
 class ChatTemplateError(ValueError):
@@ -66,13 +69,15 @@ class TokenizeStats:
     truncated: int = 0  # kept, but cut to max_seq_len
     dropped_no_assistant: int = 0  # no assistant token at all (e.g. a prompt-only conversation)
     dropped_truncated: int = 0  # every assistant token was beyond max_seq_len
+    dropped_template_error: int = 0  # the chat template failed on it (on_bad_row="skip")
+    template_error_examples: list[str] = field(default_factory=list)  # the first few "file:line: error"
     diff_method: int = 0  # conversations whose turn ends came from the per-turn diff (history re-rendering)
     tokens: int = 0  # tokens of kept samples
     loss_tokens: int = 0  # masked tokens of kept samples
 
     @property
     def dropped(self) -> int:
-        return self.dropped_no_assistant + self.dropped_truncated
+        return self.dropped_no_assistant + self.dropped_truncated + self.dropped_template_error
 
 
 # ------------------------------------------------------------------------------------------------- rendering
@@ -123,7 +128,8 @@ def _probe_for(content: str) -> str:
     for probe in PROBES:
         if probe not in content:
             return probe
-    raise ChatTemplateError("content contains every probe character; cannot locate it in the rendering")
+    raise ChatTemplateError("content contains every private-use character (U+E000-U+F8FF); cannot locate it in the "
+                            "rendering")
 
 
 def _with_content(messages: Messages, i: int, content: str) -> list[dict[str, str]]:
@@ -223,17 +229,31 @@ def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple
 
 
 def _encode(tokenizer: Any, convs: Sequence[Messages], template_kwargs: Mapping[str, Any] | None,
-            ) -> list[tuple[list[int], list[int], str]]:
-    """(input_ids, loss_mask, method) of each whole conversation, untruncated; one tokenizer call for all."""
-    rendered = [assistant_char_spans(tokenizer, messages, template_kwargs) for messages in convs]
+            ) -> list[tuple[list[int], list[int], str] | ChatTemplateError]:
+    """(input_ids, loss_mask, method) of each whole conversation, untruncated, or the ChatTemplateError that one
+    conversation's rendering raised; one tokenizer call for all."""
+    rendered: list[tuple[str, list[tuple[int, int]], str] | ChatTemplateError] = []
+    for messages in convs:
+        try:
+            rendered.append(assistant_char_spans(tokenizer, messages, template_kwargs))
+        except ChatTemplateError as exc:  # this conversation's problem: the caller decides (see tokenize_conversations)
+            rendered.append(exc)
+    texts = [r[0] for r in rendered if not isinstance(r, ChatTemplateError)]
     try:
         # The template already writes BOS and friends, so the tokenizer must not add them again. A batch call
         # lets a fast tokenizer encode on all cores.
-        enc = tokenizer([text for text, _, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else \
+            {"input_ids": [], "offset_mapping": []}
     except NotImplementedError as exc:
         raise ChatTemplateError("loss masks need a fast tokenizer (character offsets)") from exc
-    out = []
-    for (_, spans, method), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
+    encoded = iter(zip(enc["input_ids"], enc["offset_mapping"]))
+    out: list[tuple[list[int], list[int], str] | ChatTemplateError] = []
+    for r in rendered:
+        if isinstance(r, ChatTemplateError):
+            out.append(r)
+            continue
+        _, spans, method = r
+        ids, offsets = next(encoded)
         out.append((list(ids), _mask_from_offsets([tuple(o) for o in offsets], spans), method))
     return out
 
@@ -272,26 +292,42 @@ def tokenize_conversation(tokenizer: Any, messages: Messages | Conversation, max
     """
     _check_max_seq_len(max_seq_len)
     msgs, conv_id = _as_messages(messages)
-    ids, mask, _ = _encode(tokenizer, [msgs], template_kwargs)[0]
+    encoded = _encode(tokenizer, [msgs], template_kwargs)[0]
+    if isinstance(encoded, ChatTemplateError):
+        raise encoded
+    ids, mask, _ = encoded
     return _finish(ids, mask, conv_id, max_seq_len)[0]
 
 
 def tokenize_conversations(tokenizer: Any, convs: Iterable[Messages | Conversation], max_seq_len: int | None = None,
                            *, template_kwargs: Mapping[str, Any] | None = None, batch_size: int = 64,
-                           ) -> tuple[list[TokenizedSample], TokenizeStats]:
+                           on_bad_row: str = "error") -> tuple[list[TokenizedSample], TokenizeStats]:
     """`tokenize_conversation` over many conversations; counts what was truncated and dropped, and why.
 
-    Conversations are tokenized `batch_size` at a time (one tokenizer call each), in order.
+    Conversations are tokenized `batch_size` at a time (one tokenizer call each), in order. A conversation the
+    chat template fails on is a bad row: a `Conversation` raises DataError naming its file and line, or, with
+    on_bad_row="skip", is dropped and counted (`dropped_template_error`); plain message lists raise
+    ChatTemplateError.
     """
     _check_max_seq_len(max_seq_len)
     _require_template(tokenizer)
     stats = TokenizeStats()
     samples = []
     it = iter(convs)
-    while batch := [_as_messages(c) for c in itertools.islice(it, batch_size)]:
-        encoded = _encode(tokenizer, [msgs for msgs, _ in batch], template_kwargs)
-        for (_, conv_id), (ids, mask, method) in zip(batch, encoded):
+    while batch := [(c, *_as_messages(c)) for c in itertools.islice(it, batch_size)]:
+        encoded = _encode(tokenizer, [msgs for _, msgs, _ in batch], template_kwargs)
+        for (conv, _, conv_id), result in zip(batch, encoded):
             stats.conversations += 1
+            if isinstance(result, ChatTemplateError):
+                if not isinstance(conv, Conversation):
+                    raise result
+                if on_bad_row != "skip":
+                    raise DataError(conv.source, conv.line, TEMPLATE_ERROR, str(result)) from None
+                stats.dropped_template_error += 1
+                if len(stats.template_error_examples) < EXAMPLES_KEPT:
+                    stats.template_error_examples.append(f"{conv.source}:{conv.line}: {result}")
+                continue
+            ids, mask, method = result
             stats.diff_method += method == "diff"
             sample, outcome = _finish(ids, mask, conv_id, max_seq_len)
             if sample is None:

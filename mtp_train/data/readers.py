@@ -64,6 +64,7 @@ UNKNOWN_ROLE = "unknown_role"
 NON_STRING = "non_string_content"
 EMPTY_CONTENT = "empty_content"
 ROLE_ORDER = "role_order"
+INVALID_TEXT = "invalid_text"  # a string that is not valid Unicode (a lone surrogate such as "\ud800" in JSON)
 
 
 class DataError(ValueError):
@@ -127,13 +128,27 @@ class ReadStats:
 # --------------------------------------------------------------------------------------------------- records
 
 
+def _unicode(value: str, what: str) -> str:
+    """`value` if it is valid Unicode text, else a bad row.
+
+    JSON's `\\ud800` escapes decode to lone surrogates, which no tokenizer or UTF-8 file can take: caught here,
+    with the row's file and line, rather than as a crash wherever the text is first encoded.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRecord(INVALID_TEXT, f"{what} holds a lone surrogate {value[exc.start]!r} at character "
+                                      f"{exc.start} (not valid Unicode text)") from None
+    return value
+
+
 def _text(value: Any, what: str) -> str:
-    """`value` as message content: a non-empty string, else a bad row."""
+    """`value` as message content: a non-empty string of valid Unicode, else a bad row."""
     if not isinstance(value, str):
         raise BadRecord(NON_STRING, f"{what} is {type(value).__name__}, not a string")
     if not value.strip():
         raise BadRecord(EMPTY_CONTENT, f"{what} is empty")
-    return value
+    return _unicode(value, what)
 
 
 def _optional(record: Mapping[str, Any], key: str) -> Any:
@@ -260,10 +275,10 @@ def parse_record(record: Any, fmt: Format = "auto", field_map: Mapping[str, str]
     conv_id = None
     for key in ID_FIELDS:
         if _optional(record, key) is not None:
-            conv_id = str(record[key])
+            conv_id = _unicode(str(record[key]), key)
             # `source_id` is only unique within the file a derived set took it from.
             if key == "source_id" and _optional(record, "source_file") is not None:
-                conv_id = f"{record['source_file']}:{conv_id}"
+                conv_id = _unicode(f"{record['source_file']}:{conv_id}", "source_file")
             used.add(key)
             break
     metadata = {k: v for k, v in record.items() if k not in used}
@@ -291,7 +306,8 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                yield lineno, json.loads(line)
+                # Without its line break: a line cut short would otherwise fail "at column 1" of the next line.
+                yield lineno, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 yield lineno, BadRecord(INVALID_JSON, f"{exc.msg} at column {exc.colno}")
 

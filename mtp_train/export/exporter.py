@@ -22,10 +22,13 @@ from mtp_train.heads.base import (
     HEAD_TYPES,
     DraftHead,
     HeadConfig,
+    file_checksums,
     head_dims,
     load_head,
     read_head_config,
+    read_json_config,
     save_head,
+    verify_files,
 )
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.models.config import ModelArgs, ModelConfigError
@@ -85,6 +88,7 @@ def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "model.safetensors",
                  lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt", "layout": fmt}))
+    config["mtp_train"]["files"] = file_checksums(out, ["model.safetensors"])  # `load_export` checks them
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -96,10 +100,11 @@ def load_export(export_dir: str | Path, target_dir: str | Path, device: str | to
     Refuses, naming the keys, a folder whose tensors are not exactly those of its recorded layout.
     """
     export_dir = Path(export_dir)
-    cfg = json.loads((export_dir / "config.json").read_text()) if (export_dir / "config.json").is_file() else {}
+    cfg = read_json_config(export_dir / "config.json") if (export_dir / "config.json").is_file() else {}
     meta = cfg.get("mtp_train")
     if meta is None:  # native
         return load_head(export_dir, target_dir, device=device, dtype=dtype, verify_fingerprint=False)
+    verify_files(export_dir, meta.get("files"), export_dir / "config.json")
     fmt = meta["format"]
     layout = _layout(fmt)
     args = ModelArgs.from_dir(target_dir)

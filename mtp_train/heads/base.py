@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,11 +43,10 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from mtp_train.fileio import atomic_write, atomic_write_text
+from mtp_train.fileio import atomic_write, atomic_write_text, sha256_file
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.layers.attention import (
     AttentionBackend,
@@ -60,7 +60,9 @@ from mtp_train.layers.linear import linear
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.fingerprint import weights_fingerprint
-from mtp_train.models.loader import resolve_dtype
+from mtp_train.models.loader import open_safetensors, resolve_dtype
+
+log = logging.getLogger(__name__)
 
 HEAD_FORMAT = "mtp_train.head"
 HEAD_FORMAT_VERSION = 1
@@ -502,14 +504,47 @@ def build_head(cfg: HeadConfig, target_dir: str | Path, device: str | torch.devi
     return head.to(device=device, dtype=dt)
 
 
+def file_checksums(folder: str | Path, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """{name: {"sha256", "bytes"}} of files in `folder`, the record `verify_files` checks."""
+    folder = Path(folder)
+    return {n: {"sha256": sha256_file(folder / n), "bytes": (folder / n).stat().st_size} for n in names}
+
+
+def verify_files(folder: str | Path, files: dict[str, Any] | None, config: str | Path) -> bool:
+    """Check files of `folder` against the `files` record of its config (`config`, named in errors).
+
+    Raises ModelConfigError naming the first file that is missing or differs; returns False (after a warning)
+    when there is no record (a folder written before checksums were recorded), True when everything matched.
+    """
+    folder = Path(folder)
+    if not files:
+        log.warning("%s records no checksums (written by an older version): %s is not verified", config, folder)
+        return False
+    todo = "the file is damaged or was changed; copy or export the head again from the run's heads/step-N"
+    for name, want in sorted(files.items()):
+        path = folder / name
+        try:
+            sha, size = str(want["sha256"]), int(want["bytes"])
+        except (KeyError, TypeError, ValueError):
+            raise ModelConfigError(f"{config}: malformed checksum entry for {name!r}") from None
+        if not path.is_file():
+            raise ModelConfigError(f"{path} is missing (its checksum is in {config}); {todo}")
+        if path.stat().st_size != size:
+            raise ModelConfigError(f"{path} has {path.stat().st_size} bytes, {config} records {size}: {todo}")
+        if sha256_file(path) != sha:
+            raise ModelConfigError(f"{path} does not match the sha256 recorded in {config}: {todo}")
+    return True
+
+
 def save_head(head: DraftHead, out_dir: str | Path, extra_config: dict[str, Any] | None = None, *,
               target_fingerprint: str | None = None) -> Path:
     """Write `model.safetensors` (the head's trainable weights only) and `config.json` into `out_dir`.
 
     config.json records the format, the head config (norms resolved), the target dims, the target's weight
-    fingerprint when given (`load_head` then refuses other weights), the parameter count, the dtype, and
-    `extra_config` under "extra" (e.g. training step, data manifest). Files are written to a temporary name
-    and renamed, so a crash never leaves a half-written head.
+    fingerprint when given (`load_head` then refuses other weights), the parameter count, the dtype, the sha256
+    and size of model.safetensors under "files" (`load_head` checks them), and `extra_config` under "extra"
+    (e.g. training step, data manifest). Files are written to a temporary name and renamed, so a crash never
+    leaves a half-written head.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -524,10 +559,26 @@ def save_head(head: DraftHead, out_dir: str | Path, extra_config: dict[str, Any]
         "target_fingerprint": target_fingerprint,
         "num_params": head.num_params(),
         "dtype": str(head.dtype).replace("torch.", ""),
+        "files": file_checksums(out, ["model.safetensors"]),
         "extra": extra_config or {},
     }
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def read_json_config(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`, with a ModelConfigError naming the file (line, column) when it is not one."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; the file is "
+                               "damaged: copy or export the head again") from None
+    except UnicodeDecodeError as e:
+        raise ModelConfigError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); the file is damaged: copy or "
+                               "export the head again") from None
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
+    return cfg
 
 
 def read_head_config(head_dir: str | Path) -> dict[str, Any]:
@@ -535,11 +586,15 @@ def read_head_config(head_dir: str | Path) -> dict[str, Any]:
     path = Path(head_dir) / "config.json"
     if not path.is_file():
         raise ModelConfigError(f"{path} is missing: {head_dir} is not a head checkpoint (see save_head)")
-    cfg = json.loads(path.read_text())
+    cfg = read_json_config(path)
     if cfg.get("format") != HEAD_FORMAT:
         raise ModelConfigError(f"{path}: format {cfg.get('format')!r} is not {HEAD_FORMAT!r}")
     if cfg.get("format_version") != HEAD_FORMAT_VERSION:
         raise ModelConfigError(f"{path}: format_version {cfg.get('format_version')} is not {HEAD_FORMAT_VERSION}")
+    bad = [k for k in ("head", "dims") if not isinstance(cfg.get(k), dict)]
+    if bad:
+        raise ModelConfigError(f"{path}: {', '.join(bad)} missing or not an object; the file is damaged: copy or "
+                               "export the head again")
     return cfg
 
 
@@ -548,25 +603,30 @@ def load_head(head_dir: str | Path, target_dir: str | Path, device: str | torch.
               verify_fingerprint: bool = True) -> DraftHead:
     """Load a head saved by `save_head` for the target in `target_dir` (frozen parts read from there).
 
-    Refuses, naming every offending key with both values: target dims that differ from the recorded ones,
-    and tensors whose shapes differ from what the target implies. When the head recorded a target
+    Refuses, naming the file, a model.safetensors whose sha256 is not the one config.json records; then, naming
+    every offending key with both values: target dims that differ from the recorded ones, and tensors whose
+    shapes differ from what the target implies. When the head recorded a target
     fingerprint (and verify_fingerprint), the target's weights must have that fingerprint. dtype None keeps
     the checkpoint's dtype.
     """
     head_dir, target_dir = Path(head_dir), Path(target_dir)
     cfg_json = read_head_config(head_dir)
+    verify_files(head_dir, cfg_json.get("files"), head_dir / "config.json")  # before a byte of it is read
     args = ModelArgs.from_dir(target_dir)
 
     problems = [f"dims.{k}: head checkpoint {cfg_json['dims'].get(k)!r}, target {v!r}"
                 for k, v in head_dims(args).items() if cfg_json["dims"].get(k) != v]
-    head_cfg = HeadConfig(**cfg_json["head"])  # `init` is history here: the weights come from the file
+    try:
+        head_cfg = HeadConfig(**cfg_json["head"])  # `init` is history here: the weights come from the file
+    except TypeError as e:
+        raise ModelConfigError(f"{head_dir / 'config.json'}: head {e}") from None
     if head_cfg.type not in HEAD_TYPES:
         raise ModelConfigError(f"{head_dir}: head type {head_cfg.type!r} has no implementation")
     with torch.device("meta"):
         head = HEAD_TYPES[head_cfg.type](head_cfg, args, None, backend)
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
     weights = head_dir / "model.safetensors"
-    with safe_open(str(weights), framework="pt", device="cpu") as f:
+    with open_safetensors(weights) as f:
         names = set(f.keys())  # noqa: SIM118 (safe_open is not a dict)
         for k in sorted(names & expected.keys()):
             shape = tuple(f.get_slice(k).get_shape())

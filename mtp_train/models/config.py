@@ -129,9 +129,15 @@ class ModelArgs:
         if not cfg_file.is_file():
             raise ModelConfigError(f"{cfg_file} is missing: {path} is not a Hugging Face model folder")
         try:
-            cfg = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{cfg_file}: invalid JSON at line {e.lineno}: {e.msg}") from None
+            cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            where = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else \
+                f"not UTF-8 ({e.reason} at byte {e.start})"
+            raise ModelConfigError(f"{cfg_file}: invalid JSON at {where}; repair the file, or copy or fetch the "
+                                   "model folder again") from None
+        if not isinstance(cfg, dict):
+            raise ModelConfigError(f"{cfg_file}: expected a JSON object, found {type(cfg).__name__}; repair the "
+                                   "file, or copy or fetch the model folder again")
         return cls.from_hf_config(cfg, source=str(cfg_file))
 
 

@@ -18,6 +18,7 @@ safetensors writes tensors in a fixed order.
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from pathlib import Path
 
@@ -42,6 +43,16 @@ def _hash_range(fh, start: int, length: int, chunk: int = _CHUNK) -> bytes:
     return h.digest()
 
 
+def _data_end(header: bytes, path: Path) -> int:
+    """Where the last tensor of a safetensors header ends, relative to the data section."""
+    try:
+        entries = json.loads(header)
+        return max((int(v["data_offsets"][1]) for k, v in entries.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise ModelConfigError(f"{path}: unreadable safetensors header; the file is damaged or not safetensors: "
+                               "copy, fetch or save it again") from None
+
+
 def file_fingerprint(path: str | Path, full: bool = False) -> bytes:
     """Digest of one safetensors file: name, size, header, and sha256 of the first/last MiB (all data if full)."""
     path = Path(path)
@@ -55,9 +66,16 @@ def file_fingerprint(path: str | Path, full: bool = False) -> bytes:
         (header_len,) = struct.unpack("<Q", raw)
         data_start = 8 + header_len
         if data_start > size:
-            raise ModelConfigError(f"{path}: header length {header_len} exceeds the file size {size}")
-        h.update(fh.read(header_len))
+            raise ModelConfigError(f"{path}: header length {header_len} exceeds the file size {size}: the file is "
+                                   "truncated or not safetensors; copy, fetch or save it again")
+        header = fh.read(header_len)
+        h.update(header)
         data_len = size - data_start
+        want = _data_end(header, path)
+        if data_len < want:
+            # A cut file would otherwise get a new fingerprint and be refused as "other weights".
+            raise ModelConfigError(f"{path}: truncated ({data_len} bytes of tensor data, its header describes "
+                                   f"{want}); copy, fetch or save it again")
         if full or data_len <= 2 * _EDGE:
             h.update(_hash_range(fh, data_start, data_len))
         else:

@@ -7,12 +7,14 @@ safetensors' memory map; q/k/v and gate/up are concatenated into the fused proje
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from mtp_train.layers.attention import AttentionBackend, MLABackend, make_attention_backend
@@ -44,6 +46,19 @@ def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs | None = None) -> to
     return DTYPES[dtype]
 
 
+@contextlib.contextmanager
+def open_safetensors(path: str | Path, device: str = "cpu") -> Iterator[Any]:
+    """`safe_open(path)`, with a ModelConfigError naming the file when it is missing, truncated or not safetensors
+    (the library's own error names no file)."""
+    try:
+        handle = safe_open(str(path), framework="pt", device=device)
+    except (SafetensorError, OSError) as exc:
+        raise ModelConfigError(f"{path}: not a readable safetensors file ({exc}); it is truncated or damaged: "
+                               "copy, fetch or save it again") from None
+    with handle as f:
+        yield f
+
+
 def checkpoint_files(path: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file that holds it (single file or sharded index)."""
     index = path / "model.safetensors.index.json"
@@ -59,7 +74,7 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
                 raise ModelConfigError(f"{index} names {f.name}, which is missing from {path}")
         return files
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with open_safetensors(single) as f:
             return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     raise ModelConfigError(
         f"no model.safetensors or model.safetensors.index.json in {path}; only safetensors checkpoints "
@@ -78,7 +93,7 @@ def names_by_file(files: dict[str, Path]) -> dict[Path, list[str]]:
 def iter_tensors(files: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) file by file, each file opened once through safetensors' mmap."""
     for f, names in names_by_file(files).items():
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
+        with open_safetensors(f) as fh:
             for name in names:
                 yield name, fh.get_tensor(name)
 

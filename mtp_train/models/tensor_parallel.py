@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from mtp_train.layers.attention import make_attention_backend
@@ -40,6 +39,7 @@ from mtp_train.models.loader import (
     IGNORED_SUFFIXES,
     checkpoint_files,
     names_by_file,
+    open_safetensors,
     resolve_dtype,
 )
 
@@ -203,7 +203,7 @@ def load_model_tp(path: str | Path, tp: TPGroup, dtype: str | torch.dtype = "aut
     files = checkpoint_files(path)
     raw: dict[str, torch.Tensor] = {}
     for f, names in names_by_file(files).items():
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
+        with open_safetensors(f) as fh:
             for name in names:
                 if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
                     continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +28,38 @@ from mtp_train.precompute.writer import Sample, precompute
 log = logging.getLogger(__name__)
 
 
-def _unique_ids(ids: list[str]) -> list[str]:
-    """Make conversation ids unique (two sources may both have an id "1"): repeats get "#2", "#3", ..."""
+def _unique_ids(ids: list[str]) -> tuple[list[str], list[str]]:
+    """Make conversation ids unique (two sources may both have an id "1"): repeats get "#2", "#3", ...
+
+    Returns the ids and the ones that were repeated (each once, in order of first repeat).
+    """
     seen: Counter[str] = Counter()
-    out = []
+    out, repeated = [], []
     for i in ids:
         seen[i] += 1
         out.append(i if seen[i] == 1 else f"{i}#{seen[i]}")
-    return out
+        if seen[i] == 2:
+            repeated.append(i)
+    return out, repeated
+
+
+def dropped_summary(info: Mapping[str, Any]) -> str:
+    """One line on what `build_samples` left out or renamed (its `info`), or "" when nothing was."""
+    parts = []
+    bad = info.get("bad_rows") or {}
+    if bad:
+        parts.append(f"{sum(bad.values())} bad row(s) skipped ("
+                     + ", ".join(f"{r}={n}" for r, n in sorted(bad.items())) + ")")
+    for key, what in (("dropped_no_assistant", "conversation(s) without an assistant turn dropped"),
+                      ("dropped_truncated", "conversation(s) dropped: every assistant token was past max_seq_len"),
+                      ("dropped_template_error", "conversation(s) the chat template failed on dropped")):
+        if info.get(key):
+            parts.append(f"{info[key]} {what}")
+    dups = int(info.get("duplicate_ids") or 0)
+    if dups:
+        shown = ", ".join(repr(d) for d in info.get("duplicate_id_examples") or [])
+        parts.append(f"{dups} duplicate id(s) kept under new ids id#2, id#3, ... (e.g. {shown})")
+    return "; ".join(parts)
 
 
 def build_samples(tokenizer: Any, data: Mapping[str, Any], max_seq_len: int, limit: int | None = None,
@@ -50,17 +74,20 @@ def build_samples(tokenizer: Any, data: Mapping[str, Any], max_seq_len: int, lim
         list(data["paths"]), format=data.get("format", "auto"), field_map=dict(data.get("field_map") or {}),
         system_prompt=data.get("system_prompt"), on_bad_row=data.get("on_bad_row", "error"), limit=limit,
     )
-    if read_stats.num_bad:
-        log.warning("%s", read_stats.summary())
+    on_bad_row = data.get("on_bad_row", "error")
     tokenized, tok_stats = tokenize_conversations(tokenizer, convs, max_seq_len,
-                                                  template_kwargs=dict(template_kwargs or {}))
-    ids = _unique_ids([t.id or f"sample-{i}" for i, t in enumerate(tokenized)])
+                                                  template_kwargs=dict(template_kwargs or {}), on_bad_row=on_bad_row)
+    if tok_stats.dropped_template_error:
+        log.warning("skipped %d conversation(s) the chat template failed on: %s", tok_stats.dropped_template_error,
+                    "; ".join(tok_stats.template_error_examples))
+    ids, repeated = _unique_ids([t.id or f"sample-{i}" for i, t in enumerate(tokenized)])
     samples = [Sample(i, t.input_ids, t.loss_mask) for i, t in zip(ids, tokenized)]
     if not samples:
         raise ValueError(
             f"no usable sample in {list(data['paths'])}: {read_stats.summary()}; "
             f"{tok_stats.dropped_no_assistant} conversations had no assistant turn (regenerate prompt-only data "
-            f"with mtp-regenerate first), {tok_stats.dropped_truncated} lost every assistant token to max_seq_len"
+            f"with mtp-regenerate first), {tok_stats.dropped_truncated} lost every assistant token to max_seq_len, "
+            f"{tok_stats.dropped_template_error} failed in the chat template"
         )
     info = {
         "name": data.get("name", "custom"),
@@ -70,22 +97,28 @@ def build_samples(tokenizer: Any, data: Mapping[str, Any], max_seq_len: int, lim
         "limit": limit,
         "rows": read_stats.rows,
         "bad_rows": dict(read_stats.bad),
+        "bad_row_examples": {r: list(e) for r, e in read_stats.examples.items()},  # reason → first few file:line
         "conversations": tok_stats.conversations,
         "samples": tok_stats.kept,
         "truncated": tok_stats.truncated,
         "dropped_no_assistant": tok_stats.dropped_no_assistant,
         "dropped_truncated": tok_stats.dropped_truncated,
+        "dropped_template_error": tok_stats.dropped_template_error,
+        "duplicate_ids": len(repeated),  # ids met more than once (renamed id#2, id#3, ...)
+        "duplicate_id_examples": repeated[:5],
     }
     return samples, info
 
 
 def run_precompute(model: LlamaForCausalLM, tokenizer: Any, model_dir: str | Path, cfg: Mapping[str, Any], *,
                    rank: int = 0, world: int = 1, tp_rank: int = 0, tp_size: int = 1,
-                   config_dict: dict[str, Any] | None = None) -> Manifest | None:
+                   config_dict: dict[str, Any] | None = None,
+                   on_start: Callable[[], None] | None = None) -> Manifest | None:
     """Run stage one for a PrecomputeConfig-shaped `cfg`; returns the manifest on rank 0, else None.
 
     rank / world are data-parallel; with tensor parallelism every TP group (tp_size processes, see
-    `mtp_train.models.tensor_parallel`) is one data-parallel rank and only its tp_rank 0 writes.
+    `mtp_train.models.tensor_parallel`) is one data-parallel rank and only its tp_rank 0 writes. on_start: see
+    `precompute` (called once the data has been read, tokenized and checked).
     """
     samples, info = build_samples(tokenizer, cfg["data"], int(cfg["max_seq_len"]), cfg.get("limit"),
                                   cfg.get("chat_template_kwargs"))
@@ -111,4 +144,5 @@ def run_precompute(model: LlamaForCausalLM, tokenizer: Any, model_dir: str | Pat
         provenance={"package": "mtp_train", "version": mtp_train.__version__, "config": config_dict or {}},
         progress=bool(cfg.get("progress", True)),
         verify_on_resume=bool(cfg.get("verify_on_resume", True)),
+        on_start=on_start,
     )

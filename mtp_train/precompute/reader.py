@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from mtp_train.fileio import sha256_file
-from mtp_train.precompute.manifest import Manifest, ShardInfo, is_val
+from mtp_train.precompute.manifest import Manifest, ManifestError, ShardInfo, is_val
 
 VERIFY_MODES = ("first_open", "never", "always")
 
@@ -109,6 +109,29 @@ class PrecomputedDataset(torch.utils.data.Dataset):
                                    for k, j in picked]
         self.ids: list[str] = [self._shards[k].ids[j] for k, j in picked]
 
+    def _check_sidecar(self, info: ShardInfo, path: Path) -> None:
+        """Refuse a manifest that describes other shards than the folder's (e.g. one copied from another run).
+
+        Each shard's sidecar (`<shard>.json`, written with it) records its sha256 and size. When the sidecar agrees
+        with the file but not with the manifest, the shard is fine and the manifest is the stranger: blaming the
+        shard would have the user delete good data.
+        """
+        side = path.with_suffix(".json")
+        try:
+            d = json.loads(side.read_text())
+            own_sha, own_bytes = d["sha256"], int(d["bytes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # no readable sidecar: the shard's own checks below decide
+        if (own_sha, own_bytes) != (info.sha256, info.bytes) and own_bytes == path.stat().st_size:
+            manifest = self.directory / "manifest.json"
+            raise ManifestError(
+                f"{manifest} does not match the shards in {self.directory}: it lists {info.file} with sha256 "
+                f"{info.sha256[:12]}… ({info.bytes} bytes), the folder's shard and its sidecar are {own_sha[:12]}… "
+                f"({own_bytes} bytes). The manifest comes from another precompute run (copied or mixed folders); "
+                "restore this folder's own manifest, or re-run precompute with this folder's settings (its "
+                "finished shards are kept and the manifest is written anew)"
+            )
+
     def _index_shard(self, info: ShardInfo) -> _ShardIndex:
         """Check a shard's size and read its ids and offsets (header only, no hidden states)."""
         path = self.directory / info.file
@@ -117,6 +140,7 @@ class PrecomputedDataset(torch.utils.data.Dataset):
                 f"{path} is listed in {self.directory / 'manifest.json'} but missing; restore it, or re-run "
                 "precompute with the same settings (it redoes missing shards)"
             )
+        self._check_sidecar(info, path)
         size = path.stat().st_size
         if size != info.bytes:
             raise CorruptShardError(f"{path} has {size} bytes, the manifest says {info.bytes}: {_advice(path)}")

@@ -563,7 +563,7 @@ def _prepare_turn(active: list[_Unit], ctx: _TurnContext) -> tuple[list[_Unit], 
             stats.skipped[TEMPLATE_ERROR] += 1
             ctx.template_errors += 1
             if ctx.template_errors == 1:  # the same template fails the same way on many records
-                log.warning("record %s skipped: %s", u.rid, exc)
+                log.warning("%s:%d: record %s skipped: %s", u.conv.source, u.conv.line, u.rid, exc)
     # One call for the whole turn: a fast tokenizer encodes the batch on all cores.
     encoded = ctx.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     requests: list[_Unit] = []

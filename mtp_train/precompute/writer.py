@@ -307,6 +307,7 @@ def precompute(
     verify_on_resume: bool = True,
     on_shard: Callable[[ShardInfo, bool], None] | None = None,
     barrier_timeout: timedelta = timedelta(hours=24),
+    on_start: Callable[[], None] | None = None,
 ) -> Manifest | None:
     """Precompute target hidden states for `samples` into `out_dir`; returns the manifest on rank 0, else None.
 
@@ -317,7 +318,9 @@ def precompute(
     finished shards before skipping them. on_shard(info, skipped): called after each shard is written
     (skipped=False) or found done (skipped=True); an exception from it stops the run, which resumes
     later. barrier_timeout: how long ranks wait for each other at the end (a resumed rank may have
-    nothing to do). With world > 1, torch.distributed must be initialised (`mtp_train.dist`).
+    nothing to do). on_start(): called on rank 0 once the samples and settings have been checked, before
+    anything in `out_dir` changes (the place to save the run's config: a refused run leaves the folder as it
+    was). With world > 1, torch.distributed must be initialised (`mtp_train.dist`).
     Tensor parallelism: rank / world are the data-parallel rank and world (one per TP group of tp_size
     processes); every member of a group runs the same shards (its forward is collective), and only the group's
     tp_rank 0 writes them. The manifest is written by data-parallel rank 0's tp_rank 0.
@@ -365,6 +368,8 @@ def precompute(
     # A stale manifest would vouch for shards this run is about to rewrite; the barrier keeps other
     # ranks from writing before it is gone. Leftover temporaries of this rank are from a crash.
     if rank == 0 and writer:
+        if on_start is not None:
+            on_start()
         for stale in (out_dir / MANIFEST_NAME, out_dir / (TMP_PREFIX + MANIFEST_NAME)):
             stale.unlink(missing_ok=True)
     if writer:

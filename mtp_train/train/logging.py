@@ -2,7 +2,8 @@
 
 `metrics.jsonl` gets one JSON object per logged step, whatever the W&B mode, so a run's numbers are on disk
 beside its checkpoints. On resume the lines after the resumed step are dropped: the resumed run logs those
-steps again.
+steps again. A torn last line (a kill in the middle of a write) is dropped too, with a warning, as mtp-regenerate
+does; a bad line before the last one means the file was damaged otherwise, and stops the run naming the line.
 
 W&B `online` needs an API key (`WANDB_API_KEY`, or `wandb login`'s netrc entry). Without one the run is
 logged `offline` instead, with a log line saying so, rather than stopping a training job at its start or
@@ -59,6 +60,37 @@ def _scalar(v: Any) -> Any:
     return v
 
 
+def read_metrics_lines(path: Path) -> list[tuple[int, str]]:
+    """(step, line) of every record of a metrics.jsonl; a torn last line is left out with a warning.
+
+    Raises ValueError naming file:line for a bad line that is not the last one (not a torn write).
+    """
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    if raw.endswith(b"\n"):
+        lines = lines[:-1]
+    out: list[tuple[int, str]] = []
+    for lineno, data in enumerate(lines, start=1):
+        last = lineno == len(lines)
+        if not data.strip():
+            continue
+        try:
+            text = data.decode("utf-8")
+            step = json.loads(text)["step"]
+            if not isinstance(step, int):
+                raise TypeError(f"step is {type(step).__name__}")
+        except (ValueError, KeyError, TypeError) as exc:
+            if last:
+                log.warning("%s:%d: dropping a torn last line (%s), left by an interrupted write; its step is "
+                            "logged again", path, lineno, exc)
+                break
+            raise ValueError(f"{path}:{lineno}: not a metrics record ({type(exc).__name__}: {exc}); the file is "
+                             "damaged (only a torn last line is repaired): remove the line, or resume into "
+                             "another `out`") from None
+        out.append((step, text))
+    return out
+
+
 class RunLogger:
     """Metrics sink of one run. On ranks other than 0 (`enabled=False`) every call is a no-op.
 
@@ -101,9 +133,7 @@ class RunLogger:
         """A fresh run starts an empty file; a resumed one keeps the lines up to its step."""
         kept: list[str] = []
         if resume_step is not None and self._metrics_path.is_file():
-            for line in self._metrics_path.read_text().splitlines():
-                if line.strip() and int(json.loads(line).get("step", 0)) <= resume_step:
-                    kept.append(line)
+            kept = [line for step, line in read_metrics_lines(self._metrics_path) if step <= resume_step]
         atomic_write_text(self._metrics_path, "".join(k + "\n" for k in kept))
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:

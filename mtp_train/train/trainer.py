@@ -55,13 +55,17 @@ from mtp_train.precompute import LengthBucketedBatchSampler, PrecomputedDataset
 from mtp_train.train.checkpoint import (
     CKPT_DIR,
     HEADS_DIR,
+    checkpoint_ranks,
     export_head,
     load_engine_state,
     mark_latest,
     resolve_resume,
+    rng_file,
     rng_state,
     save_engine_state,
     tag_for,
+    verify_checkpoint,
+    write_checksums,
 )
 from mtp_train.train.data import MicroBatchStream, PackedBatch, eval_batches
 from mtp_train.train.deepspeed_config import bf16_enabled, build_ds_config, make_lr_scheduler
@@ -245,11 +249,13 @@ class Trainer:
     cfg: the run's TrainConfig; info: this process's place in the job; device: where it computes;
     config_yaml: the resolved config as YAML (saved with each head export); on_step(trainer, step, metrics):
     called on every rank after each optimizer step and its checkpoint, if any (tests use it to look inside a
-    run, or to stop it mid-way as a crash would).
+    run, or to stop it mid-way as a crash would). on_start(): called on rank 0 once the data, the engine and
+    the checkpoint to resume from have all been checked, before the run writes anything (the place to save
+    the run's config: a run refused at set-up must not overwrite the config of the run that made the folder).
     """
 
     def __init__(self, cfg: TrainConfig, info: DistInfo, device: torch.device, config_yaml: str,
-                 on_step: StepHook | None = None) -> None:
+                 on_step: StepHook | None = None, on_start: Callable[[], None] | None = None) -> None:
         self.cfg, self.info, self.device = cfg, info, device
         self.config_yaml, self.on_step = config_yaml, on_step
         self.out = Path(cfg.out)
@@ -263,8 +269,11 @@ class Trainer:
         self.head_dir: Path | None = None
         self._saved_step = -1
         self._setup_data()
+        resume_from = self._check_resume()  # before the engine: a damaged checkpoint fails fast
         self._setup_engine()
-        self._resume_step = self._maybe_resume()
+        self._resume_step = self._maybe_resume(resume_from)
+        if on_start is not None and info.is_main:
+            on_start()
         self.logger = RunLogger(enabled=info.is_main, out=self.out, wandb_cfg=dataclasses.asdict(cfg.wandb),
                                 config=dataclasses.asdict(cfg), resume_step=self._resume_step)
 
@@ -337,17 +346,29 @@ class Trainer:
     def head(self) -> DraftHead:
         return self.engine.module.head
 
-    def _maybe_resume(self) -> int | None:
-        """Load the checkpoint `resume` names; returns its step, or None for a fresh run."""
+    def _check_resume(self) -> tuple[Path, str] | None:
+        """The checkpoint `resume` names, checked: written by as many ranks as this run has, and every file as
+        its checksums say. None for a fresh run."""
         found = resolve_resume(self.cfg.resume, self.out)
         if found is None:
             return None
         ckpt_dir, tag = found
-        ranks = len(list((ckpt_dir / tag).glob("rng-rank*.pt")))
+        ranks = checkpoint_ranks(ckpt_dir / tag)
         if ranks and ranks != self.info.world:
             raise ValueError(f"checkpoint {ckpt_dir / tag} was written by {ranks} ranks, this run has "
                              f"{self.info.world}: resume with the same number of processes (ZeRO partitions "
                              "optimizer state per rank), or start afresh with resume=none and another out")
+        # DeepSpeed unpickles its files: every file is checked against the checkpoint's checksums first, by rank 0
+        # (each other rank checks its own RNG file), and no rank loads anything before that has passed.
+        verify_checkpoint(ckpt_dir / tag, None if self.info.is_main else [rng_file(self.info.rank)])
+        dist.barrier()
+        return found
+
+    def _maybe_resume(self, found: tuple[Path, str] | None) -> int | None:
+        """Load the checkpoint `_check_resume` found; returns its step, or None for a fresh run."""
+        if found is None:
+            return None
+        ckpt_dir, tag = found
         client = load_engine_state(self.engine, ckpt_dir, tag, self.info.rank)
         self.step = int(client["step"])
         self.stream.load_state_dict(client["data"])
@@ -454,9 +475,10 @@ class Trainer:
             "micro_batch_tokens": self.cfg.train.micro_batch_tokens, "seed": self.cfg.train.seed,
             "target_fingerprint": self.target_fingerprint, "rng": rng_state(),
         }
-        save_engine_state(self.engine, self.out, self.step, client, self.info.rank)
+        tag_dir = save_engine_state(self.engine, self.out, self.step, client, self.info.rank)
         dist.barrier()
         if self.info.is_main:
+            write_checksums(tag_dir)
             extra = {"samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
                      "data_dir": str(self.cfg.data.dir), "eval": self.last_eval}
             self.head_dir = export_head(self.head, self.out, self.step, self.config_yaml,
@@ -521,17 +543,17 @@ def as_train_config(cfg: TrainConfig | DictConfig | dict[str, Any]) -> TrainConf
 
 
 def train(cfg: TrainConfig | DictConfig | dict[str, Any], info: DistInfo, device: torch.device,
-          on_step: StepHook | None = None) -> dict[str, Any]:
+          on_step: StepHook | None = None, on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run (or resume) one training; returns the final metrics (train/..., eval/...), `step`, `out`, `head_dir`.
 
     Every rank calls it; torch.distributed is initialised by the caller under torchrun, or here as a world of
-    one (DeepSpeed needs a process group either way). on_step: see Trainer.
+    one (DeepSpeed needs a process group either way). on_step, on_start: see Trainer.
     """
     tc = as_train_config(cfg)
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(tc))
     own_group = _process_group_for_deepspeed(device)
     try:
-        return Trainer(tc, info, device, config_yaml, on_step).fit()
+        return Trainer(tc, info, device, config_yaml, on_step, on_start).fit()
     finally:
         if own_group and tdist.is_initialized():
             import deepspeed.comm

@@ -1,0 +1,403 @@
+"""Every CLI on a catalogue of bad inputs: exit code 2, one line naming the file, line or key and what to do, and
+nothing written (or rewritten) in the output.
+
+The commands run in this process through their console entry points (`main()` with `sys.argv` set, Hydra and
+all), on a tiny random Llama with a small byte-level BPE tokenizer and a ChatML template built here, so that no
+real model is needed. A finished precompute folder and a saved head of that target serve the later stages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtp_train.fileio import lock_path, output_lock
+
+ROOT = Path(__file__).resolve().parents[1]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOPICS = ["the moon", "bread", "rivers", "chess", "owls", "glass", "tea", "maps"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _chat(i: int, topic: str) -> dict:
+    return {"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me about {topic}."},
+                                        {"role": "assistant", "content": f"Here is a fact about {topic}."}]}
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def make_chat_target(out: Path) -> Path:
+    """A random 2-layer Llama whose vocabulary is a small byte-level BPE with ChatML specials and template."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False)
+    tok.train_from_iterator([f"Tell me about {t}. Here is a fact about {t}." for t in TOPICS] * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                                eos_token="<|im_end|>")
+    fast.chat_template = CHATML
+    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False, eos_token_id=fast.eos_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out, safe_serialization=True)
+    fast.save_pretrained(out)
+    return out
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+def run_cli(module: str, args: list[str], capsys=None) -> Result:
+    """Run `mtp-<module>` in this process as its console script does; (exit code, stdout, stderr), the latter two
+    captured with `capsys` when given (else left to pytest and returned empty)."""
+    import importlib
+
+    main = importlib.import_module(f"mtp_train.cli.{module}").main
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # Hydra reconfigures logging for the job
+    argv = sys.argv
+    sys.argv = [f"mtp-{module}", *args]
+    if capsys is not None:
+        capsys.readouterr()
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    if capsys is None:
+        return Result(code, "", "")
+    captured = capsys.readouterr()
+    return Result(code, captured.out, captured.err)
+
+
+def tree(path: Path) -> dict[str, bytes] | None:
+    """Every file under `path` with its bytes (None when `path` does not exist)."""
+    if not path.exists():
+        return None
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------------------------------- set-up
+
+
+@dataclass
+class World:
+    root: Path
+    target: Path  # tiny chat target
+    data: Path  # good conversations
+    pc: Path  # finished precompute folder of `target`, made by mtp-precompute
+    head: Path  # a head saved for `target`
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    root = tmp_path_factory.mktemp("bad_inputs")
+    target = make_chat_target(root / "target")
+    data = _jsonl(root / "convs.jsonl", [_chat(i, t) for i, t in enumerate(TOPICS)])
+    pc = root / "pc"
+    res = run_cli("precompute", [f"model.path={target}", f"data.paths=[{data}]", f"out={pc}", "max_seq_len=64",
+                                 "shard_tokens=64", "val_fraction=0", "progress=false", "model.device=cpu"])
+    assert res.code == 0, res.err[-3000:]
+    assert len(json.loads((pc / "manifest.json").read_text())["shards"]) >= 3
+
+    from mtp_train.heads import HeadConfig, build_head, save_head
+    from mtp_train.models.fingerprint import weights_fingerprint
+
+    head = root / "head"
+    save_head(build_head(HeadConfig(type="mtp"), target), head, target_fingerprint=weights_fingerprint(target))
+    return World(root, target, data, pc, head)
+
+
+# ------------------------------------------------------------------------------------------------ the catalogue
+#
+# Each case: (command, overrides, how to prepare the inputs, fragments the error line must hold). `prepare(w, tmp)`
+# returns the output path the command is pointed at (its state is compared before and after) and the overrides
+# that depend on the case's files. {tmp}, {target}, {pc}, ... in the fragments are filled in.
+
+Prepare = Callable[[World, Path], tuple[Path, list[str]]]
+
+
+def _fresh(module: str) -> Prepare:
+    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
+        out = tmp / ("out.jsonl" if module == "regenerate" else "out")
+        return out, []
+    return prepare
+
+
+def _data(rows: list, name: str = "bad.jsonl", module: str = "precompute", out_from: str | None = None,
+          skip: bool = False) -> Prepare:
+    """Conversations `rows` as the data; the output is fresh, or a copy of the finished folder (`out_from="pc"`)."""
+    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
+        path = _jsonl(tmp / name, rows)
+        if out_from == "pc":
+            out = tmp / "pc"
+            shutil.copytree(w.pc, out)
+        else:
+            out = tmp / ("out.jsonl" if module == "regenerate" else "out")
+        return out, [f"data.paths=[{path}]"] + (["data.on_bad_row=skip"] if skip else [])
+    return prepare
+
+
+def _broken_target(damage: Callable[[Path], None]) -> Prepare:
+    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
+        target = tmp / "target"
+        shutil.copytree(w.target, target)
+        damage(target)
+        return tmp / "out", [f"model.path={target}"]
+    return prepare
+
+
+def _broken_pc(damage: Callable[[Path, dict], None]) -> Prepare:
+    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
+        pc = tmp / "pc"
+        shutil.copytree(w.pc, pc)
+        damage(pc, json.loads((pc / "manifest.json").read_text()))
+        return tmp / "out", [f"data.dir={pc}"]
+    return prepare
+
+
+def _broken_head(damage: Callable[[Path], None]) -> Prepare:
+    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
+        head = tmp / "head"
+        shutil.copytree(w.head, head)
+        damage(head)
+        return tmp / "out", [f"head_ckpt={head}"]
+    return prepare
+
+
+def _cut(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _flip_tail(path: Path, n: int = 4096) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) - n, len(data)):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _shard(pc: Path, manifest: dict, k: int = 1) -> Path:
+    return pc / manifest["shards"][k]["file"]
+
+
+def _foreign_manifest(pc: Path, manifest: dict) -> None:
+    """The manifest of another precompute run (other samples, same shard names)."""
+    other = json.loads(json.dumps(manifest))
+    for s in other["shards"]:
+        s["sha256"], s["bytes"] = "0" * 64, s["bytes"] + 8
+    (pc / "manifest.json").write_text(json.dumps(other))
+
+
+GOOD = _chat(0, "the moon")
+SURROGATE = ('{"id": "s", "messages": [{"role": "user", "content": "x \\ud800 y"}, '
+             '{"role": "assistant", "content": "ok"}]}')
+CUT = '{"id": "cut", "messages": [{"role": "user", "content": "hello"}'
+HOLDS_LOCK = "holds-lock"  # a marker in a case's fragments: the test holds the output's lock while it runs
+MISTYPED = "models/smollm2-135m-instrcut"  # a model.path typo next to the default folder, never to be fetched
+
+PRECOMPUTE = ["max_seq_len=64", "shard_tokens=64", "val_fraction=0", "progress=false", "model.device=cpu"]
+REGENERATE = ["max_new_tokens=4", "progress=false", "model.device=cpu", "model.kv_cache_gb=0.01"]
+TRAIN = ["wandb.mode=disabled", "train.progress=false", "model.device=cpu", "model.backend=torch",
+         "spec_eval.prompts=[]", "train.max_steps=2", "train.micro_batch_tokens=256", "train.eval_batches=0",
+         "train.save_every=0"]
+
+CASES: dict[str, tuple[str, list[str], Prepare, list[str]]] = {
+    # --- settings: keys the schema lacks (with or without Hydra's `+`), values out of range, unknown choices
+    "precompute-plus-unknown-key": ("precompute", ["+foo=1"], _fresh("precompute"), ["unknown config key `foo`"]),
+    "precompute-plus-typo": ("precompute", ["+max_seq_lenn=3"], _fresh("precompute"),
+                             ["`max_seq_lenn`", "did you mean `max_seq_len`"]),
+    "precompute-typo": ("precompute", ["max_seq_lenn=3"], _fresh("precompute"), ["did you mean `max_seq_len`"]),
+    "precompute-negative-limit": ("precompute", ["limit=-1"], _fresh("precompute"), ["limit=-1", "positive"]),
+    "precompute-unknown-model-choice": ("precompute", ["model=smollm3"], _fresh("precompute"),
+                                        ["conf/model/smollm3.yaml", "did you mean `model=smollm2-135m`"]),
+    "regenerate-plus-typo": ("regenerate", ["+max_new_token=3"], _fresh("regenerate"),
+                             ["did you mean `max_new_tokens`"]),
+    "regenerate-negative-limit": ("regenerate", ["limit=-3"], _fresh("regenerate"), ["limit=-3"]),
+    "train-plus-typo": ("train", ["+train.max_step=3"], _fresh("train"), ["did you mean `train.max_steps`"]),
+    "train-typo": ("train", ["train.max_stepz=3"], _fresh("train"), ["did you mean `train.max_steps`"]),
+    "train-negative-max-steps": ("train", ["train.max_steps=-1"], _fresh("train"),
+                                 ["train.max_steps=-1", "positive integer"]),
+    "export-plus-typo": ("export", ["+formatt=native"], _fresh("export"), ["did you mean `format`"]),
+    "eval-plus-unknown-key": ("eval", ["+kk=3"], _fresh("eval"), ["unknown config key `kk`"]),
+    "eval-negative-limit": ("eval", ["limit=-2"], _fresh("eval"), ["limit=-2"]),
+    # --- data rows
+    "precompute-lone-surrogate": ("precompute", [], _data([GOOD, SURROGATE]), ["bad.jsonl:2: invalid_text",
+                                                                               "lone surrogate"]),
+    "precompute-cut-line": ("precompute", [], _data([GOOD, CUT]), ["bad.jsonl:2: invalid_json",
+                                                                   f"at column {len(CUT) + 1}"]),
+    "precompute-missing-data": ("precompute", ["data.paths=[{tmp}/nope.jsonl]"], _fresh("precompute"),
+                                ["nope.jsonl"]),
+    "regenerate-lone-surrogate": ("regenerate", [], _data([GOOD, SURROGATE], module="regenerate"),
+                                  ["bad.jsonl:2: invalid_text"]),
+    # A failed re-run into a finished folder leaves its config.yaml (and everything else) as it was.
+    "precompute-rerun-with-a-bad-row": ("precompute", [], _data([GOOD, CUT], out_from="pc"),
+                                        ["bad.jsonl:2: invalid_json"]),
+    # --- targets
+    "precompute-mistyped-model-path": ("precompute", [f"model.path={{tmp}}/{MISTYPED}"], _fresh("precompute"),
+                                       [MISTYPED, "does not exist", "mtp-model fetch smollm2-135m --out"]),
+    "train-mistyped-model-path": ("train", [f"model.path={{tmp}}/{MISTYPED}"], _fresh("train"),
+                                  [MISTYPED, "mtp-model fetch smollm2-135m --out"]),
+    "precompute-cut-target-config": ("precompute", [], _broken_target(lambda t: _cut(t / "config.json")),
+                                     ["target/config.json: invalid JSON at line", "column"]),
+    "precompute-truncated-target-weights": ("precompute", [],
+                                            _broken_target(lambda t: _cut(t / "model.safetensors", 0.3)),
+                                            ["target/model.safetensors: not a readable safetensors file"]),
+    "train-truncated-target-weights": ("train", [], _broken_target(lambda t: _cut(t / "model.safetensors", 0.3)),
+                                       ["target/model.safetensors"]),
+    # --- precompute folders at mtp-train
+    "train-missing-shard": ("train", [], _broken_pc(lambda pc, m: _shard(pc, m).unlink()),
+                            ["is listed in", "manifest.json but missing", "re-run precompute"]),
+    "train-truncated-shard": ("train", [], _broken_pc(lambda pc, m: _cut(_shard(pc, m), 0.9)),
+                              ["bytes, the manifest says", "re-run precompute"]),
+    # Checked when the shard is first read (data.verify=first_open), so the run has started: see STARTED.
+    "train-corrupt-shard": ("train", ["train.max_steps=50"], _broken_pc(lambda pc, m: _flip_tail(_shard(pc, m), 64)),
+                            ["is corrupt: sha256", "re-run precompute"]),
+    "train-corrupt-shard-in-a-worker": ("train", ["train.max_steps=50", "data.num_workers=1"],
+                                        _broken_pc(lambda pc, m: _flip_tail(_shard(pc, m), 64)),
+                                        ["is corrupt: sha256", "re-run precompute"]),
+    "train-corrupt-shard-verified-first": ("train", ["data.verify=always"],
+                                           _broken_pc(lambda pc, m: _flip_tail(_shard(pc, m), 64)),
+                                           ["is corrupt: sha256"]),
+    "train-foreign-manifest": ("train", [], _broken_pc(_foreign_manifest),
+                               ["manifest.json does not match the shards", "another precompute run"]),
+    "train-missing-precompute-folder": ("train", ["data.dir={tmp}/nowhere"], _fresh("train"),
+                                        ["nowhere does not exist"]),
+    # --- heads at mtp-export
+    "export-cut-head-config": ("export", [], _broken_head(lambda h: _cut(h / "config.json")),
+                               ["head/config.json: invalid JSON at line", "column"]),
+    "export-flipped-head-weights": ("export", [], _broken_head(lambda h: _flip_tail(h / "model.safetensors")),
+                                    ["head/model.safetensors does not match the sha256 recorded in"]),
+    "export-truncated-head-weights": ("export", [], _broken_head(lambda h: _cut(h / "model.safetensors")),
+                                      ["head/model.safetensors has", "bytes"]),
+    "export-missing-head": ("export", ["head_ckpt={tmp}/nohead"], _fresh("export"), ["not a head checkpoint"]),
+    # --- a second run into an output another live run holds
+    "precompute-locked": ("precompute", [], _fresh("precompute"), [HOLDS_LOCK]),
+    "regenerate-locked": ("regenerate", [], _fresh("regenerate"), [HOLDS_LOCK]),
+    "train-locked": ("train", [], _fresh("train"), [HOLDS_LOCK]),
+}
+
+
+# Cases whose error comes once the run has started (its inputs checked, its config saved): only the files of a
+# starting run may be there, no checkpoint and no head.
+STARTED = {"train-corrupt-shard": {"config.yaml", "metrics.jsonl"},
+           "train-corrupt-shard-in-a-worker": {"config.yaml", "metrics.jsonl"}}
+
+
+def _base(module: str, w: World, out: Path) -> list[str]:
+    common = [f"model.path={w.target}", f"out={out}"]
+    if module == "precompute":
+        return [*common, f"data.paths=[{w.data}]", *PRECOMPUTE]
+    if module == "regenerate":
+        return [*common, f"data.paths=[{w.data}]", *REGENERATE]
+    if module == "train":
+        return [*common, f"data.dir={w.pc}", *TRAIN]
+    if module == "export":
+        return [*common, f"head_ckpt={w.head}"]
+    return [*common, "method=none", "progress=false"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(world, tmp_path, capsys, case):
+    module, overrides, prepare, fragments = CASES[case]
+    out, extra = prepare(world, tmp_path)
+    args = _base(module, world, out) + extra + [o.format(tmp=tmp_path) for o in overrides]
+    if HOLDS_LOCK in fragments:  # the holder (this test) made the folder; the refused run must not touch it
+        with output_lock(out, folder=module != "regenerate"):
+            before = tree(out)
+            res = run_cli(module, args, capsys)
+            after = tree(out)
+        fragments = [f"pid {os.getpid()} on host {socket.gethostname()}", "in use by another run"]
+    else:
+        before = tree(out)
+        res = run_cli(module, args, capsys)
+        after = tree(out)
+    prog = f"mtp-{module}"
+    errors = [line for line in res.err.splitlines() if line.startswith(f"{prog}: error: ")]
+    assert res.code == 2 and len(errors) == 1, (res.code, res.err[-3000:])
+    assert "Traceback" not in res.err + res.out and "HYDRA_FULL_ERROR" not in res.err, res.err[-3000:]
+    for fragment in fragments:
+        assert fragment.format(tmp=tmp_path) in errors[0], (fragment, errors[0])
+    if case in STARTED:
+        assert before is None and set(after or {}) <= STARTED[case], sorted(after or {})
+    else:
+        assert after == before, f"{out} changed"  # nothing written, nothing rewritten
+    assert not (tmp_path / MISTYPED).exists() and not Path(MISTYPED).exists()  # and nothing fetched
+
+
+# ------------------------------------------------------------------------------------ what `skip` skips, and locks
+
+
+def test_skip_counts_text_rows_and_reports_them_on_the_console(world, tmp_path, capsys):
+    """With data.on_bad_row=skip a lone surrogate is skipped and counted, text holding U+E000-U+E002 is
+    precomputed, and what was left out or renamed is printed as well as recorded in the manifest."""
+    pua = {"id": "pua", "messages": [{"role": "user", "content": "Icons \ue000\ue001\ue002?"},
+                                     {"role": "assistant", "content": "Glyphs \ue000\ue001\ue002 here."}]}
+    data = _jsonl(tmp_path / "mixed.jsonl", [GOOD, SURROGATE, pua, CUT, {**GOOD, "id": "c0"}])
+    out = tmp_path / "pc"
+    res = run_cli("precompute", [f"model.path={world.target}", f"data.paths=[{data}]", f"out={out}",
+                                 "data.on_bad_row=skip", *PRECOMPUTE], capsys)
+    assert res.code == 0, res.err[-3000:]
+    recorded = json.loads((out / "manifest.json").read_text())["data"]
+    assert recorded["bad_rows"] == {"invalid_text": 1, "invalid_json": 1} and recorded["samples"] == 3
+    assert recorded["duplicate_ids"] == 1 and recorded["duplicate_id_examples"] == ["c0"]
+    assert "2 bad row(s) skipped (invalid_json=1, invalid_text=1)" in res.out
+    assert "1 duplicate id(s)" in res.out and "'c0'" in res.out
+
+    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"id": "p", "prompt": "Tell me about tea."},
+                                                  '{"id": "q", "prompt": "bad \\udfff"}'])
+    res = run_cli("regenerate", [f"model.path={world.target}", f"data.paths=[{prompts}]",
+                                 f"out={tmp_path / 'regen.jsonl'}", "data.on_bad_row=skip", *REGENERATE], capsys)
+    assert res.code == 0, res.err[-3000:]
+    assert "skipped 1: invalid_text=1" in res.out and "prompts.jsonl:2" in res.out
+    assert [json.loads(line)["id"] for line in (tmp_path / "regen.jsonl").read_text().splitlines()] == ["p"]
+
+
+def test_a_lock_is_released_on_exit_and_taken_over_after_its_holder_died(tmp_path, capsys):
+    out = tmp_path / "run"
+    with output_lock(out) as lock:
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert not lock.exists() and out.is_dir()  # released, and removed with it
+    # A holder killed with SIGKILL leaves its lock file; the kernel has dropped its flock, so the next run takes it.
+    code = ("import os; from mtp_train.fileio import output_lock; "
+            f"held = output_lock({str(out)!r}); held.__enter__(); os.kill(os.getpid(), 9)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == -9 and lock_path(out).is_file()
+    dead = json.loads(lock_path(out).read_text())["pid"]
+    assert dead != os.getpid()
+    with output_lock(out):
+        assert json.loads(lock_path(out).read_text())["pid"] == os.getpid()
+    # A refused run leaves no folder behind that it made for its lock.
+    fresh = tmp_path / "fresh" / "run"
+    with output_lock(out), pytest.raises(RuntimeError, match="boom"), output_lock(fresh):
+        raise RuntimeError("boom")
+    assert not (tmp_path / "fresh").exists()
