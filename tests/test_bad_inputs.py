@@ -167,13 +167,18 @@ def _data(rows: list, name: str = "bad.jsonl", module: str = "precompute", out_f
     return prepare
 
 
-def _broken_target(damage: Callable[[Path], None]) -> Prepare:
+def _broken_copy(name: str, key: str, damage: Callable[[Path], None]) -> Prepare:
+    """A copy of the world's `name` folder, damaged, passed as `key=<copy>`."""
     def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
-        target = tmp / "target"
-        shutil.copytree(w.target, target)
-        damage(target)
-        return tmp / "out", [f"model.path={target}"]
+        folder = tmp / name
+        shutil.copytree(getattr(w, name), folder)
+        damage(folder)
+        return tmp / "out", [f"{key}={folder}"]
     return prepare
+
+
+def _broken_target(damage: Callable[[Path], None]) -> Prepare:
+    return _broken_copy("target", "model.path", damage)
 
 
 def _broken_pc(damage: Callable[[Path, dict], None]) -> Prepare:
@@ -186,12 +191,7 @@ def _broken_pc(damage: Callable[[Path, dict], None]) -> Prepare:
 
 
 def _broken_head(damage: Callable[[Path], None]) -> Prepare:
-    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
-        head = tmp / "head"
-        shutil.copytree(w.head, head)
-        damage(head)
-        return tmp / "out", [f"head_ckpt={head}"]
-    return prepare
+    return _broken_copy("head", "head_ckpt", damage)
 
 
 def _cut(path: Path, keep: float = 0.5) -> None:
