@@ -288,9 +288,16 @@ def _tokens(n: float) -> str:
     return f"{n:.0f}"
 
 
+def head_order(results: dict[str, Any]) -> list[str]:
+    """The measured heads in the config's order (curve.json's keys are sorted)."""
+    heads = results["heads"]
+    first = [h for h in results.get("head_order", []) if h in heads]
+    return first + sorted(h for h in heads if h not in first)
+
+
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """Per head: the last point, the slope per doubling (all points and the upper half), the crossing count."""
-    heads = {h: sorted(r["points"].values(), key=lambda p: p["tokens"]) for h, r in results["heads"].items()}
+    heads = {h: sorted(results["heads"][h]["points"].values(), key=lambda p: p["tokens"]) for h in head_order(results)}
     out: dict[str, Any] = {}
     for h, pts in heads.items():
         if not pts:
@@ -315,7 +322,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 
 def markdown_table(results: dict[str, Any]) -> str:
     """tokens × head → τ and per-position acceptance; prompt lookup as the last row."""
-    heads = [h for h, r in results["heads"].items() if r["points"]]
+    heads = [h for h in head_order(results) if results["heads"][h]["points"]]
     k = int(results["eval"]["k"])
     pos = " / ".join(f"pos{j}" for j in range(k))
     header = "| training tokens | step | " + " | ".join(f"τ `{h}` | {pos} `{h}`" for h in heads) + " |"
@@ -333,9 +340,9 @@ def markdown_table(results: dict[str, Any]) -> str:
         lines.append(f"| {_tokens(tokens or 0)} ({tokens}) | {step} | " + " | ".join(cells) + " |")
     ng = results.get("ngram")
     if ng:
-        cell = [f"{ng['tau']:.3f}", " / ".join(f"{a:.3f}" for a in ng["pos"])]
+        cells = [f"{ng['tau']:.3f}", " / ".join(f"{a:.3f}" for a in ng["pos"])] + [""] * (2 * len(heads) - 2)
         lines.append(f"| prompt lookup (n = {ng['n_min']}..{ng['n_max']}, no training) | – | "
-                     + " | ".join(cell * len(heads)) + " |")
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -389,8 +396,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", ":", "-."]
-    for i, (h, r) in enumerate(results["heads"].items()):
-        pts = sorted(r["points"].values(), key=lambda p: p["tokens"])
+    for i, h in enumerate(head_order(results)):
+        pts = sorted(results["heads"][h]["points"].values(), key=lambda p: p["tokens"])
         if not pts:
             continue
         xs = [p["tokens"] for p in pts]
@@ -414,7 +421,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         a.grid(True, which="both", alpha=0.3)
         a.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: _tokens(x)))
     ax.legend(loc="upper left")
-    ax2.legend(loc="upper left", fontsize=7, ncol=2)
+    ax2.legend(loc="upper left", fontsize=7, ncol=2, handlelength=3.5)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -469,7 +476,7 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
         results["heads"] = {}
     results.update({"command": command, "data": kind, "data_dir": str(data_dir), "recipe": recipe,
                     "budget_tokens": cfg.tokens.last, "points": points, "plan": plan, "max_steps": max_steps,
-                    "eval": dataclasses.asdict(cfg.eval), "skipped": {}})
+                    "eval": dataclasses.asdict(cfg.eval), "skipped": {}, "head_order": list(cfg.heads)})
     results.setdefault("heads", {})
     print(f"curve: {len(points)} points {', '.join(_tokens(p) for p in points)} tokens → steps "
           f"{[s for s, _ in plan]} (max_steps {max_steps}); data: {kind}", flush=True)

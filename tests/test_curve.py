@@ -86,6 +86,7 @@ def _synthetic() -> dict:
             "budget_tokens": 131072, "max_steps": 80, "points": [16384, 32768, 65536, 131072],
             "eval": {"prompts": ["demo-heldout"], "limit": 32, "k": 3, "max_new_tokens": 96, "batch_size": 8},
             "skipped": {"eagle3": "head type 'eagle3' has no implementation yet"},
+            "head_order": ["mtp", "eagle1", "eagle3"],
             "heads": {"mtp": {"points": pts([1.10, 1.15, 1.25, 1.35])},
                       "eagle1": {"points": pts([1.12, 1.14, 1.20, 1.28])}},
             "ngram": {"n_max": 3, "n_min": 1, "tau": 1.18, "acceptance_rate": 0.06, "pos": [0.1, 0.05, 0.03],
@@ -113,7 +114,7 @@ def test_report_table_plot_and_json(curve, tmp_path):
     assert json.loads((out / "curve.json").read_text())["heads"]["mtp"]["points"]["80"]["tau"] == 1.35
     text = curve.write_report(results, out, doc=tmp_path / "docs" / "curve.md", png=tmp_path / "docs" / "curve.png")
     assert "| 16k (16384) | 10 | 1.100 | 0.100 / 0.050 / 0.025 | 1.120 |" in text
-    assert "| prompt lookup (n = 1..3, no training) | – | 1.180 |" in text
+    assert "| prompt lookup (n = 1..3, no training) | – | 1.180 | 0.100 / 0.050 / 0.030 |  |  |" in text
     assert "`eagle3` skipped" in text and "extrapolated" in text and "cross 1 time(s)" in text
     assert (tmp_path / "docs" / "curve.md").read_text() == text == (out / "curve.md").read_text()
     for png in (out / "curve.png", tmp_path / "docs" / "curve.png"):
