@@ -27,7 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report  # noqa: E402
 
 from mtp_train.data.chat import load_tokenizer  # noqa: E402
-from mtp_train.eval.acceptance import EvalSettings, best_row, evaluate, overall_rows, result_row  # noqa: E402
+from mtp_train.eval.acceptance import (  # noqa: E402
+    EvalSettings,
+    Method,
+    best_row,
+    evaluate,
+    overall_rows,
+    result_row,
+)
 from mtp_train.eval.prompts import load_prompt_sets  # noqa: E402
 from mtp_train.heads import load_head  # noqa: E402
 from mtp_train.models import load_model  # noqa: E402
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['step_cost']:.2f}  (draft {r['draft_seconds']:.1f}s, verify {r['verify_seconds']:.1f}s, update "
               f"{r['update_seconds']:.1f}s)", flush=True)
 
-    pairs, baselines = evaluate(model, tokenizer, sets, {"mtp": lambda: HeadProposer(head)}, settings,
+    pairs, baselines = evaluate(model, tokenizer, sets, [Method("mtp", lambda: HeadProposer(head))], settings,
                                 on_result=show)
     rows = overall_rows(pairs)
     best = best_row(rows)

@@ -139,16 +139,14 @@ class EvalSettings:
 
 
 def evaluate(target: LlamaForCausalLM, tokenizer: Any, prompt_sets: Sequence[PromptSet],
-             proposers: Sequence[Method] | Mapping[str, Callable[[], Proposer]], s: EvalSettings,
+             methods: Sequence[Method], s: EvalSettings,
              on_result: Callable[[RunResult, RunResult], None] | None = None,
              ) -> tuple[list[tuple[RunResult, RunResult]], list[RunResult]]:
-    """Run the grid: per prompt set and temperature, `none` once, then every method × k of `proposers`.
+    """Run the grid: per prompt set and temperature, `none` once, then every method × k of `methods`.
 
-    proposers: the methods (or method name → a factory of a fresh proposer; its state is per engine). Returns
-    the (run, baseline) pairs in order and the baseline runs; on_result(run, baseline) is called after each run.
+    Each method makes a fresh proposer per engine (its state is per engine). Returns the (run, baseline) pairs in
+    order and the baseline runs; on_result(run, baseline) is called after each run.
     """
-    methods = ([Method(name, make) for name, make in proposers.items()] if isinstance(proposers, Mapping)
-               else list(proposers))
     engine_kw = {"page_size": s.page_size, "kv_cache_gb": s.kv_cache_gb, "max_batch_size": s.batch_size}
 
     def params(temp: float) -> SamplingParams:
@@ -195,13 +193,18 @@ def result_row(run: RunResult, base: RunResult) -> dict[str, Any]:
         **run.split,
     }
     if m is not None:
-        row.update({"tau": m.mean_acceptance_length, "acceptance_rate": m.acceptance_rate,
-                    "per_position": m.per_position, "num_drafts": m.num_drafts, "num_accepted": m.num_accepted,
-                    "mean_draft_len": m.mean_draft_length, "num_empty": m.num_empty})
+        row.update(metric_fields(m))
         row["step_cost"] = step_cost(row)
     if run.temperature == 0:
         row["exact_match"] = exact_match(run, base)
     return row
+
+
+def metric_fields(m: SpecMetrics) -> dict[str, Any]:
+    """A report row's speculative columns (τ, acceptance, per-position, counts, drafts verified per step)."""
+    return {"tau": m.mean_acceptance_length, "acceptance_rate": m.acceptance_rate, "per_position": m.per_position,
+            "num_drafts": m.num_drafts, "num_accepted": m.num_accepted, "mean_draft_len": m.mean_draft_length,
+            "num_empty": m.num_empty}
 
 
 def step_cost(row: Mapping[str, Any]) -> float | None:
@@ -236,9 +239,7 @@ def overall_rows(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[dict[str,
             "dataset": "overall", "method": method, "k": k, "temperature": temp, **dict(options),
             "prompts": sum(len(r.answers) for r, _ in items), "generated_tokens": tokens, "seconds": secs,
             "tokens_per_s": tps, "baseline_tokens_per_s": btps, "speedup": tps / btps if btps else 0.0,
-            "tau": m.mean_acceptance_length, "acceptance_rate": m.acceptance_rate, "per_position": m.per_position,
-            "num_drafts": m.num_drafts, "num_accepted": m.num_accepted, "mean_draft_len": m.mean_draft_length,
-            "num_empty": m.num_empty,
+            **metric_fields(m),
         }
         row["step_cost"] = step_cost(row)
         for key in ("prefill_seconds", "draft_seconds", "verify_seconds", "update_seconds"):

@@ -141,11 +141,13 @@ class SpecEngine(LLMEngine):
                 continue
             # FlashInfer's fused kernel draws from one generator for the batch: it fits unseeded requests only.
             fused = self.use_flashinfer_sampling and k_b > 0 and all(seqs[b].generator is None for b in rows)
-            for group in [rows] if fused else [[b] for b in rows]:
+            # groups of positions into `rows`: the whole group at once when fused, else one sequence at a time
+            for pos in [list(range(len(rows)))] if fused else [[i] for i in range(len(rows))]:
+                group = [rows[i] for i in pos]
                 p = torch.stack([filtered_probs(logits[b], seqs[b].params.temperature, seqs[b].params.top_k,
                                                 seqs[b].params.top_p) for b in group])  # (G, k_b+1, V)
                 q = torch.stack([_draft_probs(proposal, b, p.shape[-1]) for b in group]).to(p.device)  # (G, k_b, V)
-                d = drafts[[rows.index(b) for b in group]].to(p.device)
+                d = drafts[pos].to(p.device)
                 res = (accept_stochastic_flashinfer(d, q, p) if fused
                        else accept_stochastic(d, q, p, [seqs[b].generator for b in group]))
                 for b, n, t in zip(group, res.num_accepted, res.tokens):
@@ -167,7 +169,8 @@ class SpecEngine(LLMEngine):
         for s, d in zip(seqs, proposal.tokens):
             s.token_ids.extend(d)
         out = self.runner.run(seqs, logits="all")  # (Σ (k_b+1), V): each sequence's last token and drafts
-        logits = list(out.logits.split([d + 1 for d in drafted]))
+        rows = [d + 1 for d in drafted]  # verified rows per sequence
+        logits = list(out.logits.split(rows))
         num, emitted = self._accept(seqs, proposal, logits)
         t2 = self._sync()
 
@@ -187,7 +190,7 @@ class SpecEngine(LLMEngine):
             alive_idx.append(b)
         self.stats.decode_steps += 1
         if alive:
-            hidden = out.hidden.split([d + 1 for d in drafted])
+            hidden = out.hidden.split(rows)
             self.proposer.update(alive, [lens[b] for b in alive_idx], [num[b] for b in alive_idx],
                                  [hidden[b] for b in alive_idx], [drafted[b] for b in alive_idx])
         t3 = self._sync()
