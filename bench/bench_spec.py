@@ -39,7 +39,7 @@ from mtp_train.eval.prompts import load_prompt_sets  # noqa: E402
 from mtp_train.heads import load_head  # noqa: E402
 from mtp_train.models import load_model  # noqa: E402
 from mtp_train.precompute.regenerate import stop_token_ids  # noqa: E402
-from mtp_train.spec.proposers import HeadProposer  # noqa: E402
+from mtp_train.speculative.proposers import HeadProposer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "dev" / "mt_bench_question.jsonl"

@@ -239,7 +239,7 @@ class Evaluator:
 
     def head_point(self, head_dir: Path) -> dict[str, Any]:
         from mtp_train.heads import load_head, read_head_config
-        from mtp_train.spec.proposers import HeadProposer
+        from mtp_train.speculative.proposers import HeadProposer
 
         head = load_head(head_dir, self.model_dir, device="cpu", dtype="float32")
         head.eval()
@@ -249,9 +249,9 @@ class Evaluator:
 
     def ngram_point(self, n_max: int, n_min: int) -> dict[str, Any] | None:
         try:
-            from mtp_train.spec.proposers import NgramProposer  # type: ignore[attr-defined]
+            from mtp_train.speculative.proposers import NgramProposer  # type: ignore[attr-defined]
         except ImportError:
-            print("curve: prompt lookup not measured (mtp_train.spec.proposers has no NgramProposer yet); "
+            print("curve: prompt lookup not measured (mtp_train.speculative.proposers has no NgramProposer yet); "
                   "re-run with --report-only once it has", flush=True)
             return None
         return {"n_max": n_max, "n_min": n_min, **self.measure(lambda: NgramProposer(n_max=n_max, n_min=n_min))}

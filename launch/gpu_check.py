@@ -120,8 +120,8 @@ def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
     # speculative decoding on the flashinfer backend: greedy output = plain greedy output (near-ties aside as above),
     # the target drafting for itself accepts everything, and fused chain sampling runs for unseeded requests
     from mtp_train.heads import HeadConfig, build_head
-    from mtp_train.spec.engine import SpecEngine
-    from mtp_train.spec.proposers import DraftModelProposer, HeadProposer
+    from mtp_train.speculative.engine import SpecEngine
+    from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer
 
     head = build_head(HeadConfig(type="mtp", init="last_layer"), path, device="cuda", dtype=DT, backend="flashinfer")
     for pname, prop, k in (("self-draft", DraftModelProposer(ours_f), 3), ("mtp head", HeadProposer(head), 4)):
@@ -181,8 +181,8 @@ def deepseek_checks(tmp: Path, device: str = "cuda") -> None:
     import transformers
 
     from mtp_train.heads import HeadConfig, build_head
-    from mtp_train.spec.engine import SpecEngine
-    from mtp_train.spec.proposers import HeadProposer
+    from mtp_train.speculative.engine import SpecEngine
+    from mtp_train.speculative.proposers import HeadProposer
 
     vocab = 1024
     cfg = transformers.DeepseekV2Config(

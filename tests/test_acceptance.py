@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp_train.spec import accept_greedy, accept_stochastic
+from mtp_train.speculative import accept_greedy, accept_stochastic
 
 
 def test_greedy_accepts_the_matching_prefix_and_adds_the_target_token():
@@ -68,7 +68,7 @@ def test_seeded_acceptance_is_reproducible():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer's fused speculative sampling needs CUDA")
 def test_flashinfer_chain_sampling_reproduces_the_target_distribution():
     pytest.importorskip("flashinfer")
-    from mtp_train.spec.acceptance import accept_stochastic_flashinfer
+    from mtp_train.speculative.acceptance import accept_stochastic_flashinfer
 
     torch.manual_seed(0)
     v, k, n = 5, 3, 20000

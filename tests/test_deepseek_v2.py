@@ -11,8 +11,8 @@ from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.heads import HeadConfig, build_head
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.precompute import PrecomputedDataset, Sample, precompute
-from mtp_train.spec.engine import SpecEngine
-from mtp_train.spec.proposers import DraftModelProposer
+from mtp_train.speculative.engine import SpecEngine
+from mtp_train.speculative.proposers import DraftModelProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -111,7 +111,7 @@ def test_mtp_head_with_a_deepseek_block_trains_drafts_and_exports(checkpoints, t
     from mtp_train.export import export_head, load_export
     from mtp_train.heads import load_head, packed_shift, save_head
     from mtp_train.layers import AttentionMetadata
-    from mtp_train.spec.proposers import HeadProposer
+    from mtp_train.speculative.proposers import HeadProposer
 
     path, _ = checkpoints["lite"]
     model = load_model(path, dtype="float32", backend="torch")
@@ -163,7 +163,7 @@ def test_mla_backend_selection_on_cpu(checkpoints):
 
 def test_target_and_head_pools_hold_only_the_latent_rows(checkpoints):
     from mtp_train.engine import ModelRunner
-    from mtp_train.spec.proposers import HeadProposer
+    from mtp_train.speculative.proposers import HeadProposer
 
     path, _ = checkpoints["lite"]
     model = load_model(path, dtype="float32", backend="torch")

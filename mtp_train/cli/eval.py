@@ -42,8 +42,8 @@ from mtp_train.eval.report import markdown_table, output_records, plot, write_js
 from mtp_train.fileio import atomic_write_text
 from mtp_train.models.config import ModelConfigError
 from mtp_train.precompute.regenerate import stop_token_ids
-from mtp_train.spec.engine import METHODS
-from mtp_train.spec.proposers import DraftModelProposer, HeadProposer, NgramProposer
+from mtp_train.speculative.engine import METHODS
+from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer, NgramProposer
 
 log = logging.getLogger(__name__)
 PROG = "mtp-eval"

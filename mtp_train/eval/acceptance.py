@@ -21,9 +21,9 @@ from mtp_train.data.readers import Conversation
 from mtp_train.engine.llm import GenerationOutput, LLMEngine
 from mtp_train.engine.sampling import SamplingParams
 from mtp_train.models.llama import LlamaForCausalLM
-from mtp_train.spec.engine import SpecEngine
-from mtp_train.spec.metrics import SpecMetrics
-from mtp_train.spec.proposers import Proposer
+from mtp_train.speculative.engine import SpecEngine
+from mtp_train.speculative.metrics import SpecMetrics
+from mtp_train.speculative.proposers import Proposer
 
 
 @dataclass

@@ -448,7 +448,7 @@ class Trainer:
         from mtp_train.eval.prompts import load_prompt_sets
         from mtp_train.models.loader import load_model
         from mtp_train.precompute.regenerate import stop_token_ids
-        from mtp_train.spec.proposers import HeadProposer
+        from mtp_train.speculative.proposers import HeadProposer
 
         se = self.cfg.spec_eval
         if self._spec_target is None:

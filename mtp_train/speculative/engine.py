@@ -8,7 +8,7 @@ proposer prefill too. Every other step, for all running sequences at once:
              distribution q; a dynamic chain or prompt lookup may draft fewer, even none)
     verify   the target runs [t_{L-1}, d_1..d_k_b] in one forward → k_b+1 distributions p (and hidden states)
     accept   greedy: the longest prefix equal to the target's argmax, then the target's token;
-             sampled: the Leviathan/Chen rule (`mtp_train.spec.acceptance`) with the request's generator
+             sampled: the Leviathan/Chen rule (`mtp_train.speculative.acceptance`) with the request's generator
     rollback the rejected drafts leave the sequence and the target's cache; the proposer catches up
 
 so every sequence advances by its own 1..k+1 tokens per target forward. Pages are reserved for prompt +
@@ -28,9 +28,9 @@ from mtp_train.engine.llm import GenerationStats, LLMEngine
 from mtp_train.engine.sampling import SamplingBatch, filtered_probs, sample
 from mtp_train.engine.sequence import SeqStatus, Sequence
 from mtp_train.models.llama import LlamaForCausalLM
-from mtp_train.spec.acceptance import accept_greedy, accept_stochastic, accept_stochastic_flashinfer
-from mtp_train.spec.metrics import SpecMetrics
-from mtp_train.spec.proposers import Proposal, Proposer
+from mtp_train.speculative.acceptance import accept_greedy, accept_stochastic, accept_stochastic_flashinfer
+from mtp_train.speculative.metrics import SpecMetrics
+from mtp_train.speculative.proposers import Proposal, Proposer
 
 METHODS = ("none", "mtp", "draft", "ngram")
 

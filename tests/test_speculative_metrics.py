@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtp_train.spec import SpecMetrics
+from mtp_train.speculative import SpecMetrics
 
 
 def test_metrics_on_a_hand_made_trace():

@@ -10,8 +10,8 @@ from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.heads import HeadConfig, build_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import load_model
-from mtp_train.spec.engine import SpecEngine
-from mtp_train.spec.proposers import DraftModelProposer, HeadProposer, NgramProposer
+from mtp_train.speculative.engine import SpecEngine
+from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer, NgramProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
