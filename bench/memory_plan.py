@@ -30,8 +30,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report  # noqa: E402
 
+from mtp_train.config import HeadConfig
 from mtp_train.engine import KVCache  # noqa: E402
-from mtp_train.heads import HEAD_TYPES, HeadConfig  # noqa: E402
+from mtp_train.heads import HEAD_TYPES  # noqa: E402
 from mtp_train.models.config import ModelArgs  # noqa: E402
 from mtp_train.models.loader import model_class  # noqa: E402
 from mtp_train.models.tensor_parallel import local_args  # noqa: E402

@@ -119,7 +119,8 @@ def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
 
     # speculative decoding on the flashinfer backend: greedy output = plain greedy output (near-ties aside as above),
     # the target drafting for itself accepts everything, and fused chain sampling runs for unseeded requests
-    from mtp_train.heads import HeadConfig, build_head
+    from mtp_train.config import HeadConfig
+    from mtp_train.heads import build_head
     from mtp_train.speculative.engine import SpecEngine
     from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer
 
@@ -180,7 +181,8 @@ def deepseek_checks(tmp: Path, device: str = "cuda") -> None:
     """
     import transformers
 
-    from mtp_train.heads import HeadConfig, build_head
+    from mtp_train.config import HeadConfig
+    from mtp_train.heads import build_head
     from mtp_train.speculative.engine import SpecEngine
     from mtp_train.speculative.proposers import HeadProposer
 

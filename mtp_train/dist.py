@@ -1,18 +1,19 @@
 """torch.distributed set-up from torchrun's environment, and the few helpers every stage needs.
 
-Entry points call `init_distributed()` once; library code takes `rank` / `world` as arguments and
-never reads the environment itself. Without torchrun (no `WORLD_SIZE`, or 1) everything is a no-op
-and the process is rank 0 of 1.
+Entry points read torchrun's environment (`mtp_train.cli.common.launch_env`) and call `init_distributed()` once;
+library code takes `rank` / `world` as arguments and never reads the environment itself. Without torchrun
+(WORLD_SIZE unset, or 1) everything is a no-op and the process is rank 0 of 1.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from mtp_train.config.device import device_kind
 
 
 @dataclass(frozen=True)
@@ -29,30 +30,34 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto", timeout: timedelta = timedelta(minutes=30)) -> DistInfo:
-    """Initialise the default process group from torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher (torchrun) says about this process: RANK, WORLD_SIZE, LOCAL_RANK (read by the CLI)."""
 
-    device: "auto" (cuda when available, else cpu), "cpu" or "cuda". On CUDA each rank gets
-    `cuda:<local_rank>` and the NCCL backend; on CPU, gloo. timeout bounds every collective (a rank
-    that waits longer at a barrier fails instead of hanging). Calling it again returns the same info.
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+
+def init_distributed(device: str = "auto", launch: Launch | None = None,
+                     timeout: timedelta = timedelta(minutes=30)) -> DistInfo:
+    """Initialise the default process group for the process `launch` describes (default: rank 0 of 1).
+
+    device: a device name (`auto`, `cpu`, `cuda`, `cuda:N`; see `mtp_train.config.device`). On CUDA each rank gets
+    `cuda:<local_rank>` and the NCCL backend; on CPU, gloo. timeout bounds every collective (a rank that waits
+    longer at a barrier fails instead of hanging). Calling it again returns the same info.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto|cpu|cuda, got {device!r}")
-    if device == "cuda":
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device == "cuda" else "gloo"
-        kwargs = {"device_id": dev} if device == "cuda" else {}
-        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
-    return DistInfo(rank=rank, world=world, local_rank=local_rank, device=dev)
+    launch = launch or Launch()
+    kind = device_kind(device)
+    if kind == "cuda":
+        torch.cuda.set_device(launch.local_rank)
+    dev = torch.device("cuda", launch.local_rank) if kind == "cuda" else torch.device("cpu")
+    if launch.world > 1 and not dist.is_initialized():
+        backend = "nccl" if kind == "cuda" else "gloo"
+        kwargs = {"device_id": dev} if kind == "cuda" else {}
+        dist.init_process_group(backend=backend, rank=launch.rank, world_size=launch.world, timeout=timeout,
+                                **kwargs)
+    return DistInfo(rank=launch.rank, world=launch.world, local_rank=launch.local_rank, device=dev)
 
 
 def get_rank() -> int:

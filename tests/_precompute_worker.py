@@ -37,7 +37,9 @@ def main(argv: list[str]) -> None:
     model_dir, out_dir, n, seed, shard_tokens, batch_tokens, aux, val_fraction, *rest = argv
     tp_size = int(rest[0]) if rest else 1
     torch.set_num_threads(1)  # two ranks on a small CPU: avoid oversubscription
-    info = dist.init_distributed(device="cpu")
+    from mtp_train.cli.common import launch_env
+
+    info = dist.init_distributed(device="cpu", launch=launch_env())
     try:
         if tp_size > 1:
             from mtp_train.models.tensor_parallel import load_model_tp, tp_groups

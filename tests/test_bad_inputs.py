@@ -129,7 +129,8 @@ def world(tmp_path_factory) -> World:
     assert res.code == 0, res.err[-3000:]
     assert len(json.loads((pc / "manifest.json").read_text())["shards"]) >= 3
 
-    from mtp_train.heads import HeadConfig, build_head, save_head
+    from mtp_train.config import HeadConfig
+    from mtp_train.heads import build_head, save_head
     from mtp_train.models.fingerprint import weights_fingerprint
 
     head = root / "head"

@@ -1,14 +1,27 @@
-"""Every YAML config under conf/ matches its typed schema."""
+"""The config floor: every YAML config under conf/ matches its typed schema; the floor imports nothing heavy."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from mtp_train.config import ModelConfig, resolve_device
+from mtp_train.config import (
+    ConfigError,
+    EvalConfig,
+    ModelConfig,
+    RegenerateConfig,
+    TrainConfig,
+    bf16_enabled,
+    device_kind,
+    rank_device,
+    resolve_device,
+    typed,
+)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -28,3 +41,37 @@ def test_unknown_key_is_refused():
 def test_resolve_device():
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("auto") in ("cpu", "cuda")
+
+
+def test_device_names():
+    import torch
+
+    assert device_kind("cuda:1") == "cuda" and device_kind("cpu") == "cpu"
+    with pytest.raises(ValueError, match="auto|cpu|cuda"):
+        device_kind("tpu")
+    assert rank_device("cpu", world=4, local_rank=3) == torch.device("cpu")
+    assert rank_device("cuda", world=4, local_rank=3) == torch.device("cuda", 3)
+    assert rank_device("cuda:1") == torch.device("cuda", 1)  # a single process honours an explicit index
+    assert not bf16_enabled(torch.device("cpu"))
+
+
+def test_importing_the_config_floor_loads_nothing_heavy():
+    # The floor imports nothing of the project; torch, Hydra and OmegaConf load only when a function needs them.
+    code = ("import sys, mtp_train.config\n"
+            "heavy = [m for m in ('torch', 'hydra', 'omegaconf', 'transformers') if m in sys.modules]\n"
+            "ours = sorted(m for m in sys.modules if m.startswith('mtp_train.')\n"
+            "               and not m.startswith('mtp_train.config'))\n"
+            "print(heavy, ours)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert r.stdout.strip() == "[] []"
+
+
+def test_typed_runs_the_schemas_own_checks():
+    cfg = typed({"head": {"type": "eagle1"}, "loss": {"steps": 2}}, TrainConfig)
+    assert isinstance(cfg, TrainConfig) and cfg.head.type == "eagle1" and cfg.loss.weights() == [1.0, 0.8]
+    assert typed(cfg, TrainConfig) is cfg
+    with pytest.raises(ValueError, match="unknown head type"):
+        typed({"head": {"type": "medusa"}}, TrainConfig)
+    with pytest.raises(ConfigError, match="temperature > 0"):
+        typed({"n": 2}, RegenerateConfig)
+    assert EvalConfig(k=[1, 2]).grid("k") == [1, 2] and EvalConfig(k=3).grid("k") == [3]

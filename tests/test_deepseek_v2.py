@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtp_train.config import HeadConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
-from mtp_train.heads import HeadConfig, build_head
+from mtp_train.heads import build_head
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.precompute import PrecomputedDataset, Sample, precompute
 from mtp_train.speculative.engine import SpecEngine

@@ -14,8 +14,8 @@ from hydra import compose, initialize_config_dir
 from mtp_train.cli.eval import eval_main
 from mtp_train.cli.precompute import precompute_main
 from mtp_train.cli.train import train_main
-from mtp_train.config import CONF_DIR, register_configs
-from mtp_train.heads import HeadConfig, build_head, save_head
+from mtp_train.config import CONF_DIR, HeadConfig, register_configs
+from mtp_train.heads import build_head, save_head
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

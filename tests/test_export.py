@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from mtp_train.config import HeadConfig
 from mtp_train.export import LayoutError, export_head, load_export
-from mtp_train.heads import HeadConfig, build_head, load_head, save_head
+from mtp_train.heads import build_head, load_head, save_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import ModelConfigError
 

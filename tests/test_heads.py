@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import mtp_train.heads.frozen as frozen_mod
+from mtp_train.config import HeadConfig
 from mtp_train.engine import KVCache, prefill_hidden
 from mtp_train.heads import (
     DraftHead,
     FrozenTargetParts,
-    HeadConfig,
     build_head,
     load_head,
     packed_shift,

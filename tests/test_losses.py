@@ -6,17 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mtp_train.config import HeadConfig, LossConfig
 from mtp_train.engine import prefill_hidden
-from mtp_train.heads import HeadConfig, build_head
+from mtp_train.heads import build_head
 from mtp_train.models import load_model
-from mtp_train.train.losses import (
-    LossConfig,
-    chunked_soft_ce,
-    draft_loss,
-    step_targets,
-    step_token_counts,
-    unrolled_loss,
-)
+from mtp_train.train.losses import chunked_soft_ce, draft_loss, step_targets, step_token_counts, unrolled_loss
 
 V, H = 96, 16
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtp_train.config import HeadConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
-from mtp_train.heads import HeadConfig, build_head
+from mtp_train.heads import build_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine

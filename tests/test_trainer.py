@@ -6,6 +6,7 @@ The precompute folder is made once per module from random token sequences over a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -26,8 +27,8 @@ from safetensors import safe_open
 
 from mtp_train.cli.common import CONF_DIR
 from mtp_train.cli.train import train_main
-from mtp_train.config import register_configs
-from mtp_train.heads import FrozenTargetParts, HeadConfig, build_head, load_head
+from mtp_train.config import HeadConfig, LossConfig, TrainConfig, register_configs, typed
+from mtp_train.heads import FrozenTargetParts, build_head, load_head
 from mtp_train.models import load_model
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.precompute import (
@@ -41,7 +42,7 @@ from mtp_train.train.checkpoint import latest_tag, resolve_resume
 from mtp_train.train.data import MicroBatchStream, eval_batches
 from mtp_train.train.deepspeed_config import WarmupCosine, build_ds_config
 from mtp_train.train.logging import resolve_wandb_mode
-from mtp_train.train.losses import LossConfig, unrolled_loss
+from mtp_train.train.losses import unrolled_loss
 from mtp_train.train.trainer import Trainer, evaluate, inference_chain
 from tests.conftest import make_tiny_checkpoint
 
@@ -466,8 +467,8 @@ def test_warmup_cosine_schedule():
 def test_every_head_and_deepspeed_preset_composes_into_a_deepspeed_config(head, zero):
     cfg = _cfg([f"head={head}", f"deepspeed={zero}", "train.grad_accum=4", "optim.grad_clip=0.7"])
     assert cfg.head.type == head and cfg.data.dir and cfg.deepspeed.name == zero
-    c = OmegaConf.to_container(cfg, resolve=True)
-    ds = build_ds_config(c["deepspeed"], optim=c["optim"], loop=c["train"], device=torch.device("cpu"))
+    c = typed(cfg, TrainConfig)
+    ds = build_ds_config(c.deepspeed, optim=c.optim, grad_accum=c.train.grad_accum, bf16=False)
     assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 0.7
     assert ds["bf16"]["enabled"] is False and ds["train_micro_batch_size_per_gpu"] == 1
     assert ds["zero_optimization"]["stage"] == int(zero.removeprefix("zero"))
@@ -476,11 +477,11 @@ def test_every_head_and_deepspeed_preset_composes_into_a_deepspeed_config(head, 
 
 
 def test_deepspeed_settings_the_trainer_cannot_honour_are_refused():
-    c = OmegaConf.to_container(_cfg([]), resolve=True)
+    c = typed(_cfg([]), TrainConfig)
 
     def build(**change):
-        return build_ds_config({**c["deepspeed"], **change}, optim=c["optim"], loop=c["train"],
-                               device=torch.device("cpu"))
+        return build_ds_config(dataclasses.replace(c.deepspeed, **change), optim=c.optim,
+                               grad_accum=c.train.grad_accum, bf16=False)
 
     with pytest.raises(ValueError, match="stage 3"):
         build(zero_optimization={"stage": 3})

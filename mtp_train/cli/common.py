@@ -25,10 +25,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mtp_train.config import CONF_DIR, ModelConfig, check_config, check_overrides, register_configs, resolve_device
+from mtp_train import dist
+from mtp_train.config import CONF_DIR, ModelConfig, check_config, check_overrides, rank_device, register_configs
 from mtp_train.data.chat import ChatTemplateError, load_tokenizer
 from mtp_train.data.readers import DataError
-from mtp_train.dist import DistInfo
+from mtp_train.dist import DistInfo, Launch
 from mtp_train.fileio import OutputLockedError, atomic_write_text
 from mtp_train.models.config import ModelConfigError
 from mtp_train.models.fetch import REGISTRY, ModelFetchError, fetch_model
@@ -66,21 +67,21 @@ def save_config(cfg: DictConfig, path: str | Path) -> Path:
     return Path(path)
 
 
-def run_device(model_cfg: ModelConfig | DictConfig, info: DistInfo) -> torch.device:
-    """The device this process computes on: `model.device` (auto → cuda when available), per rank under torchrun.
-
-    With several ranks each one takes `cuda:<local_rank>` (set up by `init_distributed`); a single process honours
-    an explicit `cuda:N`.
-    """
-    device = resolve_device(model_cfg.device)
-    if info.world > 1 and device.startswith("cuda"):
-        return info.device
-    return torch.device(device)
+def launch_env() -> Launch:
+    """This process's place in a torchrun job (RANK, WORLD_SIZE, LOCAL_RANK); rank 0 of 1 without torchrun."""
+    env = os.environ
+    return Launch(rank=int(env.get("RANK", "0")), world=int(env.get("WORLD_SIZE", "1")),
+                  local_rank=int(env.get("LOCAL_RANK", "0")))
 
 
-def dist_device_kind(model_cfg: ModelConfig | DictConfig) -> str:
-    """`cpu` or `cuda`, what `init_distributed` takes, from `model.device` (which may name `cuda:N`)."""
-    return "cuda" if resolve_device(model_cfg.device).startswith("cuda") else "cpu"
+def init_dist(model_cfg: ModelConfig) -> DistInfo:
+    """`init_distributed` for `model.device` and torchrun's environment."""
+    return dist.init_distributed(model_cfg.device, launch_env())
+
+
+def run_device(model_cfg: ModelConfig, info: DistInfo) -> torch.device:
+    """The device this process computes on: `model.device`, per rank under torchrun (`rank_device`)."""
+    return rank_device(model_cfg.device, info.world, info.local_rank)
 
 
 def ensure_model(model_cfg: ModelConfig | DictConfig) -> Path:

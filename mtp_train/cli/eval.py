@@ -16,7 +16,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mtp_train.cli.common import (
@@ -26,7 +25,7 @@ from mtp_train.cli.common import (
     save_config,
     to_dict,
 )
-from mtp_train.config import resolve_device
+from mtp_train.config import rank_device
 from mtp_train.data.chat import load_tokenizer, tokenizer_fingerprint
 from mtp_train.eval.acceptance import (
     EvalSettings,
@@ -123,7 +122,7 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"k must be >= 1, got {ks}")
     prompt_sets = load_prompt_sets(list(cfg.prompts), cfg.limit)  # data errors before the model loads
     ensure_model(cfg.model)
-    target, tokenizer, target_dir = load_target(cfg.model, torch.device(resolve_device(cfg.model.device)))
+    target, tokenizer, target_dir = load_target(cfg.model, rank_device(cfg.model.device))
     proposers = make_proposers(cfg, target, tokenizer, target_dir)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -23,9 +23,9 @@ from omegaconf import DictConfig
 
 from mtp_train import dist
 from mtp_train.cli.common import (
-    dist_device_kind,
     ensure_model,
     hydra_entry,
+    init_dist,
     load_target,
     run_device,
     save_config,
@@ -42,7 +42,7 @@ PROG = "mtp-precompute"
 def precompute_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-precompute` with a composed config; returns the manifest's totals (on every rank)."""
     check_config(cfg, "precompute")
-    info = dist.init_distributed(dist_device_kind(cfg.model))
+    info = init_dist(cfg.model)
     try:
         with contextlib.ExitStack() as stack:
             group = dist.cpu_group(timedelta(hours=24))

@@ -23,9 +23,9 @@ from omegaconf import DictConfig
 
 from mtp_train import dist
 from mtp_train.cli.common import (
-    dist_device_kind,
     ensure_model,
     hydra_entry,
+    init_dist,
     load_target,
     run_device,
     save_config,
@@ -64,7 +64,7 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
     settings = SamplingSettings(n=cfg.n, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                 max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     template_kwargs = to_dict(cfg.chat_template_kwargs)
-    info = dist.init_distributed(dist_device_kind(cfg.model))
+    info = init_dist(cfg.model)
     try:
         with contextlib.ExitStack() as stack:
             group = dist.cpu_group(BARRIER_TIMEOUT)

@@ -22,10 +22,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mtp_train import dist
-from mtp_train.cli.common import dist_device_kind, ensure_model, hydra_entry, run_device, save_config
-from mtp_train.config import check_config
+from mtp_train.cli.common import ensure_model, hydra_entry, init_dist, run_device, save_config
+from mtp_train.config import TrainConfig, check_config, typed
 from mtp_train.fileio import output_lock
-from mtp_train.train.trainer import StepHook, as_train_config, train
+from mtp_train.train.trainer import StepHook, train
 
 log = logging.getLogger(__name__)
 PROG = "mtp-train"
@@ -37,8 +37,8 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
     on_step(trainer, step, metrics) is called on every rank after each optimizer step (see Trainer).
     """
     check_config(cfg, "train")
-    as_train_config(cfg)  # a wrong value type fails here, before any process group or model is touched
-    info = dist.init_distributed(dist_device_kind(cfg.model))
+    tc = typed(cfg, TrainConfig)  # a wrong value type fails here, before any process group or model is touched
+    info = init_dist(cfg.model)
     try:
         with contextlib.ExitStack() as stack:
             group = dist.cpu_group(timedelta(hours=2))  # rank 0 may fetch the default model meanwhile
@@ -47,7 +47,7 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
                 stack.enter_context(output_lock(out, command=PROG))  # before anything is written to `out`
                 ensure_model(cfg.model)
             dist.barrier(group)
-            result = train(cfg, info, run_device(cfg.model, info), on_step=on_step,
+            result = train(tc, info, run_device(cfg.model, info), on_step=on_step,
                            on_start=lambda: save_config(cfg, out / "config.yaml"))
             if info.is_main:
                 top1 = result.get("eval/top1")

@@ -6,7 +6,6 @@ Heads sit on the same floor as `models/`: they import `layers/` and `models/` on
 from mtp_train.heads.base import (
     HEAD_TYPES,
     DraftHead,
-    HeadConfig,
     HeadOutput,
     build_head,
     load_head,
@@ -25,7 +24,6 @@ __all__ = [
     "DraftHead",
     "Eagle1Head",
     "FrozenTargetParts",
-    "HeadConfig",
     "HeadOutput",
     "MTPHead",
     "build_head",

@@ -37,7 +37,6 @@ import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -46,6 +45,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from mtp_train.config.head import HeadConfig
+from mtp_train.config.loss import UNROLL_ATTENTION
 from mtp_train.fileio import atomic_write, atomic_write_text, sha256_file
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.layers.attention import (
@@ -66,13 +67,6 @@ log = logging.getLogger(__name__)
 
 HEAD_FORMAT = "mtp_train.head"
 HEAD_FORMAT_VERSION = 1
-INITS = ("scratch", "last_layer")
-UNROLL_ATTENTION = ("chain", "causal")  # how unrolled steps j > 0 attend (see the module docstring)
-# The norms each head type has unless a flag of HeadConfig says otherwise.
-NORM_DEFAULTS: dict[str, dict[str, bool]] = {
-    "mtp": {"enorm": True, "hnorm": True, "input_norm": True, "final_norm": True},
-    "eagle1": {"enorm": False, "hnorm": False, "input_norm": False, "final_norm": False},
-}
 # Target dimensions a head checkpoint must agree with (vocab_size shows in no head tensor, so it is checked here).
 DIM_KEYS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
             "qkv_bias", "o_bias", "mlp_bias", "qk_norm")
@@ -84,41 +78,6 @@ def register_head(cls: type[DraftHead]) -> type[DraftHead]:
     """Class decorator: make `cls` buildable from a HeadConfig whose type is `cls.type_name`."""
     HEAD_TYPES[cls.type_name] = cls
     return cls
-
-
-@dataclass
-class HeadConfig:
-    """Which head, with which norms. A norm left as None takes the default of the type (mtp: on, eagle1: off)."""
-
-    type: str = "mtp"  # mtp (RMSNorm-restored, DeepSeek-V3 MTP shape) | eagle1 (original EAGLE)
-    enorm: bool | None = None  # RMSNorm on the token embedding before the fc
-    hnorm: bool | None = None  # RMSNorm on the input hidden state before the fc
-    input_norm: bool | None = None  # the decoder layer's input_layernorm
-    final_norm: bool | None = None  # RMSNorm after the layer; its output is the predicted feature
-    fc_bias: bool = False  # bias on the 2H→H fc (vLLM's EAGLE layout has none, SGLang's has one)
-    moe: bool = False  # DeepSeek-V2 targets: the block's MLP is the target's MoE (default: a dense MLP)
-    init: str = "scratch"  # scratch (random) | last_layer (copy the target's last decoder layer)
-    # Draft over the N most frequent target tokens only (EAGLE-3's draft vocabulary, FR-Spec): the head's logits
-    # are lm_head rows of those tokens, so each draft step and the training loss cost N/V of the full lm_head.
-    # 0 = the target's whole vocabulary. The token ids are a buffer of the head (`draft_vocab`), saved with it.
-    draft_vocab_size: int = 0
-
-    def __post_init__(self) -> None:
-        if self.draft_vocab_size < 0:
-            raise ValueError(f"draft_vocab_size must be >= 0 (0 = the full vocabulary), got {self.draft_vocab_size}")
-        if self.type not in NORM_DEFAULTS:
-            raise ValueError(f"unknown head type {self.type!r}; choose one of {', '.join(NORM_DEFAULTS)}")
-        if self.init not in INITS:
-            raise ValueError(f"unknown head init {self.init!r}; choose one of {', '.join(INITS)}")
-
-    def resolved(self) -> HeadConfig:
-        """A copy with every norm flag set (None → the type's default)."""
-        defaults = NORM_DEFAULTS[self.type]
-        return dataclasses.replace(self, **{k: v if getattr(self, k) is None else getattr(self, k)
-                                            for k, v in defaults.items()})
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.resolved())
 
 
 class HeadOutput(NamedTuple):

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mtp_train.heads.base import DraftHead, HeadConfig, register_head
+from mtp_train.config import HeadConfig
+from mtp_train.heads.base import DraftHead, register_head
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
 from mtp_train.layers.norm import RMSNorm

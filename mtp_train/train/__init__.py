@@ -1,7 +1,6 @@
 """Stage two: training draft heads on precomputed target hidden states."""
 
 from mtp_train.train.losses import (
-    LossConfig,
     chunked_soft_ce,
     draft_loss,
     step_targets,
@@ -11,7 +10,6 @@ from mtp_train.train.losses import (
 )
 
 __all__ = [
-    "LossConfig",
     "chunked_soft_ce",
     "draft_loss",
     "step_targets",

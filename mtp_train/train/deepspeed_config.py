@@ -20,11 +20,14 @@ and saves its state in checkpoints.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
+from mtp_train.config import DeepSpeedConfig, OptimConfig
 
 AUTO = "auto"
 NOT_DEEPSPEED_KEYS = ("name", "extra")  # preset fields of ours, not DeepSpeed's
@@ -55,19 +58,14 @@ class WarmupCosine:
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def make_lr_scheduler(optim: Mapping[str, Any], max_steps: int) -> Callable[[torch.optim.Optimizer], Any]:
+def make_lr_scheduler(optim: OptimConfig, max_steps: int) -> Callable[[torch.optim.Optimizer], Any]:
     """What `deepspeed.initialize(lr_scheduler=...)` takes: optimizer → LambdaLR(WarmupCosine(...))."""
-    fn = WarmupCosine(int(optim["warmup_steps"]), int(max_steps), float(optim["min_lr_ratio"]))
+    fn = WarmupCosine(optim.warmup_steps, max_steps, optim.min_lr_ratio)
 
     def build(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
     return build
-
-
-def bf16_enabled(device: torch.device) -> bool:
-    """bf16 training on CUDA devices that support it; fp32 elsewhere."""
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
 def _fill(node: Any, values: Mapping[str, Any], path: str = "") -> Any:
@@ -84,16 +82,16 @@ def _fill(node: Any, values: Mapping[str, Any], path: str = "") -> Any:
     return node
 
 
-def build_ds_config(preset: Mapping[str, Any], *, optim: Mapping[str, Any], loop: Mapping[str, Any],
-                    device: torch.device) -> dict[str, Any]:
+def build_ds_config(preset: DeepSpeedConfig, *, optim: OptimConfig, grad_accum: int, bf16: bool) -> dict[str, Any]:
     """The DeepSpeed config dict for `deepspeed.initialize(config=...)`.
 
-    preset: the `deepspeed` node (DeepSpeedCfg as a dict); optim / loop: the `optim` and `train` nodes.
+    preset: the `deepspeed` settings; optim: `optim.*`; grad_accum: `train.grad_accum`; bf16: train in bf16
+    (`mtp_train.config.bf16_enabled` of the device).
     Refuses what this trainer cannot honour, naming the key: a micro-batch size other than 1, ZeRO-3 (it
     would partition the head's weights, which evaluation and the head export read whole), fp16, and a
     DeepSpeed `scheduler` (the schedule comes from `optim.*`).
     """
-    preset = copy.deepcopy(dict(preset))
+    preset = copy.deepcopy(dataclasses.asdict(preset))
     extra = dict(preset.get("extra") or {})
     cfg = {k: v for k, v in preset.items() if k not in NOT_DEEPSPEED_KEYS}
     clash = sorted(set(extra) & set(cfg))
@@ -102,13 +100,13 @@ def build_ds_config(preset: Mapping[str, Any], *, optim: Mapping[str, Any], loop
     cfg.update(extra)
 
     values = {
-        "gradient_accumulation_steps": int(loop["grad_accum"]),
-        "gradient_clipping": float(optim["grad_clip"]),
-        "bf16.enabled": bf16_enabled(device),
-        "optimizer.params.lr": float(optim["lr"]),
-        "optimizer.params.betas": [float(b) for b in optim["betas"]],
-        "optimizer.params.eps": float(optim["eps"]),
-        "optimizer.params.weight_decay": float(optim["weight_decay"]),
+        "gradient_accumulation_steps": int(grad_accum),
+        "gradient_clipping": float(optim.grad_clip),
+        "bf16.enabled": bool(bf16),
+        "optimizer.params.lr": float(optim.lr),
+        "optimizer.params.betas": [float(b) for b in optim.betas],
+        "optimizer.params.eps": float(optim.eps),
+        "optimizer.params.weight_decay": float(optim.weight_decay),
         "optimizer.params.torch_adam": True,
     }
     cfg = _fill(cfg, values)
@@ -125,6 +123,6 @@ def build_ds_config(preset: Mapping[str, Any], *, optim: Mapping[str, Any], loop
     if "scheduler" in cfg:
         raise ValueError("deepspeed.scheduler must not be set: the schedule comes from optim.warmup_steps, "
                          "optim.min_lr_ratio and train.max_steps")
-    if int(loop["grad_accum"]) < 1:
-        raise ValueError(f"train.grad_accum must be >= 1, got {loop['grad_accum']}")
+    if grad_accum < 1:
+        raise ValueError(f"train.grad_accum must be >= 1, got {grad_accum}")
     return cfg

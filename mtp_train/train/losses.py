@@ -15,51 +15,15 @@ keeps only that (N, H) gradient, which saves the recomputation (about a third of
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mtp_train.heads.base import UNROLL_ATTENTION, DraftHead, packed_shift, resolve_seq_lens
+from mtp_train.config.loss import CE_IMPLS, LossConfig
+from mtp_train.heads.base import DraftHead, packed_shift, resolve_seq_lens
 
-CE_IMPLS = ("checkpoint", "fused")
 TOPK = 3  # the second accuracy reported: target argmax within the head's top-3
-
-
-@dataclass
-class LossConfig:
-    """Weights and knobs of the head loss."""
-
-    w_feat: float = 1.0  # weight of the SmoothL1 feature loss
-    w_tok: float = 0.1  # weight of the soft cross-entropy against the target's distribution
-    smooth_l1_beta: float = 1.0  # SmoothL1 switch point between quadratic and linear
-    steps: int = 1  # chained draft steps unrolled per batch
-    step_decay: float = 0.8  # step j weighs step_decay ** j, unless step_weights is given
-    step_weights: list[float] | None = None  # explicit per-step weights (length = steps)
-    unroll_attention: str = "chain"  # chain (as the inference chain sees it) | causal (DeepSeek-V3 MTP style)
-    chunk_size: int = 1024  # rows per lm_head chunk: bounds memory at ~3 · chunk_size · V floats
-    ce_impl: str = "checkpoint"  # checkpoint | fused (see the module docstring)
-    noise_std: float = 0.0  # uniform noise U(-std, std) on the input features in training mode (EAGLE); 0 = off
-
-    def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.step_weights is not None and len(self.step_weights) != self.steps:
-            raise ValueError(f"{len(self.step_weights)} step_weights for {self.steps} steps")
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        if self.unroll_attention not in UNROLL_ATTENTION:
-            raise ValueError(f"unknown unroll_attention {self.unroll_attention!r}; "
-                             f"choose one of {', '.join(UNROLL_ATTENTION)}")
-        if self.ce_impl not in CE_IMPLS:
-            raise ValueError(f"unknown ce_impl {self.ce_impl!r}; choose one of {', '.join(CE_IMPLS)}")
-
-    def weights(self) -> list[float]:
-        """Per-step loss weights."""
-        if self.step_weights is not None:
-            return [float(w) for w in self.step_weights]
-        return [self.step_decay**j for j in range(self.steps)]
 
 
 # --- alignment --------------------------------------------------------------------------------------------------

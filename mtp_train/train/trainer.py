@@ -40,15 +40,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as tdist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch import nn
 from tqdm.auto import tqdm
 
 from mtp_train import dist
-from mtp_train.config import TrainConfig
+from mtp_train.config import LossConfig, TrainConfig, bf16_enabled, typed
 from mtp_train.dist import DistInfo
 from mtp_train.engine import KVCache
-from mtp_train.heads import DraftHead, FrozenTargetParts, HeadConfig, build_head, packed_shift
+from mtp_train.heads import DraftHead, FrozenTargetParts, build_head, packed_shift
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.precompute import LengthBucketedBatchSampler, PrecomputedDataset
@@ -68,9 +68,9 @@ from mtp_train.train.checkpoint import (
     write_checksums,
 )
 from mtp_train.train.data import MicroBatchStream, PackedBatch, eval_batches
-from mtp_train.train.deepspeed_config import bf16_enabled, build_ds_config, make_lr_scheduler
+from mtp_train.train.deepspeed_config import build_ds_config, make_lr_scheduler
 from mtp_train.train.logging import RunLogger
-from mtp_train.train.losses import LossConfig, draft_loss, step_targets, step_token_counts, unrolled_loss
+from mtp_train.train.losses import draft_loss, step_targets, step_token_counts, unrolled_loss
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class Trainer:
         self.cfg, self.info, self.device = cfg, info, device
         self.config_yaml, self.on_step = config_yaml, on_step
         self.out = Path(cfg.out)
-        self.loss_cfg = LossConfig(**dataclasses.asdict(cfg.loss))
+        self.loss_cfg = cfg.loss
         self.step = 0
         self.samples_seen = 0
         self.tokens_seen = 0
@@ -323,7 +323,7 @@ class Trainer:
         frozen = FrozenTargetParts.from_pretrained(self.target_dir, device=self.device,
                                                    dtype=torch.bfloat16 if bf16 else torch.float32)
         torch.manual_seed(c.train.seed)  # the same initial head on every rank (DeepSpeed also broadcasts rank 0's)
-        head = build_head(HeadConfig(**dataclasses.asdict(c.head)), self.target_dir, device=self.device,
+        head = build_head(c.head, self.target_dir, device=self.device,
                           dtype=torch.float32, backend=c.model.backend, frozen=frozen)
         if head.draft_vocab is not None:
             head.set_draft_vocab(draft_vocab_from_data(self.train_set, head.vocab_size, head.args.vocab_size,
@@ -331,11 +331,10 @@ class Trainer:
         head.train()
         module = HeadLoss(head, self.loss_cfg)
         params = [p for p in module.parameters() if p.requires_grad]
-        ds_config = build_ds_config(dataclasses.asdict(c.deepspeed), optim=dataclasses.asdict(c.optim),
-                                    loop=dataclasses.asdict(c.train), device=self.device)
+        ds_config = build_ds_config(c.deepspeed, optim=c.optim, grad_accum=c.train.grad_accum, bf16=bf16)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=module, model_parameters=params, config=ds_config,
-            lr_scheduler=make_lr_scheduler(dataclasses.asdict(c.optim), c.train.max_steps))
+            lr_scheduler=make_lr_scheduler(c.optim, c.train.max_steps))
         if self.info.is_main:
             log.info("head %s: %.2fM trainable parameters; DeepSpeed ZeRO-%d, %s, world %d, grad_accum %d",
                      c.head.type, sum(p.numel() for p in params) / 1e6,
@@ -534,22 +533,14 @@ class Trainer:
 
 
 
-def as_train_config(cfg: TrainConfig | DictConfig | dict[str, Any]) -> TrainConfig:
-    """A TrainConfig from a composed Hydra config (or a dict of overrides of the defaults), validated."""
-    if isinstance(cfg, TrainConfig):
-        return cfg
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
-
-
-def train(cfg: TrainConfig | DictConfig | dict[str, Any], info: DistInfo, device: torch.device,
+def train(cfg: TrainConfig, info: DistInfo, device: torch.device,
           on_step: StepHook | None = None, on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run (or resume) one training; returns the final metrics (train/..., eval/...), `step`, `out`, `head_dir`.
 
     Every rank calls it; torch.distributed is initialised by the caller under torchrun, or here as a world of
     one (DeepSpeed needs a process group either way). on_step, on_start: see Trainer.
     """
-    tc = as_train_config(cfg)
+    tc = typed(cfg, TrainConfig)
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(tc))
     own_group = _process_group_for_deepspeed(device)
     try:

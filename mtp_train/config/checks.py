@@ -1,0 +1,202 @@
+"""Checking a command's settings: unknown keys (with the nearest valid one), values out of range, typed objects.
+
+The schemas are in struct mode, but Hydra's `+key=value` adds a key to any config, and a typo without the `+`
+fails inside Hydra with a hint that suggests the `+` form. Both are caught here, naming the nearest valid key:
+`check_overrides` looks at the command line before Hydra composes it, `check_config` at the composed config.
+`typed` turns a composed config into its schema's dataclass, once, in the CLI.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+from mtp_train.config.errors import ConfigError
+from mtp_train.config.eval import EvalConfig
+from mtp_train.config.export import ExportConfig
+from mtp_train.config.precompute import PrecomputeConfig
+from mtp_train.config.regenerate import RegenerateConfig
+from mtp_train.config.train import TrainConfig
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the YAML tree (an editable install's checkout)
+T = TypeVar("T")
+
+SCHEMAS: dict[str, type] = {
+    "precompute": PrecomputeConfig,
+    "regenerate": RegenerateConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "export": ExportConfig,
+}
+
+# Lower bounds of numeric settings: key → (smallest value, what the key must be). Keys a command does not have
+# are not looked at; null stays allowed wherever the schema allows it.
+_POSITIVE = "a positive integer"
+LOWER_BOUNDS: dict[str, tuple[float, str]] = {
+    "limit": (1, "null (everything) or a positive integer"),
+    "max_seq_len": (1, _POSITIVE), "shard_tokens": (1, _POSITIVE), "batch_tokens": (1, _POSITIVE),
+    "n": (1, _POSITIVE), "max_new_tokens": (1, _POSITIVE), "max_batch_size": (1, _POSITIVE),
+    "max_prompt_tokens": (1, _POSITIVE), "batch_size": (1, _POSITIVE), "top_k": (0, "0 (off) or more"),
+    "model.page_size": (1, _POSITIVE), "model.tp": (1, _POSITIVE),
+    "train.max_steps": (1, "a positive integer (the optimizer steps of the whole run)"),
+    "train.micro_batch_tokens": (1, _POSITIVE), "train.grad_accum": (1, _POSITIVE),
+    "train.eval_every": (0, "0 (only at the end) or more"), "train.eval_batches": (0, "0 (no evaluation) or more"),
+    "train.save_every": (0, "0 (only at the end) or more"), "train.log_every": (1, _POSITIVE),
+    "optim.warmup_steps": (0, "0 or more"), "data.num_workers": (0, "0 or more"), "loss.steps": (1, _POSITIVE),
+    "spec_eval.limit": (1, _POSITIVE), "spec_eval.k": (1, _POSITIVE), "spec_eval.max_new_tokens": (1, _POSITIVE),
+    "spec_eval.batch_size": (1, _POSITIVE),
+}
+
+
+def _classify(hint: Any) -> tuple[str, Any]:
+    """("dataclass", cls) | ("open", None): any sub-key (dicts, Any) | ("list", None) | ("leaf", None)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _classify(args[0]) if len(args) == 1 else ("open", None)
+    if hint is Any or origin in (dict, collections.abc.Mapping) or hint is dict:
+        return "open", None
+    if origin is list or hint is list:
+        return "list", None
+    if dataclasses.is_dataclass(hint):
+        return "dataclass", hint
+    return "leaf", None
+
+
+def _fields(schema: type) -> dict[str, Any]:
+    return typing.get_type_hints(schema)
+
+
+def schema_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every dotted key of `schema` (nested dataclasses expanded), for suggestions."""
+    out = []
+    for name, hint in _fields(schema).items():
+        key = f"{prefix}{name}"
+        out.append(key)
+        kind, sub = _classify(hint)
+        if kind == "dataclass":
+            out.extend(schema_keys(sub, key + "."))
+    return out
+
+
+def is_schema_key(schema: type, key: str) -> bool:
+    """Whether dotted `key` names a setting of `schema` (anything below a dict-valued setting is one)."""
+    parts = key.split(".")
+    node: Any = schema
+    for i, part in enumerate(parts):
+        hints = _fields(node)
+        if part not in hints:
+            return False
+        kind, sub = _classify(hints[part])
+        rest = parts[i + 1:]
+        if kind == "open" or not rest:
+            return True
+        if kind == "list":
+            return len(rest) == 1 and rest[0].isdigit()
+        if kind == "leaf":
+            return False
+        node = sub
+    return True
+
+
+def unknown_key_error(schema: type, key: str, name: str) -> ConfigError:
+    """The error for `key`, which `schema` lacks: names the nearest valid key (difflib), or the valid ones."""
+    valid = schema_keys(schema)
+    parent = key
+    while "." in parent:  # the deepest part of the key that does name a group of settings (train, data.…)
+        parent = parent.rsplit(".", 1)[0]
+        if any(k.startswith(parent + ".") for k in valid):
+            break
+    else:
+        parent = ""
+    prefix = parent + "." if parent else ""
+    near = difflib.get_close_matches(key, [k for k in valid if k.startswith(prefix)], n=1, cutoff=0.6)
+    if near:
+        hint = f"did you mean `{near[0]}`?"
+    else:
+        children = sorted(k[len(prefix):] for k in valid if k.startswith(prefix) and "." not in k[len(prefix):])
+        hint = f"the keys{' under `' + parent + '`' if parent else ''} are: {', '.join(children)}"
+    return ConfigError(f"unknown config key `{key}` (conf/{name}.yaml's schema has no such setting); {hint}")
+
+
+def _flat_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
+    """Dotted keys of a composed config, not descending below settings whose values are dicts."""
+    out = []
+    hints = _fields(schema)
+    for k in node:
+        key = f"{prefix}{k}"
+        if k not in hints:
+            out.append(key)
+            continue
+        kind, sub = _classify(hints[k])
+        value = node[k]
+        if kind == "dataclass" and hasattr(value, "keys"):
+            out.extend(_flat_keys(value, sub, key + "."))
+        else:
+            out.append(key)
+    return out
+
+
+def check_config(cfg: Any, name: str) -> Any:
+    """Refuse a composed config of command `name` with a key its schema lacks or a value out of range; return it.
+
+    `+key=value` on the command line adds keys that the schema does not have (Hydra allows it); they would be
+    ignored, so a mistyped setting would silently keep its default.
+    """
+    schema = SCHEMAS[name]
+    for key in _flat_keys(cfg, schema):
+        if not is_schema_key(schema, key):
+            raise unknown_key_error(schema, key, name)
+    for key, (low, what) in LOWER_BOUNDS.items():
+        node, parts = cfg, key.split(".")
+        for part in parts:
+            node = node.get(part) if hasattr(node, "get") else None
+            if node is None:
+                break
+        if isinstance(node, (int, float)) and not isinstance(node, bool) and node < low:
+            raise ConfigError(f"{key}={node} is out of range: `{key}` must be {what}")
+    return cfg
+
+
+def check_overrides(overrides: list[str], name: str) -> None:
+    """Refuse command-line overrides naming a key or a config-group choice that command `name` does not have.
+
+    Run before Hydra composes: Hydra's own error for a typo suggests adding the key with `+`, which would only
+    make the typo silent. Overrides of Hydra's own settings (`hydra.*`, `hydra/...`) are left to Hydra.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    schema = SCHEMAS[name]
+    conf = Path(CONF_DIR)
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.key_or_group
+        if o.is_delete() or o.package or key.startswith("hydra") or "/" in key:
+            continue
+        group = conf / key
+        if "." not in key and group.is_dir():
+            value = o.value()
+            if isinstance(value, str) and not (group / f"{value}.yaml").is_file():
+                choices = sorted(p.stem for p in group.glob("*.yaml"))
+                near = difflib.get_close_matches(value, choices, n=1)
+                hint = f"did you mean `{key}={near[0]}`? " if near else ""
+                raise ConfigError(f"`{key}={value}`: there is no conf/{key}/{value}.yaml; {hint}"
+                                  f"choose one of {', '.join(choices)}")
+            continue
+        if not is_schema_key(schema, key):
+            raise unknown_key_error(schema, key, name)
+
+
+def typed(cfg: Any, schema: type[T]) -> T:
+    """`cfg` (a composed DictConfig, a dict of overrides of the defaults, or already a `schema`) as a validated
+    `schema` instance: the dataclasses' own checks (`__post_init__`) run here."""
+    if isinstance(cfg, schema):
+        return cfg
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]

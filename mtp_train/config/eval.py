@@ -1,0 +1,52 @@
+"""`mtp-eval`: speculative decoding on held-out prompts, against plain decoding in the same run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtp_train.config.model import ModelConfig
+
+GRID_AXES = ("k", "draft_threshold", "catch_up", "temperature")  # settings that take a value or a list of them
+
+
+@dataclass
+class NgramConfig:
+    """Prompt lookup (training-free n-gram drafting) in `mtp-eval`: the floor a trained drafter must clear."""
+
+    compare: bool = True  # also run prompt lookup at every k on the same prompts (rows method=ngram, tau_ngram)
+    n_max: int = 3  # longest suffix tried first
+    n_min: int = 1  # shortest suffix that still counts as a match
+
+
+@dataclass
+class EvalConfig:
+    """`mtp-eval`: speculative decoding on held-out prompts, against plain decoding in the same run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: str = "mtp"  # mtp (a trained head) | draft (a small model) | ngram (prompt lookup) | none (plain only)
+    head_ckpt: str | None = None  # head folder (mtp-train's heads/step-N or an mtp-export native folder)
+    draft_model: str | None = None  # Hugging Face folder of the draft model (method=draft), same tokenizer
+    prompts: list[str] = field(default_factory=lambda: ["demo-heldout"])  # conf/data names or prompt files
+    k: Any = 4  # draft tokens per step (the most, with a threshold): an int or a list (a grid)
+    draft_threshold: Any = 0.0  # mtp: stop a chain before a draft with top-1 prob below it; a float or a list
+    catch_up: Any = "target"  # mtp: after verification re-run accepted rows on the target's h | own; or a list
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    temperature: Any = 0.0  # a float or a list (a grid); 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0  # request i of a turn is seeded seed + i
+    max_new_tokens: int = 256  # per turn
+    limit: int | None = None  # first N conversations of each prompt set
+    batch_size: int = 1  # concurrent requests (1 = per-request latency, what speculation is for)
+    warmup: bool = True  # one short untimed generation per engine first
+    verify_fingerprint: bool = True  # refuse a head trained for other target weights
+    out: str = "runs/eval"  # report.json, report.md, outputs.jsonl, *.png
+    plots: bool = True
+    progress: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def grid(self, axis: str) -> list[Any]:
+        """The values of grid setting `axis` (one of GRID_AXES) as a list: `k=3` → [3], `k=[1,2]` → [1, 2]."""
+        value = getattr(self, axis)
+        return list(value) if isinstance(value, (list, tuple)) else [value]

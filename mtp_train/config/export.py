@@ -1,0 +1,18 @@
+"""`mtp-export`: a trained head in a layout serving engines load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mtp_train.config.model import ModelConfig
+
+
+@dataclass
+class ExportConfig:
+    """`mtp-export`: a trained head in a layout serving engines load."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)  # the target the head was trained for
+    head_ckpt: str | None = None  # head folder (mtp-train's heads/step-N)
+    format: str = "native"  # native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp
+    out: str = "runs/export"
+    verify_fingerprint: bool = True  # refuse a head trained for other target weights

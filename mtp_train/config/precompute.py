@@ -1,0 +1,28 @@
+"""`mtp-precompute`: conversations → target hidden states as sharded safetensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtp_train.config.data import DataConfig
+from mtp_train.config.model import ModelConfig
+
+
+@dataclass
+class PrecomputeConfig:
+    """`mtp-precompute`: conversations → target hidden states as sharded safetensors."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    out: str = "runs/precompute"  # output folder (shards + manifest.json); a re-run resumes
+    max_seq_len: int = 2048  # longer samples are truncated (keeping the start)
+    limit: int | None = None  # use only the first N conversations
+    shard_tokens: int = 131072  # tokens per shard (2·H bytes each for the hidden states)
+    batch_tokens: int = 8192  # tokens per packed prefill forward
+    aux_layers: list[int] = field(default_factory=list)  # extra HF hidden_states[j] to store (EAGLE-3 features)
+    val_fraction: float = 0.02  # share of samples recorded as the validation split
+    seed: int = 0  # seeds the train/val split
+    verify_on_resume: bool = True  # re-hash finished shards before skipping them
+    progress: bool = True  # progress bar on rank 0
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}

@@ -1,0 +1,47 @@
+"""`mtp-regenerate`: answer the conversations' user turns with the target (self-distillation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtp_train.config.data import DataConfig
+from mtp_train.config.errors import ConfigError
+from mtp_train.config.model import ModelConfig
+
+SAMPLING_KEYS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "seed")  # recorded in the provenance
+
+
+@dataclass
+class RegenerateConfig:
+    """`mtp-regenerate`: answer the conversations' user turns with the target (self-distillation)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    out: str = "runs/regenerate/conversations.jsonl"  # messages JSONL with provenance; a re-run resumes
+    n: int = 1  # samples (records) per conversation
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    max_new_tokens: int = 512  # per assistant turn
+    seed: int = 0  # base of the per-request sampling seeds (per prompt, sample index and turn)
+    limit: int | None = None  # use only the first N conversations
+    max_batch_size: int = 32  # sequences decoded together
+    max_prompt_tokens: int = 4096  # longer prompts are skipped and counted
+    progress: bool = True  # progress bar on rank 0
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ConfigError(f"n must be >= 1, got {self.n}")
+        if self.n > 1 and self.temperature == 0:
+            raise ConfigError(f"n={self.n} samples per prompt need temperature > 0; greedy decoding "
+                              "(temperature=0) gives the same answer every time")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def sampling(self) -> dict[str, Any]:
+        """How every turn is decoded: recorded in the provenance and checked on resume."""
+        return {k: getattr(self, k) for k in SAMPLING_KEYS}

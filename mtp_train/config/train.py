@@ -1,0 +1,97 @@
+"""`mtp-train`: a draft head trained on precomputed target hidden states with DeepSpeed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtp_train.config.data import TrainDataConfig
+from mtp_train.config.head import HeadConfig
+from mtp_train.config.loss import LossConfig
+from mtp_train.config.model import ModelConfig
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule (linear warmup, then cosine down to min_lr_ratio · lr)."""
+
+    lr: float = 1e-4  # peak learning rate
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 100  # optimizer steps of linear warmup from lr/warmup_steps to lr
+    min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio · lr at train.max_steps
+    grad_clip: float = 0.5  # clip the global gradient norm to this (0 = off)
+
+
+@dataclass
+class LoopConfig:
+    """The training loop (`train.*`): steps, batch sizes, evaluation, checkpoints, logging."""
+
+    max_steps: int = 1000  # optimizer steps in the whole run (the cosine schedule ends here)
+    micro_batch_tokens: int = 8192  # token budget of one packed micro-batch (len(batch) · longest ≤ this)
+    grad_accum: int = 1  # micro-batches per rank per optimizer step (global batch = world · grad_accum of them)
+    eval_every: int = 500  # evaluate on the val split every N steps (0 = only at the end)
+    eval_batches: int = 16  # val micro-batches per rank per evaluation (0 = no evaluation)
+    save_every: int = 1000  # full checkpoint + head export every N steps (0 = only at the end)
+    log_every: int = 10  # log training metrics every N steps
+    seed: int = 0  # seeds the head's init, the batch order and the feature noise
+    progress: bool = True  # tqdm progress bar on rank 0
+
+
+@dataclass
+class SpecEvalConfig:
+    """Speculative decoding on held-out prompts at every evaluation (`spec_eval.*`, rank 0): logs spec/tau."""
+
+    prompts: list[str] = field(default_factory=list)  # conf/data names or prompt files; [] = off
+    limit: int = 8  # conversations per prompt set
+    k: int = 3  # draft tokens per step
+    max_new_tokens: int = 64  # per turn, greedy
+    batch_size: int = 8  # concurrent requests
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed JSON-config fields (`conf/deepspeed/*.yaml`); "auto" values are filled from the train config."""
+
+    name: str = "zero2"  # short name of this preset (not a DeepSpeed key)
+    train_micro_batch_size_per_gpu: Any = 1  # must be 1: a micro-batch is one token-budget packed batch
+    gradient_accumulation_steps: Any = "auto"  # auto = train.grad_accum
+    gradient_clipping: Any = "auto"  # auto = optim.grad_clip
+    bf16: dict[str, Any] = field(default_factory=lambda: {"enabled": "auto"})  # auto = on for CUDA, off (fp32) on CPU
+    zero_optimization: dict[str, Any] = field(default_factory=lambda: {"stage": 2})  # ZeRO stage 0, 1 or 2 + knobs
+    optimizer: dict[str, Any] = field(default_factory=lambda: {  # AdamW; auto params come from optim.*
+        "type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
+                                    "torch_adam": "auto"}})
+    steps_per_print: int = 1_000_000_000  # DeepSpeed's own periodic log line: effectively off (we log ourselves)
+    wall_clock_breakdown: bool = False  # DeepSpeed's forward/backward/step timers
+    extra: dict[str, Any] = field(default_factory=dict)  # any other DeepSpeed keys, passed through unchanged
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging (rank 0 only)."""
+
+    mode: str = "online"  # online | offline | disabled; online falls back to offline when no API key is set
+    project: str = "mtp-train"  # W&B project
+    entity: str | None = None  # W&B team or user; null = the account's default
+    name: str | None = None  # run name; null = W&B picks one
+    dir: str | None = None  # where the run's files go; null = the run's `out` folder
+    tags: list[str] = field(default_factory=list)  # run tags
+
+
+@dataclass
+class TrainConfig:
+    """`mtp-train`: a draft head trained on precomputed target hidden states with DeepSpeed."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    data: TrainDataConfig = field(default_factory=TrainDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    spec_eval: SpecEvalConfig = field(default_factory=SpecEvalConfig)
+    out: str = "runs/train"  # run folder: config.yaml, metrics.jsonl, checkpoints/, heads/, wandb/
+    resume: str = "auto"  # auto (the latest checkpoint under out, if any) | none | a checkpoint tag folder
