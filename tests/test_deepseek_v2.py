@@ -237,7 +237,7 @@ def test_verify_of_several_new_tokens_equals_single_steps(checkpoints):
 
 def test_deepseek_head_chained_training_equals_its_latent_cache_inference(checkpoints):
     """The unrolled chain (MLA through the generic chain attention) = draft steps over the head's latent pool."""
-    from mtp_train.train.trainer import inference_chain
+    from mtp_train.speculative.chain import inference_chain
 
     path, _ = checkpoints["lite"]
     model = load_model(path, dtype="float32", backend="torch")

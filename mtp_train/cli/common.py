@@ -15,11 +15,13 @@ traceback. `HYDRA_FULL_ERROR=1`, Hydra's own switch for full tracebacks, also sh
 from __future__ import annotations
 
 import logging
+import netrc
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import hydra
 import torch
@@ -82,6 +84,17 @@ def init_dist(model_cfg: ModelConfig) -> DistInfo:
 def run_device(model_cfg: ModelConfig, info: DistInfo) -> torch.device:
     """The device this process computes on: `model.device`, per rank under torchrun (`rank_device`)."""
     return rank_device(model_cfg.device, info.world, info.local_rank)
+
+
+def has_wandb_key() -> bool:
+    """True when W&B can authenticate: WANDB_API_KEY is set, or the netrc has an entry for the W&B host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
 
 
 def ensure_model(model_cfg: ModelConfig | DictConfig) -> Path:

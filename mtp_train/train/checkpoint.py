@@ -66,13 +66,6 @@ def tag_for(step: int) -> str:
     return f"step-{step}"
 
 
-def step_of(tag: str) -> int:
-    """Inverse of `tag_for`."""
-    if not tag.startswith("step-") or not tag[5:].isdigit():
-        raise ValueError(f"{tag!r} is not a checkpoint tag (step-N)")
-    return int(tag[5:])
-
-
 # --- RNG ----------------------------------------------------------------------------------------------------------
 
 

@@ -128,3 +128,16 @@ def eval_batches(dataset: PrecomputedDataset, max_tokens: int, n: int, rank: int
         if k == n:
             break
         yield batch
+
+
+def draft_vocab_from_data(dataset: PrecomputedDataset, size: int, vocab_size: int,
+                          always: Sequence[int] = ()) -> torch.Tensor:
+    """(size,) ascending ids of the `size` most frequent assistant tokens of `dataset`, plus the `always` ids (EOS).
+
+    Ties go to the lower id, and every rank reads the same (whole) split, so every rank picks the same set.
+    """
+    counts = dataset.token_counts(vocab_size)
+    keep = [int(t) for t in always if 0 <= int(t) < vocab_size]
+    counts[keep] = torch.iinfo(torch.long).max  # always in
+    order = torch.sort(-counts, stable=True).indices  # stable: ties stay in id order
+    return order[:size].sort().values

@@ -5,24 +5,22 @@ beside its checkpoints. On resume the lines after the resumed step are dropped: 
 steps again. A torn last line (a kill in the middle of a write) is dropped too, with a warning, as mtp-regenerate
 does; a bad line before the last one means the file was damaged otherwise, and stops the run naming the line.
 
-W&B `online` needs an API key (`WANDB_API_KEY`, or `wandb login`'s netrc entry). Without one the run is
-logged `offline` instead, with a log line saying so, rather than stopping a training job at its start or
-hanging on a login prompt; `wandb sync <run folder>` uploads it later. Only rank 0 constructs a W&B run.
+W&B `online` needs an API key (`WANDB_API_KEY`, or `wandb login`'s netrc entry; the entry point looks). Without
+one the run is logged `offline` instead, with a log line saying so, rather than stopping a training job at its
+start or hanging on a login prompt; `wandb sync <run folder>` uploads it later. Only rank 0 constructs a W&B run.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import netrc
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 
+from mtp_train.config import WandbConfig
 from mtp_train.fileio import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -32,22 +30,15 @@ METRICS_FILE = "metrics.jsonl"
 RUN_ID_FILE = "wandb-run-id"
 
 
-def has_wandb_key() -> bool:
-    """True when W&B can authenticate: WANDB_API_KEY is set, or the netrc has an entry for the W&B host."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    try:
-        return netrc.netrc().authenticators(host) is not None
-    except (FileNotFoundError, netrc.NetrcParseError, OSError):
-        return False
+def resolve_wandb_mode(mode: str, has_key: bool) -> str:
+    """The mode W&B actually runs in: `online` without an API key (`has_key` False) becomes `offline` (logged).
 
-
-def resolve_wandb_mode(mode: str) -> str:
-    """The mode W&B actually runs in: `online` without an API key becomes `offline` (logged)."""
+    has_key: whether W&B can authenticate (WANDB_API_KEY set, or a netrc entry for its host): the entry point
+    looks (`mtp_train.cli.common.has_wandb_key`), so that this library reads no environment.
+    """
     if mode not in WANDB_MODES:
         raise ValueError(f"wandb.mode must be one of {'|'.join(WANDB_MODES)}, got {mode!r}")
-    if mode == "online" and not has_wandb_key():
+    if mode == "online" and not has_key:
         log.warning("wandb: no API key (WANDB_API_KEY unset and no netrc entry): logging offline instead; "
                     "upload later with `wandb sync <run folder>`")
         return "offline"
@@ -94,12 +85,12 @@ def read_metrics_lines(path: Path) -> list[tuple[int, str]]:
 class RunLogger:
     """Metrics sink of one run. On ranks other than 0 (`enabled=False`) every call is a no-op.
 
-    out: the run folder (metrics.jsonl, the W&B run id); wandb_cfg: the `wandb` node (mode, project, entity,
-    name, dir, tags); config: the resolved run config, recorded with the W&B run; resume_step: the step a
-    resumed run continues after (None for a fresh run).
+    out: the run folder (metrics.jsonl, the W&B run id); wandb: the `wandb` settings (project, entity, name, dir,
+    tags); mode: the mode to run in (`resolve_wandb_mode`'s answer, not `wandb.mode`); config: the resolved run
+    config, recorded with the W&B run; resume_step: the step a resumed run continues after (None for a fresh run).
     """
 
-    def __init__(self, *, enabled: bool, out: str | Path, wandb_cfg: Mapping[str, Any], config: dict[str, Any],
+    def __init__(self, *, enabled: bool, out: str | Path, wandb: WandbConfig, mode: str, config: dict[str, Any],
                  resume_step: int | None = None) -> None:
         self.enabled = enabled
         self.out = Path(out)
@@ -110,22 +101,23 @@ class RunLogger:
         self.out.mkdir(parents=True, exist_ok=True)
         self._metrics_path = self.out / METRICS_FILE
         self._start_metrics_file(resume_step)
-        self.mode = resolve_wandb_mode(str(wandb_cfg.get("mode", "online")))
+        if mode not in WANDB_MODES:
+            raise ValueError(f"wandb mode must be one of {'|'.join(WANDB_MODES)}, got {mode!r}")
+        self.mode = mode
         if self.mode == "disabled":
             return
 
-        import wandb  # only rank 0 with W&B on pays for the import
+        import wandb as wandb_lib  # only rank 0 with W&B on pays for the import
 
-        run_dir = Path(wandb_cfg.get("dir") or self.out)
+        run_dir = Path(wandb.dir or self.out)
         run_dir.mkdir(parents=True, exist_ok=True)
         id_file = self.out / RUN_ID_FILE
         kwargs: dict[str, Any] = {}
         if resume_step is not None and self.mode == "online" and id_file.is_file():
             # Continue the same W&B run after a resume (offline runs cannot be continued; they start a new one).
             kwargs = {"id": id_file.read_text().strip(), "resume": "allow"}
-        self.run = wandb.init(mode=self.mode, project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"),
-                              name=wandb_cfg.get("name"), dir=str(run_dir), tags=list(wandb_cfg.get("tags") or []),
-                              config=config, **kwargs)
+        self.run = wandb_lib.init(mode=self.mode, project=wandb.project, entity=wandb.entity, name=wandb.name,
+                                  dir=str(run_dir), tags=list(wandb.tags), config=config, **kwargs)
         atomic_write_text(id_file, self.run.id + "\n")
         log.info("wandb: %s run %s in %s", self.mode, self.run.id, run_dir)
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mtp_train.config.loss import CE_IMPLS, LossConfig
@@ -54,6 +56,15 @@ def uniform_noise(x: torch.Tensor, std: float, generator: torch.Generator | None
     """x + U(-std, std), elementwise (EAGLE's feature augmentation)."""
     u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
     return x + ((2 * u - 1) * std).to(x.dtype)
+
+
+def noise_generator(seed: int, step: int, micro: int, rank: int, device: torch.device) -> torch.Generator:
+    """A generator for the feature noise of one micro-batch, from (seed, step, micro, rank) alone.
+
+    Stateless, so a resumed run draws exactly the noise the uninterrupted run would have drawn.
+    """
+    state = int(np.random.SeedSequence([seed, step, micro, rank]).generate_state(1, dtype=np.uint64)[0])
+    return torch.Generator(device=device).manual_seed(state & ((1 << 63) - 1))
 
 
 # --- chunked soft cross-entropy -------------------------------------------------------------------------------
@@ -217,3 +228,29 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
     metrics.update({k: metrics[f"step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")})
     metrics["loss"] = total.detach()
     return total, metrics
+
+
+# --- the module DeepSpeed trains ---------------------------------------------------------------------------------
+
+
+class HeadLoss(nn.Module):
+    """The module DeepSpeed wraps: a draft head and its training loss.
+
+    Its parameters are exactly the head's (named `head.*`); the loss is computed inside `forward` so that the
+    engine's forward and backward hooks see one call per micro-batch.
+    """
+
+    def __init__(self, head: DraftHead, loss_cfg: LossConfig) -> None:
+        super().__init__()
+        self.head = head
+        self.loss_cfg = loss_cfg
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                seq_lens: Sequence[int], num_tokens: torch.Tensor,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """hidden: (T, H); input_ids, loss_mask: (T,); seq_lens: (B,); num_tokens: (steps,) global counts.
+
+        Returns `unrolled_loss`'s (loss, metrics): sums over this micro-batch divided by the global counts.
+        """
+        return unrolled_loss(self.head, hidden, input_ids, loss_mask, seq_lens, self.loss_cfg,
+                             num_tokens=num_tokens, generator=generator)

@@ -18,12 +18,9 @@ bf16 on CUDA and fp32 on CPU, like the engine's compute (`deepspeed.bf16.enabled
 parameters at all) and exactly those go to the optimizer, so what ZeRO partitions is settled before
 `deepspeed.initialize` looks.
 
-Evaluation runs the head's *inference* forward, as speculative decoding runs it (`inference_chain`): step 0 is
-the engine-style prefill of the val sequences over the target's hidden states, and step j > 0 drafts from every
-position at once, one decode step per chain over the head's paged KV cache. Its step-j top-1 is the share of
-positions where a chain started there drafts the target's own next token at its (j+1)-th draft.
-
-Models and heads never import deepspeed; only this floor does, lazily.
+Evaluation runs the head's *inference* forward, as speculative decoding runs it (`mtp_train.train.evaluation`),
+plus the injected validator, if any, on rank 0 (e.g. `speculative.validator.SpeculativeValidator`, which measures
+τ by decoding). Models and heads never import deepspeed; only this floor does, lazily (`train.deepspeed_setup`).
 """
 
 from __future__ import annotations
@@ -31,25 +28,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as tdist
 from omegaconf import OmegaConf
-from torch import nn
 from tqdm.auto import tqdm
 
 from mtp_train import dist
-from mtp_train.config import LossConfig, TrainConfig, bf16_enabled, typed
+from mtp_train.config import TrainConfig, bf16_enabled
 from mtp_train.dist import DistInfo
-from mtp_train.engine import KVCache
-from mtp_train.heads import DraftHead, FrozenTargetParts, build_head, packed_shift
-from mtp_train.layers import AttentionMetadata
+from mtp_train.heads import DraftHead, FrozenTargetParts, build_head
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.precompute import LengthBucketedBatchSampler, PrecomputedDataset
 from mtp_train.train.checkpoint import (
@@ -67,204 +59,46 @@ from mtp_train.train.checkpoint import (
     verify_checkpoint,
     write_checksums,
 )
-from mtp_train.train.data import MicroBatchStream, PackedBatch, eval_batches
+from mtp_train.train.data import MicroBatchStream, draft_vocab_from_data, eval_batches
 from mtp_train.train.deepspeed_config import build_ds_config, make_lr_scheduler
+from mtp_train.train.deepspeed_setup import prepare_deepspeed, release_deepspeed
+from mtp_train.train.evaluation import evaluate
 from mtp_train.train.logging import RunLogger
-from mtp_train.train.losses import draft_loss, step_targets, step_token_counts, unrolled_loss
+from mtp_train.train.losses import HeadLoss, noise_generator, step_token_counts
 
 log = logging.getLogger(__name__)
 
 StepHook = Callable[["Trainer", int, dict[str, float]], None]  # (trainer, step, metrics) after each step
-EVAL_KV_SLOTS = 1 << 18  # padded (chain, cached token) pairs per decode call of the evaluation chains
-
-
-class HeadLoss(nn.Module):
-    """The module DeepSpeed wraps: a draft head and its training loss.
-
-    Its parameters are exactly the head's (named `head.*`); the loss is computed inside `forward` so that the
-    engine's forward and backward hooks see one call per micro-batch.
-    """
-
-    def __init__(self, head: DraftHead, loss_cfg: LossConfig) -> None:
-        super().__init__()
-        self.head = head
-        self.loss_cfg = loss_cfg
-
-    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                seq_lens: Sequence[int], num_tokens: torch.Tensor,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """hidden: (T, H); input_ids, loss_mask: (T,); seq_lens: (B,); num_tokens: (steps,) global counts.
-
-        Returns `unrolled_loss`'s (loss, metrics): sums over this micro-batch divided by the global counts.
-        """
-        return unrolled_loss(self.head, hidden, input_ids, loss_mask, seq_lens, self.loss_cfg,
-                             num_tokens=num_tokens, generator=generator)
-
-
-# --- evaluation through the inference path ------------------------------------------------------------------------
-
-
-def _chunks(kv_lens: Sequence[int], budget: int) -> list[range]:
-    """Consecutive runs of chains whose padded gather (count · longest kv) stays within `budget` slots."""
-    out: list[range] = []
-    start, longest = 0, 0
-    for i, n in enumerate(kv_lens):
-        if i > start and (i - start + 1) * max(longest, n) > budget:
-            out.append(range(start, i))
-            start, longest = i, 0
-        longest = max(longest, n)
-    if len(kv_lens) > start:
-        out.append(range(start, len(kv_lens)))
-    return out
-
-
-@torch.no_grad()
-def inference_chain(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int],
-                    steps: int, kv_slots: int = EVAL_KV_SLOTS) -> list[torch.Tensor]:
-    """The head's draft features for every position and step, through its inference `forward` and paged cache.
-
-    hidden: (T, H) target hidden h_i of packed sequences; input_ids: (T,) tokens t_i; seq_lens: (B,).
-    Step 0 is one engine-style prefill over the target's hidden states (tokens t_{i+1}), which also fills the
-    head's KV cache, one page (page_size 1) per row. Step j > 0 continues a chain from every row i at once:
-    chain i reads the prefix pages of rows 0..i of its sequence and its own pages of steps 1..j, feeds its
-    previous output with token t_{i+j+1} at position i+j, and writes its new entry to a page of its own, so
-    chains never see each other. Returns one (T, H) tensor per step, row i of step j estimating h_{i+j+1}
-    (rows past the end of their sequence are computed with token 0 and are not meaningful).
-    """
-    lens = [int(n) for n in seq_lens]
-    total = hidden.shape[0]
-    device = hidden.device
-    layers, layout = head.kv_shape
-    cache = KVCache(layers, num_pages=total * steps, page_size=1, layout=layout, dtype=head.dtype, device=device)
-    starts = np.cumsum([0] + lens[:-1]).tolist()
-    # Page r holds row r's step-0 entry; page total·j + r holds chain r's step-j entry.
-    meta = AttentionMetadata.build(lens, lens, [list(range(s, s + n)) for s, n in zip(starts, lens)], 1, device)
-    x = head(hidden, packed_shift(input_ids, lens, 1), meta, cache.layers[0]).hidden  # (T, H)
-    outs = [x]
-    rows = [(s, i) for s, n in zip(starts, lens) for i in range(n)]  # (sequence start, index within) per row
-    for j in range(1, steps):
-        tokens = packed_shift(input_ids, lens, j + 1)  # t_{i+j+1}
-        kv_lens = [i + 1 + j for _, i in rows]
-        nxt = torch.empty_like(x)
-        for part in _chunks(kv_lens, kv_slots):
-            tables = [list(range(rows[r][0], rows[r][0] + rows[r][1] + 1)) + [total * m + r for m in range(1, j + 1)]
-                      for r in part]
-            meta = AttentionMetadata.build([1] * len(part), [kv_lens[r] for r in part], tables, 1, device)
-            sl = slice(part.start, part.stop)
-            nxt[sl] = head(x[sl], tokens[sl], meta, cache.layers[0]).hidden
-        x = nxt
-        outs.append(x)
-    return outs
-
-
-@torch.no_grad()
-def evaluate(head: DraftHead, batches: Iterable[PackedBatch], loss_cfg: LossConfig, device: torch.device,
-             world: int = 1) -> dict[str, float]:
-    """Loss and top-1 / top-3 per draft step on `batches`, with the head's inference path (`inference_chain`).
-
-    Sums are all-reduced over ranks (every rank must call it with its share of the batches). Returns
-    eval/loss (Σ_j w_j · loss_j, as in training), eval/step{j}/{loss,feat_loss,tok_loss,top1,top3,num_tokens}
-    and the step-0 values without the step prefix; {} when no rank had a counted token.
-    """
-    was_training = head.training
-    head.eval()
-    lm_head = head.lm_head_weight()
-    steps = loss_cfg.steps
-    sums = torch.zeros(steps, 5, dtype=torch.float64, device=device)  # feat, tok, top1, top3, count per step
-    for batch in batches:
-        b = batch.to(device, non_blocking=True)
-        preds = inference_chain(head, b.hidden, b.input_ids, b.seq_lens, steps)
-        for j, pred in enumerate(preds):
-            target, counted = step_targets(b.hidden, b.loss_mask, b.seq_lens, j)
-            # num_tokens=1: the metrics come back as plain sums over the batch's counted rows.
-            _, m = draft_loss(pred, target, counted, lm_head, 1.0, w_feat=loss_cfg.w_feat, w_tok=loss_cfg.w_tok,
-                              smooth_l1_beta=loss_cfg.smooth_l1_beta, chunk_size=loss_cfg.chunk_size)
-            sums[j] += torch.stack([m[k].double() for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")])
-    if world > 1:
-        tdist.all_reduce(sums)
-    head.train(was_training)
-    if float(sums[0, 4]) == 0:
-        return {}
-    out: dict[str, float] = {}
-    total = 0.0
-    for j, w in enumerate(loss_cfg.weights()):
-        feat, tok, top1, top3, n = sums[j].tolist()
-        n = max(n, 1.0)
-        loss_j = loss_cfg.w_feat * feat / n + loss_cfg.w_tok * tok / n
-        total += w * loss_j
-        values = {"loss": loss_j, "feat_loss": feat / n, "tok_loss": tok / n, "top1": top1 / n, "top3": top3 / n,
-                  "num_tokens": n}
-        out.update({f"eval/step{j}/{k}": v for k, v in values.items()})
-    out["eval/loss"] = total
-    out.update({f"eval/{k}": out[f"eval/step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")})
-    return out
-
-
-def draft_vocab_from_data(dataset: PrecomputedDataset, size: int, vocab_size: int,
-                          always: Sequence[int] = ()) -> torch.Tensor:
-    """(size,) ascending ids of the `size` most frequent assistant tokens of `dataset`, plus the `always` ids (EOS).
-
-    Ties go to the lower id, and every rank reads the same (whole) split, so every rank picks the same set.
-    """
-    counts = dataset.token_counts(vocab_size)
-    keep = [int(t) for t in always if 0 <= int(t) < vocab_size]
-    counts[keep] = torch.iinfo(torch.long).max  # always in
-    order = torch.sort(-counts, stable=True).indices  # stable: ties stay in id order
-    return order[:size].sort().values
+Validator = Callable[[DraftHead], dict[str, float]]  # head → metrics, on rank 0 at every evaluation
 
 
 # --- the trainer --------------------------------------------------------------------------------------------------
-
-
-def _process_group_for_deepspeed(device: torch.device) -> bool:
-    """DeepSpeed needs torch.distributed even on one process: make a world of one when torchrun did not.
-
-    Returns True when this call created the group (the caller destroys it). DeepSpeed also insists on
-    LOCAL_RANK in the environment, which only launchers set.
-    """
-    os.environ.setdefault("LOCAL_RANK", "0")
-    if tdist.is_initialized():
-        return False
-    if device.type == "cuda":
-        # Naming the device spares NCCL guessing it (and warning at every barrier).
-        dev = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        tdist.init_process_group(backend="nccl", store=tdist.HashStore(), rank=0, world_size=1, device_id=dev)
-    else:
-        tdist.init_process_group(backend="gloo", store=tdist.HashStore(), rank=0, world_size=1)
-    return True
-
-
-def _noise_generator(seed: int, step: int, micro: int, rank: int, device: torch.device) -> torch.Generator:
-    """A generator for the feature noise of one micro-batch, from (seed, step, micro, rank) alone.
-
-    Stateless, so a resumed run draws exactly the noise the uninterrupted run would have drawn.
-    """
-    state = int(np.random.SeedSequence([seed, step, micro, rank]).generate_state(1, dtype=np.uint64)[0])
-    return torch.Generator(device=device).manual_seed(state & ((1 << 63) - 1))
 
 
 class Trainer:
     """One training run: data, head, DeepSpeed engine, loop, evaluation, checkpoints, logging.
 
     cfg: the run's TrainConfig; info: this process's place in the job; device: where it computes;
-    config_yaml: the resolved config as YAML (saved with each head export); on_step(trainer, step, metrics):
+    config_yaml: the resolved config as YAML (saved with each head export); wandb_mode: the W&B mode to run in
+    (online | offline | disabled, already resolved); validator(head) -> metrics: run on rank 0 at every
+    evaluation after the validation loss (None = none); on_step(trainer, step, metrics):
     called on every rank after each optimizer step and its checkpoint, if any (tests use it to look inside a
     run, or to stop it mid-way as a crash would). on_start(): called on rank 0 once the data, the engine and
     the checkpoint to resume from have all been checked, before the run writes anything (the place to save
     the run's config: a run refused at set-up must not overwrite the config of the run that made the folder).
     """
 
-    def __init__(self, cfg: TrainConfig, info: DistInfo, device: torch.device, config_yaml: str,
-                 on_step: StepHook | None = None, on_start: Callable[[], None] | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, info: DistInfo, device: torch.device, config_yaml: str, *,
+                 wandb_mode: str, validator: Validator | None = None, on_step: StepHook | None = None,
+                 on_start: Callable[[], None] | None = None) -> None:
         self.cfg, self.info, self.device = cfg, info, device
-        self.config_yaml, self.on_step = config_yaml, on_step
+        self.config_yaml, self.on_step, self.validator = config_yaml, on_step, validator
         self.out = Path(cfg.out)
         self.loss_cfg = cfg.loss
         self.step = 0
         self.samples_seen = 0
         self.tokens_seen = 0
         self.last_eval: dict[str, float] = {}
-        self._spec_target: tuple[Any, Any, list, list[int]] | None = None  # (model, tokenizer, prompts, stops)
         self.last_train: dict[str, float] = {}
         self.head_dir: Path | None = None
         self._saved_step = -1
@@ -274,7 +108,7 @@ class Trainer:
         self._resume_step = self._maybe_resume(resume_from)
         if on_start is not None and info.is_main:
             on_start()
-        self.logger = RunLogger(enabled=info.is_main, out=self.out, wandb_cfg=dataclasses.asdict(cfg.wandb),
+        self.logger = RunLogger(enabled=info.is_main, out=self.out, wandb=cfg.wandb, mode=wandb_mode,
                                 config=dataclasses.asdict(cfg), resume_step=self._resume_step)
 
     # -- set-up --
@@ -307,17 +141,8 @@ class Trainer:
                                        pin_memory=self.device.type == "cuda")
 
     def _setup_engine(self) -> None:
-        import deepspeed  # heavy, and only the training floor may use it
+        import deepspeed  # heavy, and only the training floor may use it (set up by prepare_deepspeed)
 
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines drown ours
-        if self.device.type == "cpu":
-            # CPU runs are tests and development: gloo's collectives are enough, and DeepSpeed's shared-memory
-            # allreduce op would be JIT-built on first use, which takes minutes on a small machine. DeepSpeed
-            # consults this table only for that op; filling it ourselves also skips its compiler probes.
-            import deepspeed.ops
-
-            ops = vars(deepspeed.ops)
-            ops.setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
         c = self.cfg
         bf16 = bf16_enabled(self.device)
         frozen = FrozenTargetParts.from_pretrained(self.target_dir, device=self.device,
@@ -401,7 +226,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         for m, batch in enumerate(micro):
             b = batch.to(self.device, non_blocking=True)
-            gen = (_noise_generator(c.train.seed, self.step, m, self.info.rank, self.device)
+            gen = (noise_generator(c.train.seed, self.step, m, self.info.rank, self.device)
                    if self.loss_cfg.noise_std > 0 else None)
             loss, metrics = self.engine(b.hidden, b.input_ids, b.loss_mask, b.seq_lens, counts, gen)
             # x world: the engine averages gradients over ranks, the loss is already a share of the global mean.
@@ -435,36 +260,9 @@ class Trainer:
         batches = eval_batches(self.val_set, c.train.micro_batch_tokens, c.train.eval_batches, self.info.rank,
                                self.info.world, seed=c.train.seed)
         self.last_eval = evaluate(self.head, batches, self.loss_cfg, self.device, self.info.world)
-        if c.spec_eval.prompts and self.info.is_main:
-            self.last_eval.update(self.spec_acceptance())
+        if self.validator is not None and self.info.is_main:
+            self.last_eval.update(self.validator(self.head))
         return self.last_eval
-
-    def spec_acceptance(self) -> dict[str, float]:
-        """spec/tau, spec/acceptance_rate, spec/pos{j}: greedy speculative decoding with the current head on the
-        held-out prompts of `spec_eval`, through the inference engine (the target is loaded on first use)."""
-        from mtp_train.data.chat import load_tokenizer
-        from mtp_train.eval.acceptance import head_acceptance
-        from mtp_train.eval.prompts import load_prompt_sets
-        from mtp_train.models.loader import load_model
-        from mtp_train.precompute.regenerate import stop_token_ids
-        from mtp_train.speculative.proposers import HeadProposer
-
-        se = self.cfg.spec_eval
-        if self._spec_target is None:
-            dtype = "bfloat16" if bf16_enabled(self.device) else "float32"
-            model = load_model(self.target_dir, dtype=dtype, device=self.device, backend=self.cfg.model.backend)
-            tokenizer = load_tokenizer(self.target_dir)
-            convs = [c for ps in load_prompt_sets(list(se.prompts), se.limit) for c in ps.convs]
-            self._spec_target = (model, tokenizer, convs, stop_token_ids(tokenizer, model.args.eos_token_ids))
-        model, tokenizer, convs, stops = self._spec_target
-        head = self.head
-        was_training = head.training
-        try:
-            return head_acceptance(model, tokenizer, lambda: HeadProposer(head), convs, se.k, se.max_new_tokens,
-                                   page_size=self.cfg.model.page_size, batch_size=se.batch_size,
-                                   stop_token_ids=stops)
-        finally:
-            head.train(was_training)
 
     def save(self) -> None:
         """Checkpoint the current step on every rank, export the head on rank 0, then mark it `latest`."""
@@ -533,25 +331,20 @@ class Trainer:
 
 
 
-def train(cfg: TrainConfig, info: DistInfo, device: torch.device,
-          on_step: StepHook | None = None, on_start: Callable[[], None] | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, info: DistInfo, device: torch.device, *, wandb_mode: str,
+          validator: Validator | None = None, on_step: StepHook | None = None,
+          on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run (or resume) one training; returns the final metrics (train/..., eval/...), `step`, `out`, `head_dir`.
 
     Every rank calls it; torch.distributed is initialised by the caller under torchrun, or here as a world of
-    one (DeepSpeed needs a process group either way). on_step, on_start: see Trainer.
+    one (DeepSpeed needs a process group either way). wandb_mode: the W&B mode to run in (resolved by the caller,
+    `mtp_train.train.logging.resolve_wandb_mode`); validator, on_step, on_start: see Trainer.
     """
-    tc = typed(cfg, TrainConfig)
-    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(tc))
-    own_group = _process_group_for_deepspeed(device)
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    own_group = prepare_deepspeed(device)
     try:
-        return Trainer(tc, info, device, config_yaml, on_step, on_start).fit()
+        return Trainer(cfg, info, device, config_yaml, wandb_mode=wandb_mode, validator=validator,
+                       on_step=on_step, on_start=on_start).fit()
     finally:
-        if own_group and tdist.is_initialized():
-            import deepspeed.comm
-
-            if deepspeed.comm.is_initialized():
-                # Through DeepSpeed, which then forgets the groups it derived from this one (a later run in the
-                # same process, e.g. a resume, builds a new world).
-                deepspeed.comm.destroy_process_group()
-            else:  # the run failed before DeepSpeed set up its communication
-                tdist.destroy_process_group()
+        if own_group:
+            release_deepspeed()

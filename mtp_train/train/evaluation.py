@@ -1,0 +1,62 @@
+"""Validation loss and top-k of a head, measured through its inference path (`speculative.chain.inference_chain`).
+
+Step 0 is the engine-style prefill of the val sequences over the target's hidden states, and step j > 0 drafts
+from every position at once, one decode step per chain over the head's paged KV cache. Step j's top-1 is the share
+of positions where a chain started there drafts the target's own next token at its (j+1)-th draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as tdist
+
+from mtp_train.config import LossConfig
+from mtp_train.heads import DraftHead
+from mtp_train.speculative.chain import inference_chain
+from mtp_train.train.data import PackedBatch
+from mtp_train.train.losses import draft_loss, step_targets
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, batches: Iterable[PackedBatch], loss_cfg: LossConfig, device: torch.device,
+             world: int = 1) -> dict[str, float]:
+    """Loss and top-1 / top-3 per draft step on `batches`, with the head's inference path (`inference_chain`).
+
+    Sums are all-reduced over ranks (every rank must call it with its share of the batches). Returns
+    eval/loss (Σ_j w_j · loss_j, as in training), eval/step{j}/{loss,feat_loss,tok_loss,top1,top3,num_tokens}
+    and the step-0 values without the step prefix; {} when no rank had a counted token.
+    """
+    was_training = head.training
+    head.eval()
+    lm_head = head.lm_head_weight()
+    steps = loss_cfg.steps
+    sums = torch.zeros(steps, 5, dtype=torch.float64, device=device)  # feat, tok, top1, top3, count per step
+    for batch in batches:
+        b = batch.to(device, non_blocking=True)
+        preds = inference_chain(head, b.hidden, b.input_ids, b.seq_lens, steps)
+        for j, pred in enumerate(preds):
+            target, counted = step_targets(b.hidden, b.loss_mask, b.seq_lens, j)
+            # num_tokens=1: the metrics come back as plain sums over the batch's counted rows.
+            _, m = draft_loss(pred, target, counted, lm_head, 1.0, w_feat=loss_cfg.w_feat, w_tok=loss_cfg.w_tok,
+                              smooth_l1_beta=loss_cfg.smooth_l1_beta, chunk_size=loss_cfg.chunk_size)
+            sums[j] += torch.stack([m[k].double() for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")])
+    if world > 1:
+        tdist.all_reduce(sums)
+    head.train(was_training)
+    if float(sums[0, 4]) == 0:
+        return {}
+    out: dict[str, float] = {}
+    total = 0.0
+    for j, w in enumerate(loss_cfg.weights()):
+        feat, tok, top1, top3, n = sums[j].tolist()
+        n = max(n, 1.0)
+        loss_j = loss_cfg.w_feat * feat / n + loss_cfg.w_tok * tok / n
+        total += w * loss_j
+        values = {"loss": loss_j, "feat_loss": feat / n, "tok_loss": tok / n, "top1": top1 / n, "top3": top3 / n,
+                  "num_tokens": n}
+        out.update({f"eval/step{j}/{k}": v for k, v in values.items()})
+    out["eval/loss"] = total
+    out.update({f"eval/{k}": out[f"eval/step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")})
+    return out
