@@ -251,6 +251,26 @@ def checkpoint_ranks(tag_dir: str | Path) -> int:
     return len(list(tag_dir.glob("rng-rank*.json"))) or len(list(tag_dir.glob("rng-rank*.pt")))
 
 
+def check_resume(resume: str, out: str | Path, world: int, rank: int) -> tuple[Path, str] | None:
+    """The checkpoint `resume` names (see `resolve_resume`), checked: written by as many ranks as this run has
+    (`world`), and every file as its checksums say. None for a fresh run.
+
+    DeepSpeed unpickles its files, so every file is checked against the checkpoint's checksums first, by rank 0
+    (each other rank checks its own RNG file); the caller lets no rank load anything before that has passed.
+    """
+    found = resolve_resume(resume, out)
+    if found is None:
+        return None
+    ckpt_dir, tag = found
+    ranks = checkpoint_ranks(ckpt_dir / tag)
+    if ranks and ranks != world:
+        raise ValueError(f"checkpoint {ckpt_dir / tag} was written by {ranks} ranks, this run has {world}: resume "
+                         "with the same number of processes (ZeRO partitions optimizer state per rank), or start "
+                         "afresh with resume=none and another out")
+    verify_checkpoint(ckpt_dir / tag, None if rank == 0 else [rng_file(rank)])
+    return found
+
+
 def load_engine_state(engine: Any, ckpt_dir: str | Path, tag: str, rank: int) -> dict[str, Any]:
     """Every rank: load DeepSpeed's state (module, optimizer, LR schedule) and this rank's RNG; return the client
     state saved with it (step, data position, ...).

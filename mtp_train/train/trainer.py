@@ -47,16 +47,13 @@ from mtp_train.precompute import LengthBucketedBatchSampler, PrecomputedDataset
 from mtp_train.train.checkpoint import (
     CKPT_DIR,
     HEADS_DIR,
-    checkpoint_ranks,
+    check_resume,
     export_head,
     load_engine_state,
     mark_latest,
-    resolve_resume,
-    rng_file,
     rng_state,
     save_engine_state,
     tag_for,
-    verify_checkpoint,
     write_checksums,
 )
 from mtp_train.train.data import MicroBatchStream, draft_vocab_from_data, eval_batches
@@ -171,21 +168,8 @@ class Trainer:
         return self.engine.module.head
 
     def _check_resume(self) -> tuple[Path, str] | None:
-        """The checkpoint `resume` names, checked: written by as many ranks as this run has, and every file as
-        its checksums say. None for a fresh run."""
-        found = resolve_resume(self.cfg.resume, self.out)
-        if found is None:
-            return None
-        ckpt_dir, tag = found
-        ranks = checkpoint_ranks(ckpt_dir / tag)
-        if ranks and ranks != self.info.world:
-            raise ValueError(f"checkpoint {ckpt_dir / tag} was written by {ranks} ranks, this run has "
-                             f"{self.info.world}: resume with the same number of processes (ZeRO partitions "
-                             "optimizer state per rank), or start afresh with resume=none and another out")
-        # DeepSpeed unpickles its files: every file is checked against the checkpoint's checksums first, by rank 0
-        # (each other rank checks its own RNG file), and no rank loads anything before that has passed.
-        verify_checkpoint(ckpt_dir / tag, None if self.info.is_main else [rng_file(self.info.rank)])
-        dist.barrier()
+        found = check_resume(self.cfg.resume, self.out, self.info.world, self.info.rank)
+        dist.barrier()  # no rank loads anything before rank 0 has checked every file
         return found
 
     def _maybe_resume(self, found: tuple[Path, str] | None) -> int | None:
