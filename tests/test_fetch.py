@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mtp_train.cli.model import main
-from mtp_train.models.fetch import (
+from mtp_train.fetch import (
     MARKER_FORMAT,
     MARKER_NAME,
     REGISTRY,
