@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 from typing import Any
 
 
@@ -26,11 +25,6 @@ class ModelSpec:
     gguf_sha256: str | None = None
     config: dict[str, Any] = field(default_factory=dict)  # config.json fields that must have these values
     description: str = ""
-
-    @property
-    def gguf_filename(self) -> str:
-        """File name of the GGUF (without its folder inside the wheel)."""
-        return PurePosixPath(self.gguf_member).name
 
 
 REGISTRY: dict[str, ModelSpec] = {

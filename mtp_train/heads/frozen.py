@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import family_of
 
@@ -76,11 +75,6 @@ class FrozenTargetParts:
             got[name] = t.to(device=device, dtype=dt)
         embed = got[EMBED_NAME]
         return cls(embed=embed, lm_head=got.get(LM_HEAD_NAME, embed), args=args)
-
-    @classmethod
-    def from_model(cls, model: CausalLM) -> FrozenTargetParts:
-        """Share the tensors of an already loaded target (no copy), e.g. inside the inference engine."""
-        return cls(embed=model.model.embed_tokens.weight, lm_head=model.lm_head.weight, args=model.args)
 
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> FrozenTargetParts:
         """A copy on `device` / in `dtype`; a tied pair stays one tensor."""

@@ -104,10 +104,10 @@ def load_model(
 ) -> CausalLM:
     """Load a Hugging Face folder (config.json + safetensors) of any supported family for inference.
 
-    dtype: auto | float32 | bfloat16 | float16; device: where the weights go; backend: attention
-    backend (auto | torch | flashinfer, as the family offers it: DeepSeek-V2 gets the MLA backends, see
-    `attention_for`). cpu_prepack: on CPU in float32, keep an MKL-packed copy of each projection for faster decode
-    (`mtp_train.layers.linear`; doubles the weights' memory).
+    dtype: auto | float32 | bfloat16 | float16; device: where the weights go; backend: attention backend
+    (auto | torch | flashinfer, as the family offers it, see `attention_for`). cpu_prepack: on CPU in float32,
+    keep an MKL-packed copy of each projection for faster decode (`mtp_train.layers.linear`; doubles the weights'
+    memory).
     The model is in eval mode with gradients off.
     """
     path = Path(path)
@@ -169,11 +169,10 @@ def load_model(
 
 def attention_for(args: ModelArgs, backend: str, device: torch.device, dtype: torch.dtype,
                   source: str | Path = "config.json") -> AttentionBackend | MLABackend:
-    """The family's attention backend for a model: generic attention, or MLA for DeepSeek-V2.
+    """The family's attention backend for a model (`Family.attention`): paged attention, or MLA for DeepSeek-V2.
 
-    DeepSeek-V2 under `auto`: FlashInfer's MLA kernels on CUDA when FlashInfer imports and the shape and dtype fit
-    (kv_lora_rank 512, qk_rope_head_dim 64, fp16/bf16), else torch. An explicit backend that cannot run is a
-    ModelConfigError naming `source` and the constraint.
+    Under `auto` each family picks its fastest backend that runs here (e.g. FlashInfer on CUDA). An explicit
+    backend that cannot run is a ModelConfigError naming `source` and the constraint.
     """
     try:
         return family_of(args).attention(args, backend, device, dtype)

@@ -272,7 +272,9 @@ def attention(args: DeepseekV2Args, backend: str, device: torch.device | str,
     """The MLA backend (auto | torch | flashinfer) for a DeepSeek-V2 model or block of this shape and dtype.
 
     Scores are scaled by the expanded head's softmax scale (YaRN's mscale included), not by the latent width's.
-    An explicit flashinfer that cannot run is a ValueError naming the constraint.
+    `auto`: FlashInfer's MLA kernels on CUDA when FlashInfer imports and the shape and dtype fit (kv_lora_rank 512,
+    qk_rope_head_dim 64, fp16/bf16), else torch. An explicit flashinfer that cannot run is a ValueError naming the
+    constraint.
     """
     try:
         return make_mla_backend(backend, args.num_heads, args.kv_lora_rank, args.qk_rope_head_dim,
@@ -296,16 +298,10 @@ def head_block(args: DeepseekV2Args, input_norm: bool, moe: bool) -> DeepseekV2L
 
 
 FAMILY = Family(
-    name="deepseek_v2",
-    title="DeepSeek-V2",
-    model_types=("deepseek_v2",),
-    parse=parse_config,
-    model=DeepseekV2ForCausalLM,
-    attention=attention,
-    head_block=head_block,
-    adapt_attention=latent_attention,
-    rope=pair_angles,
-    head_types=("mtp",),
-    head_note="its block is DeepSeek's: MLA + a dense MLP, or MoE with head.moe=true",
+    name="deepseek_v2", title="DeepSeek-V2", model_types=("deepseek_v2",), parse=parse_config,
+    model=DeepseekV2ForCausalLM, attention=attention, head_block=head_block,
+    adapt_attention=latent_attention,  # the chained training attention over the latent row
+    rope=pair_angles,  # pairwise RoPE: one float32 angle per pair
+    head_types=("mtp",), head_note="its block is DeepSeek's: MLA + a dense MLP, or MoE with head.moe=true",
     head_moe=True,
 )

@@ -178,14 +178,5 @@ TP = TPRules(
     row=("self_attn.o_proj", "mlp.down_proj"),
     divided=("num_heads", "num_kv_heads", "intermediate_size"),
 )
-FAMILY = Family(
-    name="llama",
-    title="Llama-family",
-    model_types=tuple(VARIANTS),
-    parse=parse_config,
-    model=LlamaForCausalLM,
-    attention=attention,
-    head_block=head_block,
-    fusings=FUSINGS,
-    tp=TP,
-)
+FAMILY = Family(name="llama", title="Llama-family", model_types=tuple(VARIANTS), parse=parse_config,
+                model=LlamaForCausalLM, attention=attention, head_block=head_block, fusings=FUSINGS, tp=TP)
