@@ -78,7 +78,6 @@ def marker_matches(marker: dict[str, Any], spec: ModelSpec, package: str, versio
     return pinned is not None and marker.get("gguf_sha256") == pinned
 
 
-
 def remove_stale_leftovers(out: Path) -> None:
     """Delete old partial/replaced siblings of `out` left by killed runs (each can be ~0.5 GB)."""
     now = time.time()

@@ -75,7 +75,6 @@ class ChainTrainAttention(AttentionBackend):
         return torch.cat(outs, 0)
 
 
-
 def chain_attention(args: ModelArgs) -> AttentionBackend | MLABackend:
     """A fresh chain over the head block's attention shape (args: the head's one-layer args), as its family's
     block calls attention."""
