@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mtp_train.cli.model import main
-from mtp_train.models.fetch import (
+from mtp_train.fetch import (
     MARKER_FORMAT,
     MARKER_NAME,
     REGISTRY,
@@ -48,7 +48,7 @@ def _mtimes(folder: Path) -> dict[str, int]:
 def test_registry_has_default_model():
     assert "smollm2-135m" in known_models()
     spec = REGISTRY["smollm2-135m"]
-    assert spec.gguf_filename == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert spec.gguf_member.endswith("/SmolLM2-135M-Instruct.Q4_1.gguf")
     assert spec.default_dir == "models/smollm2-135m-instruct"
 
 

@@ -32,9 +32,9 @@ from mtp_train.config import CONF_DIR, ModelConfig, check_config, check_override
 from mtp_train.data.chat import ChatTemplateError, load_tokenizer
 from mtp_train.data.readers import DataError
 from mtp_train.dist import DistInfo, Launch
+from mtp_train.fetch import REGISTRY, ModelFetchError, fetch_model
 from mtp_train.fileio import OutputLockedError, atomic_write_text
 from mtp_train.models.config import ModelConfigError
-from mtp_train.models.fetch import REGISTRY, ModelFetchError, fetch_model
 from mtp_train.precompute.reader import ShardError
 from mtp_train.precompute.writer import PrecomputeError
 from mtp_train.train.checkpoint import CheckpointError

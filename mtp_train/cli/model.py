@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mtp_train.models.fetch import ModelFetchError, fetch_model, get_spec, is_fetched, known_models
+from mtp_train.fetch import ModelFetchError, fetch_model, get_spec, is_fetched, known_models
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from mtp_train.engine.kv_cache import OutOfPagesError
 from mtp_train.engine.runner import ModelRunner
 from mtp_train.engine.sampling import SamplingBatch, SamplingParams, sample
 from mtp_train.engine.sequence import SeqStatus, Sequence
-from mtp_train.models.llama import LlamaForCausalLM
+from mtp_train.models.base import CausalLM
 
 
 @dataclass
@@ -51,7 +51,7 @@ class GenerationStats:
 class LLMEngine:
     """Greedy or sampled generation for many prompts through our model runner."""
 
-    def __init__(self, model: LlamaForCausalLM, *, num_pages: int | None = None, page_size: int = 16,
+    def __init__(self, model: CausalLM, *, num_pages: int | None = None, page_size: int = 16,
                  kv_cache_gb: float = 1.0, max_batch_size: int = 32, max_batch_tokens: int = 4096) -> None:
         self.model = model
         self.runner = ModelRunner.create(model, num_pages=num_pages, page_size=page_size, kv_cache_gb=kv_cache_gb)

@@ -9,7 +9,7 @@ import torch
 from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.sequence import Sequence
 from mtp_train.layers.attention import AttentionMetadata
-from mtp_train.models.llama import ForwardOutput, LlamaForCausalLM
+from mtp_train.models.base import CausalLM, ForwardOutput
 
 
 class ModelRunner:
@@ -20,13 +20,13 @@ class ModelRunner:
     sequence's `num_cached` advances by the tokens it fed.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache) -> None:
         self.model = model
         self.kv = kv_cache
         self.device = model.device
 
     @classmethod
-    def create(cls, model: LlamaForCausalLM, num_pages: int | None = None, page_size: int = 16,
+    def create(cls, model: CausalLM, num_pages: int | None = None, page_size: int = 16,
                kv_cache_gb: float = 1.0) -> ModelRunner:
         """Build a runner with its own page pool (num_pages, or as many as kv_cache_gb holds).
 
@@ -88,7 +88,7 @@ class ModelRunner:
 
 
 @torch.inference_mode()
-def prefill_hidden(model: LlamaForCausalLM, token_lists: Seq[Seq[int]],
+def prefill_hidden(model: CausalLM, token_lists: Seq[Seq[int]],
                    hidden_layers: Seq[int] = ()) -> ForwardOutput:
     """Cache-free packed prefill of several sequences (stage-one precompute): no pages, no lm_head.
 

@@ -20,7 +20,7 @@ from mtp_train.data.chat import render
 from mtp_train.data.readers import Conversation
 from mtp_train.engine.llm import GenerationOutput, LLMEngine
 from mtp_train.engine.sampling import SamplingParams
-from mtp_train.models.llama import LlamaForCausalLM
+from mtp_train.models.base import CausalLM
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.metrics import SpecMetrics
 from mtp_train.speculative.proposers import Proposer
@@ -138,7 +138,7 @@ class EvalSettings:
     progress: bool = False
 
 
-def evaluate(target: LlamaForCausalLM, tokenizer: Any, prompt_sets: Sequence[PromptSet],
+def evaluate(target: CausalLM, tokenizer: Any, prompt_sets: Sequence[PromptSet],
              methods: Sequence[Method], s: EvalSettings,
              on_result: Callable[[RunResult, RunResult], None] | None = None,
              ) -> tuple[list[tuple[RunResult, RunResult]], list[RunResult]]:
@@ -271,7 +271,7 @@ def best_row(rows: Sequence[Mapping[str, Any]], temperature: float = 0.0) -> Map
 
 
 @torch.inference_mode()
-def head_acceptance(target: LlamaForCausalLM, tokenizer: Any, proposer: Callable[[], Proposer],
+def head_acceptance(target: CausalLM, tokenizer: Any, proposer: Callable[[], Proposer],
                     convs: Sequence[Conversation], k: int, max_new_tokens: int, *, page_size: int = 16,
                     batch_size: int = 8, stop_token_ids: list[int] | None = None) -> dict[str, float]:
     """τ, acceptance rate and per-position acceptance of a head on held-out prompts, greedy (training validation).

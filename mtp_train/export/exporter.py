@@ -16,12 +16,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mtp_train.config.head import HeadConfig
 from mtp_train.export.layouts import FORMATS, LAYOUTS, Layout, LayoutError
 from mtp_train.fileio import atomic_write, atomic_write_text
-from mtp_train.heads.base import (
-    HEAD_TYPES,
-    DraftHead,
-    HeadConfig,
+from mtp_train.heads.base import DraftHead
+from mtp_train.heads.checkpoint import (
     file_checksums,
     head_dims,
     load_head,
@@ -31,6 +30,7 @@ from mtp_train.heads.base import (
     verify_files,
 )
 from mtp_train.heads.frozen import FrozenTargetParts
+from mtp_train.heads.registry import HEAD_TYPES
 from mtp_train.models.config import ModelArgs, ModelConfigError
 
 

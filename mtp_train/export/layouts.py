@@ -1,9 +1,9 @@
 """Checkpoint layouts of draft heads that serving engines load, as name maps over our head's state dict.
 
-Our head stores fused projections (`qkv_proj`, `gate_up_proj`, as the target loader fuses them); every other
-layout stores them split. A layout is a pair of functions: `to_layout(state, head) → {name: tensor}` and
-`from_layout(tensors, head) → state`, exact inverses of each other (tensors are moved, never changed), plus the
-config.json it writes and the checks a head must pass first.
+Our head stores its family's fused projections (e.g. `qkv_proj`, `gate_up_proj`, as the target loader fuses
+them: `Family.fusings`); every other layout stores them split. A layout is a pair of functions:
+`to_layout(state, head) → {name: tensor}` and `from_layout(tensors, head) → state`, exact inverses of each other
+(tensors are moved, never changed), plus the config.json it writes and the checks a head must pass first.
 
 | format          | heads   | names (config.json)                                                          |
 |-----------------|---------|------------------------------------------------------------------------------|
@@ -36,41 +36,23 @@ from typing import Any
 import torch
 
 from mtp_train.heads.base import DraftHead
-from mtp_train.models.loader import FUSED_PROJECTIONS as FUSED  # fused name → the split names, in order
+from mtp_train.models.families import family_of
+from mtp_train.models.fusing import fuse, fusion_plan, unfuse
 
 
 class LayoutError(ValueError):
     """A head that does not fit a layout (wrong head type, a norm the layout has no place for, ...)."""
 
 
-def _split_sizes(head: DraftHead, fused: str) -> list[int]:
-    a = head.args
-    if fused == "self_attn.qkv_proj":
-        return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-    return [a.intermediate_size, a.intermediate_size]
-
-
 def unfuse_layer(layer: dict[str, torch.Tensor], head: DraftHead) -> dict[str, torch.Tensor]:
-    """Decoder-layer tensors with fused names → split q/k/v and gate/up (Hugging Face names)."""
-    out = dict(layer)
-    for fused, parts in FUSED.items():
-        for kind in ("weight", "bias"):
-            name = f"{fused}.{kind}"
-            if name in out:
-                for part, t in zip(parts, torch.split(out.pop(name), _split_sizes(head, fused), dim=0)):
-                    out[f"{part}.{kind}"] = t.contiguous()
-    return out
+    """Decoder-layer tensors with fused names → split as the checkpoint has them (e.g. q/k/v and gate/up)."""
+    return unfuse(layer, family_of(head.args).fusings, head.args)
 
 
 def fuse_layer(layer: dict[str, torch.Tensor], head: DraftHead) -> dict[str, torch.Tensor]:
-    """The inverse of `unfuse_layer`: fuses only what the head's block fuses (a DeepSeek block keeps gate/up)."""
+    """The inverse of `unfuse_layer`: fuses what the head's block fuses (a DeepSeek block fuses nothing)."""
     out = dict(layer)
-    own = set(head.layers[0].state_dict())
-    for fused, parts in FUSED.items():
-        for kind in ("weight", "bias"):
-            names = [f"{p}.{kind}" for p in parts]
-            if f"{fused}.{kind}" in own and all(n in out for n in names):
-                out[f"{fused}.{kind}"] = torch.cat([out.pop(n) for n in names], dim=0)
+    out.update(fuse(out, fusion_plan(head.layers[0].state_dict(), family_of(head.args).fusings)))
     return out
 
 

@@ -1,23 +1,17 @@
 """Draft heads over a frozen target: one module each, used by training (packed, autograd) and inference (paged KV).
 
-Heads sit on the same floor as `models/`: they import `layers/` and `models/` only.
+Heads sit on the same floor as `models/`: they import `layers/` and `models/` only. `base.py` is the interface,
+`registry.py` the head types, `checkpoint.py` the head folders, `packing.py` the packed-batch alignment,
+`chain_attention.py` the chained training attention, `frozen.py` the target tensors a head reads.
 """
 
-from mtp_train.heads.base import (
-    HEAD_TYPES,
-    DraftHead,
-    HeadOutput,
-    build_head,
-    load_head,
-    packed_shift,
-    packed_valid,
-    read_head_config,
-    resolve_seq_lens,
-    save_head,
-)
+from mtp_train.heads.base import DraftHead, HeadOutput
+from mtp_train.heads.checkpoint import load_head, read_head_config, save_head
 from mtp_train.heads.eagle1 import Eagle1Head
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer
 from mtp_train.heads.mtp import MTPHead
+from mtp_train.heads.packing import packed_shift, packed_valid, resolve_seq_lens
+from mtp_train.heads.registry import HEAD_TYPES, build_head
 
 __all__ = [
     "HEAD_TYPES",

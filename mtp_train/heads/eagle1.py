@@ -11,8 +11,8 @@ EAGLE expects an fc bias). Any norm can still be switched back on, one flag at a
 
 from __future__ import annotations
 
-from mtp_train.heads.base import register_head
 from mtp_train.heads.mtp import MTPHead
+from mtp_train.heads.registry import register_head
 
 
 @register_head

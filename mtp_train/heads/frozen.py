@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from mtp_train.models.config import ModelArgs, ModelConfigError
-from mtp_train.models.llama import LlamaForCausalLM
+from mtp_train.models.families import family_of
 
-# The loader's name mapping is reused so that a fused head layer reads a checkpoint exactly as the target does.
-from mtp_train.models.loader import FUSED_PROJECTIONS, IGNORED_SUFFIXES, checkpoint_files, iter_tensors, resolve_dtype
+# The family's fusings are the loader's, so that a fused head layer reads a checkpoint exactly as the target does.
+from mtp_train.models.fusing import fuse, parts_plan
+from mtp_train.models.loader import IGNORED_SUFFIXES, checkpoint_files, iter_tensors, resolve_dtype
 
 EMBED_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
@@ -75,11 +76,6 @@ class FrozenTargetParts:
         embed = got[EMBED_NAME]
         return cls(embed=embed, lm_head=got.get(LM_HEAD_NAME, embed), args=args)
 
-    @classmethod
-    def from_model(cls, model: LlamaForCausalLM) -> FrozenTargetParts:
-        """Share the tensors of an already loaded target (no copy), e.g. inside the inference engine."""
-        return cls(embed=model.model.embed_tokens.weight, lm_head=model.lm_head.weight, args=model.args)
-
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> FrozenTargetParts:
         """A copy on `device` / in `dtype`; a tied pair stays one tensor."""
         embed = self.embed.to(device=device, dtype=dtype)
@@ -96,10 +92,10 @@ class FrozenTargetParts:
 
 
 def read_decoder_layer(path: str | Path, index: int = -1, dtype: str | torch.dtype = "auto") -> dict[str, torch.Tensor]:
-    """The weights of target layer `index` (negative counts from the end), named as our fused `DecoderLayer` names them.
+    """The weights of target layer `index` (negative counts from the end), named as the family's layer names them.
 
-    q/k/v and gate/up are concatenated exactly as `load_model` does (`FUSED_PROJECTIONS`); only that
-    layer's tensors are read.
+    The family's projections are fused exactly as `load_model` fuses them (e.g. q/k/v and gate/up for the Llama
+    family; a DeepSeek-V2 layer keeps the checkpoint's names); only that layer's tensors are read.
     Returns e.g. {"self_attn.qkv_proj.weight": ((Hq+2Hkv)·D, H), "mlp.gate_up_proj.weight": (2I, H), ...} on CPU.
     """
     path = Path(path)
@@ -113,18 +109,12 @@ def read_decoder_layer(path: str | Path, index: int = -1, dtype: str | torch.dty
         raise ModelConfigError(f"{path}: checkpoint has no tensors under {prefix}*")
     dt = resolve_dtype(dtype, args)
     raw = {n[len(prefix):]: t.to(dt) for n, t in iter_tensors(files) if not n.endswith(IGNORED_SUFFIXES)}
-    state: dict[str, torch.Tensor] = {}
-    if args.model_type == "deepseek_v2":  # DeepSeek blocks keep the checkpoint's own (unfused) names
-        return raw
-    for fused, parts in FUSED_PROJECTIONS.items():
-        for kind in ("weight", "bias"):
-            names = [f"{p}.{kind}" for p in parts]
-            present = [n for n in names if n in raw]
-            if not present:
-                continue
-            if len(present) != len(names):
-                absent = sorted(set(names) - set(present))
-                raise ModelConfigError(f"{path}: layer {idx} has {', '.join(present)} but lacks {', '.join(absent)}")
-            state[f"{fused}.{kind}"] = torch.cat([raw.pop(n) for n in names], dim=0)
+    plan = parts_plan(raw, family_of(args).fusings)
+    for parts in plan.values():
+        present = [n for n in parts if n in raw]
+        if len(present) != len(parts):
+            absent = sorted(set(parts) - set(present))
+            raise ModelConfigError(f"{path}: layer {idx} has {', '.join(present)} but lacks {', '.join(absent)}")
+    state = fuse(raw, plan)
     state.update(raw)
     return state

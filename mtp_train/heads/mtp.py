@@ -19,17 +19,18 @@ import torch
 from torch import nn
 
 from mtp_train.config import HeadConfig
-from mtp_train.heads.base import DraftHead, register_head
+from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer
+from mtp_train.heads.registry import register_head
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs, ModelConfigError
-from mtp_train.models.llama import DecoderLayer
+from mtp_train.models.families import family_of, titles
 
 
 @register_head
 class MTPHead(DraftHead):
-    """fc over [embedding ; hidden] → one decoder layer with the target's shapes (GQA included) → optional norm."""
+    """fc over [embedding ; hidden] → one decoder layer of the target's family and shapes → optional norm."""
 
     type_name = "mtp"
 
@@ -42,17 +43,12 @@ class MTPHead(DraftHead):
         self.hnorm = RMSNorm(h, eps) if c.hnorm else None
         self.fc = nn.Linear(2 * h, h, bias=c.fc_bias)
         # A list of one, so that names read `layers.0.*` as in EAGLE / vLLM / Qwen3-Next MTP checkpoints.
-        # DeepSeek's own MTP block: MLA (an MLABackend, over a latent-only pool) + dense MLP (or MoE).
-        if a.model_type == "deepseek_v2":
-            from mtp_train.models.deepseek_v2 import DeepseekV2Layer
-
-            if not c.input_norm:
-                raise ValueError("a DeepSeek-V2 block always has its input norm (input_norm must stay on)")
-            self.layers = nn.ModuleList([DeepseekV2Layer(a, moe=c.moe)])
-        else:
-            if c.moe:
-                raise ValueError("head.moe=true needs a DeepSeek-V2 target (Llama-family blocks have no MoE)")
-            self.layers = nn.ModuleList([DecoderLayer(a, input_norm=c.input_norm)])
+        # The block is the family's: e.g. a Llama decoder layer, or DeepSeek's MTP block (MLA + dense MLP or MoE).
+        family = family_of(a)
+        if c.moe and not family.head_moe:
+            raise ValueError(f"head.moe=true needs a {titles(lambda f: f.head_moe)} target ({family.title} blocks "
+                             "have no MoE)")
+        self.layers = nn.ModuleList([family.head_block(a, c.input_norm, c.moe)])
         self.norm = RMSNorm(h, eps) if c.final_norm else None
 
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
@@ -70,7 +66,7 @@ class MTPHead(DraftHead):
         return x if self.norm is None else self.norm(x)
 
     def init_from_target(self, target_dir: str | Path) -> None:
-        """Copy the target's last decoder layer (fused q/k/v and gate/up, as the loader fuses them) into ours.
+        """Copy the target's last decoder layer (fused as the loader fuses it, e.g. q/k/v and gate/up) into ours.
 
         A head without the layer's input norm simply does not take the target's input_layernorm.
         """

@@ -1,7 +1,7 @@
-"""Target model implementations (one file per family) and their weight loading."""
+"""Target models: the shared `CausalLM`, one module per family (`families/`), their weight loading and fingerprint."""
 
+from mtp_train.models.base import CausalLM, ForwardOutput
 from mtp_train.models.config import ModelArgs, ModelConfigError
-from mtp_train.models.llama import ForwardOutput, LlamaForCausalLM
 from mtp_train.models.loader import load_model, resolve_dtype
 
-__all__ = ["ForwardOutput", "LlamaForCausalLM", "ModelArgs", "ModelConfigError", "load_model", "resolve_dtype"]
+__all__ = ["CausalLM", "ForwardOutput", "ModelArgs", "ModelConfigError", "load_model", "resolve_dtype"]

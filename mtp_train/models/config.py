@@ -1,14 +1,16 @@
 """Typed model arguments read from a checkpoint's `config.json`.
 
-One dataclass covers the Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3). It accepts both the
-classic keys (`rope_theta`, `rope_scaling`) and the newer `rope_parameters` form, and rejects
-anything it cannot run with a message that names the key.
+`ModelArgs` holds what every target has (the Llama family's arguments are exactly these; a family with more
+subclasses it, e.g. `DeepseekV2Args`). `ModelArgs.from_hf_config` hands the dict to the family that owns its
+`model_type` (`mtp_train.models.families`); the parsing pieces families share are here: the keys every family
+reads (`shared_fields`), and RoPE in both the classic (`rope_theta`, `rope_scaling`) and the newer
+`rope_parameters` form. Anything a family cannot run is rejected with a message that names the key.
 """
 
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,13 +18,7 @@ from typing import Any
 from mtp_train.layers.attention.base import KVLayout
 from mtp_train.layers.rotary import RopeConfig
 
-# model_type → what differs inside the family
-FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {"qkv_bias": True},
-    "qwen3": {"qk_norm": True},
-}
+# keys every family needs in config.json
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
@@ -32,9 +28,9 @@ class ModelConfigError(ValueError):
 
 @dataclass
 class ModelArgs:
-    """Shape and options of a Llama-family decoder."""
+    """Shape and options of a target decoder (all a Llama-family one has; other families add fields)."""
 
-    model_type: str  # llama | mistral | qwen2 | qwen3
+    model_type: str  # config.json's model_type, e.g. llama | mistral | qwen2 | qwen3 | deepseek_v2
     hidden_size: int  # H
     intermediate_size: int  # MLP inner width
     num_layers: int  # decoder layers L
@@ -64,57 +60,18 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
-        """Parse a `transformers` config dict; `source` names it in error messages."""
+        """Parse a `transformers` config dict with its family's parser; `source` names it in error messages."""
+        from mtp_train.models.families import family_for_type, supported_model_types  # they import this module
+
         model_type = cfg.get("model_type")
-        if model_type == "deepseek_v2" and cls is ModelArgs:
-            return DeepseekV2Args.from_hf_config(cfg, source)
-        if model_type not in FAMILIES:
+        family = family_for_type(model_type)
+        if family is None:
             archs = cfg.get("architectures")
             raise ModelConfigError(
                 f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; "
-                f"supported: {', '.join(FAMILIES)}"
+                f"supported: {', '.join(supported_model_types())}"
             )
-        missing = [k for k in REQUIRED_KEYS if k not in cfg]
-        if missing:
-            raise ModelConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-        fam = FAMILIES[model_type]
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        rope = _rope_from_config(cfg, head_dim, source)
-        attention_bias = bool(cfg.get("attention_bias", False))
-        sliding = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-            sliding = None  # Qwen configs carry a window size that is only used when switched on
-        eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        return cls(
-            model_type=model_type,
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            vocab_size=int(cfg["vocab_size"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=rope,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=fam.get("qkv_bias", False) or attention_bias,
-            o_bias=attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=fam.get("qk_norm", False),
-            sliding_window=int(sliding) if sliding else None,
-            hidden_act=act,
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            raw=dict(cfg),
-        )
+        return family.parse(cfg, source)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelArgs:
@@ -141,7 +98,7 @@ class ModelArgs:
         return cls.from_hf_config(cfg, source=str(cfg_file))
 
 
-def _rope_from_config(cfg: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
+def rope_from_config(cfg: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
     """Accept `rope_theta` + `rope_scaling` (classic) or `rope_parameters` (newer transformers)."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
@@ -156,84 +113,34 @@ def _rope_from_config(cfg: dict[str, Any], head_dim: int, source: str) -> RopeCo
         raise ModelConfigError(f"{source}: {e}") from None
 
 
-@dataclass
-class DeepseekV2Args(ModelArgs):
-    """DeepSeek-V2: multi-head latent attention (MLA) with a compressed KV cache, decoupled RoPE, and MoE layers.
+def shared_fields(cfg: dict[str, Any], source: str, required: Sequence[str] = REQUIRED_KEYS) -> dict[str, Any]:
+    """The `ModelArgs` fields every family reads the same way, after checking `required` keys and the activation.
 
-    The engine's KV cache holds one latent row per token and layer, nothing else (`kv_layout`, latent): num_kv_heads
-    = 1 and head_dim = kv_lora_rank + qk_rope_head_dim (the normed compressed KV c and the shared RoPE key k_pe).
-    `rope` covers the RoPE part only.
+    Returns keyword arguments for the args class: model_type, hidden_size, intermediate_size, num_layers,
+    vocab_size, rms_norm_eps, max_position_embeddings, tie_word_embeddings, mlp_bias, hidden_act, torch_dtype,
+    bos_token_id, eos_token_ids, raw.
     """
-
-    q_lora_rank: int | None = None  # None: a plain q_proj (V2-Lite); else q_a_proj → norm → q_b_proj
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    moe_intermediate_size: int = 1408
-    n_routed_experts: int = 64
-    n_shared_experts: int = 2
-    num_experts_per_tok: int = 6
-    first_k_dense_replace: int = 1  # layers before this one have a dense MLP
-    topk_method: str = "greedy"  # greedy | group_limited_greedy
-    n_group: int | None = None
-    topk_group: int | None = None
-    routed_scaling_factor: float = 1.0
-    softmax_scale: float = 0.0  # (qk_nope + qk_rope)^-0.5
-
-    @property
-    def kv_layout(self) -> KVLayout:
-        """MLA's latent-only cache: one [c ; k_pe] row of kv_lora_rank + qk_rope_head_dim per token."""
-        return KVLayout(1, self.kv_lora_rank + self.qk_rope_head_dim, latent=True)
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> DeepseekV2Args:
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-                               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                               "intermediate_size") if cfg.get(k) is None]
-        if missing:
-            raise ModelConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-        rope_dim = int(cfg["qk_rope_head_dim"])
-        rope = _rope_from_config(cfg, rope_dim, source)
-        if rope.rope_type not in ("default", "yarn"):
-            raise ModelConfigError(f"{source}: DeepSeek-V2 rope type {rope.rope_type!r} is not supported "
-                                   "(default, yarn)")
-        scale = (int(cfg["qk_nope_head_dim"]) + rope_dim) ** -0.5
-        if rope.rope_type == "yarn" and rope.scaling.get("mscale_all_dim"):
-            # YaRN's softmax correction, applied to the whole score (transformers' yarn_apply_mscale)
-            factor, m = float(rope.scaling["factor"]), float(rope.scaling["mscale_all_dim"])
-            mscale = 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-            scale *= mscale * mscale
-        topk = cfg.get("topk_method", "greedy")
-        if topk not in ("greedy", "group_limited_greedy"):
-            raise ModelConfigError(f"{source}: topk_method {topk!r} is not supported (greedy, group_limited_greedy)")
-        eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        kv_lora = int(cfg["kv_lora_rank"])
-        nope = int(cfg["qk_nope_head_dim"])
-        q_lora = cfg.get("q_lora_rank")
-        return cls(
-            model_type="deepseek_v2", hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=int(cfg["num_attention_heads"]), num_kv_heads=1, head_dim=kv_lora + rope_dim,
-            vocab_size=int(cfg["vocab_size"]), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=rope,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            o_bias=bool(cfg.get("attention_bias", False)), qkv_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)), hidden_act=act,
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"), bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids, raw=dict(cfg),
-            q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=kv_lora, qk_nope_head_dim=nope,
-            qk_rope_head_dim=rope_dim, v_head_dim=int(cfg["v_head_dim"]),
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-            n_routed_experts=int(cfg.get("n_routed_experts") or 0),
-            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 1),
-            first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0), topk_method=topk,
-            n_group=cfg.get("n_group"), topk_group=cfg.get("topk_group"),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            softmax_scale=scale,
-        )
+    missing = [k for k in required if cfg.get(k) is None]
+    if missing:
+        raise ModelConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+    eos = cfg.get("eos_token_id")
+    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    return dict(
+        model_type=cfg["model_type"],
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        vocab_size=int(cfg["vocab_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        hidden_act=act,
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        raw=dict(cfg),
+    )

@@ -1,8 +1,9 @@
-"""Loading a Llama-family checkpoint from (sharded) safetensors onto a meta-initialised model.
+"""Loading a target checkpoint from (sharded) safetensors onto a meta-initialised model of its family.
 
 The model is built on the meta device (no memory, no random init), then every parameter is
 assigned from the checkpoint: tensors already in the wanted dtype are taken as they come from
-safetensors' memory map; q/k/v and gate/up are concatenated into the fused projections.
+safetensors' memory map; the family's fused projections (e.g. q/k/v, gate/up) are concatenated
+from their parts (`mtp_train.models.fusing`).
 """
 
 from __future__ import annotations
@@ -15,21 +16,17 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch import nn
 
-from mtp_train.layers.attention import AttentionBackend, MLABackend, make_attention_backend
+from mtp_train.layers.attention import AttentionBackend, MLABackend
 from mtp_train.layers.linear import prepack_linears
+from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError
-from mtp_train.models.llama import LlamaForCausalLM
+from mtp_train.models.families import family_of
+from mtp_train.models.fusing import fuse, fusion_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# fused parameter → the checkpoint parameters concatenated along dim 0, in order
-FUSED_PROJECTIONS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
 # checkpoint tensors that carry no weights we need
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -104,13 +101,13 @@ def load_model(
     device: str | torch.device = "cpu",
     backend: str = "auto",
     cpu_prepack: bool = True,
-) -> LlamaForCausalLM:
-    """Load a Hugging Face Llama-family folder (config.json + safetensors) for inference.
+) -> CausalLM:
+    """Load a Hugging Face folder (config.json + safetensors) of any supported family for inference.
 
-    dtype: auto | float32 | bfloat16 | float16; device: where the weights go; backend: attention
-    backend (auto | torch | flashinfer; DeepSeek-V2 gets the MLA backends, see `attention_for`). cpu_prepack:
-    on CPU in float32, keep an MKL-packed copy of each projection for faster decode (`mtp_train.layers.linear`;
-    doubles the weights' memory).
+    dtype: auto | float32 | bfloat16 | float16; device: where the weights go; backend: attention backend
+    (auto | torch | flashinfer, as the family offers it, see `attention_for`). cpu_prepack: on CPU in float32,
+    keep an MKL-packed copy of each projection for faster decode (`mtp_train.layers.linear`; doubles the weights'
+    memory).
     The model is in eval mode with gradients off.
     """
     path = Path(path)
@@ -125,12 +122,7 @@ def load_model(
 
     # Fused parameters and the checkpoint tensors concatenated into them, in order; every other
     # parameter is read under its own name.
-    fused_parts: dict[str, list[str]] = {}
-    for full in expected:
-        for fused, parts in FUSED_PROJECTIONS.items():
-            if f".{fused}." in full:
-                prefix, suffix = full.split(f".{fused}.")
-                fused_parts[full] = [f"{prefix}.{part}.{suffix}" for part in parts]
+    fused_parts = fusion_plan(expected, family_of(args).fusings)
     fused_target = {src: full for full, parts in fused_parts.items() for src in parts}
 
     files = checkpoint_files(path)
@@ -140,7 +132,7 @@ def load_model(
         if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
             continue
         if name in fused_target:
-            fused_got[name] = tensor
+            fused_got[name] = tensor.to(dt)
             continue
         if name not in expected or name in fused_parts:
             raise ModelConfigError(f"{files[name]}: unexpected tensor {name!r} for a {args.model_type} model")
@@ -151,14 +143,12 @@ def load_model(
             )
         state[name] = tensor.to(device=device, dtype=dt)
 
-    for target, parts in fused_parts.items():
-        if any(src not in fused_got for src in parts):
-            continue  # reported below with every other missing tensor
-        full = torch.cat([fused_got.pop(src).to(dt) for src in parts], dim=0)
+    for target, full in fuse(fused_got, fused_parts).items():  # a fusion with a part missing is reported below
         want = tuple(expected[target].shape)
         if tuple(full.shape) != want:
             raise ModelConfigError(
-                f"{path}: {', '.join(parts)} concatenate to {tuple(full.shape)}, config.json implies {want}"
+                f"{path}: {', '.join(fused_parts[target])} concatenate to {tuple(full.shape)}, config.json implies "
+                f"{want}"
             )
         state[target] = full.to(device)
 
@@ -179,31 +169,17 @@ def load_model(
 
 def attention_for(args: ModelArgs, backend: str, device: torch.device, dtype: torch.dtype,
                   source: str | Path = "config.json") -> AttentionBackend | MLABackend:
-    """The attention backend for a model: generic attention, or MLA for DeepSeek-V2.
+    """The family's attention backend for a model (`Family.attention`): paged attention, or MLA for DeepSeek-V2.
 
-    DeepSeek-V2 under `auto`: FlashInfer's MLA kernels on CUDA when FlashInfer imports and the shape and dtype fit
-    (kv_lora_rank 512, qk_rope_head_dim 64, fp16/bf16), else torch; an explicit flashinfer that cannot run is a
-    ModelConfigError naming the constraint.
+    Under `auto` each family picks its fastest backend that runs here (e.g. FlashInfer on CUDA). An explicit
+    backend that cannot run is a ModelConfigError naming `source` and the constraint.
     """
-    from mtp_train.models.config import DeepseekV2Args
-
-    if isinstance(args, DeepseekV2Args):
-        from mtp_train.models.deepseek_v2 import make_mla_attention
-
-        try:
-            return make_mla_attention(args, backend, device, dtype)
-        except ValueError as e:
-            raise ModelConfigError(f"{source}: DeepSeek-V2 (MLA): {e}") from None
-    return make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim, args.sliding_window,
-                                  device=device)
+    try:
+        return family_of(args).attention(args, backend, device, dtype)
+    except ValueError as e:
+        raise ModelConfigError(f"{source}: {e}") from None
 
 
-def model_class(args: ModelArgs) -> type[nn.Module]:
-    """The implementation of a parsed config: the Llama family, or DeepSeek-V2."""
-    from mtp_train.models.config import DeepseekV2Args
-
-    if isinstance(args, DeepseekV2Args):
-        from mtp_train.models.deepseek_v2 import DeepseekV2ForCausalLM
-
-        return DeepseekV2ForCausalLM
-    return LlamaForCausalLM
+def model_class(args: ModelArgs) -> type[CausalLM]:
+    """The implementation of a parsed config: its family's `CausalLM` subclass."""
+    return family_of(args).model

@@ -1,22 +1,21 @@
-"""Tensor parallelism for the Llama-family target, applied from outside the model file.
+"""Tensor parallelism for targets whose family gives TP rules (`Family.tp`), applied from outside the model file.
 
-Megatron-style sharding over a `torch.distributed` group of `tp` ranks (NCCL on GPU, gloo on CPU):
+Megatron-style sharding over a `torch.distributed` group of `tp` ranks (NCCL on GPU, gloo on CPU). The family's
+rules name, per decoder layer, the column-parallel modules (split by output rows; attention by heads: local heads
+attend locally), the row-parallel ones (split by input columns: partial sums → all-reduce, then the bias) and the
+args fields each rank holds 1/tp of; everything else (norms) is replicated. For every family alike:
 
 | tensor (HF name)                         | split                        | forward                          |
 |------------------------------------------|------------------------------|----------------------------------|
-| `self_attn.{q,k,v}_proj` (weight, bias)  | rows, by heads (column)      | local heads attend locally       |
-| `self_attn.o_proj.weight`                | columns (row-parallel)       | partial sums → all-reduce, +bias |
-| `mlp.{gate,up}_proj`                     | rows (column)                | local                            |
-| `mlp.down_proj.weight`                   | columns (row-parallel)       | partial sums → all-reduce, +bias |
 | `model.embed_tokens.weight`              | vocabulary rows              | masked lookup → all-reduce       |
 | `lm_head.weight`                         | vocabulary rows              | local logits → all-gather        |
-| norms, q/k norms                         | replicated                   |                                  |
 
-Each rank builds the model with its local shapes (`local_args`: heads and intermediate size divided by tp), reads
-only its slices of every checkpoint tensor (safetensors `get_slice`), and then has its row-parallel projections,
-embedding and lm_head wrapped (`parallelize`). The model file itself is unchanged: the attention backend and the KV
-cache see the local head counts, so each rank caches only its heads. Hidden states and logits are replicated on every
-rank after each step, equal to the single-process model's up to summation order.
+(the Llama family's table is in `families/llama.py`). Each rank builds the model with its local shapes
+(`local_args`), reads only its slices of every checkpoint tensor (safetensors `get_slice`), fuses them as the
+single-process loader does, and then has its row-parallel projections, embedding and lm_head wrapped
+(`parallelize`). The model file itself is unchanged: the attention backend and the KV cache see the local head
+counts, so each rank caches only its heads. Hidden states and logits are replicated on every rank after each step,
+equal to the single-process model's up to summation order.
 """
 
 from __future__ import annotations
@@ -30,21 +29,20 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from mtp_train.layers.attention import make_attention_backend
 from mtp_train.layers.linear import Linear, prepack_linears
+from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError
-from mtp_train.models.llama import LlamaForCausalLM
+from mtp_train.models.families import TPRules, family_of, titles
+from mtp_train.models.fusing import fuse, fusion_plan
 from mtp_train.models.loader import (
-    FUSED_PROJECTIONS,
     IGNORED_SUFFIXES,
+    attention_for,
     checkpoint_files,
     names_by_file,
     open_safetensors,
     resolve_dtype,
 )
 
-COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROW = ("self_attn.o_proj", "mlp.down_proj")
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -92,14 +90,22 @@ def tp_groups(tp: int) -> tuple[TPGroup, int, int]:
     return mine, rank // tp, world // tp
 
 
+def tp_rules(args: ModelArgs, source: str | Path = "config.json") -> TPRules:
+    """The family's TP rules; a ModelConfigError naming `source` when the family runs with tp=1 only."""
+    family = family_of(args)
+    if family.tp is None:
+        raise ModelConfigError(f"{source}: tensor parallelism covers {titles(lambda f: f.tp is not None)} targets; "
+                               f"run {family.title} with model.tp=1 (data parallel over ranks)")
+    return family.tp
+
+
 def local_args(args: ModelArgs, tp: int) -> ModelArgs:
-    """The shapes one rank of `tp` holds: heads, KV heads and intermediate size divided by tp."""
-    problems = [f"{name}={getattr(args, name)}" for name in ("num_heads", "num_kv_heads", "intermediate_size")
-                if getattr(args, name) % tp]
+    """The shapes one rank of `tp` holds: the family's divided fields (heads, KV heads, intermediate size) / tp."""
+    divided = tp_rules(args).divided
+    problems = [f"{name}={getattr(args, name)}" for name in divided if getattr(args, name) % tp]
     if problems:
         raise ModelConfigError(f"tensor parallelism tp={tp} needs {', '.join(problems)} divisible by {tp}")
-    return dataclasses.replace(args, num_heads=args.num_heads // tp, num_kv_heads=args.num_kv_heads // tp,
-                               intermediate_size=args.intermediate_size // tp)
+    return dataclasses.replace(args, **{name: getattr(args, name) // tp for name in divided})
 
 
 def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
@@ -109,14 +115,14 @@ def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
     return lo, min(lo + per, vocab), per
 
 
-def _slice(name: str, sl, tp: TPGroup) -> torch.Tensor:
+def _slice(name: str, sl, tp: TPGroup, rules: TPRules) -> torch.Tensor:
     """Read this rank's part of checkpoint tensor `name` through a safetensors slice (nothing else is read)."""
     shape = sl.get_shape()
     module = name.rsplit(".", 1)[0]
-    if any(module.endswith(c) for c in COLUMN):
+    if any(module.endswith(c) for c in rules.column):
         n = shape[0] // tp.size
         return sl[tp.rank * n:(tp.rank + 1) * n]
-    if any(module.endswith(r) for r in ROW) and name.endswith(".weight"):
+    if any(module.endswith(r) for r in rules.row) and name.endswith(".weight"):
         n = shape[1] // tp.size
         return sl[:, tp.rank * n:(tp.rank + 1) * n]
     if name in VOCAB:
@@ -168,11 +174,13 @@ class VocabParallelLMHead(nn.Module):
         return self.tp.all_gather_last(F.linear(hidden, self.weight))[..., :self.vocab]
 
 
-def parallelize(model: LlamaForCausalLM, tp: TPGroup, vocab: int) -> LlamaForCausalLM:
+def parallelize(model: CausalLM, tp: TPGroup, vocab: int) -> CausalLM:
     """Wrap a model holding this rank's slices (see `_slice`) so that its forward is the full model's."""
     for layer in model.model.layers:
-        layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, tp)
-        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, tp)
+        for path in tp_rules(model.args).row:
+            parent, _, attr = path.rpartition(".")
+            owner = layer.get_submodule(parent)
+            setattr(owner, attr, RowParallelLinear(getattr(owner, attr), tp))
     lo, hi, _ = vocab_range(vocab, tp.size, tp.rank)
     embed = model.model.embed_tokens.weight
     model.model.embed_tokens = VocabParallelEmbedding(embed.data, lo, hi, tp)
@@ -184,19 +192,17 @@ def parallelize(model: LlamaForCausalLM, tp: TPGroup, vocab: int) -> LlamaForCau
 
 def load_model_tp(path: str | Path, tp: TPGroup, dtype: str | torch.dtype = "auto",
                   device: str | torch.device = "cpu", backend: str = "auto",
-                  cpu_prepack: bool = True) -> LlamaForCausalLM:
+                  cpu_prepack: bool = True) -> CausalLM:
     """`load_model` for one rank of a tensor-parallel group: local shapes, only this rank's slices read."""
     path = Path(path)
     full = ModelArgs.from_dir(path)
-    if full.model_type == "deepseek_v2":
-        raise ModelConfigError(f"{path}: tensor parallelism covers Llama-family targets; run DeepSeek-V2 (MLA + MoE) "
-                               "with model.tp=1 (data parallel over ranks)")
+    rules = tp_rules(full, path)
     args = local_args(full, tp.size)
     dt = resolve_dtype(dtype, full)
     device = torch.device(device)
     per = vocab_range(full.vocab_size, tp.size, tp.rank)[2]
     with torch.device("meta"):  # the vocabulary dimension is this rank's (padded) shard
-        model = LlamaForCausalLM(dataclasses.replace(args, vocab_size=per))
+        model = family_of(args).model(dataclasses.replace(args, vocab_size=per))
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     if args.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
@@ -207,19 +213,9 @@ def load_model_tp(path: str | Path, tp: TPGroup, dtype: str | torch.dtype = "aut
             for name in names:
                 if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
                     continue
-                raw[name] = _slice(name, fh.get_slice(name), tp).to(dtype=dt)
-    state: dict[str, torch.Tensor] = {}
-    for name in expected:
-        for fused, parts in FUSED_PROJECTIONS.items():
-            if f".{fused}." in name:
-                prefix, suffix = name.split(f".{fused}.")
-                srcs = [f"{prefix}.{p}.{suffix}" for p in parts]
-                if all(s in raw for s in srcs):
-                    state[name] = torch.cat([raw.pop(s) for s in srcs], dim=0)
-                break
-        else:
-            if name in raw:
-                state[name] = raw.pop(name)
+                raw[name] = _slice(name, fh.get_slice(name), tp, rules).to(dtype=dt)
+    state = fuse(raw, fusion_plan(expected, family_of(args).fusings))
+    state.update({name: raw.pop(name) for name in expected if name in raw})
     problems = [f"{n}: missing" for n in sorted(expected.keys() - state.keys())]
     problems += [f"{n}: rank slice {tuple(state[n].shape)}, expected {expected[n]}"
                  for n in sorted(expected.keys() & state.keys()) if tuple(state[n].shape) != expected[n]]
@@ -228,8 +224,7 @@ def load_model_tp(path: str | Path, tp: TPGroup, dtype: str | torch.dtype = "aut
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
     model.tie_weights()
     model.rotary = type(model.rotary)(args.rope, device=device)
-    model.attn = make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim,
-                                        args.sliding_window, device=device)
+    model.attn = attention_for(args, backend, device, dt, source=path)
     model.eval().requires_grad_(False)
     model.args = dataclasses.replace(args, vocab_size=full.vocab_size)
     parallelize(model, tp, full.vocab_size)

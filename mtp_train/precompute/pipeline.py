@@ -21,7 +21,7 @@ from mtp_train.data import (
     tokenize_conversations,
     tokenizer_fingerprint,
 )
-from mtp_train.models.llama import LlamaForCausalLM
+from mtp_train.models.base import CausalLM
 from mtp_train.precompute.manifest import Manifest
 from mtp_train.precompute.writer import Sample, precompute
 
@@ -110,7 +110,7 @@ def build_samples(tokenizer: Any, data: Mapping[str, Any], max_seq_len: int, lim
     return samples, info
 
 
-def run_precompute(model: LlamaForCausalLM, tokenizer: Any, model_dir: str | Path, cfg: Mapping[str, Any], *,
+def run_precompute(model: CausalLM, tokenizer: Any, model_dir: str | Path, cfg: Mapping[str, Any], *,
                    rank: int = 0, world: int = 1, tp_rank: int = 0, tp_size: int = 1,
                    config_dict: dict[str, Any] | None = None,
                    on_start: Callable[[], None] | None = None) -> Manifest | None:

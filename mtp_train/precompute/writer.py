@@ -36,8 +36,8 @@ import mtp_train
 from mtp_train import dist as mdist
 from mtp_train.engine.runner import prefill_hidden
 from mtp_train.fileio import TMP_PREFIX, atomic_write, sha256_file
+from mtp_train.models.base import CausalLM
 from mtp_train.models.fingerprint import weights_fingerprint
-from mtp_train.models.llama import LlamaForCausalLM
 from mtp_train.precompute.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -194,7 +194,7 @@ def finished_shard(out_dir: Path, plan: ShardPlan, verify: bool) -> ShardInfo | 
     return info
 
 
-def _compute_shard(model: LlamaForCausalLM, plan: ShardPlan, batch_tokens: int, aux_layers: Sequence[int],
+def _compute_shard(model: CausalLM, plan: ShardPlan, batch_tokens: int, aux_layers: Sequence[int],
                    hidden_dtype: torch.dtype, bar: tqdm) -> dict[str, torch.Tensor]:
     """Run the target over one shard's samples in packed batches; returns the shard's CPU tensors."""
     lengths = [r.ids.size for r in plan.rows]
@@ -284,7 +284,7 @@ def _split_counts(rows: Sequence[_Row], seed: int, val_fraction: float) -> dict[
 
 
 def precompute(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     samples: Sequence[Sample],
     out_dir: str | Path,
     *,

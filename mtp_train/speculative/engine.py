@@ -27,7 +27,7 @@ import torch
 from mtp_train.engine.llm import GenerationStats, LLMEngine
 from mtp_train.engine.sampling import SamplingBatch, filtered_probs, sample
 from mtp_train.engine.sequence import SeqStatus, Sequence
-from mtp_train.models.llama import LlamaForCausalLM
+from mtp_train.models.base import CausalLM
 from mtp_train.speculative.acceptance import accept_greedy, accept_stochastic, accept_stochastic_flashinfer
 from mtp_train.speculative.metrics import SpecMetrics
 from mtp_train.speculative.proposers import Proposal, Proposer
@@ -61,7 +61,7 @@ class SpecStats(GenerationStats):
 class SpecEngine(LLMEngine):
     """Batched speculative generation: `generate(prompts, params)` as in LLMEngine, k drafts per step."""
 
-    def __init__(self, model: LlamaForCausalLM, proposer: Proposer, k: int, *, num_pages: int | None = None,
+    def __init__(self, model: CausalLM, proposer: Proposer, k: int, *, num_pages: int | None = None,
                  page_size: int = 16, kv_cache_gb: float = 1.0, max_batch_size: int = 32,
                  max_batch_tokens: int = 4096, use_flashinfer_sampling: bool = True) -> None:
         if k < 1:

@@ -32,7 +32,7 @@ from mtp_train.engine.sampling import filtered_probs
 from mtp_train.engine.sequence import Sequence
 from mtp_train.heads.base import DraftHead
 from mtp_train.layers.attention import AttentionMetadata
-from mtp_train.models.llama import LlamaForCausalLM
+from mtp_train.models.base import CausalLM
 
 
 @dataclass
@@ -284,7 +284,7 @@ class DraftModelProposer(Proposer):
 
     name = "draft"
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: CausalLM) -> None:
         self.model = model
         self.kv: KVCache | None = None
         self._cached: dict[int, int] = {}  # seq_id → tokens in the draft model's cache

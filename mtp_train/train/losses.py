@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mtp_train.config.loss import CE_IMPLS, LossConfig
-from mtp_train.heads.base import DraftHead, packed_shift, resolve_seq_lens
+from mtp_train.heads import DraftHead, packed_shift, resolve_seq_lens
 
 TOPK = 3  # the second accuracy reported: target argmax within the head's top-3
 

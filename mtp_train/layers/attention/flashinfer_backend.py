@@ -48,6 +48,22 @@ def _import_flashinfer() -> Any:
     return flashinfer
 
 
+def planned_step(meta: AttentionMetadata, key: str, dtype: torch.dtype, supported: tuple[torch.dtype, ...],
+                 backend: str, owner: str) -> Any:
+    """The step plan `prepare` stored under meta.backend_state[key], after checking that FlashInfer runs `dtype`.
+
+    backend names the backend in the dtype error ("flashinfer attention backend"), owner the class in the
+    missing-plan one.
+    """
+    if dtype not in supported:
+        raise TypeError(f"the {backend} runs float16/bfloat16 only, got {dtype}; "
+                        "load the model in bf16/fp16 or use the torch backend")
+    step = meta.backend_state.get(key)
+    if step is None:
+        raise RuntimeError(f"{owner}.forward called before prepare(meta) for this step")
+    return step
+
+
 def _indptr(lengths: list[int]) -> torch.Tensor:
     """(B,) lengths → (B+1,) int32 host offsets."""
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
@@ -162,12 +178,8 @@ class FlashInferBackend(AttentionBackend):
         cache; when given, the new K/V are written into it at meta.slot_pages/slot_offsets first.
         Returns (T, Hq, D) in q's dtype.
         """
-        if q.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"the flashinfer attention backend runs float16/bfloat16 only, got {q.dtype}; "
-                            "load the model in bf16/fp16 or use the torch backend")
-        step = meta.backend_state.get(_STATE_KEY)
-        if step is None:
-            raise RuntimeError("FlashInferBackend.forward called before prepare(meta) for this step")
+        step = planned_step(meta, _STATE_KEY, q.dtype, _SUPPORTED_DTYPES, "flashinfer attention backend",
+                            "FlashInferBackend")
         if kv_cache is not None:
             # Same scatter as the torch backend: one index_put per tensor, no extra index tensors.
             kv_cache[meta.slot_pages, 0, meta.slot_offsets] = k

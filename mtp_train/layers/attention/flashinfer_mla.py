@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mtp_train.layers.attention.flashinfer_backend import INSTALL_HINT, _indptr
+from mtp_train.layers.attention.flashinfer_backend import INSTALL_HINT, _indptr, planned_step
 from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
 from mtp_train.layers.attention.mla import FLASHINFER_MLA_DTYPES, MLABackend, flashinfer_mla_problem
 
@@ -117,12 +117,7 @@ class FlashInferMLA(MLABackend):
                 latent_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
         """See `MLABackend.forward`; inputs and cache in float16/bfloat16, one dtype. Returns (T, H, C)."""
         dtype = q_nope.dtype
-        if dtype not in FLASHINFER_MLA_DTYPES:
-            raise TypeError(f"the flashinfer MLA backend runs float16/bfloat16 only, got {dtype}; "
-                            "load the model in bf16/fp16 or use the torch backend")
-        step = meta.backend_state.get(_STATE_KEY)
-        if step is None:
-            raise RuntimeError("FlashInferMLA.forward called before prepare(meta) for this step")
+        step = planned_step(meta, _STATE_KEY, dtype, FLASHINFER_MLA_DTYPES, "flashinfer MLA backend", "FlashInferMLA")
         if latent_cache is not None:
             if latent_cache.dtype != dtype:
                 raise TypeError(f"the latent cache is {latent_cache.dtype} but the queries are {dtype}")

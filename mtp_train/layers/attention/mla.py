@@ -1,8 +1,8 @@
 """Multi-head latent attention (MLA, DeepSeek-V2) over a latent-only paged cache: the interface, the torch
 backend, an adapter for generic backends, and backend selection.
 
-With the key/value up-projection absorbed (see `mtp_train.models.deepseek_v2`), every query head attends to one
-shared latent head per token: the key is the row [c ; k_pe] (kv_lora_rank C + qk_rope_head_dim R values) and the
+With the key/value up-projection absorbed (see `mtp_train.models.families.deepseek_v2`), every query head attends
+to one shared latent head per token: the key is the row [c ; k_pe] (kv_lora_rank C + qk_rope_head_dim R values) and the
 value is c. A layer's cache therefore holds that one row per token and nothing else:
 
     latent_cache: (num_pages, page_size, C + R)      token j of a sequence at page block_tables[b][j // page_size]

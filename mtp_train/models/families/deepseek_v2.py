@@ -1,5 +1,5 @@
-"""Inference implementation of DeepSeek-V2 (and V2-Lite): multi-head latent attention with a compressed KV cache,
-decoupled RoPE, and mixture-of-experts layers with shared experts.
+"""The DeepSeek-V2 (and V2-Lite) family: multi-head latent attention with a compressed KV cache, decoupled RoPE,
+and mixture-of-experts layers with shared experts; its args, model and family entry.
 
 MLA, as the engine runs it (weight absorption): per token and layer the cache holds one latent row [c ; k_pe] of
 kv_lora_rank + qk_rope_head_dim values and nothing else (`KVLayout` latent: (num_pages, page_size, C + R) per layer),
@@ -11,21 +11,107 @@ the softmax scale of the expanded head dimension. The attention itself is an `ML
 (`mtp_train.layers.attention.mla`): torch on any device, FlashInfer's MLA kernels on CUDA.
 
 RoPE here rotates consecutive pairs (x[2i], x[2i+1]) (DeepSeek's complex-number form), not halves. The forward
-has the Llama model's signature and outputs, so the engine, precompute and speculative decoding drive it alike.
+has the `CausalLM` signature and outputs, so the engine, precompute and speculative decoding drive it alike.
+
+A draft head over this target takes DeepSeek's own MTP block (MLA + a dense MLP, or the MoE with head.moe=true)
+over a latent-only pool of its own; only mtp heads fit. Nothing is fused (the checkpoint's names are ours), and
+tensor parallelism is not offered (run with model.tp=1, data parallel over ranks).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp_train.layers.attention import AttentionMetadata, MLABackend, make_mla_backend
+from mtp_train.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVLayout,
+    LatentAsOneHead,
+    MLABackend,
+    make_mla_backend,
+)
 from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import RotaryEmbedding
-from mtp_train.models.config import DeepseekV2Args
-from mtp_train.models.llama import CausalLM
+from mtp_train.models.base import CausalLM
+from mtp_train.models.config import ModelArgs, ModelConfigError, rope_from_config, shared_fields
+from mtp_train.models.families import Family
+
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "kv_lora_rank",
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size")
+
+
+@dataclass
+class DeepseekV2Args(ModelArgs):
+    """DeepSeek-V2: multi-head latent attention (MLA) with a compressed KV cache, decoupled RoPE, and MoE layers.
+
+    The engine's KV cache holds one latent row per token and layer, nothing else (`kv_layout`, latent): num_kv_heads
+    = 1 and head_dim = kv_lora_rank + qk_rope_head_dim (the normed compressed KV c and the shared RoPE key k_pe).
+    `rope` covers the RoPE part only.
+    """
+
+    q_lora_rank: int | None = None  # None: a plain q_proj (V2-Lite); else q_a_proj → norm → q_b_proj
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    moe_intermediate_size: int = 1408
+    n_routed_experts: int = 64
+    n_shared_experts: int = 2
+    num_experts_per_tok: int = 6
+    first_k_dense_replace: int = 1  # layers before this one have a dense MLP
+    topk_method: str = "greedy"  # greedy | group_limited_greedy
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    softmax_scale: float = 0.0  # (qk_nope + qk_rope)^-0.5
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """MLA's latent-only cache: one [c ; k_pe] row of kv_lora_rank + qk_rope_head_dim per token."""
+        return KVLayout(1, self.kv_lora_rank + self.qk_rope_head_dim, latent=True)
+
+
+def parse_config(cfg: dict[str, Any], source: str = "config.json") -> DeepseekV2Args:
+    """A DeepSeek-V2 config.json dict → DeepseekV2Args; `source` names it in error messages."""
+    fields = shared_fields(cfg, source, REQUIRED_KEYS)
+    rope_dim = int(cfg["qk_rope_head_dim"])
+    rope = rope_from_config(cfg, rope_dim, source)
+    if rope.rope_type not in ("default", "yarn"):
+        raise ModelConfigError(f"{source}: DeepSeek-V2 rope type {rope.rope_type!r} is not supported "
+                               "(default, yarn)")
+    scale = (int(cfg["qk_nope_head_dim"]) + rope_dim) ** -0.5
+    if rope.rope_type == "yarn" and rope.scaling.get("mscale_all_dim"):
+        # YaRN's softmax correction, applied to the whole score (transformers' yarn_apply_mscale)
+        factor, m = float(rope.scaling["factor"]), float(rope.scaling["mscale_all_dim"])
+        mscale = 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    topk = cfg.get("topk_method", "greedy")
+    if topk not in ("greedy", "group_limited_greedy"):
+        raise ModelConfigError(f"{source}: topk_method {topk!r} is not supported (greedy, group_limited_greedy)")
+    kv_lora = int(cfg["kv_lora_rank"])
+    q_lora = cfg.get("q_lora_rank")
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return DeepseekV2Args(
+        **fields, num_heads=int(cfg["num_attention_heads"]), num_kv_heads=1, head_dim=kv_lora + rope_dim, rope=rope,
+        o_bias=attention_bias, qkv_bias=attention_bias,
+        q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=kv_lora,
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=rope_dim, v_head_dim=int(cfg["v_head_dim"]),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        n_routed_experts=int(cfg.get("n_routed_experts") or 0),
+        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 1),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0), topk_method=topk,
+        n_group=cfg.get("n_group"), topk_group=cfg.get("topk_group"),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        softmax_scale=scale,
+    )
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -155,10 +241,10 @@ class DeepseekV2Backbone(nn.Module):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    """A DeepSeek-V2 target with the Llama model's interface (build with `mtp_train.models.load_model`).
+    """A DeepSeek-V2 target with the `CausalLM` interface (build with `mtp_train.models.load_model`).
 
     kv_caches are (num_pages, page_size, kv_lora + rope) per layer: the latent rows (`args.kv_layout`); `attn` is
-    an MLABackend (`make_mla_attention`).
+    an MLABackend (`attention`).
     """
 
     def __init__(self, args: DeepseekV2Args) -> None:
@@ -167,11 +253,12 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, 1, R/2) in float32: one angle per rotated pair."""
-        return pair_angles(self.rotary, positions)
+        return pair_angles(self.rotary, positions, dtype)
 
 
-def pair_angles(rotary: RotaryEmbedding, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: (T,) → cos, sin (T, 1, R/2) in float32, one angle per pair `rotate_pairs` rotates.
+def pair_angles(rotary: RotaryEmbedding, positions: torch.Tensor,
+                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: (T,) → cos, sin (T, 1, R/2) in float32 whatever `dtype`, one angle per pair `rotate_pairs` rotates.
 
     `rotary` gives the rotate-half layout (the R/2 angles twice); its first half is the pairs' angles.
     """
@@ -180,11 +267,41 @@ def pair_angles(rotary: RotaryEmbedding, positions: torch.Tensor) -> tuple[torch
     return cos[..., :half], sin[..., :half]
 
 
-def make_mla_attention(args: DeepseekV2Args, backend: str, device: torch.device | str,
-                       dtype: torch.dtype | None) -> MLABackend:
+def attention(args: DeepseekV2Args, backend: str, device: torch.device | str,
+              dtype: torch.dtype | None) -> MLABackend:
     """The MLA backend (auto | torch | flashinfer) for a DeepSeek-V2 model or block of this shape and dtype.
 
     Scores are scaled by the expanded head's softmax scale (YaRN's mscale included), not by the latent width's.
+    `auto`: FlashInfer's MLA kernels on CUDA when FlashInfer imports and the shape and dtype fit (kv_lora_rank 512,
+    qk_rope_head_dim 64, fp16/bf16), else torch. An explicit flashinfer that cannot run is a ValueError naming the
+    constraint.
     """
-    return make_mla_backend(backend, args.num_heads, args.kv_lora_rank, args.qk_rope_head_dim, args.softmax_scale,
-                            device=device, dtype=dtype)
+    try:
+        return make_mla_backend(backend, args.num_heads, args.kv_lora_rank, args.qk_rope_head_dim,
+                                args.softmax_scale, device=device, dtype=dtype)
+    except ValueError as e:
+        raise ValueError(f"DeepSeek-V2 (MLA): {e}") from None
+
+
+def latent_attention(attn: AttentionBackend, args: DeepseekV2Args) -> MLABackend:
+    """MLA through a generic cache-free backend over (Hq, 1, C + R): the latent row is its one KV head, scored
+    with the expanded head's softmax scale (the heads' chained training attention)."""
+    attn.scale = args.softmax_scale
+    return LatentAsOneHead(attn, args.kv_lora_rank)
+
+
+def head_block(args: DeepseekV2Args, input_norm: bool, moe: bool) -> DeepseekV2Layer:
+    """DeepSeek's own MTP block: MLA (an MLABackend, over a latent-only pool) + a dense MLP, or the MoE."""
+    if not input_norm:
+        raise ValueError("a DeepSeek-V2 block always has its input norm (input_norm must stay on)")
+    return DeepseekV2Layer(args, moe=moe)
+
+
+FAMILY = Family(
+    name="deepseek_v2", title="DeepSeek-V2", model_types=("deepseek_v2",), parse=parse_config,
+    model=DeepseekV2ForCausalLM, attention=attention, head_block=head_block,
+    adapt_attention=latent_attention,  # the chained training attention over the latent row
+    rope=pair_angles,  # pairwise RoPE: one float32 angle per pair
+    head_types=("mtp",), head_note="its block is DeepSeek's: MLA + a dense MLP, or MoE with head.moe=true",
+    head_moe=True,
+)

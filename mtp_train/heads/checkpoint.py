@@ -1,0 +1,188 @@
+"""Head checkpoints: `save_head` / `load_head` (model.safetensors + config.json with checksums), and the checks.
+
+A head folder holds the head's trainable weights only (never the frozen target parts) and a config.json recording
+the format, the head config, the target dims it fits, the target's weight fingerprint and the files' sha256.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from mtp_train.config.head import HeadConfig
+from mtp_train.fileio import atomic_write, atomic_write_text, sha256_file
+from mtp_train.heads.base import DraftHead
+from mtp_train.heads.frozen import FrozenTargetParts
+from mtp_train.heads.registry import HEAD_TYPES
+from mtp_train.models.config import ModelArgs, ModelConfigError
+from mtp_train.models.fingerprint import weights_fingerprint
+from mtp_train.models.loader import open_safetensors, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+HEAD_FORMAT = "mtp_train.head"
+HEAD_FORMAT_VERSION = 1
+# Target dimensions a head checkpoint must agree with (vocab_size shows in no head tensor, so it is checked here).
+DIM_KEYS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+            "qkv_bias", "o_bias", "mlp_bias", "qk_norm")
+
+
+def head_dims(args: ModelArgs) -> dict[str, Any]:
+    """The target dimensions a head depends on, as recorded in a head's config.json."""
+    return {k: getattr(args, k) for k in DIM_KEYS}
+
+
+def file_checksums(folder: str | Path, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """{name: {"sha256", "bytes"}} of files in `folder`, the record `verify_files` checks."""
+    folder = Path(folder)
+    return {n: {"sha256": sha256_file(folder / n), "bytes": (folder / n).stat().st_size} for n in names}
+
+
+def verify_files(folder: str | Path, files: dict[str, Any] | None, config: str | Path) -> bool:
+    """Check files of `folder` against the `files` record of its config (`config`, named in errors).
+
+    Raises ModelConfigError naming the first file that is missing or differs; returns False (after a warning)
+    when there is no record (a folder written before checksums were recorded), True when everything matched.
+    """
+    folder = Path(folder)
+    if not files:
+        log.warning("%s records no checksums (written by an older version): %s is not verified", config, folder)
+        return False
+    todo = "the file is damaged or was changed; copy or export the head again from the run's heads/step-N"
+    for name, want in sorted(files.items()):
+        path = folder / name
+        try:
+            sha, size = str(want["sha256"]), int(want["bytes"])
+        except (KeyError, TypeError, ValueError):
+            raise ModelConfigError(f"{config}: malformed checksum entry for {name!r}") from None
+        if not path.is_file():
+            raise ModelConfigError(f"{path} is missing (its checksum is in {config}); {todo}")
+        if path.stat().st_size != size:
+            raise ModelConfigError(f"{path} has {path.stat().st_size} bytes, {config} records {size}: {todo}")
+        if sha256_file(path) != sha:
+            raise ModelConfigError(f"{path} does not match the sha256 recorded in {config}: {todo}")
+    return True
+
+
+def save_head(head: DraftHead, out_dir: str | Path, extra_config: dict[str, Any] | None = None, *,
+              target_fingerprint: str | None = None) -> Path:
+    """Write `model.safetensors` (the head's trainable weights only) and `config.json` into `out_dir`.
+
+    config.json records the format, the head config (norms resolved), the target dims, the target's weight
+    fingerprint when given (`load_head` then refuses other weights), the parameter count, the dtype, the sha256
+    and size of model.safetensors under "files" (`load_head` checks them), and `extra_config` under "extra"
+    (e.g. training step, data manifest). Files are written to a temporary name and renamed, so a crash never
+    leaves a half-written head.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
+    atomic_write(out / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    config = {
+        "format": HEAD_FORMAT,
+        "format_version": HEAD_FORMAT_VERSION,
+        "head": head.cfg.to_dict(),
+        "dims": head_dims(head.target_args),
+        "target_model_type": head.target_args.model_type,
+        "target_fingerprint": target_fingerprint,
+        "num_params": head.num_params(),
+        "dtype": str(head.dtype).replace("torch.", ""),
+        "files": file_checksums(out, ["model.safetensors"]),
+        "extra": extra_config or {},
+    }
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def read_json_config(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`, with a ModelConfigError naming the file (line, column) when it is not one."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; the file is "
+                               "damaged: copy or export the head again") from None
+    except UnicodeDecodeError as e:
+        raise ModelConfigError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); the file is damaged: copy or "
+                               "export the head again") from None
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
+    return cfg
+
+
+def read_head_config(head_dir: str | Path) -> dict[str, Any]:
+    """The config.json of a head folder, checked to be one of ours."""
+    path = Path(head_dir) / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{path} is missing: {head_dir} is not a head checkpoint (see save_head)")
+    cfg = read_json_config(path)
+    if cfg.get("format") != HEAD_FORMAT:
+        raise ModelConfigError(f"{path}: format {cfg.get('format')!r} is not {HEAD_FORMAT!r}")
+    if cfg.get("format_version") != HEAD_FORMAT_VERSION:
+        raise ModelConfigError(f"{path}: format_version {cfg.get('format_version')} is not {HEAD_FORMAT_VERSION}")
+    bad = [k for k in ("head", "dims") if not isinstance(cfg.get(k), dict)]
+    if bad:
+        raise ModelConfigError(f"{path}: {', '.join(bad)} missing or not an object; the file is damaged: copy or "
+                               "export the head again")
+    return cfg
+
+
+def load_head(head_dir: str | Path, target_dir: str | Path, device: str | torch.device = "cpu",
+              dtype: str | torch.dtype | None = None, backend: str = "torch", *,
+              verify_fingerprint: bool = True) -> DraftHead:
+    """Load a head saved by `save_head` for the target in `target_dir` (frozen parts read from there).
+
+    Refuses, naming the file, a model.safetensors whose sha256 is not the one config.json records; then, naming
+    every offending key with both values: target dims that differ from the recorded ones, and tensors whose
+    shapes differ from what the target implies. When the head recorded a target
+    fingerprint (and verify_fingerprint), the target's weights must have that fingerprint. dtype None keeps
+    the checkpoint's dtype.
+    """
+    head_dir, target_dir = Path(head_dir), Path(target_dir)
+    cfg_json = read_head_config(head_dir)
+    verify_files(head_dir, cfg_json.get("files"), head_dir / "config.json")  # before a byte of it is read
+    args = ModelArgs.from_dir(target_dir)
+
+    problems = [f"dims.{k}: head checkpoint {cfg_json['dims'].get(k)!r}, target {v!r}"
+                for k, v in head_dims(args).items() if cfg_json["dims"].get(k) != v]
+    try:
+        head_cfg = HeadConfig(**cfg_json["head"])  # `init` is history here: the weights come from the file
+    except TypeError as e:
+        raise ModelConfigError(f"{head_dir / 'config.json'}: head {e}") from None
+    if head_cfg.type not in HEAD_TYPES:
+        raise ModelConfigError(f"{head_dir}: head type {head_cfg.type!r} has no implementation")
+    with torch.device("meta"):
+        head = HEAD_TYPES[head_cfg.type](head_cfg, args, None, backend)
+    expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    weights = head_dir / "model.safetensors"
+    with open_safetensors(weights) as f:
+        names = set(f.keys())  # noqa: SIM118 (safe_open is not a dict)
+        for k in sorted(names & expected.keys()):
+            shape = tuple(f.get_slice(k).get_shape())
+            if shape != expected[k]:
+                problems.append(f"{k}: head checkpoint {shape}, target implies {expected[k]}")
+        problems += [f"{k}: missing from the head checkpoint" for k in sorted(expected.keys() - names)]
+        problems += [f"{k}: not a tensor of a {head_cfg.type} head" for k in sorted(names - expected.keys())]
+        if problems:
+            raise ModelConfigError(f"head {head_dir} does not fit target {target_dir}:\n  " + "\n  ".join(problems))
+        state = {k: f.get_tensor(k) for k in names}
+
+    recorded = cfg_json.get("target_fingerprint")
+    if recorded and verify_fingerprint:
+        actual = weights_fingerprint(target_dir, full="-full:" in recorded)
+        if actual != recorded:
+            raise ModelConfigError(f"head {head_dir} was trained for target weights {recorded}, but {target_dir} "
+                                   f"has {actual}; pass the right target (or verify_fingerprint=False)")
+
+    dt = resolve_dtype(dtype, args) if dtype is not None else next(v for v in state.values()
+                                                                   if v.is_floating_point()).dtype
+    # Integer buffers (the draft vocabulary) keep their dtype.
+    head.load_state_dict({k: v.to(device=device, dtype=dt if v.is_floating_point() else v.dtype)
+                          for k, v in state.items()}, assign=True)
+    head.attach(FrozenTargetParts.from_pretrained(target_dir, device=device, dtype=dt))
+    return head.eval()

@@ -1,0 +1,133 @@
+"""Target families as plug-ins: one module of this package per family, and the registry everything else consults.
+
+A family is what differs between targets. The loaders, tensor parallelism, the draft heads and the export layouts
+read its `Family` entry instead of branching on `model_type`:
+
+| entry           | what it is                                                  | read by                            |
+|-----------------|-------------------------------------------------------------|------------------------------------|
+| model_types     | the config.json `model_type` values it runs                 | `ModelArgs.from_hf_config`         |
+| parse           | config.json → its args class (`ModelArgs` or a subclass,    | `ModelArgs.from_hf_config`         |
+|                 | whose `kv_layout` is the attention / KV layout)             |                                    |
+| model           | its `CausalLM` subclass                                     | the loaders                        |
+| attention       | the inference backend for its layout (auto/torch/flashinfer)| the loaders, draft heads           |
+| adapt_attention | a generic cache-free backend → its block's attention        | heads/chain_attention.py           |
+| rope            | how RoPE angles reach its layers                            | draft heads                        |
+| head_block      | a draft head's decoder layer over this target               | heads/mtp.py                       |
+| head_types      | the head types that fit (None: all); head_note says why     | heads/base.py                      |
+| head_moe        | whether its head block can be MoE (`head.moe`)              | heads/mtp.py                       |
+| fusings         | checkpoint projections fused on load (q/k/v → qkv_proj, ...)| loaders, heads' init, export       |
+| tp              | tensor-parallel rules (None: the family runs with tp=1)     | models/tensor_parallel.py          |
+
+Adding a family (e.g. Qwen3-MoE) is one new module here, `<name>.py`, plus its parity test against transformers
+(`tests/test_<name>.py`, as tests/test_deepseek_v2.py) and a tiny config in tests/test_families.py. The module
+defines its args parsing, its `CausalLM` subclass and head block, and a module-level `FAMILY = Family(...)`;
+the registry imports every module of this package on the first look-up, so nothing else is edited.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mtp_train.layers.attention import AttentionBackend, MLABackend
+from mtp_train.layers.rotary import RotaryEmbedding
+from mtp_train.models.base import CausalLM, rotate_half_rope
+from mtp_train.models.config import ModelArgs
+from mtp_train.models.fusing import Fusing
+
+Attention = AttentionBackend | MLABackend
+
+
+@dataclass(frozen=True)
+class TPRules:
+    """How a family's tensors shard over a tensor-parallel group (Megatron-style, see models/tensor_parallel.py).
+
+    Module names are relative to a decoder layer and name the checkpoint's (unfused) modules.
+    """
+
+    column: tuple[str, ...]  # split by output rows (attention by heads): each rank computes its slice locally
+    row: tuple[str, ...]  # split by input columns: partial products, all-reduced, then the bias
+    divided: tuple[str, ...]  # args fields each rank holds 1/tp of (e.g. num_heads, num_kv_heads, intermediate_size)
+
+
+def _as_is(attn: AttentionBackend, args: ModelArgs) -> Attention:
+    return attn
+
+
+@dataclass(frozen=True)
+class Family:
+    """One target family's entry (see the module docstring for who reads what)."""
+
+    name: str  # the module's name, e.g. "llama"
+    title: str  # in messages, e.g. "Llama-family"
+    model_types: tuple[str, ...]
+    parse: Callable[[dict[str, Any], str], ModelArgs]  # (config.json dict, source for messages) → args
+    model: type[CausalLM]
+    # (args, backend name, device, dtype or None) → backend; ValueError when the backend cannot run
+    attention: Callable[[ModelArgs, str, torch.device | str, torch.dtype | None], Attention]
+    # (args, input_norm, moe) → the decoder layer of a draft head with the target's shapes
+    head_block: Callable[[ModelArgs, bool, bool], nn.Module]
+    # a generic cache-free backend for (Hq, Hkv, D) of the args → what the block's attention calls
+    adapt_attention: Callable[[AttentionBackend, ModelArgs], Attention] = _as_is
+    # (rotary, positions (T,), dtype) → cos, sin as the family's layers take them
+    rope: Callable[[RotaryEmbedding, torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = rotate_half_rope
+    head_types: tuple[str, ...] | None = None
+    head_note: str = ""
+    head_moe: bool = False
+    fusings: tuple[Fusing, ...] = ()
+    tp: TPRules | None = None
+
+
+_REGISTRY: dict[str, Family] = {}  # model_type → family, filled on the first look-up
+
+
+def _registry() -> dict[str, Family]:
+    if not _REGISTRY:
+        found: dict[str, Family] = {}
+        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            family = getattr(module, "FAMILY", None)
+            if not isinstance(family, Family):
+                raise TypeError(f"{module.__name__} defines no FAMILY = Family(...); every module of "
+                                f"{__name__} is a target family")
+            for t in family.model_types:
+                if t in found:
+                    raise TypeError(f"model_type {t!r} is claimed by families {found[t].name} and {family.name}")
+                found[t] = family
+        _REGISTRY.update(found)
+    return _REGISTRY
+
+
+def families() -> list[Family]:
+    """Every registered family, once each, in module-name order."""
+    return list({f.name: f for f in _registry().values()}.values())
+
+
+def supported_model_types() -> list[str]:
+    """The config.json model_type values some family runs."""
+    return list(_registry())
+
+
+def family_for_type(model_type: str | None) -> Family | None:
+    """The family that runs `model_type`, or None."""
+    return _registry().get(model_type or "")
+
+
+def family_of(args: ModelArgs) -> Family:
+    """The family of parsed model arguments."""
+    family = family_for_type(args.model_type)
+    if family is None:
+        raise ValueError(f"no target family runs model_type {args.model_type!r}; "
+                         f"supported: {', '.join(supported_model_types())}")
+    return family
+
+
+def titles(accepts: Callable[[Family], bool]) -> str:
+    """The titles of the families `accepts` (for messages: "Llama-family or ...")."""
+    return " or ".join(f.title for f in families() if accepts(f))

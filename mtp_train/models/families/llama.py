@@ -1,0 +1,182 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3): config parsing, the model, its family entry.
+
+The args are `ModelArgs` itself; what differs inside the family (Qwen2's q/k/v bias, Qwen3's q/k norms, the
+Qwen sliding-window switch) is the `VARIANTS` table. q/k/v and gate/up projections are fused into one matmul
+each (`FUSINGS`); a draft head's block is the target's `DecoderLayer`, optionally without its input norm.
+
+Tensor parallelism (`TP`, Megatron-style, see models/tensor_parallel.py):
+
+| tensor (HF name)                         | split                        | forward                          |
+|------------------------------------------|------------------------------|----------------------------------|
+| `self_attn.{q,k,v}_proj` (weight, bias)  | rows, by heads (column)      | local heads attend locally       |
+| `self_attn.o_proj.weight`                | columns (row-parallel)       | partial sums → all-reduce, +bias |
+| `mlp.{gate,up}_proj`                     | rows (column)                | local                            |
+| `mlp.down_proj.weight`                   | columns (row-parallel)       | partial sums → all-reduce, +bias |
+| norms, q/k norms                         | replicated                   |                                  |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_train.layers import cpu_kernels
+from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
+from mtp_train.layers.linear import Linear
+from mtp_train.layers.norm import RMSNorm
+from mtp_train.layers.rotary import apply_rotary
+from mtp_train.models.base import CausalLM
+from mtp_train.models.config import ModelArgs, rope_from_config, shared_fields
+from mtp_train.models.families import Family, TPRules
+from mtp_train.models.fusing import Fusing
+
+# model_type → what differs inside the family
+VARIANTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    # Qwen configs carry a sliding-window size that is only used when `use_sliding_window` switches it on
+    "qwen2": {"qkv_bias": True, "window_switch": True},
+    "qwen3": {"qk_norm": True, "window_switch": True},
+}
+
+
+def parse_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
+    """A Llama-family config.json dict → ModelArgs; `source` names it in error messages."""
+    fields = shared_fields(cfg, source)
+    variant = VARIANTS[cfg["model_type"]]
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or fields["hidden_size"] // heads)
+    rope = rope_from_config(cfg, head_dim, source)
+    attention_bias = bool(cfg.get("attention_bias", False))
+    sliding = cfg.get("sliding_window")
+    if variant.get("window_switch") and not cfg.get("use_sliding_window", False):
+        sliding = None
+    return ModelArgs(
+        **fields,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rope=rope,
+        qkv_bias=variant.get("qkv_bias", False) or attention_bias,
+        o_bias=attention_bias,
+        qk_norm=variant.get("qk_norm", False),
+        sliding_window=int(sliding) if sliding else None,
+    )
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """x: (T, H) → (T, H)."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        native_rope = self.q_norm is None and cpu_kernels.serves(qkv, cos)
+        if native_rope:  # CPU inference: rotate q and k (adjacent in the fused output) in one native pass
+            cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if not native_rope:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn.forward(q, k, v, kv_cache, meta)  # (T, Hq, D)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.inter = args.intermediate_size
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, H) → (T, H): down(silu(gate(x)) * up(x))."""
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder block; `input_layernorm` can be dropped (the original EAGLE head does)."""
+
+    def __init__(self, args: ModelArgs, input_norm: bool = True) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps) if input_norm else None
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """x: (T, H) → (T, H)."""
+        h = x if self.input_layernorm is None else self.input_layernorm(x)
+        x = x + self.self_attn(h, cos, sin, attn, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    """Embeddings, decoder layers and final norm (the HF `model.*` prefix)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class LlamaForCausalLM(CausalLM):
+    """A Llama-family target. Build with `mtp_train.models.load_model`."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args, LlamaBackbone(args))
+
+
+def attention(args: ModelArgs, backend: str, device: torch.device | str,
+              dtype: torch.dtype | None) -> AttentionBackend:
+    """The backend `backend` (auto | torch | flashinfer) for Hq query heads over Hkv K/V heads of D."""
+    return make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim, args.sliding_window,
+                                  device=device)
+
+
+def head_block(args: ModelArgs, input_norm: bool, moe: bool) -> DecoderLayer:
+    """A draft head's layer: the target's decoder layer (no MoE in this family; `head_moe` is off)."""
+    return DecoderLayer(args, input_norm=input_norm)
+
+
+def _qkv_rows(a: ModelArgs) -> list[int]:
+    return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+
+
+def _gate_up_rows(a: ModelArgs) -> list[int]:
+    return [a.intermediate_size, a.intermediate_size]
+
+
+FUSINGS = (
+    Fusing("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), _qkv_rows),
+    Fusing("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), _gate_up_rows),
+)
+TP = TPRules(
+    column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+    row=("self_attn.o_proj", "mlp.down_proj"),
+    divided=("num_heads", "num_kv_heads", "intermediate_size"),
+)
+FAMILY = Family(name="llama", title="Llama-family", model_types=tuple(VARIANTS), parse=parse_config,
+                model=LlamaForCausalLM, attention=attention, head_block=head_block, fusings=FUSINGS, tp=TP)
