@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report  # noqa: E402
 
+from mtp_train.config import DataConfig, PrecomputeConfig  # noqa: E402
 from mtp_train.precompute import PrecomputedDataset, precompute  # noqa: E402
 from mtp_train.precompute.pipeline import build_samples  # noqa: E402
 
@@ -56,7 +57,10 @@ def main(argv: list[str] | None = None) -> dict:
     from mtp_train.models import load_model
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    samples, info = build_samples(tok, {"paths": [args.data], "format": "auto"}, args.max_seq_len, args.limit)
+    # No validation split: every sample is read back. `out` is set to a temporary folder below.
+    cfg = PrecomputeConfig(data=DataConfig(paths=[args.data]), max_seq_len=args.max_seq_len, limit=args.limit,
+                           val_fraction=0.0, progress=False)
+    samples, info = build_samples(tok, cfg)
     n_tok = sum(len(s.input_ids) for s in samples)
     print(f"{len(samples)} samples, {n_tok} tokens", flush=True)
     ours_model = load_model(args.model, dtype="float32")
@@ -66,10 +70,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         ours_dir, base_dir = Path(tmp) / "ours", Path(tmp) / "baseline"
+        cfg.out = str(ours_dir)
         t0 = time.perf_counter()
-        precompute(ours_model, samples, ours_dir, tokenizer_fingerprint=tokenizer_fingerprint(tok),
-                   chat_template_fingerprint=chat_template_fingerprint(tok), model_dir=args.model,
-                   data_info=info, progress=False)
+        precompute(ours_model, samples, cfg, tokenizer_fingerprint=tokenizer_fingerprint(tok),
+                   chat_template_fingerprint=chat_template_fingerprint(tok), model_dir=args.model, data_info=info)
         t_ours = time.perf_counter() - t0
         print(f"ours: {n_tok / t_ours:.0f} tok/s", flush=True)
 

@@ -80,23 +80,25 @@ def make_precompute(model_dir: str | Path, out_dir: str | Path, data: str | Path
     """
     from transformers import AutoTokenizer
 
+    from mtp_train.config import DataConfig, PrecomputeConfig
     from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
     from mtp_train.models import load_model
     from mtp_train.precompute.pipeline import build_samples
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
+    cfg = PrecomputeConfig(out=str(out_dir), max_seq_len=max_seq_len, limit=limit, val_fraction=val_fraction,
+                           seed=0, progress=False)
     if data is not None and Path(data).is_file():
-        samples, info = build_samples(tok, {"paths": [str(data)], "format": "auto", "name": Path(data).stem},
-                                      max_seq_len, limit)
+        cfg.data = DataConfig(name=Path(data).stem, paths=[str(data)])
+        samples, info = build_samples(tok, cfg)
         kind = f"conversations:{Path(data).name}"
     else:
         samples = random_samples(limit, max_seq_len, len(tok))
         info = {"name": "random", "limit": limit, "max_seq_len": max_seq_len}
         kind = "random"
     model = load_model(str(model_dir), dtype="float32")
-    precompute(model, samples, out_dir, tokenizer_fingerprint=tokenizer_fingerprint(tok),
-               chat_template_fingerprint=chat_template_fingerprint(tok), model_dir=str(model_dir), data_info=info,
-               val_fraction=val_fraction, seed=0, progress=False)
+    precompute(model, samples, cfg, tokenizer_fingerprint=tokenizer_fingerprint(tok),
+               chat_template_fingerprint=chat_template_fingerprint(tok), model_dir=str(model_dir), data_info=info)
     del model
     return kind, str(info["name"])
 

@@ -31,6 +31,7 @@ def make_samples(n: int, seed: int, max_len: int = 40, vocab: int = 256) -> list
 
 def main(argv: list[str]) -> None:
     from mtp_train import dist
+    from mtp_train.config import PrecomputeConfig
     from mtp_train.models import load_model
     from mtp_train.precompute import precompute
 
@@ -50,12 +51,13 @@ def main(argv: list[str]) -> None:
         else:
             model = load_model(model_dir, dtype="float32", backend="torch")
             rank, world, tp_rank = info.rank, info.world, 0
+        cfg = PrecomputeConfig(out=out_dir, shard_tokens=int(shard_tokens), batch_tokens=int(batch_tokens),
+                               aux_layers=[int(j) for j in aux.split(",") if j], val_fraction=float(val_fraction),
+                               seed=0, progress=False)
         precompute(
-            model, make_samples(int(n), int(seed)), out_dir,
+            model, make_samples(int(n), int(seed)), cfg,
             tokenizer_fingerprint="tok-fp", chat_template_fingerprint="tmpl-fp", model_dir=model_dir,
-            data_info={"source": "random"}, shard_tokens=int(shard_tokens), batch_tokens=int(batch_tokens),
-            aux_layers=[int(j) for j in aux.split(",") if j], val_fraction=float(val_fraction), seed=0,
-            rank=rank, world=world, tp_rank=tp_rank, tp_size=tp_size, progress=False,
+            data_info={"source": "random"}, rank=rank, world=world, tp_rank=tp_rank, tp_size=tp_size,
         )
     finally:
         dist.destroy()

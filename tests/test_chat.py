@@ -162,9 +162,10 @@ def test_chatml_smollm2_system_prompt(smollm2_tokenizer):
 @pytest.mark.skipif(not REGEN.is_file(), reason="../shared/data not present")
 def test_chatml_smollm2_on_regenerated_conversations(smollm2_tokenizer):
     """Real answers of the default target (long, code, loops): the mask is exact on every one of them."""
+    from mtp_train.config import DataConfig
     from mtp_train.data.readers import read_conversations
 
-    convs, _ = read_conversations(REGEN, limit=50)
+    convs, _ = read_conversations(DataConfig(paths=[str(REGEN)]), limit=50)
     samples, stats = tokenize_conversations(smollm2_tokenizer, convs)
     assert stats.kept == len(convs) == 50 and stats.diff_method == 0
     for conv, sample in zip(convs, samples):

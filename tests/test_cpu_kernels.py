@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from contextlib import nullcontext
 
@@ -11,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mtp_train.cli.common import kernel_settings_from_env
 from mtp_train.layers import cpu_kernels
+from mtp_train.layers.cpu_kernels import KernelSettings
 from mtp_train.layers.linear import GEMV_M_MAX, Linear
 from mtp_train.layers.norm import RMSNorm
 
@@ -76,44 +77,57 @@ def test_layers_take_the_kernels_in_inference_and_autograd_in_training():
     assert xg.grad is not None and lin.weight.grad is not None and norm.weight.grad is not None
 
 
-def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
-    cc = cpu_kernels._compiler()
+@pytest.fixture
+def kernel_settings():
+    """`cpu_kernels.configure`, for the test to set what it needs; the default settings come back afterwards."""
+    yield cpu_kernels.configure
+    cpu_kernels.configure(KernelSettings())
+
+
+def test_build_is_cached_and_atomic(tmp_path):
+    cc = cpu_kernels.find_compiler()
     if cc is None:
         pytest.skip("no C compiler")
-    monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path))
-    first = cpu_kernels._build(cc)
+    assert cpu_kernels.find_compiler("no-such-compiler") == cc  # a compiler that is not there: the usual ones
+    first = cpu_kernels.build_library(cc, tmp_path)
     assert first.parent == tmp_path and first.exists()
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernels._build(cc) == first and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert cpu_kernels.build_library(cc, tmp_path) == first and first.stat().st_mtime_ns == mtime  # reused
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 
-def test_a_failed_build_names_the_source(tmp_path, monkeypatch):
-    cc = cpu_kernels._compiler()
+def test_a_failed_build_names_the_source(tmp_path):
+    cc = cpu_kernels.find_compiler()
     if cc is None:
         pytest.skip("no C compiler")
     bad = tmp_path / "bad.c"
     bad.write_text("int broken( {\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", bad)
-    monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path / "out"))
     with pytest.raises(RuntimeError, match="bad.c"):
-        cpu_kernels._build(cc)
+        cpu_kernels.build_library(cc, tmp_path / "out", source=bad)
     assert not list((tmp_path / "out").iterdir())
 
 
-def test_switched_off_falls_back_to_torch_paths():
-    code = ("import torch, torch.nn.functional as F\n"
-            "from mtp_train.layers import cpu_kernels\n"
-            "from mtp_train.layers.linear import Linear\n"
-            "assert not cpu_kernels.available(), 'kernels should be off'\n"
-            "print(cpu_kernels.unavailable_reason())\n"
-            "lin = Linear(32, 16); x = torch.randn(1, 32)\n"
-            "with torch.inference_mode():\n"
-            "    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))\n")
-    env = {**os.environ, cpu_kernels.ENV_SWITCH: "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert f"{cpu_kernels.ENV_SWITCH}=0" in out.stdout
+def test_switched_off_falls_back_to_torch_paths(kernel_settings):
+    was = cpu_kernels.available()
+    kernel_settings(KernelSettings(enabled=False))
+    assert not cpu_kernels.available() and cpu_kernels.unavailable_reason() == "switched off"
+    lin = Linear(32, 16)
+    x = torch.randn(1, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    kernel_settings(KernelSettings())  # decided again, on the build already made
+    assert cpu_kernels.available() == was
+
+
+def test_the_commands_take_the_settings_from_the_environment(kernel_settings, tmp_path):
+    assert kernel_settings_from_env({}) == KernelSettings(off_reason="MTP_TRAIN_CPU_KERNELS=0")
+    env = {"MTP_TRAIN_CPU_KERNELS": "0", "MTP_TRAIN_KERNEL_DIR": str(tmp_path), "CC": "clang"}
+    assert kernel_settings_from_env(env) == KernelSettings(enabled=False, cache_dir=tmp_path, compiler="clang",
+                                                           off_reason="MTP_TRAIN_CPU_KERNELS=0")
+    assert kernel_settings_from_env({"MTP_TRAIN_CPU_KERNELS": "1", "MTP_TRAIN_KERNEL_DIR": "", "CC": ""}) == \
+        kernel_settings_from_env({})  # empty values keep the defaults
+    kernel_settings(kernel_settings_from_env({"MTP_TRAIN_CPU_KERNELS": "0"}))
+    assert not cpu_kernels.available() and cpu_kernels.unavailable_reason() == "MTP_TRAIN_CPU_KERNELS=0"
 
 
 @needs_kernels

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp_train.config import HeadConfig
+from mtp_train.config import HeadConfig, PrecomputeConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.heads import build_head
 from mtp_train.models import ModelConfigError, load_model
@@ -86,8 +86,9 @@ def test_precompute_stores_the_models_hidden_states(checkpoints, tmp_path):
     path, _ = checkpoints["lite"]
     model = load_model(path, dtype="float32", backend="torch")
     samples = [Sample(f"s{i}", p, [1] * len(p)) for i, p in enumerate(PROMPTS)]
-    precompute(model, samples, tmp_path / "pc", tokenizer_fingerprint="t", chat_template_fingerprint="c",
-               model_dir=path, data_info={}, shard_tokens=64, batch_tokens=64, progress=False)
+    cfg = PrecomputeConfig(out=str(tmp_path / "pc"), shard_tokens=64, batch_tokens=64, val_fraction=0.0, progress=False)
+    precompute(model, samples, cfg, tokenizer_fingerprint="t", chat_template_fingerprint="c", model_dir=path,
+               data_info={})
     ds = PrecomputedDataset(tmp_path / "pc", split="all")
     for i in range(len(ds)):
         item = ds[i]

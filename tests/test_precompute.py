@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mtp_train.config import PrecomputeConfig
 from mtp_train.engine import prefill_hidden
 from mtp_train.models import load_model
 from mtp_train.models.fingerprint import weights_fingerprint
@@ -30,13 +31,17 @@ from mtp_train.precompute import (
     precompute,
 )
 from mtp_train.precompute import writer as writer_mod
-from mtp_train.precompute.writer import plan_runs
+from mtp_train.precompute.plan import plan_runs
 from tests._precompute_worker import make_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 AUX = (1, 3)  # HF hidden_states indices: the output of layer 0, and 3 = after the final norm (equals hidden)
-KW = dict(tokenizer_fingerprint="tok-fp", chat_template_fingerprint="tmpl-fp", data_info={"source": "random"},
-          progress=False)
+KW = dict(tokenizer_fingerprint="tok-fp", chat_template_fingerprint="tmpl-fp", data_info={"source": "random"})
+
+
+def _cfg(out: Path, **settings) -> PrecomputeConfig:
+    """Writer settings into `out`: no progress bar and, unless `val_fraction` is given, no validation split."""
+    return PrecomputeConfig(out=str(out), progress=False, **{"val_fraction": 0.0, **settings})
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,8 +66,8 @@ def samples() -> list[Sample]:
 def ref(model, model_dir, samples, tmp_path_factory) -> tuple[Path, Manifest]:
     """One finished run with aux layers and a val split, shared by the read-only tests."""
     out = tmp_path_factory.mktemp("ref")
-    m = precompute(model, samples, out, model_dir=model_dir, shard_tokens=256, batch_tokens=100, aux_layers=AUX,
-                   val_fraction=0.25, seed=7, **KW)
+    m = precompute(model, samples, _cfg(out, shard_tokens=256, batch_tokens=100, aux_layers=list(AUX),
+                                        val_fraction=0.25, seed=7), model_dir=model_dir, **KW)
     return out, m
 
 
@@ -178,8 +183,9 @@ def _strip(m: Manifest) -> dict:
 
 
 def test_interrupted_run_resumes_to_identical_output(model, model_dir, samples, tmp_path, monkeypatch):
-    kw = dict(model_dir=model_dir, shard_tokens=200, batch_tokens=64, **KW)
-    full = precompute(model, samples, tmp_path / "a", **kw)
+    kw = dict(model_dir=model_dir, **KW)
+    settings = dict(shard_tokens=200, batch_tokens=64)
+    full = precompute(model, samples, _cfg(tmp_path / "a", **settings), **kw)
     n = len(full.shards)
     assert n >= 5
 
@@ -188,7 +194,7 @@ def test_interrupted_run_resumes_to_identical_output(model, model_dir, samples, 
             raise _Stop
 
     with pytest.raises(_Stop):
-        precompute(model, samples, tmp_path / "b", on_shard=stop_after_three, **kw)
+        precompute(model, samples, _cfg(tmp_path / "b", **settings), on_shard=stop_after_three, **kw)
     b = tmp_path / "b"
     assert not (b / "manifest.json").exists()
     with pytest.raises(ManifestError, match="did not finish"):
@@ -205,7 +211,8 @@ def test_interrupted_run_resumes_to_identical_output(model, model_dir, samples, 
 
     calls = _counting(monkeypatch)
     seen: list[tuple[int, bool]] = []
-    resumed = precompute(model, samples, b, on_shard=lambda info, skipped: seen.append((info.index, skipped)), **kw)
+    resumed = precompute(model, samples, _cfg(b, **settings),
+                         on_shard=lambda info, skipped: seen.append((info.index, skipped)), **kw)
     assert sorted(seen) == sorted([(1, True)] + [(i, False) for i in range(n) if i != 1])
     # Exactly the tokens of the redone shards went through the target, nothing of shard 1.
     assert sum(calls) == full.totals.tokens - full.shards[1].tokens
@@ -218,9 +225,9 @@ def test_interrupted_run_resumes_to_identical_output(model, model_dir, samples, 
 
     # A finished folder re-run with the same settings computes nothing; other settings redo everything.
     calls.clear()
-    again = precompute(model, samples, b, **kw)
+    again = precompute(model, samples, _cfg(b, **settings), **kw)
     assert calls == [] and _strip(again) == _strip(full)
-    precompute(model, samples, b, aux_layers=(2,), **kw)
+    precompute(model, samples, _cfg(b, aux_layers=[2], **settings), **kw)
     assert sum(calls) == full.totals.tokens
 
     # Storage: 2·H bytes of hidden state and 5 of ids + mask per token, 8 per sample offset, plus one
@@ -235,11 +242,11 @@ def test_interrupted_run_resumes_to_identical_output(model, model_dir, samples, 
 def test_bad_samples_are_refused(model, model_dir, tmp_path):
     kw = dict(model_dir=model_dir, **KW)
     with pytest.raises(ValueError, match="duplicate sample id"):
-        precompute(model, [Sample("x", [1], [1]), Sample("x", [2], [0])], tmp_path, **kw)
+        precompute(model, [Sample("x", [1], [1]), Sample("x", [2], [0])], _cfg(tmp_path), **kw)
     with pytest.raises(ValueError, match="2 input_ids but 1 loss_mask"):
-        precompute(model, [Sample("x", [1, 2], [1])], tmp_path, **kw)
+        precompute(model, [Sample("x", [1, 2], [1])], _cfg(tmp_path), **kw)
     with pytest.raises(ValueError, match="token ids must be in 0..255"):
-        precompute(model, [Sample("x", [1, 256], [1, 1])], tmp_path, **kw)
+        precompute(model, [Sample("x", [1, 256], [1, 1])], _cfg(tmp_path), **kw)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,10 +257,9 @@ def _one_then_two_processes(model, model_dir, one_dir, two_dir, *, n, seed, shar
                             tp=1):
     """Precompute the same samples (aux layer 2) in this process into one_dir, then with two torchrun processes
     (tensor-parallel when tp=2) into two_dir; returns the single process's manifest."""
-    one = precompute(model, make_samples(n, seed), one_dir, model_dir=model_dir, shard_tokens=shard_tokens,
-                     batch_tokens=batch_tokens, aux_layers=(2,), val_fraction=val, seed=0,
-                     tokenizer_fingerprint="tok-fp", chat_template_fingerprint="tmpl-fp",
-                     data_info={"source": "random"}, progress=False)
+    one = precompute(model, make_samples(n, seed), _cfg(one_dir, shard_tokens=shard_tokens, batch_tokens=batch_tokens,
+                                                        aux_layers=[2], val_fraction=val, seed=0),
+                     model_dir=model_dir, **KW)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "_precompute_worker.py"), str(model_dir), str(two_dir), str(n), str(seed),
@@ -346,7 +352,7 @@ def test_manifest_of_another_run_is_blamed_not_the_shards(ref, model, model_dir,
     """A manifest copied over from another precompute describes other shards under the same names: the error says
     the manifest does not match (the shards are good), and never tells the user to delete a shard."""
     other = tmp_path / "other"
-    precompute(model, samples[:20], other, model_dir=model_dir, shard_tokens=256, batch_tokens=100, **KW)
+    precompute(model, samples[:20], _cfg(other, shard_tokens=256, batch_tokens=100), model_dir=model_dir, **KW)
     d = _copy(ref, tmp_path)
     shutil.copy(other / "manifest.json", d / "manifest.json")
     for verify in ("never", "always"):

@@ -1,4 +1,5 @@
-"""Conversation readers: every record shape, every source kind, field mapping, bad rows and the shared data."""
+"""Conversation readers (formats, sources, readers): every record shape, every source kind, field mapping, bad rows
+and the shared data."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mtp_train.data.readers import DataError, ReadStats, iter_conversations, parse_record, read_conversations
+from mtp_train.config import DataConfig
+from mtp_train.data.formats import DataError, parse_record
+from mtp_train.data.readers import ReadStats, iter_conversations, read_conversations
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -16,6 +19,11 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 def _roles(conv) -> list[str]:
     return [m["role"] for m in conv.messages]
+
+
+def _data(paths: str | Path | list, **settings) -> DataConfig:
+    """The DataConfig that reads `paths` (one or a list) with the given settings."""
+    return DataConfig(paths=[str(p) for p in (paths if isinstance(paths, list) else [paths])], **settings)
 
 
 def _write_jsonl(path: Path, records: list) -> Path:
@@ -28,7 +36,7 @@ def _write_jsonl(path: Path, records: list) -> Path:
 
 def test_sharegpt_roles_ids_and_lines():
     path = FIXTURES / "sharegpt.jsonl"
-    convs, stats = read_conversations(path)
+    convs, stats = read_conversations(_data(path))
     assert [c.id for c in convs] == ["sg-1", "sg-2", "sharegpt.jsonl:3", "sg-4"]
     # The blank line 4 is not a row, but line numbers still count it.
     assert [c.line for c in convs] == [1, 2, 3, 5]
@@ -42,7 +50,7 @@ def test_sharegpt_roles_ids_and_lines():
 
 
 def test_messages_multi_turn_and_metadata():
-    convs, _ = read_conversations(FIXTURES / "messages.jsonl", format="messages")
+    convs, _ = read_conversations(_data(FIXTURES / "messages.jsonl", format="messages"))
     assert [c.id for c in convs] == ["m-1", "m-2"]
     assert convs[0].metadata == {"finish_reason": "stop"}
     assert _roles(convs[1]) == ["system", "user", "assistant", "user", "assistant"]
@@ -50,7 +58,7 @@ def test_messages_multi_turn_and_metadata():
 
 
 def test_prompt_shapes():
-    convs, stats = read_conversations(FIXTURES / "prompts.jsonl")
+    convs, stats = read_conversations(_data(FIXTURES / "prompts.jsonl"))
     assert stats.num_bad == 0
     prompt, alpaca, alpaca_no_input, gpteacher, gsm8k, mtbench, self_instruct = convs
     # A derived set's source_id is only unique together with its source file.
@@ -70,20 +78,20 @@ def test_prompt_shapes():
 
 
 def test_json_array_file_has_line_numbers(tmp_path):
-    convs, _ = read_conversations(FIXTURES / "alpaca_array.json")
+    convs, _ = read_conversations(_data(FIXTURES / "alpaca_array.json"))
     assert [c.line for c in convs] == [2, 7]
     assert convs[1].messages[0]["content"] == "Add the numbers.\n\n1, 2"
     broken = tmp_path / "broken.json"
     broken.write_text('[\n  {"prompt": "a"},\n  {"prompt": "b",,}\n]\n')
     with pytest.raises(DataError, match=r"broken\.json:3: invalid_json"):
-        read_conversations(broken)
+        read_conversations(_data(broken))
 
 
 def test_explicit_format_must_match(tmp_path):
     with pytest.raises(DataError, match=r"messages\.jsonl:1: unrecognised_fields"):
-        read_conversations(FIXTURES / "messages.jsonl", format="sharegpt")
+        read_conversations(_data(FIXTURES / "messages.jsonl", format="sharegpt"))
     with pytest.raises(ValueError, match="format must be one of"):
-        read_conversations(FIXTURES / "messages.jsonl", format="alpaca")
+        read_conversations(_data(FIXTURES / "messages.jsonl", format="alpaca"))
 
 
 # ------------------------------------------------------------------------------------------------- sources
@@ -94,13 +102,13 @@ def test_saved_dataset_and_dataset_dict(tmp_path):
     rows = [{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
             {"id": "b", "messages": [{"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]}]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
-    convs, stats = read_conversations(tmp_path / "ds")
+    convs, stats = read_conversations(_data(tmp_path / "ds"))
     assert [c.id for c in convs] == ["a", "b"] and [c.line for c in convs] == [1, 2]
     assert convs[1].messages[1] == {"role": "assistant", "content": "ciao"}
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:1]),
                                "test": datasets.Dataset.from_list(rows[1:])})
     dd.save_to_disk(str(tmp_path / "dd"))
-    convs, _ = read_conversations(tmp_path / "dd")
+    convs, _ = read_conversations(_data(tmp_path / "dd"))
     assert sorted(c.source.rsplit("[", 1)[1] for c in convs) == ["test]", "train]"]
 
 
@@ -112,7 +120,7 @@ def test_parquet_and_csv_through_datasets(tmp_path):
     ds.to_parquet(str(tmp_path / "alpaca.parquet"))
     ds.to_csv(str(tmp_path / "alpaca.csv"), index=False)
     for name in ("alpaca.parquet", "alpaca.csv"):
-        convs, stats = read_conversations(tmp_path / name)
+        convs, stats = read_conversations(_data(tmp_path / name))
         assert stats.num_bad == 0, name
         # A missing column value (None in parquet, empty in csv) is an absent field, not bad content.
         assert convs[0].messages == [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]
@@ -123,9 +131,9 @@ def test_parquet_and_csv_through_datasets(tmp_path):
 def test_folder_glob_and_several_paths(tmp_path):
     _write_jsonl(tmp_path / "a.jsonl", [{"prompt": "one"}, {"prompt": "two"}])
     _write_jsonl(tmp_path / "b.jsonl", [{"prompt": "three"}])
-    by_folder, _ = read_conversations(tmp_path)
-    by_glob, _ = read_conversations(str(tmp_path / "*.jsonl"))
-    by_list, _ = read_conversations([tmp_path / "a.jsonl", tmp_path / "b.jsonl"])
+    by_folder, _ = read_conversations(_data(tmp_path))
+    by_glob, _ = read_conversations(_data(tmp_path / "*.jsonl"))
+    by_list, _ = read_conversations(_data([tmp_path / "a.jsonl", tmp_path / "b.jsonl"]))
     texts = [c.messages[0]["content"] for c in by_folder]
     assert texts == ["one", "two", "three"]
     assert [c.messages for c in by_glob] == [c.messages for c in by_list] == [c.messages for c in by_folder]
@@ -134,14 +142,14 @@ def test_folder_glob_and_several_paths(tmp_path):
 def test_missing_file_is_named(tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        read_conversations([FIXTURES / "messages.jsonl", missing])
+        read_conversations(_data([FIXTURES / "messages.jsonl", missing]))
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        iter_conversations(missing)  # at the call, before any row is read
+        iter_conversations(_data(missing))  # at the call, before any row is read
     with pytest.raises(FileNotFoundError, match=r"no data files match .*\*\.parquet"):
-        read_conversations(str(tmp_path / "*.parquet"))
+        read_conversations(_data(tmp_path / "*.parquet"))
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(DataError, match="unsupported file type"):
-        read_conversations(tmp_path / "notes.txt")
+        read_conversations(_data(tmp_path / "notes.txt"))
 
 
 # ------------------------------------------------------------------------------------------ options, limits
@@ -152,27 +160,27 @@ def test_field_map_and_system_prompt(tmp_path):
         {"uid": "q1", "question_text": "Why is the sky blue?"},
         {"uid": "q2", "question_text": "What is 1+1?", "gold": "2"},
     ])
-    convs, _ = read_conversations(path, field_map={"prompt": "question_text", "id": "uid", "completion": "gold"},
-                                  system_prompt="You are helpful.")
+    convs, _ = read_conversations(_data(path, field_map={"prompt": "question_text", "id": "uid", "completion": "gold"},
+                                        system_prompt="You are helpful."))
     assert [c.id for c in convs] == ["q1", "q2"]
     assert convs[0].messages == [{"role": "system", "content": "You are helpful."},
                                  {"role": "user", "content": "Why is the sky blue?"}]
     assert convs[1].messages[-1] == {"role": "assistant", "content": "2"}
     # A conversation with its own system message keeps it.
-    convs, _ = read_conversations(FIXTURES / "messages.jsonl", system_prompt="Other.")
+    convs, _ = read_conversations(_data(FIXTURES / "messages.jsonl", system_prompt="Other."))
     assert convs[0].messages[0] == {"role": "system", "content": "Other."}
     assert convs[1].messages[0] == {"role": "system", "content": "Be terse."}
 
 
 def test_limit_and_streaming_stats():
     stats = ReadStats()
-    it = iter_conversations([FIXTURES / "sharegpt.jsonl", FIXTURES / "messages.jsonl"], limit=5, stats=stats)
+    it = iter_conversations(_data([FIXTURES / "sharegpt.jsonl", FIXTURES / "messages.jsonl"]), limit=5, stats=stats)
     first = next(it)
     assert first.id == "sg-1" and stats.kept == 1  # rows are read lazily
     rest = list(it)
     assert [c.id for c in rest] == ["sg-2", "sharegpt.jsonl:3", "sg-4", "m-1"]
     assert stats.kept == 5
-    convs, _ = read_conversations(FIXTURES / "messages.jsonl", limit=1)
+    convs, _ = read_conversations(_data(FIXTURES / "messages.jsonl"), limit=1)
     assert len(convs) == 1
 
 
@@ -192,7 +200,7 @@ def test_bad_row_error_names_file_line_reason(tmp_path, line):
     path = tmp_path / "one_bad.jsonl"
     path.write_text(lines[0] + "\n" + lines[line - 1] + "\n")
     with pytest.raises(DataError) as info:
-        read_conversations(path)
+        read_conversations(_data(path))
     err = info.value
     assert (err.source, err.line, err.reason) == (str(path), 2, EXPECTED_BAD[line])
     assert str(err).startswith(f"{path}:2: {EXPECTED_BAD[line]}")
@@ -200,7 +208,7 @@ def test_bad_row_error_names_file_line_reason(tmp_path, line):
 
 def test_bad_rows_skipped_and_counted(caplog):
     with caplog.at_level(logging.WARNING, logger="mtp_train.data.readers"):
-        convs, stats = read_conversations(BAD_ROWS, on_bad_row="skip")
+        convs, stats = read_conversations(_data(BAD_ROWS, on_bad_row="skip"))
     assert [c.line for c in convs] == [1, 10]
     expected: dict[str, int] = {}
     for reason in EXPECTED_BAD.values():
@@ -213,11 +221,11 @@ def test_bad_rows_skipped_and_counted(caplog):
 
 def test_error_mode_stops_at_first_bad_row():
     with pytest.raises(DataError, match=r"bad_rows\.jsonl:2: invalid_json"):
-        read_conversations(BAD_ROWS)
+        read_conversations(_data(BAD_ROWS))
 
 
 def test_parse_record_directly():
-    messages, metadata, conv_id = parse_record({"question": "Q?", "answer": "A.", "level": 3})
+    messages, metadata, conv_id = parse_record({"question": "Q?", "answer": "A.", "level": 3}, DataConfig())
     assert messages == [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]
     assert metadata == {"level": 3} and conv_id is None
 
@@ -238,7 +246,7 @@ def test_shared_data_first_rows_parse(tmp_path, path):
     with path.open("rb") as src, head.open("wb") as dst:
         for _, line in zip(range(50), src):
             dst.write(line)
-    convs, stats = read_conversations(head, format="auto", on_bad_row="skip")
+    convs, stats = read_conversations(_data(head, format="auto", on_bad_row="skip"))
     assert stats.num_bad == 0, stats.summary()
     assert len(convs) == stats.rows > 0
     assert all(c.messages[0]["role"] in ("user", "system") for c in convs)
@@ -254,8 +262,8 @@ def test_lone_surrogate_is_a_bad_row_named_and_skippable(tmp_path):
     path = tmp_path / "surrogates.jsonl"
     path.write_text("\n".join([good, *bad]) + "\n")
     with pytest.raises(DataError, match=rf"{path}:2: invalid_text: .*lone surrogate '\\ud800' at character 2"):
-        read_conversations(path)
-    convs, stats = read_conversations(path, on_bad_row="skip")
+        read_conversations(_data(path))
+    convs, stats = read_conversations(_data(path, on_bad_row="skip"))
     assert [c.id for c in convs] == ["a"]
     assert dict(stats.bad) == {"invalid_text": 3}
     assert stats.examples["invalid_text"] == [f"{path}:2", f"{path}:3", f"{path}:4"]
@@ -266,4 +274,4 @@ def test_a_cut_line_is_reported_at_its_real_column(tmp_path):
     line = '{"id": "a", "prompt": "hello"'
     path.write_text(line + "\n")
     with pytest.raises(DataError, match=rf"{path}:1: invalid_json: Expecting ',' delimiter at column {len(line) + 1}"):
-        read_conversations(path)
+        read_conversations(_data(path))

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from mtp_train.cli.common import CONF_DIR
 from mtp_train.cli.regenerate import config_path, regenerate_main
-from mtp_train.config import register_configs
+from mtp_train.config import DataConfig, register_configs
 from mtp_train.data.chat import render
 from mtp_train.data.readers import Conversation, read_conversations
 from mtp_train.engine import LLMEngine, SamplingParams
@@ -124,7 +124,7 @@ def convs(tmp_path_factory) -> list[Conversation]:
     rows = [{"id": f"p{i}", "prompt": f"Question number {i}: tell me something."} for i in range(5)]
     rows.insert(2, {"id": "two", "turns": ["First question?", "Second question?"]})
     path = _write_jsonl(tmp_path_factory.mktemp("data") / "convs.jsonl", rows)
-    return read_conversations([path])[0]
+    return read_conversations(DataConfig(paths=[str(path)]))[0]
 
 
 def _run(tiny, convs, out, *, engine=None, settings=None, max_prompt_tokens=None, **kw):
@@ -197,7 +197,7 @@ def test_turn_by_turn_answers_equal_the_engine_on_rerendered_prompts(smollm2, de
     saved = OmegaConf.load(config_path(out))
     assert saved.max_new_tokens == 12 and saved.data.paths == [str(data)]
     # The output reads back as conversations (messages format) for the next stage.
-    back, _ = read_conversations([out])
+    back, _ = read_conversations(DataConfig(paths=[str(out)]))
     assert [c.messages for c in back] == [r["messages"] for r in recs]
 
 

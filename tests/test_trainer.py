@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from mtp_train.cli.common import CONF_DIR
 from mtp_train.cli.train import train_main
-from mtp_train.config import HeadConfig, LossConfig, register_configs
+from mtp_train.config import HeadConfig, LossConfig, PrecomputeConfig, register_configs
 from mtp_train.heads import FrozenTargetParts, build_head, load_head
 from mtp_train.models import load_model
 from mtp_train.models.fingerprint import weights_fingerprint
@@ -77,9 +77,10 @@ def setup(tmp_path_factory) -> Setup:
     make_tiny_checkpoint("llama", root / "target", seed=0)
     make_tiny_checkpoint("llama", root / "other", seed=1)
     model = load_model(root / "target", dtype="float32", backend="torch")
-    precompute(model, make_train_samples(120, 0), root / "pc", tokenizer_fingerprint="tok-fp",
-               chat_template_fingerprint="tmpl-fp", model_dir=root / "target", data_info={"name": "random"},
-               shard_tokens=1500, batch_tokens=2048, val_fraction=0.15, seed=0, progress=False)
+    cfg = PrecomputeConfig(out=str(root / "pc"), shard_tokens=1500, batch_tokens=2048, val_fraction=0.15, seed=0,
+                           progress=False)
+    precompute(model, make_train_samples(120, 0), cfg, tokenizer_fingerprint="tok-fp",
+               chat_template_fingerprint="tmpl-fp", model_dir=root / "target", data_info={"name": "random"})
     return Setup(root / "target", root / "other", root / "pc")
 
 

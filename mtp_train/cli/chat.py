@@ -27,9 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from mtp_train.cli.common import configure_from_env
     from mtp_train.engine import LLMEngine, SamplingParams
     from mtp_train.models import ModelConfigError, load_model
 
+    configure_from_env()  # the native CPU kernels' switch, folder and compiler (MTP_TRAIN_CPU_KERNELS, ...)
     try:
         model = load_model(args.model, dtype=args.dtype)
     except (ModelConfigError, ValueError) as e:

@@ -10,6 +10,11 @@ shard or checkpoint, an output another run holds) into one line on stderr and ex
 traceback. `HYDRA_FULL_ERROR=1`, Hydra's own switch for full tracebacks, also shows them for our errors.
 `hydra_entry` also refuses, the same way, command-line keys and values the command's schema does not have
 (`mtp_train.config.check_overrides` / `check_config`), before anything is loaded or written.
+
+The environment is read here, by the commands, and handed to the library as settings (library code reads none):
+torchrun's RANK / WORLD_SIZE / LOCAL_RANK (`launch_env`), and the native CPU kernels' switch, build folder and
+compiler (`kernel_settings_from_env`: MTP_TRAIN_CPU_KERNELS, MTP_TRAIN_KERNEL_DIR, CC), applied once at start-up
+by every command (`configure_from_env`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import logging
 import netrc
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -34,6 +39,7 @@ from mtp_train.data.readers import DataError
 from mtp_train.dist import DistInfo, Launch
 from mtp_train.fetch import REGISTRY, ModelFetchError, fetch_model
 from mtp_train.fileio import OutputLockedError, atomic_write_text
+from mtp_train.layers import cpu_kernels
 from mtp_train.models.config import ModelConfigError
 from mtp_train.precompute.reader import ShardError
 from mtp_train.precompute.writer import PrecomputeError
@@ -52,6 +58,11 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ShardError, PrecomputeError, CheckpointError, OutputLockedError,
 )
 EXIT_USER_ERROR = 2
+
+# The native CPU kernels' environment (see `kernel_settings_from_env`).
+ENV_CPU_KERNELS = "MTP_TRAIN_CPU_KERNELS"
+ENV_KERNEL_DIR = "MTP_TRAIN_KERNEL_DIR"
+ENV_CC = "CC"
 
 
 def to_dict(cfg: DictConfig | dict[str, Any] | None) -> dict[str, Any]:
@@ -74,6 +85,29 @@ def launch_env() -> Launch:
     env = os.environ
     return Launch(rank=int(env.get("RANK", "0")), world=int(env.get("WORLD_SIZE", "1")),
                   local_rank=int(env.get("LOCAL_RANK", "0")))
+
+
+def kernel_settings_from_env(env: Mapping[str, str] | None = None) -> cpu_kernels.KernelSettings:
+    """The native CPU kernels' settings (`mtp_train.layers.cpu_kernels`) from `env` (default: this process's):
+
+    * `MTP_TRAIN_CPU_KERNELS=0` switches them off: decode and verify steps run on torch's operators (and
+      one-row products on MKL's pre-packed GEMM);
+    * `MTP_TRAIN_KERNEL_DIR` is the folder they are built into and shared from (default
+      `~/.cache/mtp_train/kernels`);
+    * `CC` is the C compiler tried first (then cc, gcc, clang on PATH).
+
+    Unset or empty variables keep the library's defaults.
+    """
+    env = os.environ if env is None else env
+    cache_dir = env.get(ENV_KERNEL_DIR)
+    return cpu_kernels.KernelSettings(enabled=env.get(ENV_CPU_KERNELS, "1") != "0",
+                                      cache_dir=Path(cache_dir) if cache_dir else None,
+                                      compiler=env.get(ENV_CC) or None, off_reason=f"{ENV_CPU_KERNELS}=0")
+
+
+def configure_from_env() -> None:
+    """Hand the library the settings the commands take from the environment (the CPU kernels'); once, at start."""
+    cpu_kernels.configure(kernel_settings_from_env())
 
 
 def init_dist(model_cfg: ModelConfig) -> DistInfo:
@@ -169,15 +203,16 @@ def command_line_overrides(argv: list[str]) -> list[str]:
 
 
 def hydra_entry(prog: str, config_name: str, fn: Callable[[DictConfig], Any]) -> Callable[[], None]:
-    """The console entry point of a Hydra command: register the schemas, check the command line's keys against
-    the schema, parse it with the root config `conf/<config_name>.yaml`, check the composed config, then
-    `run_command(prog, fn, cfg)`."""
+    """The console entry point of a Hydra command: read the environment (`configure_from_env`), register the
+    schemas, check the command line's keys against the schema, parse it with the root config
+    `conf/<config_name>.yaml`, check the composed config, then `run_command(prog, fn, cfg)`."""
 
     @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)
     def _hydra_main(cfg: DictConfig) -> None:
         run_command(prog, lambda c: fn(check_config(c, config_name)), cfg)
 
     def main() -> None:
+        configure_from_env()
         register_configs()
         # Before Hydra composes: its own error for a mistyped key is a multi-line hint to add it with `+`.
         run_command(prog, lambda _: check_overrides(command_line_overrides(sys.argv[1:]), config_name), None)

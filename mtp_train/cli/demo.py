@@ -29,7 +29,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from mtp_train.cli.common import EXIT_USER_ERROR, USER_ERRORS
+from mtp_train.cli.common import EXIT_USER_ERROR, USER_ERRORS, configure_from_env
 from mtp_train.config import CONF_DIR, DemoConfig, register_configs
 from mtp_train.fileio import atomic_write_text
 
@@ -156,6 +156,7 @@ def print_summary(rows: list[tuple[str, str, float, str]], s: dict[str, Any]) ->
 def main(argv: list[str] | None = None) -> None:
     """`mtp-demo [key=value ...]`: overrides of conf/demo.yaml (e.g. out=runs/demo2)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    configure_from_env()
     args = sys.argv[1:] if argv is None else argv
     try:
         base = OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.load(Path(CONF_DIR) / "demo.yaml"))

@@ -31,7 +31,7 @@ from mtp_train.cli.common import (
     save_config,
     to_dict,
 )
-from mtp_train.config import check_config
+from mtp_train.config import DataConfig, check_config, typed
 from mtp_train.data.readers import read_conversations
 from mtp_train.engine.llm import LLMEngine
 from mtp_train.fileio import output_lock
@@ -72,11 +72,9 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
             out = Path(cfg.out)
             # Every rank reads all conversations (the order of the merged output); data errors surface before the
             # model.
-            data = cfg.data
-            paths = list(data.paths)
-            convs, read_stats = read_conversations(paths, format=data.format, field_map=to_dict(data.field_map),
-                                                   system_prompt=data.system_prompt, on_bad_row=data.on_bad_row,
-                                                   limit=cfg.limit)
+            data = typed(cfg.data, DataConfig)
+            paths = data.paths
+            convs, read_stats = read_conversations(data, limit=cfg.limit)
             if not convs:
                 raise RegenerateError(f"no conversations to answer in data.paths={paths} ({read_stats.summary()})")
             if info.is_main:

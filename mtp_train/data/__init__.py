@@ -1,4 +1,5 @@
-"""Conversations in (readers of chat and prompt sets), token ids and assistant-only loss masks out (chat)."""
+"""Conversations in (readers of chat and prompt sets: sources → formats → readers), token ids and assistant-only
+loss masks out (chat)."""
 
 from mtp_train.data.chat import (
     ChatTemplateError,
@@ -11,15 +12,8 @@ from mtp_train.data.chat import (
     tokenize_conversations,
     tokenizer_fingerprint,
 )
-from mtp_train.data.readers import (
-    BadRecord,
-    Conversation,
-    DataError,
-    ReadStats,
-    iter_conversations,
-    parse_record,
-    read_conversations,
-)
+from mtp_train.data.formats import BadRecord, DataError, parse_record
+from mtp_train.data.readers import Conversation, ReadStats, iter_conversations, read_conversations
 
 __all__ = [
     "BadRecord",

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtp_train.data.readers import Conversation, DataError
+from mtp_train.data.formats import DataError
+from mtp_train.data.readers import Conversation
 from mtp_train.models.config import ModelConfigError
 
 Messages = Sequence[Mapping[str, str]]

@@ -35,8 +35,7 @@ def load_prompt_sets(entries: Sequence[str], limit: int | None = None,
         if missing:
             raise DataError(f"prompt set {entry!r}", None, f"{', '.join(missing)} not found",
                             "paths are relative to the working directory")
-        convs, _ = read_conversations(list(d.paths), format=d.format, field_map=dict(d.field_map),
-                                      system_prompt=d.system_prompt, on_bad_row=d.on_bad_row, limit=limit)
+        convs, _ = read_conversations(d, limit=limit)
         convs = [c for c in convs if any(m["role"] == "user" for m in c.messages)]
         if not convs:
             raise DataError(f"prompt set {entry!r}", None, "no user turns", ", ".join(d.paths))

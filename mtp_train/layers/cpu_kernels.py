@@ -12,10 +12,13 @@ See bench/bench_cpu_kernels.py and bench/bench_engine.py for what they buy.
 
 The kernel is plain C (AVX2 + FMA, no torch headers) and is called through ctypes, so building it
 takes about a second with the system C compiler and needs nothing from the Python environment. The
-library goes to `$MTP_TRAIN_KERNEL_DIR` (default `~/.cache/mtp_train/kernels`), named by a hash of
-its source and flags, written atomically, so concurrent processes share one build. Where it cannot
-be used (not x86-64 with AVX2, no compiler, a failed build, `MTP_TRAIN_CPU_KERNELS=0`), `gemv()`
-is not available and callers keep torch's paths; the reason is logged once.
+library goes to the settings' cache folder (`KernelSettings.cache_dir`, by default `~/.cache/mtp_train/kernels`),
+named by a hash of its source and flags, written atomically, so concurrent processes share one build.
+This module reads no environment: `configure` sets the settings (the commands call it once, from the
+environment variables `mtp_train.cli.common.kernel_settings_from_env` documents); a program that never calls it
+gets the kernels, built into the default folder with the first C compiler found. Where they cannot be used (not
+x86-64 with AVX2, no compiler, a failed build, switched off), `available()` is False and callers keep torch's
+paths; the reason is logged once.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,44 +44,64 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c99")
 LIBS = ("-lm",)
-ENV_SWITCH = "MTP_TRAIN_CPU_KERNELS"
-ENV_DIR = "MTP_TRAIN_KERNEL_DIR"
+COMPILERS = ("cc", "gcc", "clang")  # tried in order, after KernelSettings.compiler
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """Whether the native kernels are used, where they are built, and with which compiler."""
+
+    enabled: bool = True  # False: every caller takes torch's paths
+    cache_dir: Path | None = None  # where the built library is kept (shared by processes); None: default_cache_dir()
+    compiler: str | None = None  # a C compiler (name on PATH or path) tried before COMPILERS
+    off_reason: str = "switched off"  # what the log gives as the reason when enabled is False
+
 
 _lock = threading.Lock()
+_settings = KernelSettings()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _reason = ""
 _off = 0  # depth of `disabled()` blocks
 _threads_ok = False  # True when the library bound to the OpenMP runtime already loaded (else one thread)
+_opened: dict[Path, tuple[ctypes.CDLL, bool]] = {}  # built libraries loaded so far (see `_open`)
 
 
-def _cache_dir() -> Path:
-    d = os.environ.get(ENV_DIR)
-    return Path(d) if d else Path.home() / ".cache" / "mtp_train" / "kernels"
+def configure(settings: KernelSettings) -> None:
+    """Use `settings` from now on: whether the kernels are used and how they are built is decided again at the
+    next use (call it before models run; a library already loaded stays loaded and is reused)."""
+    global _settings, _lib, _tried, _reason, _threads_ok
+    with _lock:
+        _settings, _lib, _tried, _reason, _threads_ok = settings, None, False, "", False
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+def default_cache_dir() -> Path:
+    """`~/.cache/mtp_train/kernels`."""
+    return Path.home() / ".cache" / "mtp_train" / "kernels"
+
+
+def find_compiler(preferred: str | None = None) -> str | None:
+    """The path of `preferred` when it is on PATH (or a path), else of the first of COMPILERS found; None if none."""
+    for name in (preferred, *COMPILERS):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
 
 
-def _build(cc: str) -> Path:
-    """Compile SOURCE into the cache (atomic rename; an existing build is reused) and return its path."""
-    src = SOURCE.read_bytes()
+def build_library(cc: str, cache_dir: Path, source: Path = SOURCE) -> Path:
+    """Compile `source` into `cache_dir` (atomic rename; an existing build is reused) and return its path."""
+    src = source.read_bytes()
     tag = hashlib.sha256(src + " ".join(CFLAGS + LIBS).encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    out = out_dir / f"mtp_cpu_kernels_{tag}.so"
+    out = cache_dir / f"mtp_cpu_kernels_{tag}.so"
     if out.exists():
         return out
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True)
+        res = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, *LIBS], capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {SOURCE}:\n{res.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cc} failed on {source}:\n{res.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -95,52 +119,65 @@ def _openmp_runtimes() -> set[str]:
         return set()
 
 
+def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
+    """Load the built library at `path` and declare its functions; (library, whether it may use threads).
+
+    Once per path and process (`_opened`): after `configure` the same build is reused, and a second look at the
+    OpenMP runtimes would no longer see which one loading it brought in.
+    """
+    if path in _opened:
+        return _opened[path]
+    before = _openmp_runtimes()
+    lib = ctypes.CDLL(str(path))
+    fn = lib.mtp_gemv_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.mtp_paged_attention_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
+    fn = lib.mtp_rope_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = None
+    fn = lib.mtp_rmsnorm_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_float]
+    fn.restype = None
+    # Our libgomp.so.1 binds to the one torch already loaded, so our parallel regions reuse torch's
+    # threads. If loading it brought a runtime of its own (a torch built on another OpenMP), that
+    # runtime's spinning threads would share the cores with torch's: stay serial then.
+    added = _openmp_runtimes() - before
+    threads_ok = bool(before) and not added
+    if not threads_ok:
+        log.info("native CPU kernels run single-threaded: their OpenMP runtime is not torch's (%s)",
+                 sorted(added) or "none found")
+    _opened[path] = lib, threads_ok
+    return _opened[path]
+
+
 def _load() -> ctypes.CDLL | None:
-    """Build and load the library once per process; None (with `_reason` set) where it cannot be used."""
+    """Build and load the library once per `configure`; None (with `_reason` set) where it cannot be used."""
     global _lib, _tried, _reason, _threads_ok
     with _lock:
         if _tried:
             return _lib
         _tried = True
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            _reason = f"{ENV_SWITCH}=0"
+        cfg = _settings
+        if not cfg.enabled:
+            _reason = cfg.off_reason
         elif platform.machine().lower() not in ("x86_64", "amd64"):
             _reason = f"needs x86-64, this is {platform.machine()}"
         elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
             _reason = f"needs AVX2, this CPU offers {torch.backends.cpu.get_cpu_capability()}"
-        elif (cc := _compiler()) is None:
+        elif (cc := find_compiler(cfg.compiler)) is None:
             _reason = "no C compiler (cc/gcc/clang) on PATH"
         else:
             try:
-                before = _openmp_runtimes()
-                lib = ctypes.CDLL(str(_build(cc)))
-                fn = lib.mtp_gemv_f32
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-                fn.restype = ctypes.c_int
-                fn = lib.mtp_paged_attention_f32
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                               ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-                               ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-                fn.restype = None
-                fn = lib.mtp_rope_f32
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_void_p]
-                fn.restype = None
-                fn = lib.mtp_rmsnorm_f32
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                               ctypes.c_int, ctypes.c_float]
-                fn.restype = None
-                _lib = lib
-                # Our libgomp.so.1 binds to the one torch already loaded, so our parallel regions reuse torch's
-                # threads. If loading it brought a runtime of its own (a torch built on another OpenMP), that
-                # runtime's spinning threads would share the cores with torch's: stay serial then.
-                added = _openmp_runtimes() - before
-                _threads_ok = bool(before) and not added
-                if not _threads_ok:
-                    log.info("native CPU kernels run single-threaded: their OpenMP runtime is not torch's (%s)",
-                             sorted(added) or "none found")
+                _lib, _threads_ok = _open(build_library(cc, Path(cfg.cache_dir or default_cache_dir())))
             except (OSError, RuntimeError) as e:
                 # unexpected on a machine that should build them: say so where it is seen
                 _reason = str(e)

@@ -13,6 +13,7 @@ from mtp_train.precompute.manifest import (
     Totals,
     is_val,
 )
+from mtp_train.precompute.plan import Sample
 from mtp_train.precompute.reader import (
     CorruptShardError,
     LengthBucketedBatchSampler,
@@ -20,7 +21,7 @@ from mtp_train.precompute.reader import (
     PrecomputedDataset,
     ShardError,
 )
-from mtp_train.precompute.writer import PrecomputeError, Sample, precompute
+from mtp_train.precompute.writer import PrecomputeError, precompute
 
 __all__ = [
     "FORMAT_VERSION",

@@ -12,9 +12,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import mtp_train
+from mtp_train.config import PrecomputeConfig
 from mtp_train.data import (
     chat_template_fingerprint,
     read_conversations,
@@ -23,7 +22,8 @@ from mtp_train.data import (
 )
 from mtp_train.models.base import CausalLM
 from mtp_train.precompute.manifest import Manifest
-from mtp_train.precompute.writer import Sample, precompute
+from mtp_train.precompute.plan import Sample
+from mtp_train.precompute.writer import precompute
 
 log = logging.getLogger(__name__)
 
@@ -62,21 +62,16 @@ def dropped_summary(info: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def build_samples(tokenizer: Any, data: Mapping[str, Any], max_seq_len: int, limit: int | None = None,
-                  template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[Sample], dict[str, Any]]:
-    """Read and tokenize the data config's conversations; returns samples and what happened to the rows.
-
-    data: a DataConfig-shaped mapping (paths, format, field_map, system_prompt, on_bad_row, name).
-    """
-    if not data.get("paths"):
+def build_samples(tokenizer: Any, cfg: PrecomputeConfig) -> tuple[list[Sample], dict[str, Any]]:
+    """Read and tokenize the conversations `cfg.data` names (the first `cfg.limit`, cut to `cfg.max_seq_len`
+    tokens, rendered with `cfg.chat_template_kwargs`); returns samples and what happened to the rows."""
+    data = cfg.data
+    if not data.paths:
         raise ValueError("data.paths is empty: give the conversation files, e.g. data.paths=[convs.jsonl]")
-    convs, read_stats = read_conversations(
-        list(data["paths"]), format=data.get("format", "auto"), field_map=dict(data.get("field_map") or {}),
-        system_prompt=data.get("system_prompt"), on_bad_row=data.get("on_bad_row", "error"), limit=limit,
-    )
-    on_bad_row = data.get("on_bad_row", "error")
-    tokenized, tok_stats = tokenize_conversations(tokenizer, convs, max_seq_len,
-                                                  template_kwargs=dict(template_kwargs or {}), on_bad_row=on_bad_row)
+    convs, read_stats = read_conversations(data, limit=cfg.limit)
+    tokenized, tok_stats = tokenize_conversations(tokenizer, convs, cfg.max_seq_len,
+                                                  template_kwargs=dict(cfg.chat_template_kwargs),
+                                                  on_bad_row=data.on_bad_row)
     if tok_stats.dropped_template_error:
         log.warning("skipped %d conversation(s) the chat template failed on: %s", tok_stats.dropped_template_error,
                     "; ".join(tok_stats.template_error_examples))
@@ -84,17 +79,17 @@ def build_samples(tokenizer: Any, data: Mapping[str, Any], max_seq_len: int, lim
     samples = [Sample(i, t.input_ids, t.loss_mask) for i, t in zip(ids, tokenized)]
     if not samples:
         raise ValueError(
-            f"no usable sample in {list(data['paths'])}: {read_stats.summary()}; "
+            f"no usable sample in {list(data.paths)}: {read_stats.summary()}; "
             f"{tok_stats.dropped_no_assistant} conversations had no assistant turn (regenerate prompt-only data "
             f"with mtp-regenerate first), {tok_stats.dropped_truncated} lost every assistant token to max_seq_len, "
             f"{tok_stats.dropped_template_error} failed in the chat template"
         )
     info = {
-        "name": data.get("name", "custom"),
-        "sources": [str(p) for p in data["paths"]],
-        "format": data.get("format", "auto"),
-        "max_seq_len": max_seq_len,
-        "limit": limit,
+        "name": data.name,
+        "sources": [str(p) for p in data.paths],
+        "format": data.format,
+        "max_seq_len": cfg.max_seq_len,
+        "limit": cfg.limit,
         "rows": read_stats.rows,
         "bad_rows": dict(read_stats.bad),
         "bad_row_examples": {r: list(e) for r, e in read_stats.examples.items()},  # reason → first few file:line
@@ -110,39 +105,30 @@ def build_samples(tokenizer: Any, data: Mapping[str, Any], max_seq_len: int, lim
     return samples, info
 
 
-def run_precompute(model: CausalLM, tokenizer: Any, model_dir: str | Path, cfg: Mapping[str, Any], *,
-                   rank: int = 0, world: int = 1, tp_rank: int = 0, tp_size: int = 1,
-                   config_dict: dict[str, Any] | None = None,
+def run_precompute(model: CausalLM, tokenizer: Any, model_dir: str | Path, cfg: PrecomputeConfig, *,
+                   rank: int, world: int, tp_rank: int, tp_size: int, config_dict: dict[str, Any],
                    on_start: Callable[[], None] | None = None) -> Manifest | None:
-    """Run stage one for a PrecomputeConfig-shaped `cfg`; returns the manifest on rank 0, else None.
+    """Run stage one as `cfg` says; returns the manifest on rank 0, else None.
 
     rank / world are data-parallel; with tensor parallelism every TP group (tp_size processes, see
-    `mtp_train.models.tensor_parallel`) is one data-parallel rank and only its tp_rank 0 writes. on_start: see
-    `precompute` (called once the data has been read, tokenized and checked).
+    `mtp_train.models.tensor_parallel`) is one data-parallel rank and only its tp_rank 0 writes. config_dict: the
+    command's resolved config, recorded in the manifest's provenance. on_start: see `precompute` (called once the
+    data has been read, tokenized and checked).
     """
-    samples, info = build_samples(tokenizer, cfg["data"], int(cfg["max_seq_len"]), cfg.get("limit"),
-                                  cfg.get("chat_template_kwargs"))
+    samples, info = build_samples(tokenizer, cfg)
     if rank == 0 and tp_rank == 0:
         log.info("precompute: %d samples, %d tokens (%d assistant) → %s", len(samples),
-                 sum(len(s.input_ids) for s in samples), sum(sum(s.loss_mask) for s in samples), cfg["out"])
+                 sum(len(s.input_ids) for s in samples), sum(sum(s.loss_mask) for s in samples), cfg.out)
     return precompute(
-        model, samples, cfg["out"],
+        model, samples, cfg,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         chat_template_fingerprint=chat_template_fingerprint(tokenizer),
         model_dir=model_dir,
         data_info=info,
-        shard_tokens=int(cfg.get("shard_tokens", 1 << 17)),
-        batch_tokens=int(cfg.get("batch_tokens", 8192)),
-        aux_layers=list(cfg.get("aux_layers") or []),
-        val_fraction=float(cfg.get("val_fraction", 0.0)),
-        seed=int(cfg.get("seed", 0)),
         rank=rank,
         world=world,
         tp_rank=tp_rank,
         tp_size=tp_size,
-        hidden_dtype=torch.bfloat16,
-        provenance={"package": "mtp_train", "version": mtp_train.__version__, "config": config_dict or {}},
-        progress=bool(cfg.get("progress", True)),
-        verify_on_resume=bool(cfg.get("verify_on_resume", True)),
+        provenance={"package": "mtp_train", "version": mtp_train.__version__, "config": config_dict},
         on_start=on_start,
     )

@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from mtp_train.fileio import sha256_file
 from mtp_train.precompute.manifest import Manifest, ManifestError, ShardInfo, is_val
+from mtp_train.precompute.shards import sidecar_path
 
 VERIFY_MODES = ("first_open", "never", "always")
 
@@ -116,7 +117,7 @@ class PrecomputedDataset(torch.utils.data.Dataset):
         with the file but not with the manifest, the shard is fine and the manifest is the stranger: blaming the
         shard would have the user delete good data.
         """
-        side = path.with_suffix(".json")
+        side = sidecar_path(path)
         try:
             d = json.loads(side.read_text())
             own_sha, own_bytes = d["sha256"], int(d["bytes"])

@@ -1,0 +1,135 @@
+"""Where records come from: files, folders, globs and saved datasets → (source, line, record) rows.
+
+`.jsonl` / `.json` are streamed by our own code so that every error names its line (a line that is not JSON, or
+not UTF-8, is a row holding a `BadRecord`); `.parquet` / `.csv` go through `datasets.load_dataset`; a folder
+written by `Dataset.save_to_disk` through `datasets.load_from_disk` (rows are numbered from 1 like lines). A plain
+folder stands for the data files directly inside it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from mtp_train.data.formats import INVALID_JSON, BadRecord, DataError
+
+JSON_SUFFIXES = (".jsonl", ".json")
+DATASETS_SUFFIXES = {".parquet": "parquet", ".csv": "csv"}
+PathLike = str | Path
+
+
+def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line, decoded record) for a JSON Lines file or a `.json` array; undecodable lines yield a `BadRecord`."""
+    with path.open("r", encoding="utf-8-sig", errors="replace") as fh:
+        head = fh.read(4096).lstrip()
+    if path.suffix == ".json" and head.startswith("["):
+        yield from _json_array_rows(path)
+        return
+    # Bytes, decoded line by line, so that one line of broken UTF-8 is one bad row and not the end of the file.
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                yield lineno, BadRecord(INVALID_JSON, f"not UTF-8 ({exc.reason} at byte {exc.start})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                # Without its line break: a line cut short would otherwise fail "at column 1" of the next line.
+                yield lineno, json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as exc:
+                yield lineno, BadRecord(INVALID_JSON, f"{exc.msg} at column {exc.colno}")
+
+
+def _json_array_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """Elements of a top-level JSON array, each with the line it starts on. A syntax error ends the file."""
+    text = path.read_text(encoding="utf-8-sig")
+    decoder = json.JSONDecoder()
+    pos, line, counted = text.index("[") + 1, 1, 0
+
+    def skip(p: int, chars: str) -> int:
+        while p < len(text) and text[p] in chars:
+            p += 1
+        return p
+
+    pos = skip(pos, " \t\r\n")
+    if pos < len(text) and text[pos] == "]":
+        return
+    while pos < len(text):
+        line += text.count("\n", counted, pos)
+        counted = pos
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            yield exc.lineno, BadRecord(INVALID_JSON, f"{exc.msg} at column {exc.colno} (rest of file not read)")
+            return
+        yield line, value
+        pos = skip(end, " \t\r\n")
+        if pos < len(text) and text[pos] == "]":
+            return
+        if pos >= len(text) or text[pos] != ",":
+            bad_line = line + text.count("\n", counted, pos)
+            yield bad_line, BadRecord(INVALID_JSON, "expected ',' or ']' after an element (rest of file not read)")
+            return
+        pos = skip(pos + 1, " \t\r\n")
+
+
+def _dataset_rows(path: Path) -> Iterator[tuple[str, int, Any]]:
+    """(source, row, record) from a saved dataset folder or a parquet/csv file, through `datasets`."""
+    import datasets  # slow to import; only needed for these sources
+
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
+    else:
+        builder = DATASETS_SUFFIXES[path.suffix]
+        splits = [(None, datasets.load_dataset(builder, data_files=str(path), split="train"))]
+    for split, ds in splits:
+        source = str(path) if split is None else f"{path}[{split}]"
+        for row, record in enumerate(ds, start=1):
+            yield source, row, record
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    """A folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`."""
+    return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def resolve_paths(paths: PathLike | Iterable[PathLike]) -> list[Path]:
+    """Files and saved-dataset folders to read, in order; a plain folder or glob expands to its data files."""
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    out: list[Path] = []
+    for item in items:
+        path = Path(item)
+        if not path.exists() and glob.has_magic(str(item)):
+            matches = sorted(Path(p) for p in glob.glob(str(item)))
+            if not matches:
+                raise FileNotFoundError(f"no data files match {item}")
+            out.extend(matches)
+        elif not path.exists():
+            raise FileNotFoundError(f"data file not found: {path}")
+        elif path.is_dir() and not _is_saved_dataset(path):
+            found = sorted(p for p in path.iterdir() if p.suffix in (*JSON_SUFFIXES, *DATASETS_SUFFIXES))
+            if not found:
+                raise FileNotFoundError(f"{path} is neither a saved dataset nor a folder of data files")
+            out.extend(found)
+        else:
+            out.append(path)
+    for path in out:
+        if path.is_file() and path.suffix not in (*JSON_SUFFIXES, *DATASETS_SUFFIXES):
+            raise DataError(str(path), None, "unsupported file type",
+                            f"expected one of {', '.join((*JSON_SUFFIXES, *DATASETS_SUFFIXES))}")
+    return out
+
+
+def path_rows(path: Path) -> Iterator[tuple[str, int, Any]]:
+    """(source, line, record-or-BadRecord) of one path from `resolve_paths`."""
+    if path.is_file() and path.suffix in JSON_SUFFIXES:
+        for line, record in _json_rows(path):
+            yield str(path), line, record
+    else:
+        yield from _dataset_rows(path)
