@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=None, help="train.max_steps (default: the recipe's)")
     ap.add_argument("overrides", nargs="*", help="more mtp-train overrides for both runs, key=value")
     args = ap.parse_args(argv)
+    from mtp_train.cli.common import configure_from_env
+
+    configure_from_env()  # MTP_TRAIN_CPU_KERNELS, MTP_TRAIN_KERNEL_DIR, CC, as the commands read them
     out = Path(args.out)
     extra = scaled_budget(args.steps) + list(args.overrides)
 

@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
+    from mtp_train.cli.common import configure_from_env
+
+    configure_from_env()  # MTP_TRAIN_CPU_KERNELS, MTP_TRAIN_KERNEL_DIR, CC, as the commands read them
     if not cpu_kernels.available():
         print(f"native CPU kernels unavailable here: {cpu_kernels.unavailable_reason()}")
         report({"available": False, "reason": cpu_kernels.unavailable_reason()})

@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--verify-context", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
+    from mtp_train.cli.common import configure_from_env
+
+    configure_from_env()  # MTP_TRAIN_CPU_KERNELS, MTP_TRAIN_KERNEL_DIR, CC, as the commands read them
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--reads", type=int, default=2000, help="random sample reads for the read benchmark")
     args = ap.parse_args(argv)
+    from mtp_train.cli.common import configure_from_env
+
+    configure_from_env()  # MTP_TRAIN_CPU_KERNELS, MTP_TRAIN_KERNEL_DIR, CC, as the commands read them
     if not Path(args.data).is_file():
         print(f"skipped: {args.data} not found (pass --data with conversations that have assistant turns)")
         return {}

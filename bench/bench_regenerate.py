@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true", help="ours and the peak only")
     args = ap.parse_args(argv)
+    from mtp_train.cli.common import configure_from_env
+
+    configure_from_env()  # MTP_TRAIN_CPU_KERNELS, MTP_TRAIN_KERNEL_DIR, CC, as the commands read them
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

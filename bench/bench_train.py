@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps-unrolled", type=int, default=1, help="loss.steps: chained draft steps per batch")
     ap.add_argument("overrides", nargs="*", help="more mtp-train overrides, key=value")
     args = ap.parse_args(argv)
+    from mtp_train.cli.common import configure_from_env
+
+    configure_from_env()  # MTP_TRAIN_CPU_KERNELS, MTP_TRAIN_KERNEL_DIR, CC, as the commands read them
 
     from mtp_train.cli.train import train_main
 
