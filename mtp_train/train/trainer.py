@@ -443,10 +443,10 @@ class Trainer:
         """spec/tau, spec/acceptance_rate, spec/pos{j}: greedy speculative decoding with the current head on the
         held-out prompts of `spec_eval`, through the inference engine (the target is loaded on first use)."""
         from mtp_train.data.chat import load_tokenizer
+        from mtp_train.engine.turns import stop_token_ids
         from mtp_train.eval.acceptance import head_acceptance
         from mtp_train.eval.prompts import load_prompt_sets
         from mtp_train.models.loader import load_model
-        from mtp_train.precompute.regenerate import stop_token_ids
         from mtp_train.speculative.proposers import HeadProposer
 
         se = self.cfg.spec_eval
