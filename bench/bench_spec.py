@@ -26,19 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report  # noqa: E402
 
+from mtp_train.config import EvalConfig  # noqa: E402
 from mtp_train.data.chat import load_tokenizer  # noqa: E402
-from mtp_train.eval.acceptance import (  # noqa: E402
-    EvalSettings,
-    Method,
-    best_row,
-    evaluate,
-    overall_rows,
-    result_row,
-)
+from mtp_train.engine.turns import stop_token_ids  # noqa: E402
+from mtp_train.eval.acceptance import Method, evaluate  # noqa: E402
 from mtp_train.eval.prompts import load_prompt_sets  # noqa: E402
+from mtp_train.eval.rows import best_row, overall_rows, result_row  # noqa: E402
 from mtp_train.heads import load_head  # noqa: E402
 from mtp_train.models import load_model  # noqa: E402
-from mtp_train.precompute.regenerate import stop_token_ids  # noqa: E402
 from mtp_train.speculative.proposers import HeadProposer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     head = load_head(head_dir, args.model, dtype=torch.float32)
     stops = stop_token_ids(tokenizer, model.args.eos_token_ids)
     sets = load_prompt_sets([prompts], args.limit)
-    settings = EvalSettings(ks=ks, temperatures=[0.0], max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
+    settings = EvalConfig(k=ks, temperature=[0.0], max_new_tokens=args.max_new_tokens, progress=False)
 
     def show(run, base) -> None:
         r = result_row(run, base)
@@ -100,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['update_seconds']:.1f}s)", flush=True)
 
     pairs, baselines = evaluate(model, tokenizer, sets, [Method("mtp", lambda: HeadProposer(head))], settings,
-                                on_result=show)
+                                stop_ids=stops, on_result=show)
     rows = overall_rows(pairs)
     best = best_row(rows)
     assert best is not None

@@ -219,9 +219,9 @@ class Evaluator:
 
     def __init__(self, model: str, ev: CurveEval) -> None:
         from mtp_train.data.chat import load_tokenizer
+        from mtp_train.engine.turns import stop_token_ids
         from mtp_train.eval.prompts import load_prompt_sets
         from mtp_train.models.loader import load_model
-        from mtp_train.precompute.regenerate import stop_token_ids
 
         self.model_dir, self.ev = model, ev
         self.target = load_model(model, dtype="float32", device="cpu")

@@ -75,3 +75,16 @@ def test_typed_runs_the_schemas_own_checks():
     with pytest.raises(ConfigError, match="temperature > 0"):
         typed({"n": 2}, RegenerateConfig)
     assert EvalConfig(k=[1, 2]).grid("k") == [1, 2] and EvalConfig(k=3).grid("k") == [3]
+
+
+def test_eval_grid_axes_are_lists_of_their_kind():
+    cfg = typed({"k": [1, 3], "temperature": [0, 1], "draft_threshold": 0.4, "catch_up": ["target", "own"]},
+                EvalConfig)
+    assert cfg.grid("k") == [1, 3] and cfg.grid("temperature") == [0.0, 1.0]
+    assert cfg.grid("draft_threshold") == [0.4] and cfg.grid("catch_up") == ["target", "own"]
+    with pytest.raises(ConfigError, match="k must be >= 1"):
+        EvalConfig(k=[0, 2])
+    with pytest.raises(ConfigError, match="`k` must be a int"):
+        EvalConfig(k="four")
+    with pytest.raises(ConfigError, match="`temperature` is empty"):
+        EvalConfig(temperature=[])

@@ -3,8 +3,8 @@ and the table's columns."""
 
 from __future__ import annotations
 
-from mtp_train.eval.acceptance import attach_ngram, best_row
 from mtp_train.eval.report import markdown_table
+from mtp_train.eval.rows import attach_ngram, best_row
 
 
 def _row(method, k, speedup, tau, dataset="overall", **extra):

@@ -21,26 +21,24 @@ from omegaconf import OmegaConf
 
 from mtp_train.cli.common import CONF_DIR
 from mtp_train.cli.regenerate import config_path, regenerate_main
-from mtp_train.config import DataConfig, register_configs
+from mtp_train.config import ConfigError, DataConfig, RegenerateConfig, register_configs
 from mtp_train.data.chat import render
 from mtp_train.data.readers import Conversation, read_conversations
 from mtp_train.engine import LLMEngine, SamplingParams
+from mtp_train.engine.turns import stop_token_ids
 from mtp_train.models import load_model
 from mtp_train.models.fingerprint import weights_fingerprint
-from mtp_train.precompute.regenerate import (
-    EXCEEDS_KV_CACHE,
-    PROMPT_TOO_LONG,
+from mtp_train.regenerate import (
     RegenerateError,
-    SamplingSettings,
     consolidate,
-    end_of_turn_token_id,
     make_provenance,
     part_path,
     plan_order,
     regenerate,
+    request_params,
     request_seed,
-    stop_token_ids,
 )
+from mtp_train.regenerate.stats import DUPLICATE_ID, EXCEEDS_KV_CACHE, PROMPT_TOO_LONG
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -127,15 +125,14 @@ def convs(tmp_path_factory) -> list[Conversation]:
     return read_conversations(DataConfig(paths=[str(path)]))[0]
 
 
-def _run(tiny, convs, out, *, engine=None, settings=None, max_prompt_tokens=None, **kw):
+def _run(tiny, convs, out, *, engine=None, settings=None, **kw):
     engine_, tok, folder = tiny
     engine = engine or engine_
-    settings = settings or SamplingSettings(max_new_tokens=6)
+    settings = settings or RegenerateConfig(max_new_tokens=6)
     stop = stop_token_ids(tok, engine.model.args.eos_token_ids)
     prov = make_provenance(target_name="tiny", target_path=folder, weights_fingerprint=weights_fingerprint(folder),
-                           tokenizer=tok, settings=settings, stop_ids=stop)
-    return regenerate(convs, engine, tok, out, settings=settings, provenance=prov, stop_ids=stop,
-                      max_prompt_tokens=max_prompt_tokens, **kw)
+                           tokenizer=tok, cfg=settings, stop_ids=stop)
+    return regenerate(convs, engine, tok, out, settings, provenance=prov, stop_ids=stop, **kw)
 
 
 # --------------------------------------------------------------------------------------------- real SmolLM2
@@ -199,18 +196,6 @@ def test_turn_by_turn_answers_equal_the_engine_on_rerendered_prompts(smollm2, de
     # The output reads back as conversations (messages format) for the next stage.
     back, _ = read_conversations(DataConfig(paths=[str(out)]))
     assert [c.messages for c in back] == [r["messages"] for r in recs]
-
-
-def test_end_of_turn_token_comes_from_the_template(default_model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_model_dir)
-    assert end_of_turn_token_id(tok) == tok.convert_tokens_to_ids("<|im_end|>") == 2
-    # A template that closes turns with another special token: that token ends answers too.
-    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|endoftext|>\n{% endfor %}"
-    assert end_of_turn_token_id(tok) == 0 and stop_token_ids(tok, [2]) == [2, 0]
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}"  # no marker: EOS alone
-    assert end_of_turn_token_id(tok) is None and stop_token_ids(tok, [2]) == [2]
 
 
 # ------------------------------------------------------------------------------------------------- resume
@@ -291,7 +276,7 @@ def test_resume_with_other_settings_is_refused(tiny, convs, tmp_path):
     _run(tiny, convs[:1], out, on_start=lambda: started.append(1))
     kept = _lines(out)
     with pytest.raises(RegenerateError, match=r"regen\.jsonl:1 .*max_new_tokens: 6 != 5"):
-        _run(tiny, convs[:2], out, settings=SamplingSettings(max_new_tokens=5), on_start=lambda: started.append(2))
+        _run(tiny, convs[:2], out, settings=RegenerateConfig(max_new_tokens=5), on_start=lambda: started.append(2))
     assert started == [1] and _lines(out) == kept  # refused before anything (the saved config too) changed
 
 
@@ -299,7 +284,7 @@ def test_resume_with_other_settings_is_refused(tiny, convs, tmp_path):
 
 
 def test_n_samples_are_distinct_records_and_reproducible(tiny, convs, tmp_path):
-    settings = SamplingSettings(n=2, temperature=0.8, top_p=0.95, max_new_tokens=6, seed=3)
+    settings = RegenerateConfig(n=2, temperature=0.8, top_p=0.95, max_new_tokens=6, seed=3)
     a = tmp_path / "a.jsonl"
     stats = _run(tiny, convs[:3], a, settings=settings)
     recs = _records(a)
@@ -318,18 +303,20 @@ def test_n_samples_are_distinct_records_and_reproducible(tiny, convs, tmp_path):
     assert _timeless(_records(b)) == _timeless(recs) == _timeless(_records(c))
 
     d = tmp_path / "d.jsonl"
-    _run(tiny, convs[:3], d, settings=SamplingSettings(n=2, temperature=0.8, top_p=0.95, max_new_tokens=6, seed=4))
+    _run(tiny, convs[:3], d, settings=RegenerateConfig(n=2, temperature=0.8, top_p=0.95, max_new_tokens=6, seed=4))
     assert [r["messages"] for r in _records(d)] != [r["messages"] for r in recs]
     assert request_seed(3, "p0", 0, 0) != request_seed(3, "p0", 1, 0) != request_seed(3, "p0", 0, 1)
 
 
 def test_n_above_one_needs_temperature():
-    with pytest.raises(RegenerateError, match="temperature > 0"):
-        SamplingSettings(n=2, temperature=0.0)
-    with pytest.raises(RegenerateError, match="temperature > 0"):
+    with pytest.raises(ConfigError, match="temperature > 0"):
+        RegenerateConfig(n=2, temperature=0.0)
+    with pytest.raises(ConfigError, match="temperature > 0"):
         regenerate_main(_compose(["n=2", "temperature=0"]))
     with pytest.raises(ValueError, match="top_p"):
-        SamplingSettings(top_p=0.0)
+        request_params(RegenerateConfig(top_p=0.0), None, [])
+    with pytest.raises(ValueError, match="top_p"):  # before anything is loaded (the model folder does not exist)
+        regenerate_main(_compose(["top_p=0", "model.path=/nonexistent", "model.fetch=null"]))
 
 
 # ----------------------------------------------------------------------------------------------- skipping
@@ -342,10 +329,10 @@ def test_too_long_prompts_are_skipped_and_counted(tiny, tmp_path):
              Conversation("late", [{"role": "user", "content": "Hi?"}, {"role": "user", "content": long}], "f", 3),
              Conversation("short", [{"role": "user", "content": "Again?"}], "f", 4)]
     out = tmp_path / "regen.jsonl"
-    stats = _run(tiny, convs, out, max_prompt_tokens=100)
+    stats = _run(tiny, convs, out, settings=RegenerateConfig(max_new_tokens=6, max_prompt_tokens=100))
     assert [r["id"] for r in _records(out)] == ["short"]
     # "late" is skipped at its second turn: only complete conversations are written.
-    assert dict(stats.skipped) == {PROMPT_TOO_LONG: 2, "duplicate_id": 1}
+    assert dict(stats.skipped) == {PROMPT_TOO_LONG: 2, DUPLICATE_ID: 1}
     assert stats.requests == 2
 
     engine, _, _ = tiny

@@ -6,7 +6,8 @@
 
 Writes into `out`: report.json (one row per prompt set and grid point, plus "overall" rows and the best k at
 temperature 0), report.md (the same as a table), outputs.jsonl (per prompt: each turn's token ids and text),
-acceptance_per_position.png and tau_speedup_vs_k.png, and config.yaml. See `mtp_train.eval.acceptance`.
+acceptance_per_position.png and tau_speedup_vs_k.png, and config.yaml. See `mtp_train.eval.acceptance` (the runs)
+and `mtp_train.eval.rows` (the report's rows).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from mtp_train.cli.common import (
     ensure_model,
@@ -25,22 +26,15 @@ from mtp_train.cli.common import (
     save_config,
     to_dict,
 )
-from mtp_train.config import rank_device
+from mtp_train.config import EvalConfig, rank_device, typed
 from mtp_train.data.chat import load_tokenizer, tokenizer_fingerprint
-from mtp_train.eval.acceptance import (
-    EvalSettings,
-    Method,
-    attach_ngram,
-    best_row,
-    evaluate,
-    overall_rows,
-    result_row,
-)
+from mtp_train.engine.turns import stop_token_ids
+from mtp_train.eval.acceptance import Method, evaluate
 from mtp_train.eval.prompts import load_prompt_sets
 from mtp_train.eval.report import markdown_table, output_records, plot, write_jsonl
+from mtp_train.eval.rows import attach_ngram, best_row, overall_rows, result_row
 from mtp_train.fileio import atomic_write_text
 from mtp_train.models.config import ModelConfigError
-from mtp_train.precompute.regenerate import stop_token_ids
 from mtp_train.speculative.engine import METHODS
 from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer, NgramProposer
 
@@ -48,18 +42,7 @@ log = logging.getLogger(__name__)
 PROG = "mtp-eval"
 
 
-def as_list(value: Any, what: str, kind: type) -> list:
-    """An int/float or a list of them (a grid axis) → a non-empty list."""
-    values = list(value) if isinstance(value, list | tuple) or OmegaConf.is_list(value) else [value]
-    if not values:
-        raise ValueError(f"`{what}` is empty")
-    try:
-        return [kind(v) for v in values]
-    except (TypeError, ValueError):
-        raise ValueError(f"`{what}` must be a {kind.__name__} or a list of them, got {value!r}") from None
-
-
-def make_proposers(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Path) -> list[Method]:
+def make_proposers(cfg: EvalConfig, target: Any, tokenizer: Any, target_dir: Path) -> list[Method]:
     """The methods of the grid (each a factory of fresh proposers); [] for method none.
 
     method=mtp: one per (draft_threshold, catch_up) of the grid; prompt lookup joins every method but none
@@ -78,7 +61,7 @@ def make_proposers(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Pat
     return [*_drafters(cfg, target, tokenizer, target_dir), *([ngram] if ng.compare else [])]
 
 
-def _drafters(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Path) -> list[Method]:
+def _drafters(cfg: EvalConfig, target: Any, tokenizer: Any, target_dir: Path) -> list[Method]:
     method = cfg.method
     if method == "mtp":
         if not cfg.head_ckpt:
@@ -89,11 +72,9 @@ def _drafters(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Path) ->
                          backend=cfg.model.backend, verify_fingerprint=cfg.verify_fingerprint)
         log.info("head %s: %s, %.2fM parameters, draft vocabulary %d", cfg.head_ckpt, head.cfg.type,
                  head.num_params() / 1e6, head.vocab_size)
-        thresholds = as_list(cfg.draft_threshold, "draft_threshold", float)
-        catch_ups = as_list(cfg.catch_up, "catch_up", str)
         methods = []
-        for thr in thresholds:
-            for cu in catch_ups:
+        for thr in cfg.grid("draft_threshold"):
+            for cu in cfg.grid("catch_up"):
                 HeadProposer(head, draft_threshold=thr, catch_up=cu)  # a bad value fails before any run
                 methods.append(Method("mtp", lambda t=thr, c=cu: HeadProposer(head, draft_threshold=t, catch_up=c),
                                       {"draft_threshold": thr, "catch_up": cu}))
@@ -116,23 +97,15 @@ def _drafters(cfg: DictConfig, target: Any, tokenizer: Any, target_dir: Path) ->
 
 def eval_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-eval` with a composed config; returns the report (also written to `<out>/report.json`)."""
-    ks = as_list(cfg.k, "k", int)
-    temps = as_list(cfg.temperature, "temperature", float)
-    if any(k < 1 for k in ks):
-        raise ValueError(f"k must be >= 1, got {ks}")
-    prompt_sets = load_prompt_sets(list(cfg.prompts), cfg.limit)  # data errors before the model loads
-    ensure_model(cfg.model)
-    target, tokenizer, target_dir = load_target(cfg.model, rank_device(cfg.model.device))
-    proposers = make_proposers(cfg, target, tokenizer, target_dir)
-    out = Path(cfg.out)
+    ec = typed(cfg, EvalConfig)  # the grid's values are checked here, before anything loads
+    prompt_sets = load_prompt_sets(list(ec.prompts), ec.limit)  # data errors before the model loads
+    ensure_model(ec.model)
+    target, tokenizer, target_dir = load_target(ec.model, rank_device(ec.model.device))
+    proposers = make_proposers(ec, target, tokenizer, target_dir)
+    out = Path(ec.out)
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
-    template_kwargs = to_dict(cfg.chat_template_kwargs)
-    settings = EvalSettings(ks=ks, temperatures=temps, max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k,
-                            top_p=cfg.top_p, seed=cfg.seed, batch_size=cfg.batch_size,
-                            page_size=cfg.model.page_size, kv_cache_gb=cfg.model.kv_cache_gb,
-                            stop_token_ids=stop_token_ids(tokenizer, target.args.eos_token_ids, template_kwargs),
-                            template_kwargs=template_kwargs, warmup=cfg.warmup, progress=cfg.progress)
+    stop_ids = stop_token_ids(tokenizer, target.args.eos_token_ids, ec.chat_template_kwargs)
     ids = {ps.name: [c.id for c in ps.convs] for ps in prompt_sets}
 
     def on_result(run: Any, base: Any) -> None:
@@ -143,7 +116,7 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
                  r.get("acceptance_rate", 0.0), r.get("mean_draft_len", 0.0), r["tokens_per_s"],
                  r["baseline_tokens_per_s"], r["speedup"])
 
-    pairs, baselines = evaluate(target, tokenizer, prompt_sets, proposers, settings, on_result=on_result)
+    pairs, baselines = evaluate(target, tokenizer, prompt_sets, proposers, ec, stop_ids=stop_ids, on_result=on_result)
     if proposers:
         rows = [result_row(run, base) for run, base in pairs]
         rows += overall_rows(pairs)
@@ -159,8 +132,8 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
     write_jsonl(out / "outputs.jsonl", outputs)
     table = markdown_table(rows)
-    atomic_write_text(out / "report.md", f"# mtp-eval: {cfg.method}\n\n{table}\n")
-    files = plot(rows, out) if cfg.plots and proposers else []
+    atomic_write_text(out / "report.md", f"# mtp-eval: {ec.method}\n\n{table}\n")
+    files = plot(rows, out) if ec.plots and proposers else []
     print(table, flush=True)
     if best is not None:
         floor = (f" (prompt lookup: tau {best['tau_ngram']:.2f}, speed-up {best['speedup_ngram']:.2f})"

@@ -7,7 +7,7 @@
 Writes messages JSONL at `out` (one record per conversation and sample, with provenance), `<out>.config.yaml`
 with the resolved config, and prints a summary. A re-run with the same settings resumes. Rank 0 holds
 `<out>.lock` for the whole run: a second run writing the same `out` refuses, naming the first one's pid and
-host. See `mtp_train.precompute.regenerate` for the record format and how resume and ranks work.
+host. See `mtp_train.regenerate` for the record format and how resume and ranks work.
 """
 
 from __future__ import annotations
@@ -22,28 +22,14 @@ import torch.distributed as tdist
 from omegaconf import DictConfig
 
 from mtp_train import dist
-from mtp_train.cli.common import (
-    ensure_model,
-    hydra_entry,
-    init_dist,
-    load_target,
-    run_device,
-    save_config,
-    to_dict,
-)
-from mtp_train.config import DataConfig, check_config, typed
+from mtp_train.cli.common import ensure_model, hydra_entry, init_dist, load_target, run_device, save_config
+from mtp_train.config import RegenerateConfig, check_config, typed
 from mtp_train.data.readers import read_conversations
 from mtp_train.engine.llm import LLMEngine
+from mtp_train.engine.turns import stop_token_ids
 from mtp_train.fileio import output_lock
 from mtp_train.models.fingerprint import weights_fingerprint
-from mtp_train.precompute.regenerate import (
-    RegenerateError,
-    RegenerateStats,
-    SamplingSettings,
-    make_provenance,
-    regenerate,
-    stop_token_ids,
-)
+from mtp_train.regenerate import RegenerateError, RegenerateStats, make_provenance, regenerate, request_params
 
 log = logging.getLogger(__name__)
 PROG = "mtp-regenerate"
@@ -60,38 +46,34 @@ def config_path(out: str | Path) -> Path:
 def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-regenerate` with a composed config; return the totals over all ranks (see `RegenerateStats`)."""
     # Settings first: a wrong combination fails before anything is loaded.
-    check_config(cfg, "regenerate")
-    settings = SamplingSettings(n=cfg.n, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-    template_kwargs = to_dict(cfg.chat_template_kwargs)
-    info = init_dist(cfg.model)
+    rc = typed(check_config(cfg, "regenerate"), RegenerateConfig)
+    request_params(rc, None, [])  # the values the engine checks (temperature >= 0, top_p in (0, 1], ...)
+    info = init_dist(rc.model)
     try:
         with contextlib.ExitStack() as stack:
             group = dist.cpu_group(BARRIER_TIMEOUT)
             wait = lambda: dist.barrier(group)
-            out = Path(cfg.out)
+            out = Path(rc.out)
             # Every rank reads all conversations (the order of the merged output); data errors surface before the
             # model.
-            data = typed(cfg.data, DataConfig)
-            paths = data.paths
-            convs, read_stats = read_conversations(data, limit=cfg.limit)
+            data = rc.data
+            convs, read_stats = read_conversations(data, limit=rc.limit)
             if not convs:
-                raise RegenerateError(f"no conversations to answer in data.paths={paths} ({read_stats.summary()})")
+                raise RegenerateError(f"no conversations to answer in data.paths={list(data.paths)} "
+                                      f"({read_stats.summary()})")
             if info.is_main:
                 stack.enter_context(output_lock(out, folder=False, command=PROG))  # before `out` is touched
-                ensure_model(cfg.model)  # one rank converts a missing default model; the others wait
+                ensure_model(rc.model)  # one rank converts a missing default model; the others wait
             wait()
-            model, tokenizer, model_path = load_target(cfg.model, run_device(cfg.model, info))
-            engine = LLMEngine(model, page_size=cfg.model.page_size, kv_cache_gb=cfg.model.kv_cache_gb,
-                               max_batch_size=cfg.max_batch_size)
-            stop_ids = stop_token_ids(tokenizer, model.args.eos_token_ids, template_kwargs)
-            provenance = make_provenance(target_name=cfg.model.name, target_path=model_path,
+            model, tokenizer, model_path = load_target(rc.model, run_device(rc.model, info))
+            engine = LLMEngine(model, page_size=rc.model.page_size, kv_cache_gb=rc.model.kv_cache_gb,
+                               max_batch_size=rc.max_batch_size)
+            stop_ids = stop_token_ids(tokenizer, model.args.eos_token_ids, rc.chat_template_kwargs)
+            provenance = make_provenance(target_name=rc.model.name, target_path=model_path,
                                          weights_fingerprint=weights_fingerprint(model_path), tokenizer=tokenizer,
-                                         settings=settings, stop_ids=stop_ids, chat_template_kwargs=template_kwargs)
-            stats = regenerate(convs, engine, tokenizer, out, settings=settings, provenance=provenance,
-                               stop_ids=stop_ids, max_prompt_tokens=cfg.max_prompt_tokens,
-                               chat_template_kwargs=template_kwargs, rank=info.rank, world=info.world, barrier=wait,
-                               progress=cfg.progress and info.is_main,
+                                         cfg=rc, stop_ids=stop_ids)
+            stats = regenerate(convs, engine, tokenizer, out, rc, provenance=provenance, stop_ids=stop_ids,
+                               rank=info.rank, world=info.world, barrier=wait, progress=rc.progress and info.is_main,
                                on_start=lambda: save_config(cfg, config_path(out)))
             total = _gather(stats, group)
             result = {**total.as_dict(), "out": str(out), "world": info.world, "rows_read": read_stats.rows,

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtp_train.config.errors import ConfigError
 from mtp_train.config.model import ModelConfig
 
 GRID_AXES = ("k", "draft_threshold", "catch_up", "temperature")  # settings that take a value or a list of them
+GRID_KINDS: dict[str, type] = {"k": int, "draft_threshold": float, "catch_up": str, "temperature": float}
 
 
 @dataclass
@@ -46,7 +48,21 @@ class EvalConfig:
     progress: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for axis in GRID_AXES:
+            self.grid(axis)  # a value of the wrong kind, or an empty list, fails here
+        ks = self.grid("k")
+        if any(k < 1 for k in ks):
+            raise ConfigError(f"k must be >= 1, got {ks}")
+
     def grid(self, axis: str) -> list[Any]:
-        """The values of grid setting `axis` (one of GRID_AXES) as a list: `k=3` → [3], `k=[1,2]` → [1, 2]."""
-        value = getattr(self, axis)
-        return list(value) if isinstance(value, (list, tuple)) else [value]
+        """The values of grid setting `axis` (one of GRID_AXES) as a non-empty list of its kind (GRID_KINDS):
+        `k=3` → [3], `k=[1,2]` → [1, 2], `temperature=[0,1]` → [0.0, 1.0]."""
+        value, kind = getattr(self, axis), GRID_KINDS[axis]
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not values:
+            raise ConfigError(f"`{axis}` is empty")
+        try:
+            return [kind(v) for v in values]
+        except (TypeError, ValueError):
+            raise ConfigError(f"`{axis}` must be a {kind.__name__} or a list of them, got {value!r}") from None

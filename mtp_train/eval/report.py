@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mtp_train.engine.turns import answer_text
 from mtp_train.eval.acceptance import RunResult
 from mtp_train.fileio import atomic_write, atomic_write_text
 
@@ -36,10 +37,11 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def output_records(run: RunResult, tokenizer: Any, ids: Sequence[str]) -> list[dict[str, Any]]:
-    """outputs.jsonl records of one run: per conversation, the generated token ids and text of every turn."""
+    """outputs.jsonl records of one run: per conversation, the generated token ids and text of every turn (the
+    text as the next turn's prompt carried it: `mtp_train.engine.turns.answer_text`)."""
     return [{"dataset": run.dataset, "id": cid, "method": run.method, "k": run.k, "temperature": run.temperature,
              "turns": [{"prompt_tokens": len(o.prompt_ids), "output_ids": o.output_ids,
-                        "text": tokenizer.decode(o.output_ids, skip_special_tokens=True),
+                        "text": answer_text(tokenizer, o),
                         "finish_reason": o.finish_reason} for o in turns]}
             for cid, turns in zip(ids, run.answers)]
 

@@ -29,9 +29,9 @@ class SpeculativeValidator:
 
     def _load(self) -> tuple[Any, Any, list, list[int]]:
         from mtp_train.data.chat import load_tokenizer
+        from mtp_train.engine.turns import stop_token_ids
         from mtp_train.eval.prompts import load_prompt_sets
         from mtp_train.models.loader import load_model
-        from mtp_train.precompute.regenerate import stop_token_ids
 
         if self._loaded is None:
             path = Path(self.model_cfg.path)

@@ -1,0 +1,208 @@
+"""The output file of a regeneration run: record ids, per-rank part files, the merge, and what a killed run left.
+
+Rank r appends each finished record to its part file `<out>.rank<r>` (`RecordWriter`: flushed per record, fsynced
+every few records). `consolidate` merges `<out>` and every part into `<out>` in conversation order (temporary file
++ rename) and removes the parts; `scan_records` indexes a file's complete records, dropping a torn last line with a
+warning and refusing records made with other settings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mtp_train.data.readers import Conversation
+from mtp_train.regenerate.provenance import provenance_differences
+
+log = logging.getLogger(__name__)
+
+AFTER_ALL = 1 << 62  # sort position of records that are not in the current selection: after every conversation
+
+
+class RegenerateError(ValueError):
+    """No conversations to answer, or an output file that cannot be resumed; the message says why."""
+
+
+def record_id(conv_id: str, k: int, n: int) -> str:
+    """`<conv id>` for a single sample, `<conv id>#<k>` (k from 0) for one of n > 1."""
+    return conv_id if n == 1 else f"{conv_id}#{k}"
+
+
+def plan_order(conversations: Sequence[Conversation], n: int) -> dict[str, tuple[int, int]]:
+    """Record id → (conversation position, sample index): the order of the merged output (first id wins)."""
+    order: dict[str, tuple[int, int]] = {}
+    seen: set[str] = set()
+    for i, conv in enumerate(conversations):
+        if conv.id in seen:
+            continue
+        seen.add(conv.id)
+        for k in range(n):
+            order[record_id(conv.id, k, n)] = (i, k)
+    return order
+
+
+def part_path(out: str | Path, rank: int) -> Path:
+    """The file rank `rank` appends its records to, beside `out`."""
+    out = Path(out)
+    return out.with_name(f"{out.name}.rank{rank}")
+
+
+def find_parts(out: str | Path) -> list[Path]:
+    """Part files of `out` (`<out>.rank<r>`) left by any rank of any run, by rank."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return []
+    prefix = f"{out.name}.rank"
+    found = [(int(p.name[len(prefix):]), p) for p in out.parent.iterdir()
+             if p.name.startswith(prefix) and p.name[len(prefix):].isdigit() and p.is_file()]
+    return [p for _, p in sorted(found)]
+
+
+@dataclass
+class RecordLine:
+    """Where one complete record sits in a file."""
+
+    id: str
+    path: Path
+    offset: int
+    length: int  # bytes, newline included
+
+
+class RecordWriter:
+    """Appends records as JSON lines: each line flushed as written, fsynced every `fsync_every` lines and at close.
+
+    The file is opened on the first record, so a rank with nothing to write leaves no file.
+    """
+
+    def __init__(self, path: str | Path, fsync_every: int = 64) -> None:
+        self.path = Path(path)
+        self.fsync_every = max(1, fsync_every)
+        self.count = 0
+        self._fh = None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self._fh is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("ab")
+        # One write call per line: a kill leaves at most the last line torn, never two lines interleaved.
+        self._fh.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        self._fh.flush()
+        self.count += 1
+        if self.count % self.fsync_every == 0:
+            os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> RecordWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def scan_records(path: str | Path, expect: Mapping[str, Any] | None = None) -> list[RecordLine]:
+    """Index the complete records of a JSONL output file.
+
+    A last line without its newline, or a last line that is not a JSON record, is a write cut short by a kill: it
+    is left out with a warning. A bad line anywhere else means the file is damaged (RegenerateError, file:line).
+    With `expect` (a provenance), every record must have been made with matching settings.
+    """
+    path = Path(path)
+    lines: list[RecordLine] = []
+    bad: tuple[int, str] | None = None  # a bad line is only forgivable if nothing follows it
+    offset = 0
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            start, offset = offset, offset + len(raw)
+            if bad is not None:
+                raise RegenerateError(f"{path}:{bad[0]}: {bad[1]}; the file is damaged (only a torn last line is "
+                                      "repaired); remove the line or choose another `out`")
+            if not raw.endswith(b"\n"):
+                bad = (lineno, "line without a newline")
+                continue
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+                rid = record["id"]
+                if not isinstance(rid, str):
+                    raise TypeError(f"id is {type(rid).__name__}")
+            except (ValueError, KeyError, TypeError) as exc:
+                bad = (lineno, f"not a record ({type(exc).__name__}: {exc})")
+                continue
+            if expect is not None:
+                diff = provenance_differences(record.get("provenance") or {}, expect)
+                if diff:
+                    raise RegenerateError(
+                        f"{path}:{lineno} (record {rid!r}) was made with other settings: {'; '.join(diff[:4])}. "
+                        "Resuming needs the same target, tokenizer, chat template and sampling; choose another "
+                        "`out` or remove the file")
+            lines.append(RecordLine(rid, path, start, len(raw)))
+    if bad is not None:
+        log.warning("%s:%d: dropping a torn last line (%s), left by an interrupted write; its record is "
+                    "generated again", path, bad[0], bad[1])
+    return lines
+
+
+def consolidate(out: str | Path, order: Mapping[str, tuple[int, int]], expect: Mapping[str, Any] | None = None,
+                ) -> int:
+    """Merge `out` and its part files into `out`, in the order given by `order` (record id → sort key).
+
+    Records whose id is not in `order` (other data, a smaller `limit`) are kept after the others, in their previous
+    order; a record present twice is kept once (the copy in `out`). `out` is rewritten through a temporary file
+    and a rename, then the parts are removed; when there are no parts and nothing to repair, `out` is left as it
+    is. Returns the number of records in `out`.
+    """
+    out = Path(out)
+    parts = find_parts(out)
+    size = out.stat().st_size if out.exists() else 0
+    existing = scan_records(out, expect) if out.exists() else []
+    clean = (existing[-1].offset + existing[-1].length if existing else 0) == size  # nothing cut off at the end
+    if not parts and clean:
+        return len(existing)
+    merged: dict[str, tuple[tuple[int, int], RecordLine]] = {}
+    unknown = 0
+    for line in [*existing, *(line for p in parts for line in scan_records(p, expect))]:
+        if line.id in merged:
+            continue
+        key = order.get(line.id)
+        if key is None:
+            unknown += 1
+            key = (AFTER_ALL, unknown)  # after every known record, in the order met
+        merged[line.id] = (key, line)
+    if unknown:
+        log.warning("%d record(s) in %s are not in the current data selection; they are kept at the end", unknown, out)
+
+    # A unique sibling opened normally (mkstemp's 0600 mode would survive the rename); same file system as `out`.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.merge")
+    handles: dict[Path, Any] = {}
+    try:
+        with tmp.open("xb") as dst:
+            for _, line in sorted(merged.values(), key=lambda kv: kv[0]):
+                src = handles.get(line.path) or handles.setdefault(line.path, line.path.open("rb"))
+                src.seek(line.offset)
+                dst.write(src.read(line.length))  # byte for byte: a resumed record never changes
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        for h in handles.values():
+            h.close()
+    # Only once the merged file is in place: a kill before this leaves parts that the next merge de-duplicates.
+    for p in parts:
+        p.unlink(missing_ok=True)
+    return len(merged)

@@ -1,0 +1,193 @@
+"""The stage driver: every rank answers its share of the conversations, rank 0 merges the records into `out`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mtp_train.config import RegenerateConfig
+from mtp_train.data.chat import ChatTemplateError
+from mtp_train.data.readers import Conversation
+from mtp_train.engine.turns import Dialogue, Generate, OnFinish, answer_turns, stop_token_ids
+from mtp_train.regenerate.records import RecordWriter, consolidate, part_path, plan_order, record_id, scan_records
+from mtp_train.regenerate.sampling import request_params, request_seed
+from mtp_train.regenerate.stats import (
+    DUPLICATE_ID,
+    EMPTY_ANSWER,
+    EXCEEDS_CONTEXT,
+    EXCEEDS_KV_CACHE,
+    NO_USER_TURN,
+    PROMPT_TOO_LONG,
+    TEMPLATE_ERROR,
+    RegenerateStats,
+)
+
+if TYPE_CHECKING:
+    from mtp_train.engine.llm import GenerationOutput, LLMEngine
+    from mtp_train.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """What one dialogue of the run stands for: sample `k` of a conversation, written as record `rid`."""
+
+    conv: Conversation
+    k: int
+    rid: str
+
+
+def regenerate(conversations: Sequence[Conversation], engine: LLMEngine, tokenizer: Any, out: str | Path,
+               cfg: RegenerateConfig, *, provenance: Mapping[str, Any], stop_ids: Sequence[int] | None = None,
+               rank: int = 0, world: int = 1, barrier: Callable[[], None] = lambda: None, progress: bool = False,
+               fsync_every: int = 64, on_start: Callable[[], None] | None = None) -> RegenerateStats:
+    """Answer the user turns of `conversations` with `engine` and write/merge the records into `out`.
+
+    `cfg` gives the sampling (n, temperature, top_k, top_p, max_new_tokens, seed), max_prompt_tokens and the
+    chat template's kwargs; its other fields (model, data, out, ...) are the caller's. Every rank passes the same
+    `conversations` (all of them, in order) and takes its share r, r + world, ...; `barrier` waits for all ranks
+    (a no-op for one). `stop_ids` default to `stop_token_ids(tokenizer, model eos, cfg.chat_template_kwargs)`.
+    `progress` shows a bar per turn (rank 0's choice). `on_start` runs on rank 0 once an existing output has been
+    merged and found compatible, before anything is generated (the place to save the run's config beside `out`:
+    a refused resume must not overwrite it). On return `out` holds every finished record, in conversation order,
+    on every rank. The counters are this rank's; `records` (the merged total) is set on rank 0.
+    """
+    out = Path(out)
+    stop = (list(stop_ids) if stop_ids is not None
+            else stop_token_ids(tokenizer, engine.model.args.eos_token_ids, cfg.chat_template_kwargs))
+    order = plan_order(conversations, cfg.n)
+    stats = RegenerateStats()
+
+    # Fold in whatever an earlier run left (parts, a torn line) before anyone reads what is done.
+    if rank == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        consolidate(out, order, provenance)
+        if on_start is not None:
+            on_start()
+    barrier()
+    done = {line.id for line in scan_records(out)} if out.exists() else set()
+
+    dialogues: list[Dialogue] = []
+    seen: set[str] = set()
+    for i, conv in enumerate(conversations):
+        mine = i % world == rank
+        stats.conversations += mine
+        duplicate = conv.id in seen
+        seen.add(conv.id)
+        if not mine:
+            continue
+        if duplicate:
+            stats.skipped[DUPLICATE_ID] += cfg.n
+            continue
+        for k in range(cfg.n):
+            rid = record_id(conv.id, k, cfg.n)
+            d = Dialogue.of(conv.messages, _Sample(conv, k, rid))
+            if rid in done:
+                stats.done_before += 1
+            elif not d.users:
+                stats.skipped[NO_USER_TURN] += 1
+            else:
+                dialogues.append(d)
+
+    with RecordWriter(part_path(out, rank), fsync_every) as writer:
+        _answer(dialogues, engine, tokenizer, cfg, stop, stats, progress,
+                lambda d: writer.write(_record(d, provenance)))
+        stats.written = writer.count
+
+    barrier()
+    if rank == 0:
+        stats.records = consolidate(out, order, provenance)
+    barrier()  # nobody returns before the merged file is in place
+    return stats
+
+
+def _record(d: Dialogue, provenance: Mapping[str, Any]) -> dict[str, Any]:
+    """The output record of a fully answered dialogue."""
+    s: _Sample = d.key
+    c = s.conv
+    return {"id": s.rid, "messages": d.messages(), "source": {"file": c.source, "line": c.line, "id": c.id},
+            "finish_reasons": list(d.finish_reasons), "gen_tokens": list(d.gen_tokens), "provenance": dict(provenance)}
+
+
+def _answer(dialogues: list[Dialogue], engine: LLMEngine, tokenizer: Any, cfg: RegenerateConfig,
+            stop_ids: list[int], stats: RegenerateStats, progress: bool, write: Callable[[Dialogue], None]) -> None:
+    """Turn by turn through `answer_turns`; a record the engine cannot take, or an empty answer, is skipped and
+    counted; finished dialogues are written at once."""
+    kv, max_len = engine.runner.kv, engine.model.args.max_position_embeddings
+    template_errors = 0
+
+    def admit(d: Dialogue, ids: list[int]) -> bool:
+        total = len(ids) + cfg.max_new_tokens
+        if len(ids) > cfg.max_prompt_tokens:
+            reason = PROMPT_TOO_LONG
+        elif kv.pages_for(total) > kv.num_pages:  # the engine would refuse it (OutOfPagesError) mid-batch
+            reason = EXCEEDS_KV_CACHE
+        elif total > max_len:
+            reason = EXCEEDS_CONTEXT
+        else:
+            stats.requests += 1
+            return True
+        stats.skipped[reason] += 1
+        return False
+
+    def template_error(d: Dialogue, exc: ChatTemplateError) -> None:
+        nonlocal template_errors
+        stats.skipped[TEMPLATE_ERROR] += 1
+        template_errors += 1
+        if template_errors == 1:  # the same template fails the same way on many records
+            log.warning("%s:%d: record %s skipped: %s", d.key.conv.source, d.key.conv.line, d.key.rid, exc)
+
+    def keep(d: Dialogue, out: GenerationOutput, text: str) -> bool:
+        stats.finish_reasons[out.finish_reason] += 1
+        if not text.strip():
+            stats.skipped[EMPTY_ANSWER] += 1
+            return False
+        return True
+
+    def params(d: Dialogue, turn: int) -> SamplingParams:
+        seed = None if cfg.greedy else request_seed(cfg.seed, d.key.conv.id, d.key.k, turn)
+        return request_params(cfg, seed, stop_ids)
+
+    num_turns = max((len(d.users) for d in dialogues), default=0)
+    before = (engine.stats.prompt_tokens, engine.stats.generated_tokens, engine.stats.seconds)
+    answer_turns(dialogues, _generate(engine, num_turns, progress), tokenizer, params,
+                 template_kwargs=cfg.chat_template_kwargs, admit=admit, on_template_error=template_error,
+                 on_answer=keep, on_done=write)
+    stats.prompt_tokens += engine.stats.prompt_tokens - before[0]
+    stats.generated_tokens += engine.stats.generated_tokens - before[1]
+    stats.seconds += engine.stats.seconds - before[2]
+
+
+def _generate(engine: LLMEngine, num_turns: int, progress: bool) -> Generate:
+    """`engine.generate` for `answer_turns`, with a progress bar per turn (`turn t/T`, requests, tokens/s)."""
+    turns = itertools.count(1)
+
+    def generate(prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_finish: OnFinish) -> None:
+        turn = next(turns)  # answer_turns calls once per turn
+        if not progress:
+            engine.generate(prompts, params, on_finish=on_finish, progress=False)
+            return
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(prompts), desc=f"turn {turn}/{num_turns}", unit="req", dynamic_ncols=True)
+        generated, t0 = engine.stats.generated_tokens, time.perf_counter()
+
+        def finished(i: int, res: GenerationOutput) -> None:
+            on_finish(i, res)
+            bar.update(1)
+            rate = (engine.stats.generated_tokens - generated) / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(tok_s=f"{rate:.1f}")
+
+        try:
+            engine.generate(prompts, params, on_finish=finished, progress=False)
+        finally:
+            bar.close()
+
+    return generate
