@@ -28,9 +28,9 @@ from common import report  # noqa: E402
 
 from mtp_train.config import EvalConfig  # noqa: E402
 from mtp_train.data.chat import load_tokenizer  # noqa: E402
+from mtp_train.data.prompts import load_prompt_sets  # noqa: E402
 from mtp_train.engine.turns import stop_token_ids  # noqa: E402
 from mtp_train.eval.acceptance import Method, evaluate  # noqa: E402
-from mtp_train.eval.prompts import load_prompt_sets  # noqa: E402
 from mtp_train.eval.rows import best_row, overall_rows, result_row  # noqa: E402
 from mtp_train.heads import load_head  # noqa: E402
 from mtp_train.models import load_model  # noqa: E402

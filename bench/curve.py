@@ -219,8 +219,8 @@ class Evaluator:
 
     def __init__(self, model: str, ev: CurveEval) -> None:
         from mtp_train.data.chat import load_tokenizer
+        from mtp_train.data.prompts import load_prompt_sets
         from mtp_train.engine.turns import stop_token_ids
-        from mtp_train.eval.prompts import load_prompt_sets
         from mtp_train.models.loader import load_model
 
         self.model_dir, self.ev = model, ev
@@ -230,7 +230,7 @@ class Evaluator:
         self.stops = stop_token_ids(self.tokenizer, self.target.args.eos_token_ids)
 
     def measure(self, proposer_factory: Any) -> dict[str, Any]:
-        from mtp_train.eval.acceptance import head_acceptance
+        from mtp_train.speculative.validator import head_acceptance
 
         m = head_acceptance(self.target, self.tokenizer, proposer_factory, self.convs, self.ev.k,
                             self.ev.max_new_tokens, batch_size=self.ev.batch_size, stop_token_ids=self.stops)

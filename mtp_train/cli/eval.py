@@ -28,9 +28,9 @@ from mtp_train.cli.common import (
 )
 from mtp_train.config import EvalConfig, rank_device, typed
 from mtp_train.data.chat import load_tokenizer, tokenizer_fingerprint
+from mtp_train.data.prompts import load_prompt_sets
 from mtp_train.engine.turns import stop_token_ids
 from mtp_train.eval.acceptance import Method, evaluate
-from mtp_train.eval.prompts import load_prompt_sets
 from mtp_train.eval.report import markdown_table, output_records, plot, write_jsonl
 from mtp_train.eval.rows import attach_ngram, best_row, overall_rows, result_row
 from mtp_train.fileio import atomic_write_text

@@ -4,7 +4,8 @@ A conversation's assistant turns are dropped and its user turns answered one at 
 for [system?, user 1], answer 2 for [system?, user 1, answer 1, user 2], and so on. Turn t of every dialogue still
 answering goes through one `generate` call (continuous batching), then turn t+1 for those that have one. Both
 self-distillation (`mtp_train.regenerate`) and evaluation (`mtp_train.eval`) answer through `answer_turns`, so the
-second prompt of a conversation is the same in both.
+second prompt of a conversation is the same in both; `answer` is that loop over an engine, for evaluation and the
+training run's speculative validation.
 
 The special-token rule, one for every stage:
 
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_train.data.chat import ChatTemplateError, render
-from mtp_train.engine.llm import GenerationOutput
+from mtp_train.data.readers import Conversation
+from mtp_train.engine.llm import GenerationOutput, LLMEngine
 from mtp_train.engine.sampling import SamplingParams
 
 OnFinish = Callable[[int, GenerationOutput], None]
@@ -194,3 +196,24 @@ def _generate_turn(batch: list[Dialogue], prompts: list[list[int]], params: Samp
 
     generate(prompts, params, finished)
     return [batch[i] for i in sorted(following)]  # a fixed submission order, whatever the completion order
+
+
+def answer(engine: LLMEngine, tokenizer: Any, convs: Sequence[Conversation], params: SamplingParams,
+           template_kwargs: Mapping[str, Any] | None = None, progress: bool = False) -> list[list[GenerationOutput]]:
+    """Every user turn of every conversation answered by `engine`, turn by turn, each turn after the model's own
+    answers (`mtp_train.engine.turns`); the outputs per conversation, per user turn.
+
+    Request i of a turn is seeded with params.seed + i (the engine's rule for one setting for all).
+    """
+    dialogues = [Dialogue.of(c.messages, key=i) for i, c in enumerate(convs)]
+    outputs: list[list[GenerationOutput]] = [[] for _ in convs]
+
+    def keep(d: Dialogue, out: GenerationOutput, text: str) -> bool:
+        outputs[d.key].append(out)
+        return True
+
+    def generate(prompts: list[list[int]], p: SamplingParams | list[SamplingParams], on_finish: OnFinish) -> None:
+        engine.generate(prompts, p, on_finish=on_finish, progress=progress)
+
+    answer_turns(dialogues, generate, tokenizer, params, template_kwargs=template_kwargs, on_answer=keep)
+    return outputs

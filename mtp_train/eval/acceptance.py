@@ -10,30 +10,19 @@ floating-point near-tie flipped an argmax). The report's rows are made in `mtp_t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from mtp_train.config import EvalConfig
-from mtp_train.data.readers import Conversation
+from mtp_train.data.prompts import PromptSet
 from mtp_train.engine.llm import GenerationOutput, LLMEngine
 from mtp_train.engine.sampling import SamplingParams
-from mtp_train.engine.turns import Dialogue, OnFinish, answer_turns
+from mtp_train.engine.turns import answer
 from mtp_train.models.base import CausalLM
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.metrics import SpecMetrics
 from mtp_train.speculative.proposers import Proposer
-
-
-@dataclass
-class PromptSet:
-    """A named list of conversations whose user turns are the prompts (assistant turns are ignored)."""
-
-    name: str
-    convs: list[Conversation]
 
 
 @dataclass
@@ -63,27 +52,6 @@ class RunResult:
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def answer(engine: LLMEngine, tokenizer: Any, convs: Sequence[Conversation], params: SamplingParams,
-           template_kwargs: Mapping[str, Any] | None = None, progress: bool = False) -> list[list[GenerationOutput]]:
-    """Every user turn of every conversation answered by `engine`, turn by turn, each turn after the model's own
-    answers (`mtp_train.engine.turns`); the outputs per conversation, per user turn.
-
-    Request i of a turn is seeded with params.seed + i (the engine's rule for one setting for all).
-    """
-    dialogues = [Dialogue.of(c.messages, key=i) for i, c in enumerate(convs)]
-    outputs: list[list[GenerationOutput]] = [[] for _ in convs]
-
-    def keep(d: Dialogue, out: GenerationOutput, text: str) -> bool:
-        outputs[d.key].append(out)
-        return True
-
-    def generate(prompts: list[list[int]], p: SamplingParams | list[SamplingParams], on_finish: OnFinish) -> None:
-        engine.generate(prompts, p, on_finish=on_finish, progress=progress)
-
-    answer_turns(dialogues, generate, tokenizer, params, template_kwargs=template_kwargs, on_answer=keep)
-    return outputs
 
 
 def _run(engine: LLMEngine, prompt_set: PromptSet, tokenizer: Any, params: SamplingParams, method: str, k: int,
@@ -144,22 +112,3 @@ def evaluate(target: CausalLM, tokenizer: Any, prompt_sets: Sequence[PromptSet],
                     if on_result is not None:
                         on_result(run, base)
     return pairs, baselines
-
-
-@torch.inference_mode()
-def head_acceptance(target: CausalLM, tokenizer: Any, proposer: Callable[[], Proposer],
-                    convs: Sequence[Conversation], k: int, max_new_tokens: int, *, page_size: int = 16,
-                    batch_size: int = 8, stop_token_ids: list[int] | None = None) -> dict[str, float]:
-    """τ, acceptance rate and per-position acceptance of a head on held-out prompts, greedy (training validation).
-
-    No baseline, no timing: the speculative path only, batched.
-    """
-    t0 = time.perf_counter()
-    engine = SpecEngine(target, proposer(), k, page_size=page_size, max_batch_size=batch_size,
-                        kv_cache_gb=0.25)
-    answer(engine, tokenizer, convs, SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids))
-    m = engine.stats.metrics
-    out = {"spec/tau": m.mean_acceptance_length, "spec/acceptance_rate": m.acceptance_rate,
-           "spec/seconds": time.perf_counter() - t0}
-    out.update({f"spec/pos{j}": a for j, a in enumerate(m.per_position)})
-    return out

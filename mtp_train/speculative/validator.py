@@ -1,5 +1,8 @@
 """The training run's speculative validation: τ of the current head by actually running speculative decoding.
 
+`head_acceptance` decodes prompts greedily through `SpecEngine` (no baseline, no timing of plain decoding): the
+validator below calls it at every evaluation, and the learning curve (bench/curve.py) at every exported point.
+
 At every evaluation rank 0 decodes the held-out prompts of `spec_eval` greedily with the head as drafter through
 `SpecEngine`, and reports spec/tau, spec/acceptance_rate and spec/pos{j} beside the validation loss. The target,
 its tokenizer and the prompts are loaded on first use, and kept. The trainer takes it as its injected validator.
@@ -7,13 +10,40 @@ its tokenizer and the prompts are loaded on first use, and kept. The trainer tak
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mtp_train.config import ModelConfig, SpecEvalConfig
+from mtp_train.data.readers import Conversation
+from mtp_train.engine.sampling import SamplingParams
+from mtp_train.engine.turns import answer, stop_token_ids
 from mtp_train.heads import DraftHead
+from mtp_train.models.base import CausalLM
+from mtp_train.speculative.engine import SpecEngine
+from mtp_train.speculative.proposers import HeadProposer, Proposer
+
+
+@torch.inference_mode()
+def head_acceptance(target: CausalLM, tokenizer: Any, proposer: Callable[[], Proposer],
+                    convs: Sequence[Conversation], k: int, max_new_tokens: int, *, page_size: int = 16,
+                    batch_size: int = 8, stop_token_ids: list[int] | None = None) -> dict[str, float]:
+    """τ, acceptance rate and per-position acceptance of a head on held-out prompts, greedy (training validation).
+
+    No baseline, no timing: the speculative path only, batched.
+    """
+    t0 = time.perf_counter()
+    engine = SpecEngine(target, proposer(), k, page_size=page_size, max_batch_size=batch_size,
+                        kv_cache_gb=0.25)
+    answer(engine, tokenizer, convs, SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids))
+    m = engine.stats.metrics
+    out = {"spec/tau": m.mean_acceptance_length, "spec/acceptance_rate": m.acceptance_rate,
+           "spec/seconds": time.perf_counter() - t0}
+    out.update({f"spec/pos{j}": a for j, a in enumerate(m.per_position)})
+    return out
 
 
 class SpeculativeValidator:
@@ -29,7 +59,6 @@ class SpeculativeValidator:
 
     def _load(self) -> tuple[Any, Any, list, list[int]]:
         from mtp_train.data.chat import load_tokenizer
-        from mtp_train.engine.turns import stop_token_ids
         from mtp_train.eval.prompts import load_prompt_sets
         from mtp_train.models.loader import load_model
 
@@ -42,9 +71,6 @@ class SpeculativeValidator:
         return self._loaded
 
     def __call__(self, head: DraftHead) -> dict[str, float]:
-        from mtp_train.eval.acceptance import head_acceptance
-        from mtp_train.speculative.proposers import HeadProposer
-
         model, tokenizer, convs, stops = self._load()
         was_training = head.training
         try:

@@ -1,15 +1,24 @@
-"""Prompt sets for evaluation: `conf/data/<name>.yaml` names or prompt files, read into conversations."""
+"""Prompt sets (evaluation, the training run's speculative validation): `conf/data/<name>.yaml` names or prompt
+files, read into conversations."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from mtp_train.config import CONF_DIR, DataConfig
-from mtp_train.data.readers import DataError, read_conversations
-from mtp_train.eval.acceptance import PromptSet
+from mtp_train.data.readers import Conversation, DataError, read_conversations
+
+
+@dataclass
+class PromptSet:
+    """A named list of conversations whose user turns are the prompts (assistant turns are ignored)."""
+
+    name: str
+    convs: list[Conversation]
 
 
 def data_config(entry: str, conf_dir: str | Path = CONF_DIR) -> DataConfig:
