@@ -18,11 +18,14 @@ from typing import Any
 import torch
 
 from mtp_train.config import ModelConfig, SpecEvalConfig
+from mtp_train.data.chat import load_tokenizer
+from mtp_train.data.prompts import load_prompt_sets
 from mtp_train.data.readers import Conversation
 from mtp_train.engine.sampling import SamplingParams
 from mtp_train.engine.turns import answer, stop_token_ids
 from mtp_train.heads import DraftHead
 from mtp_train.models.base import CausalLM
+from mtp_train.models.loader import load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.proposers import HeadProposer, Proposer
 
@@ -58,10 +61,6 @@ class SpeculativeValidator:
         self._loaded: tuple[Any, Any, list, list[int]] | None = None  # (model, tokenizer, conversations, stops)
 
     def _load(self) -> tuple[Any, Any, list, list[int]]:
-        from mtp_train.data.chat import load_tokenizer
-        from mtp_train.eval.prompts import load_prompt_sets
-        from mtp_train.models.loader import load_model
-
         if self._loaded is None:
             path = Path(self.model_cfg.path)
             model = load_model(path, dtype=self.dtype, device=self.device, backend=self.model_cfg.backend)
