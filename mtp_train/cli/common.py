@@ -19,11 +19,12 @@ by every command (`configure_from_env`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import netrc
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -110,9 +111,17 @@ def configure_from_env() -> None:
     cpu_kernels.configure(kernel_settings_from_env())
 
 
-def init_dist(model_cfg: ModelConfig) -> DistInfo:
-    """`init_distributed` for `model.device` and torchrun's environment."""
-    return dist.init_distributed(model_cfg.device, launch_env())
+@contextlib.contextmanager
+def distributed(model_cfg: ModelConfig) -> Iterator[tuple[DistInfo, contextlib.ExitStack]]:
+    """A stage's process set-up: `init_distributed` for `model.device` and torchrun's environment, and an
+    ExitStack for what the stage holds (its output lock); the stack closes, then the process group goes, however
+    the stage exits."""
+    info = dist.init_distributed(model_cfg.device, launch_env())
+    try:
+        with contextlib.ExitStack() as stack:
+            yield info, stack
+    finally:
+        dist.destroy()
 
 
 def run_device(model_cfg: ModelConfig, info: DistInfo) -> torch.device:

@@ -13,7 +13,6 @@ the data has been read and tokenized, so a run refused over its inputs leaves th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mtp_train import dist
-from mtp_train.cli.common import ensure_model, hydra_entry, init_dist, load_target, run_device, save_config, to_dict
+from mtp_train.cli.common import distributed, ensure_model, hydra_entry, load_target, run_device, save_config, to_dict
 from mtp_train.config import PrecomputeConfig, check_config, typed
 from mtp_train.fileio import output_lock
 from mtp_train.precompute.pipeline import dropped_summary, run_precompute
@@ -35,44 +34,40 @@ def precompute_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-precompute` with a composed config; returns the manifest's totals (on every rank)."""
     check_config(cfg, "precompute")
     pc = typed(cfg, PrecomputeConfig)  # a wrong value type fails here, before any process group or model
-    info = init_dist(pc.model)
-    try:
-        with contextlib.ExitStack() as stack:
-            group = dist.cpu_group(timedelta(hours=24))
-            out = Path(pc.out)
-            if info.is_main:
-                stack.enter_context(output_lock(out, command=PROG))  # before anything is written to `out`
-                ensure_model(pc.model)  # one rank converts a missing default model; the others wait
-            dist.barrier(group)
-            tp_size = pc.model.tp
-            if tp_size > 1:
-                from mtp_train.data.chat import load_tokenizer
-                from mtp_train.models.tensor_parallel import load_model_tp, tp_groups
+    with distributed(pc.model) as (info, stack):
+        group = dist.cpu_group(timedelta(hours=24))
+        out = Path(pc.out)
+        if info.is_main:
+            stack.enter_context(output_lock(out, command=PROG))  # before anything is written to `out`
+            ensure_model(pc.model)  # one rank converts a missing default model; the others wait
+        dist.barrier(group)
+        tp_size = pc.model.tp
+        if tp_size > 1:
+            from mtp_train.data.chat import load_tokenizer
+            from mtp_train.models.tensor_parallel import load_model_tp, tp_groups
 
-                tp, dp_rank, dp_world = tp_groups(tp_size)
-                model_path = Path(pc.model.path)
-                model = load_model_tp(model_path, tp, dtype=pc.model.dtype, device=run_device(pc.model, info),
-                                      backend=pc.model.backend)
-                tokenizer = load_tokenizer(model_path)
-            else:
-                model, tokenizer, model_path = load_target(pc.model, run_device(pc.model, info))
-                dp_rank, dp_world, tp = info.rank, info.world, None
-            manifest = run_precompute(model, tokenizer, model_path, pc, rank=dp_rank, world=dp_world,
-                                      tp_rank=0 if tp is None else tp.rank, tp_size=tp_size,
-                                      config_dict=to_dict(cfg), on_start=lambda: save_config(cfg, out / "config.yaml"))
-            if manifest is None:
-                return {"out": str(out), "rank": info.rank}
-            t = manifest.totals
-            result = {"out": str(out), "samples": t.samples, "tokens": t.tokens, "loss_tokens": t.loss_tokens,
-                      "bytes": t.bytes, "shards": len(manifest.shards), "world": info.world}
-            print(f"{PROG}: {t.samples} samples, {t.tokens} tokens ({t.loss_tokens} assistant) in "
-                  f"{len(manifest.shards)} shards, {t.bytes / 2**20:.1f} MiB → {out}/manifest.json", flush=True)
-            dropped = dropped_summary(manifest.data)
-            if dropped:
-                print(f"{PROG}: {dropped} (recorded under `data` in the manifest)", flush=True)
-            return result
-    finally:
-        dist.destroy()
+            tp, dp_rank, dp_world = tp_groups(tp_size)
+            model_path = Path(pc.model.path)
+            model = load_model_tp(model_path, tp, dtype=pc.model.dtype, device=run_device(pc.model, info),
+                                  backend=pc.model.backend)
+            tokenizer = load_tokenizer(model_path)
+        else:
+            model, tokenizer, model_path = load_target(pc.model, run_device(pc.model, info))
+            dp_rank, dp_world, tp = info.rank, info.world, None
+        manifest = run_precompute(model, tokenizer, model_path, pc, rank=dp_rank, world=dp_world,
+                                  tp_rank=0 if tp is None else tp.rank, tp_size=tp_size,
+                                  config_dict=to_dict(cfg), on_start=lambda: save_config(cfg, out / "config.yaml"))
+        if manifest is None:
+            return {"out": str(out), "rank": info.rank}
+        t = manifest.totals
+        result = {"out": str(out), "samples": t.samples, "tokens": t.tokens, "loss_tokens": t.loss_tokens,
+                  "bytes": t.bytes, "shards": len(manifest.shards), "world": info.world}
+        print(f"{PROG}: {t.samples} samples, {t.tokens} tokens ({t.loss_tokens} assistant) in "
+              f"{len(manifest.shards)} shards, {t.bytes / 2**20:.1f} MiB → {out}/manifest.json", flush=True)
+        dropped = dropped_summary(manifest.data)
+        if dropped:
+            print(f"{PROG}: {dropped} (recorded under `data` in the manifest)", flush=True)
+        return result
 
 
 main = hydra_entry(PROG, "precompute", precompute_main)

@@ -12,7 +12,6 @@ host. See `mtp_train.regenerate` for the record format and how resume and ranks 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.distributed as tdist
 from omegaconf import DictConfig
 
 from mtp_train import dist
-from mtp_train.cli.common import ensure_model, hydra_entry, init_dist, load_target, run_device, save_config
+from mtp_train.cli.common import distributed, ensure_model, hydra_entry, load_target, run_device, save_config
 from mtp_train.config import RegenerateConfig, check_config, typed
 from mtp_train.data.readers import read_conversations
 from mtp_train.engine.llm import LLMEngine
@@ -48,43 +47,39 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
     # Settings first: a wrong combination fails before anything is loaded.
     rc = typed(check_config(cfg, "regenerate"), RegenerateConfig)
     request_params(rc, None, [])  # the values the engine checks (temperature >= 0, top_p in (0, 1], ...)
-    info = init_dist(rc.model)
-    try:
-        with contextlib.ExitStack() as stack:
-            group = dist.cpu_group(BARRIER_TIMEOUT)
-            wait = lambda: dist.barrier(group)
-            out = Path(rc.out)
-            # Every rank reads all conversations (the order of the merged output); data errors surface before the
-            # model.
-            data = rc.data
-            convs, read_stats = read_conversations(data, limit=rc.limit)
-            if not convs:
-                raise RegenerateError(f"no conversations to answer in data.paths={list(data.paths)} "
-                                      f"({read_stats.summary()})")
-            if info.is_main:
-                stack.enter_context(output_lock(out, folder=False, command=PROG))  # before `out` is touched
-                ensure_model(rc.model)  # one rank converts a missing default model; the others wait
-            wait()
-            model, tokenizer, model_path = load_target(rc.model, run_device(rc.model, info))
-            engine = LLMEngine(model, page_size=rc.model.page_size, kv_cache_gb=rc.model.kv_cache_gb,
-                               max_batch_size=rc.max_batch_size)
-            stop_ids = stop_token_ids(tokenizer, model.args.eos_token_ids, rc.chat_template_kwargs)
-            provenance = make_provenance(target_name=rc.model.name, target_path=model_path,
-                                         weights_fingerprint=weights_fingerprint(model_path), tokenizer=tokenizer,
-                                         cfg=rc, stop_ids=stop_ids)
-            stats = regenerate(convs, engine, tokenizer, out, rc, provenance=provenance, stop_ids=stop_ids,
-                               rank=info.rank, world=info.world, barrier=wait, progress=rc.progress and info.is_main,
-                               on_start=lambda: save_config(cfg, config_path(out)))
-            total = _gather(stats, group)
-            result = {**total.as_dict(), "out": str(out), "world": info.world, "rows_read": read_stats.rows,
-                      "bad_rows": dict(read_stats.bad)}
-            if info.is_main:
-                if read_stats.num_bad:
-                    print(f"{PROG}: data: {read_stats.summary()}", flush=True)
-                print(f"{PROG}: {total.summary()}\n{PROG}: wrote {out} (config: {config_path(out)})", flush=True)
-            return result
-    finally:
-        dist.destroy()
+    with distributed(rc.model) as (info, stack):
+        group = dist.cpu_group(BARRIER_TIMEOUT)
+        wait = lambda: dist.barrier(group)
+        out = Path(rc.out)
+        # Every rank reads all conversations (the order of the merged output); data errors surface before the
+        # model.
+        data = rc.data
+        convs, read_stats = read_conversations(data, limit=rc.limit)
+        if not convs:
+            raise RegenerateError(f"no conversations to answer in data.paths={list(data.paths)} "
+                                  f"({read_stats.summary()})")
+        if info.is_main:
+            stack.enter_context(output_lock(out, folder=False, command=PROG))  # before `out` is touched
+            ensure_model(rc.model)  # one rank converts a missing default model; the others wait
+        wait()
+        model, tokenizer, model_path = load_target(rc.model, run_device(rc.model, info))
+        engine = LLMEngine(model, page_size=rc.model.page_size, kv_cache_gb=rc.model.kv_cache_gb,
+                           max_batch_size=rc.max_batch_size)
+        stop_ids = stop_token_ids(tokenizer, model.args.eos_token_ids, rc.chat_template_kwargs)
+        provenance = make_provenance(target_name=rc.model.name, target_path=model_path,
+                                     weights_fingerprint=weights_fingerprint(model_path), tokenizer=tokenizer,
+                                     cfg=rc, stop_ids=stop_ids)
+        stats = regenerate(convs, engine, tokenizer, out, rc, provenance=provenance, stop_ids=stop_ids,
+                           rank=info.rank, world=info.world, barrier=wait, progress=rc.progress and info.is_main,
+                           on_start=lambda: save_config(cfg, config_path(out)))
+        total = _gather(stats, group)
+        result = {**total.as_dict(), "out": str(out), "world": info.world, "rows_read": read_stats.rows,
+                  "bad_rows": dict(read_stats.bad)}
+        if info.is_main:
+            if read_stats.num_bad:
+                print(f"{PROG}: data: {read_stats.summary()}", flush=True)
+            print(f"{PROG}: {total.summary()}\n{PROG}: wrote {out} (config: {config_path(out)})", flush=True)
+        return result
 
 
 def _gather(stats: RegenerateStats, group: Any) -> RegenerateStats:

@@ -13,7 +13,6 @@ to W&B and `<out>/metrics.jsonl`, and exports the head to `<out>/heads/step-N/`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from datetime import timedelta
@@ -23,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mtp_train import dist
-from mtp_train.cli.common import ensure_model, has_wandb_key, hydra_entry, init_dist, run_device, save_config
+from mtp_train.cli.common import distributed, ensure_model, has_wandb_key, hydra_entry, run_device, save_config
 from mtp_train.config import TrainConfig, bf16_enabled, check_config, typed
 from mtp_train.fileio import output_lock
 from mtp_train.speculative.validator import SpeculativeValidator
@@ -41,33 +40,29 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
     """
     check_config(cfg, "train")
     tc = typed(cfg, TrainConfig)  # a wrong value type fails here, before any process group or model is touched
-    info = init_dist(cfg.model)
-    # DeepSpeed reads LOCAL_RANK from the environment, which only launchers set (see train/deepspeed_setup.py).
-    os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
-    try:
-        with contextlib.ExitStack() as stack:
-            group = dist.cpu_group(timedelta(hours=2))  # rank 0 may fetch the default model meanwhile
-            out = Path(cfg.out)
-            if info.is_main:
-                stack.enter_context(output_lock(out, command=PROG))  # before anything is written to `out`
-                ensure_model(cfg.model)
-            dist.barrier(group)
-            device = run_device(tc.model, info)
-            validator = None
-            if tc.spec_eval.prompts and info.is_main:
-                validator = SpeculativeValidator(tc.spec_eval, tc.model, device,
-                                                 "bfloat16" if bf16_enabled(device) else "float32")
-            wandb_mode = resolve_wandb_mode(tc.wandb.mode, has_wandb_key()) if info.is_main else "disabled"
-            result = train(tc, info, device, wandb_mode=wandb_mode, validator=validator, on_step=on_step,
-                           on_start=lambda: save_config(cfg, out / "config.yaml"))
-            if info.is_main:
-                top1 = result.get("eval/top1")
-                print(f"{PROG}: step {result['step']}, train loss {result.get('train/loss', float('nan')):.4f}"
-                      + (f", eval top-1 {top1:.3f}" if top1 is not None else "")
-                      + f"; head → {result['head_dir']}", flush=True)
-            return result
-    finally:
-        dist.destroy()
+    with distributed(tc.model) as (info, stack):
+        # DeepSpeed reads LOCAL_RANK from the environment, which only launchers set (see train/deepspeed_setup.py).
+        os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+        group = dist.cpu_group(timedelta(hours=2))  # rank 0 may fetch the default model meanwhile
+        out = Path(cfg.out)
+        if info.is_main:
+            stack.enter_context(output_lock(out, command=PROG))  # before anything is written to `out`
+            ensure_model(cfg.model)
+        dist.barrier(group)
+        device = run_device(tc.model, info)
+        validator = None
+        if tc.spec_eval.prompts and info.is_main:
+            validator = SpeculativeValidator(tc.spec_eval, tc.model, device,
+                                             "bfloat16" if bf16_enabled(device) else "float32")
+        wandb_mode = resolve_wandb_mode(tc.wandb.mode, has_wandb_key()) if info.is_main else "disabled"
+        result = train(tc, info, device, wandb_mode=wandb_mode, validator=validator, on_step=on_step,
+                       on_start=lambda: save_config(cfg, out / "config.yaml"))
+        if info.is_main:
+            top1 = result.get("eval/top1")
+            print(f"{PROG}: step {result['step']}, train loss {result.get('train/loss', float('nan')):.4f}"
+                  + (f", eval top-1 {top1:.3f}" if top1 is not None else "")
+                  + f"; head → {result['head_dir']}", flush=True)
+        return result
 
 
 main = hydra_entry(PROG, "train", train_main)

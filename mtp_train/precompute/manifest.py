@@ -114,10 +114,12 @@ class ShardInfo:
 
 @dataclass
 class Totals:
+    """What a precompute folder holds, summed over its shards (the manifest's `totals`)."""
+
     samples: int = 0
-    tokens: int = 0
-    loss_tokens: int = 0
-    bytes: int = 0
+    tokens: int = 0  # every token of every sample
+    loss_tokens: int = 0  # tokens in the loss (assistant tokens)
+    bytes: int = 0  # shard file sizes
 
 
 @dataclass
