@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from mtp_train.cli.common import CONF_DIR
 from mtp_train.cli.precompute import precompute_main
@@ -44,7 +45,8 @@ def test_precompute_command_writes_readable_shards_and_resumes(default_model_dir
     assert res["samples"] == len(TOPICS) and res["shards"] >= 3
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target"]["hidden_size"] == 576 and manifest["hidden"]["dtype"] == "bfloat16"
-    assert (out / "config.yaml").is_file()
+    saved = OmegaConf.load(out / "config.yaml")  # the resolved config of the run, with its overrides
+    assert saved.out == str(out) and saved.max_seq_len == 96 and saved.shard_tokens == 120
 
     model = load_model(default_model_dir, dtype="float32")
     ds = PrecomputedDataset(out, split="all", expect_target_fingerprint=manifest["target"]["fingerprint"])

@@ -365,7 +365,9 @@ def test_entry_point_runs_and_reports_config_errors(tiny_chat_dir, tmp_path):
                 "model.kv_cache_gb=0.01"], cwd=tmp_path)  # from elsewhere: the config folder is found anyway
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert [r["id"] for r in _records(out)] == ["add", "mt"]
-    assert "2 records in the output" in res.stdout and config_path(out).is_file()
+    assert "2 records in the output" in res.stdout
+    saved = OmegaConf.load(config_path(out))  # the resolved config of the run, with its overrides
+    assert saved.out == str(out) and saved.max_new_tokens == 4 and saved.limit == 2
 
     res = _cli(["max_new_tokenz=3"])
     assert res.returncode != 0 and "max_new_tokenz" in res.stderr
