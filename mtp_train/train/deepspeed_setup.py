@@ -18,8 +18,9 @@ def skip_cpu_shm_comm_build() -> None:
 
     Works around DeepSpeed's `TorchBackend.__init__` (0.19, `deepspeed/comm/torch.py` `build_shm_op`): on a CPU
     accelerator it consults `deepspeed.ops.__compatible_ops__`, whose first access probes every op builder's
-    compiler, and then JIT-builds `deepspeed_shm_comm`, which takes minutes on a small machine. CPU runs are tests
-    and development, where gloo's collectives are enough. The table is only read for that op; filling the entry
+    compiler, and then JIT-builds `deepspeed_shm_comm`, which takes minutes on a small machine and fails where the
+    extension does not compile (deepspeedai/DeepSpeed#7108: the same build breaking at start-up on a CPU
+    accelerator). CPU runs are tests and development, where gloo's collectives are enough. The table is only read for that op; filling the entry
     first skips both the probes and the build. A no-op on CUDA devices (call it only for CPU runs).
     """
     import deepspeed.ops
