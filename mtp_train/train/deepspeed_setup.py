@@ -20,8 +20,8 @@ def skip_cpu_shm_comm_build() -> None:
     accelerator it consults `deepspeed.ops.__compatible_ops__`, whose first access probes every op builder's
     compiler, and then JIT-builds `deepspeed_shm_comm`, which takes minutes on a small machine and fails where the
     extension does not compile (deepspeedai/DeepSpeed#7108: the same build breaking at start-up on a CPU
-    accelerator). CPU runs are tests and development, where gloo's collectives are enough. The table is only read for that op; filling the entry
-    first skips both the probes and the build. A no-op on CUDA devices (call it only for CPU runs).
+    accelerator). CPU runs are tests and development, where gloo's collectives are enough. The table is only read
+    for that op; filling the entry first skips both the probes and the build. Call it for CPU runs only.
     """
     import deepspeed.ops
 
