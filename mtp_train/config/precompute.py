@@ -21,6 +21,9 @@ class PrecomputeConfig:
     shard_tokens: int = 131072  # tokens per shard (2·H bytes each for the hidden states)
     batch_tokens: int = 8192  # tokens per packed prefill forward
     aux_layers: list[int] = field(default_factory=list)  # extra HF hidden_states[j] to store (EAGLE-3 features)
+    # Storage of hidden / aux_hidden: bfloat16 | float16 | float32 | float8_e4m3 (fp8 values with a float32 scale
+    # per token and layer, dequantised on read: H + 4 bytes per token and layer instead of 2·H).
+    hidden_dtype: str = "bfloat16"
     val_fraction: float = 0.02  # share of samples recorded as the validation split
     seed: int = 0  # seeds the train/val split
     verify_on_resume: bool = True  # re-hash finished shards before skipping them

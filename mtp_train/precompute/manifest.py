@@ -10,6 +10,8 @@ Shard file (safetensors), S samples of T tokens in total, H = hidden size, k = n
     loss_mask   uint8  (T,)      1 on tokens the head learns to predict (assistant tokens)
     hidden      bf16   (T, H)    target hidden state after the final norm (storage dtype configurable)
     aux_hidden  bf16   (T, k*H)  optional: HF `hidden_states[j]` for each aux layer j, concatenated in order
+    hidden_scale      f32  (T, 1)  only with fp8 storage (`hidden.dtype` float8_e4m3fn): per-token scales,
+    aux_hidden_scale  f32  (T, k)  hidden = fp8 · scale (`precompute.quant`); one scale per aux layer
     offsets     int64  (S+1,)    sample s is rows offsets[s]:offsets[s+1]
     metadata: {"format_version": "1", "sample_ids": JSON list of S ids, "hidden_dtype", "aux_layers": JSON}
 """

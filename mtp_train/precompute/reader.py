@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from mtp_train.fileio import sha256_file
 from mtp_train.precompute.manifest import Manifest, ManifestError, ShardInfo, is_val
+from mtp_train.precompute.quant import FP8_NAME, dequantize_fp8
 from mtp_train.precompute.shards import sidecar_path
 
 VERIFY_MODES = ("first_open", "never", "always")
@@ -53,7 +54,8 @@ class PrecomputedDataset(torch.utils.data.Dataset):
     """Random access to the samples of a precompute folder.
 
     `ds[i]` → {"id": str, "input_ids": LongTensor (L,), "loss_mask": uint8 (L,), "hidden": (L, H) in the
-    storage dtype (bf16), and "aux_hidden": (L, k*H) when the folder has aux layers}.
+    storage dtype (bf16; an fp8 folder's rows come back dequantised, in bf16), and "aux_hidden": (L, k*H) when
+    the folder has aux layers}.
 
     expect_*_fingerprint: refuse a folder made for another target / tokenizer / chat template (None = do
     not check). split: "train", "val" or "all", by the manifest's recorded rule. verify: "first_open" hashes
@@ -192,11 +194,18 @@ class PrecomputedDataset(torch.utils.data.Dataset):
             "id": sh.ids[j],
             "input_ids": f.get_slice("input_ids")[a:b].long(),  # (L,)
             "loss_mask": f.get_slice("loss_mask")[a:b],  # (L,) uint8
-            "hidden": f.get_slice("hidden")[a:b],  # (L, H)
+            "hidden": self._hidden(f, "hidden", a, b),  # (L, H)
         }
         if self.manifest.hidden.aux_layers:
-            item["aux_hidden"] = f.get_slice("aux_hidden")[a:b]  # (L, k*H)
+            item["aux_hidden"] = self._hidden(f, "aux_hidden", a, b)  # (L, k*H)
         return item
+
+    def _hidden(self, f: Any, name: str, a: int, b: int) -> torch.Tensor:
+        """Rows a:b of hidden-state tensor `name` in the storage dtype, or dequantised to bf16 from fp8."""
+        x = f.get_slice(name)[a:b]
+        if self.manifest.hidden.dtype == FP8_NAME:
+            return dequantize_fp8(x, f.get_slice(f"{name}_scale")[a:b])
+        return x
 
     def token_counts(self, vocab_size: int, masked_only: bool = True) -> torch.Tensor:
         """(vocab_size,) int64 occurrences of each token id over this dataset's samples (its split and rank share).

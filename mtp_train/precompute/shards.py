@@ -22,7 +22,7 @@ from mtp_train.precompute.plan import ShardPlan
 
 # safetensors dtype names of the tensors a shard can hold
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-              torch.int32: "I32", torch.uint8: "U8"}
+              torch.int32: "I32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def sidecar_path(shard: Path) -> Path:

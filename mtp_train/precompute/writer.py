@@ -39,6 +39,7 @@ from mtp_train.precompute.manifest import (
     is_val,
 )
 from mtp_train.precompute.plan import RANK_ASSIGNMENT, Sample, plan_rank, plan_runs, to_rows
+from mtp_train.precompute.quant import FP8, quantize_fp8
 from mtp_train.precompute.shards import finished_shard, sidecar_path, write_shard
 
 if TYPE_CHECKING:  # annotations only
@@ -53,34 +54,57 @@ class PrecomputeError(RuntimeError):
     """A precompute run that cannot go on; the message says what to do."""
 
 
+FP8_STORAGE = "float8_e4m3"
+# `hidden_dtype` setting → the dtype of the stored hidden / aux_hidden tensors (fp8 adds per-token scales).
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, FP8_STORAGE: FP8}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def _compute_shard(model: CausalLM, plan: ShardPlan, batch_tokens: int, aux_layers: Sequence[int],
-                   hidden_dtype: torch.dtype, bar: tqdm) -> dict[str, torch.Tensor]:
-    """Run the target over one shard's samples in packed batches; returns the shard's CPU tensors."""
+                   storage: str, bar: tqdm) -> dict[str, torch.Tensor]:
+    """Run the target over one shard's samples in packed batches; returns the shard's CPU tensors.
+
+    storage: a key of `STORAGE_DTYPES`; fp8 stores values and per-token scales (`precompute.quant`).
+    """
     lengths = [r.ids.size for r in plan.rows]
     h = model.args.hidden_size
     t = plan.tokens
+    fp8 = storage == FP8_STORAGE
+    dtype = STORAGE_DTYPES[storage]
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     tensors = {
         "input_ids": torch.from_numpy(np.concatenate([r.ids for r in plan.rows])),  # (T,) int32
         "loss_mask": torch.from_numpy(np.concatenate([r.mask for r in plan.rows])),  # (T,) uint8
-        "hidden": torch.empty(t, h, dtype=hidden_dtype),  # (T, H), filled batch by batch
+        "hidden": torch.empty(t, h, dtype=dtype),  # (T, H), filled batch by batch
         "offsets": torch.from_numpy(offsets),  # (S+1,)
     }
-    if aux_layers:
-        tensors["aux_hidden"] = torch.empty(t, len(aux_layers) * h, dtype=hidden_dtype)  # (T, k*H)
+    k = len(aux_layers)
+    if k:
+        tensors["aux_hidden"] = torch.empty(t, k * h, dtype=dtype)  # (T, k*H)
+    if fp8:
+        tensors["hidden_scale"] = torch.empty(t, 1, dtype=torch.float32)  # (T, 1)
+        if k:
+            tensors["aux_hidden_scale"] = torch.empty(t, k, dtype=torch.float32)  # (T, k): one per layer
     with torch.inference_mode():
         for run in plan_runs(lengths, batch_tokens):
             out = prefill_hidden(model, [plan.rows[i].ids.tolist() for i in run], hidden_layers=aux_layers)
             a, b = int(offsets[run.start]), int(offsets[run.stop])
-            # copy_ casts to the storage dtype as it lands in the preallocated CPU buffer: no extra copy.
-            tensors["hidden"][a:b].copy_(out.hidden)
-            for k, j in enumerate(aux_layers):
-                tensors["aux_hidden"][a:b, k * h:(k + 1) * h].copy_(out.layers[j])
+            aux = torch.cat([out.layers[j] for j in aux_layers], dim=-1) if k else None  # (n, k*H)
+            if fp8:  # quantised from the forward's own precision, one scale per token (and layer)
+                q, scale = quantize_fp8(out.hidden)
+                tensors["hidden"][a:b], tensors["hidden_scale"][a:b] = q, scale
+                if aux is not None:
+                    q, scale = quantize_fp8(aux, groups=k)
+                    tensors["aux_hidden"][a:b], tensors["aux_hidden_scale"][a:b] = q, scale
+            else:
+                # copy_ casts to the storage dtype as it lands in the preallocated CPU buffer.
+                tensors["hidden"][a:b].copy_(out.hidden)
+                if aux is not None:
+                    tensors["aux_hidden"][a:b].copy_(aux)
             bar.update(b - a)
     return tensors
 
@@ -108,7 +132,6 @@ def precompute(
     world: int = 1,
     tp_rank: int = 0,
     tp_size: int = 1,
-    hidden_dtype: torch.dtype = torch.bfloat16,
     provenance: dict[str, Any] | None = None,
     on_shard: Callable[[ShardInfo, bool], None] | None = None,
     barrier_timeout: timedelta = timedelta(hours=24),
@@ -120,9 +143,10 @@ def precompute(
     (the rest of it, the model and data settings, is not looked at): shard_tokens, most tokens per shard (H=4096
     in bf16: 2**17 tokens ≈ 1 GiB); batch_tokens, most tokens per packed prefill; aux_layers, HF `hidden_states`
     indices stored, concatenated, as `aux_hidden`; val_fraction / seed, the recorded train/val rule
-    (`manifest.is_val`); verify_on_resume, re-hash finished shards before skipping them; progress, a bar on rank
-    0. on_shard(info, skipped): called after each shard is written (skipped=False) or found done (skipped=True);
-    an exception from it stops the run, which resumes later. barrier_timeout: how long ranks wait for each other
+    (`manifest.is_val`); hidden_dtype, the storage (`STORAGE_DTYPES`; fp8 with per-token scales); verify_on_resume,
+    re-hash finished shards before skipping them; progress, a bar on rank 0. on_shard(info, skipped): called
+    after each shard is written (skipped=False) or found done (skipped=True); an exception from it stops the run,
+    which resumes later. barrier_timeout: how long ranks wait for each other
     at the end (a resumed rank may have nothing to do). on_start(): called on rank 0 once the samples and
     settings have been checked, before anything in `cfg.out` changes (the place to save the run's config: a
     refused run leaves the folder as it was). With world > 1, torch.distributed must be initialised
@@ -139,8 +163,9 @@ def precompute(
     aux_layers = [int(j) for j in cfg.aux_layers]
     if len(set(aux_layers)) != len(aux_layers):
         raise ValueError(f"aux_layers {aux_layers} has duplicates")
-    if hidden_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"hidden_dtype must be bfloat16, float16 or float32, got {hidden_dtype}")
+    storage = cfg.hidden_dtype
+    if storage not in STORAGE_DTYPES:
+        raise ValueError(f"hidden_dtype={storage!r}: choose one of {', '.join(STORAGE_DTYPES)}")
     if shard_tokens < 1 or batch_tokens < 1:
         raise ValueError("shard_tokens and batch_tokens must be positive")
     if not 0.0 <= val_fraction < 1.0:
@@ -165,7 +190,7 @@ def precompute(
     target = TargetInfo(path=str(Path(model_dir).resolve()), fingerprint=weights_fingerprint(model_dir),
                         model_type=args.model_type, hidden_size=args.hidden_size, num_layers=args.num_layers,
                         vocab_size=args.vocab_size, dtype=dtype_name(model.dtype))
-    hidden = HiddenInfo(kind="final_norm", dtype=dtype_name(hidden_dtype), aux_layers=aux_layers)
+    hidden = HiddenInfo(kind="final_norm", dtype=dtype_name(STORAGE_DTYPES[storage]), aux_layers=aux_layers)
     # Everything that changes a shard's bytes; a shard written under other settings is redone.
     settings = {"format_version": FORMAT_VERSION, "target_fingerprint": target.fingerprint,
                 "target_dtype": target.dtype, "hidden": hidden.__dict__}
@@ -206,7 +231,7 @@ def precompute(
                 continue
             if writer:
                 sidecar_path(out_dir / p.name).unlink(missing_ok=True)  # it no longer describes what will be there
-            tensors = _compute_shard(model, p, batch_tokens, aux_layers, hidden_dtype, bar)
+            tensors = _compute_shard(model, p, batch_tokens, aux_layers, storage, bar)
             if not writer:
                 continue
             if pending is not None:
