@@ -25,7 +25,8 @@ Facts the maps and configs rest on (files read in the engines' sources):
   `hidden_states[k]` — the same number. SGLang (`python/sglang/srt/models/llama.py`,
   `set_eagle3_layers_to_capture`) sets `layers_to_capture = [id + 1 for id in layer_ids]` and captures before
   layer i the same way: id k is `hidden_states[k + 1]`, one less than ours. Both engines' defaults
-  (2, L//2, L-3) are in vLLM's numbering (SGLang applies its default without the +1).
+  (2, L//2, L-3) are in vLLM's numbering (SGLang applies its default without the +1), as is EAGLE-3's reference
+  (SafeAILab/EAGLE `modeling_llama_kv.py` keeps the input of decoder layers 2, L//2 and L-3).
 * vLLM's `update_eagle3` (`vllm/transformers_utils/configs/speculators/algos.py`) defaults `norm_before_residual`
   to True, speculators' `Eagle3SpeculatorConfig` (`src/speculators/models/eagle3/config.py`) to False; ours
   takes the residual from the un-normed g (SGLang's `llama_eagle3.py` does the same, and has no flag), so the
