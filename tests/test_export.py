@@ -97,6 +97,8 @@ def test_layout_names_and_config_keys(tiny_checkpoints, tmp_path):
     ("qwen3-next-mtp", "mtp", {"fc_bias": True}, "fc_bias=True"),
     ("vllm-eagle", "eagle1", {"fc_bias": True}, "fc_bias=True"),
     ("sglang-eagle", "eagle1", {"input_norm": True}, "input_layernorm"),
+    ("speculators", "mtp", {}, "takes eagle3 heads"),
+    ("sglang-eagle3", "eagle1", {}, "takes eagle3 heads"),
     ("tensorrt", "mtp", {}, "unknown export format"),
 ])
 def test_heads_that_do_not_fit_are_refused(tiny_checkpoints, tmp_path, fmt, type_, cfg, match):

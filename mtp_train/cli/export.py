@@ -2,7 +2,8 @@
 
     mtp-export head_ckpt=runs/train/heads/step-1000 format=deepseek-mtp out=runs/export/deepseek-mtp
     mtp-export head_ckpt=runs/ablation/eagle1/heads/step-16 format=vllm-eagle out=runs/export/eagle  # eagle1 heads
-    formats: native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp
+    mtp-export head_ckpt=runs/eagle3/heads/step-1000 format=speculators out=runs/export/eagle3  # eagle3 heads
+    formats: native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp | speculators | sglang-eagle3
 
 The export is loaded back and its logits compared with the trained head's before the command reports success.
 See `mtp_train.export.layouts` for each layout's tensor names.
@@ -31,7 +32,9 @@ def verify_round_trip(head_dir: Path, export_dir: Path, target_dir: Path, rows: 
     a = load_head(head_dir, target_dir, verify_fingerprint=False)
     b = load_export(export_dir, target_dir, dtype=a.dtype)
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(rows, a.args.hidden_size, generator=g, dtype=a.dtype)
+    # An eagle3 head's first step reads its aux target layers' states side by side (rows, n_aux · H).
+    width = a.args.hidden_size * (len(a.cfg.aux_layers) if a.cfg.type == "eagle3" else 1)
+    hidden = torch.randn(rows, width, generator=g, dtype=a.dtype)
     tokens = torch.randint(0, a.args.vocab_size, (rows,), generator=g)
     meta = AttentionMetadata.build([rows])
     with torch.no_grad():
@@ -47,7 +50,8 @@ def export_main(cfg: DictConfig) -> dict[str, Any]:
     target_dir = ensure_model(cfg.model)
     out = export_head(cfg.head_ckpt, target_dir, cfg.format, cfg.out, verify_fingerprint=cfg.verify_fingerprint)
     diff = verify_round_trip(Path(cfg.head_ckpt), out, target_dir)
-    # Exact for every layout but Qwen3-Next's, whose norm weights are stored as w − 1 (one rounding at most).
+    # Exact for every layout but Qwen3-Next's, whose norm weights are stored as w − 1 (one rounding at most);
+    # the EAGLE-3 layouts also give the draft vocabulary back (d2t / t2d), so the draft logits match too.
     if diff > 1e-5:
         raise RuntimeError(f"{out}: the loaded export differs from the head by {diff:g}")
     info = describe(out)

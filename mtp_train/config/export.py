@@ -13,6 +13,8 @@ class ExportConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)  # the target the head was trained for
     head_ckpt: str | None = None  # head folder (mtp-train's heads/step-N)
-    format: str = "native"  # native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp
+    # native (any head) | vllm-eagle, sglang-eagle (eagle1) | deepseek-mtp, qwen3-next-mtp (mtp) |
+    # speculators, sglang-eagle3 (eagle3)
+    format: str = "native"
     out: str = "runs/export"
     verify_fingerprint: bool = True  # refuse a head trained for other target weights

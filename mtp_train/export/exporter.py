@@ -1,9 +1,9 @@
 """Export a trained head in a layout a serving engine loads, and load such an export back (round trips).
 
 An export folder holds `model.safetensors` (the layout's names) and `config.json`: for `native` our own head
-config (`save_head`); for the other layouts the target's config.json with the layout's keys (e.g.
-`architectures`, `num_nextn_predict_layers`) plus an `mtp_train` block (head type, norms, dims, target
-fingerprint, format) that engines ignore and `load_export` reads back.
+config (`save_head`); for the other layouts the layout's config.json (the target's with the layout's keys, e.g.
+`architectures`, `num_nextn_predict_layers`; for EAGLE-3 one built from the head's shapes) plus an `mtp_train`
+block (head type, norms, dims, target fingerprint, format) that engines ignore and `load_export` reads back.
 """
 
 from __future__ import annotations
@@ -60,12 +60,15 @@ def layout_tensors(head: DraftHead, fmt: str) -> dict[str, torch.Tensor]:
     state = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
     tensors = {k: v.contiguous() for k, v in layout.to_layout(state, head).items()}
     back = layout.from_layout(tensors, head)
-    own = {k: tuple(v.shape) for k, v in state.items() if k != "draft_vocab"}
+    own = {k: tuple(v.shape) for k, v in state.items() if k != "draft_vocab" or layout.keeps_draft_vocab}
     got = {k: tuple(v.shape) for k, v in back.items()}
     if own != got:  # every tensor of the head must land in the layout and come back with its shape
         raise LayoutError(f"format {fmt} does not cover the head: missing {sorted(own.keys() - got.keys())}, "
                           f"extra {sorted(got.keys() - own.keys())}, shapes "
                           f"{ {k: (own[k], got[k]) for k in own.keys() & got.keys() if own[k] != got[k]} }")
+    changed = [k for k in own if layout.exact and not torch.equal(back[k], state[k])]
+    if changed:  # an exact layout only renames, splits and concatenates
+        raise LayoutError(f"format {fmt} does not give the head's tensors back unchanged: {changed}")
     return tensors
 
 
@@ -80,7 +83,8 @@ def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str
     if fmt == "native":
         return save_head(head, out, extra_config=cfg.get("extra"), target_fingerprint=cfg.get("target_fingerprint"))
     tensors = layout_tensors(head, fmt)
-    target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    # The verifier's name in configs that record one (speculators); the target's own `_name_or_path` wins.
+    target_cfg = {"_name_or_path": str(target_dir), **json.loads((Path(target_dir) / "config.json").read_text())}
     config = _layout(fmt).config(head, target_cfg)
     config["mtp_train"] = {"format": fmt, "head": head.cfg.to_dict(), "dims": head_dims(head.target_args),
                            "target_fingerprint": cfg.get("target_fingerprint"), "num_params": head.num_params(),
@@ -111,8 +115,8 @@ def load_export(export_dir: str | Path, target_dir: str | Path, device: str | to
     if meta["dims"] != head_dims(args):
         raise ModelConfigError(f"{export_dir}: exported for dims {meta['dims']}, target {target_dir} has "
                                f"{head_dims(args)}")
-    # The layouts carry no draft vocabulary: a loaded export drafts over the whole vocabulary.
-    head_cfg = HeadConfig(**{**meta["head"], "draft_vocab_size": 0})
+    # Layouts without a draft vocabulary: a loaded export drafts over the whole vocabulary.
+    head_cfg = HeadConfig(**{**meta["head"], **({} if layout.keeps_draft_vocab else {"draft_vocab_size": 0})})
     frozen = FrozenTargetParts.from_pretrained(target_dir, device=device)
     head = HEAD_TYPES[head_cfg.type](head_cfg, args, frozen)
     expected = layout_tensors(head, fmt)
@@ -126,7 +130,7 @@ def load_export(export_dir: str | Path, target_dir: str | Path, device: str | to
         raise ModelConfigError(f"{export_dir} is not a valid {fmt} export:\n  " + "\n  ".join(problems))
     state = layout.from_layout(tensors, head)
     dt = dtype or next(iter(state.values())).dtype
-    head.load_state_dict({k: v.to(dt) for k, v in state.items()})
+    head.load_state_dict({k: v.to(dt) if v.is_floating_point() else v for k, v in state.items()})
     head.attach(frozen.to(device=device, dtype=dt))
     return head.to(device=device, dtype=dt).eval()
 

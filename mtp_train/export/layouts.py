@@ -17,6 +17,12 @@ them: `Family.fusings`); every other layout stores them split. A layout is a pai
 |                 |         | count (`num_nextn_predict_layers: 1`)                                        |
 | qwen3-next-mtp  | mtp     | `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,layers.0.*,norm}`; every   |
 |                 |         | RMSNorm weight stored as w − 1 (Qwen3-Next norms compute x·(1 + w))          |
+| speculators     | eagle3  | `fc.weight`, `layers.0.*` split, `norm.weight`, `lm_head.weight` (draft      |
+|                 |         | rows), `d2t`, `t2d`; config: `speculators_model_type: eagle3`,               |
+|                 |         | `transformer_layer_config`, aux ids in vLLM's numbering (vLLM loads it)      |
+| sglang-eagle3   | eagle3  | as speculators with `midlayer.*` for `layers.0.*`; config: Llama fields,     |
+|                 |         | `draft_vocab_size`, `eagle_config` aux ids in SGLang's numbering             |
+|                 |         | ("LlamaForCausalLMEagle3")                                                   |
 
 Fit: vLLM's EAGLE-1 and both MTP layouts have no fc bias, so a head trained with `fc_bias` only exports to
 native / sglang-eagle. Two differences an engine brings, not the file: DeepSeek-V3's MTP module feeds the
@@ -24,7 +30,8 @@ native / sglang-eagle. Two differences an engine brings, not the file: DeepSeek-
 drafts from the second on differ there; and engines' DeepSeek MTP blocks are MLA, so a Llama-family head (plain
 q/k/v attention) in that layout loads where the engine accepts a dense attention block. Qwen3-Next's attention
 has an output gate by default: the config sets `attn_output_gate: false` for our ungated layer.
-The concatenation order inside fc / eh_proj is the same everywhere: [embedding ; hidden].
+The concatenation order inside fc / eh_proj is the same everywhere: [embedding ; hidden]. The EAGLE-3 layouts
+(`export/eagle3.py`, with the engines' facts they rest on) keep the draft vocabulary, as `d2t` / `t2d`.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 
 import torch
 
+from mtp_train.export import eagle3
 from mtp_train.heads.base import DraftHead
 from mtp_train.models.families import family_of
 from mtp_train.models.fusing import fuse, fusion_plan, unfuse
@@ -71,6 +79,8 @@ class Layout:
     from_layout: Callable[[dict[str, torch.Tensor], DraftHead], dict[str, torch.Tensor]]
     config: Callable[[DraftHead, dict[str, Any]], dict[str, Any]]  # (head, target config.json) → config.json
     needs_frozen: bool = False  # the layout carries the embedding / lm_head itself
+    keeps_draft_vocab: bool = False  # the layout carries the draft vocabulary (else: drafts over all of V)
+    exact: bool = True  # from_layout(to_layout(state)) == state bit for bit (Qwen3-Next's w − 1 rounds)
 
 
 def _no_draft_vocab(head: DraftHead) -> list[str]:
@@ -216,12 +226,30 @@ def _qn_config(head: DraftHead, target: dict[str, Any]) -> dict[str, Any]:
     return _hf_config(target, num_nextn_predict_layers=1, attn_output_gate=False)
 
 
+# --- EAGLE-3: speculators (vLLM) and SGLang ----------------------------------------------------------------
+
+
+def _on_spec(fn: Callable[[Any, eagle3.Eagle3Spec], Any]) -> Callable[[Any, DraftHead], Any]:
+    """A function of (x, Eagle3Spec) as one of (x, head)."""
+    return lambda x, head: fn(x, eagle3.Eagle3Spec.of(head))
+
+
+def _eagle3_layout(name: str, check: Callable[[eagle3.Eagle3Spec], list[str]], to: Callable[..., Any],
+                   frm: Callable[..., Any], config: Callable[..., dict[str, Any]]) -> Layout:
+    return Layout(name, ("eagle3",), lambda head: check(eagle3.Eagle3Spec.of(head)), _on_spec(to), _on_spec(frm),
+                  lambda head, target: config(eagle3.Eagle3Spec.of(head), target), keeps_draft_vocab=True)
+
+
 LAYOUTS: dict[str, Layout] = {
     "vllm-eagle": Layout("vllm-eagle", ("eagle1",), _eagle_check(bias_ok=False), _eagle_to("", bias=False),
                          _eagle_from(""), _eagle_config("LlamaForCausalLM")),
     "sglang-eagle": Layout("sglang-eagle", ("eagle1",), _eagle_check(bias_ok=True), _eagle_to("", bias=True),
                            _eagle_from(""), _eagle_config("LlamaForCausalLMEagle")),
     "deepseek-mtp": Layout("deepseek-mtp", ("mtp",), _mtp_check, _ds_to, _ds_from, _ds_config, needs_frozen=True),
-    "qwen3-next-mtp": Layout("qwen3-next-mtp", ("mtp",), _mtp_check, _qn_to, _qn_from, _qn_config),
+    "qwen3-next-mtp": Layout("qwen3-next-mtp", ("mtp",), _mtp_check, _qn_to, _qn_from, _qn_config, exact=False),
+    "speculators": _eagle3_layout("speculators", eagle3.speculators_problems, eagle3.to_speculators,
+                                  eagle3.from_speculators, eagle3.speculators_config),
+    "sglang-eagle3": _eagle3_layout("sglang-eagle3", eagle3.sglang_problems, eagle3.to_sglang, eagle3.from_sglang,
+                                    eagle3.sglang_config),
 }
 FORMATS = ("native", *LAYOUTS)

@@ -1,0 +1,280 @@
+"""EAGLE-3 serving layouts: speculators (what vLLM loads) and SGLang's `LlamaForCausalLMEagle3`.
+
+Pure functions over a head's state dict and an `Eagle3Spec` (the few facts of the head and its target they
+need), so they run without a head object; `Eagle3Spec.of(head)` reads them off an eagle3 `DraftHead`.
+
+Our names (the eagle3 head's state dict) → the layouts' names:
+
+| ours                               | speculators (vLLM)                 | sglang-eagle3                   |
+|------------------------------------|------------------------------------|---------------------------------|
+| `fc.weight` [H, 3H]                | `fc.weight`                        | `fc.weight`                     |
+| `layers.0.<x>` (qkv, gate_up fused)| `layers.0.<x>` split q/k/v, gate/up| `midlayer.<x>` split            |
+| `norm.weight`, `lm_head.weight`    | same                               | same                            |
+| `draft_vocab` [V_d] int64          | `d2t` [V_d] int64, `t2d` [V] bool  | `d2t`, `t2d`                    |
+
+`d2t[i] = draft_vocab[i] - i` (both engines add `arange(V_d)` back: vLLM's `Eagle3LlamaForCausalLM.compute_logits`,
+SGLang's `hot_token_id = d2t + arange`), `t2d` marks the draft tokens in the target vocabulary (speculators'
+`DraftVocabMixin` checks `t2d.sum() == draft_vocab_size`; both engines skip it at load). The embedding is not
+written: both engines share the target's when the draft has none.
+
+Facts the maps and configs rest on (files read in the engines' sources):
+
+* Aux-layer numbering. Ours is transformers' `hidden_states[j]` (0 = the embeddings, j = decoder layer j-1's
+  output). vLLM (`vllm/model_executor/models/llama.py`, `LlamaModel.forward`) appends `hidden_states + residual`
+  *before* running layer `idx` when `idx in aux_hidden_state_layers`: id k is the stream entering layer k, i.e.
+  `hidden_states[k]` — the same number. SGLang (`python/sglang/srt/models/llama.py`,
+  `set_eagle3_layers_to_capture`) sets `layers_to_capture = [id + 1 for id in layer_ids]` and captures before
+  layer i the same way: id k is `hidden_states[k + 1]`, one less than ours. Both engines' defaults
+  (2, L//2, L-3) are in vLLM's numbering (SGLang applies its default without the +1), as is EAGLE-3's reference
+  (SafeAILab/EAGLE `modeling_llama_kv.py` keeps the input of decoder layers 2, L//2 and L-3).
+* vLLM's `update_eagle3` (`vllm/transformers_utils/configs/speculators/algos.py`) defaults `norm_before_residual`
+  to True, speculators' `Eagle3SpeculatorConfig` (`src/speculators/models/eagle3/config.py`) to False; ours
+  takes the residual from the un-normed g (SGLang's `llama_eagle3.py` does the same, and has no flag), so the
+  speculators config writes False and every other norm flag (`norm_before_fc`, `fc_norm`, `norm_output`) too.
+* vLLM's `Eagle3LlamaForCausalLM` (`llama_eagle3.py`) returns (final-normed, pre-norm) and its proposer
+  (`vllm/v1/spec_decode/eagle.py`) samples from the first and feeds the second to the next draft step; SGLang's
+  `LlamaModel.forward` returns the pre-norm stream as the next step's hidden ("capture the hidden state before
+  norm"). The fc runs only on the target's aux states.
+* vLLM's qkv bias follows `attention_bias`, which also puts a bias on o_proj (`llama_eagle3.py`), so a head with
+  q/k/v bias only gets a zero o_proj bias in the speculators layout; SGLang's draft layer has no q/k/v bias and
+  a bias-free MLP, and its `fc` bias key (`bias`) also switches on o_proj's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mtp_train.models.config import ModelArgs
+from mtp_train.models.families import family_of
+from mtp_train.models.fusing import Fusing, fuse, parts_plan, unfuse
+
+if TYPE_CHECKING:
+    from mtp_train.heads.base import DraftHead
+
+# The `speculative_tokens` of the greedy proposal written into a speculators config; vLLM takes it as the
+# default `num_speculative_tokens` (`vllm/transformers_utils/configs/speculators/base.py`) and a
+# `--speculative-config` overrides it. speculators' converter writes 3 as well.
+SPECULATIVE_TOKENS = 3
+# The class speculators registers for `speculators_model_type: eagle3` (`src/speculators/models/eagle3/core.py`);
+# vLLM replaces `architectures` with its own (`Eagle3LlamaForCausalLM`) when it reads the config.
+SPECULATORS_ARCH = "Eagle3DraftModel"
+SGLANG_ARCH = "LlamaForCausalLMEagle3"
+NUM_AUX = 3  # both engines build fc over exactly three target layers (3 · target_hidden_size inputs)
+
+
+@dataclass(frozen=True)
+class Eagle3Spec:
+    """What the EAGLE-3 layouts need to know about a head besides its tensors."""
+
+    args: ModelArgs  # the target's shapes (H, heads, kv heads, head_dim, intermediate, V, eps, rope, L, biases)
+    aux_layers: tuple[int, ...]  # target layers read, in transformers' hidden_states[j] numbering
+    draft_vocab_size: int  # V_d (0 = no draft vocabulary: refused)
+    fusings: tuple[Fusing, ...]  # the family's fused projections (the head's block fuses as its target does)
+    fc_bias: bool = False
+    head_type: str = "eagle3"
+
+    @classmethod
+    def of(cls, head: DraftHead) -> Eagle3Spec:
+        c = head.cfg
+        return cls(args=head.target_args, aux_layers=tuple(c.aux_layers), draft_vocab_size=c.draft_vocab_size,
+                   fusings=tuple(family_of(head.target_args).fusings), fc_bias=c.fc_bias, head_type=c.type)
+
+
+class Eagle3LayoutError(ValueError):
+    """A tensor file that is not what an EAGLE-3 layout writes (e.g. d2t and t2d disagree)."""
+
+
+# --- aux-layer numbering (see the module docstring for the sources) -----------------------------------------
+
+
+def vllm_aux_ids(aux_layers: tuple[int, ...] | list[int]) -> list[int]:
+    """Our hidden_states[j] numbering → vLLM's `eagle_aux_hidden_state_layer_ids` (the same numbers)."""
+    return [int(j) for j in aux_layers]
+
+
+def sglang_aux_ids(aux_layers: tuple[int, ...] | list[int]) -> list[int]:
+    """Our hidden_states[j] numbering → SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids` (j - 1)."""
+    return [int(j) - 1 for j in aux_layers]
+
+
+# --- checks ---------------------------------------------------------------------------------------------------
+
+
+def _common_problems(spec: Eagle3Spec) -> list[str]:
+    a = spec.args
+    problems = []
+    if spec.head_type != "eagle3":
+        problems.append(f"head type {spec.head_type!r}: the EAGLE-3 layouts take eagle3 heads")
+    if spec.draft_vocab_size <= 0:
+        problems.append("draft_vocab_size=0: the layout's lm_head is over a draft vocabulary (d2t / t2d); "
+                        "train with head.draft_vocab_size > 0")
+    if spec.fc_bias:
+        problems.append("fc_bias=True: the engines' EAGLE-3 fc has no bias (retrain with head.fc_bias=false, or "
+                        "export native)")
+    if len(spec.aux_layers) != NUM_AUX:
+        problems.append(f"aux_layers={list(spec.aux_layers)}: the engines read exactly {NUM_AUX} target layers")
+    bad = [j for j in spec.aux_layers if not 1 <= j <= a.num_layers - 1]
+    if bad:  # both engines capture the stream entering a decoder layer: hidden_states[1..L-1]
+        problems.append(f"aux_layers {bad}: the engines can read hidden_states[1..{a.num_layers - 1}] only "
+                        "(the output of a decoder layer that another layer follows)")
+    if family_of(a).name != "llama":
+        problems.append(f"target model_type {a.model_type!r}: the engines' EAGLE-3 draft layer is a Llama layer")
+    if a.qk_norm:
+        problems.append("the target has q/k norms (Qwen3): the engines' Llama EAGLE-3 layer has none")
+    if a.sliding_window is not None:
+        problems.append(f"sliding_window={a.sliding_window}: the engines' EAGLE-3 layer attends to the full "
+                        "context")
+    return problems
+
+
+def speculators_problems(spec: Eagle3Spec) -> list[str]:
+    """Why a head does not fit `format=speculators` (empty: it fits)."""
+    problems = _common_problems(spec)
+    if spec.args.o_bias and not spec.args.qkv_bias:
+        problems.append("o_proj bias without q/k/v bias: vLLM's `attention_bias` switches both on")
+    return problems
+
+
+def sglang_problems(spec: Eagle3Spec) -> list[str]:
+    """Why a head does not fit `format=sglang-eagle3` (empty: it fits)."""
+    a = spec.args
+    problems = _common_problems(spec)
+    problems += [f"{name}: SGLang's LlamaForCausalLMEagle3 layer has no such bias (export format=speculators)"
+                 for name, on in (("qkv_bias", a.qkv_bias), ("o_bias", a.o_bias), ("mlp_bias", a.mlp_bias)) if on]
+    return problems
+
+
+# --- vocabulary ------------------------------------------------------------------------------------------------
+
+
+def vocab_maps(draft_vocab: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_vocab [V_d] (ascending target ids) → (d2t [V_d] int64 offsets, t2d [V] bool mask)."""
+    dv = draft_vocab.to(torch.int64)
+    d2t = dv - torch.arange(dv.numel(), dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[dv] = True
+    return d2t, t2d
+
+
+def draft_vocab_from(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """The inverse of `vocab_maps`: d2t + arange, checked against t2d (both must name the same tokens)."""
+    dv = d2t.to(torch.int64) + torch.arange(d2t.numel(), dtype=torch.int64)
+    if dv.numel() and (int(dv.min()) < 0 or int(dv.max()) >= t2d.numel()):
+        raise Eagle3LayoutError(f"d2t points outside the target vocabulary [0, {t2d.numel()})")
+    _, check = vocab_maps(dv, t2d.numel())
+    if not torch.equal(check, t2d.to(torch.bool)):
+        raise Eagle3LayoutError("d2t and t2d name different draft tokens")
+    if dv.numel() > 1 and not bool((dv[1:] > dv[:-1]).all()):
+        raise Eagle3LayoutError("d2t + arange is not ascending: lm_head rows must follow the target ids' order")
+    return dv
+
+
+# --- weights ---------------------------------------------------------------------------------------------------
+
+_O_BIAS = "self_attn.o_proj.bias"
+# Outside the decoder layer, the same names in every layout; anything else of a head is left out (and then
+# reported by the exporter's coverage check).
+_TOP = ("fc.weight", "norm.weight", "lm_head.weight")
+
+
+def _to(prefix: str, zero_o_bias: bool) -> Callable[[dict[str, torch.Tensor], Eagle3Spec], dict[str, torch.Tensor]]:
+    def to(state: dict[str, torch.Tensor], spec: Eagle3Spec) -> dict[str, torch.Tensor]:
+        layer = {k[len("layers.0."):]: v for k, v in state.items() if k.startswith("layers.0.")}
+        layer = unfuse(layer, spec.fusings, spec.args)
+        if zero_o_bias and spec.args.qkv_bias and _O_BIAS not in layer:
+            w = layer["self_attn.o_proj.weight"]  # the engine expects it with the q/k/v bias: zero is the same map
+            layer[_O_BIAS] = torch.zeros(w.shape[0], dtype=w.dtype)
+        out = {k: state[k] for k in _TOP}
+        out.update({f"{prefix}{k}": v for k, v in layer.items()})
+        out["d2t"], out["t2d"] = vocab_maps(state["draft_vocab"], spec.args.vocab_size)
+        return out
+
+    return to
+
+
+def _from(prefix: str, zero_o_bias: bool) -> Callable[[dict[str, torch.Tensor], Eagle3Spec], dict[str, torch.Tensor]]:
+    def frm(tensors: dict[str, torch.Tensor], spec: Eagle3Spec) -> dict[str, torch.Tensor]:
+        layer = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if zero_o_bias and spec.args.qkv_bias and not spec.args.o_bias and _O_BIAS in layer:
+            bias = layer.pop(_O_BIAS)
+            if bool(bias.any()):  # only a zero bias is ours; dropping another would change the head
+                raise Eagle3LayoutError(f"{prefix}{_O_BIAS} is not zero: not an export of a head without o_proj bias")
+        layer.update(fuse(layer, parts_plan(list(layer), spec.fusings)))
+        state = {k: tensors[k] for k in _TOP}
+        state.update({f"layers.0.{k}": v for k, v in layer.items()})
+        state["draft_vocab"] = draft_vocab_from(tensors["d2t"], tensors["t2d"])
+        return state
+
+    return frm
+
+
+to_speculators = _to("layers.0.", zero_o_bias=True)
+from_speculators = _from("layers.0.", zero_o_bias=True)
+to_sglang = _to("midlayer.", zero_o_bias=False)
+from_sglang = _from("midlayer.", zero_o_bias=False)
+
+
+# --- config.json -----------------------------------------------------------------------------------------------
+
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def llama_layer_config(spec: Eagle3Spec, target: dict[str, Any]) -> dict[str, Any]:
+    """The one draft layer as a transformers LlamaConfig dict: the target's shapes, rope and context length,
+    vocab_size = the TARGET vocabulary (the engines map draft logits back into it), untied."""
+    a = spec.args
+    cfg: dict[str, Any] = {
+        "model_type": "llama", "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+        "num_hidden_layers": 1, "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads,
+        "head_dim": a.head_dim, "hidden_act": a.hidden_act, "rms_norm_eps": a.rms_norm_eps,
+        "vocab_size": a.vocab_size, "max_position_embeddings": a.max_position_embeddings,
+        "attention_bias": a.qkv_bias or a.o_bias, "mlp_bias": a.mlp_bias, "tie_word_embeddings": False,
+    }
+    rope = {k: target[k] for k in _ROPE_KEYS if target.get(k) is not None}
+    cfg.update(rope or {"rope_theta": a.rope.theta})
+    for key in ("torch_dtype", "bos_token_id", "eos_token_id"):
+        if target.get(key) is not None:
+            cfg[key] = target[key]
+    return cfg
+
+
+def speculators_config(spec: Eagle3Spec, target: dict[str, Any]) -> dict[str, Any]:
+    """config.json of `format=speculators` (field names: speculators' `Eagle3SpeculatorConfig` and
+    `SpeculatorsConfig` / `VerifierConfig` in `src/speculators/config.py`; read by vLLM's `SpeculatorsConfig`)."""
+    return {
+        "speculators_model_type": "eagle3",
+        "architectures": [SPECULATORS_ARCH],
+        "transformer_layer_config": llama_layer_config(spec, target),
+        "draft_vocab_size": spec.draft_vocab_size,
+        "target_hidden_size": spec.args.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": vllm_aux_ids(spec.aux_layers),
+        # Written out: vLLM and speculators default norm_before_residual differently (True / False).
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": target.get("_name_or_path"),
+                         "architectures": list(target.get("architectures") or [])},
+        },
+    }
+
+
+def sglang_config(spec: Eagle3Spec, target: dict[str, Any]) -> dict[str, Any]:
+    """config.json of `format=sglang-eagle3` (read by `python/sglang/srt/models/llama_eagle3.py` and the model
+    runner's `eagle_config` look-up)."""
+    cfg = llama_layer_config(spec, target)
+    cfg.update({
+        "architectures": [SGLANG_ARCH],
+        "draft_vocab_size": spec.draft_vocab_size,  # absent, SGLang would load the target's full lm_head instead
+        "target_hidden_size": spec.args.hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_aux_ids(spec.aux_layers),
+                         "use_aux_hidden_state": True},
+    })
+    return cfg
