@@ -14,8 +14,8 @@ proposer prefill too. Every other step, for all running sequences at once:
 so every sequence advances by its own 1..k+1 tokens per target forward. The prefill and verify forwards return
 the target layers the proposer names (`Proposer.hidden_layers`, e.g. an EAGLE-3 head's aux layers), concatenated,
 in place of the final hidden it otherwise reads; a proposer that names none costs no extra copy. Pages are
-reserved for prompt + max_new_tokens + k + 1 tokens, so a step never runs out of pages. Greedy speculative output equals plain
-greedy output token for token (up to floating-point near-ties between the verify and decode kernels).
+reserved for prompt + max_new_tokens + k + 1 tokens, so a step never runs out of pages. Greedy speculative output
+equals plain greedy output token for token (up to floating-point near-ties between the verify and decode kernels).
 """
 
 from __future__ import annotations
