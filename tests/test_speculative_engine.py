@@ -316,3 +316,17 @@ def test_own_catch_up_gives_plain_greedy_output(tiny_checkpoints):
     assert [o.output_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))] == ref
     with pytest.raises(ValueError, match="catch_up"):
         HeadProposer(_head(tiny_checkpoints), catch_up="draft")
+
+
+@pytest.mark.slow
+def test_greedy_eagle3_on_the_default_model_equals_plain_greedy(default_model_dir):
+    """SmolLM2-135M (30 layers): an eagle3 head over hidden_states 2, 15, 27 changes no greedy token."""
+    model = load_model(default_model_dir, dtype="float32")
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type="eagle3", draft_vocab_size=8192), default_model_dir, dtype="float32")
+    assert head.aux_layers == [2, 15, 27]
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9519, 9, 2683, 359, 346, 47]]
+    ref = _greedy(model, prompts, n=24, page_size=16)
+    eng = SpecEngine(model, HeadProposer(head), 3, page_size=16, num_pages=64)
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.output_ids for o in out] == ref
