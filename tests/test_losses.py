@@ -243,3 +243,49 @@ def test_tiny_overfit(tiny_batch, type_):
     assert m["feat_loss"] < 0.05 * first["feat_loss"], (first["feat_loss"], m["feat_loss"])
     assert m["tok_loss"] - entropy < 0.05 * (first["tok_loss"] - entropy), (first["tok_loss"], m["tok_loss"], entropy)
     assert m["top1"] >= baseline + 0.5 and m["step1/top1"] >= baseline + 0.5, (baseline, m["top1"], m["step1/top1"])
+
+
+# --- a head's own lm_head, the draft vocabulary, EAGLE-3's position mask ---------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["checkpoint", "fused"])
+def test_a_trainable_head_side_lm_head_gets_its_gradient(impl):
+    pred, target = _rand(17, 8, seed=1, scale=2.0).requires_grad_(), _rand(17, 8, seed=2, scale=2.0)
+    target_w, own = _rand(11, 8, seed=3), _rand(11, 8, seed=4).requires_grad_()
+    ce, top1, top3 = chunked_soft_ce(pred, target, target_w, chunk_size=5, impl=impl, pred_head=own)
+    z, t = pred @ own.T, target @ target_w.T
+    ref = -(t.softmax(-1) * z.log_softmax(-1)).sum()
+    torch.testing.assert_close(ce, ref)
+    assert int(top1) == int((z.argmax(-1) == t.argmax(-1)).sum())
+    g_pred, g_own = torch.autograd.grad(ce, [pred, own])
+    r_pred, r_own = torch.autograd.grad(ref, [pred, own])
+    torch.testing.assert_close(g_pred, r_pred)
+    torch.testing.assert_close(g_own, r_own)
+
+
+def test_eagle3_loss_restricts_the_target_to_the_draft_rows_and_masks_out_of_vocab_argmax(tiny_batch):
+    path, hidden, ids, mask, lens = tiny_batch
+    head = build_head(HeadConfig(type="eagle3", draft_vocab_size=64, aux_layers=[1, 2, 3]), path, dtype="float32")
+    head.set_draft_vocab(torch.arange(0, 256, 4))
+    aux = _rand(hidden.shape[0], 3 * hidden.shape[1], seed=5, dtype=torch.float32)
+    with pytest.raises(ValueError, match="aux layers"):
+        unrolled_loss(head, hidden, ids, mask, lens, LossConfig())
+    plain, pm = unrolled_loss(head, hidden, ids, mask, lens, LossConfig(w_feat=0.0, w_tok=1.0), aux_hidden=aux)
+    masked, mm = unrolled_loss(head, hidden, ids, mask, lens, LossConfig(w_feat=0.0, w_tok=1.0,
+                                                                         mask_out_of_draft=True), aux_hidden=aux)
+    # By hand: target softmax over the draft rows only, head logits from norm(out) @ own lm_head.
+    out = head.unroll(aux, ids, lens, 1)[0]
+    target, counted = step_targets(hidden, mask, lens, 0)
+    rows = head.frozen.lm_head[head.draft_vocab]
+    p = (target @ rows.T).softmax(-1)
+    logq = (head.norm(out) @ head.lm_head.weight.T).log_softmax(-1)
+    ce = -(p * logq).sum(-1)
+    full_best = (target @ head.frozen.lm_head.T).argmax(-1)
+    inside = torch.isin(full_best, head.draft_vocab)
+    n = counted.sum()
+    torch.testing.assert_close(plain, ce[counted].sum() / n)
+    assert 0 < int((counted & inside).sum()) < int(n)  # the mask really drops rows here
+    torch.testing.assert_close(masked, ce[counted & inside].sum() / n)  # still normalised by every loss row
+    assert mm["num_tokens"] == pm["num_tokens"] == n
+    masked.backward()
+    assert head.lm_head.weight.grad is not None and head.fc.weight.grad is not None

@@ -31,6 +31,11 @@ def _head(tiny_checkpoints, name="llama", draft_vocab_size=0, seed=0):
                       tiny_checkpoints[name][0])
 
 
+def _eagle3(tiny_checkpoints, name="llama", seed=0):
+    torch.manual_seed(seed)
+    return build_head(HeadConfig(type="eagle3", draft_vocab_size=96), tiny_checkpoints[name][0])
+
+
 def _sharp_head(tiny_checkpoints, draft_vocab_size=0):
     """An untrained head whose draft confidences spread over (0.15, 0.75): its final norm scaled up 20×."""
     head = _head(tiny_checkpoints, draft_vocab_size=draft_vocab_size)
@@ -51,6 +56,44 @@ def test_greedy_mtp_equals_plain_greedy(tiny_checkpoints, name, k):
     assert m.num_drafts >= eng.stats.verify_steps  # one drafting step per sequence and verify step
     assert 1.0 <= m.mean_acceptance_length <= k + 1
     assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages  # every page came back
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_greedy_eagle3_equals_plain_greedy_and_reads_the_aux_layers(tiny_checkpoints, name, k):
+    model = load_model(tiny_checkpoints[name][0])
+    ref = _greedy(model, PROMPTS)
+    head = _eagle3(tiny_checkpoints, name)
+    proposer = HeadProposer(head)
+    assert proposer.hidden_layers == (2, 1, 0)
+    eng = SpecEngine(model, proposer, k, page_size=3, num_pages=256)
+    out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert [o.output_ids for o in out] == ref
+    assert eng.stats.metrics.num_drafts >= eng.stats.verify_steps
+    assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages
+
+
+def test_eagle3_catch_up_state_equals_a_recompute_over_the_targets_aux_layers(tiny_checkpoints):
+    """After every step the eagle3 head's kept feature is what a cache-free prefill of the head over the target's
+    aux layers (2, 1, 0) of the whole accepted sequence gives: the verify forward handed it those layers."""
+    model = load_model(tiny_checkpoints["llama"][0])
+    head = _eagle3(tiny_checkpoints)
+    proposer = HeadProposer(head)
+    eng = SpecEngine(model, proposer, 3, page_size=3, num_pages=256)
+    for p in PROMPTS:
+        eng.add_request(p, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    checked = 0
+    while eng.has_unfinished():
+        eng.step()
+        for s in eng.running:
+            ids = s.token_ids[:-1]
+            out = prefill_hidden(model, [ids], hidden_layers=[2, 1, 0])
+            aux = torch.cat([out.layers[j] for j in (2, 1, 0)], -1)
+            with torch.no_grad():
+                ref = head(aux, torch.tensor(s.token_ids[1:]), AttentionMetadata.build([len(ids)])).hidden[-1]
+            torch.testing.assert_close(proposer._feat[s.seq_id], ref, rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked > 10
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -129,7 +172,7 @@ def _marginal_of_second_token(model, prompt, temperature):
     return (first[:, None] * second).sum(0)
 
 
-@pytest.mark.parametrize("proposer", ["head", "head-threshold", "draft", "ngram"])
+@pytest.mark.parametrize("proposer", ["head", "head-threshold", "eagle3", "draft", "ngram"])
 def test_sampled_speculation_follows_the_target_distribution(tiny_checkpoints, proposer):
     """Chi-square: the second generated token (the first one that goes through speculative acceptance) of many
     seeded requests is distributed as the target's exact marginal (fixed seeds; bins with expected < 5 merged).
@@ -139,7 +182,9 @@ def test_sampled_speculation_follows_the_target_distribution(tiny_checkpoints, p
     prompt = [3, 17, 42, 7] + (list(range(60, 120)) if proposer == "ngram" else [])
     temp, n = 0.7, 3000
     expected_p = _marginal_of_second_token(model, prompt, temp)
-    if proposer.startswith("head"):
+    if proposer == "eagle3":
+        prop = HeadProposer(_eagle3(tiny_checkpoints))
+    elif proposer.startswith("head"):
         prop = (HeadProposer(_sharp_head(tiny_checkpoints, 96), draft_threshold=0.4) if proposer == "head-threshold"
                 else HeadProposer(_head(tiny_checkpoints, draft_vocab_size=96)))
     elif proposer == "ngram":
@@ -271,3 +316,17 @@ def test_own_catch_up_gives_plain_greedy_output(tiny_checkpoints):
     assert [o.output_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))] == ref
     with pytest.raises(ValueError, match="catch_up"):
         HeadProposer(_head(tiny_checkpoints), catch_up="draft")
+
+
+@pytest.mark.slow
+def test_greedy_eagle3_on_the_default_model_equals_plain_greedy(default_model_dir):
+    """SmolLM2-135M (30 layers): an eagle3 head over hidden_states 2, 15, 27 changes no greedy token."""
+    model = load_model(default_model_dir, dtype="float32")
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type="eagle3", draft_vocab_size=8192), default_model_dir, dtype="float32")
+    assert head.aux_layers == [2, 15, 27]
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9519, 9, 2683, 359, 346, 47]]
+    ref = _greedy(model, prompts, n=24, page_size=16)
+    eng = SpecEngine(model, HeadProposer(head), 3, page_size=16, num_pages=64)
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.output_ids for o in out] == ref

@@ -439,6 +439,84 @@ def test_evaluation_through_the_inference_path_matches_the_training_path(setup, 
     assert head.training is False  # evaluate restores the mode it found
 
 
+# --- eagle3 and aux features ------------------------------------------------------------------------------------
+
+AUX = [2, 1, 0]  # EAGLE-3's default [2, L//2, L-3] for the tiny target's 3 layers
+
+
+@pytest.fixture(scope="module")
+def aux_data(setup, tmp_path_factory) -> Path:
+    """The same samples as `setup.data`, precomputed with the aux layers EAGLE-3 reads."""
+    out = tmp_path_factory.mktemp("pc-aux") / "pc"
+    model = load_model(setup.target, dtype="float32", backend="torch")
+    cfg = PrecomputeConfig(out=str(out), shard_tokens=1500, batch_tokens=2048, val_fraction=0.15, seed=0,
+                           progress=False, aux_layers=AUX)
+    precompute(model, make_train_samples(120, 0), cfg, tokenizer_fingerprint="tok-fp",
+               chat_template_fingerprint="tmpl-fp", model_dir=setup.target, data_info={"name": "random"})
+    return out
+
+
+@pytest.mark.parametrize("kw", [dict(type="eagle3", draft_vocab_size=32), dict(type="mtp", features="aux")],
+                         ids=["eagle3", "mtp-aux"])
+def test_aux_heads_evaluate_through_the_inference_path_as_they_train(setup, aux_data, kw):
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(**kw), setup.target, dtype=torch.float32)
+    assert head.aux_layers == AUX
+    batches = list(eval_batches(PrecomputedDataset(aux_data, split="val"), 400, 2))
+    cfg = LossConfig(steps=3, mask_out_of_draft=head.draft_vocab is not None)
+    head.eval()
+    for b in batches:
+        assert b.aux_hidden is not None and b.aux_hidden.shape == (b.num_rows, 3 * 64)
+        with torch.no_grad():
+            train_path = head.unroll(b.aux_hidden, b.input_ids, b.seq_lens, 3, attention="chain")
+        infer_path = inference_chain(head, b.aux_hidden, b.input_ids, b.seq_lens, 3, kv_slots=64)
+        for j, (x, y) in enumerate(zip(train_path, infer_path)):
+            valid = torch.cat([torch.arange(n) < n - j - 1 for n in b.seq_lens])
+            torch.testing.assert_close(y[valid], x[valid], rtol=1e-4, atol=1e-5, msg=f"step {j}")
+    ev = evaluate(head, batches, cfg, torch.device("cpu"))
+    totals: dict[str, float] = {}
+    counts = [0.0] * 3
+    for b in batches:
+        with torch.no_grad():
+            _, m = unrolled_loss(head, b.hidden, b.input_ids, b.loss_mask, b.seq_lens, cfg, aux_hidden=b.aux_hidden)
+        for j in range(3):
+            n = float(m[f"step{j}/num_tokens"])
+            counts[j] += n
+            for k in ("loss", "top1", "tok_loss"):
+                totals[f"{j}/{k}"] = totals.get(f"{j}/{k}", 0.0) + float(m[f"step{j}/{k}"]) * n
+    for j in range(3):
+        assert ev[f"eval/step{j}/num_tokens"] == counts[j]
+        for k in ("loss", "top1", "tok_loss"):
+            assert ev[f"eval/step{j}/{k}"] == pytest.approx(totals[f"{j}/{k}"] / counts[j], rel=1e-5, abs=1e-6)
+
+
+def test_a_folder_without_the_heads_aux_layers_is_refused_by_key(setup, aux_data, tmp_path):
+    with pytest.raises(ValueError, match=r"holds aux layers \[\] .* aux_layers=\[2,1,0\]"):
+        train_main(_cfg(_overrides(setup, tmp_path / "a", "head=eagle3", "head.draft_vocab_size=32")))
+    with pytest.raises(ValueError, match=r"lacking \[3\].*head.aux_layers"):
+        train_main(_cfg(_overrides(setup, tmp_path / "b", f"data.dir={aux_data}", "head=mtp", "head.features=aux",
+                                   "head.aux_layers=[3]")))
+    assert not (tmp_path / "a" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_tiny_eagle3_run_trains_its_own_lm_head_and_exports(setup, aux_data, tmp_path):
+    out = tmp_path / "e3"
+    run = _train(setup, out, f"data.dir={aux_data}", "head=eagle3", "head.draft_vocab_size=128", "loss.steps=3",
+                 "loss.w_feat=0", "loss.w_tok=1", "loss.mask_out_of_draft=true", "train.max_steps=30",
+                 "train.eval_batches=2")
+    m = _metrics(out)
+    top1 = [m[s]["train/top1"] for s in range(1, 31)]
+    assert sum(top1[-5:]) / 5 > 1.5 * sum(top1[:3]) / 3, top1  # (the soft CE's floor is the target's entropy)
+    for key in ("train/step2/top1", "train/step2/tok_loss", "eval/step2/top1"):
+        assert key in m[30], key
+    assert run.result["eval/top1"] > 1.2 * _baseline_top1(setup)
+    head = load_head(run.result["head_dir"], setup.target, dtype="float32")
+    assert head.type_name == "eagle3" and head.aux_layers == AUX and head.vocab_size == 128
+    target_rows = head.frozen.lm_head[head.draft_vocab]
+    assert not torch.allclose(head.lm_head.weight, target_rows)  # its own rows trained
+
+
 # --- configuration ------------------------------------------------------------------------------------------------
 
 

@@ -22,6 +22,9 @@ class LossConfig:
     chunk_size: int = 1024  # rows per lm_head chunk: bounds memory at ~3 · chunk_size · V floats
     ce_impl: str = "checkpoint"  # checkpoint | fused (see the module docstring)
     noise_std: float = 0.0  # uniform noise U(-std, std) on the input features in training mode (EAGLE); 0 = off
+    # With a draft vocabulary: drop positions whose target argmax lies outside it (EAGLE-3 trains so). Costs one
+    # no-grad full-vocabulary lm_head pass per batch (argmax only, shared by all steps); false = no such pass.
+    mask_out_of_draft: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1:

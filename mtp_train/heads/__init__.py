@@ -8,6 +8,7 @@ Heads sit on the same floor as `models/`: they import `layers/` and `models/` on
 from mtp_train.heads.base import DraftHead, HeadOutput
 from mtp_train.heads.checkpoint import load_head, read_head_config, save_head
 from mtp_train.heads.eagle1 import Eagle1Head
+from mtp_train.heads.eagle3 import Eagle3Head
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer
 from mtp_train.heads.mtp import MTPHead
 from mtp_train.heads.packing import packed_shift, packed_valid, resolve_seq_lens
@@ -17,6 +18,7 @@ __all__ = [
     "HEAD_TYPES",
     "DraftHead",
     "Eagle1Head",
+    "Eagle3Head",
     "FrozenTargetParts",
     "HeadOutput",
     "MTPHead",

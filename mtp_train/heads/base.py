@@ -26,6 +26,10 @@ Unrolled alignment (a sequence of n tokens, rows i = 0..n-1, steps j = 0..k-1):
                                "causal": the rows 0..i of step j itself (DeepSeek-V3 MTP training), whose
                                inputs are all the head's own estimates.
 
+An aux head (`features=aux`: eagle3, or mtp / eagle1 with head.features=aux) reads at step 0 the target's aux
+layers at position i, concatenated (T, k·H), in place of h_i; targets stay h_{i+j+1}. eagle3's output feature (fed
+to step j+1) is its layer output before the final norm, as vLLM and SGLang feed it; `logit_input` applies the norm.
+
 The last j+1 rows of each sequence have no token t_{i+j+1}: they are fed token id 0 and never counted; no
 counted row attends to them (packing: `heads/packing.py`; the chain's attention: `heads/chain_attention.py`).
 
@@ -72,6 +76,7 @@ class DraftHead(nn.Module, ABC):
 
     type_name: ClassVar[str] = "base"
     num_kv_layers: ClassVar[int] = 1  # layers in the head's own paged KV pool
+    needs_draft_vocab: ClassVar[bool] = False  # a draft_vocab buffer always (a size above V is capped at V)
 
     def __init__(self, cfg: HeadConfig, target_args: ModelArgs, frozen: FrozenTargetParts | None = None,
                  backend: str = "torch") -> None:
@@ -83,7 +88,9 @@ class DraftHead(nn.Module, ABC):
             takes = titles(lambda f: f.head_types is None or cfg.type in f.head_types)
             raise ModelConfigError(f"{cfg.type} heads take {takes} targets; a {family.title} target takes an "
                                    f"{' or '.join(family.head_types)} head ({family.head_note})")
-        self.cfg = cfg.resolved()
+        if self.needs_draft_vocab and cfg.draft_vocab_size > target_args.vocab_size:
+            cfg = dataclasses.replace(cfg, draft_vocab_size=target_args.vocab_size)
+        self.cfg = cfg.resolved(target_args.num_layers)  # aux_layers resolved too
         self.target_args = target_args
         self.args = dataclasses.replace(target_args, num_layers=1)  # the head's decoder: target shapes, one layer
         self.frozen = frozen
@@ -98,7 +105,7 @@ class DraftHead(nn.Module, ABC):
         if n > a.vocab_size:
             raise ValueError(f"draft_vocab_size {n} exceeds the target's vocabulary ({a.vocab_size})")
         self.draft_vocab: torch.Tensor | None
-        if 0 < n < a.vocab_size:
+        if 0 < n < a.vocab_size or (n > 0 and self.needs_draft_vocab):
             # Target token ids of the draft vocabulary, ascending; set from data with `set_draft_vocab`.
             self.register_buffer("draft_vocab", torch.arange(n, dtype=torch.long))
         else:
@@ -112,12 +119,24 @@ class DraftHead(nn.Module, ABC):
                  kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend) -> torch.Tensor:
         """The head's output feature for every row.
 
-        hidden: (T, H) input features (h_i, or the previous step's output); token_ids: (T,) the token that
+        hidden: (T, H) input features (h_i, or the previous step's output), or (T, k·H) aux features at step 0
+        (an aux head tells them apart by width, as vLLM's EAGLE-3 does); token_ids: (T,) the token that
         follows each row (t_{i+1}); meta: the step's metadata, already prepared for `attn` (an MLABackend for a
         DeepSeek block); kv_cache: the head's one-layer pool (num_pages, 2, page_size, Hkv, D), or (num_pages,
         page_size, C + R) latent rows for a DeepSeek block, written at the step's slots, or None.
         Returns (T, H): the estimate of h_{i+1}.
         """
+
+    def logit_input(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's output feature (N, H) → what its lm_head reads (N, H): itself (mtp, eagle1), or the final
+        norm of a head that feeds its pre-norm output to the next step (eagle3). Also what the feature loss
+        compares with the target's hidden state."""
+        return out
+
+    def draft_lm_head(self) -> torch.Tensor:
+        """(Vd, H) the projection of the head's logits: the frozen target rows (`lm_head_weight`) unless the head
+        trains its own (eagle3)."""
+        return self.lm_head_weight()
 
     def init_from_target(self, target_dir: str | Path) -> None:
         """Copy target weights into the head (HeadConfig.init = last_layer); heads without such init refuse."""
@@ -163,6 +182,17 @@ class DraftHead(nn.Module, ABC):
         return self.require_frozen().embed_tokens(token_ids).to(self.dtype)
 
     @property
+    def aux_layers(self) -> list[int]:
+        """Target layers (hidden_states numbering) whose states, concatenated, are step 0's input; [] = the final
+        hidden (features=final)."""
+        return list(self.cfg.aux_layers) if self.cfg.features == "aux" else []
+
+    @property
+    def input_width(self) -> int:
+        """Width of step 0's input rows: k·H for k aux layers, else H."""
+        return max(1, len(self.aux_layers)) * self.args.hidden_size
+
+    @property
     def vocab_size(self) -> int:
         """Size of the head's output distribution: draft_vocab_size, or the target's vocabulary."""
         return self.args.vocab_size if self.draft_vocab is None else int(self.draft_vocab.numel())
@@ -196,12 +226,12 @@ class DraftHead(nn.Module, ABC):
         return idx if self.draft_vocab is None else self.draft_vocab.to(idx.device)[idx]
 
     def compute_logits(self, head_hidden: torch.Tensor) -> torch.Tensor:
-        """head_hidden: (N, H) → (N, Vd) through the frozen lm_head rows of the draft vocabulary (Vd = vocab_size).
+        """head_hidden: (N, H) head outputs → (N, Vd) through `draft_lm_head` (Vd = vocab_size), after `logit_input`.
 
         Column c is target token `to_target_ids(c)`.
         """
-        w = self.lm_head_weight()
-        return linear(head_hidden.to(w.dtype), w)  # the CPU fast paths serve draft steps' few rows
+        w = self.draft_lm_head()
+        return linear(self.logit_input(head_hidden).to(w.dtype), w)  # CPU fast paths serve draft steps' few rows
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) → cos, sin (T, 1, D), from float32 frequencies kept per device."""
@@ -226,12 +256,12 @@ class DraftHead(nn.Module, ABC):
                 kv_cache: torch.Tensor | None = None, *, logits_indices: torch.Tensor | None = None) -> HeadOutput:
         """Inference: one engine step over the head's paged KV pool.
 
-        hidden: (T, H) target hidden states h_i of the step's rows (or the head's own output for chained
-        draft steps); token_ids: (T,) the token after each row, t_{i+1}; meta: the step's metadata (the
-        rows' positions i, and the same page ids as the target); kv_cache: the head's one-layer pool
-        (num_pages, 2, page_size, Hkv, D), or (num_pages, page_size, C + R) latent rows for a DeepSeek block (see
-        `kv_shape`), or None for a cache-free prefill; logits_indices: (N,) rows whose
-        logits are wanted. Returns (hidden (T, H), logits (N, V) or None).
+        hidden: (T, H) target hidden states h_i of the step's rows, (T, k·H) their aux layers for an aux head
+        (`input_width`), or (T, H) the head's own output for chained draft steps; token_ids: (T,) the token
+        after each row, t_{i+1}; meta: the step's metadata (the rows' positions i, and the same page ids as the
+        target); kv_cache: the head's one-layer pool (num_pages, 2, page_size, Hkv, D), or (num_pages, page_size,
+        C + R) latent rows for a DeepSeek block (see `kv_shape`), or None for a cache-free prefill;
+        logits_indices: (N,) rows whose logits are wanted. Returns (hidden (T, H), logits (N, V) or None).
         """
         if hidden.shape[0] != token_ids.shape[0]:
             raise ValueError(f"{hidden.shape[0]} hidden rows but {token_ids.shape[0]} tokens")
@@ -260,9 +290,10 @@ class DraftHead(nn.Module, ABC):
                steps: int, attention: str = "chain") -> list[torch.Tensor]:
         """Chain `steps` training forwards (alignment and `attention` modes in the module docstring).
 
-        hidden: (T, H) target hidden h_i; input_ids: (T,) the sequences' own tokens t_i (NOT shifted: step j
-        shifts them j+1 to the left). Step j > 0 reads step j-1's output at the same row. Returns one (T, H)
-        tensor per step; row i of step j estimates h_{i+j+1}. Gradients flow through the whole chain.
+        hidden: (T, H) target hidden h_i, or (T, k·H) its aux layers (`input_width`); input_ids: (T,) the
+        sequences' own tokens t_i (NOT shifted: step j shifts them j+1 to the left). Step j > 0 reads step j-1's
+        output at the same row. Returns one (T, H) tensor per step; row i of step j estimates h_{i+j+1}.
+        Gradients flow through the whole chain.
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
@@ -283,5 +314,6 @@ class DraftHead(nn.Module, ABC):
     def extra_repr(self) -> str:
         c = self.cfg
         return (f"type={c.type}, enorm={c.enorm}, hnorm={c.hnorm}, input_norm={c.input_norm}, "
-                f"final_norm={c.final_norm}, fc_bias={c.fc_bias}, draft_vocab={self.vocab_size}")
+                f"final_norm={c.final_norm}, fc_bias={c.fc_bias}, features={c.features}, aux_layers={self.aux_layers}, "
+                f"draft_vocab={self.vocab_size}")
 

@@ -9,6 +9,12 @@ Why the norms: the embedding and lm_head are frozen, so the layer must map into 
 expects (the target's post-final-norm hidden states). Without a final norm one MLP has to learn "MLP followed
 by a norm"; without the input norms the fc sees an embedding and a hidden state on very different scales.
 With every switch off this is the original EAGLE head (see `eagle1.py`), so ablations are one flag at a time.
+
+`head.features=aux` (EAGLE-3's fused input, for the comparison with `eagle3.py` one flag at a time): step 0 reads
+the target's k aux layers at i, concatenated (T, k·H), through `aux_fc` (k·H → H, no bias) in place of h_i; steps
+j > 0 read the head's own (final-normed) output as before, and the targets stay the final hidden h_{i+1}. Nothing
+else changes. What still separates it from eagle3: eagle3 has no 2H → H fc (its attention reads [E ; g] at 2H, the
+residual is g), it feeds the next step its output before the final norm, and it trains its own lm_head rows.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class MTPHead(DraftHead):
         self.enorm = RMSNorm(h, eps) if c.enorm else None
         self.hnorm = RMSNorm(h, eps) if c.hnorm else None
         self.fc = nn.Linear(2 * h, h, bias=c.fc_bias)
+        self.aux_fc = nn.Linear(self.input_width, h, bias=False) if self.aux_layers else None
         # A list of one, so that names read `layers.0.*` as in EAGLE / vLLM / Qwen3-Next MTP checkpoints.
         # The block is the family's: e.g. a Llama decoder layer, or DeepSeek's MTP block (MLA + dense MLP or MoE).
         family = family_of(a)
@@ -56,6 +63,8 @@ class MTPHead(DraftHead):
         """(T, H) hidden + (T,) next tokens → (T, H) predicted next hidden (see DraftHead.features)."""
         e = self.embed(token_ids)  # (T, H)
         h = hidden.to(e.dtype)  # stored features are bf16; the head may train in fp32
+        if self.aux_fc is not None and h.shape[-1] != e.shape[-1]:
+            h = self.aux_fc(h)  # step 0 of an aux head: (T, k·H) → (T, H)
         if self.enorm is not None:
             e = self.enorm(e)
         if self.hnorm is not None:

@@ -11,9 +11,11 @@ proposer prefill too. Every other step, for all running sequences at once:
              sampled: the Leviathan/Chen rule (`mtp_train.speculative.acceptance`) with the request's generator
     rollback the rejected drafts leave the sequence and the target's cache; the proposer catches up
 
-so every sequence advances by its own 1..k+1 tokens per target forward. Pages are reserved for prompt +
-max_new_tokens + k + 1 tokens, so a step never runs out of pages. Greedy speculative output equals plain
-greedy output token for token (up to floating-point near-ties between the verify and decode kernels).
+so every sequence advances by its own 1..k+1 tokens per target forward. The prefill and verify forwards return
+the target layers the proposer names (`Proposer.hidden_layers`, e.g. an EAGLE-3 head's aux layers), concatenated,
+in place of the final hidden it otherwise reads; a proposer that names none costs no extra copy. Pages are
+reserved for prompt + max_new_tokens + k + 1 tokens, so a step never runs out of pages. Greedy speculative output
+equals plain greedy output token for token (up to floating-point near-ties between the verify and decode kernels).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from mtp_train.engine.llm import GenerationStats, LLMEngine
 from mtp_train.engine.sampling import SamplingBatch, filtered_probs, sample
 from mtp_train.engine.sequence import SeqStatus, Sequence
-from mtp_train.models.base import CausalLM
+from mtp_train.models.base import CausalLM, ForwardOutput
 from mtp_train.speculative.acceptance import accept_greedy, accept_stochastic, accept_stochastic_flashinfer
 from mtp_train.speculative.metrics import SpecMetrics
 from mtp_train.speculative.proposers import Proposal, Proposer
@@ -84,6 +86,11 @@ class SpecEngine(LLMEngine):
         super()._finish(seq, reason)
         self.proposer.release(seq)
 
+    def _features(self, out: ForwardOutput) -> torch.Tensor:
+        """What the proposer reads of a target forward: (T, H) final hidden, or (T, k·H) its hidden_layers."""
+        layers = self.proposer.hidden_layers
+        return torch.cat([out.layers[j] for j in layers], -1) if layers else out.hidden
+
     def _sync(self) -> float:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
@@ -103,11 +110,11 @@ class SpecEngine(LLMEngine):
 
     def _prefill(self, seqs: list[Sequence]) -> list[Sequence]:
         t0 = self._sync()
-        out = self.runner.run(seqs, logits="last")
+        out = self.runner.run(seqs, logits="last", hidden_layers=self.proposer.hidden_layers)
         first = sample(out.logits, SamplingBatch([s.params for s in seqs], [s.generator for s in seqs])).tolist()
         for s, tok in zip(seqs, first):
             s.token_ids.append(tok)
-        self.proposer.prefill(seqs, out.hidden)  # its rows read t_{i+1}, the first token included
+        self.proposer.prefill(seqs, self._features(out))  # its rows read t_{i+1}, the first token included
         self.stats.prefill_steps += 1
         self.stats.prompt_tokens += sum(s.num_prompt_tokens for s in seqs)
         finished = []
@@ -168,7 +175,8 @@ class SpecEngine(LLMEngine):
         t1 = self._sync()
         for s, d in zip(seqs, proposal.tokens):
             s.token_ids.extend(d)
-        out = self.runner.run(seqs, logits="all")  # (Σ (k_b+1), V): each sequence's last token and drafts
+        # (Σ (k_b+1), V): each sequence's last token and drafts
+        out = self.runner.run(seqs, logits="all", hidden_layers=self.proposer.hidden_layers)
         rows = [d + 1 for d in drafted]  # verified rows per sequence
         logits = list(out.logits.split(rows))
         num, emitted = self._accept(seqs, proposal, logits)
@@ -190,7 +198,7 @@ class SpecEngine(LLMEngine):
             alive_idx.append(b)
         self.stats.decode_steps += 1
         if alive:
-            hidden = out.hidden.split(rows)
+            hidden = self._features(out).split(rows)
             self.proposer.update(alive, [lens[b] for b in alive_idx], [num[b] for b in alive_idx],
                                  [hidden[b] for b in alive_idx], [drafted[b] for b in alive_idx])
         t3 = self._sync()

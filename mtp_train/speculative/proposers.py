@@ -96,6 +96,9 @@ class Proposer(ABC):
     """The drafting side of speculative decoding, driven by `SpecEngine`."""
 
     name: str = "base"
+    # Target layers (hidden_states numbering) whose states, concatenated (T, k·H), the engine passes as
+    # `target_hidden` to prefill / update; () = the target's final hidden (T, H). An EAGLE-3 head sets its aux layers.
+    hidden_layers: tuple[int, ...] = ()
 
     @abstractmethod
     def bind(self, target_kv: KVCache) -> None:
@@ -105,7 +108,8 @@ class Proposer(ABC):
     def prefill(self, seqs: Seq[Sequence], target_hidden: torch.Tensor) -> None:
         """After the target's prompt prefill: seqs hold prompt + the first sampled token (uncached).
 
-        target_hidden: (Σ prompt lens, H) the target's final hidden states over the prompts, packed in order.
+        target_hidden: (Σ prompt lens, H) the target's final hidden states over the prompts, packed in order
+        (or (·, k·H), the `hidden_layers` concatenated).
         """
 
     @abstractmethod
@@ -119,7 +123,7 @@ class Proposer(ABC):
 
         old_lens: (B,) lengths L before the step; num_drafted: (B,) k_b tokens verified; num_accepted: (B,)
         n <= k_b; seqs now hold L + n + 1 tokens. target_hidden: (B,) each (k_b+1, H), the target's hidden
-        states at positions L-1..L-1+k_b of its sequence.
+        states at positions L-1..L-1+k_b of its sequence (each (k_b+1, k·H) with `hidden_layers`).
         """
 
     @abstractmethod
@@ -149,6 +153,7 @@ class HeadProposer(Proposer):
         if catch_up not in CATCH_UP:
             raise ValueError(f"catch_up must be one of {', '.join(CATCH_UP)}, got {catch_up!r}")
         self.head = head.eval()
+        self.hidden_layers = tuple(head.aux_layers)  # an aux head (eagle3) catches up on the target's aux layers
         self.draft_threshold = draft_threshold
         self.catch_up = catch_up
         self.kv: KVCache | None = None

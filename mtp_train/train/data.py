@@ -31,6 +31,11 @@ class PackedBatch:
     hidden: torch.Tensor  # (T, H) target hidden h_i, storage dtype (bf16)
     seq_lens: list[int]  # (B,) rows per sample, in order
     ids: list[str]  # (B,) sample ids
+    aux_hidden: torch.Tensor | None = None  # (T, k·H) the folder's aux layers, concatenated, or None
+
+    def _map(self, fn) -> PackedBatch:
+        return PackedBatch(fn(self.input_ids), fn(self.loss_mask), fn(self.hidden), self.seq_lens, self.ids,
+                           None if self.aux_hidden is None else fn(self.aux_hidden))
 
     @property
     def num_rows(self) -> int:
@@ -38,18 +43,17 @@ class PackedBatch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """The same batch on `device` (tensors only; lengths and ids stay Python lists)."""
-        return PackedBatch(
-            input_ids=self.input_ids.to(device, non_blocking=non_blocking),
-            loss_mask=self.loss_mask.to(device, non_blocking=non_blocking),
-            hidden=self.hidden.to(device, non_blocking=non_blocking),
-            seq_lens=self.seq_lens,
-            ids=self.ids,
-        )
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> PackedBatch:
         """Page-locked copies, so that the copy to the GPU can overlap compute (DataLoader pin_memory)."""
-        return PackedBatch(self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.hidden.pin_memory(),
-                           self.seq_lens, self.ids)
+        return self._map(lambda t: t.pin_memory())
+
+    def head_aux(self, columns: torch.Tensor | None) -> torch.Tensor | None:
+        """(T, k'·H) the head's aux features: the folder's `aux_hidden` (columns None) or those columns of it."""
+        if self.aux_hidden is None or columns is None:
+            return self.aux_hidden
+        return self.aux_hidden.index_select(1, columns.to(self.aux_hidden.device))
 
 
 def collate_packed(items: Sequence[dict[str, Any]]) -> PackedBatch:
@@ -62,6 +66,7 @@ def collate_packed(items: Sequence[dict[str, Any]]) -> PackedBatch:
         hidden=torch.cat([it["hidden"] for it in items]),
         seq_lens=[int(it["input_ids"].shape[0]) for it in items],
         ids=[str(it["id"]) for it in items],
+        aux_hidden=torch.cat([it["aux_hidden"] for it in items]) if "aux_hidden" in items[0] else None,
     )
 
 
@@ -141,3 +146,22 @@ def draft_vocab_from_data(dataset: PrecomputedDataset, size: int, vocab_size: in
     counts[keep] = torch.iinfo(torch.long).max  # always in
     order = torch.sort(-counts, stable=True).indices  # stable: ties stay in id order
     return order[:size].sort().values
+
+
+def aux_columns(stored: Sequence[int], wanted: Sequence[int], hidden_size: int,
+                data_dir: object) -> torch.Tensor | None:
+    """Columns of a folder's `aux_hidden` (layers `stored`, concatenated) that give the head's layers `wanted`.
+
+    None when the head reads no aux layers or the folder holds exactly them; a clear error when it lacks some.
+    """
+    stored, wanted = [int(j) for j in stored], [int(j) for j in wanted]
+    if not wanted or stored == wanted:
+        return None
+    missing = [j for j in wanted if j not in stored]
+    if missing:
+        layers = ",".join(map(str, wanted))
+        raise ValueError(f"{data_dir} holds aux layers {stored} but the head reads {wanted} (head.aux_layers, "
+                         f"hidden_states numbering; lacking {missing}): run mtp-precompute with aux_layers=[{layers}] "
+                         "or set head.aux_layers to layers the folder holds")
+    return torch.cat([torch.arange(stored.index(j) * hidden_size, (stored.index(j) + 1) * hidden_size)
+                      for j in wanted])

@@ -16,13 +16,15 @@ from mtp_train.config import LossConfig
 from mtp_train.heads import DraftHead
 from mtp_train.speculative.chain import inference_chain
 from mtp_train.train.data import PackedBatch
-from mtp_train.train.losses import draft_loss, step_targets
+from mtp_train.train.losses import head_inputs, in_draft_vocab, step_loss
 
 
 @torch.no_grad()
 def evaluate(head: DraftHead, batches: Iterable[PackedBatch], loss_cfg: LossConfig, device: torch.device,
-             world: int = 1) -> dict[str, float]:
+             world: int = 1, aux_columns: torch.Tensor | None = None) -> dict[str, float]:
     """Loss and top-1 / top-3 per draft step on `batches`, with the head's inference path (`inference_chain`).
+
+    aux_columns: the columns of the batches' aux_hidden an aux head reads (`train.data.aux_columns`; None = all).
 
     Sums are all-reduced over ranks (every rank must call it with its share of the batches). Returns
     eval/loss (Σ_j w_j · loss_j, as in training), eval/step{j}/{loss,feat_loss,tok_loss,top1,top3,num_tokens}
@@ -30,17 +32,16 @@ def evaluate(head: DraftHead, batches: Iterable[PackedBatch], loss_cfg: LossConf
     """
     was_training = head.training
     head.eval()
-    lm_head = head.lm_head_weight()
     steps = loss_cfg.steps
     sums = torch.zeros(steps, 5, dtype=torch.float64, device=device)  # feat, tok, top1, top3, count per step
     for batch in batches:
         b = batch.to(device, non_blocking=True)
-        preds = inference_chain(head, b.hidden, b.input_ids, b.seq_lens, steps)
+        x = head_inputs(head, b.hidden, b.head_aux(aux_columns))  # step 0's input: final hidden or aux features
+        preds = inference_chain(head, x, b.input_ids, b.seq_lens, steps)
+        in_vocab = in_draft_vocab(head, b.hidden, loss_cfg.chunk_size) if loss_cfg.mask_out_of_draft else None
         for j, pred in enumerate(preds):
-            target, counted = step_targets(b.hidden, b.loss_mask, b.seq_lens, j)
             # num_tokens=1: the metrics come back as plain sums over the batch's counted rows.
-            _, m = draft_loss(pred, target, counted, lm_head, 1.0, w_feat=loss_cfg.w_feat, w_tok=loss_cfg.w_tok,
-                              smooth_l1_beta=loss_cfg.smooth_l1_beta, chunk_size=loss_cfg.chunk_size)
+            _, m = step_loss(head, pred, b.hidden, b.loss_mask, b.seq_lens, j, loss_cfg, 1.0, in_vocab)
             sums[j] += torch.stack([m[k].double() for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")])
     if world > 1:
         tdist.all_reduce(sums)

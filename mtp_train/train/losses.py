@@ -2,7 +2,7 @@
 
 Per counted row r (a row whose target position is in the loss mask, see `step_targets`):
 
-    loss_r = w_feat · mean_H SmoothL1(ĥ_r, h_r) + w_tok · CE(softmax(lm_head(h_r)), log_softmax(lm_head(ĥ_r)))
+    loss_r = w_feat · mean_H SmoothL1(ĥ_r, h_r) + w_tok · CE(softmax(lm_head(h_r)), log_softmax(W_d ĥ_r))
 
 summed over rows and divided by `num_tokens` (by default the local count of counted rows; a trainer passes
 the count over all ranks). The target distribution is recomputed from the stored (bf16) target hidden with
@@ -10,6 +10,14 @@ the frozen lm_head, never stored. Logits are computed `chunk_size` rows at a tim
 exists: `impl="checkpoint"` recomputes each chunk's logits in the backward (torch.utils.checkpoint,
 non-reentrant); `impl="fused"` computes the gradient with respect to ĥ chunk by chunk during the forward and
 keeps only that (N, H) gradient, which saves the recomputation (about a third of the lm_head work).
+
+With a draft vocabulary, `lm_head` is the target's rows of the draft tokens only (the target distribution is
+restricted to them and renormalised; no full-vocabulary target logits), and the head's side W_d is
+`head.draft_lm_head()`: the same frozen rows, or the head's own trainable rows (eagle3, whose gradient the fused
+path then also computes chunk by chunk). ĥ is `head.logit_input(out)` (eagle3: the final norm of the output it feeds
+forward). `loss.mask_out_of_draft` drops positions whose full-vocabulary target argmax is outside the draft
+vocabulary, as EAGLE-3 trains (one no-grad argmax pass per batch); the normaliser and num_tokens still count them,
+as EAGLE-3's mean does, so top-1 is the share of all loss positions drafted right (those rows are misses).
 """
 
 from __future__ import annotations
@@ -70,16 +78,17 @@ def noise_generator(seed: int, step: int, micro: int, rank: int, device: torch.d
 # --- chunked soft cross-entropy -------------------------------------------------------------------------------
 
 
-def _chunk_logits(pred: torch.Tensor, target: torch.Tensor,
-                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(C, H), (C, H), (V, H) → head logits z (C, V), target probs p (C, V) (no grad), target argmax.
+def _chunk_logits(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
+                  target_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(C, H), (C, H), (V, H) head side, (V, H) target side → head logits z (C, V), target probs p (C, V) (no
+    grad), target argmax.
 
-    The matmuls run in the lm_head's dtype; softmax statistics in float32 at least (float64 stays float64).
+    The matmuls run in the weights' dtypes; softmax statistics in float32 at least (float64 stays float64).
     """
-    acc = torch.promote_types(weight.dtype, torch.float32)
+    acc = torch.promote_types(torch.promote_types(weight.dtype, target_weight.dtype), torch.float32)
     z = F.linear(pred.to(weight.dtype), weight).to(acc)
     with torch.no_grad():
-        p = F.linear(target.to(weight.dtype), weight).to(acc).softmax(-1)
+        p = F.linear(target.to(target_weight.dtype), target_weight).to(acc).softmax(-1)
     return z, p, p.argmax(-1)
 
 
@@ -90,10 +99,10 @@ def _accuracy(z: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.
         return (top[:, 0] == best).sum(), (top == best[:, None]).any(-1).sum()
 
 
-def _ce_chunk(pred: torch.Tensor, target: torch.Tensor,
-              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ce_chunk(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
+              target_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Soft CE summed over one chunk's rows, plus top-1 / top-k counts."""
-    z, p, best = _chunk_logits(pred, target, weight)
+    z, p, best = _chunk_logits(pred, target, weight, target_weight)
     # -Σ p·log_softmax(z) = logsumexp(z) - Σ p·z  (Σ p = 1): no (C, V) log-softmax tensor is kept
     ce = (torch.logsumexp(z, -1) - (p * z).sum(-1)).sum()
     top1, topk = _accuracy(z, best)
@@ -101,56 +110,71 @@ def _ce_chunk(pred: torch.Tensor, target: torch.Tensor,
 
 
 class _FusedSoftCE(torch.autograd.Function):
-    """Soft CE over all rows; d/d pred is computed chunk by chunk in the forward, so only (N, H) is kept."""
+    """Soft CE over all rows; d/d pred (and d/d weight when it trains) is computed chunk by chunk in the forward,
+    so only (N, H) (and (V, H)) is kept."""
 
     @staticmethod
     def forward(ctx, pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
-                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ce = torch.zeros((), dtype=torch.promote_types(weight.dtype, torch.float32), device=pred.device)
+                target_weight: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        acc = torch.promote_types(torch.promote_types(weight.dtype, target_weight.dtype), torch.float32)
+        ce = torch.zeros((), dtype=acc, device=pred.device)
         top1 = torch.zeros((), dtype=torch.long, device=pred.device)
         topk = torch.zeros_like(top1)
         grad = torch.empty_like(pred) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[2] else None
         for s in range(0, pred.shape[0], chunk_size):
-            z, p, best = _chunk_logits(pred[s:s + chunk_size], target[s:s + chunk_size], weight)
+            chunk = pred[s:s + chunk_size]
+            z, p, best = _chunk_logits(chunk, target[s:s + chunk_size], weight, target_weight)
             lse = torch.logsumexp(z, -1)  # (C,)
             ce += (lse - (p * z).sum(-1)).sum()
             a, b = _accuracy(z, best)
             top1 += a
             topk += b
-            if grad is not None:
-                # d CE / d z = softmax(z) - p, then through the linear: (C, V) @ (V, H)
+            if grad is not None or grad_w is not None:
+                # d CE / d z = softmax(z) - p, then through the linear: (C, V) @ (V, H), and (V, C) @ (C, H)
                 dz = (z - lse[:, None]).exp_().sub_(p)
-                grad[s:s + chunk_size] = (dz.to(weight.dtype) @ weight).to(pred.dtype)
-        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
+                if grad is not None:
+                    grad[s:s + chunk_size] = (dz.to(weight.dtype) @ weight).to(pred.dtype)
+                if grad_w is not None:
+                    grad_w += dz.T @ chunk.to(acc)
+        ctx.has = (grad is not None, grad_w is not None)
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0),
+                              grad_w.to(weight.dtype) if grad_w is not None else torch.empty(0))
         ctx.mark_non_differentiable(top1, topk)
         return ce, top1, topk
 
     @staticmethod
     def backward(ctx, g_ce: torch.Tensor, *_: torch.Tensor):  # type: ignore[override]
-        (grad,) = ctx.saved_tensors
-        return grad * g_ce.to(grad.dtype), None, None, None
+        grad, grad_w = ctx.saved_tensors
+        gp = grad * g_ce.to(grad.dtype) if ctx.has[0] else None
+        gw = grad_w * g_ce.to(grad_w.dtype) if ctx.has[1] else None
+        return gp, None, gw, None, None
 
 
 def chunked_soft_ce(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.Tensor, chunk_size: int = 1024,
-                    impl: str = "checkpoint") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    impl: str = "checkpoint", pred_head: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Soft cross-entropy of the head's distribution against the target's, summed over rows.
 
-    pred: (N, H) head features ĥ (differentiable); target: (N, H) target hidden h; lm_head: (V, H) frozen.
+    pred: (N, H) head features ĥ (differentiable); target: (N, H) target hidden h; lm_head: (V, H) frozen, the
+    target's side; pred_head: (V, H) the head's side (None = lm_head; a trainable one gets its gradient).
     Returns (ce_sum scalar in float32 or wider, top1 count, top3 count): top-k = the target's argmax is among
     the head's k most likely tokens. At most `chunk_size` rows of (·, V) logits exist at a time. Gradients
-    reach `pred` only (the target and the lm_head are constants).
+    reach `pred` and a trainable `pred_head` only (the target and the target's lm_head are constants).
     """
     if impl not in CE_IMPLS:
         raise ValueError(f"unknown ce impl {impl!r}; choose one of {', '.join(CE_IMPLS)}")
     n = pred.shape[0]
-    grad = torch.is_grad_enabled() and pred.requires_grad
+    w = lm_head.detach() if pred_head is None else pred_head
+    grad = torch.is_grad_enabled() and (pred.requires_grad or w.requires_grad)
     if impl == "fused" and grad:
-        return _FusedSoftCE.apply(pred, target.detach(), lm_head.detach(), chunk_size)
-    ce = torch.zeros((), dtype=torch.promote_types(lm_head.dtype, torch.float32), device=pred.device)
+        return _FusedSoftCE.apply(pred, target.detach(), w, lm_head.detach(), chunk_size)
+    ce = torch.zeros((), dtype=torch.promote_types(torch.promote_types(lm_head.dtype, w.dtype), torch.float32),
+                     device=pred.device)
     top1 = torch.zeros((), dtype=torch.long, device=pred.device)
     topk = torch.zeros_like(top1)
     for s in range(0, n, chunk_size):
-        args = (pred[s:s + chunk_size], target[s:s + chunk_size].detach(), lm_head.detach())
+        args = (pred[s:s + chunk_size], target[s:s + chunk_size].detach(), w, lm_head.detach())
         # Non-reentrant: unrolled steps reuse one module, which reentrant checkpointing breaks under ZeRO-2.
         c, a, b = checkpoint(_ce_chunk, *args, use_reentrant=False) if grad else _ce_chunk(*args)
         ce = ce + c
@@ -164,13 +188,14 @@ def chunked_soft_ce(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.Ten
 
 def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, lm_head: torch.Tensor,
                num_tokens: float | torch.Tensor | None = None, *, w_feat: float = 1.0, w_tok: float = 0.1,
-               smooth_l1_beta: float = 1.0, chunk_size: int = 1024,
-               impl: str = "checkpoint") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               smooth_l1_beta: float = 1.0, chunk_size: int = 1024, impl: str = "checkpoint",
+               pred_head: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one draft step.
 
-    pred: (T, H) head output; target: (T, H) target hidden of the same rows; counted: (T,) bool rows to learn;
-    lm_head: (V, H) frozen; num_tokens: the normaliser (None → counted.sum(); a trainer passes the global
-    count). Rows not counted are dropped before any arithmetic, so their values (even NaN) never matter.
+    pred: (T, H) head output (what its lm_head reads); target: (T, H) target hidden of the same rows; counted:
+    (T,) bool rows to learn; lm_head: (V, H) frozen, the target's side; pred_head: the head's side (None =
+    lm_head); num_tokens: the normaliser (None → counted.sum(); a trainer passes the global count).
+    Rows not counted are dropped before any arithmetic, so their values (even NaN) never matter.
     Returns (loss, metrics): loss, feat_loss, tok_loss, top1, top3, each a sum over this batch's rows divided
     by num_tokens (so they add up over ranks), and num_tokens = this batch's counted rows.
     """
@@ -181,7 +206,7 @@ def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, 
     denom = denom.clamp_min(1.0)  # a batch without counted rows gives a zero (still differentiable) loss
     acc = torch.promote_types(pred.dtype, torch.float32)  # bf16 features are compared in float32
     feat = F.smooth_l1_loss(p.to(acc), t.to(acc), reduction="none", beta=smooth_l1_beta).mean(-1).sum()
-    ce, top1, top3 = chunked_soft_ce(p, t, lm_head, chunk_size, impl)
+    ce, top1, top3 = chunked_soft_ce(p, t, lm_head, chunk_size, impl, pred_head)
     feat_loss, tok_loss = feat / denom, ce / denom
     loss = w_feat * feat_loss + w_tok * tok_loss
     metrics = {
@@ -195,34 +220,81 @@ def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, 
     return loss, metrics
 
 
+def in_draft_vocab(head: DraftHead, hidden: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor | None:
+    """(T,) bool: the target's full-vocabulary argmax at each row lies in the head's draft vocabulary (EAGLE-3's
+    position mask); None without a draft vocabulary. No grad; `chunk_size` rows of (·, V) logits at a time."""
+    dv = head.draft_vocab
+    if dv is None:
+        return None
+    w = head.require_frozen().lm_head
+    member = torch.zeros(w.shape[0], dtype=torch.bool, device=hidden.device)
+    member[dv.to(hidden.device)] = True
+    with torch.no_grad():
+        best = torch.cat([F.linear(hidden[s:s + chunk_size].to(w.dtype), w).argmax(-1)
+                          for s in range(0, hidden.shape[0], chunk_size)])
+    return member[best]
+
+
+def step_loss(head: DraftHead, out: torch.Tensor, hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int],
+              step: int, cfg: LossConfig, num_tokens: float | torch.Tensor | None,
+              in_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`draft_loss` of draft step `step` of a head: out (T, H) its output, hidden (T, H) the target's final hidden.
+
+    The head's lm_head reads `head.logit_input(out)` through `head.draft_lm_head()`; the target's distribution
+    comes from its own lm_head rows of the draft vocabulary. in_vocab (T,) (see `in_draft_vocab`): rows whose
+    target position is out of the draft vocabulary are not counted.
+    """
+    target, counted = step_targets(hidden, loss_mask, lens, step)
+    n_all = counted.sum().float()
+    if in_vocab is not None:
+        counted = counted & packed_shift(in_vocab, lens, step + 1, fill=False)
+        num_tokens = n_all if num_tokens is None else num_tokens
+    loss, m = draft_loss(head.logit_input(out), target, counted, head.lm_head_weight(), num_tokens, w_feat=cfg.w_feat,
+                         w_tok=cfg.w_tok, smooth_l1_beta=cfg.smooth_l1_beta, chunk_size=cfg.chunk_size,
+                         impl=cfg.ce_impl, pred_head=head.draft_lm_head())
+    m["num_tokens"] = n_all  # masked-out rows stay in every normaliser: their top-1 counts as a miss
+    return loss, m
+
+
+def head_inputs(head: DraftHead, hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> torch.Tensor:
+    """Step 0's input rows: (T, k·H) aux features for an aux head (refused when missing), else the final hidden."""
+    if not head.aux_layers:
+        return hidden
+    if aux_hidden is None or aux_hidden.shape[-1] != head.input_width:
+        got = None if aux_hidden is None else tuple(aux_hidden.shape)
+        raise ValueError(f"the {head.type_name} head reads aux layers {head.aux_layers} ((T, {head.input_width}) "
+                         f"features), got {got}")
+    return aux_hidden
+
+
 def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                   seq_lens: Sequence[int] | torch.Tensor, cfg: LossConfig,
                   num_tokens: Sequence[float] | torch.Tensor | None = None,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  generator: torch.Generator | None = None,
+                  aux_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The training loss of a packed batch over `cfg.steps` chained draft steps.
 
-    hidden: (T, H) stored target hidden h_i; input_ids: (T,) tokens t_i; loss_mask: (T,); seq_lens: (B,).
-    Step j is aligned as in `mtp_train.heads.base` (row i predicts h_{i+j+1}, counted by loss_mask[i+j+1]).
-    num_tokens: per-step normalisers (steps,) (None → local counts; see `step_token_counts`). In training
-    mode, uniform noise of `cfg.noise_std` is added to the input features (never to the targets).
+    hidden: (T, H) stored target hidden h_i (the targets, and the input of a final-features head); aux_hidden:
+    (T, k·H) the head's aux layers (its input when `head.aux_layers`); input_ids: (T,) tokens t_i; loss_mask: (T,);
+    seq_lens: (B,). Step j is aligned as in `mtp_train.heads.base` (row i predicts h_{i+j+1}, counted by
+    loss_mask[i+j+1]). num_tokens: per-step normalisers (steps,) (None → local counts; see `step_token_counts`).
+    In training mode, uniform noise of `cfg.noise_std` is added to the input features (never to the targets).
     Returns (Σ_j w_j · loss_j, metrics): loss (the total), step{j}/{loss,feat_loss,tok_loss,top1,top3,
     num_tokens} and the step-0 values without prefix.
     """
     lens = resolve_seq_lens(hidden.shape[0], seq_lens)
     if num_tokens is not None and len(num_tokens) != cfg.steps:
         raise ValueError(f"{len(num_tokens)} num_tokens for {cfg.steps} steps")
-    lm_head = head.lm_head_weight()  # (Vd, H): the draft vocabulary's rows when the head has one
-    x = hidden
+    x = head_inputs(head, hidden, aux_hidden)
     if head.training and cfg.noise_std > 0:
-        x = uniform_noise(hidden, cfg.noise_std, generator)
+        x = uniform_noise(x, cfg.noise_std, generator)
+    in_vocab = in_draft_vocab(head, hidden, cfg.chunk_size) if cfg.mask_out_of_draft else None
     preds = head.unroll(x, input_ids, lens, cfg.steps, cfg.unroll_attention)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     metrics: dict[str, torch.Tensor] = {}
     for j, (pred, w) in enumerate(zip(preds, cfg.weights())):
-        target, counted = step_targets(hidden, loss_mask, lens, j)
-        loss_j, m = draft_loss(pred, target, counted, lm_head, None if num_tokens is None else num_tokens[j],
-                               w_feat=cfg.w_feat, w_tok=cfg.w_tok, smooth_l1_beta=cfg.smooth_l1_beta,
-                               chunk_size=cfg.chunk_size, impl=cfg.ce_impl)
+        loss_j, m = step_loss(head, pred, hidden, loss_mask, lens, j, cfg,
+                              None if num_tokens is None else num_tokens[j], in_vocab)
         total = total + w * loss_j
         metrics.update({f"step{j}/{k}": v for k, v in m.items()})
     metrics.update({k: metrics[f"step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")})
@@ -246,11 +318,12 @@ class HeadLoss(nn.Module):
         self.loss_cfg = loss_cfg
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                seq_lens: Sequence[int], num_tokens: torch.Tensor,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """hidden: (T, H); input_ids, loss_mask: (T,); seq_lens: (B,); num_tokens: (steps,) global counts.
+                seq_lens: Sequence[int], num_tokens: torch.Tensor, generator: torch.Generator | None = None,
+                aux_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """hidden: (T, H); input_ids, loss_mask: (T,); seq_lens: (B,); num_tokens: (steps,) global counts;
+        aux_hidden: (T, k·H) the head's aux layers, or None.
 
         Returns `unrolled_loss`'s (loss, metrics): sums over this micro-batch divided by the global counts.
         """
         return unrolled_loss(self.head, hidden, input_ids, loss_mask, seq_lens, self.loss_cfg,
-                             num_tokens=num_tokens, generator=generator)
+                             num_tokens=num_tokens, generator=generator, aux_hidden=aux_hidden)

@@ -56,7 +56,7 @@ from mtp_train.train.checkpoint import (
     tag_for,
     write_checksums,
 )
-from mtp_train.train.data import MicroBatchStream, draft_vocab_from_data, eval_batches
+from mtp_train.train.data import MicroBatchStream, aux_columns, draft_vocab_from_data, eval_batches
 from mtp_train.train.deepspeed_config import build_ds_config, make_lr_scheduler
 from mtp_train.train.deepspeed_setup import prepare_deepspeed, release_deepspeed
 from mtp_train.train.evaluation import evaluate
@@ -147,6 +147,9 @@ class Trainer:
         torch.manual_seed(c.train.seed)  # the same initial head on every rank (DeepSpeed also broadcasts rank 0's)
         head = build_head(c.head, self.target_dir, device=self.device,
                           dtype=torch.float32, backend=c.model.backend, frozen=frozen)
+        # An aux head (eagle3, features=aux) reads target layers the folder must hold (refused here, by key).
+        self.aux_cols = aux_columns(self.train_set.manifest.hidden.aux_layers, head.aux_layers,
+                                    head.args.hidden_size, c.data.dir)
         if head.draft_vocab is not None:
             head.set_draft_vocab(draft_vocab_from_data(self.train_set, head.vocab_size, head.args.vocab_size,
                                                              head.args.eos_token_ids))
@@ -212,7 +215,8 @@ class Trainer:
             b = batch.to(self.device, non_blocking=True)
             gen = (noise_generator(c.train.seed, self.step, m, self.info.rank, self.device)
                    if self.loss_cfg.noise_std > 0 else None)
-            loss, metrics = self.engine(b.hidden, b.input_ids, b.loss_mask, b.seq_lens, counts, gen)
+            loss, metrics = self.engine(b.hidden, b.input_ids, b.loss_mask, b.seq_lens, counts, gen,
+                                        b.head_aux(self.aux_cols))
             # x world: the engine averages gradients over ranks, the loss is already a share of the global mean.
             self.engine.backward(loss * world, scale_wrt_gas=False)
             self.engine.step()
@@ -243,7 +247,7 @@ class Trainer:
         c = self.cfg
         batches = eval_batches(self.val_set, c.train.micro_batch_tokens, c.train.eval_batches, self.info.rank,
                                self.info.world, seed=c.train.seed)
-        self.last_eval = evaluate(self.head, batches, self.loss_cfg, self.device, self.info.world)
+        self.last_eval = evaluate(self.head, batches, self.loss_cfg, self.device, self.info.world, self.aux_cols)
         if self.validator is not None and self.info.is_main:
             self.last_eval.update(self.validator(self.head))
         return self.last_eval
@@ -312,7 +316,6 @@ class Trainer:
                     **self.last_train, **self.last_eval}
         finally:
             self.logger.finish()
-
 
 
 def train(cfg: TrainConfig, info: DistInfo, device: torch.device, *, wandb_mode: str,

@@ -302,6 +302,7 @@ FAMILY = Family(
     model=DeepseekV2ForCausalLM, attention=attention, head_block=head_block,
     adapt_attention=latent_attention,  # the chained training attention over the latent row
     rope=pair_angles,  # pairwise RoPE: one float32 angle per pair
-    head_types=("mtp",), head_note="its block is DeepSeek's: MLA + a dense MLP, or MoE with head.moe=true",
+    head_types=("mtp",),
+    head_note="its block is DeepSeek's: MLA + a dense MLP, or MoE with head.moe=true; EAGLE heads use Llama layers",
     head_moe=True,
 )

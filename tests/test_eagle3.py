@@ -1,0 +1,242 @@
+"""The eagle3 head: its forward against an independent reference of EAGLE-3's equations, its state-dict names,
+training = inference (prefill, verify, paged decode, the chained training-time test), its own lm_head rows, the
+aux-feature option of the mtp head, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtp_train.config import HeadConfig
+from mtp_train.config.head import default_aux_layers
+from mtp_train.engine import KVCache, prefill_hidden
+from mtp_train.heads import DraftHead, build_head, load_head, packed_shift, save_head
+from mtp_train.layers import AttentionMetadata
+from mtp_train.models import load_model
+from mtp_train.models.fingerprint import weights_fingerprint
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+LENS = [5, 9, 7]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _eagle3(tiny, name: str = "llama", **kw) -> DraftHead:
+    kw.setdefault("draft_vocab_size", 64)
+    return build_head(HeadConfig(type="eagle3", **kw), tiny[name][0], dtype="float32")
+
+
+def _aux_batch(tiny, name: str, layers, lens=LENS, seed: int = 0):
+    """(aux (T, k·H), final hidden (T, H), tokens (T,)) of random sequences through the tiny target."""
+    target = load_model(tiny[name][0], dtype="float32", backend="torch")
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, target.args.vocab_size, (n,), generator=g).tolist() for n in lens]
+    out = prefill_hidden(target, seqs, hidden_layers=layers)
+    aux = torch.cat([out.layers[j] for j in layers], -1)
+    return aux, out.hidden, torch.tensor([t for s in seqs for t in s])
+
+
+def _starts(lens):
+    return [sum(lens[:b]) for b in range(len(lens))]
+
+
+def _cache(head: DraftHead, page_size: int) -> KVCache:
+    layers, layout = head.kv_shape
+    return KVCache(layers, num_pages=64, page_size=page_size, layout=layout)
+
+
+# --- the reference: EAGLE-3's equations, written out by hand ------------------------------------------------------
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos, theta):
+    """x: (n, heads, D) rotated by the rotate-half convention at positions pos (n,)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = pos[:, None].float() * inv[None]  # (n, D/2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return x * cos + half * sin
+
+
+def reference_eagle3(sd, embed, aux, tokens, cfg, theta):
+    """One sequence, step 0, causal: EAGLE-3 as published (fc over 3 layers; [E ; g] into attention; residual g)."""
+    eps, nh, nkv = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // nh
+    p = "layers.0."
+    g = aux @ sd["fc.weight"].T
+    e = embed[tokens]
+    u = torch.cat([_rms(e, sd[p + "input_layernorm.weight"], eps), _rms(g, sd[p + "hidden_norm.weight"], eps)], -1)
+    q, k, v = (u @ sd[p + "self_attn.qkv_proj.weight"].T).split([nh * d, nkv * d, nkv * d], -1)
+    n = u.shape[0]
+    pos = torch.arange(n)
+    q = _rope(q.view(n, nh, d), pos, theta)
+    k = _rope(k.view(n, nkv, d), pos, theta).repeat_interleave(nh // nkv, 1)
+    v = v.view(n, nkv, d).repeat_interleave(nh // nkv, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    att = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, nh * d)
+    r = g + att @ sd[p + "self_attn.o_proj.weight"].T
+    mid = _rms(r, sd[p + "post_attention_layernorm.weight"], eps)
+    gate, up = (mid @ sd[p + "mlp.gate_up_proj.weight"].T).chunk(2, -1)
+    x = r + (F.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
+    logits = _rms(x, sd["norm.weight"], eps) @ sd["lm_head.weight"].T
+    return x, logits
+
+
+def test_forward_equals_the_published_equations_and_names_follow_the_contract(tiny_checkpoints):
+    head = _eagle3(tiny_checkpoints)
+    with torch.no_grad():
+        for p in head.parameters():  # away from identity norms and the copied lm_head rows
+            p.add_(torch.randn_like(p) * 0.05)
+    cfg = tiny_checkpoints["llama"][1].config
+    theta = json.loads((tiny_checkpoints["llama"][0] / "config.json").read_text()).get("rope_theta", 10000.0)
+    h, v_d = cfg.hidden_size, 64
+    shapes = {k: tuple(t.shape) for k, t in head.state_dict().items()}
+    assert shapes == {
+        "draft_vocab": (v_d,), "fc.weight": (h, 3 * h), "norm.weight": (h,), "lm_head.weight": (v_d, h),
+        "layers.0.input_layernorm.weight": (h,), "layers.0.hidden_norm.weight": (h,),
+        "layers.0.self_attn.qkv_proj.weight": ((4 + 2 * 2) * 16, 2 * h), "layers.0.self_attn.o_proj.weight": (h, h),
+        "layers.0.post_attention_layernorm.weight": (h,), "layers.0.mlp.gate_up_proj.weight": (2 * 128, h),
+        "layers.0.mlp.down_proj.weight": (h, 128),
+    }
+    assert head.aux_layers == default_aux_layers(3) == [2, 1, 0]
+    aux, _, tokens = _aux_batch(tiny_checkpoints, "llama", head.aux_layers, [8])
+    nxt = packed_shift(tokens, [8], 1)
+    sd = {k: t.detach() for k, t in head.state_dict().items()}
+    want_x, want_logits = reference_eagle3(sd, head.frozen.embed, aux, nxt, cfg, theta)
+    with torch.no_grad():
+        out = head(aux, nxt, AttentionMetadata.build([8]), logits_indices=torch.arange(8))
+    torch.testing.assert_close(out.hidden, want_x, **TOL)
+    torch.testing.assert_close(out.logits, want_logits, **TOL)
+
+
+def test_own_lm_head_starts_as_the_target_rows_and_draft_vocab_is_mandatory(tiny_checkpoints):
+    head = _eagle3(tiny_checkpoints)
+    ids = torch.arange(0, 256, 4)  # 64 ids
+    head.set_draft_vocab(ids)
+    torch.testing.assert_close(head.lm_head.weight, head.frozen.lm_head[ids])
+    assert head.lm_head.weight.requires_grad and head.draft_lm_head() is head.lm_head.weight
+    capped = _eagle3(tiny_checkpoints, draft_vocab_size=32000)  # capped at the target's 256
+    assert capped.vocab_size == 256 and capped.draft_vocab is not None
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        HeadConfig(type="eagle3")
+    with pytest.raises(ValueError, match="fixed norms"):
+        HeadConfig(type="eagle3", draft_vocab_size=8, hnorm=False)
+    with pytest.raises(ValueError, match="features=aux"):
+        HeadConfig(type="mtp", aux_layers=[1, 2])
+    with pytest.raises(ValueError, match="head.aux_layers"):
+        _eagle3(tiny_checkpoints, aux_layers=[1, 2, 9])
+
+
+CASES = [("llama", LENS), ("qwen3", LENS), ("mistral", [20, 18])]
+
+
+@pytest.mark.parametrize(("name", "lens"), CASES, ids=[c[0] for c in CASES])
+def test_training_forward_equals_inference_prefill_verify_and_decode(tiny_checkpoints, name, lens):
+    head = _eagle3(tiny_checkpoints, name)
+    aux, _, tokens = _aux_batch(tiny_checkpoints, name, head.aux_layers, lens)
+    nxt = packed_shift(tokens, lens, 1)
+    train = head.forward_train(aux, nxt, lens)
+    starts = _starts(lens)
+    with torch.no_grad():
+        last = torch.tensor(starts) + torch.tensor(lens) - 1
+        prefill = head(aux, nxt, AttentionMetadata.build(lens), logits_indices=last)
+        torch.testing.assert_close(prefill.hidden, train, **TOL)
+        torch.testing.assert_close(prefill.logits, head.compute_logits(train[last]), **TOL)
+        kv, page_size = _cache(head, 3), 3
+        pages = [[] for _ in lens]
+        out = torch.empty_like(train)
+        for t in range(max(lens)):  # every row as its own decode step over the paged cache
+            live = [b for b, n in enumerate(lens) if n > t]
+            for b in live:
+                kv.ensure(pages[b], t + 1)
+            rows = torch.tensor([starts[b] + t for b in live])
+            meta = AttentionMetadata.build([1] * len(live), [t + 1] * len(live), [pages[b] for b in live], page_size)
+            out[rows] = head(aux[rows], nxt[rows], meta, kv.layers[0]).hidden
+        torch.testing.assert_close(out, train, **TOL)
+
+
+@pytest.mark.parametrize("type_", ["eagle3", "mtp"])
+@pytest.mark.parametrize(("name", "lens"), [("qwen3", [6, 5]), ("mistral", [19])], ids=["qwen3", "mistral"])
+def test_training_time_test_equals_what_draft_step_j_sees(tiny_checkpoints, name, lens, type_):
+    """Row i of unrolled step j (chain attention) = draft step j of a chain started at i over a paged cache:
+    the cache holds the entries of positions 0..i computed from the target's aux features, step j > 0 feeds the
+    previous output (eagle3: before its final norm) with the next token at the next position."""
+    kw = dict(draft_vocab_size=64) if type_ == "eagle3" else dict(features="aux", aux_layers=[1, 3])
+    head = build_head(HeadConfig(type=type_, **kw), tiny_checkpoints[name][0], dtype="float32")
+    steps, page_size = 3, 2
+    aux, _, tokens = _aux_batch(tiny_checkpoints, name, head.aux_layers, lens)
+    assert aux.shape[-1] == head.input_width
+    with torch.no_grad():
+        outs = head.unroll(aux, tokens, lens, steps, attention="chain")
+        for b, start in enumerate(_starts(lens)):
+            n = lens[b]
+            a, t = aux[start:start + n], tokens[start:start + n]
+            for i in range(n - 1):
+                kv = _cache(head, page_size)
+                pages: list[int] = []
+                kv.ensure(pages, i + 1)
+                meta = AttentionMetadata.build([i + 1], [i + 1], [pages], page_size)
+                x = head(a[: i + 1], t[1: i + 2], meta, kv.layers[0]).hidden[-1:]
+                torch.testing.assert_close(x[0], outs[0][start + i], **TOL)
+                for j in range(1, min(steps, n - 1 - i)):
+                    kv.ensure(pages, i + j + 1)
+                    meta = AttentionMetadata.build([1], [i + j + 1], [pages], page_size)
+                    x = head(x, t[i + j + 1: i + j + 2], meta, kv.layers[0]).hidden
+                    torch.testing.assert_close(x[0], outs[j][start + i], **TOL, msg=f"seq {b} row {i} step {j}")
+
+
+def test_eagle3_feeds_its_pre_norm_output_to_the_next_step(tiny_checkpoints):
+    head = _eagle3(tiny_checkpoints)
+    aux, _, tokens = _aux_batch(tiny_checkpoints, "llama", head.aux_layers, [6])
+    with torch.no_grad():
+        outs = head.unroll(aux, tokens, [6], 2)
+        meta = AttentionMetadata.build([6])
+        again = head.unroll(aux, tokens, [6], 1)[0]
+        torch.testing.assert_close(outs[0], again, **TOL)
+        # The output is not normed: its RMS is not the norm's; the logits read norm(x).
+        rms = outs[0].pow(2).mean(-1).sqrt()
+        assert not torch.allclose(rms, torch.ones_like(rms), atol=0.05)
+        logits = head(aux, packed_shift(tokens, [6], 1), meta, logits_indices=torch.arange(6)).logits
+        torch.testing.assert_close(logits, head.norm(outs[0]) @ head.lm_head.weight.T, **TOL)
+
+
+def test_mtp_aux_features_change_only_the_step0_input(tiny_checkpoints):
+    base = build_head(HeadConfig(type="mtp"), tiny_checkpoints["llama"][0], dtype="float32")
+    aux_head = build_head(HeadConfig(type="mtp", features="aux", aux_layers=[1, 3]), tiny_checkpoints["llama"][0],
+                          dtype="float32")
+    extra = set(aux_head.state_dict()) - set(base.state_dict())
+    assert extra == {"aux_fc.weight"} and set(base.state_dict()) <= set(aux_head.state_dict())
+    assert tuple(aux_head.aux_fc.weight.shape) == (64, 128)
+    aux_head.load_state_dict({**base.state_dict(), "aux_fc.weight": aux_head.aux_fc.weight}, strict=True)
+    aux, hidden, tokens = _aux_batch(tiny_checkpoints, "llama", [1, 3], [6])
+    nxt = packed_shift(tokens, [6], 1)
+    with torch.no_grad():
+        # Fed an H-wide input (steps j > 0), the aux head is the plain head.
+        torch.testing.assert_close(aux_head.forward_train(hidden, nxt, [6]), base.forward_train(hidden, nxt, [6]))
+        via_fc = base.forward_train(aux_head.aux_fc(aux), nxt, [6])
+        torch.testing.assert_close(aux_head.forward_train(aux, nxt, [6]), via_fc, **TOL)
+
+
+@pytest.mark.parametrize("type_", ["eagle3", "mtp"])
+def test_save_load_round_trip_keeps_aux_layers_and_lm_head(tiny_checkpoints, tmp_path, type_):
+    folder = tiny_checkpoints["llama"][0]
+    kw = dict(draft_vocab_size=64) if type_ == "eagle3" else dict(features="aux")
+    head = build_head(HeadConfig(type=type_, **kw), folder, dtype="float32")
+    if type_ == "eagle3":
+        head.set_draft_vocab(torch.arange(100, 164))
+        with torch.no_grad():
+            head.lm_head.weight.mul_(2.0)
+    save_head(head, tmp_path / "h", target_fingerprint=weights_fingerprint(folder))
+    back = load_head(tmp_path / "h", folder, dtype="float32")
+    assert back.aux_layers == head.aux_layers == [2, 1, 0]
+    for k, v in head.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k], v)
