@@ -29,12 +29,15 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
 }
 
 
-def make_tiny_checkpoint(name: str, out: Path, seed: int = 0):
-    """Save a random tiny HF model of family `name` to `out`; return the HF model (fp32, eval)."""
+def make_tiny_checkpoint(name: str, out: Path, seed: int = 0, **config):
+    """Save a random tiny HF model of family `name` to `out`; return the HF model (fp32, eval).
+
+    config: fields that replace the tiny defaults (e.g. num_hidden_layers=5 for room for three aux layers).
+    """
     import transformers
 
     cls_name, over = TINY_CONFIGS[name]
-    cfg = getattr(transformers, cls_name)(**{**_BASE, **over})
+    cfg = getattr(transformers, cls_name)(**{**_BASE, **over, **config})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     # Random init gives tiny weights; scale norms away from 1 so the norms are really tested.

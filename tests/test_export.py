@@ -14,6 +14,7 @@ from mtp_train.export import LayoutError, export_head, load_export
 from mtp_train.heads import build_head, load_head, save_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import ModelConfigError
+from tests.conftest import make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -141,3 +142,21 @@ def test_a_tampered_export_is_refused_naming_the_key(tiny_checkpoints, tmp_path)
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Exception, match="mtp.fc.weight: missing"):
         load_export(out, target)
+
+
+@pytest.mark.parametrize("fmt", ["native", "speculators", "sglang-eagle3"])
+def test_eagle3_export_round_trip_gives_identical_features_and_logits(tmp_path, fmt):
+    target = tmp_path / "target"
+    make_tiny_checkpoint("llama", target, num_hidden_layers=5)  # serving engines capture hidden_states[1..L-1]
+    head_dir = _trained_like({"llama": (target,)}, "llama", "eagle3", tmp_path, draft_vocab_size=64,
+                             aux_layers=[1, 2, 4])
+    out = export_head(head_dir, target, fmt, tmp_path / fmt)
+    a, b = load_head(head_dir, target), load_export(out, target)
+    assert torch.equal(a.draft_vocab, b.draft_vocab) and b.cfg.aux_layers == a.cfg.aux_layers
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(9, 3 * a.args.hidden_size, generator=g)  # the three aux layers, concatenated
+    tokens = torch.randint(0, a.args.vocab_size, (9,), generator=g)
+    with torch.no_grad():
+        x, y = (h(hidden, tokens, AttentionMetadata.build([4, 5]), logits_indices=torch.arange(9)) for h in (a, b))
+    torch.testing.assert_close(y.hidden, x.hidden, **TOL)
+    torch.testing.assert_close(y.logits, x.logits, **TOL)
