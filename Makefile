@@ -63,9 +63,10 @@ bench-regenerate: model
 bench-memory: setup
 	$(PY) bench/memory_plan.py $(BENCH_MEMORY_ARGS)
 
-# Speculative decoding with a trained head (default: the newest under runs/, e.g. after `make demo`).
+# Speculative decoding with a trained head of any type (HEAD=dir; default: the newest under runs/, e.g. after
+# `make demo`), e.g. `make bench-spec HEAD=runs/eagle3/heads/step-400`.
 bench-spec: model
-	$(PY) bench/bench_spec.py --model $(MODEL_DIR) $(BENCH_SPEC_ARGS)
+	$(PY) bench/bench_spec.py --model $(MODEL_DIR) $(if $(HEAD),--head $(HEAD)) $(BENCH_SPEC_ARGS)
 
 # The norm ablation (mtp vs eagle1) at the CPU-sized default; e.g. `make ablation ABLATION_ARGS="--steps 2000"`.
 ablation: model
