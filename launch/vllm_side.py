@@ -72,7 +72,8 @@ def spec_summary(counts: dict[str, Any]) -> dict[str, Any]:
 def engine_kwargs(req: dict[str, Any]) -> dict[str, Any]:
     """`vllm.LLM(**kwargs)` for a request: float32 eager CPU engine, one sequence at a time, the head if given."""
     kwargs: dict[str, Any] = {"model": req["model"], "dtype": req.get("dtype", "float32"), "enforce_eager": True,
-                              "max_model_len": int(req.get("max_model_len", 2048)), "max_num_seqs": 1, "seed": 0}
+                              "max_model_len": int(req.get("max_model_len", 2048)), "max_num_seqs": 1, "seed": 0,
+                              "disable_log_stats": False}  # get_metrics() needs the engine's stats
     spec = req.get("speculative")
     if spec:
         kwargs["speculative_config"] = {"method": spec["method"], "model": spec["model"],

@@ -158,6 +158,7 @@ def test_engine_arguments(side):
     req = {"model": "m", "prompts": [[1]], "max_tokens": 4, "stop_token_ids": [2], "speculative": None}
     kw = side.engine_kwargs(req)
     assert kw["max_num_seqs"] == 1 and kw["dtype"] == "float32" and kw["enforce_eager"] is True
+    assert kw["disable_log_stats"] is False  # llm.get_metrics() refuses to run without the stats
     assert "speculative_config" not in kw
     req["speculative"] = {"method": "eagle", "model": "h", "num_speculative_tokens": 3}
     assert side.engine_kwargs(req)["speculative_config"] == {"method": "eagle", "model": "h",
