@@ -55,6 +55,10 @@ DEMO_PRECOMPUTE = Path("runs/demo/precompute")
 TRAIN_RECIPE = ("loss.w_tok=1.0", "loss.ce_impl=fused", "optim.lr=1.0e-3", "optim.warmup_steps=6",
                 "train.micro_batch_tokens=2048", "train.eval_every=0", "train.eval_batches=4", "train.save_every=0",
                 "train.log_every=10", "train.progress=false", "spec_eval.prompts=[]", "wandb.mode=disabled")
+# Per head on top: EAGLE-3's loss (conf/head/eagle3.yaml: no feature loss, out-of-draft mask) with a 3-step
+# training-time test (k = 3 drafts; EAGLE-3's 7 would cost 7x a step here) over half the steps.
+HEAD_RECIPE = {"eagle1": (), "eagle3": ("loss.w_feat=0", "loss.steps=3", "loss.mask_out_of_draft=true")}
+STEP_SHARE = {"eagle1": 1.0, "eagle3": 0.5}
 
 
 class StepError(RuntimeError):
@@ -74,7 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precompute", default=None,
                    help=f"eagle1's precompute folder (default: {DEMO_PRECOMPUTE} if present); eagle3 uses it when "
                         "it stores aux layers")
-    p.add_argument("--steps", type=int, default=200, help="training steps of a head trained here")
+    p.add_argument("--steps", type=int, default=200,
+                   help="training steps of an eagle1 head trained here (eagle3: half of them)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--prompts", default="demo-heldout", help="prompt set (conf/data name or file)")
@@ -259,12 +264,14 @@ class OurSide:
         if given:
             return Path(given)
         train = self.out / head / "train"
-        head_dir = train / "heads" / f"step-{self.a.steps}"
+        steps = max(1, round(self.a.steps * STEP_SHARE[head]))
+        head_dir = train / "heads" / f"step-{steps}"
         if not (ROOT / head_dir / "config.json").is_file():
             run_command(f"{head} train", "train",
                         [f"model.path={self.model}", "data=demo-regen", f"data.dir={self.precompute(head)}",
                          f"out={train}", "resume=auto", f"head={head}", f"head.draft_vocab_size={DRAFT_VOCAB[head]}",
-                         f"train.max_steps={self.a.steps}", *TRAIN_RECIPE], self.out / "logs" / f"{head}_train.log")
+                         f"train.max_steps={steps}", *TRAIN_RECIPE, *HEAD_RECIPE[head]],
+                        self.out / "logs" / f"{head}_train.log")
         return head_dir
 
     def export(self, head: str, head_dir: Path) -> Path:
