@@ -24,9 +24,12 @@ as a head. vLLM's EAGLE-1 layout has no draft vocabulary (it shares the target's
 over the whole vocabulary, where the trained head (head.draft_vocab_size=8192, the demo recipe) drafts over 8192
 tokens. eagle3's layout keeps its draft vocabulary (its own lm_head and d2t): the trained head is measured.
 
-Budget on 2 CPU cores with the demo's folders present: eagle1 training ~10 min (200 steps), our eval ~4 min, each
-vLLM run ~3 min (start-up included); from nothing add regeneration (~8 min) and precompute (~6 min). Stages whose
-outputs exist are not redone (training resumes; our eval and the vLLM runs are keyed by their inputs).
+Budget, measured on 2 CPU cores shared with three other jobs, from the demo's precompute folder: eagle1 72 min
+(training 200 steps 25 min, our eval 35 min, each vLLM run ~5 min, most of it start-up); an idle machine needs
+well under half of that (the demo trains 200 steps in 6 min). From nothing add regeneration (~8 min) and
+precompute (~6 min); eagle3 adds its training (100 steps of a 3-step test) and its eval. Stages whose outputs exist
+are not redone (training resumes; our eval and the vLLM runs are keyed by their inputs), so a re-run with
+unchanged inputs only prints.
 
     python launch/check_vllm.py --model models/smollm2-135m-instruct --vllm-python .venv-vllm/bin/python
     python launch/check_vllm.py --head-eagle1 runs/demo_eagle1/train/heads/step-200 --heads eagle1
