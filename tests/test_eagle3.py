@@ -13,11 +13,12 @@ import torch.nn.functional as F
 
 from mtp_train.config import HeadConfig
 from mtp_train.config.head import default_aux_layers
-from mtp_train.engine import KVCache, prefill_hidden
+from mtp_train.engine import prefill_hidden
 from mtp_train.heads import DraftHead, build_head, load_head, packed_shift, save_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import load_model
 from mtp_train.models.fingerprint import weights_fingerprint
+from tests._chain import assert_unroll_is_the_inference_chain, new_cache, seq_starts
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LENS = [5, 9, 7]
@@ -38,15 +39,6 @@ def _aux_batch(tiny, name: str, layers, lens=LENS, seed: int = 0):
     out = prefill_hidden(target, seqs, hidden_layers=layers)
     aux = torch.cat([out.layers[j] for j in layers], -1)
     return aux, out.hidden, torch.tensor([t for s in seqs for t in s])
-
-
-def _starts(lens):
-    return [sum(lens[:b]) for b in range(len(lens))]
-
-
-def _cache(head: DraftHead, page_size: int) -> KVCache:
-    layers, layout = head.kv_shape
-    return KVCache(layers, num_pages=64, page_size=page_size, layout=layout)
 
 
 # --- the reference: EAGLE-3's equations, written out by hand ------------------------------------------------------
@@ -145,13 +137,13 @@ def test_training_forward_equals_inference_prefill_verify_and_decode(tiny_checkp
     aux, _, tokens = _aux_batch(tiny_checkpoints, name, head.aux_layers, lens)
     nxt = packed_shift(tokens, lens, 1)
     train = head.forward_train(aux, nxt, lens)
-    starts = _starts(lens)
+    starts = seq_starts(lens)
     with torch.no_grad():
         last = torch.tensor(starts) + torch.tensor(lens) - 1
         prefill = head(aux, nxt, AttentionMetadata.build(lens), logits_indices=last)
         torch.testing.assert_close(prefill.hidden, train, **TOL)
         torch.testing.assert_close(prefill.logits, head.compute_logits(train[last]), **TOL)
-        kv, page_size = _cache(head, 3), 3
+        kv, page_size = new_cache(head, 3), 3
         pages = [[] for _ in lens]
         out = torch.empty_like(train)
         for t in range(max(lens)):  # every row as its own decode step over the paged cache
@@ -177,21 +169,7 @@ def test_training_time_test_equals_what_draft_step_j_sees(tiny_checkpoints, name
     assert aux.shape[-1] == head.input_width
     with torch.no_grad():
         outs = head.unroll(aux, tokens, lens, steps, attention="chain")
-        for b, start in enumerate(_starts(lens)):
-            n = lens[b]
-            a, t = aux[start:start + n], tokens[start:start + n]
-            for i in range(n - 1):
-                kv = _cache(head, page_size)
-                pages: list[int] = []
-                kv.ensure(pages, i + 1)
-                meta = AttentionMetadata.build([i + 1], [i + 1], [pages], page_size)
-                x = head(a[: i + 1], t[1: i + 2], meta, kv.layers[0]).hidden[-1:]
-                torch.testing.assert_close(x[0], outs[0][start + i], **TOL)
-                for j in range(1, min(steps, n - 1 - i)):
-                    kv.ensure(pages, i + j + 1)
-                    meta = AttentionMetadata.build([1], [i + j + 1], [pages], page_size)
-                    x = head(x, t[i + j + 1: i + j + 2], meta, kv.layers[0]).hidden
-                    torch.testing.assert_close(x[0], outs[j][start + i], **TOL, msg=f"seq {b} row {i} step {j}")
+        assert_unroll_is_the_inference_chain(head, aux, tokens, lens, outs, page_size, TOL)
 
 
 def test_eagle3_feeds_its_pre_norm_output_to_the_next_step(tiny_checkpoints):

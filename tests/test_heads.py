@@ -9,7 +9,7 @@ import torch
 
 import mtp_train.heads.frozen as frozen_mod
 from mtp_train.config import HeadConfig
-from mtp_train.engine import KVCache, prefill_hidden
+from mtp_train.engine import prefill_hidden
 from mtp_train.heads import (
     DraftHead,
     FrozenTargetParts,
@@ -24,6 +24,7 @@ from mtp_train.layers import AttentionMetadata
 from mtp_train.layers.attention import KVLayout
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.models.fingerprint import weights_fingerprint
+from tests._chain import assert_unroll_is_the_inference_chain, new_cache, seq_starts
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LENS = [5, 9, 7]  # a packed batch of three sequences
@@ -43,15 +44,6 @@ def _batch(tiny, name: str, lens=LENS, seed: int = 0) -> tuple[torch.Tensor, tor
     seqs = [torch.randint(0, target.args.vocab_size, (n,), generator=g).tolist() for n in lens]
     hidden = prefill_hidden(target, seqs).hidden
     return hidden, torch.tensor([t for s in seqs for t in s])
-
-
-def _starts(lens):
-    return [sum(lens[:b]) for b in range(len(lens))]
-
-
-def _new_cache(head: DraftHead, page_size: int) -> KVCache:
-    layers, layout = head.kv_shape
-    return KVCache(layers, num_pages=64, page_size=page_size, layout=layout)
 
 
 # --- frozen target parts ----------------------------------------------------------------------------------------
@@ -197,9 +189,9 @@ def test_init_last_layer_copies_the_targets_last_layer(tiny_checkpoints, name, t
 
 def _prefill_through_pages(head, hidden, tokens, lens, split: int, page_size: int = 4) -> torch.Tensor:
     """First `split` rows of each sequence as a cached prefill, the rest as one verify step on top of them."""
-    kv = _new_cache(head, page_size)
+    kv = new_cache(head, page_size)
     pages = [[] for _ in lens]
-    starts = _starts(lens)
+    starts = seq_starts(lens)
     first = [min(split, n) for n in lens]
     for b, n in enumerate(first):
         kv.ensure(pages[b], n)
@@ -218,9 +210,9 @@ def _prefill_through_pages(head, hidden, tokens, lens, split: int, page_size: in
 
 def _decode_through_pages(head, hidden, tokens, lens, page_size: int = 3) -> torch.Tensor:
     """Every row as its own decode step; pages grow one step at a time, interleaved between sequences."""
-    kv = _new_cache(head, page_size)
+    kv = new_cache(head, page_size)
     pages = [[] for _ in lens]
-    starts = _starts(lens)
+    starts = seq_starts(lens)
     out = torch.empty_like(hidden)
     for t in range(max(lens)):
         live = [b for b, n in enumerate(lens) if n > t]
@@ -244,7 +236,7 @@ def test_training_forward_equals_inference_prefill_verify_and_paged_decode(tiny_
     train = head.forward_train(hidden, nxt, lens)
     assert train.requires_grad
     with torch.no_grad():
-        last = torch.tensor(_starts(lens)) + torch.tensor(lens) - 1
+        last = torch.tensor(seq_starts(lens)) + torch.tensor(lens) - 1
         prefill = head(hidden, nxt, AttentionMetadata.build(lens), logits_indices=last)
         torch.testing.assert_close(prefill.hidden, train, **TOL)
         torch.testing.assert_close(prefill.logits, head.compute_logits(train[last]), **TOL)
@@ -314,21 +306,7 @@ def test_chain_unroll_equals_the_inference_chain_through_a_paged_cache(tiny_chec
     with torch.no_grad():
         outs = head.unroll(hidden, tokens, lens, steps, attention="chain")
         causal = head.unroll(hidden, tokens, lens, steps, attention="causal")
-        for b, start in enumerate(_starts(lens)):
-            n = lens[b]
-            h, t = hidden[start:start + n], tokens[start:start + n]
-            for i in range(n - 1):
-                kv = _new_cache(head, page_size)
-                pages: list[int] = []
-                kv.ensure(pages, i + 1)
-                meta = AttentionMetadata.build([i + 1], [i + 1], [pages], page_size)
-                x = head(h[: i + 1], t[1: i + 2], meta, kv.layers[0]).hidden[-1:]  # catch-up on target states
-                torch.testing.assert_close(x[0], outs[0][start + i], **TOL)
-                for j in range(1, min(steps, n - 1 - i)):
-                    kv.ensure(pages, i + j + 1)
-                    meta = AttentionMetadata.build([1], [i + j + 1], [pages], page_size)
-                    x = head(x, t[i + j + 1: i + j + 2], meta, kv.layers[0]).hidden
-                    torch.testing.assert_close(x[0], outs[j][start + i], **TOL, msg=f"seq {b} row {i} step {j}")
+        assert_unroll_is_the_inference_chain(head, hidden, tokens, lens, outs, page_size, TOL)
     # The causal mode is a different (cheaper-context) approximation: its later steps differ.
     assert not torch.allclose(causal[1], outs[1], atol=1e-4)
 

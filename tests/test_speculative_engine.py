@@ -73,11 +73,9 @@ def test_greedy_eagle3_equals_plain_greedy_and_reads_the_aux_layers(tiny_checkpo
     assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages
 
 
-def test_eagle3_catch_up_state_equals_a_recompute_over_the_targets_aux_layers(tiny_checkpoints):
-    """After every step the eagle3 head's kept feature is what a cache-free prefill of the head over the target's
-    aux layers (2, 1, 0) of the whole accepted sequence gives: the verify forward handed it those layers."""
-    model = load_model(tiny_checkpoints["llama"][0])
-    head = _eagle3(tiny_checkpoints)
+def _assert_catch_up_state_is_a_recompute(model, head, inputs_of) -> None:
+    """After every step the head's kept feature ĥ_{L-1} is what a cache-free prefill of the head over the target's
+    rows of the whole accepted sequence gives; inputs_of(ids) → (L-1, W) those rows (hidden or aux layers)."""
     proposer = HeadProposer(head)
     eng = SpecEngine(model, proposer, 3, page_size=3, num_pages=256)
     for p in PROMPTS:
@@ -86,14 +84,25 @@ def test_eagle3_catch_up_state_equals_a_recompute_over_the_targets_aux_layers(ti
     while eng.has_unfinished():
         eng.step()
         for s in eng.running:
-            ids = s.token_ids[:-1]
-            out = prefill_hidden(model, [ids], hidden_layers=[2, 1, 0])
-            aux = torch.cat([out.layers[j] for j in (2, 1, 0)], -1)
+            ids = s.token_ids[:-1]  # t_0..t_{L-2}: rows 0..L-2 read (h_i, t_{i+1})
             with torch.no_grad():
-                ref = head(aux, torch.tensor(s.token_ids[1:]), AttentionMetadata.build([len(ids)])).hidden[-1]
+                ref = head(inputs_of(ids), torch.tensor(s.token_ids[1:]),
+                           AttentionMetadata.build([len(ids)])).hidden[-1]
             torch.testing.assert_close(proposer._feat[s.seq_id], ref, rtol=1e-4, atol=1e-4)
             checked += 1
     assert checked > 10
+
+
+def test_eagle3_catch_up_state_equals_a_recompute_over_the_targets_aux_layers(tiny_checkpoints):
+    """The eagle3 head's kept feature is a recompute over the target's aux layers (2, 1, 0): the verify forward
+    handed it those layers."""
+    model = load_model(tiny_checkpoints["llama"][0])
+
+    def aux(ids):
+        out = prefill_hidden(model, [ids], hidden_layers=[2, 1, 0])
+        return torch.cat([out.layers[j] for j in (2, 1, 0)], -1)
+
+    _assert_catch_up_state_is_a_recompute(model, _eagle3(tiny_checkpoints), aux)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -135,25 +144,11 @@ def test_stop_tokens_and_max_new_tokens_cut_a_multi_token_step(tiny_checkpoints)
 
 
 def test_head_catch_up_state_equals_a_recompute_over_the_accepted_sequence(tiny_checkpoints):
-    """After every step, the head's kept feature ĥ_{L-1} is what a fresh cache-free prefill of the head over the
-    target's hidden states of the whole accepted sequence gives: the catch-up overwrote every chain entry."""
+    """The head's kept feature is a recompute over the target's hidden states of the whole accepted sequence: the
+    catch-up overwrote every chain entry."""
     model = load_model(tiny_checkpoints["qwen3"][0])
-    head = _head(tiny_checkpoints, "qwen3")
-    proposer = HeadProposer(head)
-    eng = SpecEngine(model, proposer, 3, page_size=3, num_pages=256)
-    for p in PROMPTS:
-        eng.add_request(p, SamplingParams(max_new_tokens=16, ignore_eos=True))
-    checked = 0
-    while eng.has_unfinished():
-        eng.step()
-        for s in eng.running:
-            ids = s.token_ids[:-1]  # t_0..t_{L-2}: rows 0..L-2 read (h_i, t_{i+1})
-            hidden = prefill_hidden(model, [ids]).hidden
-            with torch.no_grad():
-                ref = head(hidden, torch.tensor(s.token_ids[1:]), AttentionMetadata.build([len(ids)])).hidden[-1]
-            torch.testing.assert_close(proposer._feat[s.seq_id], ref, rtol=1e-4, atol=1e-4)
-            checked += 1
-    assert checked > 10
+    _assert_catch_up_state_is_a_recompute(model, _head(tiny_checkpoints, "qwen3"),
+                                          lambda ids: prefill_hidden(model, [ids]).hidden)
 
 
 def _marginal_of_second_token(model, prompt, temperature):

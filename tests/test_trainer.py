@@ -406,18 +406,15 @@ def test_rank_shares_are_disjoint_and_together_equal_one_rank_with_accumulation(
     assert [again.next().ids for _ in range(30)] == expected and again.epoch >= 1
 
 
-@pytest.mark.parametrize("type_", ["mtp", "eagle1"])
-def test_evaluation_through_the_inference_path_matches_the_training_path(setup, type_):
-    torch.manual_seed(0)
-    head = build_head(HeadConfig(type=type_, init="last_layer"), setup.target, dtype=torch.float32)
-    ds = PrecomputedDataset(setup.data, split="val")
-    batches = list(eval_batches(ds, 400, 2))
-    cfg = LossConfig(steps=3)
+def _assert_evaluation_is_the_training_path(head, batches, cfg: LossConfig, metrics: tuple[str, ...]) -> None:
+    """Chains of `inference_chain` equal the training unroll row by row, and `evaluate`'s per-step `metrics` are
+    the token-weighted means of `unrolled_loss`'s over `batches` (for aux heads, both read `aux_hidden`)."""
     head.eval()
     for b in batches:
+        inputs = b.hidden if b.aux_hidden is None else b.aux_hidden
         with torch.no_grad():
-            train_path = head.unroll(b.hidden, b.input_ids, b.seq_lens, 3, attention="chain")
-        infer_path = inference_chain(head, b.hidden, b.input_ids, b.seq_lens, 3, kv_slots=64)  # several chunks
+            train_path = head.unroll(inputs, b.input_ids, b.seq_lens, 3, attention="chain")
+        infer_path = inference_chain(head, inputs, b.input_ids, b.seq_lens, 3, kv_slots=64)  # several chunks
         for j, (x, y) in enumerate(zip(train_path, infer_path)):
             valid = torch.cat([torch.arange(n) < n - j - 1 for n in b.seq_lens])  # rows with a real chain
             torch.testing.assert_close(y[valid], x[valid], rtol=1e-4, atol=1e-5, msg=f"step {j}")
@@ -426,16 +423,25 @@ def test_evaluation_through_the_inference_path_matches_the_training_path(setup, 
     counts = [0.0] * 3
     for b in batches:
         with torch.no_grad():
-            _, m = unrolled_loss(head, b.hidden, b.input_ids, b.loss_mask, b.seq_lens, cfg)
+            _, m = unrolled_loss(head, b.hidden, b.input_ids, b.loss_mask, b.seq_lens, cfg, aux_hidden=b.aux_hidden)
         for j in range(3):
             n = float(m[f"step{j}/num_tokens"])
             counts[j] += n
-            for k in ("loss", "top1", "top3"):
+            for k in metrics:
                 totals[f"{j}/{k}"] = totals.get(f"{j}/{k}", 0.0) + float(m[f"step{j}/{k}"]) * n
     for j in range(3):
         assert ev[f"eval/step{j}/num_tokens"] == counts[j]
-        for k in ("loss", "top1", "top3"):
+        for k in metrics:
             assert ev[f"eval/step{j}/{k}"] == pytest.approx(totals[f"{j}/{k}"] / counts[j], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("type_", ["mtp", "eagle1"])
+def test_evaluation_through_the_inference_path_matches_the_training_path(setup, type_):
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type=type_, init="last_layer"), setup.target, dtype=torch.float32)
+    batches = list(eval_batches(PrecomputedDataset(setup.data, split="val"), 400, 2))
+    assert all(b.aux_hidden is None for b in batches)
+    _assert_evaluation_is_the_training_path(head, batches, LossConfig(steps=3), ("loss", "top1", "top3"))
     assert head.training is False  # evaluate restores the mode it found
 
 
@@ -463,31 +469,10 @@ def test_aux_heads_evaluate_through_the_inference_path_as_they_train(setup, aux_
     head = build_head(HeadConfig(**kw), setup.target, dtype=torch.float32)
     assert head.aux_layers == AUX
     batches = list(eval_batches(PrecomputedDataset(aux_data, split="val"), 400, 2))
-    cfg = LossConfig(steps=3, mask_out_of_draft=head.draft_vocab is not None)
-    head.eval()
     for b in batches:
         assert b.aux_hidden is not None and b.aux_hidden.shape == (b.num_rows, 3 * 64)
-        with torch.no_grad():
-            train_path = head.unroll(b.aux_hidden, b.input_ids, b.seq_lens, 3, attention="chain")
-        infer_path = inference_chain(head, b.aux_hidden, b.input_ids, b.seq_lens, 3, kv_slots=64)
-        for j, (x, y) in enumerate(zip(train_path, infer_path)):
-            valid = torch.cat([torch.arange(n) < n - j - 1 for n in b.seq_lens])
-            torch.testing.assert_close(y[valid], x[valid], rtol=1e-4, atol=1e-5, msg=f"step {j}")
-    ev = evaluate(head, batches, cfg, torch.device("cpu"))
-    totals: dict[str, float] = {}
-    counts = [0.0] * 3
-    for b in batches:
-        with torch.no_grad():
-            _, m = unrolled_loss(head, b.hidden, b.input_ids, b.loss_mask, b.seq_lens, cfg, aux_hidden=b.aux_hidden)
-        for j in range(3):
-            n = float(m[f"step{j}/num_tokens"])
-            counts[j] += n
-            for k in ("loss", "top1", "tok_loss"):
-                totals[f"{j}/{k}"] = totals.get(f"{j}/{k}", 0.0) + float(m[f"step{j}/{k}"]) * n
-    for j in range(3):
-        assert ev[f"eval/step{j}/num_tokens"] == counts[j]
-        for k in ("loss", "top1", "tok_loss"):
-            assert ev[f"eval/step{j}/{k}"] == pytest.approx(totals[f"{j}/{k}"] / counts[j], rel=1e-5, abs=1e-6)
+    cfg = LossConfig(steps=3, mask_out_of_draft=head.draft_vocab is not None)
+    _assert_evaluation_is_the_training_path(head, batches, cfg, ("loss", "top1", "tok_loss"))
 
 
 def test_a_folder_without_the_heads_aux_layers_is_refused_by_key(setup, aux_data, tmp_path):
