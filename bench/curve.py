@@ -100,17 +100,38 @@ def log_spaced(first: int, last: int) -> list[int]:
 
 def head_available(name: str) -> str | None:
     """None when conf/head/<name>.yaml exists and its type is implemented, else why the head is skipped."""
-    from omegaconf import OmegaConf
 
     from mtp_train.heads import HEAD_TYPES
 
     path = ROOT / "conf" / "head" / f"{name}.yaml"
     if not path.is_file():
         return f"no conf/head/{name}.yaml"
-    type_ = str(OmegaConf.load(path).get("type", name))
+    type_ = str(head_conf(name).get("type", name))
     if type_ not in HEAD_TYPES:
         return f"head type {type_!r} has no implementation yet (known: {', '.join(sorted(HEAD_TYPES))})"
     return None
+
+
+def head_conf(name: str) -> Any:
+    """The `head` block of conf/head/<name>.yaml (a `# @package _global_` file nests it under `head:`)."""
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(ROOT / "conf" / "head" / f"{name}.yaml")
+    return conf.head if "head" in conf else conf
+
+
+def head_aux_layers(name: str, num_layers: int) -> list[int]:
+    """The target layers (hidden_states numbering) a head reads as features; [] for heads on the final state.
+
+    A head with `features: aux` (eagle3) needs a precompute folder that holds those layers; every other head
+    trains on a folder without them (the same samples, so the same batches).
+    """
+    from mtp_train.config.head import default_aux_layers
+
+    head = head_conf(name)
+    if str(head.get("features", "final")) != "aux":
+        return []
+    return [int(j) for j in (head.get("aux_layers") or [])] or default_aux_layers(num_layers)
 
 
 # --- the batch plan: which step reaches which token count ---------------------------------------------------------
@@ -175,14 +196,17 @@ class PointSaver:
 # --- data, training, evaluation -----------------------------------------------------------------------------------
 
 
-def prepare_data(cfg: CurveConfig, out: Path, model: str) -> tuple[Path, str, str]:
-    """The precompute folder (made or resumed here); returns (folder, data name, description)."""
+def prepare_data(cfg: CurveConfig, out: Path, model: str, aux_layers: list[int]) -> tuple[Path, str, str]:
+    """The precompute folder (made or resumed here), holding `aux_layers` besides the final hidden state when
+    given (in `precompute-aux`); returns (folder, data name, description)."""
     from mtp_train.cli.precompute import precompute_main
 
+    name = "precompute-aux" if aux_layers else "precompute"
+    aux = [f"aux_layers=[{','.join(str(j) for j in aux_layers)}]"] if aux_layers else []
     if SHARED_REGEN.is_file():
-        pc = out / "precompute"
+        pc = out / name
         precompute_main(compose("precompute", [f"model.path={model}", "data=shared-regen", f"out={pc}",
-                                               *cfg.precompute]))
+                                               *cfg.precompute, *aux]))
         return pc, "shared-regen", f"shared self-distilled set ({SHARED_REGEN.name}), {' '.join(cfg.precompute)}"
     from omegaconf import OmegaConf
 
@@ -195,9 +219,21 @@ def prepare_data(cfg: CurveConfig, out: Path, model: str) -> tuple[Path, str, st
     demo.model_path = model
     stages = stage_overrides(demo, out / "demo")
     regenerate_main(compose("regenerate", stages["regenerate"]))
-    precompute_main(compose("precompute", stages["precompute"]))
+    pc = out / "demo" / name
+    precompute_main(compose("precompute", [o for o in stages["precompute"] if not o.startswith("out=")]
+                            + [f"out={pc}", *aux]))
     kind = "the demo's own conversations (data/demo_prompts.jsonl answered by the target)"
-    return out / "demo" / "precompute", "demo-regen", kind
+    return pc, "demo-regen", kind
+
+
+def check_folder(data_dir: Path, aux_layers: list[int]) -> None:
+    """A given --data-dir must hold the layers a head reads."""
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    have = [int(j) for j in manifest["hidden"].get("aux_layers", [])]
+    if aux_layers and have != list(aux_layers):
+        raise SystemExit(f"curve: {data_dir}/manifest.json holds aux_layers {have}, but a head of the curve reads "
+                         f"{aux_layers}: precompute a folder with `mtp-precompute aux_layers=[...]` for it, or drop "
+                         f"--data-dir to let the curve make both folders")
 
 
 def train_overrides(cfg: CurveConfig, head: str, data_dir: Path, data_name: str, out: Path, model: str,
@@ -212,6 +248,17 @@ def schedule(cfg: CurveConfig, data_dir: Path, points: list[int], train_cfg: Any
     lengths = PrecomputedDataset(data_dir, split="train", verify="never").lengths
     return steps_for_tokens(list(lengths), int(train_cfg.train.micro_batch_tokens), int(train_cfg.train.grad_accum),
                             int(train_cfg.train.seed), points)
+
+
+def same_samples(a: Path, b: Path) -> None:
+    """Two precompute folders of one curve must hold the same training samples (so the same batch plan)."""
+    from mtp_train.precompute import PrecomputedDataset
+
+    la = list(PrecomputedDataset(a, split="train", verify="never").lengths)
+    lb = list(PrecomputedDataset(b, split="train", verify="never").lengths)
+    if la != lb:
+        raise SystemExit(f"curve: {a} and {b} hold different training samples ({len(la)} vs {len(lb)}); "
+                         f"precompute both with the same data and precompute overrides")
 
 
 class Evaluator:
@@ -374,7 +421,8 @@ def markdown(results: dict[str, Any]) -> str:
     skipped = "".join(f"\n- `{h}` skipped: {why}" for h, why in results.get("skipped", {}).items())
     return (f"# Learning curve: τ against training tokens\n\n"
             f"Command: `{results['command']}`\n\n"
-            f"- Data: {results['data']} (`{results['data_dir']}`)\n"
+            f"- Data: {results['data']} (`{results['data_dir']}`)"
+            + (f"; {results['data_dirs_note']}" if results.get("data_dirs_note") else "") + "\n"
             f"- Recipe (every head, one run each to {_tokens(results['budget_tokens'])} tokens = "
             f"{results['max_steps']} steps): `{' '.join(results['recipe'])}`\n"
             f"- Evaluation at each point: greedy speculative decoding through the engine, k = {ev['k']}, "
@@ -458,13 +506,26 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
     from mtp_train.cli.train import train_main
     from mtp_train.train.checkpoint import HEADS_DIR, tag_for
 
-    t0 = time.perf_counter()
-    if data is None:
-        data_dir, data_name, kind = prepare_data(cfg, out, model)
-        results["precompute_wall_s"] = results.get("precompute_wall_s") or time.perf_counter() - t0
-    else:
-        data_dir, data_name = data
-        kind = f"the precompute folder {data_dir} (data={data_name})"
+    num_layers = int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
+    folders: dict[tuple[int, ...], tuple[Path, str, str]] = {}
+    walls = results.setdefault("precompute_wall_s_by_dir", {})
+
+    def data_for(head: str) -> tuple[Path, str, str]:
+        """(folder, data name, description) of the precompute folder this head trains on (made once)."""
+        aux = tuple(head_aux_layers(head, num_layers))
+        if aux not in folders:
+            if data is None:
+                t0 = time.perf_counter()
+                folders[aux] = prepare_data(cfg, out, model, list(aux))
+                walls.setdefault(str(folders[aux][0]), time.perf_counter() - t0)
+            else:
+                check_folder(data[0], list(aux))
+                folders[aux] = (data[0], data[1], f"the precompute folder {data[0]} (data={data[1]})")
+        return folders[aux]
+
+    available = [h for h in cfg.heads if head_available(h) is None]
+    data_dir, data_name, kind = data_for(available[0] if available else cfg.heads[0])
+    results["precompute_wall_s"] = results.get("precompute_wall_s") or sum(walls.values())
     points = log_spaced(cfg.tokens.first, cfg.tokens.last)
     probe = compose_train(train_overrides(cfg, cfg.heads[0], data_dir, data_name, out, model, None, extra))
     plan = schedule(cfg, data_dir, points, probe)
@@ -476,7 +537,8 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
         results["heads"] = {}
     results.update({"command": command, "data": kind, "data_dir": str(data_dir), "recipe": recipe,
                     "budget_tokens": cfg.tokens.last, "points": points, "plan": plan, "max_steps": max_steps,
-                    "eval": dataclasses.asdict(cfg.eval), "skipped": {}, "head_order": list(cfg.heads)})
+                    "eval": dataclasses.asdict(cfg.eval), "skipped": {}, "head_order": list(cfg.heads),
+                    "data_dirs": results.get("data_dirs", {})})
     results.setdefault("heads", {})
     print(f"curve: {len(points)} points {', '.join(_tokens(p) for p in points)} tokens → steps "
           f"{[s for s, _ in plan]} (max_steps {max_steps}); data: {kind}", flush=True)
@@ -489,9 +551,15 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
             continue
         rec = results["heads"].setdefault(head, {"points": {}})
         run_out = out / head
+        head_dir, head_data, head_kind = data_for(head)
+        results["data_dirs"][head] = str(head_dir)
+        if head_dir != data_dir:
+            same_samples(data_dir, head_dir)
+            results["data_dirs_note"] = (f"heads that read target layers besides the final state train on "
+                                         f"{head_dir}: the same samples with those layers stored")
         if not (run_out / HEADS_DIR / tag_for(max_steps)).is_dir():
             t0 = time.perf_counter()
-            ov = train_overrides(cfg, head, data_dir, data_name, out, model, max_steps, extra)
+            ov = train_overrides(cfg, head, head_dir, head_data, out, model, max_steps, extra)
             final = train_main(compose_train(ov), on_step=PointSaver([s for s, _ in plan], cfg.checkpoint_every))
             rec["train_wall_s"] = rec.get("train_wall_s", 0.0) + time.perf_counter() - t0
             rec["final"] = {k: v for k, v in final.items() if k.startswith(("eval/", "train/"))}

@@ -145,3 +145,16 @@ def test_the_recipe_composes_for_every_head_and_unknown_heads_are_skipped(curve,
         from omegaconf import OmegaConf
 
         OmegaConf.merge(OmegaConf.structured(curve.CurveConfig), OmegaConf.create({"hedas": []}))
+
+
+def test_eagle3_trains_on_a_folder_with_its_layers(curve, tmp_path):
+    """eagle3 reads three target layers; mtp and eagle1 the final state only; a given folder must hold them."""
+    from mtp_train.config.head import default_aux_layers
+
+    assert curve.head_available("eagle3") is None  # `# @package _global_`: its `head:` block is found
+    assert curve.head_aux_layers("eagle3", 30) == default_aux_layers(30) == [2, 15, 27]
+    assert curve.head_aux_layers("mtp", 30) == [] and curve.head_aux_layers("eagle1", 30) == []
+    (tmp_path / "manifest.json").write_text(json.dumps({"hidden": {"kind": "final_norm", "aux_layers": []}}))
+    curve.check_folder(tmp_path, [])
+    with pytest.raises(SystemExit, match=r"aux_layers \[\].*reads \[2, 15, 27\]"):
+        curve.check_folder(tmp_path, [2, 15, 27])
