@@ -52,6 +52,15 @@ def is_val(sample_id: str, seed: int, val_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2.0**64 < val_fraction
 
 
+SPLITS = ("train", "val", "all")
+
+
+def in_split(sample_id: str, split: str, seed: int, val_fraction: float) -> bool:
+    """Whether `sample_id` belongs to `split` ("train", "val" or "all") by the rule `is_val`; the one selection
+    the precompute reader and online training both use."""
+    return split == "all" or (split == "val") == is_val(sample_id, seed, val_fraction)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # manifest
 

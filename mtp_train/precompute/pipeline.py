@@ -7,102 +7,21 @@ ready, so tests and other tools can call it directly.
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mtp_train
 from mtp_train.config import PrecomputeConfig
-from mtp_train.data import (
-    chat_template_fingerprint,
-    read_conversations,
-    tokenize_conversations,
-    tokenizer_fingerprint,
-)
+from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
 from mtp_train.models.base import CausalLM
 from mtp_train.precompute.manifest import Manifest
-from mtp_train.precompute.plan import Sample
+from mtp_train.precompute.samples import build_samples, dropped_summary
 from mtp_train.precompute.writer import precompute
 
+__all__ = ["build_samples", "dropped_summary", "run_precompute"]  # the first two live in precompute.samples
+
 log = logging.getLogger(__name__)
-
-
-def _unique_ids(ids: list[str]) -> tuple[list[str], list[str]]:
-    """Make conversation ids unique (two sources may both have an id "1"): repeats get "#2", "#3", ...
-
-    Returns the ids and the ones that were repeated (each once, in order of first repeat).
-    """
-    seen: Counter[str] = Counter()
-    out, repeated = [], []
-    for i in ids:
-        seen[i] += 1
-        out.append(i if seen[i] == 1 else f"{i}#{seen[i]}")
-        if seen[i] == 2:
-            repeated.append(i)
-    return out, repeated
-
-
-def dropped_summary(info: Mapping[str, Any]) -> str:
-    """One line on what `build_samples` left out or renamed (its `info`), or "" when nothing was."""
-    parts = []
-    bad = info.get("bad_rows") or {}
-    if bad:
-        parts.append(f"{sum(bad.values())} bad row(s) skipped ("
-                     + ", ".join(f"{r}={n}" for r, n in sorted(bad.items())) + ")")
-    for key, what in (("dropped_no_assistant", "conversation(s) without an assistant turn dropped"),
-                      ("dropped_truncated", "conversation(s) dropped: every assistant token was past max_seq_len"),
-                      ("dropped_template_error", "conversation(s) the chat template failed on dropped")):
-        if info.get(key):
-            parts.append(f"{info[key]} {what}")
-    dups = int(info.get("duplicate_ids") or 0)
-    if dups:
-        shown = ", ".join(repr(d) for d in info.get("duplicate_id_examples") or [])
-        parts.append(f"{dups} duplicate id(s) kept under new ids id#2, id#3, ... (e.g. {shown})")
-    return "; ".join(parts)
-
-
-def build_samples(tokenizer: Any, cfg: PrecomputeConfig) -> tuple[list[Sample], dict[str, Any]]:
-    """Read and tokenize the conversations `cfg.data` names (the first `cfg.limit`, cut to `cfg.max_seq_len`
-    tokens, rendered with `cfg.chat_template_kwargs`); returns samples and what happened to the rows."""
-    data = cfg.data
-    if not data.paths:
-        raise ValueError("data.paths is empty: give the conversation files, e.g. data.paths=[convs.jsonl]")
-    convs, read_stats = read_conversations(data, limit=cfg.limit)
-    tokenized, tok_stats = tokenize_conversations(tokenizer, convs, cfg.max_seq_len,
-                                                  template_kwargs=dict(cfg.chat_template_kwargs),
-                                                  on_bad_row=data.on_bad_row)
-    if tok_stats.dropped_template_error:
-        log.warning("skipped %d conversation(s) the chat template failed on: %s", tok_stats.dropped_template_error,
-                    "; ".join(tok_stats.template_error_examples))
-    ids, repeated = _unique_ids([t.id or f"sample-{i}" for i, t in enumerate(tokenized)])
-    samples = [Sample(i, t.input_ids, t.loss_mask) for i, t in zip(ids, tokenized)]
-    if not samples:
-        raise ValueError(
-            f"no usable sample in {list(data.paths)}: {read_stats.summary()}; "
-            f"{tok_stats.dropped_no_assistant} conversations had no assistant turn (regenerate prompt-only data "
-            f"with mtp-regenerate first), {tok_stats.dropped_truncated} lost every assistant token to max_seq_len, "
-            f"{tok_stats.dropped_template_error} failed in the chat template"
-        )
-    info = {
-        "name": data.name,
-        "sources": [str(p) for p in data.paths],
-        "format": data.format,
-        "max_seq_len": cfg.max_seq_len,
-        "limit": cfg.limit,
-        "rows": read_stats.rows,
-        "bad_rows": dict(read_stats.bad),
-        "bad_row_examples": {r: list(e) for r, e in read_stats.examples.items()},  # reason → first few file:line
-        "conversations": tok_stats.conversations,
-        "samples": tok_stats.kept,
-        "truncated": tok_stats.truncated,
-        "dropped_no_assistant": tok_stats.dropped_no_assistant,
-        "dropped_truncated": tok_stats.dropped_truncated,
-        "dropped_template_error": tok_stats.dropped_template_error,
-        "duplicate_ids": len(repeated),  # ids met more than once (renamed id#2, id#3, ...)
-        "duplicate_id_examples": repeated[:5],
-    }
-    return samples, info
 
 
 def run_precompute(model: CausalLM, tokenizer: Any, model_dir: str | Path, cfg: PrecomputeConfig, *,

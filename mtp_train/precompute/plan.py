@@ -102,19 +102,21 @@ def to_rows(samples: Sequence[Sample], vocab_size: int) -> list[Row]:
     return rows
 
 
+def shard_plan(rank: int, index: int, rows: Sequence[Row], settings: dict[str, Any]) -> ShardPlan:
+    """Shard `index` of rank `rank` holding `rows`, in order; `settings` (anything that changes shard bytes) enters
+    the plan hash, which a finished shard's sidecar must match (resume)."""
+    ids_h, plan_h = hashlib.sha256(), hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for r in rows:
+        key = r.id.encode() + b"\0"
+        ids_h.update(key)
+        plan_h.update(key + r.ids.size.to_bytes(8, "little") + r.ids.tobytes() + r.mask.tobytes())
+    return ShardPlan(rank, index, list(rows), sum(r.ids.size for r in rows), sum(int(r.mask.sum()) for r in rows),
+                     ids_h.hexdigest(), plan_h.hexdigest())
+
+
 def plan_rank(rows: Sequence[Row], rank: int, world: int, shard_tokens: int, settings: dict[str, Any]) -> list[
         ShardPlan]:
-    """The shards rank `rank` writes, in order; `settings` (anything that changes shard bytes) enters the hash."""
+    """The shards rank `rank` writes, in order (`RANK_ASSIGNMENT`, cut by `shard_tokens`)."""
     mine = [rows[i] for i in rank_slice(len(rows), rank, world)]
-    settings_bytes = json.dumps(settings, sort_keys=True).encode()
-    plans = []
-    for index, run in enumerate(plan_runs([r.ids.size for r in mine], shard_tokens)):
-        part = [mine[i] for i in run]
-        ids_h, plan_h = hashlib.sha256(), hashlib.sha256(settings_bytes)
-        for r in part:
-            key = r.id.encode() + b"\0"
-            ids_h.update(key)
-            plan_h.update(key + r.ids.size.to_bytes(8, "little") + r.ids.tobytes() + r.mask.tobytes())
-        plans.append(ShardPlan(rank, index, part, sum(r.ids.size for r in part), sum(int(r.mask.sum()) for r in part),
-                               ids_h.hexdigest(), plan_h.hexdigest()))
-    return plans
+    return [shard_plan(rank, index, [mine[i] for i in run], settings)
+            for index, run in enumerate(plan_runs([r.ids.size for r in mine], shard_tokens))]

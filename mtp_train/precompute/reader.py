@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from mtp_train.fileio import sha256_file
-from mtp_train.precompute.manifest import Manifest, ManifestError, ShardInfo, is_val
+from mtp_train.precompute.manifest import SPLITS, Manifest, ManifestError, ShardInfo, in_split
 from mtp_train.precompute.quant import FP8_NAME, dequantize_fp8
 from mtp_train.precompute.shards import sidecar_path
 
@@ -78,13 +78,14 @@ class PrecomputedDataset(torch.utils.data.Dataset):
         rank: int = 0,
         world: int = 1,
     ) -> None:
-        if split not in ("train", "val", "all"):
+        if split not in SPLITS:
             raise ValueError(f"split must be train|val|all, got {split!r}")
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {'|'.join(VERIFY_MODES)}, got {verify!r}")
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in 0..{world - 1}")
         self.directory = Path(directory)
+        self.where = str(self.directory)  # named in errors (a TokenDataset names its data.paths)
         self.manifest = Manifest.load(self.directory)
         self.manifest.check(target_fingerprint=expect_target_fingerprint,
                             tokenizer_fingerprint=expect_tokenizer_fingerprint,
@@ -103,7 +104,7 @@ class PrecomputedDataset(torch.utils.data.Dataset):
         picked: list[tuple[int, int]] = []
         for k, sh in enumerate(self._shards):
             for j, sid in enumerate(sh.ids):
-                if split == "all" or (split == "val") == is_val(sid, sel.seed, sel.val_fraction):
+                if in_split(sid, split, sel.seed, sel.val_fraction):
                     picked.append((k, j))
         picked = picked[rank::world]
         self._shard_of = np.array([k for k, _ in picked], dtype=np.int32)
@@ -261,7 +262,7 @@ class LengthBucketedBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.rank, self.world, self.drop_last = rank, world, drop_last
         self.epoch = 0
         self.position = 0
-        self._cache: tuple[int, list[list[int]]] | None = None
+        self._cache: tuple[int, list[list[int]], int] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its first batch."""
@@ -290,17 +291,29 @@ class LengthBucketedBatchSampler(torch.utils.data.Sampler[list[int]]):
         return batches
 
     def _rank_batches(self) -> list[list[int]]:
+        return self._plan()[0]
+
+    def _plan(self) -> tuple[list[list[int]], int]:
+        """(this rank's batches of the epoch, the number of batches before the list was evened out over ranks)."""
         if self._cache is not None and self._cache[0] == self.epoch:
-            return self._cache[1]
+            return self._cache[1], self._cache[2]
         batches = self._all_batches()
+        distinct = len(batches)
         if self.drop_last:
             batches = batches[: len(batches) - len(batches) % self.world]
         elif batches and len(batches) % self.world:
             want = math.ceil(len(batches) / self.world) * self.world
             batches = batches + [batches[i % len(batches)] for i in range(want - len(batches))]
         mine = batches[self.rank::self.world]
-        self._cache = (self.epoch, mine)  # len() and iter() of one epoch share one plan
-        return mine
+        self._cache = (self.epoch, mine, distinct)  # len() and iter() of one epoch share one plan
+        return mine, distinct
+
+    def rank_batches(self) -> list[tuple[list[int], bool]]:
+        """This rank's batches of the current epoch, in order, each with whether it is the batch's first
+        appearance in the epoch (False for the copies added to even the ranks out; each sample is in exactly
+        one first appearance over all ranks)."""
+        mine, distinct = self._plan()
+        return [(b, self.rank + p * self.world < distinct) for p, b in enumerate(mine)]
 
     def __len__(self) -> int:
         return len(self._rank_batches())

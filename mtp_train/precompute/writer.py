@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,11 +40,12 @@ from mtp_train.precompute.manifest import (
     is_val,
 )
 from mtp_train.precompute.plan import RANK_ASSIGNMENT, Sample, plan_rank, plan_runs, to_rows
-from mtp_train.precompute.quant import FP8, quantize_fp8
+from mtp_train.precompute.quant import FP8, dequantize_fp8, quantize_fp8
 from mtp_train.precompute.shards import finished_shard, sidecar_path, write_shard
 
 if TYPE_CHECKING:  # annotations only
     from mtp_train.models.base import CausalLM
+    from mtp_train.models.config import ModelArgs
     from mtp_train.precompute.manifest import ShardInfo
     from mtp_train.precompute.plan import Row, ShardPlan
 
@@ -63,53 +65,76 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _compute_shard(model: CausalLM, plan: ShardPlan, batch_tokens: int, aux_layers: Sequence[int],
-                   storage: str, bar: tqdm) -> dict[str, torch.Tensor]:
-    """Run the target over one shard's samples in packed batches; returns the shard's CPU tensors.
+def as_stored(x: torch.Tensor, storage: str, groups: int = 1) -> torch.Tensor:
+    """x: (T, groups·H) as a shard stores it and the reader returns it: cast to the storage dtype, or for fp8
+    quantised and dequantised to bf16 (one scale per token and group). Online training feeds the head this, so it
+    sees exactly what it would read from a folder written with `storage`."""
+    if storage == FP8_STORAGE:
+        return dequantize_fp8(*quantize_fp8(x, groups=groups))
+    return x.to(STORAGE_DTYPES[storage])
 
-    storage: a key of `STORAGE_DTYPES`; fp8 stores values and per-token scales (`precompute.quant`).
-    """
+
+def new_shard_tensors(plan: ShardPlan, hidden_size: int, k: int, storage: str) -> dict[str, torch.Tensor]:
+    """The CPU tensors of one shard (the format in `manifest`): ids, mask and offsets filled from the plan,
+    hidden (T, H) and aux_hidden (T, k·H) (and fp8 scales) empty, to be filled with `store_rows`."""
     lengths = [r.ids.size for r in plan.rows]
-    h = model.args.hidden_size
     t = plan.tokens
-    fp8 = storage == FP8_STORAGE
     dtype = STORAGE_DTYPES[storage]
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     tensors = {
         "input_ids": torch.from_numpy(np.concatenate([r.ids for r in plan.rows])),  # (T,) int32
         "loss_mask": torch.from_numpy(np.concatenate([r.mask for r in plan.rows])),  # (T,) uint8
-        "hidden": torch.empty(t, h, dtype=dtype),  # (T, H), filled batch by batch
+        "hidden": torch.empty(t, hidden_size, dtype=dtype),  # (T, H), filled batch by batch
         "offsets": torch.from_numpy(offsets),  # (S+1,)
     }
-    k = len(aux_layers)
     if k:
-        tensors["aux_hidden"] = torch.empty(t, k * h, dtype=dtype)  # (T, k*H)
-    if fp8:
+        tensors["aux_hidden"] = torch.empty(t, k * hidden_size, dtype=dtype)  # (T, k*H)
+    if storage == FP8_STORAGE:
         tensors["hidden_scale"] = torch.empty(t, 1, dtype=torch.float32)  # (T, 1)
         if k:
             tensors["aux_hidden_scale"] = torch.empty(t, k, dtype=torch.float32)  # (T, k): one per layer
+    return tensors
+
+
+def store_rows(tensors: dict[str, torch.Tensor], a: int, b: int, hidden: torch.Tensor, aux: torch.Tensor | None,
+               storage: str) -> None:
+    """Put rows a:b of a shard: hidden (b-a, H) and aux (b-a, k·H) (or None), in the forward's own precision, on
+    any device."""
+    if storage == FP8_STORAGE:  # quantised from the forward's own precision, one scale per token (and layer)
+        q, scale = quantize_fp8(hidden)
+        tensors["hidden"][a:b], tensors["hidden_scale"][a:b] = q, scale
+        if aux is not None:
+            q, scale = quantize_fp8(aux, groups=tensors["aux_hidden_scale"].shape[1])
+            tensors["aux_hidden"][a:b], tensors["aux_hidden_scale"][a:b] = q, scale
+    else:
+        # copy_ casts to the storage dtype as it lands in the preallocated CPU buffer.
+        tensors["hidden"][a:b].copy_(hidden)
+        if aux is not None:
+            tensors["aux_hidden"][a:b].copy_(aux)
+
+
+def compute_shard(model: CausalLM, plan: ShardPlan, batch_tokens: int, aux_layers: Sequence[int],
+                   storage: str, bar: tqdm) -> dict[str, torch.Tensor]:
+    """Run the target over one shard's samples in packed batches; returns the shard's CPU tensors.
+
+    storage: a key of `STORAGE_DTYPES`; fp8 stores values and per-token scales (`precompute.quant`).
+    """
+    k = len(aux_layers)
+    tensors = new_shard_tensors(plan, model.args.hidden_size, k, storage)
+    offsets = tensors["offsets"]
     with torch.inference_mode():
-        for run in plan_runs(lengths, batch_tokens):
+        for run in plan_runs([r.ids.size for r in plan.rows], batch_tokens):
             out = prefill_hidden(model, [plan.rows[i].ids.tolist() for i in run], hidden_layers=aux_layers)
             a, b = int(offsets[run.start]), int(offsets[run.stop])
             aux = torch.cat([out.layers[j] for j in aux_layers], dim=-1) if k else None  # (n, k*H)
-            if fp8:  # quantised from the forward's own precision, one scale per token (and layer)
-                q, scale = quantize_fp8(out.hidden)
-                tensors["hidden"][a:b], tensors["hidden_scale"][a:b] = q, scale
-                if aux is not None:
-                    q, scale = quantize_fp8(aux, groups=k)
-                    tensors["aux_hidden"][a:b], tensors["aux_hidden_scale"][a:b] = q, scale
-            else:
-                # copy_ casts to the storage dtype as it lands in the preallocated CPU buffer.
-                tensors["hidden"][a:b].copy_(out.hidden)
-                if aux is not None:
-                    tensors["aux_hidden"][a:b].copy_(aux)
+            store_rows(tensors, a, b, out.hidden, aux, storage)
             bar.update(b - a)
     return tensors
 
 
-def _split_counts(rows: Sequence[Row], seed: int, val_fraction: float) -> dict[str, int]:
+def split_counts(rows: Sequence[Row], seed: int, val_fraction: float) -> dict[str, int]:
+    """Samples, tokens and loss tokens of each split (the manifest's `split.counts`)."""
     c = {f"{s}_{k}": 0 for s in ("train", "val") for k in ("samples", "tokens", "loss_tokens")}
     for r in rows:
         s = "val" if is_val(r.id, seed, val_fraction) else "train"
@@ -117,6 +142,81 @@ def _split_counts(rows: Sequence[Row], seed: int, val_fraction: float) -> dict[s
         c[f"{s}_tokens"] += r.ids.size
         c[f"{s}_loss_tokens"] += int(r.mask.sum())
     return c
+
+
+def check_settings(cfg: PrecomputeConfig, prefix: str = "") -> None:
+    """Refuse stage-one settings that cannot be used, naming the key as `prefix` + its name ("" for
+    mtp-precompute, "data.online." for mtp-train's online and hybrid sources)."""
+    aux_layers = [int(j) for j in cfg.aux_layers]
+    if len(set(aux_layers)) != len(aux_layers):
+        raise ValueError(f"{prefix}aux_layers {aux_layers} has duplicates")
+    if cfg.hidden_dtype not in STORAGE_DTYPES:
+        raise ValueError(f"{prefix}hidden_dtype={cfg.hidden_dtype!r}: choose one of {', '.join(STORAGE_DTYPES)}")
+    if cfg.shard_tokens < 1 or cfg.batch_tokens < 1:
+        raise ValueError(f"{prefix}shard_tokens and {prefix}batch_tokens must be positive")
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise ValueError(f"{prefix}val_fraction must be in [0, 1), got {cfg.val_fraction}")
+
+
+@dataclass
+class FolderSpec:
+    """What the shards of a precompute folder are: the target and its compute dtype, the stored hidden states."""
+
+    target: TargetInfo
+    hidden: HiddenInfo
+    storage: str  # a key of STORAGE_DTYPES
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """Everything that changes a shard's bytes (enters every plan hash): a shard written under other settings
+        is redone."""
+        return {"format_version": FORMAT_VERSION, "target_fingerprint": self.target.fingerprint,
+                "target_dtype": self.target.dtype, "hidden": self.hidden.__dict__}
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The safetensors metadata of every shard (sample_ids are added per shard)."""
+        return {"format_version": str(FORMAT_VERSION), "hidden_dtype": self.hidden.dtype,
+                "aux_layers": json.dumps(self.hidden.aux_layers)}
+
+
+def folder_spec(args: ModelArgs, dtype: torch.dtype, model_dir: str | Path, storage: str,
+                aux_layers: Sequence[int]) -> FolderSpec:
+    """The FolderSpec of a target (config `args`, computing in `dtype`, weights in `model_dir`)."""
+    target = TargetInfo(path=str(Path(model_dir).resolve()), fingerprint=weights_fingerprint(model_dir),
+                        model_type=args.model_type, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                        vocab_size=args.vocab_size, dtype=dtype_name(dtype))
+    hidden = HiddenInfo(kind="final_norm", dtype=dtype_name(STORAGE_DTYPES[storage]),
+                        aux_layers=[int(j) for j in aux_layers])
+    return FolderSpec(target, hidden, storage)
+
+
+def assemble_manifest(out_dir: Path, plans: Sequence[ShardPlan], rows: Sequence[Row], spec: FolderSpec, *,
+                      tokenizer_fingerprint: str, chat_template_fingerprint: str, data_info: dict[str, Any],
+                      val_fraction: float, seed: int, provenance: dict[str, Any],
+                      redo: str = "re-run precompute to redo it") -> Manifest:
+    """The manifest of a folder whose shards `plans` (every rank's, in manifest order) are all finished; raises
+    PrecomputeError naming the first one that is not (and `redo`, what to do). `rows`: every sample, for the split
+    counts."""
+    shards = []
+    for p in plans:
+        info = finished_shard(out_dir, p, verify=False)  # each rank hashed its own shards
+        if info is None:
+            raise PrecomputeError(f"rank {p.rank} did not finish {out_dir / p.name}; {redo}")
+        shards.append(info)
+    totals = Totals(samples=sum(s.samples for s in shards), tokens=sum(s.tokens for s in shards),
+                    loss_tokens=sum(s.loss_tokens for s in shards), bytes=sum(s.bytes for s in shards))
+    return Manifest(
+        target=spec.target,
+        tokenizer=TokenizerInfo(fingerprint=tokenizer_fingerprint, chat_template_fingerprint=chat_template_fingerprint),
+        hidden=spec.hidden,
+        data=dict(data_info),
+        split=SplitInfo(val_fraction=val_fraction, seed=seed, counts=split_counts(rows, seed, val_fraction)),
+        shards=shards,
+        totals=totals,
+        provenance=provenance,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
 
 
 def precompute(
@@ -160,16 +260,9 @@ def precompute(
     """
     out_dir = Path(cfg.out)
     shard_tokens, batch_tokens, val_fraction, seed = cfg.shard_tokens, cfg.batch_tokens, cfg.val_fraction, cfg.seed
+    check_settings(cfg)
     aux_layers = [int(j) for j in cfg.aux_layers]
-    if len(set(aux_layers)) != len(aux_layers):
-        raise ValueError(f"aux_layers {aux_layers} has duplicates")
     storage = cfg.hidden_dtype
-    if storage not in STORAGE_DTYPES:
-        raise ValueError(f"hidden_dtype={storage!r}: choose one of {', '.join(STORAGE_DTYPES)}")
-    if shard_tokens < 1 or batch_tokens < 1:
-        raise ValueError("shard_tokens and batch_tokens must be positive")
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in 0..{world - 1}")
     procs = world * tp_size
@@ -187,15 +280,8 @@ def precompute(
     out_dir.mkdir(parents=True, exist_ok=True)
     group = mdist.cpu_group(barrier_timeout) if procs > 1 else None
 
-    target = TargetInfo(path=str(Path(model_dir).resolve()), fingerprint=weights_fingerprint(model_dir),
-                        model_type=args.model_type, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                        vocab_size=args.vocab_size, dtype=dtype_name(model.dtype))
-    hidden = HiddenInfo(kind="final_norm", dtype=dtype_name(STORAGE_DTYPES[storage]), aux_layers=aux_layers)
-    # Everything that changes a shard's bytes; a shard written under other settings is redone.
-    settings = {"format_version": FORMAT_VERSION, "target_fingerprint": target.fingerprint,
-                "target_dtype": target.dtype, "hidden": hidden.__dict__}
-    metadata = {"format_version": str(FORMAT_VERSION), "hidden_dtype": hidden.dtype,
-                "aux_layers": json.dumps(aux_layers)}
+    spec = folder_spec(args, model.dtype, model_dir, storage, aux_layers)
+    settings, metadata = spec.settings, spec.metadata
 
     # A stale manifest would vouch for shards this run is about to rewrite; the barrier keeps other
     # ranks from writing before it is gone. Leftover temporaries of this rank are from a crash.
@@ -231,7 +317,7 @@ def precompute(
                 continue
             if writer:
                 sidecar_path(out_dir / p.name).unlink(missing_ok=True)  # it no longer describes what will be there
-            tensors = _compute_shard(model, p, batch_tokens, aux_layers, storage, bar)
+            tensors = compute_shard(model, p, batch_tokens, aux_layers, storage, bar)
             if not writer:
                 continue
             if pending is not None:
@@ -243,15 +329,8 @@ def precompute(
     mdist.barrier(group)
     manifest = None
     if rank == 0 and writer:
-        shards = []
-        for r in range(world):
-            for p in (plans if r == 0 else plan_rank(rows, r, world, shard_tokens, settings)):
-                info = finished_shard(out_dir, p, verify=False)  # each rank hashed its own shards
-                if info is None:
-                    raise PrecomputeError(f"rank {r} did not finish {out_dir / p.name}; re-run precompute to redo it")
-                shards.append(info)
-        totals = Totals(samples=sum(s.samples for s in shards), tokens=sum(s.tokens for s in shards),
-                        loss_tokens=sum(s.loss_tokens for s in shards), bytes=sum(s.bytes for s in shards))
+        every = [p for r in range(world)
+                 for p in (plans if r == 0 else plan_rank(rows, r, world, shard_tokens, settings))]
         prov = {
             "package_version": mtp_train.__version__,
             "torch_version": torch.__version__,
@@ -259,18 +338,9 @@ def precompute(
                          "batch_tokens": batch_tokens, "rank_assignment": RANK_ASSIGNMENT},
             **(provenance or {}),
         }
-        manifest = Manifest(
-            target=target,
-            tokenizer=TokenizerInfo(fingerprint=tokenizer_fingerprint,
-                                    chat_template_fingerprint=chat_template_fingerprint),
-            hidden=hidden,
-            data=dict(data_info),
-            split=SplitInfo(val_fraction=val_fraction, seed=seed, counts=_split_counts(rows, seed, val_fraction)),
-            shards=shards,
-            totals=totals,
-            provenance=prov,
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        )
+        manifest = assemble_manifest(out_dir, every, rows, spec, tokenizer_fingerprint=tokenizer_fingerprint,
+                                     chat_template_fingerprint=chat_template_fingerprint, data_info=data_info,
+                                     val_fraction=val_fraction, seed=seed, provenance=prov)
         manifest.save(out_dir)
     # Nobody returns before the manifest exists, so a next stage started on any rank finds it.
     mdist.barrier(group)
