@@ -19,7 +19,7 @@ from mtp_train.config.checks import (
     typed,
     unknown_key_error,
 )
-from mtp_train.config.data import DataConfig, TrainDataConfig
+from mtp_train.config.data import SOURCES, DataConfig, OnlineDataConfig, TrainDataConfig
 from mtp_train.config.demo import DemoConfig
 from mtp_train.config.device import bf16_enabled, device_kind, rank_device, resolve_device
 from mtp_train.config.errors import ConfigError
@@ -41,9 +41,10 @@ from mtp_train.config.train import (
 )
 
 __all__ = [
-    "CE_IMPLS", "CONF_DIR", "GRID_AXES", "INITS", "LOWER_BOUNDS", "NORM_DEFAULTS", "SCHEMAS", "UNROLL_ATTENTION",
+    "CE_IMPLS", "CONF_DIR", "GRID_AXES", "INITS", "LOWER_BOUNDS", "NORM_DEFAULTS", "SCHEMAS", "SOURCES",
+    "UNROLL_ATTENTION",
     "ConfigError", "DataConfig", "DeepSpeedConfig", "DemoConfig", "EvalConfig", "ExportConfig", "HeadConfig",
-    "LoopConfig", "LossConfig", "ModelConfig", "NgramConfig", "OptimConfig", "PrecomputeConfig",
+    "LoopConfig", "LossConfig", "ModelConfig", "NgramConfig", "OnlineDataConfig", "OptimConfig", "PrecomputeConfig",
     "RegenerateConfig", "SpecEvalConfig", "TrainConfig", "TrainDataConfig", "WandbConfig", "bf16_enabled",
     "check_config", "check_overrides", "device_kind", "is_schema_key", "rank_device", "register_configs",
     "resolve_device", "schema_keys", "typed", "unknown_key_error",

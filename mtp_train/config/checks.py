@@ -50,6 +50,8 @@ LOWER_BOUNDS: dict[str, tuple[float, str]] = {
     "optim.warmup_steps": (0, "0 or more"), "data.num_workers": (0, "0 or more"), "loss.steps": (1, _POSITIVE),
     "spec_eval.limit": (1, _POSITIVE), "spec_eval.k": (1, _POSITIVE), "spec_eval.max_new_tokens": (1, _POSITIVE),
     "spec_eval.batch_size": (1, _POSITIVE),
+    "data.online.max_seq_len": (1, _POSITIVE), "data.online.shard_tokens": (1, _POSITIVE),
+    "data.online.limit": (1, "null (everything) or a positive integer"),
 }
 
 

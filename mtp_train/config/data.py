@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from mtp_train.config.errors import ConfigError
 
 
 @dataclass
@@ -17,14 +20,45 @@ class DataConfig:
     on_bad_row: str = "error"  # error (stop, naming file:line) | skip (count and report)
 
 
+SOURCES = ("offline", "online", "hybrid")  # where training's target hidden states come from (`data.source`)
+
+
+@dataclass
+class OnlineDataConfig:
+    """How `data.source=online|hybrid` turns the conversations of `data.paths` into samples, with the names and
+    meaning of `mtp-precompute`'s settings (`conf/precompute.yaml`): the same settings give the same samples, split
+    and (hybrid) shards as that command."""
+
+    max_seq_len: int = 2048  # longer samples are truncated (keeping the start)
+    limit: int | None = None  # use only the first N conversations
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
+    val_fraction: float = 0.02  # share of samples in the validation split (by the id rule precompute records)
+    seed: int = 0  # seeds the train/val split
+    # The hidden states the head sees, as a precompute folder would store them (bfloat16 | float16 | float32 |
+    # float8_e4m3); hybrid writes them so.
+    hidden_dtype: str = "bfloat16"
+    shard_tokens: int = 131072  # hybrid: most tokens per shard written during epoch 0
+
+
 @dataclass
 class TrainDataConfig(DataConfig):
-    """Training data: the precompute folder `dir` (`mtp-precompute`'s `out`).
+    """Training data: where the target's hidden states come from (`source`) and the precompute folder `dir`.
 
-    The inherited fields (the `data=` group: name, paths, ...) name the conversations that folder was made
-    from; training reads only `dir` and records the rest with the run.
+    offline: read the precompute folder `dir` (`mtp-precompute`'s out); the inherited fields (the `data=` group:
+    name, paths, ...) name the conversations it was made from and are recorded with the run. online: the trainer
+    holds the target and computes each micro-batch's hidden states from the conversations of `paths` (samples as
+    `online` says), writing nothing. hybrid: epoch 0 as online, writing `dir` as a precompute folder on the way;
+    later epochs read it.
     """
 
-    dir: str = "runs/precompute"  # precompute folder: shards + manifest.json for this target
+    source: str = "offline"  # offline | online | hybrid
+    dir: str = "runs/precompute"  # precompute folder: shards + manifest.json for this target (hybrid writes it)
     num_workers: int = 0  # DataLoader worker processes per rank (0 = read in the training process)
     verify: str = "first_open"  # shard checksums: first_open | always (before training) | never (sizes only)
+    online: OnlineDataConfig = field(default_factory=OnlineDataConfig)  # samples of online and hybrid runs
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ConfigError(f"data.source={self.source!r}: choose one of {' | '.join(SOURCES)} (offline reads the "
+                             "precompute folder data.dir, online computes hidden states from data.paths, hybrid "
+                             "does epoch 0 online and writes data.dir for the later epochs)")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtp_train.config.data import TrainDataConfig
+from mtp_train.config.data import DataConfig, TrainDataConfig
 from mtp_train.config.head import HeadConfig
 from mtp_train.config.loss import LossConfig
 from mtp_train.config.model import ModelConfig
+from mtp_train.config.precompute import PrecomputeConfig
 
 
 @dataclass
@@ -95,3 +98,20 @@ class TrainConfig:
     spec_eval: SpecEvalConfig = field(default_factory=SpecEvalConfig)
     out: str = "runs/train"  # run folder: config.yaml, metrics.jsonl, checkpoints/, heads/, wandb/
     resume: str = "auto"  # auto (the latest checkpoint under out, if any) | none | a checkpoint tag folder
+
+    def precompute_config(self, aux_layers: Sequence[int] = ()) -> PrecomputeConfig:
+        """The `mtp-precompute` settings whose samples (and folder, for hybrid) an online or hybrid run reads:
+        `data.*` of the conversations, `data.online.*`, `data.dir` as the out folder, and the target layers
+        `aux_layers` the head reads. Precompute run with them plans the same samples and split."""
+        d, o = self.data, self.data.online
+        conversations = DataConfig(**{f.name: copy_value(getattr(d, f.name)) for f in dataclasses.fields(DataConfig)})
+        return PrecomputeConfig(model=self.model, data=conversations, out=d.dir, max_seq_len=o.max_seq_len,
+                                limit=o.limit, shard_tokens=o.shard_tokens, batch_tokens=self.train.micro_batch_tokens,
+                                aux_layers=[int(j) for j in aux_layers], hidden_dtype=o.hidden_dtype,
+                                val_fraction=o.val_fraction, seed=o.seed,
+                                chat_template_kwargs=dict(o.chat_template_kwargs), progress=False)
+
+
+def copy_value(value: Any) -> Any:
+    """A shallow copy of a list or dict setting (so that two configs never share one), other values as they are."""
+    return type(value)(value) if isinstance(value, (list, dict)) else value
