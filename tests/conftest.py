@@ -11,6 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOPICS = ["the moon", "bread", "rivers", "chess", "owls", "glass", "tea", "maps"]
+
 _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
 
@@ -50,6 +54,31 @@ def make_tiny_checkpoint(name: str, out: Path, seed: int = 0, **config):
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     return model
+
+
+def make_chat_target(out: Path, texts: list[str] | None = None) -> Path:
+    """A random 2-layer Llama whose vocabulary is a small byte-level BPE with ChatML specials and template (trained
+    on `texts`, by default sentences about TOPICS), saved with its tokenizer to `out`."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False)
+    texts = texts or [f"Tell me about {t}. Here is a fact about {t}." for t in TOPICS]
+    tok.train_from_iterator(texts * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                                eos_token="<|im_end|>")
+    fast.chat_template = CHATML
+    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False, eos_token_id=fast.eos_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out, safe_serialization=True)
+    fast.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="session")

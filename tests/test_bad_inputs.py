@@ -20,14 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from mtp_train.fileio import lock_path, output_lock
+from tests.conftest import TOPICS, make_chat_target
 
 ROOT = Path(__file__).resolve().parents[1]
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TOPICS = ["the moon", "bread", "rivers", "chess", "owls", "glass", "tea", "maps"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,29 +37,6 @@ def _chat(i: int, topic: str) -> dict:
 def _jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
-
-
-def make_chat_target(out: Path) -> Path:
-    """A random 2-layer Llama whose vocabulary is a small byte-level BPE with ChatML specials and template."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False)
-    tok.train_from_iterator([f"Tell me about {t}. Here is a fact about {t}." for t in TOPICS] * 4, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
-                                                eos_token="<|im_end|>")
-    fast.chat_template = CHATML
-    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False, eos_token_id=fast.eos_token_id)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out, safe_serialization=True)
-    fast.save_pretrained(out)
-    return out
 
 
 @dataclass

@@ -1,6 +1,8 @@
-"""`mtp-train`: a draft head trained on precomputed target hidden states (DeepSpeed ZeRO, torchrun).
+"""`mtp-train`: a draft head trained on target hidden states (DeepSpeed ZeRO, torchrun).
 
     mtp-train model=smollm2-135m head=mtp data.dir=runs/precompute out=runs/train train.max_steps=2000
+    mtp-train data.source=online data.paths=[convs.jsonl] out=runs/online          # the target computes them
+    mtp-train data.source=hybrid data.paths=[convs.jsonl] data.dir=runs/pc out=...  # epoch 0 writes runs/pc
     mtp-train head=eagle1 deepspeed=zero1 loss.steps=3 optim.lr=3e-4 wandb.mode=offline
     torchrun --nproc_per_node 8 -m mtp_train.cli.train model=llama3.1-8b data.dir=/data/pc out=/runs/mtp
     launch/train_1node.sh ... | launch/train_multinode.sh ... | sbatch launch/train.sbatch ...
@@ -27,6 +29,7 @@ from mtp_train.config import TrainConfig, bf16_enabled, check_config, typed
 from mtp_train.fileio import output_lock
 from mtp_train.speculative.validator import SpeculativeValidator
 from mtp_train.train.logging import resolve_wandb_mode
+from mtp_train.train.sources import check_hybrid_dir, check_online
 from mtp_train.train.trainer import StepHook, train
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,8 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
     """
     check_config(cfg, "train")
     tc = typed(cfg, TrainConfig)  # a wrong value type fails here, before any process group or model is touched
+    if tc.data.source != "offline":
+        check_online(tc)  # before the target folder is looked for: an empty model.path is named as such
     with distributed(tc.model) as (info, stack):
         # DeepSpeed reads LOCAL_RANK from the environment, which only launchers set (see train/deepspeed_setup.py).
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
@@ -47,6 +52,9 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
         out = Path(cfg.out)
         if info.is_main:
             stack.enter_context(output_lock(out, command=PROG))  # before anything is written to `out`
+            if tc.data.source == "hybrid":  # it writes data.dir too: one run at a time there as well
+                check_hybrid_dir(Path(tc.data.dir), out)
+                stack.enter_context(output_lock(tc.data.dir, command=f"{PROG} data.source=hybrid"))
             ensure_model(cfg.model)
         dist.barrier(group)
         device = run_device(tc.model, info)

@@ -2,7 +2,9 @@
 
 A micro-batch is one `LengthBucketedBatchSampler` batch (at most `max_tokens` padded tokens) packed without
 padding: the samples' rows are concatenated into (T, ...) buffers with their lengths alongside, the layout the
-heads' training forward takes.
+heads' training forward takes. The samples come from a precompute folder (`PrecomputedDataset`, with their hidden
+states) or, for online training, from the conversations themselves (`TokenDataset`, tokens only: the target fills
+the hidden states in just before the head's step, `mtp_train.train.sources`). Both go through this one path.
 
 Ranks: the dataset is NOT split by rank; the batch sampler splits the *batches* (rank r takes batches r, r+world,
 ...). Every rank then yields the same number of batches (the sampler pads the list to a multiple of world), and
@@ -20,6 +22,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from mtp_train.precompute import LengthBucketedBatchSampler, PrecomputedDataset
+from mtp_train.precompute.samples import TokenDataset
+
+SampleDataset = PrecomputedDataset | TokenDataset  # what batches are made of: folder samples, or tokens only
 
 
 @dataclass
@@ -28,14 +33,16 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # (T,) int64 tokens t_i
     loss_mask: torch.Tensor  # (T,) uint8, 1 on tokens to learn
-    hidden: torch.Tensor  # (T, H) target hidden h_i, storage dtype (bf16)
+    hidden: torch.Tensor | None  # (T, H) target hidden h_i, storage dtype (bf16); None until an online target fills it
     seq_lens: list[int]  # (B,) rows per sample, in order
     ids: list[str]  # (B,) sample ids
     aux_hidden: torch.Tensor | None = None  # (T, k·H) the folder's aux layers, concatenated, or None
+    epoch: int = 0  # the epoch of the batch plan it came from (`MicroBatchStream`)
 
     def _map(self, fn) -> PackedBatch:
-        return PackedBatch(fn(self.input_ids), fn(self.loss_mask), fn(self.hidden), self.seq_lens, self.ids,
-                           None if self.aux_hidden is None else fn(self.aux_hidden))
+        return PackedBatch(fn(self.input_ids), fn(self.loss_mask), None if self.hidden is None else fn(self.hidden),
+                           self.seq_lens, self.ids, None if self.aux_hidden is None else fn(self.aux_hidden),
+                           self.epoch)
 
     @property
     def num_rows(self) -> int:
@@ -57,20 +64,21 @@ class PackedBatch:
 
 
 def collate_packed(items: Sequence[dict[str, Any]]) -> PackedBatch:
-    """PrecomputedDataset items → one PackedBatch (concatenated in the given order, no padding)."""
+    """PrecomputedDataset (or TokenDataset: no hidden) items → one PackedBatch (concatenated in the given order,
+    no padding)."""
     if not items:
         raise ValueError("cannot pack an empty batch")
     return PackedBatch(
         input_ids=torch.cat([it["input_ids"].long() for it in items]),
         loss_mask=torch.cat([it["loss_mask"] for it in items]),
-        hidden=torch.cat([it["hidden"] for it in items]),
+        hidden=torch.cat([it["hidden"] for it in items]) if "hidden" in items[0] else None,
         seq_lens=[int(it["input_ids"].shape[0]) for it in items],
         ids=[str(it["id"]) for it in items],
         aux_hidden=torch.cat([it["aux_hidden"] for it in items]) if "aux_hidden" in items[0] else None,
     )
 
 
-def make_loader(dataset: PrecomputedDataset, sampler: LengthBucketedBatchSampler, num_workers: int = 0,
+def make_loader(dataset: SampleDataset, sampler: LengthBucketedBatchSampler, num_workers: int = 0,
                 pin_memory: bool = False) -> DataLoader:
     """A DataLoader yielding PackedBatch in the sampler's order (workers read and pack ahead of the loop)."""
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_packed, num_workers=num_workers,
@@ -85,7 +93,7 @@ class MicroBatchStream:
     to the loop, not by the sampler, which the DataLoader runs ahead of the loop.
     """
 
-    def __init__(self, dataset: PrecomputedDataset, sampler: LengthBucketedBatchSampler, num_workers: int = 0,
+    def __init__(self, dataset: SampleDataset, sampler: LengthBucketedBatchSampler, num_workers: int = 0,
                  pin_memory: bool = False) -> None:
         self.dataset, self.sampler = dataset, sampler
         self.num_workers, self.pin_memory = num_workers, pin_memory
@@ -113,12 +121,13 @@ class MicroBatchStream:
             batch = next(self._it, None)
             if batch is not None:
                 self.position += 1
+                batch.epoch = self.epoch
                 return batch
             self.epoch, self.position, self._it = self.epoch + 1, 0, None
-        raise ValueError(f"{self.dataset.directory}: the {self.dataset.split} split yields no batch")
+        raise ValueError(f"{self.dataset.where}: the {self.dataset.split} split yields no batch")
 
 
-def eval_batches(dataset: PrecomputedDataset, max_tokens: int, n: int, rank: int = 0, world: int = 1,
+def eval_batches(dataset: SampleDataset, max_tokens: int, n: int, rank: int = 0, world: int = 1,
                  seed: int = 0) -> Iterator[PackedBatch]:
     """This rank's share of the first n·world batches of epoch 0 of a split (evaluation).
 
@@ -135,7 +144,7 @@ def eval_batches(dataset: PrecomputedDataset, max_tokens: int, n: int, rank: int
         yield batch
 
 
-def draft_vocab_from_data(dataset: PrecomputedDataset, size: int, vocab_size: int,
+def draft_vocab_from_data(dataset: SampleDataset, size: int, vocab_size: int,
                           always: Sequence[int] = ()) -> torch.Tensor:
     """(size,) ascending ids of the `size` most frequent assistant tokens of `dataset`, plus the `always` ids (EOS).
 

@@ -1,4 +1,7 @@
-"""Stage two: train a draft head on precomputed target hidden states with DeepSpeed (ZeRO-0/1/2) under torchrun.
+"""Stage two: train a draft head on target hidden states with DeepSpeed (ZeRO-0/1/2) under torchrun.
+
+The hidden states come from a precompute folder, from the target held here, or from both (`data.source`,
+`mtp_train.train.sources`); the loop below sees the same packed micro-batches whichever it is.
 
 One optimizer step:
 
@@ -42,8 +45,6 @@ from mtp_train import dist
 from mtp_train.config import TrainConfig, bf16_enabled
 from mtp_train.dist import DistInfo
 from mtp_train.heads import DraftHead, FrozenTargetParts, build_head
-from mtp_train.models.fingerprint import weights_fingerprint
-from mtp_train.precompute import LengthBucketedBatchSampler, PrecomputedDataset
 from mtp_train.train.checkpoint import (
     CKPT_DIR,
     HEADS_DIR,
@@ -56,12 +57,13 @@ from mtp_train.train.checkpoint import (
     tag_for,
     write_checksums,
 )
-from mtp_train.train.data import MicroBatchStream, aux_columns, draft_vocab_from_data, eval_batches
+from mtp_train.train.data import aux_columns, draft_vocab_from_data, eval_batches
 from mtp_train.train.deepspeed_config import build_ds_config, make_lr_scheduler
 from mtp_train.train.deepspeed_setup import prepare_deepspeed, release_deepspeed
 from mtp_train.train.evaluation import evaluate
 from mtp_train.train.logging import RunLogger
 from mtp_train.train.losses import HeadLoss, noise_generator, step_token_counts
+from mtp_train.train.sources import build_train_data, data_record
 
 log = logging.getLogger(__name__)
 
@@ -100,42 +102,27 @@ class Trainer:
         self.head_dir: Path | None = None
         self._saved_step = -1
         self._setup_data()
-        resume_from = self._check_resume()  # before the engine: a damaged checkpoint fails fast
-        self._setup_engine()
-        self._resume_step = self._maybe_resume(resume_from)
-        if on_start is not None and info.is_main:
-            on_start()
+        try:
+            resume_from = self._check_resume()  # before the engine: a damaged checkpoint fails fast
+            self._setup_engine()
+            self._resume_step = self._maybe_resume(resume_from)
+            if on_start is not None and info.is_main:
+                on_start()
+            # After the config is saved: a hybrid source starts writing its folder here.
+            self.data.begin(self.stream.epoch, self.stream.position)
+        except BaseException:
+            self.data.close()
+            raise
         self.logger = RunLogger(enabled=info.is_main, out=self.out, wandb=cfg.wandb, mode=wandb_mode,
                                 config=dataclasses.asdict(cfg), resume_step=self._resume_step)
 
     # -- set-up --
 
     def _setup_data(self) -> None:
-        c = self.cfg
-        self.target_dir = Path(c.model.path)
-        # Not split by rank here: the batch sampler splits batches (see mtp_train.train.data).
-        self.train_set = PrecomputedDataset(c.data.dir, expect_target_fingerprint=weights_fingerprint(self.target_dir),
-                                            split="train", verify=c.data.verify)
-        manifest = self.train_set.manifest
-        self.target_fingerprint = manifest.target.fingerprint  # recorded in every checkpoint and head export
-        if manifest.hidden.kind != "final_norm":
-            raise ValueError(f"{c.data.dir} holds hidden states of kind {manifest.hidden.kind!r}; heads train on "
-                             "the target's last hidden state after the final norm (kind 'final_norm')")
-        made_from = manifest.data.get("name")
-        if made_from and made_from != c.data.name:
-            log.warning("data=%s, but %s was precomputed from data %r; training reads data.dir", c.data.name,
-                        c.data.dir, made_from)
-        if len(self.train_set) == 0:
-            raise ValueError(f"{c.data.dir} has no training samples (every sample is in the val split?)")
-        self.val_set = PrecomputedDataset(c.data.dir, expect_target_fingerprint=self.target_fingerprint,
-                                          split="val", verify=c.data.verify) if c.train.eval_batches > 0 else None
-        if self.val_set is not None and len(self.val_set) == 0:
-            log.warning("%s has no val samples (precompute val_fraction=0?): no evaluation", c.data.dir)
-            self.val_set = None
-        sampler = LengthBucketedBatchSampler(self.train_set.lengths, c.train.micro_batch_tokens, shuffle=True,
-                                             seed=c.train.seed, rank=self.info.rank, world=self.info.world)
-        self.stream = MicroBatchStream(self.train_set, sampler, num_workers=c.data.num_workers,
-                                       pin_memory=self.device.type == "cuda")
+        self.target_dir = Path(self.cfg.model.path)
+        self.data = build_train_data(self.cfg, self.info, self.device)
+        self.train_set, self.val_set, self.stream = self.data.train_set, self.data.val_set, self.data.stream
+        self.target_fingerprint = self.data.target_fingerprint  # recorded in every checkpoint and head export
 
     def _setup_engine(self) -> None:
         import deepspeed  # heavy, and only the training floor may use it (set up by prepare_deepspeed)
@@ -147,9 +134,10 @@ class Trainer:
         torch.manual_seed(c.train.seed)  # the same initial head on every rank (DeepSpeed also broadcasts rank 0's)
         head = build_head(c.head, self.target_dir, device=self.device,
                           dtype=torch.float32, backend=c.model.backend, frozen=frozen)
-        # An aux head (eagle3, features=aux) reads target layers the folder must hold (refused here, by key).
-        self.aux_cols = aux_columns(self.train_set.manifest.hidden.aux_layers, head.aux_layers,
-                                    head.args.hidden_size, c.data.dir)
+        # An aux head (eagle3, features=aux) reads target layers the folder must hold (refused here, by key); an
+        # online target computes exactly the head's.
+        self.aux_cols = aux_columns(self.data.stored_aux_layers, head.aux_layers, head.args.hidden_size,
+                                    self.data.where)
         if head.draft_vocab is not None:
             head.set_draft_vocab(draft_vocab_from_data(self.train_set, head.vocab_size, head.args.vocab_size,
                                                              head.args.eos_token_ids))
@@ -189,6 +177,11 @@ class Trainer:
             if client.get(key) != now:
                 log.warning("resuming with train.%s=%s (checkpoint: %s): the batch order differs from the "
                             "interrupted run's", key, now, client.get(key))
+        # online and hybrid share one batch plan; offline's follows the folder's sample order.
+        was = client.get("data_source", "offline")
+        if (was == "offline") != (self.data.source == "offline"):
+            log.warning("resuming with data.source=%s (checkpoint: %s): the batch order differs from the "
+                        "interrupted run's", self.data.source, was)
         if self.info.is_main:
             log.info("resumed from %s at step %d (epoch %d, batch %d)", ckpt_dir / tag, self.step,
                      self.stream.epoch, self.stream.position)
@@ -212,7 +205,7 @@ class Trainer:
         self.engine.train()
         sums: dict[str, torch.Tensor] = {}
         for m, batch in enumerate(micro):
-            b = batch.to(self.device, non_blocking=True)
+            b = self.data.fill(batch).to(self.device, non_blocking=True)  # online: the target runs here
             gen = (noise_generator(c.train.seed, self.step, m, self.info.rank, self.device)
                    if self.loss_cfg.noise_std > 0 else None)
             loss, metrics = self.engine(b.hidden, b.input_ids, b.loss_mask, b.seq_lens, counts, gen,
@@ -245,8 +238,9 @@ class Trainer:
         if self.val_set is None:
             return {}
         c = self.cfg
-        batches = eval_batches(self.val_set, c.train.micro_batch_tokens, c.train.eval_batches, self.info.rank,
-                               self.info.world, seed=c.train.seed)
+        batches = (self.data.fill(b) for b in eval_batches(self.val_set, c.train.micro_batch_tokens,
+                                                             c.train.eval_batches, self.info.rank, self.info.world,
+                                                             seed=c.train.seed))
         self.last_eval = evaluate(self.head, batches, self.loss_cfg, self.device, self.info.world, self.aux_cols)
         if self.validator is not None and self.info.is_main:
             self.last_eval.update(self.validator(self.head))
@@ -254,18 +248,19 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint the current step on every rank, export the head on rank 0, then mark it `latest`."""
+        self.data.flush()  # a hybrid source's shards written so far are on disk before the step is recorded
         client = {
             "step": self.step, "data": self.stream.state_dict(), "samples_seen": self.samples_seen,
             "tokens_seen": self.tokens_seen, "world": self.info.world,
             "micro_batch_tokens": self.cfg.train.micro_batch_tokens, "seed": self.cfg.train.seed,
-            "target_fingerprint": self.target_fingerprint, "rng": rng_state(),
+            "target_fingerprint": self.target_fingerprint, "rng": rng_state(), "data_source": self.data.source,
         }
         tag_dir = save_engine_state(self.engine, self.out, self.step, client, self.info.rank)
         dist.barrier()
         if self.info.is_main:
             write_checksums(tag_dir)
             extra = {"samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
-                     "data_dir": str(self.cfg.data.dir), "eval": self.last_eval}
+                     **data_record(self.data, self.cfg), "eval": self.last_eval}
             self.head_dir = export_head(self.head, self.out, self.step, self.config_yaml,
                                         target_fingerprint=self.target_fingerprint, extra=extra)
             mark_latest(self.out, self.step)
@@ -290,7 +285,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", top1=f"{metrics['train/top1']:.3f}")
                 if not math.isfinite(metrics["train/loss"]):
                     raise FloatingPointError(f"step {self.step}: training loss is {metrics['train/loss']}; lower "
-                                             "optim.lr or check the precompute folder")
+                                             f"optim.lr or check the data ({self.data.where})")
                 self.last_train = metrics
                 if self.step % c.log_every == 0 or self.step == c.max_steps:
                     now = time.perf_counter()
@@ -315,6 +310,7 @@ class Trainer:
             return {"step": self.step, "out": str(self.out), "head_dir": str(self.head_dir) if self.head_dir else None,
                     **self.last_train, **self.last_eval}
         finally:
+            self.data.close()
             self.logger.finish()
 
 
