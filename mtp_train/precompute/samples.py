@@ -108,6 +108,11 @@ def load_rows(tokenizer: Any, cfg: PrecomputeConfig, vocab_size: int) -> tuple[l
     return to_rows(samples, vocab_size), info
 
 
+def row_item(r: Row) -> dict[str, Any]:
+    """A row as a dataset item: {"id", "input_ids" LongTensor (L,), "loss_mask" uint8 (L,)}."""
+    return {"id": r.id, "input_ids": torch.from_numpy(r.ids).long(), "loss_mask": torch.from_numpy(r.mask)}
+
+
 class TokenDataset(torch.utils.data.Dataset):
     """The samples of one split of `rows`, without hidden states: what online training batches.
 
@@ -130,8 +135,7 @@ class TokenDataset(torch.utils.data.Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        r = self.rows[i]
-        return {"id": r.id, "input_ids": torch.from_numpy(r.ids).long(), "loss_mask": torch.from_numpy(r.mask)}
+        return row_item(self.rows[i])
 
     def token_counts(self, vocab_size: int, masked_only: bool = True) -> torch.Tensor:
         """(vocab_size,) int64 occurrences of each token id over the split (`PrecomputedDataset.token_counts`)."""

@@ -26,26 +26,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+import torch.distributed as tdist
 
 from mtp_train import dist
 from mtp_train.config import ModelConfig
 from mtp_train.engine.runner import prefill_hidden
 from mtp_train.fileio import TMP_PREFIX
 from mtp_train.models.base import CausalLM
+from mtp_train.models.loader import load_model
+from mtp_train.models.tensor_parallel import TPGroup, load_model_tp, tp_groups
 from mtp_train.precompute import LengthBucketedBatchSampler
 from mtp_train.precompute.manifest import MANIFEST_NAME, Manifest
 from mtp_train.precompute.plan import Row, ShardPlan, plan_runs, shard_plan
-from mtp_train.precompute.samples import TokenDataset
+from mtp_train.precompute.samples import TokenDataset, row_item
 from mtp_train.precompute.shards import finished_shard, sidecar_path, write_shard
-from mtp_train.precompute.writer import (
-    FolderSpec,
-    as_stored,
-    assemble_manifest,
-    compute_shard,
-    new_shard_tensors,
-    store_rows,
-)
+from mtp_train.precompute.writer import FolderSpec, as_stored, assemble_manifest, new_shard_tensors, store_rows
 from mtp_train.train.data import PackedBatch, collate_packed
 
 log = logging.getLogger(__name__)
@@ -62,27 +57,48 @@ def online_dtype(model_cfg: ModelConfig, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "auto"
 
 
+def token_lists(batch: PackedBatch) -> list[list[int]]:
+    """A packed batch's samples as token lists (the input of a packed prefill)."""
+    ids = batch.input_ids.tolist()
+    out, a = [], 0
+    for n in batch.seq_lens:
+        out.append(ids[a:a + n])
+        a += n
+    return out
+
+
+Forward = list[list[int]]  # the token lists of one packed prefill
+Outputs = Callable[[int, torch.Tensor, torch.Tensor | None], None]  # (index, hidden (T, H), aux (T, k·H) | None)
+
+
 class OnlineTarget:
     """The frozen target, loaded on first use, computing hidden states of packed token batches.
 
     aux_layers: the HF `hidden_states[j]` indices the head reads (concatenated into aux_hidden, in order);
-    storage: the `hidden_dtype` whose rounding the head sees (`as_stored`).
+    storage: the `hidden_dtype` whose rounding the head sees (`as_stored`). tp > 1: the target is split over
+    groups of `tp` consecutive ranks (`models.tensor_parallel`), each rank holding 1/tp of its weights; every
+    training rank still has its own batches, so a group runs its members' forwards one after another, each member
+    computing all of them (the forward is collective) and keeping its own. Create it on every rank at once.
     """
 
     def __init__(self, model_cfg: ModelConfig, device: torch.device, aux_layers: Sequence[int], storage: str) -> None:
         self.path, self.device = Path(model_cfg.path), device
         self.dtype, self.backend = online_dtype(model_cfg, device), model_cfg.backend
         self.aux_layers, self.storage = [int(j) for j in aux_layers], storage
+        # new_group is collective: every rank creates its OnlineTarget at the same point.
+        self.tp: TPGroup | None = tp_groups(model_cfg.tp)[0] if model_cfg.tp > 1 else None
         self._model: CausalLM | None = None
 
     @property
     def model(self) -> CausalLM:
         if self._model is None:
-            from mtp_train.models.loader import load_model
-
             # No CPU pre-packing: it only speeds up 1-row decode products and doubles the weights' memory.
-            self._model = load_model(self.path, dtype=self.dtype, device=self.device, backend=self.backend,
-                                     cpu_prepack=False)
+            if self.tp is not None:
+                self._model = load_model_tp(self.path, self.tp, dtype=self.dtype, device=self.device,
+                                            backend=self.backend, cpu_prepack=False)
+            else:
+                self._model = load_model(self.path, dtype=self.dtype, device=self.device, backend=self.backend,
+                                         cpu_prepack=False)
         return self._model
 
     def release(self) -> None:
@@ -91,18 +107,35 @@ class OnlineTarget:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target's (hidden (T, H), aux (T, k·H) or None) for a packed batch, in its compute dtype, on its
-        device. no_grad, not inference_mode: the head's autograd graph takes these tensors as inputs."""
-        ids = batch.input_ids.tolist()
-        lists, a = [], 0
-        for n in batch.seq_lens:
-            lists.append(ids[a:a + n])
-            a += n
+    def _prefill(self, lists: Forward) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # no_grad, not inference_mode: the head's autograd graph takes these tensors as inputs.
         with torch.no_grad():
             out = prefill_hidden(self.model, lists, hidden_layers=self.aux_layers)
         aux = torch.cat([out.layers[j] for j in self.aux_layers], dim=-1) if self.aux_layers else None
         return out.hidden, aux
+
+    def run(self, forwards: Sequence[Forward], fn: Outputs) -> None:
+        """Run this rank's `forwards` in order, calling fn(i, hidden (T, H), aux (T, k·H) or None) for the i-th,
+        in the target's compute dtype on its device. With tensor parallelism every member of the group calls this
+        at the same time (with its own forwards, any number): they are gathered and run round by round."""
+        if self.tp is None:
+            for i, lists in enumerate(forwards):
+                fn(i, *self._prefill(lists))
+            return
+        everyone: list[Any] = [None] * self.tp.size
+        tdist.all_gather_object(everyone, list(forwards), group=self.tp.group)
+        for i in range(max(len(f) for f in everyone)):
+            for member, theirs in enumerate(everyone):
+                if i < len(theirs):
+                    hidden, aux = self._prefill(theirs[i])  # collective: every member runs every forward
+                    if member == self.tp.rank:
+                        fn(i, hidden, aux)
+
+    def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's (hidden (T, H), aux (T, k·H) or None) for one packed batch (on every TP member at once)."""
+        got: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.run([token_lists(batch)], lambda _i, hidden, aux: got.append((hidden, aux)))
+        return got[0]
 
     def stored(self, batch: PackedBatch, hidden: torch.Tensor, aux: torch.Tensor | None) -> PackedBatch:
         """`batch` with `forward`'s outputs as a precompute folder would give them (storage rounding)."""
@@ -151,18 +184,13 @@ class HybridWriter:
     """
 
     def __init__(self, out_dir: Path, layout: HybridLayout, spec: FolderSpec, target: OnlineTarget, *, rank: int,
-                 batch_tokens: int, verify: bool, manifest_fields: dict[str, Any], progress: bool = False) -> None:
+                 batch_tokens: int, verify: bool, manifest_fields: dict[str, Any]) -> None:
         self.out_dir, self.layout, self.spec, self.target = out_dir, layout, spec, target
         self.rank, self.batch_tokens, self.verify = rank, batch_tokens, verify
-        self.manifest_fields, self.progress = manifest_fields, progress
+        self.manifest_fields = manifest_fields
         self.train_plans, self.val_plans = layout.plans(rank)
-        # sample id → (train shard index, its first row in the shard)
-        self._slot: dict[str, tuple[int, int]] = {}
-        for p in self.train_plans:
-            row = 0
-            for r in p.rows:
-                self._slot[r.id] = (p.index, row)
-                row += int(r.ids.size)
+        self.plans = {p.index: p for p in (*self.train_plans, *self.val_plans)}
+        self._train_slots, self._val_slots = _slots(self.train_plans), _slots(self.val_plans)
         self._done: set[int] = set()  # shard indices finished on disk (or handed to the writer thread)
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}  # shard index → its tensors being filled
         self._filled: dict[int, set[str]] = {}  # shard index → ids stored so far
@@ -181,54 +209,56 @@ class HybridWriter:
                 stale.unlink(missing_ok=True)
         for tmp in self.out_dir.glob(f"{TMP_PREFIX}shard-r{self.rank}-*"):
             tmp.unlink(missing_ok=True)  # torn temporaries of a killed run
-        for p in self.train_plans:
+        for p in self.plans.values():
             if finished_shard(self.out_dir, p, verify=self.verify) is not None:
                 self._done.add(p.index)
             else:
                 sidecar_path(self.out_dir / p.name).unlink(missing_ok=True)  # it no longer describes the file
         if self._done:
-            log.info("hybrid: rank %d finds %d of its %d epoch-0 shards done in %s", self.rank, len(self._done),
-                     len(self.train_plans), self.out_dir)
+            log.info("hybrid: rank %d finds %d of its %d shards done in %s", self.rank, len(self._done),
+                     len(self.plans), self.out_dir)
         self._catch_up(position)
         dist.barrier()  # no rank writes before rank 0 has removed the stale manifest
 
     def _catch_up(self, position: int) -> None:
         """Recompute, with the same micro-batches (so the same values), the samples of batches before
         `position` whose shards are not on disk."""
-        replayed = 0
+        todo = []
         for b, _first in self.layout.epoch0(self.rank)[:position]:
             ids = [self.layout.train_set.ids[i] for i in b]
-            if not any(s in self._slot and self._slot[s][0] not in self._done for s in ids):
-                continue
-            batch = collate_packed([self.layout.train_set[i] for i in b])
-            self.record(batch, *self.target.forward(batch))
-            replayed += 1
-        if replayed:
+            if any(s in self._train_slots and self._train_slots[s][0] not in self._done for s in ids):
+                todo.append(collate_packed([self.layout.train_set[i] for i in b]))
+        # Every rank runs this, with or without work: a tensor-parallel target's forwards are collective.
+        self.target.run([token_lists(b) for b in todo], lambda i, hidden, aux: self.record(todo[i], hidden, aux))
+        if todo:
             log.info("hybrid: rank %d recomputed %d micro-batch(es) of shards the interrupted run had not written",
-                     self.rank, replayed)
+                     self.rank, len(todo))
 
     # -- epoch 0 --
 
     def record(self, batch: PackedBatch, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
-        """Store the rows of `batch`'s samples that belong to this rank's unfinished train shards; hidden (T, H),
-        aux (T, k·H) as the target computed them. A shard whose every sample is in is handed to the writer."""
+        """Store the rows of a training batch's samples that belong to this rank's unfinished train shards; hidden
+        (T, H), aux (T, k·H) as the target computed them. A shard whose every sample is in goes to the writer."""
+        self._store(batch, hidden, aux, self._train_slots)
+
+    def _store(self, batch: PackedBatch, hidden: torch.Tensor, aux: torch.Tensor | None,
+               slots: dict[str, tuple[int, int]]) -> None:
         a = 0
         for sid, n in zip(batch.ids, batch.seq_lens):
-            slot = self._slot.get(sid)  # None: a val sample (evaluation), or another rank's (an evening copy)
+            slot = slots.get(sid)  # None: a val sample (evaluation), or another rank's (an evening copy)
             if slot is not None and slot[0] not in self._done:
                 index, row = slot
-                plan = self.train_plans[index]
-                buf = self._buffers.get(index)
-                if buf is None:
-                    buf = self._buffers[index] = new_shard_tensors(plan, self.spec.target.hidden_size,
-                                                                   len(self.spec.hidden.aux_layers), self.spec.storage)
+                plan = self.plans[index]
+                if index not in self._buffers:
+                    self._buffers[index] = new_shard_tensors(plan, self.spec.target.hidden_size,
+                                                             len(self.spec.hidden.aux_layers), self.spec.storage)
                     self._filled[index] = set()
-                store_rows(buf, row, row + n, hidden[a:a + n], None if aux is None else aux[a:a + n],
-                           self.spec.storage)
+                store_rows(self._buffers[index], row, row + n, hidden[a:a + n],
+                           None if aux is None else aux[a:a + n], self.spec.storage)
                 self._filled[index].add(sid)
                 if len(self._filled[index]) == len(plan.rows):
-                    self._write(plan, self._buffers.pop(index))
                     del self._filled[index]
+                    self._write(plan, self._buffers.pop(index))
             a += n
 
     def _write(self, plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> None:
@@ -252,14 +282,11 @@ class HybridWriter:
         if self._buffers:  # cannot happen when the batch plan covers every sample; a bug if it does
             raise RuntimeError(f"hybrid: shards {sorted(self._buffers)} of rank {self.rank} are incomplete at the "
                                "end of epoch 0")
-        todo = [p for p in self.val_plans if finished_shard(self.out_dir, p, verify=self.verify) is None]
-        bar = tqdm(total=sum(p.tokens for p in todo), unit="tok", unit_scale=True, desc="hybrid val shards",
-                   disable=not (self.progress and self.rank == 0), dynamic_ncols=True)
-        with bar:
-            for p in todo:
-                sidecar_path(self.out_dir / p.name).unlink(missing_ok=True)
-                self._write(p, compute_shard(self.target.model, p, self.batch_tokens, self.spec.hidden.aux_layers,
-                                             self.spec.storage, bar))
+        # The val shards, in packed prefills of at most micro_batch_tokens, as precompute packs its shards.
+        val = [collate_packed([row_item(p.rows[i]) for i in run]) for p in self.val_plans if p.index not in self._done
+               for run in plan_runs([r.ids.size for r in p.rows], self.batch_tokens)]
+        self.target.run([token_lists(b) for b in val],
+                        lambda i, hidden, aux: self._store(val[i], hidden, aux, self._val_slots))
         self.flush()
         dist.barrier()
         manifest = None
@@ -279,3 +306,14 @@ class HybridWriter:
             self.flush()
         finally:
             self._pool.shutdown(wait=True)
+
+
+def _slots(plans: Sequence[ShardPlan]) -> dict[str, tuple[int, int]]:
+    """sample id → (shard index, the sample's first row in the shard)."""
+    out = {}
+    for p in plans:
+        row = 0
+        for r in p.rows:
+            out[r.id] = (p.index, row)
+            row += int(r.ids.size)
+    return out

@@ -173,7 +173,7 @@ class HybridData(OnlineData):
         prov = {
             "package_version": mtp_train.__version__, "torch_version": torch.__version__,
             "writer": "mtp-train data.source=hybrid", "run": str(Path(c.out).resolve()),
-            "settings": {"world": info.world, "tp": 1, "shard_tokens": o.shard_tokens,
+            "settings": {"world": info.world, "tp": c.model.tp, "shard_tokens": o.shard_tokens,
                          "batch_tokens": c.train.micro_batch_tokens, "seed": c.train.seed,
                          "rank_assignment": HYBRID_ASSIGNMENT},
             "config": dataclasses.asdict(c),
@@ -183,7 +183,7 @@ class HybridData(OnlineData):
                   "val_fraction": o.val_fraction, "seed": o.seed, "provenance": prov}
         self.writer = HybridWriter(self.dir, layout, spec, self.target, rank=info.rank,
                                    batch_tokens=c.train.micro_batch_tokens, verify=c.data.verify != "never",
-                                   manifest_fields=fields, progress=c.train.progress)
+                                   manifest_fields=fields)
         self.folder: PrecomputedDataset | None = None
         self._index: dict[str, int] = {}
 
@@ -273,10 +273,6 @@ def check_online(c: TrainConfig) -> None:
         raise ConfigError(f"data.source={src} reads conversations from data.paths, which is empty: give them "
                           "(data.paths=[convs.jsonl] or data=<conf/data name>), or train on a precompute folder "
                           "with data.source=offline data.dir=DIR")
-    if c.model.tp > 1:
-        raise ConfigError(f"data.source={src} runs the target on each training rank whole: model.tp={c.model.tp} "
-                          "is not supported there yet; precompute tensor-parallel (mtp-precompute model.tp=N) and "
-                          "train with data.source=offline, or set model.tp=1")
 
 
 def check_hybrid_dir(folder: Path, out: Path) -> None:
