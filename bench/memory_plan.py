@@ -10,12 +10,16 @@ training (head in bf16 with fp32 master weights, DeepSpeed ZeRO-2 over `world` r
     frozen embedding + lm_head (bf16) + head weights (bf16 + fp32 master) + gradients (fp32, sharded)
     + AdamW moments (2 × fp32, sharded) + activations of `micro_batch_tokens` rows (~12·H + 3·I bf16 values per row
     and unrolled step) + one vocabulary chunk of the soft cross-entropy (3 × chunk × V fp32)
+online training (`mtp-train data.source=online`, or epoch 0 of hybrid): the training memory above plus the target
+    held on every rank (bf16 weights / `model.tp`) and the temporaries of its prefill over one micro-batch (the
+    precompute formula with `micro_batch_tokens` rows), against each rank's budget (`--gpu-gib`, an H100's 79.6 GiB);
+    the frozen embedding and lm_head are counted twice, as the trainer holds its own copy beside the target's.
 disk: stored hidden states in bf16, 2·H bytes + 5 bytes of token id and mask per token (+ 2·H per aux layer).
 KV cache (inference, speculative decoding): bytes per cached token in bf16 of the target's pool on one rank (its
     KV heads under `model.tp`) and of the `mtp` head's one-layer pool (`KVCache.bytes_per_token` of each layout):
     2·Hkv·D per layer for the Llama family, one latent row of kv_lora_rank + qk_rope_head_dim for DeepSeek-V2's MLA.
 
-Usage: python bench/memory_plan.py [--world 8] [--micro-batch-tokens N]   (last line: one JSON object)
+Usage: python bench/memory_plan.py [--world 8] [--micro-batch-tokens N] [--gpu-gib 79.6]   (last line: one JSON object)
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ def count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int, steps: int) -> dict:
+def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int, steps: int,
+         gpu_gib: float = 79.6) -> dict:
     args, source = target_args(name)
     tp = int(model_conf(name).get("tp", 1))
     with torch.device("meta"):
@@ -88,7 +93,11 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
     bf16, fp32 = 2, 4
 
     pre_weights = p_target * bf16 / tp
-    pre_act = batch_tokens * (4 * h + qkv / tp + 3 * inter / tp) * bf16 + batch_tokens * h * bf16
+
+    def prefill_temporaries(rows: int) -> float:  # one cache-free prefill step of `rows` tokens, plus its output
+        return rows * (4 * h + qkv / tp + 3 * inter / tp) * bf16 + rows * h * bf16
+
+    pre_act = prefill_temporaries(batch_tokens)
     frozen = (1 if args.tie_word_embeddings else 2) * v * h * bf16
     head_w = p_head * (bf16 + fp32)
     grads = p_head * fp32 / world
@@ -97,14 +106,20 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
     rank_args = local_args(args, tp) if tp > 1 else args
     kv_target = KVCache.bytes_per_token(args.num_layers, rank_args.kv_layout, torch.bfloat16)
     kv_head = KVCache.bytes_per_token(*head.kv_shape, torch.bfloat16)
+    train = frozen + head_w + grads + adam + act
+    online = train + pre_weights + prefill_temporaries(micro_tokens)
     return {
         "model": name, "config": source, "target_params_b": round(p_target / 1e9, 2),
         "head_params_m": round(p_head / 1e6, 1), "tp": tp,
         "precompute_gib_per_rank": round((pre_weights + pre_act) / GIB, 1),
-        "train_gib_per_rank": round((frozen + head_w + grads + adam + act) / GIB, 1),
+        "train_gib_per_rank": round(train / GIB, 1),
         "train_frozen_gib": round(frozen / GIB, 2), "train_activations_gib": round(act / GIB, 2),
         "disk_gib_per_million_tokens": round((2 * h + 5) * 1e6 / GIB, 2),
         "kv_kib_per_token_target": round(kv_target / 1024, 1), "kv_kib_per_token_head": round(kv_head / 1024, 1),
+        "online_target_gib_per_rank": round(pre_weights / GIB, 1),
+        "online_prefill_gib": round(prefill_temporaries(micro_tokens) / GIB, 2),
+        "online_gib_per_rank": round(online / GIB, 1), "online_headroom_gib": round(gpu_gib - online / GIB, 1),
+        "online_fits": online / GIB <= gpu_gib,
     }
 
 
@@ -115,9 +130,11 @@ def main(argv: list[str] | None = None) -> dict:
     train = yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())
     ap.add_argument("--batch-tokens", type=int, default=int(pre["batch_tokens"]))
     ap.add_argument("--micro-batch-tokens", type=int, default=int(train["train"]["micro_batch_tokens"]))
+    ap.add_argument("--gpu-gib", type=float, default=79.6, help="memory per GPU (H100 80 GB: 79.6 GiB)")
     args = ap.parse_args(argv)
     chunk, steps = int(train["loss"]["chunk_size"]), int(train["loss"]["steps"])
-    rows = [plan(m, args.world, args.batch_tokens, args.micro_batch_tokens, chunk, steps) for m in MODELS]
+    rows = [plan(m, args.world, args.batch_tokens, args.micro_batch_tokens, chunk, steps, args.gpu_gib)
+            for m in MODELS]
     print(f"precompute: batch_tokens={args.batch_tokens}, bf16; training: micro_batch_tokens="
           f"{args.micro_batch_tokens}, loss.steps={steps}, chunk_size={chunk}, ZeRO-2 over {args.world} ranks\n")
     print("| model | target params | tp | precompute GiB/rank | head params | train GiB/rank | disk GiB / 1M tokens "
@@ -127,7 +144,16 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {r['model']} | {r['target_params_b']}B | {r['tp']} | {r['precompute_gib_per_rank']} | "
               f"{r['head_params_m']}M | {r['train_gib_per_rank']} | {r['disk_gib_per_million_tokens']} | "
               f"{r['kv_kib_per_token_target']} + {r['kv_kib_per_token_head']} |")
-    result = {"world": args.world, "batch_tokens": args.batch_tokens, "micro_batch_tokens": args.micro_batch_tokens,
+    print(f"\nonline training (data.source=online, hybrid's epoch 0): the target on every rank, {args.world} ranks of "
+          f"{args.gpu_gib} GiB\n")
+    print("| model | tp | target GiB/rank | prefill temporaries GiB | training GiB/rank | online GiB/rank | "
+          "headroom GiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['tp']} | {r['online_target_gib_per_rank']} | {r['online_prefill_gib']} | "
+              f"{r['train_gib_per_rank']} | {r['online_gib_per_rank']} | {r['online_headroom_gib']} |")
+    result = {"world": args.world, "gpu_gib": args.gpu_gib, "batch_tokens": args.batch_tokens,
+              "micro_batch_tokens": args.micro_batch_tokens,
               "models": {r["model"]: r for r in rows}}
     report(result)
     return result
