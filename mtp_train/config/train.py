@@ -1,4 +1,4 @@
-"""`mtp-train`: a draft head trained on precomputed target hidden states with DeepSpeed."""
+"""`mtp-train`: a draft head trained on target hidden states (precomputed, or computed online) with DeepSpeed."""
 
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ class WandbConfig:
 
 @dataclass
 class TrainConfig:
-    """`mtp-train`: a draft head trained on precomputed target hidden states with DeepSpeed."""
+    """`mtp-train`: a draft head trained on target hidden states with DeepSpeed; `data.source` says where they come
+    from (a precompute folder, the target held by the trainer, or both)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     head: HeadConfig = field(default_factory=HeadConfig)

@@ -4,6 +4,10 @@ Every rank plans its shards from the same samples and settings (`mtp_train.preco
 previous run finished and computes the rest, one packed prefill batch at a time; a writer thread writes each
 shard and its sidecar atomically while the target computes the next (`mtp_train.precompute.shards`). After a
 barrier, rank 0 assembles `manifest.json` from the sidecars, last.
+
+The pieces of a folder (`check_settings`, `folder_spec`, `new_shard_tensors` / `store_rows`, `assemble_manifest`,
+`as_stored`) are also what hybrid training writes its epoch-0 folder with (`mtp_train.train.online`), so both
+write one format.
 """
 
 from __future__ import annotations

@@ -255,6 +255,9 @@ class HybridData(OnlineData):
 
     def close(self) -> None:
         self.writer.close()
+        if self.folder is None and self.info.is_main:
+            log.info("hybrid: the run stopped in epoch 0, so %s has no manifest yet; resuming the run (with more "
+                     "train.max_steps if it finished) completes it", self.dir)
 
 
 def _resolved_dtype(target: OnlineTarget, args: ModelArgs) -> torch.dtype:
