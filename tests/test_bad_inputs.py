@@ -193,6 +193,13 @@ def _foreign_manifest(pc: Path, manifest: dict) -> None:
     (pc / "manifest.json").write_text(json.dumps(other))
 
 
+def _hybrid_into_pc(w: World, tmp: Path) -> tuple[Path, list[str]]:
+    """data.source=hybrid pointed at (a copy of) the finished folder mtp-precompute wrote."""
+    pc = tmp / "pc"
+    shutil.copytree(w.pc, pc)
+    return tmp / "out", [f"data.dir={pc}", f"data.paths=[{w.data}]"]
+
+
 GOOD = _chat(0, "the moon")
 SURROGATE = ('{"id": "s", "messages": [{"role": "user", "content": "x \\ud800 y"}, '
              '{"role": "assistant", "content": "ok"}]}')
@@ -267,6 +274,18 @@ CASES: dict[str, tuple[str, list[str], Prepare, list[str]]] = {
                                ["manifest.json does not match the shards", "another precompute run"]),
     "train-missing-precompute-folder": ("train", ["data.dir={tmp}/nowhere"], _fresh("train"),
                                         ["nowhere does not exist"]),
+    # --- online and hybrid training: the data precompute would refuse, refused by the same key
+    "train-online-lone-surrogate": ("train", ["data.source=online"], _data([GOOD, SURROGATE]),
+                                    ["bad.jsonl:2: invalid_text"]),
+    "train-online-without-conversations": ("train", ["data.source=online", "data.paths=[]"], _fresh("train"),
+                                           ["data.source=online reads conversations from data.paths", "data.dir"]),
+    "train-online-bad-val-fraction": ("train", ["data.source=online", "data.online.val_fraction=1"], _data([GOOD]),
+                                      ["data.online.val_fraction must be in [0, 1)"]),
+    "train-online-empty-model-path": ("train", ["data.source=online", "model.path=''"], _data([GOOD]),
+                                      ["set model.path"]),
+    "train-hybrid-into-a-precompute-folder": ("train", ["data.source=hybrid"], _hybrid_into_pc,
+                                              ["pc holds a precompute folder that no hybrid run wrote",
+                                               "data.source=offline"]),
     # --- heads at mtp-export
     "export-cut-head-config": ("export", [], _broken_head(lambda h: _cut(h / "config.json")),
                                ["head/config.json: invalid JSON at line", "column"]),
