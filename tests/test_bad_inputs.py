@@ -229,6 +229,8 @@ CASES: dict[str, tuple[str, list[str], Prepare, list[str]]] = {
     "train-typo": ("train", ["train.max_stepz=3"], _fresh("train"), ["did you mean `train.max_steps`"]),
     "train-negative-max-steps": ("train", ["train.max_steps=-1"], _fresh("train"),
                                  ["train.max_steps=-1", "positive integer"]),
+    "train-negative-max-seconds": ("train", ["train.max_seconds=-5"], _fresh("train"),
+                                   ["train.max_seconds=-5", "0 (no wall-clock limit) or more"]),
     "export-plus-typo": ("export", ["+formatt=native"], _fresh("export"), ["did you mean `format`"]),
     "eval-plus-unknown-key": ("eval", ["+kk=3"], _fresh("eval"), ["unknown config key `kk`"]),
     "eval-negative-limit": ("eval", ["limit=-2"], _fresh("eval"), ["limit=-2"]),

@@ -364,6 +364,26 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(setup, tmp_path):
     assert again.result["step"] == steps and again.result["head_dir"].endswith(f"step-{steps}")
 
 
+def test_a_wall_clock_budget_ends_the_run_as_max_steps_would_and_a_rerun_resumes(setup, tmp_path):
+    out = tmp_path / "timed"
+    # A budget no optimizer step fits in: the clock ends the run after its first step on any machine (the check
+    # comes after each step), so the test needs no sleeps and no timing assumptions.
+    common = ["train.max_steps=5", "train.log_every=4", "train.eval_batches=2"]
+    first = _train(setup, out, *common, "train.max_seconds=1e-9")
+    assert first.result["step"] == 1 and first.result["stopped_by"] == "max_seconds"
+    assert first.result["train_seconds"] > 0
+    # what max_steps would have done at the end: the last step logged, an evaluation, a checkpoint, a head export
+    m = _metrics(out)
+    assert sorted(m) == [1] and "train/elapsed_s" in m[1] and "eval/loss" in m[1]
+    assert latest_tag(out / "checkpoints") == "step-1" and first.result["head_dir"].endswith("step-1")
+    assert (Path(first.result["head_dir"]) / "model.safetensors").is_file()
+    again = _train(setup, out, *common, "train.max_seconds=1e-9")  # resumes, then spends another budget
+    assert again.result["step"] == 2 and again.result["stopped_by"] == "max_seconds"
+    rest = _train(setup, out, *common)  # max_seconds=0: no wall-clock limit, on to max_steps
+    assert rest.result["step"] == 5 and rest.result["stopped_by"] == "max_steps"
+    assert sorted(_metrics(out)) == [1, 2, 4, 5] and latest_tag(out / "checkpoints") == "step-5"
+
+
 def test_resume_option_resolution(tmp_path):
     assert resolve_resume("auto", tmp_path) is None and resolve_resume("none", tmp_path) is None
     ckpt = tmp_path / "checkpoints"

@@ -4,6 +4,7 @@
     mtp-train data.source=online data.paths=[convs.jsonl] out=runs/online          # the target computes them
     mtp-train data.source=hybrid data.paths=[convs.jsonl] data.dir=runs/pc out=...  # epoch 0 writes runs/pc
     mtp-train head=eagle1 deepspeed=zero1 loss.steps=3 optim.lr=3e-4 wandb.mode=offline
+    mtp-train data.source=online data.paths=[convs.jsonl] train.max_steps=1000000 train.max_seconds=240  # by the clock
     torchrun --nproc_per_node 8 -m mtp_train.cli.train model=llama3.1-8b data.dir=/data/pc out=/runs/mtp
     launch/train_1node.sh ... | launch/train_multinode.sh ... | sbatch launch/train.sbatch ...
 
@@ -67,7 +68,10 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
                        on_start=lambda: save_config(cfg, out / "config.yaml"))
         if info.is_main:
             top1 = result.get("eval/top1")
-            print(f"{PROG}: step {result['step']}, train loss {result.get('train/loss', float('nan')):.4f}"
+            timed = result.get("stopped_by") == "max_seconds"
+            print(f"{PROG}: step {result['step']}"
+                  + (f" (train.max_seconds reached after {result['train_seconds']:.0f} s)" if timed else "")
+                  + f", train loss {result.get('train/loss', float('nan')):.4f}"
                   + (f", eval top-1 {top1:.3f}" if top1 is not None else "")
                   + f"; head → {result['head_dir']}", flush=True)
         return result

@@ -44,6 +44,7 @@ LOWER_BOUNDS: dict[str, tuple[float, str]] = {
     "max_prompt_tokens": (1, _POSITIVE), "batch_size": (1, _POSITIVE), "top_k": (0, "0 (off) or more"),
     "model.page_size": (1, _POSITIVE), "model.tp": (1, _POSITIVE),
     "train.max_steps": (1, "a positive integer (the optimizer steps of the whole run)"),
+    "train.max_seconds": (0, "0 (no wall-clock limit) or more seconds"),
     "train.micro_batch_tokens": (1, _POSITIVE), "train.grad_accum": (1, _POSITIVE),
     "train.eval_every": (0, "0 (only at the end) or more"), "train.eval_batches": (0, "0 (no evaluation) or more"),
     "train.save_every": (0, "0 (only at the end) or more"), "train.log_every": (1, _POSITIVE),

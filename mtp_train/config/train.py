@@ -32,6 +32,10 @@ class LoopConfig:
     """The training loop (`train.*`): steps, batch sizes, evaluation, checkpoints, logging."""
 
     max_steps: int = 1000  # optimizer steps in the whole run (the cosine schedule ends here)
+    # Wall-clock budget of this invocation's training loop in seconds (0 = off): the run stops after the first
+    # step that ends past it, then evaluates, checkpoints and exports as at max_steps; a re-run resumes and trains
+    # another max_seconds. Set-up (data, target, engine) is not counted.
+    max_seconds: float = 0.0
     micro_batch_tokens: int = 8192  # token budget of one packed micro-batch (len(batch) · longest ≤ this)
     grad_accum: int = 1  # micro-batches per rank per optimizer step (global batch = world · grad_accum of them)
     eval_every: int = 500  # evaluate on the val split every N steps (0 = only at the end)

@@ -270,14 +270,30 @@ class Trainer:
 
     # -- the loop --
 
+    def _out_of_time(self, started: float) -> bool:
+        """Whether this invocation's loop has used up train.max_seconds since `started` (time.monotonic).
+
+        Every rank gets the same answer (a rank past the budget stops them all): ranks whose clocks disagree
+        would otherwise leave one waiting alone in the next step's collectives.
+        """
+        budget = self.cfg.train.max_seconds
+        if budget <= 0:
+            return False
+        late = torch.tensor([float(time.monotonic() - started >= budget)], device=self.device)
+        return bool(self._all_reduce(late).item() > 0)
+
     def fit(self) -> dict[str, Any]:
-        """Train up to train.max_steps (from the resumed step); returns the last train and eval metrics."""
+        """Train up to train.max_steps (from the resumed step), or until train.max_seconds of this invocation's
+        loop have passed; returns the last train and eval metrics, with `train_seconds` (this invocation's loop)
+        and `stopped_by` (max_steps | max_seconds)."""
         c = self.cfg.train
         try:
             bar = tqdm(total=c.max_steps, initial=self.step, desc="train", dynamic_ncols=True,
                        disable=not (self.info.is_main and c.progress))
+            started = time.monotonic()
             t0, rows0 = time.perf_counter(), self.tokens_seen
             evaluated_at = -1
+            stopped_by = "max_steps"
             while self.step < c.max_steps:
                 metrics = self.train_step()
                 self.step += 1
@@ -287,9 +303,14 @@ class Trainer:
                     raise FloatingPointError(f"step {self.step}: training loss is {metrics['train/loss']}; lower "
                                              f"optim.lr or check the data ({self.data.where})")
                 self.last_train = metrics
-                if self.step % c.log_every == 0 or self.step == c.max_steps:
+                # Decided before logging, so that the last step of a run stopped by the clock is logged too.
+                last = self.step == c.max_steps
+                if not last and self._out_of_time(started):
+                    last, stopped_by = True, "max_seconds"
+                if self.step % c.log_every == 0 or last:
                     now = time.perf_counter()
                     metrics["train/tokens_per_s"] = (self.tokens_seen - rows0) / max(now - t0, 1e-9)
+                    metrics["train/elapsed_s"] = time.monotonic() - started
                     t0, rows0 = now, self.tokens_seen
                     self.logger.log(metrics, self.step)
                 if c.eval_every and self.step % c.eval_every == 0:
@@ -299,7 +320,14 @@ class Trainer:
                     self.save()
                 if self.on_step is not None:
                     self.on_step(self, self.step, metrics)
+                if last:
+                    break
             bar.close()
+            train_seconds = time.monotonic() - started
+            if stopped_by == "max_seconds" and self.info.is_main:
+                log.info("step %d: train.max_seconds=%g reached after %.1f s; evaluating and saving", self.step,
+                         c.max_seconds, train_seconds)
+            # As at max_steps: the final evaluation, checkpoint and head export (a re-run resumes from them).
             if evaluated_at != self.step:
                 self.logger.log(self.evaluate(), self.step)
             if self._saved_step != self.step:
@@ -308,7 +336,7 @@ class Trainer:
                 self.head_dir = self.out / HEADS_DIR / tag_for(self.step)  # resumed at the end: already exported
             self.logger.summary(self.last_eval)
             return {"step": self.step, "out": str(self.out), "head_dir": str(self.head_dir) if self.head_dir else None,
-                    **self.last_train, **self.last_eval}
+                    "train_seconds": train_seconds, "stopped_by": stopped_by, **self.last_train, **self.last_eval}
         finally:
             self.data.close()
             self.logger.finish()
