@@ -56,9 +56,11 @@ def make_tiny_checkpoint(name: str, out: Path, seed: int = 0, **config):
     return model
 
 
-def make_chat_target(out: Path, texts: list[str] | None = None) -> Path:
-    """A random 2-layer Llama whose vocabulary is a small byte-level BPE with ChatML specials and template (trained
-    on `texts`, by default sentences about TOPICS), saved with its tokenizer to `out`."""
+def make_chat_target(out: Path, texts: list[str] | None = None, num_layers: int = 2) -> Path:
+    """A random Llama of `num_layers` layers whose vocabulary is a small byte-level BPE with ChatML specials and
+    template (trained on `texts`, by default sentences about TOPICS), saved with its tokenizer to `out`.
+
+    num_layers >= 7 leaves room for EAGLE-3's default aux layers [2, L//2, L-3] (distinct from 7 on)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -72,8 +74,9 @@ def make_chat_target(out: Path, texts: list[str] | None = None) -> Path:
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
                                                 eos_token="<|im_end|>")
     fast.chat_template = CHATML
-    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256,
                                    tie_word_embeddings=False, eos_token_id=fast.eos_token_id)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out, safe_serialization=True)
