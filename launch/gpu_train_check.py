@@ -46,7 +46,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -107,6 +107,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ngram", action="store_true", help="also run prompt lookup at every k (tau_ngram per row)")
     p.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
                    help="an mtp-train override for every head, after the recipe's (repeatable)")
+    p.add_argument("--eval-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="an mtp-eval override for every head, after the recipe's (repeatable)")
     p.add_argument("--out", default="runs/gpu_train_check",
                    help="work folder: <head>/train (the run), <head>/eval (the report), summary.jsonl; a re-run "
                         "with the same folder resumes each head for another budget")
@@ -250,18 +252,20 @@ def training_record(run_dir: Path) -> dict[str, Any]:
 
 
 def eval_overrides(a: argparse.Namespace, head_dir: Path, out: Path, device: str, dtype: str) -> list[str]:
-    """The `mtp-eval` overrides of one head: greedy, the k grid, the prompt sets, against plain decoding."""
+    """The `mtp-eval` overrides of one head: greedy, the k grid, the prompt sets, against plain decoding; then the
+    user's (`--eval-override`, later ones win in Hydra)."""
     return [f"model.path={hydra_value(a.model)}", f"model.device={device}", f"model.dtype={dtype}",
             f"model.backend={a.backend}", "method=mtp", f"head_ckpt={hydra_value(head_dir)}",
             f"prompts={hydra_list(a.prompts)}", f"k=[{','.join(str(k) for k in a.k)}]", "temperature=0",
             f"limit={a.limit}", f"max_new_tokens={a.max_new_tokens}", f"batch_size={a.batch_size}",
             f"ngram.compare={'true' if a.ngram else 'false'}", f"out={hydra_value(out)}", "progress=false",
-            "plots=false"]  # the plots cannot come back from the GPU machine (8 files) and take seconds
+            "plots=false",  # the plots cannot come back from the GPU machine (8 files) and take seconds
+            *a.eval_override]
 
 
 def run_eval(overrides: list[str]) -> dict[str, Any]:
-    """mtp-eval as its command runs it (schemas registered, the config composed and checked, `eval_main`), with
-    its table sent to stderr so that stdout holds only the recipe's JSON lines; returns the report."""
+    """mtp-eval as its command runs it (schemas registered, the config composed and checked, `eval_main`);
+    returns the report."""
     from hydra import compose, initialize_config_dir
 
     from mtp_train.cli.eval import eval_main
@@ -270,8 +274,7 @@ def run_eval(overrides: list[str]) -> dict[str, Any]:
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("eval", overrides=overrides)
-    with contextlib.redirect_stdout(sys.stderr):
-        return eval_main(check_config(cfg, "eval"))
+    return eval_main(check_config(cfg, "eval"))
 
 
 def summary_line(head: str, record: dict[str, Any], report: dict[str, Any], *, budget_s: float, backend: str,
@@ -339,25 +342,40 @@ def absolute_args(a: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Train, evaluate, print one JSON line per head; 0 when every head trained and was evaluated, else 1."""
+    """Train, evaluate, print one JSON line per head; 0 when every head trained and was evaluated, 1 when one
+    failed (its line then carries `error`), 2 when the target folder is missing and cannot be fetched."""
     t_start = time.perf_counter()
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     a = parse_args(argv)
+    lines_out = sys.stdout
+    # What the project and its libraries print (mtp-eval's table, DeepSpeed's logger, which binds the stream it
+    # finds at import) goes to stderr: stdout carries the JSON lines alone.
+    with contextlib.redirect_stdout(sys.stderr):
+        return run_recipe(a, lines_out, t_start)
+
+
+def run_recipe(a: argparse.Namespace, lines_out: TextIO, t_start: float) -> int:
+    """main() after the arguments: the target, the trainings, the evaluations; the JSON lines go to `lines_out`."""
     absolute_args(a)
     os.chdir(ROOT)  # as the shell wrapper does: conf/data names and the default model folder are the checkout's
 
     from mtp_train.cli.common import configure_from_env, ensure_model
     from mtp_train.config import ModelConfig
+    from mtp_train.fetch import ModelFetchError
     from mtp_train.layers.attention.base import resolve_backend_name
+    from mtp_train.models.config import ModelConfigError
 
     configure_from_env()
     device = resolve_device(a.device)
     dtype = "bfloat16" if device == "cuda" else "float32"
     backend = resolve_backend_name(a.backend, device)
     jobs = a.jobs or (len(a.heads) if device == "cuda" else 1)
-    # Before the trainings start: they would otherwise both find the folder missing and convert it side by side.
-    ensure_model(ModelConfig(path=str(a.model)))
+    try:  # before the trainings start: they would otherwise both find the folder missing and convert it
+        ensure_model(ModelConfig(path=str(a.model)))
+    except (ModelConfigError, ModelFetchError) as exc:
+        print(f"gpu_train_check: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     log.info("gpu_train_check: %s on %s (%s, %s attention), heads %s, %g s each, %d at a time; data %s; "
              "prompts %s", a.model, device, dtype, backend, ",".join(a.heads), a.budget_s, jobs,
              ", ".join(map(str, a.data)), ", ".join(a.prompts))
@@ -387,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ok = False
         line["wall_s"] = round(time.perf_counter() - t_start, 1)
         text = json.dumps(line)
-        print(text, flush=True)
+        print(text, file=lines_out, flush=True)
         with summary.open("a") as f:
             f.write(text + "\n")
         if a.results is not None:

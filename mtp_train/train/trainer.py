@@ -271,21 +271,16 @@ class Trainer:
     # -- the loop --
 
     def _out_of_time(self, started: float) -> bool:
-        """Whether this invocation's loop has used up train.max_seconds since `started` (time.monotonic).
-
-        Every rank gets the same answer (a rank past the budget stops them all): ranks whose clocks disagree
-        would otherwise leave one waiting alone in the next step's collectives.
-        """
-        budget = self.cfg.train.max_seconds
-        if budget <= 0:
+        """Whether this invocation's loop has used up train.max_seconds since `started` (time.monotonic). Every rank
+        gets the same answer (one past the budget stops all): else one would wait alone in the next collective."""
+        if self.cfg.train.max_seconds <= 0:
             return False
-        late = torch.tensor([float(time.monotonic() - started >= budget)], device=self.device)
+        late = torch.tensor([float(time.monotonic() - started >= self.cfg.train.max_seconds)], device=self.device)
         return bool(self._all_reduce(late).item() > 0)
 
     def fit(self) -> dict[str, Any]:
-        """Train up to train.max_steps (from the resumed step), or until train.max_seconds of this invocation's
-        loop have passed; returns the last train and eval metrics, with `train_seconds` (this invocation's loop)
-        and `stopped_by` (max_steps | max_seconds)."""
+        """Train up to train.max_steps (from the resumed step) or train.max_seconds; returns the last train and eval
+        metrics, `train_seconds` (this invocation's loop) and `stopped_by` (max_steps | max_seconds)."""
         c = self.cfg.train
         try:
             bar = tqdm(total=c.max_steps, initial=self.step, desc="train", dynamic_ncols=True,
@@ -294,7 +289,7 @@ class Trainer:
             t0, rows0 = time.perf_counter(), self.tokens_seen
             evaluated_at = -1
             stopped_by = "max_steps"
-            while self.step < c.max_steps:
+            while self.step < c.max_steps and stopped_by == "max_steps":
                 metrics = self.train_step()
                 self.step += 1
                 bar.update(1)
@@ -304,10 +299,9 @@ class Trainer:
                                              f"optim.lr or check the data ({self.data.where})")
                 self.last_train = metrics
                 # Decided before logging, so that the last step of a run stopped by the clock is logged too.
-                last = self.step == c.max_steps
-                if not last and self._out_of_time(started):
-                    last, stopped_by = True, "max_seconds"
-                if self.step % c.log_every == 0 or last:
+                if self.step < c.max_steps and self._out_of_time(started):
+                    stopped_by = "max_seconds"
+                if self.step % c.log_every == 0 or self.step == c.max_steps or stopped_by == "max_seconds":
                     now = time.perf_counter()
                     metrics["train/tokens_per_s"] = (self.tokens_seen - rows0) / max(now - t0, 1e-9)
                     metrics["train/elapsed_s"] = time.monotonic() - started
@@ -320,14 +314,9 @@ class Trainer:
                     self.save()
                 if self.on_step is not None:
                     self.on_step(self, self.step, metrics)
-                if last:
-                    break
             bar.close()
             train_seconds = time.monotonic() - started
-            if stopped_by == "max_seconds" and self.info.is_main:
-                log.info("step %d: train.max_seconds=%g reached after %.1f s; evaluating and saving", self.step,
-                         c.max_seconds, train_seconds)
-            # As at max_steps: the final evaluation, checkpoint and head export (a re-run resumes from them).
+            # Stopped by either limit: the final evaluation, checkpoint and head export (a re-run resumes from them).
             if evaluated_at != self.step:
                 self.logger.log(self.evaluate(), self.step)
             if self._saved_step != self.step:
