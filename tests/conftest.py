@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,3 +109,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def metrics_by_step(out: Path) -> dict[int, dict[str, Any]]:
+    """A training run's metrics.jsonl as step → every value logged at that step."""
+    rows: dict[int, dict[str, Any]] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["step"], {}).update(row)
+    return rows

@@ -32,7 +32,7 @@ from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.precompute import Manifest, PrecomputedDataset
 from mtp_train.precompute.samples import TokenDataset
 from mtp_train.train.trainer import Trainer
-from tests.conftest import TOPICS, make_chat_target
+from tests.conftest import TOPICS, make_chat_target, metrics_by_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,12 +121,7 @@ def _train(chat: Chat, out: Path, source: str, *extra: str, stop_after: int | No
     return train_main(_compose("train", _train_overrides(chat, out, source, *extra)), on_step=hook)
 
 
-def _metrics(out: Path) -> dict[int, dict[str, Any]]:
-    rows: dict[int, dict[str, Any]] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows.setdefault(row["step"], {}).update(row)
-    return rows
+_metrics = metrics_by_step
 
 
 # bf16 storage: the hidden states of two runs agree to one bf16 rounding where their packings differ (fp32 sums in

@@ -42,7 +42,7 @@ from mtp_train.train.data import MicroBatchStream, eval_batches
 from mtp_train.train.evaluation import evaluate
 from mtp_train.train.losses import unrolled_loss
 from mtp_train.train.trainer import Trainer
-from tests.conftest import make_tiny_checkpoint
+from tests.conftest import make_tiny_checkpoint, metrics_by_step
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = Path(CONF_DIR)
@@ -103,13 +103,7 @@ def _cfg(overrides: list[str]):
         return compose("train", overrides=overrides)
 
 
-def _metrics(out: Path) -> dict[int, dict[str, Any]]:
-    """metrics.jsonl as step → all values logged at that step."""
-    rows: dict[int, dict[str, Any]] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows.setdefault(row["step"], {}).update(row)
-    return rows
+_metrics = metrics_by_step
 
 
 def _baseline_top1(setup: Setup, split: str = "val") -> float:
