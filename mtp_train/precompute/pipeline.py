@@ -16,10 +16,8 @@ from mtp_train.config import PrecomputeConfig
 from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
 from mtp_train.models.base import CausalLM
 from mtp_train.precompute.manifest import Manifest
-from mtp_train.precompute.samples import build_samples, dropped_summary
+from mtp_train.precompute.samples import build_samples
 from mtp_train.precompute.writer import precompute
-
-__all__ = ["build_samples", "dropped_summary", "run_precompute"]  # the first two live in precompute.samples
 
 log = logging.getLogger(__name__)
 
