@@ -7,6 +7,8 @@ Checks, each printed as PASS/FAIL with its measured error:
   - greedy generation: tokens agree between backends
   - parity of our model (flashinfer) with transformers in bf16
   - speculative decoding (self-draft and an untrained mtp head) = plain greedy; fused chain sampling runs
+  - CUDA graphs: greedy decoding and speculative decoding (mtp, k = 3: verify and draft steps replayed) unchanged
+    by them; batch-1 decode tokens/s with and without (goal on SmolLM2: >= 520, 10x its eager 52)
 on a small random Llama and on SmolLM2 (the converted folder when present, else a random model of
 SmolLM2's exact shape), all in bf16. Then prefill and decode tokens/s for both backends. Also:
   - DeepSeek-V2 (MLA over the latent-only paged cache, MoE) at FlashInfer's MLA widths (kv_lora 512, rope 64):
@@ -39,6 +41,8 @@ RESULTS: list[tuple[str, bool, str]] = []
 DT = torch.bfloat16
 # bf16 kernels accumulate in different orders: compare with a tolerance scaled to the values
 TOL = 3e-2
+# batch-1 decode tokens/s the default model must reach with CUDA graphs: 10x the 52 tok/s it made eagerly
+BATCH1_GOAL = 520.0
 
 
 def check(name: str, ok: bool, detail: str) -> None:
@@ -79,6 +83,74 @@ def teacher_forced(model, vocab: int, steps: int = 24, page_size: int = 4) -> li
     return out
 
 
+def agreement(ref, seqs, a_out, b_out) -> tuple[int, int]:
+    """(identical outputs, outputs that diverge where `ref`'s logits are a near-tie between the two tokens).
+
+    bf16 kernels differ in summation order, so a divergence is accepted only at such a near-tie (random weights
+    have many)."""
+    agree = ties = 0
+    for s, a, b in zip(seqs, a_out, b_out):
+        i = next((j for j, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), None)
+        if i is None:
+            agree += 1
+            continue
+        ctx = s + a.output_ids[:i]
+        logits = ref.compute_logits(prefill_hidden(ref, [ctx]).hidden[-1:])[0].float()
+        gap = (logits[a.output_ids[i]] - logits[b.output_ids[i]]).abs().item()
+        ties += gap <= TOL * logits.abs().max().item()
+    return agree, ties
+
+
+def decode_tokens_per_s(engine: LLMEngine, prompt: list[int], n: int) -> float:
+    """Batch-1 greedy decode tokens/s over n new tokens (after a warm-up that also captures the graphs)."""
+    engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def cuda_graph_checks(tag: str, path: Path, model, seqs: list[list[int]], goal: float | None) -> None:
+    """CUDA graphs: greedy output unchanged (plain and speculative), and batch-1 decode tokens/s with and without."""
+    from mtp_train.config import HeadConfig
+    from mtp_train.heads import build_head
+    from mtp_train.speculative.engine import SpecEngine
+    from mtp_train.speculative.proposers import HeadProposer
+
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    eager = LLMEngine(model, kv_cache_gb=1, max_batch_size=8, cuda_graphs=False).generate(seqs, params)
+    graphed = LLMEngine(model, kv_cache_gb=1, max_batch_size=8, cuda_graphs=True)
+    out = graphed.generate(seqs, params)
+    agree, ties = agreement(model, seqs, eager, out)
+    g = graphed.runner.graphs[(1, ())]
+    check(f"{tag} cuda graphs: greedy decode unchanged", agree + ties == len(seqs) and g.replays > 0,
+          f"{agree}/{len(seqs)} identical, {ties} at near-ties; {g.captures} captures, {g.replays} replays")
+    head = build_head(HeadConfig(type="mtp", init="last_layer"), path, device="cuda", dtype=DT, backend="flashinfer")
+    proposer = HeadProposer(head)
+    spec = SpecEngine(model, proposer, 3, kv_cache_gb=1, max_batch_size=8, cuda_graphs=True)
+    out = spec.generate(seqs, params)
+    agree, ties = agreement(model, seqs, eager, out)
+    verify = spec.runner.graphs[(4, ())]
+    drafts = proposer.graphs.replays if proposer.graphs is not None else 0
+    check(f"{tag} cuda graphs: speculative mtp k=3 greedy = plain greedy",
+          agree + ties == len(seqs) and verify.replays > 0 and drafts > 0,
+          f"{agree}/{len(seqs)} identical, {ties} at near-ties; verify replays {verify.replays}, draft replays "
+          f"{drafts}, tau {spec.stats.metrics.mean_acceptance_length:.2f}")
+    n = 256
+    plain = decode_tokens_per_s(LLMEngine(model, kv_cache_gb=1, max_batch_size=1, cuda_graphs=False), seqs[0], n)
+    fast = decode_tokens_per_s(LLMEngine(model, kv_cache_gb=1, max_batch_size=1, cuda_graphs=True), seqs[0], n)
+    spec1 = SpecEngine(model, HeadProposer(head), 3, kv_cache_gb=1, max_batch_size=1, cuda_graphs=True)
+    spec_tps = decode_tokens_per_s(spec1, seqs[0], n)
+    detail = (f"batch-1 decode {fast:.0f} tok/s with graphs, {plain:.0f} without ({fast / plain:.2f}x); "
+              f"speculative mtp k=3 with graphs {spec_tps:.0f} tok/s (untrained head, tau "
+              f"{spec1.stats.metrics.mean_acceptance_length:.2f})")
+    if goal is None:
+        print(f"INFO  {tag} cuda graphs: {detail}", flush=True)
+    else:
+        check(f"{tag} cuda graphs: batch-1 decode >= {goal:.0f} tok/s", fast >= goal, detail)
+
+
 def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
     ours_t = load_model(path, dtype=DT, device="cuda", backend="torch")
     ours_f = load_model(path, dtype=DT, device="cuda", backend="flashinfer")
@@ -102,18 +174,9 @@ def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
     # greedy generation: bf16 kernels differ in summation order, so a divergence is accepted only where
     # the reference logits are a near-tie between the two chosen tokens (random weights have many)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    gt = LLMEngine(ours_t, kv_cache_gb=1).generate(seqs, params)
+    gt = LLMEngine(ours_t, kv_cache_gb=1, cuda_graphs=False).generate(seqs, params)
     gf = LLMEngine(ours_f, kv_cache_gb=1).generate(seqs, params)
-    agree = ties = 0
-    for s, a, b in zip(seqs, gt, gf):
-        i = next((j for j, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), None)
-        if i is None:
-            agree += 1
-            continue
-        ctx = s + a.output_ids[:i]
-        logits = ours_t.compute_logits(prefill_hidden(ours_t, [ctx]).hidden[-1:])[0].float()
-        gap = (logits[a.output_ids[i]] - logits[b.output_ids[i]]).abs().item()
-        ties += gap <= TOL * logits.abs().max().item()
+    agree, ties = agreement(ours_t, seqs, gt, gf)
     check(f"{tag} greedy generate (32 tokens)", agree + ties == len(seqs),
           f"{agree}/{len(seqs)} identical, {ties} diverge at a near-tie of the reference logits")
 
@@ -140,6 +203,8 @@ def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
           all(len(o.output_ids) == 32 for o in sampled) and eng.stats.metrics.acceptance_rate > 0.5,
           f"acceptance {eng.stats.metrics.acceptance_rate:.2f} (self-draft: ~1 up to bf16 rounding of p vs q)")
 
+    cuda_graph_checks(tag, path, ours_f, seqs, BATCH1_GOAL if tag.startswith("smollm2") else None)
+
     if hf_parity:
         from transformers import AutoModelForCausalLM
 
@@ -160,7 +225,7 @@ def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
             prefill_hidden(m, big)
         torch.cuda.synchronize()
         pf = 3 * 8 * 1024 / (time.perf_counter() - t0)
-        eng = LLMEngine(m, kv_cache_gb=2, max_batch_size=64)
+        eng = LLMEngine(m, kv_cache_gb=2, max_batch_size=64)  # flashinfer: CUDA graphs (the default there)
         p = SamplingParams(max_new_tokens=64, ignore_eos=True)
         eng.generate([seqs[0]], SamplingParams(max_new_tokens=4, ignore_eos=True))
         t0 = time.perf_counter()

@@ -41,7 +41,9 @@ class EvalConfig:
     max_new_tokens: int = 256  # per turn
     limit: int | None = None  # first N conversations of each prompt set
     batch_size: int = 1  # concurrent requests (1 = per-request latency, what speculation is for)
-    warmup: bool = True  # one short untimed generation per engine first
+    warmup: bool = True  # one short untimed generation per engine first (it also captures the CUDA graphs)
+    cuda_graphs: bool | None = None  # decode / verify / draft steps as CUDA graphs; null = where they run (CUDA +
+    # flashinfer), false = eager everywhere
     verify_fingerprint: bool = True  # refuse a head trained for other target weights
     out: str = "runs/eval"  # report.json, report.md, outputs.jsonl, *.png
     plots: bool = True

@@ -17,11 +17,27 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from mtp_train.engine.cuda_graphs import supports_graphs
 from mtp_train.engine.kv_cache import OutOfPagesError
 from mtp_train.engine.runner import ModelRunner
 from mtp_train.engine.sampling import SamplingBatch, SamplingParams, sample
 from mtp_train.engine.sequence import SeqStatus, Sequence
 from mtp_train.models.base import CausalLM
+
+
+def graphs_wanted(flag: bool | None, model: CausalLM) -> bool:
+    """Resolve `cuda_graphs`: None → on where they can run (CUDA and the FlashInfer backend), else as asked.
+
+    True on CPU runs the same padded fixed-shape steps eagerly (what tests use); True on CUDA with an attention
+    backend that cannot be captured is an error that names the fix.
+    """
+    if flag is None:
+        return model.device.type == "cuda" and supports_graphs(model.attn)
+    if flag and model.device.type == "cuda" and not supports_graphs(model.attn):
+        raise ValueError(f"cuda_graphs=True needs the flashinfer attention backend, the model runs "
+                         f"{getattr(model.attn, 'name', type(model.attn).__name__)}; load it with "
+                         "attention_backend=flashinfer (pip install 'mtp_train[gpu]') or set cuda_graphs=False")
+    return bool(flag)
 
 
 @dataclass
@@ -52,7 +68,8 @@ class LLMEngine:
     """Greedy or sampled generation for many prompts through our model runner."""
 
     def __init__(self, model: CausalLM, *, num_pages: int | None = None, page_size: int = 16,
-                 kv_cache_gb: float = 1.0, max_batch_size: int = 32, max_batch_tokens: int = 4096) -> None:
+                 kv_cache_gb: float = 1.0, max_batch_size: int = 32, max_batch_tokens: int = 4096,
+                 cuda_graphs: bool | None = None) -> None:
         self.model = model
         self.runner = ModelRunner.create(model, num_pages=num_pages, page_size=page_size, kv_cache_gb=kv_cache_gb)
         self.max_batch_size = max_batch_size
@@ -62,6 +79,14 @@ class LLMEngine:
         self._reserved_pages = 0
         self._next_id = 0
         self.reset_stats()
+        self.cuda_graphs = graphs_wanted(cuda_graphs, model)
+        if self.cuda_graphs:
+            self._enable_graphs()
+
+    def _enable_graphs(self) -> None:
+        """Decode steps (one new token per sequence) replay CUDA graphs (`mtp_train.engine.cuda_graphs`)."""
+        self.runner.enable_graphs(self.max_batch_size, (1,), capture=self.model.device.type == "cuda")
+        self._reserved_pages += len(self.runner.scratch_pages)  # the padded rows' pages are out of the pool for good
 
     def reset_stats(self) -> None:
         """Start counting afresh (e.g. after a warm-up generation)."""

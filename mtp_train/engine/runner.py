@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from mtp_train.engine.cuda_graphs import StepGraphs
 from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.sequence import Sequence
 from mtp_train.layers.attention import AttentionMetadata
@@ -24,6 +25,45 @@ class ModelRunner:
         self.model = model
         self.kv = kv_cache
         self.device = model.device
+        self.graphs: dict[tuple[int, tuple[int, ...]], StepGraphs] = {}  # (q, hidden_layers) → captured steps
+        self.scratch_pages: list[int] = []  # the padded rows' pages, taken from the allocator by enable_graphs
+
+    def enable_graphs(self, max_batch: int, q_lens: Seq[int] = (1,), hidden_layers: Seq[int] = (),
+                      capture: bool = True) -> None:
+        """Run steps of q new tokens per sequence (q in q_lens) through `StepGraphs` from now on.
+
+        Takes the padded rows' scratch pages out of the allocator (enough for max(q_lens) tokens; callers that
+        count pages count them: `len(runner.scratch_pages)`).
+        hidden_layers: the layers such steps return (a step asking for others runs eagerly).
+        """
+        need = self.kv.pages_for(max(q_lens))
+        if len(self.scratch_pages) < need:
+            self.scratch_pages += self.kv.allocator.allocate(need - len(self.scratch_pages))
+        layers = tuple(hidden_layers)
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        for q in q_lens:
+            def fn(ids: torch.Tensor, hidden: torch.Tensor | None, meta: AttentionMetadata,
+                   layers: tuple[int, ...] = layers) -> tuple[torch.Tensor, ...]:
+                rows = torch.arange(ids.shape[0], device=ids.device)
+                out = self.model(ids, meta, self.kv.layers, logits_indices=rows, hidden_layers=layers)
+                assert out.logits is not None
+                return (out.logits, out.hidden, *[out.layers[j] for j in layers])
+
+            self.graphs[(q, layers)] = StepGraphs(fn, self.model.attn, self.kv, self.scratch_pages, q=q,
+                                                  max_batch=max_batch, dtype=self.model.dtype, capture=capture,
+                                                  device=self.device, pool=pool)
+
+    def _graphed(self, seqs: Seq[Sequence], logits: str, hidden_layers: Seq[int]) -> StepGraphs | None:
+        """The captured steps that can run this step (every sequence q uncached tokens), or None (eager)."""
+        if not self.graphs or logits == "none":
+            return None
+        q = seqs[0].num_uncached
+        graphs = self.graphs.get((q, tuple(hidden_layers)))
+        if graphs is None or len(seqs) > graphs.max_batch or (logits == "last" and q != 1):
+            return None
+        if any(s.num_uncached != q for s in seqs):
+            return None
+        return graphs
 
     @classmethod
     def create(cls, model: CausalLM, num_pages: int | None = None, page_size: int = 16,
@@ -61,6 +101,9 @@ class ModelRunner:
         logits: "last" → (B, V) at each sequence's last token; "all" → (T, V) at every new token;
         "none" → no lm_head. Returned hidden is (T, H) over all new tokens, packed in `seqs` order.
         """
+        graphs = self._graphed(seqs, logits, hidden_layers)
+        if graphs is not None:
+            return self._run_graphed(graphs, seqs, hidden_layers)
         input_ids, meta = self.build_metadata(seqs)
         if logits == "last":
             idx = meta.qo_indptr[1:].long() - 1
@@ -74,6 +117,16 @@ class ModelRunner:
         for s in seqs:
             s.num_cached = len(s)
         return out
+
+    def _run_graphed(self, graphs: StepGraphs, seqs: Seq[Sequence], hidden_layers: Seq[int]) -> ForwardOutput:
+        """A decode / verify step through the captured graphs: every new token's logits, as logits="all"."""
+        for s in seqs:
+            self.kv.ensure(s.pages, len(s))
+        tokens = [t for s in seqs for t in s.token_ids[s.num_cached:]]
+        logits, hidden, *layers = graphs.run(tokens, [len(s) for s in seqs], [s.pages for s in seqs])
+        for s in seqs:
+            s.num_cached = len(s)
+        return ForwardOutput(hidden=hidden, layers=dict(zip(hidden_layers, layers)), logits=logits)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Drop tokens (and their cache entries) beyond num_tokens, e.g. rejected draft tokens."""

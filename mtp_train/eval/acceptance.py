@@ -79,7 +79,7 @@ def evaluate(target: CausalLM, tokenizer: Any, prompt_sets: Sequence[PromptSet],
     on_result(run, baseline) is called after each run.
     """
     engine_kw = {"page_size": cfg.model.page_size, "kv_cache_gb": cfg.model.kv_cache_gb,
-                 "max_batch_size": cfg.batch_size}
+                 "max_batch_size": cfg.batch_size, "cuda_graphs": cfg.cuda_graphs}
     template_kwargs = cfg.chat_template_kwargs
 
     def params(temp: float) -> SamplingParams:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtp_train.engine.llm import GenerationStats, LLMEngine
+from mtp_train.engine.llm import GenerationStats, LLMEngine, graphs_wanted
 from mtp_train.engine.sampling import SamplingBatch, filtered_probs, sample
 from mtp_train.engine.sequence import SeqStatus, Sequence
 from mtp_train.models.base import CausalLM, ForwardOutput
@@ -65,15 +65,29 @@ class SpecEngine(LLMEngine):
 
     def __init__(self, model: CausalLM, proposer: Proposer, k: int, *, num_pages: int | None = None,
                  page_size: int = 16, kv_cache_gb: float = 1.0, max_batch_size: int = 32,
-                 max_batch_tokens: int = 4096, use_flashinfer_sampling: bool = True) -> None:
+                 max_batch_tokens: int = 4096, use_flashinfer_sampling: bool = True,
+                 cuda_graphs: bool | None = None) -> None:
         if k < 1:
             raise ValueError(f"k (draft tokens per step) must be >= 1, got {k}")
         self.k = k  # before the base constructor: its reset_stats() sizes the metrics by k
         super().__init__(model, num_pages=num_pages, page_size=page_size, kv_cache_gb=kv_cache_gb,
-                         max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
+                         max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, cuda_graphs=False)
         self.proposer = proposer
         proposer.bind(self.runner.kv)
         self.use_flashinfer_sampling = use_flashinfer_sampling and model.device.type == "cuda"
+        self.cuda_graphs = graphs_wanted(cuda_graphs, model)
+        if self.cuda_graphs:
+            self._enable_graphs()
+
+    def _enable_graphs(self) -> None:
+        """Verify steps of k drafts per sequence replay CUDA graphs, and so do the proposer's draft steps.
+
+        Steps with fewer drafts for some sequence (a dynamic chain, prompt lookup) run eagerly.
+        """
+        capture = self.model.device.type == "cuda"
+        self.runner.enable_graphs(self.max_batch_size, (self.k + 1,), self.proposer.hidden_layers, capture=capture)
+        self._reserved_pages += len(self.runner.scratch_pages)  # the padded rows' pages are out of the pool for good
+        self.proposer.enable_graphs(self.max_batch_size, self.runner.scratch_pages, capture)
 
     def reset_stats(self) -> None:
         self.stats = SpecStats(metrics=SpecMetrics(self.k))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtp_train.engine.cuda_graphs import StepGraphs
 from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.sampling import filtered_probs
 from mtp_train.engine.sequence import Sequence
@@ -130,6 +131,13 @@ class Proposer(ABC):
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence."""
 
+    def enable_graphs(self, max_batch: int, scratch_pages: Seq[int], capture: bool) -> None:
+        """Replay the proposer's fixed-shape steps as CUDA graphs (`StepGraphs`); proposers without any ignore it.
+
+        scratch_pages: the page ids the padded rows write, kept out of the target's allocator.
+        """
+        return None
+
 
 CATCH_UP = ("target", "own")
 
@@ -157,6 +165,7 @@ class HeadProposer(Proposer):
         self.draft_threshold = draft_threshold
         self.catch_up = catch_up
         self.kv: KVCache | None = None
+        self.graphs: StepGraphs | None = None  # the chained draft steps (one row per sequence), when enabled
         self._feat: dict[int, torch.Tensor] = {}  # seq_id → (H,) the head's last output ĥ_{L-1}
         self._logits: dict[int, torch.Tensor] = {}  # seq_id → (Vd,) logits of the first draft token
 
@@ -164,6 +173,28 @@ class HeadProposer(Proposer):
         layers, layout = self.head.kv_shape  # a DeepSeek-block head caches MLA's latent rows
         self.kv = KVCache(layers, target_kv.num_pages, target_kv.page_size, layout,
                           dtype=self.head.dtype, device=self.head.device)
+
+    def enable_graphs(self, max_batch: int, scratch_pages: Seq[int], capture: bool) -> None:
+        assert self.kv is not None, "bind() the proposer to the target's KV cache first"
+        kv, head = self.kv, self.head
+
+        def fn(ids: torch.Tensor, hidden: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+            assert hidden is not None
+            out = head(hidden, ids, meta, kv.layers[0], logits_indices=torch.arange(ids.shape[0], device=ids.device))
+            assert out.logits is not None
+            return out.hidden, out.logits
+
+        self.graphs = StepGraphs(fn, head.attention_backend(head.device), kv, scratch_pages, q=1, max_batch=max_batch,
+                                 width=head.args.hidden_size, dtype=head.dtype, capture=capture, device=head.device,
+                                 pool=torch.cuda.graph_pool_handle() if capture else None)
+
+    def _draft_step(self, feat: torch.Tensor, tokens: list[int], kv_lens: list[int],
+                    seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained draft step, one row per sequence: (B, H) features, (B,) tokens → (B, H), (B, Vd)."""
+        if self.graphs is None:
+            return self._forward(feat, tokens, [1] * len(seqs), kv_lens, seqs)
+        out, logits = self.graphs.run(tokens, kv_lens, [s.pages for s in seqs], hidden=feat)
+        return out, logits
 
     def _forward(self, hidden: torch.Tensor, tokens: list[int], qo_lens: list[int], kv_lens: list[int],
                  seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,8 +245,7 @@ class HeadProposer(Proposer):
             picked = drafts.add(logits, rows)
             if j < k - 1:
                 # Draft step j+2: row at position L-1+j reads ĥ and d_{j+1}.
-                feat, logits = self._forward(feat, picked, [1] * len(rows), [lens[b] + j for b in rows],
-                                             [seqs[b] for b in rows])
+                feat, logits = self._draft_step(feat, picked, [lens[b] + j for b in rows], [seqs[b] for b in rows])
         return drafts.proposal()
 
     @torch.inference_mode()

@@ -79,6 +79,9 @@ class _StepPlan:
     args: tuple[Any, ...]  # positional plan arguments (index tensors, head counts, page size)
     kwargs: dict[str, Any] = field(default_factory=dict)  # keyword plan arguments (mask, window, scale)
     dtypes: tuple[torch.dtype, torch.dtype] | None = None  # (q dtype, kv dtype) of the current plan
+    # A CUDA-graph wrapper this step was planned on by `plan_graph` (None: the backend's own wrappers). Its index
+    # buffers have fixed addresses, so a captured step replays with whatever the last plan wrote into them.
+    graph_wrapper: Any = None
 
 
 class FlashInferBackend(AttentionBackend):
@@ -130,6 +133,19 @@ class FlashInferBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         """Build this step's plan inputs in meta.backend_state; the first forward plans the kernel.
 
+        A step pinned to a CUDA-graph wrapper by `plan_graph` is left as it is: it is planned already, and a
+        captured forward must not plan (planning is host work and host-to-device copies, outside any graph).
+        """
+        pinned = meta.backend_state.get(_STATE_KEY)
+        if pinned is not None and pinned.graph_wrapper is not None:
+            return
+        step = self._step_plan(meta)
+        self._wrapper(step.kind)
+        meta.backend_state[_STATE_KEY] = step
+
+    def _step_plan(self, meta: AttentionMetadata) -> _StepPlan:
+        """The wrapper kind and plan arguments of a step.
+
         Index offsets go to FlashInfer as host tensors built from the host-side lengths: `plan` reads
         them on the host anyway, so passing the device copies would cost a device-to-host sync.
         """
@@ -138,27 +154,70 @@ class FlashInferBackend(AttentionBackend):
         if meta.mode is ForwardMode.PREFILL:
             # The new tokens are the whole sequence: kv offsets are the query offsets.
             args = (qo_indptr, qo_indptr, self.num_q_heads, self.num_kv_heads, self.head_dim)
-            step = _StepPlan("ragged", args, dict(common, causal=True))
-        else:
-            if not meta.uses_cache or meta.kv_indices is None:
-                raise ValueError(f"a {meta.mode.value} step needs the paged KV cache metadata")
-            ps = meta.page_size
-            kv_indptr = _indptr([-(-n // ps) for n in meta.kv_lens])
-            last_page_len = torch.tensor([(n - 1) % ps + 1 for n in meta.kv_lens], dtype=torch.int32)
-            if int(kv_indptr[-1]) != meta.kv_indices.numel():
-                raise ValueError(f"kv_indices holds {meta.kv_indices.numel()} pages but kv_lens "
-                                 f"{meta.kv_lens} need {int(kv_indptr[-1])} at page_size {ps}")
-            paged = (kv_indptr, meta.kv_indices, last_page_len, self.num_q_heads, self.num_kv_heads,
-                     self.head_dim, ps)
-            if meta.mode is ForwardMode.DECODE:
-                step = _StepPlan("decode", paged, common)
-            else:
-                step = _StepPlan("paged", (qo_indptr, *paged), dict(common, causal=True))
-        self._wrapper(step.kind)
+            return _StepPlan("ragged", args, dict(common, causal=True))
+        if not meta.uses_cache or meta.kv_indices is None:
+            raise ValueError(f"a {meta.mode.value} step needs the paged KV cache metadata")
+        ps = meta.page_size
+        kv_indptr = _indptr([-(-n // ps) for n in meta.kv_lens])
+        last_page_len = torch.tensor([(n - 1) % ps + 1 for n in meta.kv_lens], dtype=torch.int32)
+        if int(kv_indptr[-1]) != meta.kv_indices.numel():
+            raise ValueError(f"kv_indices holds {meta.kv_indices.numel()} pages but kv_lens "
+                             f"{meta.kv_lens} need {int(kv_indptr[-1])} at page_size {ps}")
+        paged = (kv_indptr, meta.kv_indices, last_page_len, self.num_q_heads, self.num_kv_heads,
+                 self.head_dim, ps)
+        if meta.mode is ForwardMode.DECODE:
+            return _StepPlan("decode", paged, common)
+        return _StepPlan("paged", (qo_indptr, *paged), dict(common, causal=True))
+
+    # ---------------------------------------------------------------------------------------------
+    # CUDA graphs
+
+    def graph_wrapper(self, mode: ForwardMode, batch_size: int, max_pages: int) -> Any:
+        """A CUDA-graph wrapper for steps of `mode` (decode, or verify) over exactly batch_size sequences.
+
+        Its index buffers (kv_indptr (B+1,), kv_indices (max_pages,), last_page_len (B,), and qo_indptr (B+1,)
+        for verify) are allocated here once; every `plan_graph` rewrites them in place, so a step captured on
+        this wrapper replays over the new pages. All wrappers share the backend's float workspace (their
+        kernels run one after another on one stream).
+        """
+        if mode is ForwardMode.PREFILL:
+            raise ValueError("prompt prefills are not captured: their shape changes with every batch")
+        fi, dev = self._fi, self.device
+        kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+        kv_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
+        last_page_len = torch.zeros(batch_size, dtype=torch.int32, device=dev)
+        if mode is ForwardMode.DECODE:
+            return fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, _KV_LAYOUT, use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores_decode,
+                paged_kv_indptr_buffer=kv_indptr, paged_kv_indices_buffer=kv_indices,
+                paged_kv_last_page_len_buffer=last_page_len)
+        qo_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+        return fi.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, _KV_LAYOUT, use_cuda_graph=True, qo_indptr_buf=qo_indptr,
+            paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
+            paged_kv_last_page_len_buf=last_page_len)
+
+    def plan_graph(self, wrapper: Any, meta: AttentionMetadata, q_dtype: torch.dtype,
+                   kv_dtype: torch.dtype) -> None:
+        """Plan `wrapper` (from `graph_wrapper`) for this step and pin it in meta.backend_state.
+
+        Called before a capture and before every replay, outside the graph; `prepare` then keeps the pinned
+        step and every layer's `forward` runs the planned wrapper without planning.
+        """
+        step = self._step_plan(meta)
+        if step.kind == "ragged":
+            raise ValueError("prompt prefills are not captured: their shape changes with every batch")
+        wrapper.plan(*step.args, **step.kwargs, q_data_type=q_dtype, kv_data_type=kv_dtype)
+        step.dtypes = (q_dtype, kv_dtype)
+        step.graph_wrapper = wrapper
         meta.backend_state[_STATE_KEY] = step
 
     def _ensure_planned(self, step: _StepPlan, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:
         """Plan the step's wrapper unless it already holds this step's plan for these dtypes."""
+        if step.graph_wrapper is not None:
+            if step.dtypes != (q_dtype, kv_dtype):
+                raise TypeError(f"a CUDA-graph step planned for {step.dtypes} ran with {(q_dtype, kv_dtype)}")
+            return step.graph_wrapper
         wrapper = self._wrappers[step.kind]
         if self._planned.get(step.kind) is not step or step.dtypes != (q_dtype, kv_dtype):
             wrapper.plan(*step.args, **step.kwargs, q_data_type=q_dtype, kv_data_type=kv_dtype)
