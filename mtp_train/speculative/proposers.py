@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp_train.engine.cuda_graphs import StepGraphs
+from mtp_train.engine.cuda_graphs import StepGraphs, supports_graphs
 from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.sampling import filtered_probs
 from mtp_train.engine.sequence import Sequence
@@ -177,6 +177,9 @@ class HeadProposer(Proposer):
     def enable_graphs(self, max_batch: int, scratch_pages: Seq[int], capture: bool) -> None:
         assert self.kv is not None, "bind() the proposer to the target's KV cache first"
         kv, head = self.kv, self.head
+        attn = head.attention_backend(head.device)
+        if capture and not supports_graphs(attn):
+            return  # e.g. a DeepSeek block's MLA backend: the draft steps stay eager
 
         def fn(ids: torch.Tensor, hidden: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
             assert hidden is not None
@@ -184,7 +187,7 @@ class HeadProposer(Proposer):
             assert out.logits is not None
             return out.hidden, out.logits
 
-        self.graphs = StepGraphs(fn, head.attention_backend(head.device), kv, scratch_pages, q=1, max_batch=max_batch,
+        self.graphs = StepGraphs(fn, attn, kv, scratch_pages, q=1, max_batch=max_batch,
                                  width=head.args.hidden_size, dtype=head.dtype, capture=capture, device=head.device,
                                  pool=torch.cuda.graph_pool_handle() if capture else None)
 
