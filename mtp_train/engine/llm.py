@@ -26,13 +26,17 @@ from mtp_train.models.base import CausalLM
 
 
 def graphs_wanted(flag: bool | None, model: CausalLM) -> bool:
-    """Resolve `cuda_graphs`: None → on where they can run (CUDA and the FlashInfer backend), else as asked.
+    """Resolve `cuda_graphs`: None → on where they can run (CUDA, the FlashInfer backend, one GPU), else as asked.
 
     True on CPU runs the same padded fixed-shape steps eagerly (what tests use); True on CUDA with an attention
     backend that cannot be captured is an error that names the fix.
     """
     if flag is None:
-        return model.device.type == "cuda" and supports_graphs(model.attn)
+        # A tensor-parallel target (its layers all-reduce over NCCL) stays eager unless asked.
+        from mtp_train.models.tensor_parallel import RowParallelLinear
+
+        tp = any(isinstance(m, RowParallelLinear) for m in model.modules())
+        return model.device.type == "cuda" and supports_graphs(model.attn) and not tp
     if flag and model.device.type == "cuda" and not supports_graphs(model.attn):
         raise ValueError(f"cuda_graphs=True needs the flashinfer attention backend, the model runs "
                          f"{getattr(model.attn, 'name', type(model.attn).__name__)}; load it with "
