@@ -235,3 +235,24 @@ def test_serves_only_float32_cpu_inference():
         assert cpu_kernels.serves(x, wg)
     with cpu_kernels.disabled():
         assert not cpu_kernels.serves(x, w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("v", [3, 96, 8195])
+def test_soft_ce_equals_torch(v, threads):
+    """Per-row CE, target argmax, rank of it among the head's logits, and softmax(z) - softmax(t) over z."""
+    g = torch.Generator().manual_seed(v)
+    t = torch.randn(37, v, generator=g) * 3
+    z = (t + torch.randn(37, v, generator=g) * 2).contiguous()  # close enough that some rows rank 0, 1, 2
+    p = t.softmax(-1)
+    ref_ce = torch.logsumexp(z, -1) - (p * z).sum(-1)
+    ref_best = t.argmax(-1)
+    ref_rank = (z > z.gather(1, ref_best[:, None])).sum(-1)
+    ref_dz = z.softmax(-1) - p
+    zz, tt = z.clone(), t.clone()
+    ce, best, rank = cpu_kernels.soft_ce_(zz, tt)
+    torch.testing.assert_close(ce, ref_ce)
+    assert best.tolist() == ref_best.tolist() and rank.tolist() == ref_rank.tolist()
+    torch.testing.assert_close(zz, ref_dz)
+    if v > 3:
+        assert {0, 1, 2} <= set(rank.tolist())  # a test that can tell top-1 from top-3

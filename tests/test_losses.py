@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 from mtp_train.config import HeadConfig, LossConfig
 from mtp_train.engine import prefill_hidden
 from mtp_train.heads import build_head
+from mtp_train.layers import cpu_kernels
 from mtp_train.models import load_model
 from mtp_train.train.losses import chunked_soft_ce, draft_loss, step_targets, step_token_counts, unrolled_loss
 
@@ -101,6 +104,35 @@ def test_no_full_vocabulary_tensor_is_kept_for_backward(impl):
     assert saved and not [s for s in saved if s[-1] == V and s[0] > 8]
     ce.backward()
     assert pred.grad is not None and torch.isfinite(pred.grad).all()
+
+
+@pytest.mark.parametrize("own_head", [False, True])
+def test_fused_float32_native_path_equals_torch_path(own_head, monkeypatch):
+    """fp32 on CPU the fused CE runs its per-row work in native code; value, counts and gradients equal torch's."""
+    if not cpu_kernels.available():
+        pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    calls = []
+    native_ce = cpu_kernels.soft_ce_
+    monkeypatch.setattr(cpu_kernels, "soft_ce_", lambda z, t: calls.append(z.shape) or native_ce(z, t))
+    lm_head = _rand(V, H, seed=0, scale=0.5, dtype=torch.float32)
+    target = _rand(23, H, seed=1, dtype=torch.float32)
+    pred0 = target + _rand(23, H, seed=2, scale=0.5, dtype=torch.float32)
+    own0 = lm_head + _rand(V, H, seed=3, scale=0.05, dtype=torch.float32) if own_head else None
+    results = []
+    for native in (True, False):
+        pred = pred0.clone().requires_grad_(True)
+        own = own0.clone().requires_grad_(True) if own_head else None
+        with nullcontext() if native else cpu_kernels.disabled():
+            ce, top1, top3 = chunked_soft_ce(pred, target, lm_head, chunk_size=5, impl="fused", pred_head=own)
+        (2.5 * ce).backward()
+        results.append((ce.detach(), top1.item(), top3.item(), pred.grad, None if own is None else own.grad))
+    assert calls == [(5, V)] * 4 + [(3, V)]  # the native rows ran once, chunk by chunk; the torch run not at all
+    (ce_n, *counts_n, g_n, w_n), (ce_t, *counts_t, g_t, w_t) = results
+    torch.testing.assert_close(ce_n, ce_t)
+    assert counts_n == counts_t and 0 < counts_n[0] < counts_n[1] < 23
+    torch.testing.assert_close(g_n, g_t)
+    if own_head:
+        torch.testing.assert_close(w_n, w_t)
 
 
 def test_bf16_chunked_matches_unchunked():

@@ -8,6 +8,7 @@ OpenMP runtime into the process). `rms_norm` and `rope_` replace torch's
 composites of 5–7 small ops (each op costs microseconds of dispatch on a decode row, ×30 layers).
 `paged_attention` attends decode / verify tokens straight over the pages
 (the torch path gathers every page of the sequence into a contiguous copy first, then runs SDPA).
+`soft_ce_` is training's: the fused soft cross-entropy's per-row work over a (C, V) logits chunk in one read.
 See bench/bench_cpu_kernels.py and bench/bench_engine.py for what they buy.
 
 The kernel is plain C (AVX2 + FMA, no torch headers) and is called through ctypes, so building it
@@ -146,6 +147,10 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     fn = lib.mtp_rmsnorm_f32
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_int, ctypes.c_float]
+    fn.restype = None
+    fn = lib.mtp_soft_ce_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
     # Our libgomp.so.1 binds to the one torch already loaded, so our parallel regions reuse torch's
     # threads. If loading it brought a runtime of its own (a torch built on another OpenMP), that
@@ -311,3 +316,23 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: to
     cos, sin = cos.reshape(-1, head_dim).contiguous(), sin.reshape(-1, head_dim).contiguous()
     lib = _lib or _require()
     lib.mtp_rope_f32(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(), sin.data_ptr())
+
+
+def soft_ce_(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row soft cross-entropy of z against t, with its gradient written over z (training's fused loss).
+
+    z: (C, V) the head's logits, t: (C, V) the target's, both float32 CPU contiguous, both overwritten:
+    z becomes softmax(z) - softmax(t) (d CE / d z) and t scratch. Returns (ce (C,) float32 =
+    logsumexp(z) - Σ softmax(t)·z, best (C,) int64 = argmax t, rank (C,) int64 = how many of z exceed z[best]).
+    One read of each row from memory instead of torch's ~8 passes over the chunk. Call only when `available()`.
+    """
+    if not (z.is_contiguous() and t.is_contiguous()) or z.shape != t.shape or z.dim() != 2:
+        raise ValueError(f"soft_ce_: needs two contiguous (C, V) tensors, got {tuple(z.shape)}, {tuple(t.shape)}")
+    c, v = z.shape
+    ce = torch.empty(c, dtype=torch.float32)
+    best = torch.empty(c, dtype=torch.int64)
+    rank = torch.empty(c, dtype=torch.int64)
+    lib = _lib or _require()
+    lib.mtp_soft_ce_f32(z.data_ptr(), t.data_ptr(), c, v, ce.data_ptr(), best.data_ptr(), rank.data_ptr(),
+                        torch.get_num_threads() if _threads_ok else 1)
+    return ce, best, rank

@@ -9,7 +9,10 @@ the count over all ranks). The target distribution is recomputed from the stored
 the frozen lm_head, never stored. Logits are computed `chunk_size` rows at a time, so a (T, V) tensor never
 exists: `impl="checkpoint"` recomputes each chunk's logits in the backward (torch.utils.checkpoint,
 non-reentrant); `impl="fused"` computes the gradient with respect to ĥ chunk by chunk during the forward and
-keeps only that (N, H) gradient, which saves the recomputation (about a third of the lm_head work).
+keeps only that (N, H) gradient, which saves the recomputation (about a third of the lm_head work). In fp32 on
+CPU its per-row work (softmaxes, CE, argmax and top-k counts, the gradient softmax(z) − p) runs in one native
+kernel (`cpu_kernels.soft_ce_`) that reads each (C, V) chunk once, where torch's ops pass over it ~8 times;
+its top-k counts rank the target's argmax among the head's logits, which equals torch's top-k except on exact ties.
 
 With a draft vocabulary, `lm_head` is the target's rows of the draft tokens only (the target distribution is
 restricted to them and renormalised; no full-vocabulary target logits), and the head's side W_d is
@@ -32,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mtp_train.config.loss import CE_IMPLS, LossConfig
 from mtp_train.heads import DraftHead, packed_shift, resolve_seq_lens
+from mtp_train.layers import cpu_kernels
 
 TOPK = 3  # the second accuracy reported: target argmax within the head's top-3
 
@@ -78,17 +82,26 @@ def noise_generator(seed: int, step: int, micro: int, rank: int, device: torch.d
 # --- chunked soft cross-entropy -------------------------------------------------------------------------------
 
 
-def _chunk_logits(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
-                  target_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(C, H), (C, H), (V, H) head side, (V, H) target side → head logits z (C, V), target probs p (C, V) (no
-    grad), target argmax.
+def _logits(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
+            target_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, H), (C, H), (V, H) head side, (V, H) target side → head logits z (C, V), target logits (C, V) (no grad).
 
-    The matmuls run in the weights' dtypes; softmax statistics in float32 at least (float64 stays float64).
+    The matmuls run in the weights' dtypes; the logits come out in float32 at least (float64 stays float64).
     """
     acc = torch.promote_types(torch.promote_types(weight.dtype, target_weight.dtype), torch.float32)
     z = F.linear(pred.to(weight.dtype), weight).to(acc)
     with torch.no_grad():
-        p = F.linear(target.to(target_weight.dtype), target_weight).to(acc).softmax(-1)
+        t = F.linear(target.to(target_weight.dtype), target_weight).to(acc)
+    return z, t
+
+
+def _chunk_logits(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
+                  target_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(C, H), (C, H), (V, H) head side, (V, H) target side → head logits z (C, V), target probs p (C, V) (no
+    grad), target argmax. Softmax statistics in the logits' dtype (see `_logits`)."""
+    z, t = _logits(pred, target, weight, target_weight)
+    with torch.no_grad():
+        p = t.softmax(-1)
     return z, p, p.argmax(-1)
 
 
@@ -124,19 +137,30 @@ class _FusedSoftCE(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[2] else None
         for s in range(0, pred.shape[0], chunk_size):
             chunk = pred[s:s + chunk_size]
-            z, p, best = _chunk_logits(chunk, target[s:s + chunk_size], weight, target_weight)
-            lse = torch.logsumexp(z, -1)  # (C,)
-            ce += (lse - (p * z).sum(-1)).sum()
-            a, b = _accuracy(z, best)
-            top1 += a
-            topk += b
-            if grad is not None or grad_w is not None:
-                # d CE / d z = softmax(z) - p, then through the linear: (C, V) @ (V, H), and (V, C) @ (C, H)
-                dz = (z - lse[:, None]).exp_().sub_(p)
-                if grad is not None:
+            z, t = _logits(chunk, target[s:s + chunk_size], weight, target_weight)
+            if cpu_kernels.serves(z, t):
+                # One pass per row in native code: CE, argmax, rank, and d CE / d z = softmax(z) - p over z.
+                ce_rows, best, rank = cpu_kernels.soft_ce_(z, t)
+                ce += ce_rows.sum()
+                top1 += (rank == 0).sum()
+                topk += (rank < min(TOPK, z.shape[-1])).sum()
+                dz = z
+            else:
+                p = t.softmax(-1)
+                lse = torch.logsumexp(z, -1)  # (C,)
+                ce += (lse - (p * z).sum(-1)).sum()
+                a, b = _accuracy(z, p.argmax(-1))
+                top1 += a
+                topk += b
+                dz = (z - lse[:, None]).exp_().sub_(p)  # d CE / d z = softmax(z) - p
+            # then through the linear: (C, V) @ (V, H), and (V, C) @ (C, H)
+            if grad is not None:
+                if dz.dtype == weight.dtype == pred.dtype:
+                    torch.mm(dz, weight, out=grad[s:s + chunk_size])
+                else:
                     grad[s:s + chunk_size] = (dz.to(weight.dtype) @ weight).to(pred.dtype)
-                if grad_w is not None:
-                    grad_w += dz.T @ chunk.to(acc)
+            if grad_w is not None:
+                grad_w.addmm_(dz.T, chunk.to(acc))
         ctx.has = (grad is not None, grad_w is not None)
         ctx.save_for_backward(grad if grad is not None else torch.empty(0),
                               grad_w.to(weight.dtype) if grad_w is not None else torch.empty(0))
