@@ -44,8 +44,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     packed: MKL-packed copy of weight for 1-row products (`Linear.prepack`), if any. Autograd, GPUs and other
     dtypes take `F.linear`.
     """
-    if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+    if _cpu_inference(x, weight):
         m = x.shape[0]
         if m <= GEMV_M_MAX and weight.dtype == torch.float32 and cpu_kernels.available():
             return cpu_kernels.gemv(x, weight, bias)
@@ -56,6 +55,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x is a (M, in) float32 CPU matrix and autograd differentiates neither operand."""
+    return (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
+
+
+def takes_small_m(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` computes (W @ xᵀ)ᵀ (see `_small_m`): then a caller may chain products in the
+    transposed layout instead (`padded_t`, then `torch.mm(W, ·)`), which spares the copies back to (M, out)."""
+    if not _cpu_inference(x, weight):
+        return False
+    m = x.shape[0]
+    if m <= GEMV_M_MAX and weight.dtype == torch.float32 and cpu_kernels.available():
+        return False
+    return 1 < m <= SMALL_M_MAX
+
+
+def padded_t(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) → (K, M + pad) view: xᵀ with zero columns up to a multiple of ROW_MULTIPLE (see `_small_m`)."""
+    pad = -x.shape[0] % ROW_MULTIPLE
+    return (torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x).t()
+
+
 def _small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K), 1 < M <= SMALL_M_MAX, weight (N, K) → (M, N) row-major, as (W @ xᵀ)ᵀ.
 
@@ -64,10 +86,10 @@ def _small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     row only, so the real rows come out the same. A wide output (the lm_head) is made WIDE_BLOCK weight rows at
     a time through a scratch that stays in cache, and transposed from there: ~1.2× the one big product + copy.
     """
-    m, k = x.shape
+    m = x.shape[0]
     n = weight.shape[0]
-    pad = -m % ROW_MULTIPLE
-    xt = (torch.cat([x, x.new_zeros(pad, k)]) if pad else x).t()  # (K, M + pad)
+    xt = padded_t(x)  # (K, M + pad)
+    pad = xt.shape[1] - m
     if n < 2 * WIDE_BLOCK:
         out = torch.mm(weight, xt)[:, :m].t().contiguous()
     else:
