@@ -83,3 +83,24 @@ def test_packed_prefill_equals_one_by_one(tiny_checkpoints):
     packed = prefill_hidden(model, seqs, hidden_layers=[1]).hidden
     single = torch.cat([prefill_hidden(model, [s]).hidden for s in seqs])
     torch.testing.assert_close(packed, single, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [17, 45, 64])
+def test_mlp_small_batch_layout_equals_the_plain_path(rows):
+    """Decode-sized CPU batches run the MLP in the (W @ xᵀ) layout; the rows equal the row-major products'."""
+    from mtp_train.layers.linear import takes_small_m
+    from mtp_train.models.families.llama import MLP
+
+    class Args:
+        hidden_size, intermediate_size, mlp_bias = 64, 160, False
+
+    torch.manual_seed(rows)
+    mlp = MLP(Args())
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        assert takes_small_m(x, mlp.gate_up_proj.weight)
+        out = mlp(x)
+    gate, up = torch.nn.functional.linear(x, mlp.gate_up_proj.weight).split(160, dim=-1)
+    ref = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, mlp.down_proj.weight)
+    assert out.shape == (rows, 64) and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,10 @@ decode):
   at load time), ~1.5× `F.linear`; 2–128 rows: `(W @ xᵀ)ᵀ`, ~2× `x @ Wᵀ`;
 * more rows (prefill): `F.linear` is the fastest.
 
+For 17–128 rows the rows are padded with zeros to a multiple of 8 (MKL's GEMM is ~1.4× faster there: a batch
+that has shrunk to 45 or 63 sequences ran at ~0.7× the speed of 48 or 64), and a wide output such as the lm_head's
+is made 2048 weight rows at a time (see `_small_m`).
+
 The results equal `F.linear` up to floating-point summation order. These paths are used only for
 inference (no autograd through them); training and GPUs always take `F.linear`.
 """
@@ -25,6 +29,8 @@ from mtp_train.layers import cpu_kernels
 
 SMALL_M_MAX = 128  # up to this many rows, (W @ xᵀ)ᵀ beats x @ Wᵀ on CPU
 GEMV_M_MAX = 16  # up to this many rows, the native kernel beats both (it turns compute-bound beyond)
+ROW_MULTIPLE = 8  # small-M products are padded to a multiple of this many rows (see _small_m)
+WIDE_BLOCK = 2048  # weight rows per product of a wide small-M output (see _small_m)
 
 
 def _mkl_packing_available() -> bool:
@@ -38,19 +44,64 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     packed: MKL-packed copy of weight for 1-row products (`Linear.prepack`), if any. Autograd, GPUs and other
     dtypes take `F.linear`.
     """
-    if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+    if _cpu_inference(x, weight):
         m = x.shape[0]
         if m <= GEMV_M_MAX and weight.dtype == torch.float32 and cpu_kernels.available():
             return cpu_kernels.gemv(x, weight, bias)
         if m == 1 and packed is not None:
             return torch.ops.mkl._mkl_linear(x, packed, weight, bias, 1)
         if 1 < m <= SMALL_M_MAX:
-            out = torch.mm(weight, x.t()).t()
-            if bias is not None:
-                out = out + bias
-            return out.contiguous()
+            return _small_m(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x is a (M, in) float32 CPU matrix and autograd differentiates neither operand."""
+    return (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
+
+
+def takes_small_m(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` computes (W @ xᵀ)ᵀ (see `_small_m`): then a caller may chain products in the
+    transposed layout instead (`padded_t`, then `torch.mm(W, ·)`), which spares the copies back to (M, out)."""
+    if not _cpu_inference(x, weight):
+        return False
+    m = x.shape[0]
+    if m <= GEMV_M_MAX and weight.dtype == torch.float32 and cpu_kernels.available():
+        return False
+    return 1 < m <= SMALL_M_MAX
+
+
+def padded_t(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) → (K, M + pad) view: xᵀ with zero columns up to a multiple of ROW_MULTIPLE (see `_small_m`)."""
+    pad = -x.shape[0] % ROW_MULTIPLE
+    return (torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x).t()
+
+
+def _small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K), 1 < M <= SMALL_M_MAX, weight (N, K) → (M, N) row-major, as (W @ xᵀ)ᵀ.
+
+    MKL's GEMM runs ~1.4× faster when this M is a multiple of ROW_MULTIPLE (e.g. 64 rows: ~115 GFLOP/s on a
+    (3072, 576) weight, 63 rows: ~80), so x gets zero rows up to one; each output row depends on its own input
+    row only, so the real rows come out the same. A wide output (the lm_head) is made WIDE_BLOCK weight rows at
+    a time through a scratch that stays in cache, and transposed from there: ~1.2× the one big product + copy.
+    """
+    m = x.shape[0]
+    n = weight.shape[0]
+    xt = padded_t(x)  # (K, M + pad)
+    pad = xt.shape[1] - m
+    if n < 2 * WIDE_BLOCK:
+        out = torch.mm(weight, xt)[:, :m].t().contiguous()
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        buf = torch.empty(WIDE_BLOCK, m + pad, dtype=x.dtype, device=x.device)
+        for lo in range(0, n, WIDE_BLOCK):
+            b = buf[: min(n, lo + WIDE_BLOCK) - lo]
+            torch.mm(weight[lo: lo + WIDE_BLOCK], xt, out=b)
+            out[:, lo: lo + b.shape[0]].copy_(b[:, :m].t())
+    if bias is not None:
+        out += bias
+    return out
 
 
 class Linear(nn.Linear):

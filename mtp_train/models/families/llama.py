@@ -25,7 +25,7 @@ from torch import nn
 
 from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
-from mtp_train.layers.linear import Linear
+from mtp_train.layers.linear import Linear, padded_t, takes_small_m
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import apply_rotary
 from mtp_train.models.base import CausalLM
@@ -110,8 +110,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, H) → (T, H): down(silu(gate(x)) * up(x))."""
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gu, down = self.gate_up_proj, self.down_proj
+        # Plain Linears only: under tensor parallelism down_proj is a RowParallelLinear (its sum over ranks).
+        if (isinstance(gu, Linear) and isinstance(down, Linear) and gu.bias is None and down.bias is None
+                and takes_small_m(x, gu.weight)):
+            # Decode batches on CPU: (W @ xᵀ) end to end, gate and up are row blocks of the (2I, T') product and
+            # their product feeds down_proj as it is; the same GEMMs as `linear`, without its copies back to (T, ·).
+            gate, up = torch.mm(gu.weight, padded_t(x)).split(self.inter, dim=0)  # (I, T') each
+            return torch.mm(down.weight, F.silu(gate).mul_(up))[:, :x.shape[0]].t().contiguous()
+        gate, up = gu(x).split(self.inter, dim=-1)
+        return down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
