@@ -59,6 +59,7 @@ class _Bucket:
         self.positions = torch.zeros(t, dtype=torch.long, device=device)
         self.slot_pages = torch.zeros(t, dtype=torch.long, device=device)
         self.slot_offsets = torch.zeros(t, dtype=torch.long, device=device)
+        self.qo_indptr = torch.arange(0, t + 1, q, dtype=torch.int32, device=device)  # q tokens per row, always
         self.hidden = None if width is None else torch.zeros(t, width, dtype=dtype, device=device)
         self.wrapper = None  # the FlashInfer CUDA-graph wrapper (capture mode)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -95,7 +96,7 @@ class StepGraphs:
         self.q, self.width, self.dtype, self.capture = q, width, dtype, capture
         self.buckets = batch_buckets(max_batch)
         self.max_batch = max_batch
-        self.pool = pool  # graphs of one engine share a memory pool; outputs are copied out after each replay
+        self.pool = pool  # the buckets' graphs share this memory pool; outputs are copied out after each replay
         self._buckets: dict[int, _Bucket] = {}
         self.replays = 0  # steps run through this object (tests and the GPU check read it)
         self.captures = 0
@@ -160,7 +161,7 @@ class StepGraphs:
     def _static_meta(self, bucket: _Bucket, host: AttentionMetadata) -> AttentionMetadata:
         """The step's metadata over the bucket's static device buffers, planned on the bucket's wrapper."""
         meta = AttentionMetadata(mode=host.mode, qo_lens=host.qo_lens, kv_lens=host.kv_lens,
-                                 qo_indptr=host.qo_indptr.to(self.device), positions=bucket.positions,
+                                 qo_indptr=bucket.qo_indptr, positions=bucket.positions,
                                  page_size=host.page_size, slot_pages=bucket.slot_pages,
                                  slot_offsets=bucket.slot_offsets, kv_indices=host.kv_indices,
                                  kv_indptr=host.kv_indptr, kv_last_page_len=host.kv_last_page_len)

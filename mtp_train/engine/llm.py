@@ -32,11 +32,12 @@ def graphs_wanted(flag: bool | None, model: CausalLM) -> bool:
     backend that cannot be captured is an error that names the fix.
     """
     if flag is None:
+        if model.device.type != "cuda" or not supports_graphs(model.attn):
+            return False
         # A tensor-parallel target (its layers all-reduce over NCCL) stays eager unless asked.
         from mtp_train.models.tensor_parallel import RowParallelLinear
 
-        tp = any(isinstance(m, RowParallelLinear) for m in model.modules())
-        return model.device.type == "cuda" and supports_graphs(model.attn) and not tp
+        return not any(isinstance(m, RowParallelLinear) for m in model.modules())
     if flag and model.device.type == "cuda" and not supports_graphs(model.attn):
         raise ValueError(f"cuda_graphs=True needs the flashinfer attention backend, the model runs "
                          f"{getattr(model.attn, 'name', type(model.attn).__name__)}; load it with "
@@ -87,9 +88,14 @@ class LLMEngine:
         if self.cuda_graphs:
             self._enable_graphs()
 
+    def _graphed_steps(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(new tokens per sequence, hidden layers returned) of the steps that replay graphs: decode steps."""
+        return (1,), ()
+
     def _enable_graphs(self) -> None:
-        """Decode steps (one new token per sequence) replay CUDA graphs (`mtp_train.engine.cuda_graphs`)."""
-        self.runner.enable_graphs(self.max_batch_size, (1,), capture=self.model.device.type == "cuda")
+        """The `_graphed_steps` replay CUDA graphs from now on (`mtp_train.engine.cuda_graphs`)."""
+        q_lens, layers = self._graphed_steps()
+        self.runner.enable_graphs(self.max_batch_size, q_lens, layers, capture=self.model.device.type == "cuda")
         self._reserved_pages += len(self.runner.scratch_pages)  # the padded rows' pages are out of the pool for good
 
     def reset_stats(self) -> None:

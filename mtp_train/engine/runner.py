@@ -41,14 +41,14 @@ class ModelRunner:
             self.scratch_pages += self.kv.allocator.allocate(need - len(self.scratch_pages))
         layers = tuple(hidden_layers)
         pool = torch.cuda.graph_pool_handle() if capture else None
-        for q in q_lens:
-            def fn(ids: torch.Tensor, hidden: torch.Tensor | None, meta: AttentionMetadata,
-                   layers: tuple[int, ...] = layers) -> tuple[torch.Tensor, ...]:
-                rows = torch.arange(ids.shape[0], device=ids.device)
-                out = self.model(ids, meta, self.kv.layers, logits_indices=rows, hidden_layers=layers)
-                assert out.logits is not None
-                return (out.logits, out.hidden, *[out.layers[j] for j in layers])
 
+        def fn(ids: torch.Tensor, hidden: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+            rows = torch.arange(ids.shape[0], device=ids.device)
+            out = self.model(ids, meta, self.kv.layers, logits_indices=rows, hidden_layers=layers)
+            assert out.logits is not None
+            return (out.logits, out.hidden, *[out.layers[j] for j in layers])
+
+        for q in q_lens:
             self.graphs[(q, layers)] = StepGraphs(fn, self.model.attn, self.kv, self.scratch_pages, q=q,
                                                   max_batch=max_batch, dtype=self.model.dtype, capture=capture,
                                                   device=self.device, pool=pool)

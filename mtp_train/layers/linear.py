@@ -46,7 +46,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if _cpu_inference(x, weight):
         m = x.shape[0]
-        if m <= GEMV_M_MAX and weight.dtype == torch.float32 and cpu_kernels.available():
+        if _takes_gemv(m, weight):
             return cpu_kernels.gemv(x, weight, bias)
         if m == 1 and packed is not None:
             return torch.ops.mkl._mkl_linear(x, packed, weight, bias, 1)
@@ -64,12 +64,13 @@ def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def takes_small_m(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` computes (W @ xᵀ)ᵀ (see `_small_m`): then a caller may chain products in the
     transposed layout instead (`padded_t`, then `torch.mm(W, ·)`), which spares the copies back to (M, out)."""
-    if not _cpu_inference(x, weight):
-        return False
     m = x.shape[0]
-    if m <= GEMV_M_MAX and weight.dtype == torch.float32 and cpu_kernels.available():
-        return False
-    return 1 < m <= SMALL_M_MAX
+    return _cpu_inference(x, weight) and not _takes_gemv(m, weight) and 1 < m <= SMALL_M_MAX
+
+
+def _takes_gemv(m: int, weight: torch.Tensor) -> bool:
+    """Whether `linear` gives m rows to the native matrix-vector kernel (fp32 weight, kernels available)."""
+    return m <= GEMV_M_MAX and weight.dtype == torch.float32 and cpu_kernels.available()
 
 
 def padded_t(x: torch.Tensor) -> torch.Tensor:

@@ -79,15 +79,15 @@ class SpecEngine(LLMEngine):
         if self.cuda_graphs:
             self._enable_graphs()
 
-    def _enable_graphs(self) -> None:
-        """Verify steps of k drafts per sequence replay CUDA graphs, and so do the proposer's draft steps.
+    def _graphed_steps(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Verify steps of k drafts per sequence; steps where some sequence drafted fewer (a dynamic chain, prompt
+        lookup) run eagerly."""
+        return (self.k + 1,), tuple(self.proposer.hidden_layers)
 
-        Steps with fewer drafts for some sequence (a dynamic chain, prompt lookup) run eagerly.
-        """
-        capture = self.model.device.type == "cuda"
-        self.runner.enable_graphs(self.max_batch_size, (self.k + 1,), self.proposer.hidden_layers, capture=capture)
-        self._reserved_pages += len(self.runner.scratch_pages)  # the padded rows' pages are out of the pool for good
-        self.proposer.enable_graphs(self.max_batch_size, self.runner.scratch_pages, capture)
+    def _enable_graphs(self) -> None:
+        """The verify steps replay CUDA graphs, and so do the proposer's draft steps."""
+        super()._enable_graphs()
+        self.proposer.enable_graphs(self.max_batch_size, self.runner.scratch_pages, self.model.device.type == "cuda")
 
     def reset_stats(self) -> None:
         self.stats = SpecStats(metrics=SpecMetrics(self.k))

@@ -140,7 +140,7 @@ class _FusedSoftCE(torch.autograd.Function):
             z, t = _logits(chunk, target[s:s + chunk_size], weight, target_weight)
             if cpu_kernels.serves(z, t):
                 # One pass per row in native code: CE, argmax, rank, and d CE / d z = softmax(z) - p over z.
-                ce_rows, best, rank = cpu_kernels.soft_ce_(z, t)
+                ce_rows, _, rank = cpu_kernels.soft_ce_(z, t)
                 ce += ce_rows.sum()
                 top1 += (rank == 0).sum()
                 topk += (rank < min(TOPK, z.shape[-1])).sum()
