@@ -81,6 +81,7 @@ def test_eval_writes_reports_and_greedy_speculation_equals_plain_decoding(traine
         assert 1.0 <= r["tau"] <= r["k"] + 1 and len(r["per_position"]) == r["k"]
         assert r["speedup"] > 0 and r["baseline_tokens_per_s"] > 0
         assert r["step_cost"] == pytest.approx(r["tau"] / r["speedup"])  # the break-even τ on this machine
+        assert r["speedup_lo"] <= r["speedup"] <= r["speedup_hi"]  # two chunks (batch 1): the interval of their pair
         assert 0 <= r["mean_draft_len"] <= r["k"]
         if r["method"] == "mtp":
             ng = floor[(r["dataset"], r["k"])]

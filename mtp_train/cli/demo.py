@@ -109,9 +109,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             state.pop("export", None)
         elif stage == "eval":
             best = result["best"]
-            record["metrics"] = {k: best[k] for k in ("k", "draft_threshold", "tau", "acceptance_rate", "speedup",
-                                                      "tokens_per_s", "baseline_tokens_per_s", "exact_match",
-                                                      "mean_draft_len", "tau_ngram", "speedup_ngram") if k in best}
+            keys = ("k", "draft_threshold", "tau", "acceptance_rate", "speedup", "speedup_lo", "speedup_hi",
+                    "tokens_per_s", "baseline_tokens_per_s", "exact_match", "mean_draft_len", "tau_ngram",
+                    "speedup_ngram")
+            record["metrics"] = {k: best[k] for k in keys if k in best}
             record["outputs"] = [str(out / "eval" / "report.json"), str(out / "eval" / "outputs.jsonl")]
         elif stage == "export":
             record["outputs"] = [str(result["out"])]
@@ -122,6 +123,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     m = state["eval"]["metrics"]
     summary = {
         "tau": m["tau"], "acceptance_rate": m["acceptance_rate"], "speedup": m["speedup"], "k": m["k"],
+        "speedup_lo": m.get("speedup_lo"), "speedup_hi": m.get("speedup_hi"),  # 95% interval over prompt chunks
         "tokens_per_s": m["tokens_per_s"], "baseline_tokens_per_s": m["baseline_tokens_per_s"],
         "exact_match": m.get("exact_match"), "draft_threshold": m.get("draft_threshold"),
         "mean_draft_len": m.get("mean_draft_len"),
@@ -141,8 +143,9 @@ def print_summary(rows: list[tuple[str, str, float, str]], s: dict[str, Any]) ->
     for stage, status, minutes, output in rows:
         print(f"{stage:<11} {status:<8} {minutes:>7.1f}  {output}")
     thr = f", threshold {s['draft_threshold']:g}" if s.get("draft_threshold") else ""
+    interval = (f" [95% {s['speedup_lo']:.2f}–{s['speedup_hi']:.2f}]" if s.get("speedup_lo") is not None else "")
     print(f"\nmtp head, k={s['k']}{thr}, greedy, held-out prompts: τ {s['tau']:.2f} · acceptance rate "
-          f"{s['acceptance_rate']:.2f} · speed-up {s['speedup']:.2f}× ({s['tokens_per_s']:.1f} vs "
+          f"{s['acceptance_rate']:.2f} · speed-up {s['speedup']:.2f}×{interval} ({s['tokens_per_s']:.1f} vs "
           f"{s['baseline_tokens_per_s']:.1f} tok/s) · identical to plain greedy: "
           f"{'yes' if s.get('exact_match') == 1.0 else s.get('exact_match')}")
     if s.get("tau_ngram") is not None:

@@ -40,7 +40,9 @@ class EvalConfig:
     seed: int = 0  # request i of a turn is seeded seed + i
     max_new_tokens: int = 256  # per turn
     limit: int | None = None  # first N conversations of each prompt set
-    batch_size: int = 1  # concurrent requests (1 = per-request latency, what speculation is for)
+    batch_size: int = 1  # concurrent requests (1 = per-request latency, what speculation is for); also the chunk
+    # of conversations every engine answers in turn (the baseline's and the methods' times interleave)
+    repeats: int = 1  # answer every prompt set this many times over (interleaved again): more timing, same answers
     warmup: bool = True  # one short untimed generation per engine first (it also captures the CUDA graphs)
     cuda_graphs: bool | None = None  # decode / verify / draft steps as CUDA graphs; null = where they run (CUDA +
     # flashinfer), false = eager everywhere
@@ -56,6 +58,8 @@ class EvalConfig:
         ks = self.grid("k")
         if any(k < 1 for k in ks):
             raise ConfigError(f"k must be >= 1, got {ks}")
+        if self.repeats < 1 or self.batch_size < 1:
+            raise ConfigError(f"repeats and batch_size must be >= 1, got {self.repeats} and {self.batch_size}")
 
     def grid(self, axis: str) -> list[Any]:
         """The values of grid setting `axis` (one of GRID_AXES) as a non-empty list of its kind (GRID_KINDS):

@@ -75,6 +75,9 @@ class KVCache:
         # per-layer views: (num_pages, 2, page_size, Hkv, D), or (num_pages, page_size, C + R) for the latent layout
         self.layers = list(self.pool.unbind(0))
         self.allocator = BlockAllocator(num_pages)
+        # Pages promised to admitted sequences (for their whole length) or held out for good (CUDA-graph scratch
+        # pages), kept here rather than by an engine so that engines sharing the pool admit against one count.
+        self.reserved = 0
 
     @staticmethod
     def bytes_per_token(num_layers: int, layout: KVLayout, dtype: torch.dtype) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mtp_train.engine.cuda_graphs import supports_graphs
-from mtp_train.engine.kv_cache import OutOfPagesError
+from mtp_train.engine.kv_cache import KVCache, OutOfPagesError
 from mtp_train.engine.runner import ModelRunner
 from mtp_train.engine.sampling import SamplingBatch, SamplingParams, sample
 from mtp_train.engine.sequence import SeqStatus, Sequence
@@ -74,14 +74,16 @@ class LLMEngine:
 
     def __init__(self, model: CausalLM, *, num_pages: int | None = None, page_size: int = 16,
                  kv_cache_gb: float = 1.0, max_batch_size: int = 32, max_batch_tokens: int = 4096,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, kv: KVCache | None = None) -> None:
         self.model = model
-        self.runner = ModelRunner.create(model, num_pages=num_pages, page_size=page_size, kv_cache_gb=kv_cache_gb)
+        # kv: a page pool shared with other engines that never run at the same time (an evaluation's baseline
+        # and methods, interleaved), instead of a pool of its own; num_pages / page_size / kv_cache_gb are unused.
+        self.runner = (ModelRunner(model, kv) if kv is not None else
+                       ModelRunner.create(model, num_pages=num_pages, page_size=page_size, kv_cache_gb=kv_cache_gb))
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._reserved_pages = 0
         self._next_id = 0
         self.reset_stats()
         self.cuda_graphs = graphs_wanted(cuda_graphs, model)
@@ -96,7 +98,7 @@ class LLMEngine:
         """The `_graphed_steps` replay CUDA graphs from now on (`mtp_train.engine.cuda_graphs`)."""
         q_lens, layers = self._graphed_steps()
         self.runner.enable_graphs(self.max_batch_size, q_lens, layers, capture=self.model.device.type == "cuda")
-        self._reserved_pages += len(self.runner.scratch_pages)  # the padded rows' pages are out of the pool for good
+        self.runner.kv.reserved += len(self.runner.scratch_pages)  # the padded rows' pages: out of the pool for good
 
     def reset_stats(self) -> None:
         """Start counting afresh (e.g. after a warm-up generation)."""
@@ -134,12 +136,12 @@ class LLMEngine:
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
             need = kv.pages_for(self.reserve_tokens(seq))
-            if self._reserved_pages + need > kv.num_pages:
+            if kv.reserved + need > kv.num_pages:
                 break
             if admitted and tokens + len(seq) > self.max_batch_tokens:
                 break
             self.waiting.popleft()
-            self._reserved_pages += need
+            kv.reserved += need
             tokens += len(seq)
             seq.status = SeqStatus.RUNNING
             admitted.append(seq)
@@ -149,7 +151,7 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.runner.free(seq)
-        self._reserved_pages -= self.runner.kv.pages_for(self.reserve_tokens(seq))
+        self.runner.kv.reserved -= self.runner.kv.pages_for(self.reserve_tokens(seq))
 
     def _emit(self, seq: Sequence, tokens: Seq[int]) -> bool:
         """Append generated tokens one by one until a stop token or max_new_tokens; True if seq finished.

@@ -68,17 +68,8 @@ class ModelRunner:
     @classmethod
     def create(cls, model: CausalLM, num_pages: int | None = None, page_size: int = 16,
                kv_cache_gb: float = 1.0) -> ModelRunner:
-        """Build a runner with its own page pool (num_pages, or as many as kv_cache_gb holds).
-
-        The pool has the model's layout (`args.kv_layout`): K/V pages, or MLA's latent rows for DeepSeek-V2.
-        """
-        a = model.args
-        layout = a.kv_layout
-        if num_pages is None:
-            per_token = KVCache.bytes_per_token(a.num_layers, layout, model.dtype)
-            num_pages = max(1, int(kv_cache_gb * 2**30) // (per_token * page_size))
-        kv = KVCache(a.num_layers, num_pages, page_size, layout, model.dtype, model.device)
-        return cls(model, kv)
+        """Build a runner with its own page pool (`kv_pool`)."""
+        return cls(model, kv_pool(model, num_pages, page_size, kv_cache_gb))
 
     def build_metadata(self, seqs: Seq[Sequence]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Grow pages and pack the uncached tokens: returns input_ids (T,) and the step's metadata."""
@@ -152,3 +143,16 @@ def prefill_hidden(model: CausalLM, token_lists: Seq[Seq[int]],
     meta = AttentionMetadata.build(lens, device=model.device)
     ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=model.device)
     return model(ids, meta, None, hidden_layers=hidden_layers)
+
+
+def kv_pool(model: CausalLM, num_pages: int | None = None, page_size: int = 16, kv_cache_gb: float = 1.0) -> KVCache:
+    """A page pool for `model`: num_pages pages, or as many as kv_cache_gb holds.
+
+    The pool has the model's layout (`args.kv_layout`): K/V pages, or MLA's latent rows for DeepSeek-V2.
+    """
+    a = model.args
+    layout = a.kv_layout
+    if num_pages is None:
+        per_token = KVCache.bytes_per_token(a.num_layers, layout, model.dtype)
+        num_pages = max(1, int(kv_cache_gb * 2**30) // (per_token * page_size))
+    return KVCache(a.num_layers, num_pages, page_size, layout, model.dtype, model.device)

@@ -2,8 +2,9 @@
 
 For every prompt set, temperature and (method, k) of the grid, the prompts are answered turn by turn (MT-bench's
 second question follows the model's own first answer; `mtp_train.engine.turns`, the loop and special-token rule
-regeneration uses too) by a `SpecEngine`, and once per prompt set and temperature by the plain `LLMEngine`
-(`none`), in the same process, so the speed-up is ours over ours on the same prompts. At temperature 0 the
+regeneration uses too) by a `SpecEngine`, and per prompt set and temperature by the plain `LLMEngine` (`none`),
+in the same process, so the speed-up is ours over ours on the same prompts. The engines take turns chunk by chunk
+(`evaluate`): a machine whose speed drifts over minutes slows the baseline and the methods alike. At temperature 0 the
 speculative answers must equal the plain answers; the share that does is reported as `exact_match` (1.0 unless a
 floating-point near-tie flipped an argmax). The report's rows are made in `mtp_train.eval.rows`.
 """
@@ -14,13 +15,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm import tqdm
+
 from mtp_train.config import EvalConfig
 from mtp_train.data.prompts import PromptSet
 from mtp_train.engine.llm import GenerationOutput, LLMEngine
+from mtp_train.engine.runner import kv_pool
 from mtp_train.engine.sampling import SamplingParams
 from mtp_train.engine.turns import answer
 from mtp_train.models.base import CausalLM
-from mtp_train.speculative.engine import SpecEngine
+from mtp_train.speculative.engine import SpecEngine, SpecStats
 from mtp_train.speculative.metrics import SpecMetrics
 from mtp_train.speculative.proposers import Proposer
 
@@ -42,73 +46,104 @@ class RunResult:
     method: str
     k: int
     temperature: float
-    answers: list[list[GenerationOutput]]  # per conversation, per user turn
-    generated_tokens: int
-    seconds: float
+    answers: list[list[GenerationOutput]] = field(default_factory=list)  # per conversation, per user turn (the
+    # first repeat's)
+    generated_tokens: int = 0  # over all repeats
+    seconds: float = 0.0  # decoding time over all repeats
     metrics: SpecMetrics | None = None  # None for `none`
     split: dict[str, float] = field(default_factory=dict)  # prefill / draft / verify / update seconds
     options: dict[str, Any] = field(default_factory=dict)  # the method's options (Method.options)
+    chunks: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per chunk of conversations,
+    # in the order they ran (repeats one after another); chunk i of every run of a prompt set holds the same prompts
 
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
-
-def _run(engine: LLMEngine, prompt_set: PromptSet, tokenizer: Any, params: SamplingParams, method: str, k: int,
-         template_kwargs: Mapping[str, Any] | None, progress: bool) -> RunResult:
-    answers = answer(engine, tokenizer, prompt_set.convs, params, template_kwargs, progress)
-    st = engine.stats
-    res = RunResult(prompt_set.name, method, k, params.temperature, answers, st.generated_tokens, st.seconds)
-    if isinstance(engine, SpecEngine):
-        res.metrics = engine.stats.metrics
-        res.split = {"prefill_seconds": engine.stats.prefill_seconds, "draft_seconds": engine.stats.draft_seconds,
-                     "verify_seconds": engine.stats.verify_seconds, "update_seconds": engine.stats.update_seconds}
-    return res
+    def collect(self, engine: LLMEngine) -> None:
+        """Take the totals (and for a `SpecEngine` the counters and time split) of the engine that made this run."""
+        st = engine.stats
+        self.generated_tokens, self.seconds = st.generated_tokens, st.seconds
+        if isinstance(st, SpecStats):
+            self.metrics = st.metrics
+            self.split = {"prefill_seconds": st.prefill_seconds, "draft_seconds": st.draft_seconds,
+                          "verify_seconds": st.verify_seconds, "update_seconds": st.update_seconds}
 
 
 def evaluate(target: CausalLM, tokenizer: Any, prompt_sets: Sequence[PromptSet],
              methods: Sequence[Method], cfg: EvalConfig, *, stop_ids: Sequence[int] | None,
              on_result: Callable[[RunResult, RunResult], None] | None = None,
              ) -> tuple[list[tuple[RunResult, RunResult]], list[RunResult]]:
-    """Run the grid: per prompt set and temperature, `none` once, then every method × k of `methods`.
+    """Run the grid: per prompt set and temperature, `none` and every method × k of `methods`, interleaved.
 
     From `cfg`: the grid axes k and temperature (`cfg.grid`), the decoding settings (max_new_tokens, top_k, top_p,
-    seed), batch_size, warmup, progress, chat_template_kwargs and the engine's page_size / kv_cache_gb
-    (`cfg.model`); `stop_ids` end every answer (None: the model's EOS ids). Each method makes a fresh proposer per
-    engine (its state is per engine). Returns the (run, baseline) pairs in order and the baseline runs;
-    on_result(run, baseline) is called after each run.
+    seed), batch_size, repeats, warmup, progress, chat_template_kwargs and the engine's page_size / kv_cache_gb
+    (`cfg.model`); `stop_ids` end every answer (None: the model's EOS ids). Every engine of a prompt set and
+    temperature is built (and warmed) first; then the conversations go in chunks of batch_size, and every chunk
+    is answered by each engine in turn, the order rotating from chunk to chunk, `repeats` times over. So the
+    baseline's time and each method's are taken minutes, not a whole run, apart, and a machine whose speed drifts
+    (thermal or other load) moves both alike; the chunk pairs give the speed-up's interval (`mtp_train.eval.rows`).
+    Each method makes a fresh proposer per engine (its state is per engine). Returns the (run, baseline) pairs in
+    order and the baseline runs; on_result(run, baseline) is called after each prompt set and temperature.
     """
-    engine_kw = {"page_size": cfg.model.page_size, "kv_cache_gb": cfg.model.kv_cache_gb,
-                 "max_batch_size": cfg.batch_size, "cuda_graphs": cfg.cuda_graphs}
+    # One page pool for all engines (they take turns, and every chunk gives its pages back): the grid costs the
+    # memory of one engine's cache, plus each head's one-layer pool.
+    kv = kv_pool(target, page_size=cfg.model.page_size, kv_cache_gb=cfg.model.kv_cache_gb)
+    engine_kw = {"kv": kv, "max_batch_size": cfg.batch_size, "cuda_graphs": cfg.cuda_graphs}
     template_kwargs = cfg.chat_template_kwargs
 
-    def params(temp: float) -> SamplingParams:
+    def params(temp: float, offset: int) -> SamplingParams:
+        # Conversation j of a prompt set is seeded seed + j, whichever chunk it is answered in.
         return SamplingParams(temperature=temp, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                              seed=cfg.seed, stop_token_ids=None if stop_ids is None else list(stop_ids))
+                              seed=cfg.seed + offset, stop_token_ids=None if stop_ids is None else list(stop_ids))
 
-    def warm(engine: LLMEngine) -> None:
+    def warm(engine: LLMEngine) -> LLMEngine:
         if cfg.warmup:
             engine.generate([[int(t) for t in tokenizer("Hello", add_special_tokens=False)["input_ids"]]],
                             SamplingParams(max_new_tokens=4, ignore_eos=True))
-            engine.reset_stats()  # measure the real run only
+        engine.reset_stats()  # measure the real run only
+        return engine
 
     pairs: list[tuple[RunResult, RunResult]] = []
     baselines: list[RunResult] = []
     for ps in prompt_sets:
         for temp in cfg.grid("temperature"):
-            base_engine = LLMEngine(target, **engine_kw)
-            warm(base_engine)
-            base = _run(base_engine, ps, tokenizer, params(temp), "none", 0, template_kwargs, cfg.progress)
-            del base_engine
+            base = RunResult(ps.name, "none", 0, temp)
+            runs = [base] + [RunResult(ps.name, m.name, k, temp, options=dict(m.options))
+                             for m in methods for k in cfg.grid("k")]
+            engines = [warm(LLMEngine(target, **engine_kw))]
+            engines += [warm(SpecEngine(target, m.make(), k, **engine_kw)) for m in methods for k in cfg.grid("k")]
+            _interleave(ps, engines, runs, tokenizer, lambda o, t=temp: params(t, o), cfg.batch_size, cfg.repeats,
+                        template_kwargs, cfg.progress)
+            for run, engine in zip(runs, engines):
+                run.collect(engine)
+            del engines
             baselines.append(base)
-            for method in methods:
-                for k in cfg.grid("k"):
-                    engine = SpecEngine(target, method.make(), k, **engine_kw)
-                    warm(engine)
-                    run = _run(engine, ps, tokenizer, params(temp), method.name, k, template_kwargs, cfg.progress)
-                    run.options = dict(method.options)
-                    del engine
-                    pairs.append((run, base))
-                    if on_result is not None:
-                        on_result(run, base)
+            for run in runs[1:]:
+                pairs.append((run, base))
+                if on_result is not None:
+                    on_result(run, base)
     return pairs, baselines
+
+
+def _interleave(ps: PromptSet, engines: Sequence[LLMEngine], runs: Sequence[RunResult], tokenizer: Any,
+                params: Callable[[int], SamplingParams], batch_size: int, repeats: int,
+                template_kwargs: Mapping[str, Any] | None, progress: bool) -> None:
+    """Answer `ps` with every engine, chunk by chunk (see `evaluate`); the answers of the first repeat and every
+    chunk's (tokens, seconds) go into `runs` (one per engine)."""
+    starts = list(range(0, len(ps.convs), max(1, batch_size)))
+    bar = tqdm(total=repeats * len(starts) * len(engines), desc=f"{ps.name} (chunks x engines)", disable=not progress,
+               leave=False)
+    for rep in range(repeats):
+        for c, start in enumerate(starts):
+            convs = ps.convs[start:start + batch_size]
+            shift = (rep * len(starts) + c) % len(engines)  # who goes first rotates
+            for e in [*range(shift, len(engines)), *range(shift)]:
+                engine, run = engines[e], runs[e]
+                tokens, seconds = engine.stats.generated_tokens, engine.stats.seconds
+                got = answer(engine, tokenizer, convs, params(start), template_kwargs)
+                run.chunks.append((engine.stats.generated_tokens - tokens, engine.stats.seconds - seconds))
+                if rep == 0:
+                    run.answers.extend(got)
+                bar.update(1)
+    bar.close()

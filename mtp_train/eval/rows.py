@@ -3,6 +3,7 @@ prompt lookup's figures on every drafter's row, and the best row."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ def result_row(run: RunResult, base: RunResult) -> dict[str, Any]:
         "prompts": len(run.answers), "generated_tokens": run.generated_tokens, "seconds": run.seconds,
         "tokens_per_s": run.tokens_per_s, "baseline_tokens_per_s": base.tokens_per_s,
         "speedup": run.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else 0.0,
-        **run.split,
+        **speedup_interval([(run, base)]), **run.split,
     }
     if m is not None:
         row.update(metric_fields(m))
@@ -51,6 +52,32 @@ def step_cost(row: Mapping[str, Any]) -> float | None:
     return tau / speedup if tau is not None and speedup else None
 
 
+def speedup_interval(pairs: Sequence[tuple[RunResult, RunResult]], resamples: int = 1000,
+                     seed: int = 0) -> dict[str, float]:
+    """`speedup_lo`, `speedup_hi`: the 95% bootstrap interval of the speed-up over the runs' paired chunks.
+
+    Chunk i of a run and of its baseline answered the same conversations minutes apart (`evaluate` interleaves
+    them), so resampling the chunk pairs (with replacement, seeded: the same report gives the same interval) and
+    taking each resample's ratio of summed throughputs measures how much the speed-up depends on which prompts
+    ran and on the machine's noise between them. {} when there are fewer than two chunk pairs.
+    """
+    chunks = [(r, b) for run, base in pairs for r, b in zip(run.chunks, base.chunks)]
+    if len(chunks) < 2:
+        return {}
+    gen = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        pick = [chunks[gen.randrange(len(chunks))] for _ in chunks]
+        secs, bsecs = sum(r[1] for r, _ in pick), sum(b[1] for _, b in pick)
+        toks, btoks = sum(r[0] for r, _ in pick), sum(b[0] for _, b in pick)
+        if secs > 0 and bsecs > 0 and btoks > 0:
+            ratios.append((toks / secs) / (btoks / bsecs))
+    if not ratios:
+        return {}
+    ratios.sort()
+    return {"speedup_lo": ratios[int(0.025 * (len(ratios) - 1))], "speedup_hi": ratios[int(0.975 * (len(ratios) - 1))]}
+
+
 def overall_rows(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[dict[str, Any]]:
     """Per (method and options, k, temperature), all prompt sets together: counts summed, tokens/s over the summed
     time."""
@@ -73,7 +100,7 @@ def overall_rows(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[dict[str,
             "dataset": "overall", "method": method, "k": k, "temperature": temp, **dict(options),
             "prompts": sum(len(r.answers) for r, _ in items), "generated_tokens": tokens, "seconds": secs,
             "tokens_per_s": tps, "baseline_tokens_per_s": btps, "speedup": tps / btps if btps else 0.0,
-            **metric_fields(m),
+            **speedup_interval(items), **metric_fields(m),
         }
         row["step_cost"] = step_cost(row)
         for key in ("prefill_seconds", "draft_seconds", "verify_seconds", "update_seconds"):

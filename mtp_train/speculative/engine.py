@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.llm import GenerationStats, LLMEngine, graphs_wanted
 from mtp_train.engine.sampling import SamplingBatch, filtered_probs, sample
 from mtp_train.engine.sequence import SeqStatus, Sequence
@@ -66,12 +67,12 @@ class SpecEngine(LLMEngine):
     def __init__(self, model: CausalLM, proposer: Proposer, k: int, *, num_pages: int | None = None,
                  page_size: int = 16, kv_cache_gb: float = 1.0, max_batch_size: int = 32,
                  max_batch_tokens: int = 4096, use_flashinfer_sampling: bool = True,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, kv: KVCache | None = None) -> None:
         if k < 1:
             raise ValueError(f"k (draft tokens per step) must be >= 1, got {k}")
         self.k = k  # before the base constructor: its reset_stats() sizes the metrics by k
         super().__init__(model, num_pages=num_pages, page_size=page_size, kv_cache_gb=kv_cache_gb,
-                         max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, cuda_graphs=False)
+                         max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, cuda_graphs=False, kv=kv)
         self.proposer = proposer
         proposer.bind(self.runner.kv)
         self.use_flashinfer_sampling = use_flashinfer_sampling and model.device.type == "cuda"
