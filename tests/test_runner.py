@@ -79,3 +79,55 @@ def test_mixed_lengths_verify_and_truncate(model):
     runner.free(s1)
     runner.free(s2)
     assert runner.kv.allocator.num_free == 32
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("batch", ["one", "uniform", "mixed"])
+def test_tree_step_equals_each_branch_as_a_chain(model, native, batch):
+    """A tree step (a chain plus siblings of its first token) gives every row the logits of its own branch run as a
+    plain chain from scratch — through the native kernel and through SDPA's masks, for one sequence, two of equal
+    row counts and two of different ones."""
+    from mtp_train.layers import cpu_kernels
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 14)]
+    # new rows per sequence: [last, chain..., alternatives...]; parents -1 / previous row / the last token
+    shapes = {"one": [(2, 3)], "uniform": [(2, 3), (2, 3)], "mixed": [(3, 2), (1, 4)]}[batch]
+    runner = ModelRunner.create(model, num_pages=64, page_size=4)
+    seqs = [Sequence.new(i, p) for i, p in enumerate(prompts[: len(shapes)])]
+    runner.run(seqs)
+    rows, trees, branches = [], [], []
+    for s, (d, a) in zip(seqs, shapes):
+        new = torch.randint(0, 256, (1 + d + a,), generator=g).tolist()
+        base = list(s.token_ids[:-1])
+        s.token_ids[-1:] = new[:1]
+        s.token_ids.extend(new[1:])
+        trees.append([-1, *range(d), *[0] * a])
+        # the tokens each row's branch holds, from the start of the sequence
+        branches.append([base + new[: i + 1] for i in range(1 + d)] + [base + [new[0], t] for t in new[1 + d:]])
+        rows.append(1 + d + a)
+        s.num_cached = len(base)
+    with cpu_kernels.disabled() if not native else _nothing():
+        out = runner.run(seqs, logits="all", tree=trees)
+    for b, logits in enumerate(out.logits.split(rows)):
+        for i, toks in enumerate(branches[b]):
+            torch.testing.assert_close(logits[i], _full_logits(model, toks), rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, b=b, i=i: f"sequence {b} row {i}: {m}")
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_tree_parents_are_checked():
+    from mtp_train.layers import AttentionMetadata
+
+    meta = AttentionMetadata.build([4], [10], [[0, 1, 2]], 4)
+    meta.set_tree([[-1, 0, 1, 0]])
+    assert meta.rope_positions.tolist() == [6, 7, 8, 7]  # depths 0 1 2 1 after 6 cached tokens
+    assert meta.tree_bits.tolist() == [0b1, 0b11, 0b111, 0b1001]
+    for bad in ([[-1, 0, 2, 0]], [[0, 0, 1, 0]], [[-1, -1, 1, 0]], [[-1, 0, 1]]):
+        with pytest.raises(ValueError):
+            AttentionMetadata.build([4], [10], [[0, 1, 2]], 4).set_tree(bad)

@@ -313,6 +313,49 @@ def test_own_catch_up_gives_plain_greedy_output(tiny_checkpoints):
         HeadProposer(_head(tiny_checkpoints), catch_up="draft")
 
 
+@pytest.mark.parametrize("catch_up", ["target", "own"])
+@pytest.mark.parametrize(("name", "k"), [("llama", 1), ("llama", 3), ("qwen3", 2)])
+def test_first_draft_alternatives_keep_greedy_output_and_save_missed_steps(tiny_checkpoints, name, k, catch_up):
+    """draft_width 24 over the tiny 256-token vocabulary: the head's runners-up are verified beside its chain in
+    one tree step; where the target's token is one of them it is accepted with its bonus token, and the output
+    stays plain greedy's, with every page back. With the same head and k, only tau can grow."""
+    model = load_model(tiny_checkpoints[name][0])
+    ref = _greedy(model, PROMPTS)
+    head = _head(tiny_checkpoints, name)
+    chain = SpecEngine(model, HeadProposer(head, catch_up=catch_up), k, page_size=3, num_pages=256)
+    chain.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    eng = SpecEngine(model, HeadProposer(head, catch_up=catch_up, draft_width=24), k, page_size=3, num_pages=256)
+    out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert [o.output_ids for o in out] == ref
+    m = eng.stats.metrics
+    assert m.num_alt_accepted > 0 and m.num_alt_tokens == 23 * m.num_drafts
+    assert m.per_position[0] > chain.stats.metrics.per_position[0]
+    assert m.mean_acceptance_length > chain.stats.metrics.mean_acceptance_length
+    assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages and eng.runner.kv.reserved == 0
+
+
+def test_alternatives_need_tree_attention_and_a_sane_width(tiny_checkpoints):
+    head = _head(tiny_checkpoints, "mistral")
+    with pytest.raises(ValueError, match="tree"):  # a sliding window counts slots, not depths
+        SpecEngine(load_model(tiny_checkpoints["mistral"][0]), HeadProposer(head, draft_width=2), 2, num_pages=64)
+    for bad in (0, 33):
+        with pytest.raises(ValueError, match="draft_width"):
+            HeadProposer(head, draft_width=bad)
+
+
+def test_sampled_sequences_keep_a_chain_beside_greedy_ones_with_alternatives(tiny_checkpoints):
+    """One batch, a greedy request and a sampled one: only the greedy one is verified as a tree, and its answer
+    is still plain greedy's."""
+    model = load_model(tiny_checkpoints["llama"][0])
+    ref = _greedy(model, PROMPTS[:1])
+    eng = SpecEngine(model, HeadProposer(_head(tiny_checkpoints), draft_width=8), 2, page_size=3, num_pages=256)
+    out = eng.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=20, ignore_eos=True),
+                                     SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=1.0, seed=3)])
+    assert out[0].output_ids == ref[0] and len(out[1].output_ids) == 20
+    m = eng.stats.metrics
+    assert 0 < m.num_alt_tokens < 7 * m.num_drafts  # alternatives for the greedy request only
+
+
 @pytest.mark.slow
 def test_greedy_eagle3_on_the_default_model_equals_plain_greedy(default_model_dir):
     """SmolLM2-135M (30 layers): an eagle3 head over hidden_states 2, 15, 27 changes no greedy token."""

@@ -44,3 +44,21 @@ def test_variable_draft_lengths_count_every_step():
     assert (m.num_drafts, m.num_accepted, m.accepted_per_pos) == (4, 6, [3, 2, 1])
     with pytest.raises(ValueError, match="merge"):
         m.merge(SpecMetrics(k=2))
+
+
+def test_first_draft_alternatives_count_as_verified_drafts():
+    m = SpecMetrics(3)
+    m.add(1, 3, num_alternatives=2, alternative_accepted=True)  # the chain's first draft missed, an alternative hit
+    m.add(3, 3, num_alternatives=2)
+    m.add(0, 3, num_alternatives=2)
+    assert (m.num_draft_tokens, m.num_alt_tokens, m.num_alt_accepted) == (15, 6, 1)
+    assert m.mean_acceptance_length == 1 + 4 / 3 and m.mean_draft_length == 5.0
+    assert m.per_position == [2 / 3, 1 / 3, 1 / 3]
+    other = SpecMetrics(3)
+    other.add(1, 1, num_alternatives=1, alternative_accepted=True)
+    m.merge(other)
+    assert (m.num_alt_tokens, m.num_alt_accepted) == (7, 2)
+    with pytest.raises(ValueError, match="alternative"):
+        m.add(2, 3, num_alternatives=2, alternative_accepted=True)  # an alternative is one token
+    with pytest.raises(ValueError, match="alternative"):
+        m.add(1, 3, alternative_accepted=True)  # and needs alternatives

@@ -45,7 +45,7 @@ PROG = "mtp-eval"
 def make_proposers(cfg: EvalConfig, target: Any, tokenizer: Any, target_dir: Path) -> list[Method]:
     """The methods of the grid (each a factory of fresh proposers); [] for method none.
 
-    method=mtp: one per (draft_threshold, catch_up) of the grid; prompt lookup joins every method but none
+    method=mtp: one per (draft_threshold, catch_up, draft_width) of the grid; prompt lookup joins every method but none
     when `ngram.compare` is on.
     """
     method = cfg.method
@@ -75,9 +75,10 @@ def _drafters(cfg: EvalConfig, target: Any, tokenizer: Any, target_dir: Path) ->
         methods = []
         for thr in cfg.grid("draft_threshold"):
             for cu in cfg.grid("catch_up"):
-                HeadProposer(head, draft_threshold=thr, catch_up=cu)  # a bad value fails before any run
-                methods.append(Method("mtp", lambda t=thr, c=cu: HeadProposer(head, draft_threshold=t, catch_up=c),
-                                      {"draft_threshold": thr, "catch_up": cu}))
+                for w in cfg.grid("draft_width"):
+                    opts = {"draft_threshold": thr, "catch_up": cu, "draft_width": w}
+                    HeadProposer(head, **opts)  # a bad value fails before any run
+                    methods.append(Method("mtp", lambda o=opts: HeadProposer(head, **o), opts))
         return methods
     if not cfg.draft_model:
         raise ValueError("method=draft needs draft_model=DIR (a Hugging Face folder with the target's tokenizer)")

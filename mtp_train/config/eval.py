@@ -8,8 +8,9 @@ from typing import Any
 from mtp_train.config.errors import ConfigError
 from mtp_train.config.model import ModelConfig
 
-GRID_AXES = ("k", "draft_threshold", "catch_up", "temperature")  # settings that take a value or a list of them
-GRID_KINDS: dict[str, type] = {"k": int, "draft_threshold": float, "catch_up": str, "temperature": float}
+GRID_AXES = ("k", "draft_threshold", "catch_up", "draft_width", "temperature")  # settings that take a value or a list
+GRID_KINDS: dict[str, type] = {"k": int, "draft_threshold": float, "catch_up": str, "draft_width": int,
+                               "temperature": float}
 
 
 @dataclass
@@ -33,6 +34,8 @@ class EvalConfig:
     k: Any = 4  # draft tokens per step (the most, with a threshold): an int or a list (a grid)
     draft_threshold: Any = 0.0  # mtp: stop a chain before a draft with top-1 prob below it; a float or a list
     catch_up: Any = "target"  # mtp: after verification re-run accepted rows on the target's h | own; or a list
+    draft_width: Any = 1  # mtp: candidates at the first draft position (the head's top w; the top one carries the
+    # chain, the others are verified beside it in one tree step; greedy only); an int or a list
     ngram: NgramConfig = field(default_factory=NgramConfig)
     temperature: Any = 0.0  # a float or a list (a grid); 0 = greedy
     top_k: int = 0

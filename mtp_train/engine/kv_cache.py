@@ -99,3 +99,14 @@ class KVCache:
         if len(pages) > keep:
             self.allocator.free(pages[keep:])
             del pages[keep:]
+
+    def copy_token(self, pages: list[int], src: int, dst: int) -> None:
+        """Copy token `src`'s cached entries (every layer) over token `dst`'s, both within the sequence `pages`
+        (e.g. an accepted tree candidate's K/V to the slot its position owns)."""
+        ps = self.page_size
+        sp, so, dp, do = pages[src // ps], src % ps, pages[dst // ps], dst % ps
+        if self.layout.latent:  # (layers, pages, page_size, C + R)
+            self.pool[:, dp, do] = self.pool[:, sp, so]
+        else:  # (layers, pages, 2, page_size, Hkv, D)
+            self.pool[:, dp, :, do] = self.pool[:, sp, :, so]
+

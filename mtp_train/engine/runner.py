@@ -86,16 +86,21 @@ class ModelRunner:
         return torch.tensor(tokens, dtype=torch.long, device=self.device), meta
 
     @torch.inference_mode()
-    def run(self, seqs: Seq[Sequence], logits: str = "last", hidden_layers: Seq[int] = ()) -> ForwardOutput:
+    def run(self, seqs: Seq[Sequence], logits: str = "last", hidden_layers: Seq[int] = (),
+            tree: Seq[Seq[int]] | None = None) -> ForwardOutput:
         """Forward the uncached tokens of `seqs`.
 
         logits: "last" → (B, V) at each sequence's last token; "all" → (T, V) at every new token;
         "none" → no lm_head. Returned hidden is (T, H) over all new tokens, packed in `seqs` order.
+        tree: None, or per sequence the parent of each uncached token (`AttentionMetadata.set_tree`): the tokens
+        are then a tree in slot order (candidates verified side by side), and the step runs eagerly.
         """
-        graphs = self._graphed(seqs, logits, hidden_layers)
+        graphs = None if tree is not None else self._graphed(seqs, logits, hidden_layers)
         if graphs is not None:
             return self._run_graphed(graphs, seqs, hidden_layers)
         input_ids, meta = self.build_metadata(seqs)
+        if tree is not None:
+            meta.set_tree(tree)
         if logits == "last":
             idx = meta.qo_indptr[1:].long() - 1
         elif logits == "all":

@@ -39,7 +39,7 @@ def metric_fields(m: SpecMetrics) -> dict[str, Any]:
     """A report row's speculative columns (τ, acceptance, per-position, counts, drafts verified per step)."""
     return {"tau": m.mean_acceptance_length, "acceptance_rate": m.acceptance_rate, "per_position": m.per_position,
             "num_drafts": m.num_drafts, "num_accepted": m.num_accepted, "mean_draft_len": m.mean_draft_length,
-            "num_empty": m.num_empty}
+            "num_empty": m.num_empty, "num_alt_accepted": m.num_alt_accepted}
 
 
 def step_cost(row: Mapping[str, Any]) -> float | None:

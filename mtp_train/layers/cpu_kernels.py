@@ -138,7 +138,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     fn.restype = None
     fn = lib.mtp_rope_f32
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -275,10 +275,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def paged_attention_args(block_tables: torch.Tensor, qo_indptr: torch.Tensor, positions: torch.Tensor,
-                         max_kv: int) -> tuple:
-    """The per-step arguments of `paged_attention` (built once per step, shared by every layer)."""
+                         max_kv: int, tree_bits: torch.Tensor | None = None) -> tuple:
+    """The per-step arguments of `paged_attention` (built once per step, shared by every layer).
+
+    tree_bits: None, or (T,) int64 for a tree step (`AttentionMetadata.tree_bits`: bit i = the token sees new
+    token i of its own sequence; positions are then slots).
+    """
+    bits = None if tree_bits is None else tree_bits.to(torch.int64).contiguous()
     return (block_tables.to(torch.int32).contiguous(), qo_indptr.to(torch.int32).contiguous(),
-            positions.to(torch.int64).contiguous(), int(max_kv))
+            positions.to(torch.int64).contiguous(), int(max_kv), bits)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, scale: float,
@@ -287,12 +292,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
 
     q: (T, Hq, D) float32; kv_cache: (num_pages, 2, page_size, Hkv, D) float32 contiguous, already holding
     the new tokens' K/V; step_args: from `paged_attention_args` (block tables (B, max_pages), qo_indptr
-    (B+1,), positions (T,), the longest sequence's token count). Token t attends causally to its own
-    sequence (within the sliding window, if any). Returns (T, Hq, D). Call only when `available()`.
+    (B+1,), positions (T,), the longest sequence's token count, tree bits or None). Token t attends causally to
+    its own sequence (within the sliding window, if any; in a tree step only to the new tokens its bits name).
+    Returns (T, Hq, D). Call only when `available()`.
     """
     if not kv_cache.is_contiguous():
         raise ValueError("paged_attention needs a contiguous KV pool")
-    bt, indptr, pos, max_kv = step_args
+    bt, indptr, pos, max_kv, bits = step_args
     q = q.contiguous()
     t, hq, d = q.shape
     scores = torch.empty(t * hq * max_kv, dtype=torch.float32)
@@ -301,7 +307,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
     lib.mtp_paged_attention_f32(q.data_ptr(), t, hq, kv_cache.shape[3], d, kv_cache.data_ptr(), kv_cache.shape[2],
                                 bt.data_ptr(), bt.shape[1], indptr.data_ptr(), indptr.shape[0] - 1, pos.data_ptr(),
                                 sliding_window or 0, scale, scores.data_ptr(), max_kv, out.data_ptr(),
-                                torch.get_num_threads() if _threads_ok else 1)
+                                torch.get_num_threads() if _threads_ok else 1,
+                                None if bits is None else bits.data_ptr())
     return out
 
 

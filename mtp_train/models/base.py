@@ -101,7 +101,7 @@ class CausalLM(nn.Module):
 
         self.attn.prepare(meta)
         x = self.model.embed_tokens(input_ids)  # (T, H)
-        cos, sin = self.rope(meta.positions, x.dtype)
+        cos, sin = self.rope(meta.rotary_positions, x.dtype)
         layers: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in wanted:

@@ -74,6 +74,9 @@ class SpecEngine(LLMEngine):
         super().__init__(model, num_pages=num_pages, page_size=page_size, kv_cache_gb=kv_cache_gb,
                          max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, cuda_graphs=False, kv=kv)
         self.proposer = proposer
+        if proposer.max_alternatives and model.attn is not None and not model.attn.tree_steps:
+            raise ValueError(f"first-draft alternatives (draft_width > 1) verify a tree of candidates, which the "
+                             f"{model.attn.name} attention backend of this model cannot; use draft_width=1")
         proposer.bind(self.runner.kv)
         self.use_flashinfer_sampling = use_flashinfer_sampling and model.device.type == "cuda"
         self.cuda_graphs = graphs_wanted(cuda_graphs, model)
@@ -94,8 +97,9 @@ class SpecEngine(LLMEngine):
         self.stats = SpecStats(metrics=SpecMetrics(self.k))
 
     def reserve_tokens(self, seq: Sequence) -> int:
-        # A step may hold k drafts beyond the last token before the rollback.
-        return seq.max_len + self.k + 1
+        # A step may hold k drafts (and the proposer's first-draft alternatives) beyond the last token before the
+        # rollback.
+        return seq.max_len + self.k + 1 + self.proposer.max_alternatives
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         super()._finish(seq, reason)
@@ -143,23 +147,35 @@ class SpecEngine(LLMEngine):
         return finished
 
     def _accept(self, seqs: Seq[Sequence], proposal: Proposal, logits: list[torch.Tensor]
-                ) -> tuple[list[int], list[list[int]]]:
-        """proposal: k_b drafts per sequence; logits: (B,) each (k_b+1, V) → (accepted n, emitted tokens) per sequence.
+                ) -> tuple[list[int], list[list[int]], list[int | None]]:
+        """proposal: k_b drafts (and a_b first-draft alternatives) per sequence; logits: (B,) each (1+k_b+a_b, V)
+        → (accepted n, emitted tokens, the index of the accepted alternative or None) per sequence.
 
-        Sequences are verified in groups of equal draft length, each group as one batch.
+        Sequences are verified in groups of equal draft length, each group as one batch. A greedy sequence whose
+        chain's first draft missed takes an alternative equal to the target's token, and the target's token after
+        that alternative (its own row) as the bonus.
         """
         num = [0] * len(seqs)
         tokens: list[list[int]] = [[] for _ in seqs]
+        taken: list[int | None] = [None] * len(seqs)
         groups: dict[tuple[bool, int], list[int]] = {}
         for b, (s, d) in enumerate(zip(seqs, proposal.tokens)):
+            if proposal.alternatives_of(b) and not (s.params.greedy and d):
+                raise ValueError(f"proposer {self.proposer.name} gave first-draft alternatives to a sampled "
+                                 "sequence or one without a chain; they are verified greedily only")
             groups.setdefault((s.params.greedy, len(d)), []).append(b)
         for (greedy, k_b), rows in groups.items():
             drafts = torch.tensor([proposal.tokens[b] for b in rows], dtype=torch.long,
                                   device=logits[0].device).view(len(rows), k_b)
             if greedy:
-                res = accept_greedy(drafts, torch.stack([logits[b] for b in rows]))
+                res = accept_greedy(drafts, torch.stack([logits[b][:k_b + 1] for b in rows]))
                 for b, n, t in zip(rows, res.num_accepted, res.tokens):
                     num[b], tokens[b] = n, t
+                    alts = proposal.alternatives_of(b)
+                    if n == 0 and t[0] in alts:  # the target's token is a runner-up: accept it, bonus after it
+                        i = alts.index(t[0])
+                        num[b], taken[b] = 1, i
+                        tokens[b] = [t[0], int(logits[b][1 + k_b + i].argmax())]
                 continue
             # FlashInfer's fused kernel draws from one generator for the batch: it fits unseeded requests only.
             fused = self.use_flashinfer_sampling and k_b > 0 and all(seqs[b].generator is None for b in rows)
@@ -174,32 +190,42 @@ class SpecEngine(LLMEngine):
                        else accept_stochastic(d, q, p, [seqs[b].generator for b in group]))
                 for b, n, t in zip(group, res.num_accepted, res.tokens):
                     num[b], tokens[b] = n, t
-        return num, tokens
+        return num, tokens, taken
 
     def _speculate(self, seqs: list[Sequence]) -> list[Sequence]:
         k, kv = self.k, self.runner.kv
         lens = [len(s) for s in seqs]
         for s in seqs:
-            kv.ensure(s.pages, len(s) + k)  # the proposer writes into pages the verify then fills
+            # the proposer writes into pages the verify then fills (alternatives add rows after the chain)
+            kv.ensure(s.pages, len(s) + k + self.proposer.max_alternatives)
 
         t0 = self._sync()
         proposal = self.proposer.propose(seqs, k)
         drafted = proposal.lengths
-        if any(d > k for d in drafted):
-            raise ValueError(f"proposer {self.proposer.name} drafted {max(drafted)} tokens with k={k}")
+        alts = [proposal.alternatives_of(b) for b in range(len(seqs))]
+        if any(d > k for d in drafted) or any(len(a) > self.proposer.max_alternatives for a in alts):
+            raise ValueError(f"proposer {self.proposer.name} drafted {max(drafted)} tokens with k={k} (and at most "
+                             f"{max(map(len, alts))} alternatives with max_alternatives "
+                             f"{self.proposer.max_alternatives})")
         t1 = self._sync()
-        for s, d in zip(seqs, proposal.tokens):
-            s.token_ids.extend(d)
-        # (Σ (k_b+1), V): each sequence's last token and drafts
-        out = self.runner.run(seqs, logits="all", hidden_layers=self.proposer.hidden_layers)
-        rows = [d + 1 for d in drafted]  # verified rows per sequence
+        for s, d, a in zip(seqs, proposal.tokens, alts):
+            s.token_ids.extend(d + a)
+        # Verified rows per sequence: the last token, the chain, then the alternatives, each a child of the last
+        # token (a tree step when there are any: rows see only their ancestors).
+        tree = ([[-1, *range(d), *[0] * len(a)] for d, a in zip(drafted, alts)] if any(alts) else None)
+        # (Σ (1+k_b+a_b), V): each sequence's last token, drafts and alternatives
+        out = self.runner.run(seqs, logits="all", hidden_layers=self.proposer.hidden_layers, tree=tree)
+        rows = [1 + d + len(a) for d, a in zip(drafted, alts)]
         logits = list(out.logits.split(rows))
-        num, emitted = self._accept(seqs, proposal, logits)
+        num, emitted, taken = self._accept(seqs, proposal, logits)
         t2 = self._sync()
 
         finished, alive, alive_idx = [], [], []
         for b, (s, n_tok, n) in enumerate(zip(seqs, lens, num)):
-            self.stats.metrics.add(n, drafted[b])
+            self.stats.metrics.add(n, drafted[b], len(alts[b]), taken[b] is not None)
+            if taken[b] is not None:
+                # The accepted alternative's K/V sit in its own row's slot; position L's slot must hold them.
+                kv.copy_token(s.pages, n_tok + drafted[b] + taken[b], n_tok)
             # Roll back: the drafts leave the token list (the accepted ones come back through _emit, which
             # applies the stop / length rules) but the cache keeps t_{L-1} and the n accepted drafts.
             del s.token_ids[n_tok:]
@@ -214,8 +240,16 @@ class SpecEngine(LLMEngine):
         self.stats.decode_steps += 1
         if alive:
             hidden = self._features(out).split(rows)
-            self.proposer.update(alive, [lens[b] for b in alive_idx], [num[b] for b in alive_idx],
-                                 [hidden[b] for b in alive_idx], [drafted[b] for b in alive_idx])
+            feats, verified = [], []
+            for b in alive_idx:
+                if taken[b] is None:
+                    feats.append(hidden[b][:drafted[b] + 1])
+                    verified.append(drafted[b])
+                else:  # the proposer sees the path it took: the last token, then the accepted alternative
+                    r = 1 + drafted[b] + taken[b]
+                    feats.append(torch.cat([hidden[b][:1], hidden[b][r:r + 1]]))
+                    verified.append(1)  # and none of its own chain rows (they followed another first draft)
+            self.proposer.update(alive, [lens[b] for b in alive_idx], [num[b] for b in alive_idx], feats, verified)
         t3 = self._sync()
         self.stats.draft_seconds += t1 - t0
         self.stats.verify_seconds += t2 - t1

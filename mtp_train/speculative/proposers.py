@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,10 +43,16 @@ class Proposal:
     tokens: list[list[int]]  # (B,) each (k_b,) target token ids, 0 <= k_b <= k (a dynamic chain may stop early)
     probs: list[torch.Tensor | None]  # (B,) each (k_b, V) float32 draft distribution q over the target vocab;
     # None when the sequence is greedy or the proposer is deterministic (q is then one-hot at each draft)
+    alternatives: list[list[int]] = field(default_factory=list)  # (B,) each: other candidates for the first
+    # draft (siblings of tokens[b][0], verified beside the chain in one tree step), greedy sequences with a chain
+    # only; [] (or an empty list) = none
 
     @property
     def lengths(self) -> list[int]:
         return [len(t) for t in self.tokens]
+
+    def alternatives_of(self, b: int) -> list[int]:
+        return self.alternatives[b] if self.alternatives else []
 
 
 def pick(logits: torch.Tensor, seqs: Seq[Sequence], to_ids: torch.Tensor | None,
@@ -97,6 +103,7 @@ class Proposer(ABC):
     """The drafting side of speculative decoding, driven by `SpecEngine`."""
 
     name: str = "base"
+    max_alternatives: int = 0  # the most first-draft alternatives a proposal holds per sequence (tree rows)
     # Target layers (hidden_states numbering) whose states, concatenated (T, k·H), the engine passes as
     # `target_hidden` to prefill / update; () = the target's final hidden (T, H). An EAGLE-3 head sets its aux layers.
     hidden_layers: tuple[int, ...] = ()
@@ -150,14 +157,24 @@ class HeadProposer(Proposer):
     k is then the maximum). catch_up: after verification re-run every accepted row with the target's hidden
     states ("target", the seed system's rule), or keep the rows the chain wrote for accepted drafts and run only
     the rows it never wrote, from the target's hidden states ("own": cheaper, the cache holds the head's own
-    features).
+    features). draft_width: how many candidates the first draft position gets (1 = a chain): the head's top
+    draft_width tokens there, the top one carrying the chain and the others verified beside it in the same target
+    forward (a tree of that width at depth 1; greedy sequences only, sampled ones keep the chain), so a first
+    guess that misses can still be saved by the runner-up.
     """
 
     name = "mtp"
 
-    def __init__(self, head: DraftHead, draft_threshold: float = 0.0, catch_up: str = "target") -> None:
+    def __init__(self, head: DraftHead, draft_threshold: float = 0.0, catch_up: str = "target",
+                 draft_width: int = 1) -> None:
         if not 0.0 <= draft_threshold < 1.0:
             raise ValueError(f"draft_threshold must be in [0, 1), got {draft_threshold}")
+        if not 1 <= draft_width <= 32:
+            raise ValueError(f"draft_width must be in 1..32, got {draft_width}")
+        if draft_width > head.vocab_size:
+            raise ValueError(f"draft_width {draft_width} exceeds the head's vocabulary of {head.vocab_size}")
+        self.draft_width = draft_width
+        self.max_alternatives = draft_width - 1
         if catch_up not in CATCH_UP:
             raise ValueError(f"catch_up must be one of {', '.join(CATCH_UP)}, got {catch_up!r}")
         self.head = head.eval()
@@ -236,6 +253,7 @@ class HeadProposer(Proposer):
         logits = torch.stack([self._logits[s.seq_id] for s in seqs])  # (B, Vd)
         lens = [len(s) for s in seqs]
         rows = list(range(len(seqs)))  # sequences whose chain goes on
+        alternatives: list[list[int]] = [[] for _ in seqs]
         for j in range(k):
             keep = self._confident(logits)
             if not all(keep):
@@ -246,10 +264,27 @@ class HeadProposer(Proposer):
                 idx = torch.tensor(sel, device=logits.device)
                 feat, logits = feat[idx], logits[idx]
             picked = drafts.add(logits, rows)
+            if j == 0 and self.draft_width > 1:
+                self._alternatives(logits, rows, picked, seqs, alternatives)
             if j < k - 1:
                 # Draft step j+2: row at position L-1+j reads ĥ and d_{j+1}.
                 feat, logits = self._draft_step(feat, picked, [lens[b] + j for b in rows], [seqs[b] for b in rows])
-        return drafts.proposal()
+        proposal = drafts.proposal()
+        proposal.alternatives = alternatives
+        return proposal
+
+    def _alternatives(self, logits: torch.Tensor, rows: Seq[int], picked: Seq[int], seqs: Seq[Sequence],
+                      out: list[list[int]]) -> None:
+        """The runners-up of the first draft (target ids, best first) into out[b] for the greedy rows.
+
+        logits: (R, Vd) of `rows`; picked: (R,) the first drafts already taken (the chain's), left out here.
+        """
+        top = logits.topk(self.draft_width, dim=-1).indices  # (R, w) draft-vocabulary columns
+        vocab = self.head.draft_vocab
+        ids = (top if vocab is None else vocab.to(top.device)[top]).tolist()
+        for r, b in enumerate(rows):
+            if seqs[b].params.greedy:
+                out[b] = [t for t in ids[r] if t != picked[r]][: self.draft_width - 1]
 
     @torch.inference_mode()
     def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],

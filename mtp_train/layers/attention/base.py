@@ -64,6 +64,12 @@ class AttentionBackend(ABC):
         self.sliding_window = sliding_window
         self.scale = head_dim**-0.5
 
+    @property
+    def tree_steps(self) -> bool:
+        """Whether a step may verify a tree of new tokens per sequence (`AttentionMetadata.set_tree`): not with a
+        sliding window, which counts slots where a tree needs depths."""
+        return self.sliding_window is None
+
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> None:
         """Do the per-step work shared by all layers (masks, kernel plans); writes meta.backend_state."""

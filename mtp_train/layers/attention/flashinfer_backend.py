@@ -28,6 +28,7 @@ import torch
 
 from mtp_train.layers.attention.base import AttentionBackend
 from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
+from mtp_train.layers.attention.torch_backend import _causal_mask
 
 INSTALL_HINT = ("pip install 'mtp_train[gpu]' (FlashInfer, package flashinfer-python) on a CUDA machine, "
                 "or use the torch attention backend")
@@ -167,6 +168,15 @@ class FlashInferBackend(AttentionBackend):
                  self.head_dim, ps)
         if meta.mode is ForwardMode.DECODE:
             return _StepPlan("decode", paged, common)
+        if meta.tree_bits is not None:
+            # A tree step: each sequence's (Q, kv_len) visibility, flattened in batch order (FlashInfer packs it).
+            masks = []
+            for b, (q, kv) in enumerate(zip(meta.qo_lens, meta.kv_lens)):
+                lo = int(meta.qo_indptr[b])
+                masks.append(_causal_mask(meta.positions[lo:lo + q].cpu(), kv, None,
+                                          meta.tree_bits[lo:lo + q].cpu()).reshape(-1))
+            mask = torch.cat(masks).to(self.device)
+            return _StepPlan("paged", (qo_indptr, *paged), dict(common, causal=False, custom_mask=mask))
         return _StepPlan("paged", (qo_indptr, *paged), dict(common, causal=True))
 
     # ---------------------------------------------------------------------------------------------

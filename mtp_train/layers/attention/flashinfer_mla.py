@@ -63,6 +63,8 @@ class FlashInferMLA(MLABackend):
     after another step has been planned re-plans, so interleaved steps stay correct at the cost of a plan.
     """
 
+    tree_steps = False  # the MLA kernels take no custom mask
+
     name = "flashinfer"
     workspace_bytes: int = 128 * 1024 * 1024  # FlashInfer's recommended float workspace size
 
@@ -86,6 +88,8 @@ class FlashInferMLA(MLABackend):
         Offsets and lengths go to FlashInfer as host tensors built from the host-side lengths (`plan` reads them on
         the host anyway); the page ids stay on the device, where the kernel reads them.
         """
+        if meta.tree_bits is not None:
+            raise ValueError("FlashInfer's MLA kernels take no custom mask: tree steps need the torch MLA backend")
         qo_indptr = _indptr(meta.qo_lens)
         if meta.mode is ForwardMode.PREFILL:
             # Every new token is its own page of one row: kv offsets are the query offsets.

@@ -45,6 +45,10 @@ class AttentionMetadata:
     kv_indptr: torch.Tensor | None = None  # (B+1,) int32 FlashInfer layout: offsets into kv_indices
     kv_indices: torch.Tensor | None = None  # (sum pages,) int32 page ids of all sequences, concatenated
     kv_last_page_len: torch.Tensor | None = None  # (B,) int32 tokens used in each sequence's last page
+    # A tree step (`set_tree`): the new tokens of a sequence are a tree laid out in slot order, so `positions`
+    # stay their slots (where K/V go, what causality counts) while RoPE takes each token's depth.
+    rope_positions: torch.Tensor | None = None  # (T,) int64 position each new token is rotated to
+    tree_bits: torch.Tensor | None = None  # (T,) int64 bit i = the token sees new token i of its own sequence
     # Filled by the backend's `prepare` (e.g. masks, planned kernels), shared by all layers of the step.
     backend_state: dict[str, Any] = field(default_factory=dict)
 
@@ -59,6 +63,42 @@ class AttentionMetadata:
     @property
     def uses_cache(self) -> bool:
         return self.page_size > 0
+
+    @property
+    def rotary_positions(self) -> torch.Tensor:
+        """(T,) the positions RoPE rotates to: the tokens' depths in a tree step, else their positions."""
+        return self.positions if self.rope_positions is None else self.rope_positions
+
+    def set_tree(self, parents: Sequence[Sequence[int]]) -> None:
+        """Make the new tokens of each sequence a tree (speculative verification of several candidates at once).
+
+        parents[b][i]: the index among sequence b's new tokens of token i's parent, -1 for its first token (the
+        root, whose parent is the cached prefix), and < i otherwise (a parent comes first in slot order). Token i
+        then sees the cached prefix, its ancestors and itself, and is rotated to position kv_len - qo_len + depth.
+        A sequence's new tokens are at most 63.
+        """
+        if len(parents) != self.batch_size:
+            raise ValueError(f"{len(parents)} parent lists for {self.batch_size} sequences")
+        bits: list[int] = []
+        rope: list[int] = []
+        for b, (par, q, kv) in enumerate(zip(parents, self.qo_lens, self.kv_lens)):
+            if len(par) != q:
+                raise ValueError(f"sequence {b} has {q} new tokens but {len(par)} parents")
+            if q > 63:
+                raise ValueError(f"a tree step takes at most 63 new tokens per sequence, sequence {b} has {q}")
+            mine: list[int] = []
+            depth: list[int] = []
+            for i, p in enumerate(par):
+                if (i == 0) != (p == -1) or not -1 <= p < i:
+                    raise ValueError(f"sequence {b}: token {i} has parent {p}; the first token's is -1 and every "
+                                     "other's an earlier token")
+                mine.append((mine[p] if p >= 0 else 0) | (1 << i))
+                depth.append(depth[p] + 1 if p >= 0 else 0)
+            bits += mine
+            rope += [kv - q + d for d in depth]
+        dev = self.positions.device
+        self.tree_bits = torch.tensor(bits, dtype=torch.int64, device=dev)
+        self.rope_positions = torch.tensor(rope, dtype=torch.int64, device=dev)
 
     @classmethod
     def build(

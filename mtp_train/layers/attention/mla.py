@@ -39,6 +39,7 @@ class MLABackend(ABC):
     """MLA for one model shape; one instance serves all layers of a model."""
 
     name: str = "base"
+    tree_steps: bool = True  # verifies a tree of new tokens per sequence (`AttentionMetadata.set_tree`)
 
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> None:
         if scale <= 0:
@@ -95,7 +96,8 @@ class TorchMLA(MLABackend):
         if all(n == q for n in meta.qo_lens):
             # Batched path: queries (B, Q), keys padded to S = max_pages * page_size.
             s = meta.block_tables.shape[1] * meta.page_size
-            state["mask"] = _causal_mask(meta.positions.view(meta.batch_size, q), s, None)[:, None]  # (B, 1, Q, S)
+            bits = None if meta.tree_bits is None else meta.tree_bits.view(meta.batch_size, q)
+            state["mask"] = _causal_mask(meta.positions.view(meta.batch_size, q), s, None, bits)[:, None]  # (B,1,Q,S)
         meta.backend_state[_TORCH_STATE_KEY] = state
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -139,7 +141,8 @@ class TorchMLA(MLABackend):
         outs = []
         for i, (n, kv_len) in enumerate(zip(meta.qo_lens, meta.kv_lens)):
             lo = int(meta.qo_indptr[i])
-            m = _causal_mask(meta.positions[lo: lo + n], kv_len, None)[None, None]  # (1, 1, Q, S)
+            bits = None if meta.tree_bits is None else meta.tree_bits[lo: lo + n]
+            m = _causal_mask(meta.positions[lo: lo + n], kv_len, None, bits)[None, None]  # (1, 1, Q, S)
             outs.append(self._sdpa(q[None, lo: lo + n], keys[i: i + 1, :kv_len], values[i: i + 1, :kv_len], m)[0])
         return torch.cat(outs, 0)
 

@@ -15,12 +15,22 @@ from mtp_train.layers.attention.base import AttentionBackend
 from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
 
 
-def _causal_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
-    """q_pos: (..., Q) absolute positions → bool (..., Q, kv_len), True = attend."""
+def _causal_mask(q_pos: torch.Tensor, kv_len: int, window: int | None,
+                 tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """q_pos: (..., Q) absolute positions (slots) → bool (..., Q, kv_len), True = attend.
+
+    tree_bits: (..., Q) of a tree step (`AttentionMetadata.set_tree`): a query sees the step's new token i of its
+    sequence (slot q_pos[..., 0] + i) only when its bit i is set.
+    """
     kv_pos = torch.arange(kv_len, device=q_pos.device)
     mask = kv_pos <= q_pos[..., None]
     if window is not None:
         mask &= kv_pos > q_pos[..., None] - window
+    if tree_bits is not None:
+        rel = kv_pos - q_pos[..., :1]  # (..., S) slot relative to the sequence's first new token
+        new = (rel >= 0) & (rel < 63)
+        seen = (tree_bits[..., None] >> rel.clamp(0, 62)[..., None, :]) & 1  # (..., Q, S)
+        mask &= ~new[..., None, :] | seen.bool()
     return mask
 
 
@@ -41,15 +51,19 @@ class TorchBackend(AttentionBackend):
         st["page_ids"] = meta.block_tables.reshape(-1).long()
         # CPU inference: the native kernel reads the pages in place (see forward)
         st["native"] = meta.positions.device.type == "cpu" and cpu_kernels.available()
+        if meta.tree_bits is not None and self.sliding_window is not None:
+            raise ValueError("a tree step counts a sliding window in slots, not depths; "
+                             "verify one chain per sequence for a model with a sliding window")
         if st["native"]:
             st["native_args"] = cpu_kernels.paged_attention_args(meta.block_tables, meta.qo_indptr, meta.positions,
-                                                                 max(meta.kv_lens))
+                                                                 max(meta.kv_lens), meta.tree_bits)
         q = meta.qo_lens[0]
         if all(n == q for n in meta.qo_lens):
             # Batched path: queries (B, Q), keys padded to S = max_pages * page_size.
             s = meta.block_tables.shape[1] * meta.page_size
             q_pos = meta.positions.view(meta.batch_size, q)
-            st["mask"] = _causal_mask(q_pos, s, self.sliding_window)[:, None]  # (B, 1, Q, S)
+            bits = None if meta.tree_bits is None else meta.tree_bits.view(meta.batch_size, q)
+            st["mask"] = _causal_mask(q_pos, s, self.sliding_window, bits)[:, None]  # (B, 1, Q, S)
             st["uniform"] = True
         else:
             st["uniform"] = False
@@ -105,7 +119,8 @@ class TorchBackend(AttentionBackend):
         for i, (n, kv_len) in enumerate(zip(meta.qo_lens, meta.kv_lens)):
             lo = int(meta.qo_indptr[i])
             q_pos = meta.positions[lo: lo + n]
-            mask = _causal_mask(q_pos, kv_len, self.sliding_window)[None]  # (1, Q, S)
+            bits = None if meta.tree_bits is None else meta.tree_bits[lo: lo + n]
+            mask = _causal_mask(q_pos, kv_len, self.sliding_window, bits)[None]  # (1, Q, S)
             outs.append(self._sdpa(q[None, lo: lo + n], keys[i: i + 1, :kv_len], values[i: i + 1, :kv_len],
                                    mask[:, None], causal=False)[0])
         return torch.cat(outs, 0)

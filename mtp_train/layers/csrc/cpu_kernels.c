@@ -152,11 +152,14 @@ static inline __m256 exp8(__m256 x) {
  * token's K (then V) row of Hkv * D floats is read once, front to back, page after page.
  * scores: scratch of T * Hq * max_kv floats. out: (T, Hq, D). Softmax in two passes (max, then exp
  * and sum), as in the reference.
+ * tree_bits: NULL, or (T,) int64 for a step whose new tokens form a tree (a token's position is then its slot,
+ * not its depth): token t sees the new token i of its own sequence (slot positions[qo_indptr[b]] + i) only when
+ * bit i of tree_bits[t] is set; cached tokens before the step stay visible. Hidden slots get no weight at all.
  */
 void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, const float *cache, int ps,
                              const int *block_tables, int max_pages, const int *qo_indptr, int B,
                              const int64_t *positions, int window, float scale, float *scores, long max_kv,
-                             float *out, int num_threads) {
+                             float *out, int num_threads, const int64_t *tree_bits) {
     int group = Hq / Hkv;
     long tok_stride = (long)Hkv * D;          /* between tokens of a page */
     long page_stride = 2L * ps * tok_stride;  /* between pages; V starts ps * tok_stride after K */
@@ -168,6 +171,9 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, cons
         while (b + 1 < B && qo_indptr[b + 1] <= t) b++;
         const int *bt = block_tables + (size_t)b * max_pages;
         long pos = positions[t];
+        long s0 = positions[qo_indptr[b]];  /* the step's first new slot of this sequence (tree steps) */
+        int64_t bits = tree_bits ? tree_bits[t] : 0;
+#define HIDDEN(j) (tree_bits && (j) >= s0 && !((bits >> ((j) - s0)) & 1))
         long lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
         long n = pos - lo + 1;
         const float *qt = q + (size_t)t * Hq * D;
@@ -181,6 +187,10 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, cons
             long j0 = p * ps > lo ? p * ps : lo, j1 = (p + 1) * ps - 1 < pos ? (p + 1) * ps - 1 : pos;
             for (long j = j0; j <= j1; j++) {
                 const float *krow = kpage + (j - p * ps) * tok_stride;
+                if (HIDDEN(j)) {  /* e^-inf: no weight (exp8 clamps it to ~1e-38, below any sum's rounding) */
+                    for (int h = 0; h < Hq; h++) st[(long)h * max_kv + (j - lo)] = -INFINITY;
+                    continue;
+                }
                 for (int h = 0; h < Hq; h++) {
                     float v = dot1(krow + (long)(h / group) * D, qt + (long)h * D, D) * scale;
                     st[(long)h * max_kv + (j - lo)] = v;
@@ -208,6 +218,7 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, cons
             const float *vpage = cache + (size_t)bt[p] * page_stride + (long)ps * tok_stride;
             long j0 = p * ps > lo ? p * ps : lo, j1 = (p + 1) * ps - 1 < pos ? (p + 1) * ps - 1 : pos;
             for (long j = j0; j <= j1; j++) {
+                if (HIDDEN(j)) continue;
                 const float *vrow = vpage + (j - p * ps) * tok_stride;
                 for (int h = 0; h < Hq; h++) {
                     const float *vp = vrow + (long)(h / group) * D;
@@ -223,6 +234,7 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, cons
         }
     }
 }
+#undef HIDDEN
 
 /* Rotate-half RoPE in place: x rows (T, row stride xs) hold `heads` consecutive heads of D values from
  * column 0; cos, sin: (T, D) contiguous. x[i] <- x[i] cos[i] - x[i + D/2] sin[i],
