@@ -109,8 +109,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             state.pop("export", None)
         elif stage == "eval":
             best = result["best"]
-            keys = ("k", "draft_threshold", "tau", "acceptance_rate", "speedup", "speedup_lo", "speedup_hi",
-                    "tokens_per_s", "baseline_tokens_per_s", "exact_match", "mean_draft_len", "tau_ngram",
+            keys = ("k", "draft_threshold", "draft_width", "tau", "acceptance_rate", "speedup", "speedup_lo",
+                    "speedup_hi", "tokens_per_s", "baseline_tokens_per_s", "exact_match", "mean_draft_len", "tau_ngram",
                     "speedup_ngram")
             record["metrics"] = {k: best[k] for k in keys if k in best}
             record["outputs"] = [str(out / "eval" / "report.json"), str(out / "eval" / "outputs.jsonl")]
@@ -126,6 +126,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "speedup_lo": m.get("speedup_lo"), "speedup_hi": m.get("speedup_hi"),  # 95% interval over prompt chunks
         "tokens_per_s": m["tokens_per_s"], "baseline_tokens_per_s": m["baseline_tokens_per_s"],
         "exact_match": m.get("exact_match"), "draft_threshold": m.get("draft_threshold"),
+        "draft_width": m.get("draft_width"),
         "mean_draft_len": m.get("mean_draft_len"),
         "tau_ngram": m.get("tau_ngram"), "speedup_ngram": m.get("speedup_ngram"),  # prompt lookup, same prompts
         "minutes": sum(state[s]["minutes"] for s in STAGES),
@@ -143,6 +144,7 @@ def print_summary(rows: list[tuple[str, str, float, str]], s: dict[str, Any]) ->
     for stage, status, minutes, output in rows:
         print(f"{stage:<11} {status:<8} {minutes:>7.1f}  {output}")
     thr = f", threshold {s['draft_threshold']:g}" if s.get("draft_threshold") else ""
+    thr += f", width {s['draft_width']}" if (s.get("draft_width") or 1) > 1 else ""
     interval = (f" [95% {s['speedup_lo']:.2f}–{s['speedup_hi']:.2f}]" if s.get("speedup_lo") is not None else "")
     print(f"\nmtp head, k={s['k']}{thr}, greedy, held-out prompts: τ {s['tau']:.2f} · acceptance rate "
           f"{s['acceptance_rate']:.2f} · speed-up {s['speedup']:.2f}×{interval} ({s['tokens_per_s']:.1f} vs "
