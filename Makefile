@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-spec bench-memory bench-regenerate ablation curve check-vllm clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-spec bench-tree bench-memory bench-regenerate ablation curve check-vllm clean
 
 setup: $(STAMP)
 
@@ -67,6 +67,10 @@ bench-memory: setup
 # `make demo`), e.g. `make bench-spec HEAD=runs/eagle3/heads/step-400`.
 bench-spec: model
 	$(PY) bench/bench_spec.py --model $(MODEL_DIR) $(if $(HEAD),--head $(HEAD)) $(BENCH_SPEC_ARGS)
+
+# Verify cost by rows, and a head's tau by (k, draft_width), e.g. `make bench-tree HEAD=runs/demo/train/heads/step-600`.
+bench-tree: model
+	$(PY) bench/bench_tree.py --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-600) $(BENCH_TREE_ARGS)
 
 # The norm ablation (mtp vs eagle1) at the CPU-sized default; e.g. `make ablation ABLATION_ARGS="--steps 2000"`.
 ablation: model

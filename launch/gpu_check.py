@@ -197,6 +197,15 @@ def run_checks(tag: str, path: Path, hf_parity: bool) -> None:
         check(f"{tag} speculative {pname} k={k} greedy = plain greedy", ok,
               f"{same}/{len(seqs)} identical, tau {tau:.2f}, draft {eng.stats.draft_seconds:.2f}s verify "
               f"{eng.stats.verify_seconds:.2f}s")
+    # first-draft alternatives: every verify step is a tree (FlashInfer's custom mask), output still plain greedy's
+    eng = SpecEngine(ours_f, HeadProposer(head, draft_width=4), 2, kv_cache_gb=1)
+    out = eng.generate(seqs, params)
+    same = sum(a.output_ids == b.output_ids for a, b in zip(out, gf))
+    m = eng.stats.metrics
+    check(f"{tag} speculative mtp head k=2 draft_width=4 (tree verify) greedy = plain greedy",
+          same >= len(seqs) - ties and m.num_alt_tokens == 3 * m.num_drafts,
+          f"{same}/{len(seqs)} identical, tau {m.mean_acceptance_length:.2f}, {m.num_alt_accepted} alternatives "
+          "accepted")
     eng = SpecEngine(ours_f, DraftModelProposer(ours_f), 3, kv_cache_gb=1)
     sampled = eng.generate(seqs, SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=32, ignore_eos=True))
     check(f"{tag} speculative sampling (flashinfer chain_speculative_sampling)",

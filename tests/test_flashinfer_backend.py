@@ -216,11 +216,13 @@ def test_missing_flashinfer_gives_install_hint(monkeypatch):
         FlashInferBackend(8, 2, 64, device="cpu")
 
 
-def _attend(q, k, v, causal: bool, window_left: int, sm_scale: float) -> torch.Tensor:
+def _attend(q, k, v, causal: bool, window_left: int, sm_scale: float,
+            custom: torch.Tensor | None = None) -> torch.Tensor:
     """FlashInfer's documented semantics for one request, in fp32.
 
     q: (Q, Hq, D); k, v: (K, Hkv, D). Query i sits at position K - Q + i; with `causal` it sees keys
-    j <= that position, and with window_left >= 0 only keys j >= position - window_left.
+    j <= that position, and with window_left >= 0 only keys j >= position - window_left. custom: the request's
+    (Q·K,) slice of a plan's `custom_mask` (True = attend), which replaces `causal`.
     """
     n_q, n_k = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -229,8 +231,8 @@ def _attend(q, k, v, causal: bool, window_left: int, sm_scale: float) -> torch.T
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * sm_scale
     pos = torch.arange(n_q)[:, None] + n_k - n_q
     j = torch.arange(n_k)[None]
-    allowed = torch.ones(n_q, n_k, dtype=torch.bool)
-    if causal:
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool) if custom is None else custom.view(n_q, n_k).cpu()
+    if causal and custom is None:
         allowed &= j <= pos
     if window_left >= 0:
         allowed &= j >= pos - window_left
@@ -281,14 +283,18 @@ class _FakePaged(_FakeWrapper):
              q_data_type="float16", kv_data_type=None, non_blocking=True):
         self.plans.append(dict(qo=qo_indptr.tolist(), kv_indptr=paged_kv_indptr,
                                kv_indices=paged_kv_indices, last=paged_kv_last_page_len, page_size=page_size,
-                               causal=causal, window_left=window_left, sm_scale=sm_scale,
+                               causal=causal, window_left=window_left, sm_scale=sm_scale, custom=custom_mask,
                                dtypes=(q_data_type, kv_data_type)))
 
     def run(self, q, paged_kv_cache):
         p = self.plans[-1]
-        qo = p["qo"]
-        return torch.cat([_attend(q[qo[b]: qo[b + 1]], k, v, p["causal"], p["window_left"], p["sm_scale"])
-                          for b, (k, v) in enumerate(self._gather(paged_kv_cache))])
+        qo, outs, at = p["qo"], [], 0
+        for b, (k, v) in enumerate(self._gather(paged_kv_cache)):
+            n = (qo[b + 1] - qo[b]) * k.shape[0]  # this request's slice of the flattened custom mask
+            custom = None if p["custom"] is None else p["custom"][at:at + n]
+            at += n
+            outs.append(_attend(q[qo[b]: qo[b + 1]], k, v, p["causal"], p["window_left"], p["sm_scale"], custom))
+        return torch.cat(outs)
 
 
 class _FakeDecode(_FakeWrapper):
@@ -338,6 +344,34 @@ def test_plumbing_against_documented_semantics(fake_flashinfer, heads, window):
             assert plan["sm_scale"] == pytest.approx(HEAD_DIM**-0.5)
             assert plan["dtypes"] == (torch.bfloat16, torch.bfloat16)
             assert plan.get("causal", True) is True
+
+
+def _tree_case(backend, device, dtype, gen, hq=8, hkv=2):
+    """A tree step (`set_tree`) of two sequences through `backend` against the fp32 torch reference."""
+    qo, kv = [5, 3], [12, 20]
+    meta = AttentionMetadata.build(qo, kv, _block_tables(kv, gen), PAGE_SIZE, device=device)
+    meta.set_tree([[-1, 0, 1, 0, 0], [-1, 0, 0]])  # a chain of 2 with two siblings; two siblings alone
+    q, k, v = _qkv(meta.num_tokens, hq, hkv, dtype, device, gen)
+    cache = torch.randn(NUM_PAGES, 2, PAGE_SIZE, hkv, HEAD_DIM, generator=gen).to(device, dtype)
+    want, _ = _reference(q, k, v, cache, meta, hq, hkv)
+    backend.prepare(meta)
+    got = backend.forward(q, k, v, cache, meta)
+    tol = TOL.get(dtype, 2e-2)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # and the tree changed something: the same step as plain chains attends differently
+    chain = AttentionMetadata.build(qo, kv, meta.block_tables.tolist(), PAGE_SIZE, device=device)
+    plain, _ = _reference(q, k, v, cache, chain, hq, hkv)
+    assert not torch.allclose(plain, want, atol=tol, rtol=tol)
+
+
+def test_tree_step_plans_a_custom_mask(fake_flashinfer):
+    _tree_case(fake_flashinfer(8, 2, HEAD_DIM, device="cpu"), "cpu", torch.bfloat16, torch.Generator().manual_seed(9))
+
+
+@gpu
+@pytest.mark.gpu
+def test_tree_step_matches_torch():
+    _tree_case(_fi_backend(8, 2), "cuda", torch.bfloat16, torch.Generator().manual_seed(9))
 
 
 def test_one_plan_per_step_and_replan_when_interleaved(fake_flashinfer):
