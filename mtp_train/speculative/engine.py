@@ -6,8 +6,11 @@ proposer prefill too. Every other step, for all running sequences at once:
 
     draft    the proposer guesses d_1..d_k_b, k_b <= k per sequence (greedy, or sampled from its filtered
              distribution q; a dynamic chain or prompt lookup may draft fewer, even none)
-    verify   the target runs [t_{L-1}, d_1..d_k_b] in one forward → k_b+1 distributions p (and hidden states)
-    accept   greedy: the longest prefix equal to the target's argmax, then the target's token;
+    verify   the target runs [t_{L-1}, d_1..d_k_b] in one forward → k_b+1 distributions p (and hidden states);
+             a proposer may add alternatives a_2..a_w for d_1 (greedy sequences), verified in the same forward as
+             a tree (each alternative a child of t_{L-1}, rows after the chain)
+    accept   greedy: the longest prefix equal to the target's argmax, then the target's token (or, when d_1
+             missed, the alternative equal to the target's token and the target's token after it);
              sampled: the Leviathan/Chen rule (`mtp_train.speculative.acceptance`) with the request's generator
     rollback the rejected drafts leave the sequence and the target's cache; the proposer catches up
 
