@@ -109,4 +109,3 @@ class KVCache:
             self.pool[:, dp, do] = self.pool[:, sp, so]
         else:  # (layers, pages, 2, page_size, Hkv, D)
             self.pool[:, dp, :, do] = self.pool[:, sp, :, so]
-

@@ -279,9 +279,7 @@ class HeadProposer(Proposer):
 
         logits: (R, Vd) of `rows`; picked: (R,) the first drafts already taken (the chain's), left out here.
         """
-        top = logits.topk(self.draft_width, dim=-1).indices  # (R, w) draft-vocabulary columns
-        vocab = self.head.draft_vocab
-        ids = (top if vocab is None else vocab.to(top.device)[top]).tolist()
+        ids = self.head.to_target_ids(logits.topk(self.draft_width, dim=-1).indices).tolist()  # (R, w)
         for r, b in enumerate(rows):
             if seqs[b].params.greedy:
                 out[b] = [t for t in ids[r] if t != picked[r]][: self.draft_width - 1]

@@ -170,12 +170,11 @@ class FlashInferBackend(AttentionBackend):
             return _StepPlan("decode", paged, common)
         if meta.tree_bits is not None:
             # A tree step: each sequence's (Q, kv_len) visibility, flattened in batch order (FlashInfer packs it).
-            masks = []
-            for b, (q, kv) in enumerate(zip(meta.qo_lens, meta.kv_lens)):
-                lo = int(meta.qo_indptr[b])
-                masks.append(_causal_mask(meta.positions[lo:lo + q].cpu(), kv, None,
-                                          meta.tree_bits[lo:lo + q].cpu()).reshape(-1))
-            mask = torch.cat(masks).to(self.device)
+            # One copy of positions and bits to the host (not one sync per sequence); offsets from the host lengths.
+            pos, bits = meta.positions.cpu(), meta.tree_bits.cpu()
+            starts = qo_indptr.tolist()
+            mask = torch.cat([_causal_mask(pos[lo:lo + q], kv, None, bits[lo:lo + q]).reshape(-1)
+                              for lo, q, kv in zip(starts, meta.qo_lens, meta.kv_lens)]).to(self.device)
             return _StepPlan("paged", (qo_indptr, *paged), dict(common, causal=False, custom_mask=mask))
         return _StepPlan("paged", (qo_indptr, *paged), dict(common, causal=True))
 
