@@ -143,3 +143,21 @@ def test_eval_draft_method_with_the_target_as_its_own_draft(default_model_dir, t
     row = report["best"]
     assert row["method"] == "draft" and row["exact_match"] == 1.0
     assert row["acceptance_rate"] == 1.0 and row["tau"] == 3.0
+
+
+def test_eval_draft_width_axis_runs_trees_beside_chains(trained, default_model_dir):
+    """draft_width=[1,2]: one head row per width; the tree rows verify the runner-up too (two rows at k = 1) and
+    still give plain greedy's answers; a width the head cannot have is refused before any run."""
+    root, _ = trained
+    head = sorted((root / "run" / "heads").iterdir())[-1]
+    base = [f"model.path={default_model_dir}", "model.device=cpu", f"head_ckpt={head}", f"prompts=[{HELDOUT}]",
+            "limit=2", "max_new_tokens=10", "k=1", "ngram.compare=false", "progress=false", "warmup=false",
+            "plots=false"]
+    report = eval_main(_cfg("eval", [*base, "draft_width=[1,2]", f"out={root / 'eval-width'}"]))
+    rows = {r["draft_width"]: r for r in report["rows"] if r["dataset"] == "overall"}
+    assert set(rows) == {1, 2}
+    assert rows[1]["mean_draft_len"] == 1.0 and rows[2]["mean_draft_len"] == 2.0
+    assert all(r["exact_match"] == 1.0 for r in rows.values())
+    assert rows[1]["num_alt_accepted"] == 0 and rows[2]["num_alt_accepted"] >= 0
+    with pytest.raises(ValueError, match="draft_width"):
+        eval_main(_cfg("eval", [*base, "draft_width=0", f"out={root / 'eval-bad'}"]))
