@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-DEVICE_KINDS = ("cpu", "cuda")
+CPU, CUDA = "cpu", "cuda"
+DEVICE_KINDS = (CPU, CUDA)
 
 
 def resolve_device(device: str) -> str:
@@ -42,4 +43,17 @@ def bf16_enabled(device: torch.device) -> bool:
     """bf16 training on CUDA devices that support it; fp32 elsewhere."""
     import torch
 
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return on_cuda(device) and torch.cuda.is_bf16_supported()
+
+
+def on_cuda(device: torch.device | str) -> bool:
+    """Whether a device (or device name such as `cuda:1`) is a CUDA device: the one test of device kind the
+    library uses, so that no module compares device-type strings of its own."""
+    kind = device.type if not isinstance(device, str) else device.split(":", 1)[0]
+    return kind == CUDA
+
+
+def on_cpu(device: torch.device | str) -> bool:
+    """Whether a device (or device name) is the CPU."""
+    kind = device.type if not isinstance(device, str) else device.split(":", 1)[0]
+    return kind == CPU
