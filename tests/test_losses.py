@@ -13,7 +13,14 @@ from mtp_train.engine import prefill_hidden
 from mtp_train.heads import build_head
 from mtp_train.layers import cpu_kernels
 from mtp_train.models import load_model
-from mtp_train.train.losses import chunked_soft_ce, draft_loss, step_targets, step_token_counts, unrolled_loss
+from mtp_train.train.losses import (
+    chunked_soft_ce,
+    chunked_token_loss,
+    draft_loss,
+    step_targets,
+    step_token_counts,
+    unrolled_loss,
+)
 
 V, H = 96, 16
 
@@ -321,3 +328,103 @@ def test_eagle3_loss_restricts_the_target_to_the_draft_rows_and_masks_out_of_voc
     assert mm["num_tokens"] == pm["num_tokens"] == n
     masked.backward()
     assert head.lm_head.weight.grad is not None and head.fc.weight.grad is not None
+
+
+# --- acceptance-aimed token losses (loss.kind) -----------------------------------------------------------------
+
+KINDS = ("soft_ce", "rkl", "jsd", "tv", "nla", "lk_hybrid")
+
+
+def _reference_kind(kind: str, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Row losses straight from the definitions, over probabilities (not log-probabilities) and the full vocabulary."""
+    q, p = z.softmax(-1), t.softmax(-1)
+    alpha = 1 - 0.5 * (p - q).abs().sum(-1)  # the TV form of α, not the min form the code uses
+    kl_pq = (p * (p / q).log()).sum(-1)
+    if kind == "soft_ce":
+        return -(p * q.log()).sum(-1)
+    if kind == "rkl":
+        return (q * (q / p).log()).sum(-1)
+    if kind == "jsd":
+        m = (p + q) / 2
+        return 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
+    if kind == "tv":
+        return 1 - alpha
+    if kind == "nla":
+        return -alpha.log()
+    lam = torch.exp(-3 * alpha).detach()
+    return lam * kl_pq + (1 - lam) * (1 - alpha)
+
+
+@pytest.mark.parametrize("impl", ["checkpoint", "fused"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_token_loss_and_its_gradient_equal_a_plain_reference(kind, impl):
+    """fp64 in, so any mistake in a formula or in the chunked gradient shows at tight tolerance."""
+    pred, target = _rand(23, H, seed=1).requires_grad_(), _rand(23, H, seed=2)
+    lm_head = _rand(V, H, seed=3, scale=0.5)
+    loss, top1, _, alpha = chunked_token_loss(pred, target, lm_head, chunk_size=7, impl=impl, kind=kind)
+    z, t = pred @ lm_head.T, target @ lm_head.T
+    ref = _reference_kind(kind, z, t).sum()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(alpha, (1 - 0.5 * (z.softmax(-1) - t.softmax(-1)).abs().sum(-1)).sum().detach())
+    assert int(top1) == int((z.argmax(-1) == t.argmax(-1)).sum())
+    (g,) = torch.autograd.grad(loss, pred)
+    (r,) = torch.autograd.grad(ref, pred)
+    torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_token_loss_in_bf16_matches_its_float32_reference(kind):
+    pred = _rand(19, H, seed=4, dtype=torch.float32).to(torch.bfloat16).requires_grad_()
+    target = _rand(19, H, seed=5, dtype=torch.float32).to(torch.bfloat16)
+    lm_head = _rand(V, H, seed=6, scale=0.5, dtype=torch.float32).to(torch.bfloat16)
+    for impl in ("checkpoint", "fused"):
+        loss, _, _, _ = chunked_token_loss(pred, target, lm_head, chunk_size=5, impl=impl, kind=kind)
+        assert loss.dtype == torch.float32
+        z, t = (pred @ lm_head.T).float(), (target @ lm_head.T).float()
+        ref = _reference_kind(kind, z, t).sum()
+        torch.testing.assert_close(loss, ref, rtol=2e-3, atol=2e-3)
+        (g,) = torch.autograd.grad(loss, pred)
+        (r,) = torch.autograd.grad(ref, pred)
+        torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-3)
+
+
+def test_acceptance_two_ways_and_its_limits():
+    """α = Σ min(p, q) = 1 − TV(p, q); 1 for identical distributions; the LK blend is its KL end at α → 0."""
+    from mtp_train.train.divergences import acceptance, row_loss
+
+    z, t = _rand(6, V, seed=7), _rand(6, V, seed=8)
+    a = acceptance(z.log_softmax(-1), t.log_softmax(-1))
+    torch.testing.assert_close(a, 1 - 0.5 * (z.softmax(-1) - t.softmax(-1)).abs().sum(-1))
+    same, alpha = row_loss("tv", t, t)
+    torch.testing.assert_close(alpha, torch.ones(6, dtype=alpha.dtype))
+    torch.testing.assert_close(same, torch.zeros(6, dtype=same.dtype))
+    far = torch.full((1, 4), -30.0, dtype=torch.float64)
+    far[0, 0], near = 30.0, torch.zeros(1, 4, dtype=torch.float64)
+    near[0, 1] = 60.0  # disjoint mass: α ≈ 0, λ ≈ 1
+    lk, _ = row_loss("lk_hybrid", far, near)
+    kl = (near.softmax(-1) * (near.log_softmax(-1) - far.log_softmax(-1))).sum(-1)
+    torch.testing.assert_close(lk, kl, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="unknown loss kind 'kl'"):
+        row_loss("kl", z, t)
+    with pytest.raises(ValueError, match="loss kind"):
+        LossConfig(kind="kl")
+
+
+@pytest.mark.parametrize("kind", KINDS[1:])
+def test_every_token_loss_trains_a_head_towards_acceptance(tiny_batch, kind):
+    """Sixty Adam steps on one fixed batch with each acceptance-aimed loss: the loss falls and α and top-1 rise."""
+    path, hidden, ids, mask, lens = tiny_batch
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type="mtp"), path, dtype="float32")
+    cfg = LossConfig(steps=1, w_feat=0.0, w_tok=1.0, chunk_size=8, kind=kind, ce_impl="fused")
+    opt = torch.optim.Adam(head.parameters(), lr=5e-3)
+    first = None
+    for _ in range(60):
+        loss, m = unrolled_loss(head, hidden, ids, mask, lens, cfg)
+        first = first if first is not None else m
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert m["loss"] < 0.8 * first["loss"], (first["loss"], m["loss"])
+    assert m["alpha"] > first["alpha"] + 0.05, (first["alpha"], m["alpha"])
+    assert m["top1"] > first["top1"], (first["top1"], m["top1"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CE_IMPLS = ("checkpoint", "fused")  # how the soft cross-entropy's backward is computed (see train/losses.py)
+# the token loss between the head's and the target's distributions (see train/divergences.py)
+LOSS_KINDS = ("soft_ce", "rkl", "jsd", "tv", "nla", "lk_hybrid")
 UNROLL_ATTENTION = ("chain", "causal")  # how unrolled steps j > 0 attend (see heads/chain_attention.py)
 
 
@@ -13,7 +15,8 @@ class LossConfig:
     """Weights and knobs of the head loss."""
 
     w_feat: float = 1.0  # weight of the SmoothL1 feature loss
-    w_tok: float = 0.1  # weight of the soft cross-entropy against the target's distribution
+    w_tok: float = 0.1  # weight of the token loss against the target's distribution
+    kind: str = "soft_ce"  # token loss: soft_ce | rkl | jsd | tv (1 − α) | nla (−log α) | lk_hybrid (KL/TV blend)
     smooth_l1_beta: float = 1.0  # SmoothL1 switch point between quadratic and linear
     steps: int = 1  # chained draft steps unrolled per batch
     step_decay: float = 0.8  # step j weighs step_decay ** j, unless step_weights is given
@@ -36,6 +39,8 @@ class LossConfig:
         if self.unroll_attention not in UNROLL_ATTENTION:
             raise ValueError(f"unknown unroll_attention {self.unroll_attention!r}; "
                              f"choose one of {', '.join(UNROLL_ATTENTION)}")
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"unknown loss kind {self.kind!r}; choose one of {', '.join(LOSS_KINDS)}")
         if self.ce_impl not in CE_IMPLS:
             raise ValueError(f"unknown ce_impl {self.ce_impl!r}; choose one of {', '.join(CE_IMPLS)}")
 

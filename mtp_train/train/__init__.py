@@ -2,6 +2,7 @@
 
 from mtp_train.train.losses import (
     chunked_soft_ce,
+    chunked_token_loss,
     draft_loss,
     step_targets,
     step_token_counts,
@@ -11,6 +12,7 @@ from mtp_train.train.losses import (
 
 __all__ = [
     "chunked_soft_ce",
+    "chunked_token_loss",
     "draft_loss",
     "step_targets",
     "step_token_counts",

@@ -18,6 +18,8 @@ from mtp_train.speculative.chain import inference_chain
 from mtp_train.train.data import PackedBatch
 from mtp_train.train.losses import head_inputs, in_draft_vocab, step_loss
 
+SUMMED = ("feat_loss", "tok_loss", "top1", "top3", "alpha", "num_tokens")  # per-step sums; the count comes last
+
 
 @torch.no_grad()
 def evaluate(head: DraftHead, batches: Iterable[PackedBatch], loss_cfg: LossConfig, device: torch.device,
@@ -27,13 +29,13 @@ def evaluate(head: DraftHead, batches: Iterable[PackedBatch], loss_cfg: LossConf
     aux_columns: the columns of the batches' aux_hidden an aux head reads (`train.data.aux_columns`; None = all).
 
     Sums are all-reduced over ranks (every rank must call it with its share of the batches). Returns
-    eval/loss (Σ_j w_j · loss_j, as in training), eval/step{j}/{loss,feat_loss,tok_loss,top1,top3,num_tokens}
+    eval/loss (Σ_j w_j · loss_j, as in training), eval/step{j}/{loss,feat_loss,tok_loss,top1,top3,alpha,num_tokens}
     and the step-0 values without the step prefix; {} when no rank had a counted token.
     """
     was_training = head.training
     head.eval()
     steps = loss_cfg.steps
-    sums = torch.zeros(steps, 5, dtype=torch.float64, device=device)  # feat, tok, top1, top3, count per step
+    sums = torch.zeros(steps, len(SUMMED), dtype=torch.float64, device=device)  # SUMMED's values per step
     for batch in batches:
         b = batch.to(device, non_blocking=True)
         x = head_inputs(head, b.hidden, b.head_aux(aux_columns))  # step 0's input: final hidden or aux features
@@ -42,22 +44,22 @@ def evaluate(head: DraftHead, batches: Iterable[PackedBatch], loss_cfg: LossConf
         for j, pred in enumerate(preds):
             # num_tokens=1: the metrics come back as plain sums over the batch's counted rows.
             _, m = step_loss(head, pred, b.hidden, b.loss_mask, b.seq_lens, j, loss_cfg, 1.0, in_vocab)
-            sums[j] += torch.stack([m[k].double() for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")])
+            sums[j] += torch.stack([m[k].double() for k in SUMMED])
     if world > 1:
         tdist.all_reduce(sums)
     head.train(was_training)
-    if float(sums[0, 4]) == 0:
+    if float(sums[0, -1]) == 0:
         return {}
     out: dict[str, float] = {}
     total = 0.0
     for j, w in enumerate(loss_cfg.weights()):
-        feat, tok, top1, top3, n = sums[j].tolist()
-        n = max(n, 1.0)
-        loss_j = loss_cfg.w_feat * feat / n + loss_cfg.w_tok * tok / n
+        row = dict(zip(SUMMED, sums[j].tolist()))
+        n = max(row["num_tokens"], 1.0)
+        values = {k: v / n for k, v in row.items() if k != "num_tokens"}
+        loss_j = loss_cfg.w_feat * values["feat_loss"] + loss_cfg.w_tok * values["tok_loss"]
         total += w * loss_j
-        values = {"loss": loss_j, "feat_loss": feat / n, "tok_loss": tok / n, "top1": top1 / n, "top3": top3 / n,
-                  "num_tokens": n}
+        values.update(loss=loss_j, num_tokens=n)
         out.update({f"eval/step{j}/{k}": v for k, v in values.items()})
     out["eval/loss"] = total
-    out.update({f"eval/{k}": out[f"eval/step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")})
+    out.update({f"eval/{k}": out[f"eval/step0/{k}"] for k in SUMMED})
     return out

@@ -1,8 +1,12 @@
-"""The draft-head training loss: feature regression plus soft cross-entropy against the target, vocabulary-chunked.
+"""The draft-head training loss: feature regression plus a token loss against the target, vocabulary-chunked.
 
 Per counted row r (a row whose target position is in the loss mask, see `step_targets`):
 
-    loss_r = w_feat · mean_H SmoothL1(ĥ_r, h_r) + w_tok · CE(softmax(lm_head(h_r)), log_softmax(W_d ĥ_r))
+    loss_r = w_feat · mean_H SmoothL1(ĥ_r, h_r) + w_tok · D(softmax(lm_head(h_r)), softmax(W_d ĥ_r))
+
+D is `loss.kind` (`mtp_train.train.divergences`): soft cross-entropy by default, or an acceptance-aimed loss
+(reverse KL, JSD, TV = 1 − α, −log α, the LK hybrid). What follows is said of the soft CE; the other kinds are
+chunked the same way, their d/dz taken by autograd over one chunk at a time.
 
 summed over rows and divided by `num_tokens` (by default the local count of counted rows; a trainer passes
 the count over all ranks). The target distribution is recomputed from the stored (bf16) target hidden with
@@ -33,9 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mtp_train.config.loss import CE_IMPLS, LossConfig
+from mtp_train.config.loss import CE_IMPLS, LOSS_KINDS, LossConfig
 from mtp_train.heads import DraftHead, packed_shift, resolve_seq_lens
 from mtp_train.layers import cpu_kernels
+from mtp_train.train.divergences import row_loss
 
 TOPK = 3  # the second accuracy reported: target argmax within the head's top-3
 
@@ -112,25 +117,39 @@ def _accuracy(z: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.
         return (top[:, 0] == best).sum(), (top == best[:, None]).any(-1).sum()
 
 
-def _ce_chunk(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
-              target_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Soft CE summed over one chunk's rows, plus top-1 / top-k counts."""
+def _alpha(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Σ over rows of α = Σ_v min(softmax(z), p): the acceptance a draft sampled from the head would get (no grad)."""
+    with torch.no_grad():
+        return torch.minimum(z.softmax(-1), p).sum()
+
+
+def _ce_chunk(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, target_weight: torch.Tensor,
+              kind: str = "soft_ce") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token loss summed over one chunk's rows, top-1 / top-k counts and Σ α."""
+    if kind != "soft_ce":
+        z, t = _logits(pred, target, weight, target_weight)
+        rows, alpha = row_loss(kind, z, t)
+        top1, topk = _accuracy(z, t.argmax(-1))
+        return rows.sum(), top1, topk, alpha.sum()
     z, p, best = _chunk_logits(pred, target, weight, target_weight)
     # -Σ p·log_softmax(z) = logsumexp(z) - Σ p·z  (Σ p = 1): no (C, V) log-softmax tensor is kept
     ce = (torch.logsumexp(z, -1) - (p * z).sum(-1)).sum()
     top1, topk = _accuracy(z, best)
-    return ce, top1, topk
+    return ce, top1, topk, _alpha(z, p)
 
 
-class _FusedSoftCE(torch.autograd.Function):
-    """Soft CE over all rows; d/d pred (and d/d weight when it trains) is computed chunk by chunk in the forward,
-    so only (N, H) (and (V, H)) is kept."""
+class _FusedTokenLoss(torch.autograd.Function):
+    """The token loss over all rows; d/d pred (and d/d weight when it trains) is computed chunk by chunk in the
+    forward, so only (N, H) (and (V, H)) is kept. Soft CE's d/dz is written out (softmax(z) − p, natively on fp32
+    CPU); the other kinds take d/dz of their row losses from autograd over the one chunk."""
 
     @staticmethod
     def forward(ctx, pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
-                target_weight: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                target_weight: torch.Tensor, chunk_size: int, kind: str,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         acc = torch.promote_types(torch.promote_types(weight.dtype, target_weight.dtype), torch.float32)
         ce = torch.zeros((), dtype=acc, device=pred.device)
+        alpha = torch.zeros((), dtype=acc, device=pred.device)
         top1 = torch.zeros((), dtype=torch.long, device=pred.device)
         topk = torch.zeros_like(top1)
         grad = torch.empty_like(pred) if ctx.needs_input_grad[0] else None
@@ -138,7 +157,18 @@ class _FusedSoftCE(torch.autograd.Function):
         for s in range(0, pred.shape[0], chunk_size):
             chunk = pred[s:s + chunk_size]
             z, t = _logits(chunk, target[s:s + chunk_size], weight, target_weight)
-            if cpu_kernels.serves(z, t):
+            if kind != "soft_ce":
+                with torch.enable_grad():
+                    zg = z.detach().requires_grad_()
+                    rows, a_rows = row_loss(kind, zg, t)
+                    (dz,) = torch.autograd.grad(rows.sum(), zg)
+                ce += rows.detach().sum()
+                alpha += a_rows.sum()
+                a, b = _accuracy(z, t.argmax(-1))
+                top1 += a
+                topk += b
+            elif cpu_kernels.serves(z, t):
+                alpha += _alpha(z, t.softmax(-1))  # before the kernel turns z into d CE / d z
                 # One pass per row in native code: CE, argmax, rank, and d CE / d z = softmax(z) - p over z.
                 ce_rows, _, rank = cpu_kernels.soft_ce_(z, t)
                 ce += ce_rows.sum()
@@ -149,6 +179,7 @@ class _FusedSoftCE(torch.autograd.Function):
                 p = t.softmax(-1)
                 lse = torch.logsumexp(z, -1)  # (C,)
                 ce += (lse - (p * z).sum(-1)).sum()
+                alpha += _alpha(z, p)
                 a, b = _accuracy(z, p.argmax(-1))
                 top1 += a
                 topk += b
@@ -164,26 +195,35 @@ class _FusedSoftCE(torch.autograd.Function):
         ctx.has = (grad is not None, grad_w is not None)
         ctx.save_for_backward(grad if grad is not None else torch.empty(0),
                               grad_w.to(weight.dtype) if grad_w is not None else torch.empty(0))
-        ctx.mark_non_differentiable(top1, topk)
-        return ce, top1, topk
+        ctx.mark_non_differentiable(top1, topk, alpha)
+        return ce, top1, topk, alpha
 
     @staticmethod
     def backward(ctx, g_ce: torch.Tensor, *_: torch.Tensor):  # type: ignore[override]
         grad, grad_w = ctx.saved_tensors
         gp = grad * g_ce.to(grad.dtype) if ctx.has[0] else None
         gw = grad_w * g_ce.to(grad_w.dtype) if ctx.has[1] else None
-        return gp, None, gw, None, None
+        return gp, None, gw, None, None, None
 
 
 def chunked_soft_ce(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.Tensor, chunk_size: int = 1024,
                     impl: str = "checkpoint", pred_head: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Soft cross-entropy of the head's distribution against the target's, summed over rows.
+    """Soft cross-entropy of the head's distribution against the target's, summed over rows: `chunked_token_loss`
+    of kind soft_ce without its α (see there)."""
+    return chunked_token_loss(pred, target, lm_head, chunk_size, impl, pred_head)[:3]
+
+
+def chunked_token_loss(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.Tensor, chunk_size: int = 1024,
+                       impl: str = "checkpoint", pred_head: torch.Tensor | None = None, kind: str = "soft_ce",
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token loss of `kind` (`mtp_train.train.divergences`) of the head's distribution against the target's,
+    summed over rows, with top-k counts and Σ α (the acceptance rate a sampled draft would get, summed).
 
     pred: (N, H) head features ĥ (differentiable); target: (N, H) target hidden h; lm_head: (V, H) frozen, the
     target's side; pred_head: (V, H) the head's side (None = lm_head; a trainable one gets its gradient).
-    Returns (ce_sum scalar in float32 or wider, top1 count, top3 count): top-k = the target's argmax is among
-    the head's k most likely tokens. At most `chunk_size` rows of (·, V) logits exist at a time. Gradients
+    Returns (loss_sum scalar in float32 or wider, top1 count, top3 count, α sum): top-k = the target's argmax is
+    among the head's k most likely tokens. At most `chunk_size` rows of (·, V) logits exist at a time. Gradients
     reach `pred` and a trainable `pred_head` only (the target and the target's lm_head are constants).
     """
     if impl not in CE_IMPLS:
@@ -191,20 +231,24 @@ def chunked_soft_ce(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.Ten
     n = pred.shape[0]
     w = lm_head.detach() if pred_head is None else pred_head
     grad = torch.is_grad_enabled() and (pred.requires_grad or w.requires_grad)
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"unknown loss kind {kind!r}; choose one of {', '.join(LOSS_KINDS)}")
     if impl == "fused" and grad:
-        return _FusedSoftCE.apply(pred, target.detach(), w, lm_head.detach(), chunk_size)
-    ce = torch.zeros((), dtype=torch.promote_types(torch.promote_types(lm_head.dtype, w.dtype), torch.float32),
-                     device=pred.device)
+        return _FusedTokenLoss.apply(pred, target.detach(), w, lm_head.detach(), chunk_size, kind)
+    acc = torch.promote_types(torch.promote_types(lm_head.dtype, w.dtype), torch.float32)
+    ce = torch.zeros((), dtype=acc, device=pred.device)
+    alpha = torch.zeros((), dtype=acc, device=pred.device)
     top1 = torch.zeros((), dtype=torch.long, device=pred.device)
     topk = torch.zeros_like(top1)
     for s in range(0, n, chunk_size):
-        args = (pred[s:s + chunk_size], target[s:s + chunk_size].detach(), w, lm_head.detach())
+        args = (pred[s:s + chunk_size], target[s:s + chunk_size].detach(), w, lm_head.detach(), kind)
         # Non-reentrant: unrolled steps reuse one module, which reentrant checkpointing breaks under ZeRO-2.
-        c, a, b = checkpoint(_ce_chunk, *args, use_reentrant=False) if grad else _ce_chunk(*args)
+        c, a, b, al = checkpoint(_ce_chunk, *args, use_reentrant=False) if grad else _ce_chunk(*args)
         ce = ce + c
         top1 += a
         topk += b
-    return ce, top1, topk
+        alpha += al.detach()
+    return ce, top1, topk, alpha
 
 
 # --- the losses -------------------------------------------------------------------------------------------------
@@ -213,15 +257,18 @@ def chunked_soft_ce(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.Ten
 def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, lm_head: torch.Tensor,
                num_tokens: float | torch.Tensor | None = None, *, w_feat: float = 1.0, w_tok: float = 0.1,
                smooth_l1_beta: float = 1.0, chunk_size: int = 1024, impl: str = "checkpoint",
-               pred_head: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               pred_head: torch.Tensor | None = None, kind: str = "soft_ce",
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one draft step.
 
     pred: (T, H) head output (what its lm_head reads); target: (T, H) target hidden of the same rows; counted:
     (T,) bool rows to learn; lm_head: (V, H) frozen, the target's side; pred_head: the head's side (None =
     lm_head); num_tokens: the normaliser (None → counted.sum(); a trainer passes the global count).
     Rows not counted are dropped before any arithmetic, so their values (even NaN) never matter.
-    Returns (loss, metrics): loss, feat_loss, tok_loss, top1, top3, each a sum over this batch's rows divided
-    by num_tokens (so they add up over ranks), and num_tokens = this batch's counted rows.
+    kind: the token loss (`mtp_train.train.divergences`).
+    Returns (loss, metrics): loss, feat_loss, tok_loss, top1, top3, alpha (the mean acceptance α of a draft
+    sampled from the head), each a sum over this batch's rows divided by num_tokens (so they add up over ranks),
+    and num_tokens = this batch's counted rows.
     """
     idx = counted.nonzero().squeeze(1)
     p, t = pred[idx], target[idx]  # (N, H)
@@ -230,7 +277,7 @@ def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, 
     denom = denom.clamp_min(1.0)  # a batch without counted rows gives a zero (still differentiable) loss
     acc = torch.promote_types(pred.dtype, torch.float32)  # bf16 features are compared in float32
     feat = F.smooth_l1_loss(p.to(acc), t.to(acc), reduction="none", beta=smooth_l1_beta).mean(-1).sum()
-    ce, top1, top3 = chunked_soft_ce(p, t, lm_head, chunk_size, impl, pred_head)
+    ce, top1, top3, alpha = chunked_token_loss(p, t, lm_head, chunk_size, impl, pred_head, kind)
     feat_loss, tok_loss = feat / denom, ce / denom
     loss = w_feat * feat_loss + w_tok * tok_loss
     metrics = {
@@ -239,6 +286,7 @@ def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, 
         "tok_loss": tok_loss.detach(),
         "top1": top1.float() / denom,
         "top3": top3.float() / denom,
+        "alpha": alpha.float() / denom,
         "num_tokens": n_local,
     }
     return loss, metrics
@@ -275,7 +323,7 @@ def step_loss(head: DraftHead, out: torch.Tensor, hidden: torch.Tensor, loss_mas
         num_tokens = n_all if num_tokens is None else num_tokens
     loss, m = draft_loss(head.logit_input(out), target, counted, head.lm_head_weight(), num_tokens, w_feat=cfg.w_feat,
                          w_tok=cfg.w_tok, smooth_l1_beta=cfg.smooth_l1_beta, chunk_size=cfg.chunk_size,
-                         impl=cfg.ce_impl, pred_head=head.draft_lm_head())
+                         impl=cfg.ce_impl, pred_head=head.draft_lm_head(), kind=cfg.kind)
     m["num_tokens"] = n_all  # masked-out rows stay in every normaliser: their top-1 counts as a miss
     return loss, m
 
@@ -321,7 +369,8 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
                               None if num_tokens is None else num_tokens[j], in_vocab)
         total = total + w * loss_j
         metrics.update({f"step{j}/{k}": v for k, v in m.items()})
-    metrics.update({k: metrics[f"step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "num_tokens")})
+    metrics.update({k: metrics[f"step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "alpha",
+                                                        "num_tokens")})
     metrics["loss"] = total.detach()
     return total, metrics
 
