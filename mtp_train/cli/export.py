@@ -11,35 +11,15 @@ See `mtp_train.export.layouts` for each layout's tensor names.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
 from mtp_train.cli.common import ensure_model, hydra_entry
 from mtp_train.config import check_config
-from mtp_train.export import describe, export_head, load_export
+from mtp_train.export import describe, export_head, verify_round_trip
 
 PROG = "mtp-export"
-
-
-def verify_round_trip(head_dir: Path, export_dir: Path, target_dir: Path, rows: int = 8) -> float:
-    """Max |Δ| between the trained head's and the loaded export's features on random inputs (0.0 = identical)."""
-    from mtp_train.heads import load_head
-    from mtp_train.layers import AttentionMetadata
-
-    a = load_head(head_dir, target_dir, verify_fingerprint=False)
-    b = load_export(export_dir, target_dir, dtype=a.dtype)
-    g = torch.Generator().manual_seed(0)
-    # An eagle3 head's first step reads its aux target layers' states side by side (rows, n_aux · H).
-    width = a.args.hidden_size * (len(a.cfg.aux_layers) if a.cfg.type == "eagle3" else 1)
-    hidden = torch.randn(rows, width, generator=g, dtype=a.dtype)
-    tokens = torch.randint(0, a.args.vocab_size, (rows,), generator=g)
-    meta = AttentionMetadata.build([rows])
-    with torch.no_grad():
-        fa, fb = a(hidden, tokens, meta).hidden, b(hidden, tokens, meta).hidden
-    return float((fa - fb).abs().max())
 
 
 def export_main(cfg: DictConfig) -> dict[str, Any]:
@@ -49,7 +29,7 @@ def export_main(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError("head_ckpt=DIR is required (a head folder written by mtp-train)")
     target_dir = ensure_model(cfg.model)
     out = export_head(cfg.head_ckpt, target_dir, cfg.format, cfg.out, verify_fingerprint=cfg.verify_fingerprint)
-    diff = verify_round_trip(Path(cfg.head_ckpt), out, target_dir)
+    diff = verify_round_trip(cfg.head_ckpt, out, target_dir)
     # Exact for every layout but Qwen3-Next's, whose norm weights are stored as w − 1 (one rounding at most);
     # the EAGLE-3 layouts also give the draft vocabulary back (d2t / t2d), so the draft logits match too.
     if diff > 1e-5:

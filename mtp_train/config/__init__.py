@@ -25,7 +25,7 @@ from mtp_train.config.device import bf16_enabled, device_kind, rank_device, reso
 from mtp_train.config.errors import ConfigError
 from mtp_train.config.eval import GRID_AXES, EvalConfig, NgramConfig
 from mtp_train.config.export import ExportConfig
-from mtp_train.config.head import INITS, NORM_DEFAULTS, HeadConfig
+from mtp_train.config.head import HEAD_SPECS, INITS, HeadConfig, HeadTypeSpec, head_spec
 from mtp_train.config.loss import CE_IMPLS, UNROLL_ATTENTION, LossConfig
 from mtp_train.config.model import ModelConfig
 from mtp_train.config.precompute import PrecomputeConfig
@@ -41,11 +41,12 @@ from mtp_train.config.train import (
 )
 
 __all__ = [
-    "CE_IMPLS", "CONF_DIR", "GRID_AXES", "INITS", "LOWER_BOUNDS", "NORM_DEFAULTS", "SCHEMAS", "SOURCES",
+    "CE_IMPLS", "CONF_DIR", "GRID_AXES", "HEAD_SPECS", "INITS", "LOWER_BOUNDS", "SCHEMAS", "SOURCES",
     "UNROLL_ATTENTION",
     "ConfigError", "DataConfig", "DeepSpeedConfig", "DemoConfig", "EvalConfig", "ExportConfig", "HeadConfig",
+    "HeadTypeSpec",
     "LoopConfig", "LossConfig", "ModelConfig", "NgramConfig", "OnlineDataConfig", "OptimConfig", "PrecomputeConfig",
     "RegenerateConfig", "SpecEvalConfig", "TrainConfig", "TrainDataConfig", "WandbConfig", "bf16_enabled",
-    "check_config", "check_overrides", "device_kind", "is_schema_key", "rank_device", "register_configs",
+    "check_config", "check_overrides", "device_kind", "head_spec", "is_schema_key", "rank_device", "register_configs",
     "resolve_device", "schema_keys", "typed", "unknown_key_error",
 ]

@@ -1,4 +1,10 @@
-"""Which draft head to train, with which norms and input features (`conf/head/*.yaml`); saved with every head."""
+"""Which draft head to train, with which norms and input features (`conf/head/*.yaml`); saved with every head.
+
+Each head type is one `HeadTypeSpec` in `HEAD_SPECS`: its norm defaults and which of them are fixed, the
+features its step 0 reads, its draft-vocabulary rule and the export formats that take it. This is the plain-data
+half of the type; its class (`mtp_train.heads.registry`) and its exporters (`mtp_train.export.layouts`) are
+registered under the same name, and each side checks that the other knows the name.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +14,56 @@ from typing import Any
 
 INITS = ("scratch", "last_layer")
 FEATURES = ("final", "aux")  # what step 0 reads: the target's last hidden, or its aux layers concatenated
-# The norms each head type has unless a flag of HeadConfig says otherwise; its keys are the head types.
-# eagle3's norms are fixed by its layout (enorm = the layer's input_layernorm on the embedding, hnorm = its
-# hidden_norm, final_norm = `norm`): they cannot be switched off.
-NORM_DEFAULTS: dict[str, dict[str, bool]] = {
-    "mtp": {"enorm": True, "hnorm": True, "input_norm": True, "final_norm": True},
-    "eagle1": {"enorm": False, "hnorm": False, "input_norm": False, "final_norm": False},
-    "eagle3": {"enorm": True, "hnorm": True, "input_norm": True, "final_norm": True},
-}
-FEATURE_DEFAULTS = {"mtp": "final", "eagle1": "final", "eagle3": "aux"}
-FIXED_NORMS = ("eagle3",)  # head types whose norm flags must stay at their defaults
-DRAFT_VOCAB_REQUIRED = ("eagle3",)  # head types with their own lm_head over a draft vocabulary
+FEATURE_NAMES = {"final": "the final hidden state", "aux": "the aux layers"}  # FEATURES in messages
+NORM_FLAGS = ("enorm", "hnorm", "input_norm", "final_norm")  # HeadConfig's norm switches
+
+
+@dataclass(frozen=True)
+class HeadTypeSpec:
+    """One head type, as the settings see it (the torch side registers its class and layouts by `name`)."""
+
+    name: str  # HeadConfig.type
+    summary: str  # one line for messages and docs
+    norms: dict[str, bool]  # the default of every NORM_FLAGS switch, taken when HeadConfig leaves it None
+    # Norm switches that must stay at their default (the type's layout has them in fixed places).
+    fixed_norms: tuple[str, ...] = ()
+    features: str = "final"  # step 0's input by default: final | aux (FEATURES)
+    fixed_features: bool = False  # the type reads only `features` (HeadConfig.features may not say otherwise)
+    # The head has its own lm_head over a draft vocabulary: draft_vocab_size must be > 0 (capped at the target's
+    # vocabulary), and the draft_vocab buffer exists even when it covers the whole vocabulary.
+    draft_vocab_required: bool = False
+    formats: tuple[str, ...] = ("native",)  # `mtp-export format=` values that take this type
+
+    def __post_init__(self) -> None:
+        if set(self.norms) != set(NORM_FLAGS):
+            raise ValueError(f"head type {self.name}: norms must set exactly {', '.join(NORM_FLAGS)}")
+        if not set(self.fixed_norms) <= set(NORM_FLAGS) or self.features not in FEATURES:
+            raise ValueError(f"head type {self.name}: unknown fixed norm or features {self.features!r}")
+
+    def input_width(self, features: str, num_aux_layers: int, hidden_size: int) -> int:
+        """Width of step 0's input rows: k·H for features=aux over k layers, else H."""
+        return (max(1, num_aux_layers) if features == "aux" else 1) * hidden_size
+
+
+_ALL_ON = dict.fromkeys(NORM_FLAGS, True)
+HEAD_SPECS: dict[str, HeadTypeSpec] = {s.name: s for s in (
+    HeadTypeSpec("mtp", "RMSNorm-restored, DeepSeek-V3 MTP shape", _ALL_ON,
+                 formats=("native", "deepseek-mtp", "qwen3-next-mtp")),
+    HeadTypeSpec("eagle1", "the original EAGLE head: the mtp structure with every norm off",
+                 dict.fromkeys(NORM_FLAGS, False), formats=("native", "vllm-eagle", "sglang-eagle")),
+    # enorm = the layer's input_layernorm on the embedding, hnorm = its hidden_norm, final_norm = `norm`.
+    HeadTypeSpec("eagle3", "EAGLE-3: aux target layers in, its own lm_head over a draft vocabulary", _ALL_ON,
+                 fixed_norms=NORM_FLAGS, features="aux", fixed_features=True, draft_vocab_required=True,
+                 formats=("native", "speculators", "sglang-eagle3")),
+)}
+
+
+def head_spec(name: str) -> HeadTypeSpec:
+    """The spec of head type `name`; ValueError naming the known types otherwise."""
+    spec = HEAD_SPECS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown head type {name!r}; choose one of {', '.join(HEAD_SPECS)}")
+    return spec
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -30,7 +75,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
 class HeadConfig:
     """Which head, with which norms. A norm left as None takes the default of the type (mtp: on, eagle1: off)."""
 
-    type: str = "mtp"  # mtp (RMSNorm-restored, DeepSeek-V3 MTP shape) | eagle1 (original EAGLE) | eagle3 (EAGLE-3)
+    type: str = "mtp"  # a HEAD_SPECS name: mtp (RMSNorm-restored, DeepSeek-V3 MTP) | eagle1 (EAGLE) | eagle3 (EAGLE-3)
     enorm: bool | None = None  # RMSNorm on the token embedding before the fc; null = the type's default
     hnorm: bool | None = None  # RMSNorm on the input hidden state before the fc; null = the type's default
     input_norm: bool | None = None  # the decoder layer's input_layernorm; null = the type's default
@@ -53,19 +98,19 @@ class HeadConfig:
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0 = the full vocabulary), got {self.draft_vocab_size}")
-        if self.type not in NORM_DEFAULTS:
-            raise ValueError(f"unknown head type {self.type!r}; choose one of {', '.join(NORM_DEFAULTS)}")
+        spec = head_spec(self.type)
         if self.init not in INITS:
             raise ValueError(f"unknown head init {self.init!r}; choose one of {', '.join(INITS)}")
         if self.features is not None and self.features not in FEATURES:
             raise ValueError(f"unknown head features {self.features!r}; choose one of {', '.join(FEATURES)}")
-        if self.type in FIXED_NORMS:
-            off = [k for k in NORM_DEFAULTS[self.type] if getattr(self, k) is False]
-            if off:
-                raise ValueError(f"{self.type} heads have fixed norms; {', '.join(off)} cannot be switched off")
-            if self.features == "final":
-                raise ValueError(f"{self.type} heads read the aux layers (head.features=aux)")
-        if self.type in DRAFT_VOCAB_REQUIRED and self.draft_vocab_size == 0:
+        off = [k for k in spec.fixed_norms if getattr(self, k) is not None and getattr(self, k) != spec.norms[k]]
+        if off:
+            raise ValueError(f"{self.type} heads have fixed norms; {', '.join(off)} cannot be switched "
+                             f"{'off' if spec.norms[off[0]] else 'on'}")
+        if spec.fixed_features and self.features not in (None, spec.features):
+            raise ValueError(f"{self.type} heads read {FEATURE_NAMES[spec.features]} only "
+                             f"(head.features={spec.features})")
+        if spec.draft_vocab_required and self.draft_vocab_size == 0:
             raise ValueError(f"{self.type} heads draft over their own draft vocabulary: set head.draft_vocab_size "
                              "> 0 (conf/head/eagle3.yaml: 32000, capped at the target's vocabulary)")
         if self.aux_layers and self.resolved_features != "aux":
@@ -74,13 +119,18 @@ class HeadConfig:
             raise ValueError(f"head.aux_layers {list(self.aux_layers)} must be distinct layer indices >= 0")
 
     @property
+    def spec(self) -> HeadTypeSpec:
+        """The registered spec of this head's type."""
+        return head_spec(self.type)
+
+    @property
     def resolved_features(self) -> str:
-        return FEATURE_DEFAULTS[self.type] if self.features is None else self.features
+        return self.spec.features if self.features is None else self.features
 
     def resolved(self, num_layers: int | None = None) -> HeadConfig:
         """A copy with every norm flag and `features` set (None → the type's default); given the target's layer
         count, empty aux_layers of an aux head become the default ones (checked against the count)."""
-        defaults = NORM_DEFAULTS[self.type]
+        defaults = self.spec.norms
         out = dataclasses.replace(self, features=self.resolved_features, aux_layers=[int(j) for j in self.aux_layers],
                                   **{k: v if getattr(self, k) is None else getattr(self, k)
                                      for k, v in defaults.items()})

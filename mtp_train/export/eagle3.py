@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mtp_train.config.head import HEAD_SPECS, head_spec
 from mtp_train.models.config import ModelArgs
 from mtp_train.models.families import family_of
 from mtp_train.models.fusing import Fusing, fuse, parts_plan, unfuse
@@ -104,11 +105,12 @@ def sglang_aux_ids(aux_layers: tuple[int, ...] | list[int]) -> list[int]:
 # --- checks ---------------------------------------------------------------------------------------------------
 
 
-def _common_problems(spec: Eagle3Spec) -> list[str]:
+def _common_problems(spec: Eagle3Spec, fmt: str) -> list[str]:
     a = spec.args
     problems = []
-    if spec.head_type != "eagle3":
-        problems.append(f"head type {spec.head_type!r}: the EAGLE-3 layouts take eagle3 heads")
+    if fmt not in head_spec(spec.head_type).formats:  # the head type's spec names the formats that take it
+        takes = "/".join(name for name, s in HEAD_SPECS.items() if fmt in s.formats)
+        problems.append(f"head type {spec.head_type!r}: the EAGLE-3 layouts take {takes} heads")
     if spec.draft_vocab_size <= 0:
         problems.append("draft_vocab_size=0: the layout's lm_head is over a draft vocabulary (d2t / t2d); "
                         "train with head.draft_vocab_size > 0")
@@ -133,7 +135,7 @@ def _common_problems(spec: Eagle3Spec) -> list[str]:
 
 def speculators_problems(spec: Eagle3Spec) -> list[str]:
     """Why a head does not fit `format=speculators` (empty: it fits)."""
-    problems = _common_problems(spec)
+    problems = _common_problems(spec, "speculators")
     if spec.args.o_bias and not spec.args.qkv_bias:
         problems.append("o_proj bias without q/k/v bias: vLLM's `attention_bias` switches both on")
     return problems
@@ -142,7 +144,7 @@ def speculators_problems(spec: Eagle3Spec) -> list[str]:
 def sglang_problems(spec: Eagle3Spec) -> list[str]:
     """Why a head does not fit `format=sglang-eagle3` (empty: it fits)."""
     a = spec.args
-    problems = _common_problems(spec)
+    problems = _common_problems(spec, "sglang-eagle3")
     problems += [f"{name}: SGLang's LlamaForCausalLMEagle3 layer has no such bias (export format=speculators)"
                  for name, on in (("qkv_bias", a.qkv_bias), ("o_bias", a.o_bias), ("mlp_bias", a.mlp_bias)) if on]
     return problems

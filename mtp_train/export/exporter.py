@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mtp_train.config.head import HeadConfig
+from mtp_train.config.head import HeadConfig, head_spec
 from mtp_train.export.layouts import FORMATS, LAYOUTS, Layout, LayoutError
 from mtp_train.fileio import atomic_write, atomic_write_text
 from mtp_train.heads.base import DraftHead
@@ -30,7 +30,8 @@ from mtp_train.heads.checkpoint import (
     verify_files,
 )
 from mtp_train.heads.frozen import FrozenTargetParts
-from mtp_train.heads.registry import HEAD_TYPES
+from mtp_train.heads.registry import new_head
+from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.models.config import ModelArgs, ModelConfigError
 
 
@@ -45,9 +46,10 @@ def check_fits(head: DraftHead, fmt: str) -> None:
     if fmt == "native":
         return
     layout = _layout(fmt)
-    if head.cfg.type not in layout.head_types:
+    spec = head_spec(head.cfg.type)
+    if fmt not in spec.formats:
         raise LayoutError(f"format {fmt} takes {'/'.join(layout.head_types)} heads; this head is "
-                          f"{head.cfg.type!r} (use format=native, or a format for {head.cfg.type} heads)")
+                          f"{head.cfg.type!r} (use a format for {head.cfg.type} heads: {', '.join(spec.formats)})")
     problems = layout.check(head)
     if problems:
         raise LayoutError(f"this {head.cfg.type} head does not fit format {fmt}:\n  " + "\n  ".join(problems))
@@ -118,7 +120,7 @@ def load_export(export_dir: str | Path, target_dir: str | Path, device: str | to
     # Layouts without a draft vocabulary: a loaded export drafts over the whole vocabulary.
     head_cfg = HeadConfig(**{**meta["head"], **({} if layout.keeps_draft_vocab else {"draft_vocab_size": 0})})
     frozen = FrozenTargetParts.from_pretrained(target_dir, device=device)
-    head = HEAD_TYPES[head_cfg.type](head_cfg, args, frozen)
+    head = new_head(head_cfg, args, frozen)
     expected = layout_tensors(head, fmt)
     with safe_open(str(export_dir / "model.safetensors"), framework="pt", device="cpu") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
@@ -133,6 +135,21 @@ def load_export(export_dir: str | Path, target_dir: str | Path, device: str | to
     head.load_state_dict({k: v.to(dt) if v.is_floating_point() else v for k, v in state.items()})
     head.attach(frozen.to(device=device, dtype=dt))
     return head.to(device=device, dtype=dt).eval()
+
+
+def verify_round_trip(head_dir: str | Path, export_dir: str | Path, target_dir: str | Path, rows: int = 8) -> float:
+    """Max |Δ| between the trained head's and the loaded export's output features on random inputs (0.0 =
+    identical): `rows` random step-0 rows of the head's input width (k·H for an aux head, whatever its type) and
+    random tokens, one prefill step each, no cache."""
+    a = load_head(head_dir, target_dir, verify_fingerprint=False)
+    b = load_export(export_dir, target_dir, dtype=a.dtype)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, a.input_width, generator=g, dtype=a.dtype)  # (rows, k·H) or (rows, H)
+    tokens = torch.randint(0, a.args.vocab_size, (rows,), generator=g)  # (rows,)
+    meta = AttentionMetadata.build([rows])
+    with torch.no_grad():
+        fa, fb = a(hidden, tokens, meta).hidden, b(hidden, tokens, meta).hidden  # (rows, H) each
+    return float((fa - fb).abs().max())
 
 
 def describe(export_dir: str | Path) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from mtp_train.config.head import HEAD_SPECS
 from mtp_train.export import eagle3
 from mtp_train.heads.base import DraftHead
 from mtp_train.models.families import family_of
@@ -73,7 +74,6 @@ class Layout:
     """One export format."""
 
     name: str
-    head_types: tuple[str, ...]
     check: Callable[[DraftHead], list[str]]  # problems that make the head unfit (empty = fits)
     to_layout: Callable[[dict[str, torch.Tensor], DraftHead], dict[str, torch.Tensor]]
     from_layout: Callable[[dict[str, torch.Tensor], DraftHead], dict[str, torch.Tensor]]
@@ -81,6 +81,11 @@ class Layout:
     needs_frozen: bool = False  # the layout carries the embedding / lm_head itself
     keeps_draft_vocab: bool = False  # the layout carries the draft vocabulary (else: drafts over all of V)
     exact: bool = True  # from_layout(to_layout(state)) == state bit for bit (Qwen3-Next's w − 1 rounds)
+
+    @property
+    def head_types(self) -> tuple[str, ...]:
+        """The head types whose spec (`HEAD_SPECS`) names this format."""
+        return tuple(name for name, spec in HEAD_SPECS.items() if self.name in spec.formats)
 
 
 def _no_draft_vocab(head: DraftHead) -> list[str]:
@@ -236,20 +241,26 @@ def _on_spec(fn: Callable[[Any, eagle3.Eagle3Spec], Any]) -> Callable[[Any, Draf
 
 def _eagle3_layout(name: str, check: Callable[[eagle3.Eagle3Spec], list[str]], to: Callable[..., Any],
                    frm: Callable[..., Any], config: Callable[..., dict[str, Any]]) -> Layout:
-    return Layout(name, ("eagle3",), lambda head: check(eagle3.Eagle3Spec.of(head)), _on_spec(to), _on_spec(frm),
+    return Layout(name, lambda head: check(eagle3.Eagle3Spec.of(head)), _on_spec(to), _on_spec(frm),
                   lambda head, target: config(eagle3.Eagle3Spec.of(head), target), keeps_draft_vocab=True)
 
 
 LAYOUTS: dict[str, Layout] = {
-    "vllm-eagle": Layout("vllm-eagle", ("eagle1",), _eagle_check(bias_ok=False), _eagle_to("", bias=False),
+    "vllm-eagle": Layout("vllm-eagle", _eagle_check(bias_ok=False), _eagle_to("", bias=False),
                          _eagle_from(""), _eagle_config("LlamaForCausalLM")),
-    "sglang-eagle": Layout("sglang-eagle", ("eagle1",), _eagle_check(bias_ok=True), _eagle_to("", bias=True),
+    "sglang-eagle": Layout("sglang-eagle", _eagle_check(bias_ok=True), _eagle_to("", bias=True),
                            _eagle_from(""), _eagle_config("LlamaForCausalLMEagle")),
-    "deepseek-mtp": Layout("deepseek-mtp", ("mtp",), _mtp_check, _ds_to, _ds_from, _ds_config, needs_frozen=True),
-    "qwen3-next-mtp": Layout("qwen3-next-mtp", ("mtp",), _mtp_check, _qn_to, _qn_from, _qn_config, exact=False),
+    "deepseek-mtp": Layout("deepseek-mtp", _mtp_check, _ds_to, _ds_from, _ds_config, needs_frozen=True),
+    "qwen3-next-mtp": Layout("qwen3-next-mtp", _mtp_check, _qn_to, _qn_from, _qn_config, exact=False),
     "speculators": _eagle3_layout("speculators", eagle3.speculators_problems, eagle3.to_speculators,
                                   eagle3.from_speculators, eagle3.speculators_config),
     "sglang-eagle3": _eagle3_layout("sglang-eagle3", eagle3.sglang_problems, eagle3.to_sglang, eagle3.from_sglang,
                                     eagle3.sglang_config),
 }
 FORMATS = ("native", *LAYOUTS)
+# Each head type's spec names its formats, and each layout must be taken by some head type: checked at import,
+# so that a new spec or layout cannot name the other side wrongly.
+_named = {f for spec in HEAD_SPECS.values() for f in spec.formats}
+if _named != set(FORMATS):
+    raise TypeError(f"HEAD_SPECS name formats {sorted(_named - set(FORMATS))} without a layout, and layouts "
+                    f"{sorted(set(FORMATS) - _named)} no head type takes")

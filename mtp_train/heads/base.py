@@ -48,7 +48,7 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from mtp_train.config.head import HeadConfig
+from mtp_train.config.head import HeadConfig, HeadTypeSpec
 from mtp_train.config.loss import UNROLL_ATTENTION
 from mtp_train.heads.chain_attention import chain_attention
 from mtp_train.heads.frozen import FrozenTargetParts
@@ -74,9 +74,8 @@ class DraftHead(nn.Module, ABC):
     `state_dict()`, `.to()` and any training engine see only the head's own weights.
     """
 
-    type_name: ClassVar[str] = "base"
+    type_name: ClassVar[str] = "base"  # a HEAD_SPECS name (`mtp_train.config.head`): the type's settings
     num_kv_layers: ClassVar[int] = 1  # layers in the head's own paged KV pool
-    needs_draft_vocab: ClassVar[bool] = False  # a draft_vocab buffer always (a size above V is capped at V)
 
     def __init__(self, cfg: HeadConfig, target_args: ModelArgs, frozen: FrozenTargetParts | None = None,
                  backend: str = "torch") -> None:
@@ -88,7 +87,8 @@ class DraftHead(nn.Module, ABC):
             takes = titles(lambda f: f.head_types is None or cfg.type in f.head_types)
             raise ModelConfigError(f"{cfg.type} heads take {takes} targets; a {family.title} target takes an "
                                    f"{' or '.join(family.head_types)} head ({family.head_note})")
-        if self.needs_draft_vocab and cfg.draft_vocab_size > target_args.vocab_size:
+        spec = cfg.spec
+        if spec.draft_vocab_required and cfg.draft_vocab_size > target_args.vocab_size:
             cfg = dataclasses.replace(cfg, draft_vocab_size=target_args.vocab_size)
         self.cfg = cfg.resolved(target_args.num_layers)  # aux_layers resolved too
         self.target_args = target_args
@@ -105,7 +105,7 @@ class DraftHead(nn.Module, ABC):
         if n > a.vocab_size:
             raise ValueError(f"draft_vocab_size {n} exceeds the target's vocabulary ({a.vocab_size})")
         self.draft_vocab: torch.Tensor | None
-        if 0 < n < a.vocab_size or (n > 0 and self.needs_draft_vocab):
+        if 0 < n < a.vocab_size or (n > 0 and spec.draft_vocab_required):
             # Target token ids of the draft vocabulary, ascending; set from data with `set_draft_vocab`.
             self.register_buffer("draft_vocab", torch.arange(n, dtype=torch.long))
         else:
@@ -188,9 +188,14 @@ class DraftHead(nn.Module, ABC):
         return list(self.cfg.aux_layers) if self.cfg.features == "aux" else []
 
     @property
+    def spec(self) -> HeadTypeSpec:
+        """The registered spec of the head's type (norm defaults, features, draft vocabulary, formats)."""
+        return self.cfg.spec
+
+    @property
     def input_width(self) -> int:
-        """Width of step 0's input rows: k·H for k aux layers, else H."""
-        return max(1, len(self.aux_layers)) * self.args.hidden_size
+        """Width of step 0's input rows: k·H for k aux layers, else H (the spec's rule)."""
+        return self.spec.input_width(self.cfg.features, len(self.aux_layers), self.args.hidden_size)
 
     @property
     def vocab_size(self) -> int:

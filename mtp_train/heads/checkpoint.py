@@ -19,7 +19,7 @@ from mtp_train.config.head import HeadConfig
 from mtp_train.fileio import atomic_write, atomic_write_text, sha256_file
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTargetParts
-from mtp_train.heads.registry import HEAD_TYPES
+from mtp_train.heads.registry import HEAD_TYPES, new_head
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.models.loader import open_safetensors, resolve_dtype
@@ -157,7 +157,7 @@ def load_head(head_dir: str | Path, target_dir: str | Path, device: str | torch.
     if head_cfg.type not in HEAD_TYPES:
         raise ModelConfigError(f"{head_dir}: head type {head_cfg.type!r} has no implementation")
     with torch.device("meta"):
-        head = HEAD_TYPES[head_cfg.type](head_cfg, args, None, backend)
+        head = new_head(head_cfg, args, None, backend)
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
     weights = head_dir / "model.safetensors"
     with open_safetensors(weights) as f:

@@ -61,7 +61,6 @@ class Eagle3Head(DraftHead):
     """fc over the aux layers → one EAGLE-3 layer → final norm → its own lm_head over the draft vocabulary."""
 
     type_name = "eagle3"
-    needs_draft_vocab = True
 
     def __init__(self, cfg: HeadConfig, target_args: ModelArgs, frozen: FrozenTargetParts | None = None,
                  backend: str = "torch") -> None:
