@@ -26,15 +26,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report  # noqa: E402
 
-from mtp_train.config import EvalConfig  # noqa: E402
+from mtp_train.config import EvalConfig, NgramConfig  # noqa: E402
 from mtp_train.data.chat import load_tokenizer  # noqa: E402
 from mtp_train.data.prompts import load_prompt_sets  # noqa: E402
 from mtp_train.engine.turns import stop_token_ids  # noqa: E402
-from mtp_train.eval.acceptance import Method, evaluate  # noqa: E402
+from mtp_train.eval.acceptance import evaluate  # noqa: E402
+from mtp_train.eval.methods import MethodSet  # noqa: E402
+from mtp_train.eval.options import expand_grid  # noqa: E402
 from mtp_train.eval.rows import best_row, overall_rows, result_row  # noqa: E402
 from mtp_train.heads import load_head  # noqa: E402
 from mtp_train.models import load_model  # noqa: E402
-from mtp_train.speculative.proposers import HeadProposer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "dev" / "mt_bench_question.jsonl"
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     head = load_head(head_dir, args.model, dtype=torch.float32)
     stops = stop_token_ids(tokenizer, model.args.eos_token_ids)
     sets = load_prompt_sets([prompts], args.limit)
-    settings = EvalConfig(k=ks, temperature=[0.0], max_new_tokens=args.max_new_tokens, progress=False)
+    settings = EvalConfig(method="mtp", k=ks, temperature=[0.0], max_new_tokens=args.max_new_tokens, progress=False,
+                          ngram=NgramConfig(compare=False))
 
     def show(run, base) -> None:
         r = result_row(run, base)
@@ -94,8 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['step_cost']:.2f}  (draft {r['draft_seconds']:.1f}s, verify {r['verify_seconds']:.1f}s, update "
               f"{r['update_seconds']:.1f}s)", flush=True)
 
-    pairs, baselines = evaluate(model, tokenizer, sets, [Method("mtp", lambda: HeadProposer(head))], settings,
-                                stop_ids=stops, on_result=show)
+    # The head loaded here (fp32 on the CPU) stands in for the one mtp-eval would load from head_ckpt.
+    pairs, baselines = evaluate(model, tokenizer, sets, expand_grid(settings), MethodSet(settings, {"mtp": head}),
+                                settings, stop_ids=stops, on_result=show)
     rows = overall_rows(pairs)
     best = best_row(rows)
     assert best is not None

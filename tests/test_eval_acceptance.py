@@ -12,7 +12,9 @@ from mtp_train.data.readers import Conversation
 from mtp_train.engine import LLMEngine, SamplingParams
 from mtp_train.engine.runner import kv_pool
 from mtp_train.eval import acceptance
-from mtp_train.eval.acceptance import Method, evaluate
+from mtp_train.eval.acceptance import evaluate
+from mtp_train.eval.methods import MethodSet
+from mtp_train.eval.options import EvalPoint, expand_grid
 from mtp_train.eval.rows import overall_rows, result_row
 from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
@@ -44,9 +46,9 @@ def test_every_engine_answers_every_chunk_in_turn_and_greedy_answers_agree(targe
         return real(engine, tokenizer, convs, params, template_kwargs, progress)
 
     monkeypatch.setattr(acceptance, "answer", spy)
-    methods = [Method("ngram", lambda: NgramProposer())]
-    cfg = EvalConfig(k=[1, 2], max_new_tokens=12, batch_size=2, repeats=2, warmup=False, progress=False)
-    pairs, (base,) = evaluate(model, tok, [_prompts(5)], methods, cfg, stop_ids=None)
+    cfg = EvalConfig(method="ngram", k=[1, 2], max_new_tokens=12, batch_size=2, repeats=2, warmup=False,
+                     progress=False)
+    pairs, (base,) = evaluate(model, tok, [_prompts(5)], expand_grid(cfg), MethodSet(cfg), cfg, stop_ids=None)
     engines = ["LLMEngine", "SpecEngine1", "SpecEngine2"]
     # 3 chunks (2 + 2 + 1 conversations) × 2 repeats, each answered by all three engines one after another, the
     # first engine rotating from chunk to chunk, so none always runs first (or last).
@@ -67,6 +69,16 @@ def test_every_engine_answers_every_chunk_in_turn_and_greedy_answers_agree(targe
         assert row["speedup_lo"] <= row["speedup_hi"] and row["speedup_lo"] > 0
     over = overall_rows(pairs)
     assert {r["k"] for r in over} == {1, 2} and all("speedup_lo" in r for r in over)
+    assert [r["label"] for r in over] == ["prompt lookup k=1", "prompt lookup k=2"]
+
+
+def test_every_temperature_of_the_grid_needs_its_plain_baseline(target):
+    model, tok = target
+    cfg = EvalConfig(method="ngram", k=1, temperature=[0, 1], max_new_tokens=4, warmup=False, progress=False)
+    points = [p for p in expand_grid(cfg) if not (p.method == "none" and p.temperature == 1)]
+    with pytest.raises(ValueError, match="one plain baseline at temperature 1"):
+        evaluate(model, tok, [_prompts(1)], points, MethodSet(cfg), cfg, stop_ids=None)
+    assert EvalPoint("none", temperature=1.0) in expand_grid(cfg)
 
 
 def test_engines_sharing_a_pool_admit_against_one_count(target):

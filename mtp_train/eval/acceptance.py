@@ -1,12 +1,13 @@
 """Measure speculative decoding by running it: acceptance, τ, draft/verify time and speed-up against `none`.
 
-For every prompt set, temperature and (method, k) of the grid, the prompts are answered turn by turn (MT-bench's
-second question follows the model's own first answer; `mtp_train.engine.turns`, the loop and special-token rule
-regeneration uses too) by a `SpecEngine`, and per prompt set and temperature by the plain `LLMEngine` (`none`),
-in the same process, so the speed-up is ours over ours on the same prompts. The engines take turns chunk by chunk
-(`evaluate`): a machine whose speed drifts over minutes slows the baseline and the methods alike. At temperature 0 the
-speculative answers must equal the plain answers; the share that does is reported as `exact_match` (1.0 unless a
-floating-point near-tie flipped an argmax). The report's rows are made in `mtp_train.eval.rows`.
+For every prompt set and point of the grid (`mtp_train.eval.options`: a method and the values of its axes), the
+prompts are answered turn by turn (MT-bench's second question follows the model's own first answer;
+`mtp_train.engine.turns`, the loop and special-token rule regeneration uses too) by a `SpecEngine`, and per prompt
+set and temperature by the plain `LLMEngine` (`none`), in the same process, so the speed-up is ours over ours on
+the same prompts. The engines take turns chunk by chunk (`evaluate`): a machine whose speed drifts over minutes
+slows the baseline and the methods alike. At temperature 0 the speculative answers must equal the plain answers;
+the share that does is reported as `exact_match` (1.0 unless a floating-point near-tie flipped an argmax). The
+report's rows are made in `mtp_train.eval.rows`.
 """
 
 from __future__ import annotations
@@ -23,38 +24,39 @@ from mtp_train.engine.llm import GenerationOutput, LLMEngine
 from mtp_train.engine.runner import kv_pool
 from mtp_train.engine.sampling import SamplingParams
 from mtp_train.engine.turns import answer
+from mtp_train.eval.methods import MethodSet
+from mtp_train.eval.options import EvalPoint
 from mtp_train.models.base import CausalLM
 from mtp_train.speculative.engine import SpecEngine, SpecStats
 from mtp_train.speculative.metrics import SpecMetrics
-from mtp_train.speculative.proposers import Proposer
-
-
-@dataclass
-class Method:
-    """One speculative method of the grid: a name, a factory of fresh proposers and the options that set it."""
-
-    name: str  # mtp | draft | ngram
-    make: Callable[[], Proposer]
-    options: dict[str, Any] = field(default_factory=dict)  # e.g. {"draft_threshold": 0.5, "catch_up": "own"}
 
 
 @dataclass
 class RunResult:
-    """One (prompt set, method and options, k, temperature) run."""
+    """One (prompt set, grid point) run."""
 
     dataset: str
-    method: str
-    k: int
-    temperature: float
+    point: EvalPoint
     answers: list[list[GenerationOutput]] = field(default_factory=list)  # per conversation, per user turn (the
     # first repeat's)
     generated_tokens: int = 0  # over all repeats
     seconds: float = 0.0  # decoding time over all repeats
-    metrics: SpecMetrics | None = None  # None for `none`
+    metrics: SpecMetrics | None = None  # None for plain decoding
     split: dict[str, float] = field(default_factory=dict)  # prefill / draft / verify / update seconds
-    options: dict[str, Any] = field(default_factory=dict)  # the method's options (Method.options)
     chunks: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per chunk of conversations,
     # in the order they ran (repeats one after another); chunk i of every run of a prompt set holds the same prompts
+
+    @property
+    def method(self) -> str:
+        return self.point.method
+
+    @property
+    def k(self) -> int:
+        return self.point.k
+
+    @property
+    def temperature(self) -> float:
+        return self.point.temperature
 
     @property
     def tokens_per_s(self) -> float:
@@ -70,21 +72,24 @@ class RunResult:
                           "verify_seconds": st.verify_seconds, "update_seconds": st.update_seconds}
 
 
-def evaluate(target: CausalLM, tokenizer: Any, prompt_sets: Sequence[PromptSet],
-             methods: Sequence[Method], cfg: EvalConfig, *, stop_ids: Sequence[int] | None,
+def evaluate(target: CausalLM, tokenizer: Any, prompt_sets: Sequence[PromptSet], points: Sequence[EvalPoint],
+             methods: MethodSet, cfg: EvalConfig, *, stop_ids: Sequence[int] | None,
              on_result: Callable[[RunResult, RunResult], None] | None = None,
              ) -> tuple[list[tuple[RunResult, RunResult]], list[RunResult]]:
-    """Run the grid: per prompt set and temperature, `none` and every method × k of `methods`, interleaved.
+    """Run the grid: per prompt set and temperature, the plain point and every other point of `points` (the
+    grid as `mtp_train.eval.options.expand_grid` lays it out), interleaved.
 
-    From `cfg`: the grid axes k and temperature (`cfg.grid`), the decoding settings (max_new_tokens, top_k, top_p,
-    seed), batch_size, repeats, warmup, progress, chat_template_kwargs and the engine's page_size / kv_cache_gb
-    (`cfg.model`); `stop_ids` end every answer (None: the model's EOS ids). Every engine of a prompt set and
-    temperature is built (and warmed) first; then the conversations go in chunks of batch_size, and every chunk
-    is answered by each engine in turn, the order rotating from chunk to chunk, `repeats` times over. So the
-    baseline's time and each method's are taken minutes, not a whole run, apart, and a machine whose speed drifts
-    (thermal or other load) moves both alike; the chunk pairs give the speed-up's interval (`mtp_train.eval.rows`).
-    Each method makes a fresh proposer per engine (its state is per engine). Returns the (run, baseline) pairs in
-    order and the baseline runs; on_result(run, baseline) is called after each prompt set and temperature.
+    `methods` builds each point's proposer (`MethodSet.proposer`: a fresh one per engine, its state is per
+    engine; none for the plain baseline, which every temperature of `points` must have). From `cfg`: the
+    decoding settings (max_new_tokens, top_k, top_p, seed), batch_size, repeats, warmup, progress,
+    chat_template_kwargs and the engine's page_size / kv_cache_gb (`cfg.model`); `stop_ids` end every answer
+    (None: the model's EOS ids). Every engine of a prompt set and temperature is built (and warmed) first; then
+    the conversations go in chunks of batch_size, and every chunk is answered by each engine in turn, the order
+    rotating from chunk to chunk, `repeats` times over. So the baseline's time and each method's are taken
+    minutes, not a whole run, apart, and a machine whose speed drifts (thermal or other load) moves both alike;
+    the chunk pairs give the speed-up's interval (`mtp_train.eval.rows`).
+    Returns the (run, baseline) pairs in order and the baseline runs; on_result(run, baseline) is called after
+    each prompt set and temperature.
     """
     # One page pool for all engines (they take turns, and every chunk gives its pages back): the grid costs the
     # memory of one engine's cache, plus each head's one-layer pool.
@@ -106,24 +111,38 @@ def evaluate(target: CausalLM, tokenizer: Any, prompt_sets: Sequence[PromptSet],
 
     pairs: list[tuple[RunResult, RunResult]] = []
     baselines: list[RunResult] = []
+    by_temp: dict[float, list[EvalPoint]] = {}
+    for p in points:
+        by_temp.setdefault(p.temperature, []).append(p)
+    for temp, at in by_temp.items():
+        plain = [p for p in at if p.spec.plain]
+        if len(plain) != 1:
+            raise ValueError(f"the grid needs one plain baseline at temperature {temp:g}, got {len(plain)}")
+        by_temp[temp] = plain + [p for p in at if not p.spec.plain]  # the baseline's run first
     for ps in prompt_sets:
-        for temp in cfg.grid("temperature"):
-            base = RunResult(ps.name, "none", 0, temp)
-            runs = [base] + [RunResult(ps.name, m.name, k, temp, options=dict(m.options))
-                             for m in methods for k in cfg.grid("k")]
-            engines = [warm(LLMEngine(target, **engine_kw))]
-            engines += [warm(SpecEngine(target, m.make(), k, **engine_kw)) for m in methods for k in cfg.grid("k")]
+        for temp, at in by_temp.items():
+            runs = [RunResult(ps.name, p) for p in at]
+            engines = [warm(_engine(target, methods, p, engine_kw)) for p in at]
             _interleave(ps, engines, runs, tokenizer, lambda o, t=temp: params(t, o), cfg.batch_size, cfg.repeats,
                         template_kwargs, cfg.progress)
             for run, engine in zip(runs, engines):
                 run.collect(engine)
             del engines
+            base = runs[0]
             baselines.append(base)
             for run in runs[1:]:
                 pairs.append((run, base))
                 if on_result is not None:
                     on_result(run, base)
     return pairs, baselines
+
+
+def _engine(target: CausalLM, methods: MethodSet, point: EvalPoint, engine_kw: Mapping[str, Any]) -> LLMEngine:
+    """The engine of one point: the plain one, or a `SpecEngine` with a fresh proposer of the point's method."""
+    proposer = methods.proposer(point)
+    if proposer is None:
+        return LLMEngine(target, **engine_kw)
+    return SpecEngine(target, proposer, point.k, **engine_kw)
 
 
 def _interleave(ps: PromptSet, engines: Sequence[LLMEngine], runs: Sequence[RunResult], tokenizer: Any,

@@ -41,9 +41,9 @@ def output_records(run: RunResult, tokenizer: Any, ids: Sequence[str]) -> list[d
     """outputs.jsonl records of one run: per conversation, the generated token ids and text of every turn (the
     text as the next turn's prompt carried it: `mtp_train.engine.turns.answer_text`)."""
     return [{"dataset": run.dataset, "id": cid, "method": run.method, "k": run.k, "temperature": run.temperature,
+             **run.point.options, "label": run.point.label,
              "turns": [{"prompt_tokens": len(o.prompt_ids), "output_ids": o.output_ids,
-                        "text": answer_text(tokenizer, o),
-                        "finish_reason": o.finish_reason} for o in turns]}
+                        "text": answer_text(tokenizer, o), "finish_reason": o.finish_reason} for o in turns]}
             for cid, turns in zip(ids, run.answers)]
 
 
@@ -53,35 +53,52 @@ def write_jsonl(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
 
 def plot(rows: Sequence[Mapping[str, Any]], out: Path) -> list[Path]:
     """acceptance_per_position.png and tau_speedup_vs_k.png from the overall rows; returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, never a display
-    import matplotlib.pyplot as plt
-
-    overall = [r for r in rows if r["dataset"] == "overall" and "tau" in r]
-    if not overall:
+    plt = _pyplot()
+    if not overall_rows_of(rows):
         return []
     written = []
+    for fig, name in ((per_position_figure(rows), "acceptance_per_position.png"),
+                      (vs_k_figure(rows), "tau_speedup_vs_k.png")):
+        written.append(_save(fig, out / name))
+        plt.close(fig)
+    return written
+
+
+def overall_rows_of(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The rows the plots show: all prompt sets together, of methods that draft (they have a τ)."""
+    return [r for r in rows if r["dataset"] == "overall" and "tau" in r]
+
+
+def plot_series(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """The lines of the τ / speed-up vs k plot: each row's `series` (its label without k, so every other axis
+    that varies, draft_width and temperature included, gives a line of its own) → its rows by k."""
+    series: dict[str, list[Mapping[str, Any]]] = {}
+    for r in overall_rows_of(rows):
+        series.setdefault(r["series"], []).append(r)
+    return {name: sorted(rs, key=lambda r: r["k"]) for name, rs in sorted(series.items())}
+
+
+def per_position_figure(rows: Sequence[Mapping[str, Any]]) -> Any:
+    """Acceptance by draft position, one line per grid point (its label)."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in sorted(overall, key=lambda r: (_label(r), r["temperature"], r["k"])):
+    for r in sorted(overall_rows_of(rows), key=lambda r: (r["series"], r["k"])):
         pos = r["per_position"]
-        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=f"{_label(r)} k={r['k']} T={r['temperature']:g}")
+        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=r["label"])
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (share of steps reaching it)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    written.append(_save(fig, out / "acceptance_per_position.png"))
-    plt.close(fig)
+    return fig
 
+
+def vs_k_figure(rows: Sequence[Mapping[str, Any]]) -> Any:
+    """τ (left) and speed-up over plain decoding (right) against k, one line per series (`plot_series`)."""
+    plt = _pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
-    series: dict[tuple[str, float], list[Mapping[str, Any]]] = {}
-    for r in overall:
-        series.setdefault((_label(r), r["temperature"]), []).append(r)
-    for (method, temp), rs in sorted(series.items()):
-        rs = sorted(rs, key=lambda r: r["k"])
-        label = f"{method} T={temp:g}"
+    for label, rs in plot_series(rows).items():
         a1.plot([r["k"] for r in rs], [r["tau"] for r in rs], marker="o", label=label)
         a2.plot([r["k"] for r in rs], [r["speedup"] for r in rs], marker="o", label=label)
     a1.set_xlabel("k")
@@ -93,19 +110,16 @@ def plot(rows: Sequence[Mapping[str, Any]], out: Path) -> list[Path]:
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
     fig.tight_layout()
-    written.append(_save(fig, out / "tau_speedup_vs_k.png"))
-    plt.close(fig)
-    return written
+    return fig
 
 
-def _label(row: Mapping[str, Any]) -> str:
-    """The method and its non-default options, e.g. `mtp thr=0.4 own`."""
-    parts = [row["method"]]
-    if row.get("draft_threshold"):
-        parts.append(f"thr={row['draft_threshold']:g}")
-    if row.get("catch_up", "target") != "target":
-        parts.append(str(row["catch_up"]))
-    return " ".join(parts)
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a display
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _save(fig: Any, path: Path) -> Path:

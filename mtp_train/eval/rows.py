@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mtp_train.eval.acceptance import RunResult
+from mtp_train.eval.methods import LOOKUP
+from mtp_train.eval.options import EvalPoint
 from mtp_train.speculative.metrics import SpecMetrics
 
 
@@ -21,7 +23,7 @@ def result_row(run: RunResult, base: RunResult) -> dict[str, Any]:
     """The report row of one run against its baseline."""
     m = run.metrics
     row: dict[str, Any] = {
-        "dataset": run.dataset, "method": run.method, "k": run.k, "temperature": run.temperature, **run.options,
+        "dataset": run.dataset, **run.point.row_fields(),
         "prompts": len(run.answers), "generated_tokens": run.generated_tokens, "seconds": run.seconds,
         "tokens_per_s": run.tokens_per_s, "baseline_tokens_per_s": base.tokens_per_s,
         "speedup": run.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else 0.0,
@@ -79,15 +81,14 @@ def speedup_interval(pairs: Sequence[tuple[RunResult, RunResult]], resamples: in
 
 
 def overall_rows(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[dict[str, Any]]:
-    """Per (method and options, k, temperature), all prompt sets together: counts summed, tokens/s over the summed
-    time."""
-    groups: dict[tuple[str, tuple, int, float], list[tuple[RunResult, RunResult]]] = {}
+    """Per grid point, all prompt sets together: counts summed, tokens/s over the summed time."""
+    groups: dict[EvalPoint, list[tuple[RunResult, RunResult]]] = {}
     for run, base in pairs:
-        key = (run.method, tuple(sorted(run.options.items())), run.k, run.temperature)
-        groups.setdefault(key, []).append((run, base))
+        groups.setdefault(run.point, []).append((run, base))
     rows = []
-    for (method, options, k, temp), items in groups.items():
-        m = SpecMetrics(k)
+    for point, items in groups.items():
+        temp = point.temperature
+        m = SpecMetrics(point.k)
         for run, _ in items:
             if run.metrics is not None:
                 m.merge(run.metrics)
@@ -97,7 +98,7 @@ def overall_rows(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[dict[str,
         bsecs = sum(b.seconds for _, b in items)
         tps, btps = tokens / secs if secs else 0.0, btokens / bsecs if bsecs else 0.0
         row: dict[str, Any] = {
-            "dataset": "overall", "method": method, "k": k, "temperature": temp, **dict(options),
+            "dataset": "overall", **point.row_fields(),
             "prompts": sum(len(r.answers) for r, _ in items), "generated_tokens": tokens, "seconds": secs,
             "tokens_per_s": tps, "baseline_tokens_per_s": btps, "speedup": tps / btps if btps else 0.0,
             **speedup_interval(items), **metric_fields(m),
@@ -115,10 +116,10 @@ def overall_rows(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[dict[str,
 def attach_ngram(rows: Sequence[dict[str, Any]]) -> None:
     """Give every row of another method `tau_ngram` and `speedup_ngram`: prompt lookup's on the same prompt set, k
     and temperature of the same run (when it ran), the floor a trained drafter has to clear."""
-    floor = {(r["dataset"], r["k"], r["temperature"]): r for r in rows if r["method"] == "ngram"}
+    floor = {(r["dataset"], r["k"], r["temperature"]): r for r in rows if r["method"] == LOOKUP}
     for r in rows:
         ng = floor.get((r["dataset"], r["k"], r["temperature"]))
-        if r["method"] != "ngram" and ng is not None:
+        if r["method"] != LOOKUP and ng is not None:
             r["tau_ngram"], r["speedup_ngram"] = ng.get("tau"), ng["speedup"]
 
 
@@ -126,6 +127,6 @@ def best_row(rows: Sequence[Mapping[str, Any]], temperature: float = 0.0) -> Map
     """The overall row with the highest speed-up at `temperature` (None when there is none); prompt lookup's rows
     only when no other method ran (it is the comparison, not the candidate)."""
     cands = [r for r in rows if r["dataset"] == "overall" and r["temperature"] == temperature]
-    drafters = [r for r in cands if r["method"] != "ngram"]
+    drafters = [r for r in cands if r["method"] != LOOKUP]
     cands = drafters or cands
     return max(cands, key=lambda r: r["speedup"]) if cands else None

@@ -1,0 +1,157 @@
+"""The methods `mtp-eval` can run, one registered spec each: plain decoding (`none`), a trained head (`mtp`), a
+small draft model (`draft`) and prompt lookup (`ngram`).
+
+A spec names the grid axes that apply to the method (`mtp_train.config.eval.GRID_AXES`; temperature applies to
+all), how to load what all its proposers share (the head, the draft model) and how to build a fresh proposer from
+that and one grid point's options. A new method is one `register(MethodSpec(...))`; the grid
+(`mtp_train.eval.options.expand_grid`), the runs and the report take it from here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from mtp_train.config import EvalConfig
+from mtp_train.data.chat import load_tokenizer, tokenizer_fingerprint
+from mtp_train.models.base import CausalLM
+from mtp_train.models.config import ModelConfigError
+from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer, NgramProposer, Proposer
+
+log = logging.getLogger(__name__)
+
+# What a method loads once per evaluation: (config, target, tokenizer, target folder) → what its proposers share.
+Loader = Callable[[EvalConfig, CausalLM, Any, Path], Any]
+# A fresh proposer (each engine owns its proposer's state): (what the loader gave, the point's options, config).
+Builder = Callable[[Any, Mapping[str, Any], EvalConfig], Proposer]
+
+
+def _load_nothing(cfg: EvalConfig, target: CausalLM, tokenizer: Any, target_dir: Path) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method of `mtp-eval`: its name in the config, how reports show it, its grid axes and its proposers."""
+
+    name: str  # the value of `method=` and of the rows' "method"
+    display: str  # how labels, plots and summaries name it
+    axes: tuple[str, ...]  # the grid axes that multiply its runs (GRID_AXES names); the others are not its own
+    build: Builder | None = None  # None: plain decoding, the baseline every other method is measured against
+    load: Loader = _load_nothing
+    lookup_beside: bool = False  # prompt lookup runs beside it on the same prompts when `ngram.compare` is on
+
+    @property
+    def plain(self) -> bool:
+        """True for the baseline (no proposer, the plain engine)."""
+        return self.build is None
+
+
+class GridPoint(Protocol):
+    """What a proposer is built from: a method's name and its options (`mtp_train.eval.options.EvalPoint`)."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def options(self) -> dict[str, Any]: ...
+
+
+METHODS: dict[str, MethodSpec] = {}
+LOOKUP = "ngram"  # the floor a trained drafter has to clear: its figures join every other row (`attach_ngram`)
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    """Add a method to the registry (a name registered twice is a mistake, not an override)."""
+    if spec.name in METHODS:
+        raise ValueError(f"method {spec.name!r} is registered twice")
+    METHODS[spec.name] = spec
+    return spec
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The registered spec of `name`; an unknown name is refused with the valid ones."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"method {name!r} is unknown; choose one of {', '.join(METHODS)}") from None
+
+
+def grid_methods(cfg: EvalConfig) -> list[MethodSpec]:
+    """The methods one evaluation runs: the plain baseline, `cfg.method`, and prompt lookup beside it when the
+    method asks for it and `ngram.compare` is on (the baseline alone for method=none)."""
+    chosen = method_spec(cfg.method)
+    specs = [spec for spec in METHODS.values() if spec.plain]
+    if not chosen.plain:
+        specs.append(chosen)
+    if chosen.lookup_beside and cfg.ngram.compare:
+        specs.append(METHODS[LOOKUP])
+    return specs
+
+
+class MethodSet:
+    """The methods of one evaluation with what their proposers share, loaded once: `proposer(point)` builds a
+    fresh one per engine."""
+
+    def __init__(self, cfg: EvalConfig, shared: Mapping[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.shared = dict(shared or {})  # method name → its loader's result (a head, a draft model)
+
+    @classmethod
+    def load(cls, cfg: EvalConfig, target: CausalLM, tokenizer: Any, target_dir: Path,
+             points: Iterable[GridPoint] = ()) -> MethodSet:
+        """Load every method of `cfg`'s grid, then build each of `points`' proposers once and drop it, so a bad
+        option value (a threshold, a width, n_min) fails before any run."""
+        shared = {spec.name: spec.load(cfg, target, tokenizer, target_dir) for spec in grid_methods(cfg)}
+        methods = cls(cfg, shared)
+        for p in points:
+            methods.proposer(p)
+        return methods
+
+    def proposer(self, point: GridPoint) -> Proposer | None:
+        """A fresh proposer for one grid point (its method with its options); None for plain decoding."""
+        spec = method_spec(point.method)
+        if spec.build is None:
+            return None
+        return spec.build(self.shared.get(point.method), point.options, self.cfg)
+
+
+def _load_head(cfg: EvalConfig, target: CausalLM, tokenizer: Any, target_dir: Path) -> Any:
+    if not cfg.head_ckpt:
+        raise ValueError("method=mtp needs head_ckpt=DIR (a folder written by mtp-train or mtp-export)")
+    from mtp_train.heads import load_head
+
+    head = load_head(cfg.head_ckpt, target_dir, device=target.device, dtype=target.dtype,
+                     backend=cfg.model.backend, verify_fingerprint=cfg.verify_fingerprint)
+    log.info("head %s: %s, %.2fM parameters, draft vocabulary %d", cfg.head_ckpt, head.cfg.type,
+             head.num_params() / 1e6, head.vocab_size)
+    return head
+
+
+def _load_draft(cfg: EvalConfig, target: CausalLM, tokenizer: Any, target_dir: Path) -> CausalLM:
+    if not cfg.draft_model:
+        raise ValueError("method=draft needs draft_model=DIR (a Hugging Face folder with the target's tokenizer)")
+    from mtp_train.models.loader import load_model
+
+    draft_dir = Path(cfg.draft_model)
+    if tokenizer_fingerprint(load_tokenizer(draft_dir)) != tokenizer_fingerprint(tokenizer):
+        raise ModelConfigError(f"draft model {draft_dir} has another tokenizer than the target {target_dir}; "
+                               "speculative decoding needs the same one")
+    draft = load_model(draft_dir, dtype=str(target.dtype).replace("torch.", ""), device=target.device,
+                       backend=cfg.model.backend)
+    if draft.args.vocab_size != target.args.vocab_size:
+        raise ModelConfigError(f"draft model {draft_dir} has vocab_size {draft.args.vocab_size}, the target "
+                               f"{target.args.vocab_size}")
+    return draft
+
+
+register(MethodSpec("none", "plain", axes=("temperature",)))
+register(MethodSpec("mtp", "mtp head", axes=("k", "draft_threshold", "catch_up", "draft_width", "temperature"),
+                    build=lambda head, opts, cfg: HeadProposer(head, **opts), load=_load_head, lookup_beside=True))
+register(MethodSpec("draft", "draft model", axes=("k", "temperature"),
+                    build=lambda model, opts, cfg: DraftModelProposer(model), load=_load_draft, lookup_beside=True))
+register(MethodSpec("ngram", "prompt lookup", axes=("k", "temperature"),
+                    build=lambda _, opts, cfg: NgramProposer(n_max=cfg.ngram.n_max, n_min=cfg.ngram.n_min)))

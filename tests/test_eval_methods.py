@@ -1,0 +1,121 @@
+"""`mtp-eval`'s method registry and its grid without running a model: unknown methods refused, only the axes of a
+method multiply its runs, every run labelled by what varies, and the report's rows and plot lines keep apart the
+points that differ (draft_width 1 and 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtp_train.config import EvalConfig, HeadConfig, NgramConfig
+from mtp_train.eval.acceptance import RunResult
+from mtp_train.eval.methods import METHODS, MethodSet, MethodSpec, grid_methods, method_spec, register
+from mtp_train.eval.options import EvalPoint, expand_grid
+from mtp_train.eval.report import plot_series, vs_k_figure
+from mtp_train.eval.rows import overall_rows, result_row
+from mtp_train.heads import build_head
+from mtp_train.speculative.metrics import SpecMetrics
+from mtp_train.speculative.proposers import HeadProposer, NgramProposer
+
+
+def _count(points: list[EvalPoint]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for p in points:
+        counts[p.method] = counts.get(p.method, 0) + 1
+    return counts
+
+
+def test_the_four_methods_are_registered_and_an_unknown_one_is_refused_naming_them():
+    assert list(METHODS) == ["none", "mtp", "draft", "ngram"]
+    with pytest.raises(ValueError, match="'medusa' is unknown; choose one of none, mtp, draft, ngram"):
+        method_spec("medusa")
+    with pytest.raises(ValueError, match="choose one of none, mtp, draft, ngram"):
+        expand_grid(EvalConfig(method="medusa"))  # the grid refuses it before anything loads
+    with pytest.raises(ValueError, match="registered twice"):
+        register(MethodSpec("ngram", "again", axes=("k",)))
+    assert list(METHODS) == ["none", "mtp", "draft", "ngram"]
+
+
+def test_axes_that_do_not_apply_to_a_method_do_not_multiply_its_runs():
+    # plain decoding: one run per temperature whatever k, the threshold or the width say
+    none = expand_grid(EvalConfig(method="none", k=[1, 2, 3], draft_width=[1, 2], draft_threshold=[0.0, 0.5]))
+    assert none == [EvalPoint("none")]
+    assert [p.temperature for p in expand_grid(EvalConfig(method="none", k=[1, 2], temperature=[0, 1]))] == [0, 1]
+    # prompt lookup and a draft model: k × temperature only; the head's axes are not theirs
+    for method in ("ngram", "draft"):
+        points = expand_grid(EvalConfig(method=method, k=[1, 2], draft_width=[1, 2, 3], catch_up=["target", "own"],
+                                        ngram=NgramConfig(compare=False)))
+        assert _count(points) == {"none": 1, method: 2}
+        assert all(p.options == {} and p.draft_width is None for p in points)
+    # the head: every axis of it, prompt lookup beside it at every k (ngram.compare), the baseline once
+    cfg = EvalConfig(k=[1, 2, 3], draft_width=[1, 2], catch_up=["target", "own"], temperature=[0, 1])
+    points = expand_grid(cfg)
+    assert _count(points) == {"none": 2, "mtp": 3 * 2 * 2 * 2, "ngram": 3 * 2}
+    assert len(set(points)) == len(points)
+    assert [s.name for s in grid_methods(cfg)] == ["none", "mtp", "ngram"]
+    head = next(p for p in points if p.method == "mtp")
+    assert head.options == {"draft_threshold": 0.0, "catch_up": "target", "draft_width": 1}
+    assert [s.name for s in grid_methods(EvalConfig(ngram=NgramConfig(compare=False)))] == ["none", "mtp"]
+
+
+def test_labels_carry_every_axis_that_varies_and_no_other():
+    points = expand_grid(EvalConfig(k=[1, 2], draft_width=[1, 2]))
+    labels = [p.label for p in points]
+    assert labels == ["plain", "mtp head k=1 width=1", "mtp head k=2 width=1", "mtp head k=1 width=2",
+                      "mtp head k=2 width=2", "prompt lookup k=1", "prompt lookup k=2"]
+    # a series is a label without k: one line per width, one for prompt lookup
+    assert sorted({p.series for p in points if p.method != "none"}) == [
+        "mtp head width=1", "mtp head width=2", "prompt lookup"]
+    # one value everywhere: nothing but the method; a threshold grid and a temperature grid name theirs
+    assert [p.label for p in expand_grid(EvalConfig(k=3, ngram=NgramConfig(compare=False)))] == ["plain", "mtp head"]
+    thr = expand_grid(EvalConfig(k=3, draft_threshold=[0, 0.4], temperature=[0, 1], ngram=NgramConfig(compare=False)))
+    assert {p.label for p in thr} == {"plain T=0", "plain T=1", "mtp head thr=0 T=0", "mtp head thr=0.4 T=0",
+                                      "mtp head thr=0 T=1", "mtp head thr=0.4 T=1"}
+
+
+def test_each_method_builds_its_own_proposer(tiny_checkpoints):
+    cfg = EvalConfig(k=2, draft_width=[1, 2], ngram=NgramConfig(n_max=4, n_min=2))
+    head = build_head(HeadConfig(type="mtp"), tiny_checkpoints["llama"][0])
+    methods = MethodSet(cfg, {"mtp": head})
+    built = {p: methods.proposer(p) for p in expand_grid(cfg)}
+    kinds = {p.label: type(b).__name__ for p, b in built.items()}
+    assert kinds == {"plain": "NoneType", "mtp head width=1": "HeadProposer", "mtp head width=2": "HeadProposer",
+                     "prompt lookup": "NgramProposer"}
+    for p, b in built.items():
+        if isinstance(b, HeadProposer):
+            assert b.draft_width == p.draft_width and b.head is head
+        if isinstance(b, NgramProposer):
+            assert (b.n_max, b.n_min) == (4, 2)
+    with pytest.raises(ValueError, match="draft_width"):
+        methods.proposer(EvalPoint("mtp", k=2, draft_threshold=0.0, catch_up="target", draft_width=0))
+    with pytest.raises(ValueError, match="head_ckpt"):
+        MethodSet.load(cfg, None, None, tiny_checkpoints["llama"][0])  # type: ignore[arg-type]
+
+
+def _run(point: EvalPoint, tau_steps: list[int], seconds: float) -> RunResult:
+    """A finished run without a model: `tau_steps` accepted tokens per step, 10 tokens in `seconds` per chunk."""
+    m = None
+    if point.k:
+        m = SpecMetrics(point.k)
+        for a in tau_steps:
+            m.add(a)
+    return RunResult("tiny", point, generated_tokens=20, seconds=2 * seconds, metrics=m,
+                     chunks=[(10, seconds), (10, seconds)])
+
+
+def test_report_labels_and_plot_series_keep_draft_width_1_and_2_apart():
+    points = expand_grid(EvalConfig(k=[1, 2], draft_width=[1, 2], ngram=NgramConfig(compare=False)))
+    base = _run(points[0], [], 1.0)
+    pairs = [(_run(p, [1, p.draft_width - 1], 1.0 / p.draft_width), base) for p in points[1:]]
+    rows = [result_row(r, b) for r, b in pairs] + overall_rows(pairs)
+    over = [r for r in rows if r["dataset"] == "overall"]
+    assert len(over) == 4 and len({r["label"] for r in over}) == 4
+    assert {r["label"] for r in over if r["draft_width"] == 2} == {"mtp head k=1 width=2", "mtp head k=2 width=2"}
+    series = plot_series(rows)
+    assert list(series) == ["mtp head width=1", "mtp head width=2"]
+    assert [[r["k"] for r in rs] for rs in series.values()] == [[1, 2], [1, 2]]
+    assert {r["draft_width"] for r in series["mtp head width=2"]} == {2}
+    assert [r["speedup"] for r in series["mtp head width=2"]] == [pytest.approx(2.0)] * 2
+    fig = vs_k_figure(rows)
+    for ax in fig.axes:  # τ and speed-up: one line per width (the dashed break-even line has no label)
+        assert [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")] == list(series)
+    fig.clf()
