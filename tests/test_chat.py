@@ -374,3 +374,45 @@ def test_fingerprints(families):
     assert tokenizer_fingerprint(tok) != tokenizer_fingerprint(families["mistral"])
     twin.chat_template = tok.chat_template + " "
     assert chat_template_fingerprint(tok) != chat_template_fingerprint(twin)
+
+
+# ------------------------------------------------------------------------------------------------- cost
+
+
+class _CountingTemplate:
+    """The tokenizer's apply_chat_template, counting the messages it renders (the work a rendering does)."""
+
+    def __init__(self, tok):
+        self.inner, self.messages, self.calls = tok.apply_chat_template, 0, 0
+
+    def __call__(self, conversation, *args, **kwargs):
+        self.calls += 1
+        self.messages += len(conversation)
+        return self.inner(conversation, *args, **kwargs)
+
+
+def _rendered_messages(tok, turns: int) -> int:
+    counter = _CountingTemplate(tok)
+    tok.apply_chat_template = counter
+    try:
+        messages = [{"role": "system", "content": "Be brief."}]
+        for t in range(turns):
+            messages += [{"role": "user", "content": f"Question {t}?"},
+                         {"role": "assistant", "content": f"Answer {t}."}]
+        sample = tokenize_conversation(tok, messages)
+    finally:
+        del tok.apply_chat_template
+    assert sample is not None and mask_runs(sample.loss_mask) == turns
+    return counter.messages
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "phi3"])
+def test_loss_mask_renders_grow_linearly_with_the_turns(families, family):
+    """Deriving the masks renders a number of messages proportional to the conversation: each turn is rendered
+    in a window of a few messages, not as the end of a prefix of the whole conversation (which grew with the
+    square of the turns: 0.8 / 3.2 / 12.9 s for 100 / 200 / 400 turns)."""
+    tok = copy.deepcopy(families[family])
+    counts = [_rendered_messages(tok, n) for n in (25, 50, 100)]
+    per_turn = [c / n for c, n in zip(counts, (25, 50, 100))]
+    assert max(per_turn) <= 12, counts  # two renderings of the whole conversation and two windows a turn
+    assert counts[2] - counts[1] == 2 * (counts[1] - counts[0]), counts  # exactly linear

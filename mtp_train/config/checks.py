@@ -192,6 +192,60 @@ def check_overrides(overrides: list[str], name: str) -> None:
             continue
         if not is_schema_key(schema, key):
             raise unknown_key_error(schema, key, name)
+        _check_type(schema, key, o)
+
+
+def leaf_hint(schema: type, key: str) -> Any:
+    """The type hint of dotted `key` in `schema` (None when it is below a dict or list setting)."""
+    node: Any = schema
+    hint: Any = None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return None
+        hint = _fields(node).get(part)
+        kind, sub = _classify(hint)
+        node = sub if kind == "dataclass" else None
+    return hint
+
+
+def _describe_hint(hint: Any) -> str:
+    """How a type reads in an error message: "an integer", "a list (e.g. [a,b])", "an integer or null", ..."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_describe_hint(a) for a in args if a is not type(None)]
+        return " or ".join(parts) + (" or null" if type(None) in args else "")
+    if origin is list or hint is list:
+        return "a list, e.g. [a,b]"
+    if origin in (dict, collections.abc.Mapping) or hint is dict:
+        return "a mapping, e.g. {a:1}"
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _check_type(schema: type, key: str, override: Any) -> None:
+    """Refuse an override whose value does not convert to the setting's type, naming the key and the type.
+
+    Hydra would refuse it too, at composition, but with several lines and exit code 1.
+    """
+    hint = leaf_hint(schema, key)
+    if hint is None:
+        return
+    try:
+        value = override.value()
+    except Exception:  # a sweep or a function: Hydra's to handle
+        return
+    if not isinstance(value, (str, int, float, bool, list, dict, type(None))):
+        return
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.merge(OmegaConf.structured(dataclasses.make_dataclass("One", [("v", hint)])), {"v": value})
+    except OmegaConfBaseException:
+        raw = override.get_value_element_as_str()
+        raise ConfigError(f"`{key}={raw}`: `{key}` takes {_describe_hint(hint)}, not {raw!r}") from None
+    except Exception:  # a hint OmegaConf cannot build a node for: Hydra checks it
+        return
 
 
 def typed(cfg: Any, schema: type[T]) -> T:

@@ -14,6 +14,11 @@ whitespace after the end marker. No marker string is known to this module; every
   is taken per turn (diff method) as the common ending of `messages[:i+1]` rendered with the real and with a
   probe content, and matched after the content in the full rendering.
 
+Both are taken from short renderings where the template renders every turn by itself (`_local_spans`: the
+conversation with each assistant content probed, and each turn as the last of a window of a few messages), so the
+work grows linearly with the conversation; the prefix renderings above, whose cost grows with the square of the
+turns, remain for templates that fail its checks (history re-rendered, content rewritten).
+
 Tokens are mapped to characters with the fast tokenizer's offsets; a token is masked when its characters overlap
 an assistant span and do not run past its end. (A token that straddles a header and the content, e.g. `\\n\\n` when
 the content itself starts with a newline after a header ending in one, is therefore masked: the text is
@@ -27,12 +32,12 @@ import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from mtp_train.data.fingerprints import load_tokenizer as load_tokenizer
+from mtp_train.data.fingerprints import tokenizer_fingerprint as tokenizer_fingerprint
 from mtp_train.data.formats import DataError
 from mtp_train.data.readers import Conversation
-from mtp_train.models.config import ModelConfigError
 
 Messages = Sequence[Mapping[str, str]]
 # Private-use characters: no template special-cases them and real text rarely contains them. A probe must not occur
@@ -154,16 +159,90 @@ def _closing_in_full(full: str, at: int, closing: str) -> int:
     return last_space + 1 if last_space >= 0 else matched
 
 
+def _window(messages: Messages, i: int) -> list[Mapping[str, str]]:
+    """Turn i with the message before it, after a leading system message: all a local template's rendering of
+    turn i as the last one depends on (the window keeps a user/assistant alternation a template may demand)."""
+    head = [messages[0]] if messages[0]["role"] == "system" and i > 1 else []
+    return [*head, *messages[max(len(head), i - 1):i + 1]]
+
+
+def _local_spans(tokenizer: Any, messages: Messages, full: str, turns: Sequence[int],
+                 kw: Mapping[str, Any] | None) -> tuple[list[tuple[int, int]], str] | None:
+    """The spans of `assistant_char_spans` from two renderings of the conversation and two of a short window per
+    turn, so the work grows linearly with the conversation; None when the template is not local enough for it.
+
+    The conversation is rendered once more with every assistant content replaced by its own probe; the text
+    between probes is the template's. Each turn is rendered as the last turn of its window (`_window`), alone
+    and with a probe content: that gives its rendered content and closing, exactly what the per-turn prefix
+    renderings give when the template renders every turn by itself. The assumption is checked: the full text
+    must be the probe rendering with every probe replaced by the window's rendered content, and a content the
+    template rewrote (shorter than the stripped raw content) is left to the per-turn method.
+    """
+    probes = [p for p in PROBES if p not in full][:len(turns)]
+    if len(probes) < len(turns):
+        return None
+    probed = [dict(m) for m in messages]
+    for i, p in zip(turns, probes):
+        probed[i]["content"] = p
+    try:
+        alt = render(tokenizer, probed, template_kwargs=kw)
+    except ChatTemplateError:
+        return None
+    at = [alt.find(p) for p in probes]
+    if any(a < 0 or alt.count(p) != 1 for a, p in zip(at, probes)) or at != sorted(at):
+        return None
+    pieces = [alt[a + 1:b] for a, b in zip(at, [*at[1:], len(alt)])]  # the template's text after each probe
+    if not full.startswith(alt[:at[0]]):
+        return None
+    pos, spans, method = at[0], [], "prefix"
+    for i, piece in zip(turns, pieces):
+        window = _window(messages, i)
+        probe = _probe_for(messages[i]["content"])
+        try:
+            upto = render(tokenizer, window, template_kwargs=kw)
+            alt_upto = render(tokenizer, _with_content(window, len(window) - 1, probe), template_kwargs=kw)
+        except ChatTemplateError:
+            return None
+        w0 = _common_prefix(upto, alt_upto)
+        w1 = max(w0, len(upto) - _common_suffix(upto, alt_upto))
+        content = upto[w0:w1]
+        raw = messages[i]["content"].strip()
+        if len(raw) > len(content) or not full.startswith(content, pos) \
+                or not full.startswith(piece, pos + len(content)):
+            return None
+        c0, c1 = pos, pos + len(content)
+        closing = upto[w1:]
+        if full.startswith(closing, c1):
+            turn_end = c1 + len(closing)
+        else:
+            method = "diff"
+            common = _common_suffix(upto, alt_upto)
+            turn_end = c1 + _closing_in_full(full, c1, upto[len(upto) - common:] if common else "")
+        spans.append((c0, c1 + len(full[c1:turn_end].rstrip())))
+        pos = c1 + len(piece)
+    if pos != len(full) or any(b > a for (_, b), (a, _) in zip(spans, spans[1:])):
+        return None
+    return spans, method
+
+
 def assistant_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mapping[str, Any] | None = None,
                          ) -> tuple[str, list[tuple[int, int]], str]:
     """Render `messages`; return (text, [start, end) of every assistant span in it, method).
 
     A span runs from the first character of the rendered content to the end of the turn's end-of-turn marker
     (trailing whitespace after the marker excluded). `method` is "prefix", or "diff" when any turn needed the
-    per-turn diff because the template re-renders history.
+    per-turn diff because the template re-renders history or closes the last turn differently.
+
+    Templates that render each turn by itself take `_local_spans` (renderings of the conversation and of a few
+    messages per turn: linear in the conversation's length); others the per-turn renderings of every prefix
+    below, whose cost grows with the square of the number of turns.
     """
     kw = template_kwargs
     full = render(tokenizer, messages, template_kwargs=kw)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    local = _local_spans(tokenizer, messages, full, turns, kw) if turns else None
+    if local is not None:
+        return full, local[0], local[1]
     spans: list[tuple[int, int]] = []
     method = "prefix"
     for i, message in enumerate(messages):
@@ -354,51 +433,3 @@ def chat_template_fingerprint(tokenizer: Any) -> str:
     template = tokenizer.chat_template
     text = template if isinstance(template, str) else json.dumps(template, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def _special_tokens(tokenizer: Any) -> dict[str, Any]:
-    # The template renders bos/eos by name, so a changed special token changes the training text.
-    names = ("bos_token", "eos_token", "unk_token", "pad_token")
-    return {n: str(getattr(tokenizer, n, None)) for n in names}
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """sha256 (hex) over the vocabulary, merges, added tokens, pipeline and special tokens, stably serialised.
-
-    Runtime settings (truncation, padding) are left out: they do not change how text becomes ids.
-    """
-    h = hashlib.sha256()
-    h.update(json.dumps(_special_tokens(tokenizer), sort_keys=True).encode("utf-8"))
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        # `to_str` is a fixed-order serialisation: {"version", "truncation", "padding", "added_tokens", ...,
-        # "model"}. Parsing the whole of it takes a second for a large vocabulary, so only the small head with the
-        # runtime settings is parsed and normalised; the rest is hashed as written.
-        text = backend.to_str()
-        cut = text.find(',"added_tokens":')
-        if text.startswith('{"version"') and cut > 0:
-            head = json.loads(text[:cut] + "}")
-            tail = text[cut:]
-        else:
-            head, tail = json.loads(text), ""
-        head.pop("truncation", None)
-        head.pop("padding", None)
-        h.update(json.dumps(head, sort_keys=True, ensure_ascii=False).encode("utf-8"))
-        h.update(tail.encode("utf-8"))
-    else:  # a slow tokenizer: its vocabulary and added tokens are what we can see
-        added = getattr(tokenizer, "added_tokens_decoder", {})
-        spec = {"vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
-                "added": {str(k): str(v) for k, v in sorted(added.items())}}
-        h.update(json.dumps(spec, sort_keys=True, ensure_ascii=False).encode("utf-8"))
-    return h.hexdigest()
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """The Hugging Face tokenizer of a model folder, with a clear error when the folder has none."""
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ModelConfigError(f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
-                               f"commands that render chats need the target's tokenizer beside its weights")
-    return AutoTokenizer.from_pretrained(str(path))
