@@ -1,8 +1,9 @@
 """Memory plan: GPU memory per rank for precompute and training at the shipped configs, and disk per million tokens.
 
-For Llama-3.1-8B, Llama-3.1-70B and DeepSeek-V2-Lite (the `conf/model` entries). Shapes come from the model folder's
-config.json when it is present, else from the public config.json values embedded below; parameter counts are exact
-(our target and head are built on the meta device and counted). Memory is an estimate from those counts:
+For Llama-3.1-8B, Llama-3.1-70B, DeepSeek-V2-Lite and Qwen3-30B-A3B (the `conf/model` entries). Shapes come from the
+model folder's config.json when it is present, else from the public config.json values embedded below; parameter
+counts are exact (our target and head are built on the meta device and counted). Memory is an estimate from those
+counts:
 
 precompute (bf16, cache-free packed prefill of `batch_tokens`, tensor parallel over `model.tp` ranks):
     weights / tp + the largest per-layer temporaries of one step (hidden, q/k/v, the MLP's 2·I/tp) + output rows
@@ -38,6 +39,7 @@ from mtp_train.config import HeadConfig
 from mtp_train.engine import KVCache  # noqa: E402
 from mtp_train.heads import HEAD_TYPES  # noqa: E402
 from mtp_train.models.config import ModelArgs  # noqa: E402
+from mtp_train.models.families import args_from_dir, args_from_hf_config  # noqa: E402
 from mtp_train.models.loader import model_class  # noqa: E402
 from mtp_train.models.tensor_parallel import local_args  # noqa: E402
 
@@ -58,7 +60,13 @@ DEEPSEEK_V2_LITE = dict(model_type="deepseek_v2", hidden_size=2048, intermediate
                         moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
                         first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0,
                         tie_word_embeddings=False, rms_norm_eps=1e-6)
-MODELS = {"llama3.1-8b": LLAMA31_8B, "llama3.1-70b": LLAMA31_70B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     vocab_size=151936, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, max_position_embeddings=40960)
+MODELS = {"llama3.1-8b": LLAMA31_8B, "llama3.1-70b": LLAMA31_70B, "deepseek-v2-lite": DEEPSEEK_V2_LITE,
+          "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def model_conf(name: str) -> dict:
@@ -69,8 +77,8 @@ def target_args(name: str) -> tuple[ModelArgs, str]:
     conf = model_conf(name)
     cfg_file = ROOT / conf["path"] / "config.json"
     if cfg_file.is_file():
-        return ModelArgs.from_dir(cfg_file.parent), str(cfg_file)
-    return ModelArgs.from_hf_config(MODELS[name], source=f"{name} (public config.json values)"), "embedded"
+        return args_from_dir(cfg_file.parent), str(cfg_file)
+    return args_from_hf_config(MODELS[name], source=f"{name} (public config.json values)"), "embedded"
 
 
 def count(module: torch.nn.Module) -> int:
@@ -87,8 +95,9 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
     p_target, p_head = count(target), count(head)
     h, v = args.hidden_size, args.vocab_size
     inter = args.intermediate_size
-    if args.model_type == "deepseek_v2":  # the widest MLP of a step: the dense layers', or the active experts'
-        inter = max(inter, args.moe_intermediate_size * (args.num_experts_per_tok + args.n_shared_experts))
+    # the widest MLP of a step: the dense layers', or an MoE layer's active (and shared) experts'
+    active = getattr(args, "num_experts_per_tok", 0) + getattr(args, "n_shared_experts", 0)
+    inter = max(inter, getattr(args, "moe_intermediate_size", 0) * active)
     qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
     bf16, fp32 = 2, 4
 

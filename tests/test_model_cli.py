@@ -1,0 +1,17 @@
+"""`mtp-model families`: every registered target family, one line each, with what it supports."""
+
+from __future__ import annotations
+
+from mtp_train.cli.model import main
+from mtp_train.models.families import families
+
+
+def test_families_lists_every_registered_family_with_its_model_types(capsys):
+    assert main(["families"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(families())
+    by_name = {line.split("\t")[0]: line for line in lines}
+    assert {"llama", "deepseek_v2", "qwen3_moe"} <= set(by_name)
+    assert "model_type: qwen3_moe" in by_name["qwen3_moe"] and "head.moe" in by_name["qwen3_moe"]
+    assert "qwen3" in by_name["llama"] and "tp >= 1" in by_name["llama"]
+    assert "heads: mtp" in by_name["deepseek_v2"] and "tp = 1" in by_name["deepseek_v2"]

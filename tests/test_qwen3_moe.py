@@ -1,0 +1,156 @@
+"""Qwen3-MoE targets (Qwen3 attention with sparse MoE layers, grouped expert products): parity with transformers on
+tiny random configs (every hidden state, logits, paged greedy decoding = HF generate), speculative decoding with the
+target as its own draft (greedy = plain), precompute, and mtp / eagle3 heads trained a few steps on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_train.config import HeadConfig, LossConfig, PrecomputeConfig
+from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.heads import build_head
+from mtp_train.models import ModelConfigError, load_model
+from mtp_train.models.families.qwen3_moe import grouped_experts
+from mtp_train.precompute import PrecomputedDataset, Sample, precompute
+from mtp_train.speculative.engine import SpecEngine
+from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer
+from mtp_train.train.losses import unrolled_loss
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+            max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6)
+CONFIGS = {
+    # every layer sparse, renormalised top-k (the released Qwen3-30B-A3B routing)
+    "sparse": {"norm_topk_prob": True},
+    # transformers' defaults elsewhere: raw top-k weights; a dense layer listed, and every second layer sparse
+    "mixed": {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": [3], "num_experts_per_tok": 3,
+              "tie_word_embeddings": True},
+}
+PROMPTS = [[3, 17, 42, 9, 100, 7, 8, 200, 13], [5, 6], list(range(30, 52))]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import transformers
+
+    out = {}
+    for name, over in CONFIGS.items():
+        torch.manual_seed(0)
+        cfg = transformers.Qwen3MoeConfig(**{**BASE, **over})
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for n, p in hf.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+                elif n.endswith("mlp.gate.weight"):
+                    p.normal_(0, 0.5)  # a router with real preferences
+        path = tmp_path_factory.mktemp("q3moe") / name
+        hf.save_pretrained(path, safe_serialization=True)
+        out[name] = (path, hf)
+    return out
+
+
+def test_layers_are_sparse_by_transformers_rule(checkpoints):
+    kinds = {name: [type(layer.mlp).__name__ for layer in load_model(path).model.layers]
+             for name, (path, _) in checkpoints.items()}
+    assert kinds["sparse"] == ["SparseMoE"] * 4
+    assert kinds["mixed"] == ["MLP", "SparseMoE", "MLP", "MLP"]  # (i + 1) % 2 == 0, except listed layer 3
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hidden_states_and_logits_match_transformers(checkpoints, name):
+    path, hf = checkpoints[name]
+    model = load_model(path, dtype="float32", backend="torch")
+    n = model.args.num_layers
+    for ids in PROMPTS:
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids]), output_hidden_states=True)
+        out = prefill_hidden(model, [ids], hidden_layers=range(n + 1))
+        for j in range(n + 1):
+            torch.testing.assert_close(out.layers[j], ref.hidden_states[j][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.compute_logits(out.hidden), ref.logits[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_paged_decode_and_speculative_decoding_equal_transformers_generate(checkpoints, name):
+    path, hf = checkpoints[name]
+    model = load_model(path, dtype="float32", backend="torch")
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    ref = [hf.generate(torch.tensor([p]), max_new_tokens=14, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    plain = LLMEngine(model, page_size=3, num_pages=128).generate(PROMPTS, params)
+    assert [o.output_ids for o in plain] == ref
+    spec = SpecEngine(model, DraftModelProposer(model), 3, page_size=3, num_pages=128)
+    assert [o.output_ids for o in spec.generate(PROMPTS, params)] == ref
+    assert spec.stats.metrics.acceptance_rate == 1.0
+
+
+def test_grouped_experts_equal_a_loop_over_tokens():
+    """The grouped products against the plain definition, token by token, with repeated and unused experts."""
+    from mtp_train.models.families.qwen3_moe import Expert
+
+    torch.manual_seed(1)
+    experts = torch.nn.ModuleList(Expert(8, 5) for _ in range(4)).double()
+    x = torch.randn(6, 8, dtype=torch.float64)
+    ids = torch.tensor([[0, 2], [2, 0], [3, 2], [0, 3], [2, 3], [0, 2]])  # expert 1 never hit
+    w = torch.rand(6, 2, dtype=torch.float64)
+    ref = torch.stack([sum(w[t, j] * experts[int(ids[t, j])](x[t:t + 1])[0] for j in range(2)) for t in range(6)])
+    torch.testing.assert_close(grouped_experts(x, w.float(), ids, experts), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_precompute_stores_the_models_hidden_states(checkpoints, tmp_path):
+    path, _ = checkpoints["mixed"]
+    model = load_model(path, dtype="float32", backend="torch")
+    samples = [Sample(f"s{i}", p, [1] * len(p)) for i, p in enumerate(PROMPTS)]
+    cfg = PrecomputeConfig(out=str(tmp_path / "pc"), shard_tokens=64, batch_tokens=64, val_fraction=0.0, progress=False)
+    precompute(model, samples, cfg, tokenizer_fingerprint="t", chat_template_fingerprint="c", model_dir=path,
+               data_info={})
+    ds = PrecomputedDataset(tmp_path / "pc", split="all")
+    for i in range(len(ds)):
+        item = ds[i]
+        ref = prefill_hidden(model, [item["input_ids"].tolist()]).hidden.to(torch.bfloat16)
+        torch.testing.assert_close(item["hidden"].float(), ref.float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("head_cfg", [HeadConfig(type="mtp"), HeadConfig(type="mtp", moe=True),
+                                      HeadConfig(type="eagle3", draft_vocab_size=64, aux_layers=[1, 2, 3])],
+                         ids=["mtp", "mtp-moe", "eagle3"])
+def test_heads_train_on_it_and_draft_losslessly(checkpoints, head_cfg):
+    path, _ = checkpoints["sparse"]
+    model = load_model(path, dtype="float32", backend="torch")
+    torch.manual_seed(0)
+    head = build_head(head_cfg, path, dtype="float32")
+    if head_cfg.moe:
+        assert type(head.layers[0].mlp).__name__ == "SparseMoE"
+    lens = [len(p) for p in PROMPTS]
+    out = prefill_hidden(model, PROMPTS, hidden_layers=head.aux_layers)
+    aux = torch.cat([out.layers[j] for j in head.aux_layers], -1) if head.aux_layers else None
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    mask = torch.ones_like(ids)
+    cfg = LossConfig(steps=2, w_tok=1.0, chunk_size=16)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss, _ = unrolled_loss(head, out.hidden, ids, mask, lens, cfg, aux_hidden=aux)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0], losses
+    head.eval()
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    ref = [o.output_ids for o in LLMEngine(model, page_size=3, num_pages=128).generate(PROMPTS, params)]
+    spec = SpecEngine(model, HeadProposer(head), 2, page_size=3, num_pages=128)
+    assert [o.output_ids for o in spec.generate(PROMPTS, params)] == ref
+
+
+def test_a_config_without_experts_is_refused_naming_the_keys(tmp_path):
+    from mtp_train.models.families import args_from_hf_config
+
+    cfg = {**BASE, "model_type": "qwen3_moe", "num_experts": 0}
+    with pytest.raises(ModelConfigError, match="num_experts and moe_intermediate_size"):
+        args_from_hf_config(cfg, "x/config.json")
+    with pytest.raises(ModelConfigError, match="num_experts_per_tok=9"):
+        args_from_hf_config({**cfg, "num_experts": 8, "num_experts_per_tok": 9}, "x/config.json")
