@@ -322,7 +322,7 @@ class OurSide:
         from mtp_train.data.chat import load_tokenizer, render
         from mtp_train.data.prompts import load_prompt_sets
         from mtp_train.engine.turns import Dialogue, stop_token_ids
-        from mtp_train.models.config import ModelArgs
+        from mtp_train.models.families import args_from_dir
 
         cwd = os.getcwd()
         os.chdir(ROOT)  # prompt-set paths are relative to the checkout, as for mtp-eval
@@ -331,7 +331,7 @@ class OurSide:
         finally:
             os.chdir(cwd)
         tok = load_tokenizer(ROOT / self.model)
-        stop = stop_token_ids(tok, ModelArgs.from_dir(ROOT / self.model).eos_token_ids)
+        stop = stop_token_ids(tok, args_from_dir(ROOT / self.model).eos_token_ids)
         by_id = {r["id"]: r for r in plain}
         prompts = []
         for conv in ps.convs:

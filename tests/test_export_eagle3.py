@@ -13,8 +13,7 @@ import torch
 
 from mtp_train.export import LAYOUTS, LayoutError, check_fits, layout_tensors
 from mtp_train.export import eagle3 as e3
-from mtp_train.models.config import ModelArgs
-from mtp_train.models.families import family_of
+from mtp_train.models.families import args_from_hf_config, family_of
 
 L, H, HQ, HKV, D, FF, V, VD = 8, 32, 4, 2, 8, 48, 128, 16
 TARGET = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": H, "intermediate_size": FF,
@@ -26,7 +25,7 @@ AUX = (2, L // 2, L - 3)  # EAGLE-3's low / mid / high in transformers' hidden_s
 
 
 def _spec(target=TARGET, **over) -> e3.Eagle3Spec:
-    args = ModelArgs.from_hf_config(target)
+    args = args_from_hf_config(target)
     fields = {"args": args, "aux_layers": AUX, "draft_vocab_size": VD, "fusings": tuple(family_of(args).fusings)}
     return e3.Eagle3Spec(**{**fields, **over})
 

@@ -15,8 +15,15 @@ from safetensors.torch import save_file
 from mtp_train.config import HeadConfig
 from mtp_train.heads import HEAD_TYPES, read_decoder_layer
 from mtp_train.layers.attention import AttentionMetadata
-from mtp_train.models import CausalLM, ModelArgs, ModelConfigError, load_model
-from mtp_train.models.families import Family, families, family_for_type, family_of, supported_model_types
+from mtp_train.models import CausalLM, ModelConfigError, load_model
+from mtp_train.models.families import (
+    Family,
+    args_from_hf_config,
+    families,
+    family_for_type,
+    family_of,
+    supported_model_types,
+)
 from mtp_train.models.fusing import fuse, fusion_plan, parts_plan, unfuse
 from mtp_train.models.tensor_parallel import TPGroup, load_model_tp, local_args
 
@@ -48,7 +55,7 @@ CASES = [(fam, name) for fam, configs in TINY.items() for name in configs]
 
 def _random_model(cfg: dict, seed: int = 0) -> CausalLM:
     """Our model of config `cfg` with random weights (norms away from 1, biases non-zero) and a torch backend."""
-    args = ModelArgs.from_hf_config(cfg, source="tiny")
+    args = args_from_hf_config(cfg, source="tiny")
     family = family_of(args)
     torch.manual_seed(seed)
     model = family.model(args)
@@ -86,13 +93,13 @@ def test_every_family_has_its_entries_and_a_tiny_config():
         for fusing in f.fusings:
             assert fusing.name not in fusing.parts and len(fusing.parts) > 1
     assert family_for_type("gpt2") is None and family_for_type(None) is None
-    covered = {ModelArgs.from_hf_config(cfg).model_type for configs in TINY.values() for cfg in configs.values()}
+    covered = {args_from_hf_config(cfg).model_type for configs in TINY.values() for cfg in configs.values()}
     assert covered == set(supported_model_types())
 
 
 def test_unknown_model_type_names_every_supported_one():
     with pytest.raises(ModelConfigError, match="model_type 'gpt2'.*supported: " + ", ".join(supported_model_types())):
-        ModelArgs.from_hf_config({**_LLAMA, "model_type": "gpt2"})
+        args_from_hf_config({**_LLAMA, "model_type": "gpt2"})
 
 
 @pytest.mark.parametrize("family,name", CASES)

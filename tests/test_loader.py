@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from mtp_train.models import ModelArgs, ModelConfigError, load_model
+from mtp_train.models import ModelConfigError, load_model
+from mtp_train.models.families import args_from_hf_config
 
 
 def test_missing_model_folder(tmp_path):
@@ -52,7 +53,7 @@ def test_missing_config_keys(tiny_checkpoints, tmp_path):
 
 def test_unsupported_rope_type():
     with pytest.raises(ModelConfigError, match="rope type .longrope. is not supported"):
-        ModelArgs.from_hf_config({"model_type": "llama", "hidden_size": 8, "intermediate_size": 8,
+        args_from_hf_config({"model_type": "llama", "hidden_size": 8, "intermediate_size": 8,
                                   "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 4,
                                   "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
 

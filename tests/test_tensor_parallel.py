@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mtp_train.models import ModelConfigError, load_model
-from mtp_train.models.config import ModelArgs
+from mtp_train.models.families import args_from_dir
 from mtp_train.models.tensor_parallel import local_args, vocab_range
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,7 +36,7 @@ def test_tp2_equals_tp1(tiny_checkpoints, tmp_path, name):
 
 
 def test_local_shapes_and_vocabulary_shards(tiny_checkpoints):
-    args = ModelArgs.from_dir(tiny_checkpoints["llama"][0])
+    args = args_from_dir(tiny_checkpoints["llama"][0])
     loc = local_args(args, 2)
     assert (loc.num_heads, loc.num_kv_heads, loc.intermediate_size) == (2, 1, 64)
     assert loc.hidden_size == args.hidden_size and loc.head_dim == args.head_dim

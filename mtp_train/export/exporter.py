@@ -32,7 +32,8 @@ from mtp_train.heads.checkpoint import (
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.registry import new_head
 from mtp_train.layers.attention import AttentionMetadata
-from mtp_train.models.config import ModelArgs, ModelConfigError
+from mtp_train.models.config import ModelConfigError
+from mtp_train.models.families import args_from_dir
 
 
 def _layout(fmt: str) -> Layout:
@@ -113,7 +114,7 @@ def load_export(export_dir: str | Path, target_dir: str | Path, device: str | to
     verify_files(export_dir, meta.get("files"), export_dir / "config.json")
     fmt = meta["format"]
     layout = _layout(fmt)
-    args = ModelArgs.from_dir(target_dir)
+    args = args_from_dir(target_dir)
     if meta["dims"] != head_dims(args):
         raise ModelConfigError(f"{export_dir}: exported for dims {meta['dims']}, target {target_dir} has "
                                f"{head_dims(args)}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.registry import HEAD_TYPES, new_head
 from mtp_train.models.config import ModelArgs, ModelConfigError
+from mtp_train.models.families import args_from_dir
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.models.loader import open_safetensors, resolve_dtype
 
@@ -96,8 +98,37 @@ def save_head(head: DraftHead, out_dir: str | Path, extra_config: dict[str, Any]
         "files": file_checksums(out, ["model.safetensors"]),
         "extra": extra_config or {},
     }
+    config[CONFIG_DIGEST] = config_digest(config)  # `read_head_config` checks it: config.json is covered too
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
+
+
+CONFIG_DIGEST = "config_sha256"  # in a head's config.json: the sha256 of the rest of it (`config_digest`)
+
+
+def config_digest(config: dict[str, Any]) -> str:
+    """sha256 (hex) of a head config without its own digest, as sorted compact JSON."""
+    rest = {k: v for k, v in config.items() if k != CONFIG_DIGEST}
+    return sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def check_draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, weights: Path) -> None:
+    """Refuse a saved draft vocabulary that is not distinct, ascending target ids in [0, vocab_size), naming the
+    file: every lookup through it (lm_head rows, drafted ids) would index outside the target or repeat a token."""
+    dv = state.get("draft_vocab")
+    if dv is None:
+        return
+    if dv.dim() != 1 or dv.is_floating_point():
+        what = "is not a 1-D tensor of integer token ids"
+    elif dv.numel() and (int(dv.min()) < 0 or int(dv.max()) >= vocab_size):
+        what = f"holds ids outside the target vocabulary [0, {vocab_size}) (min {int(dv.min())}, max {int(dv.max())})"
+    elif dv.numel() > 1 and not bool((dv[1:] > dv[:-1]).all()):
+        what = "repeats token ids or is not ascending"
+    else:
+        return
+    if what:
+        raise ModelConfigError(f"{weights}: draft_vocab {what}; the head is damaged or was edited: copy or export "
+                               "it again from the run's heads/step-N")
 
 
 def read_json_config(path: Path) -> dict[str, Any]:
@@ -125,6 +156,11 @@ def read_head_config(head_dir: str | Path) -> dict[str, Any]:
         raise ModelConfigError(f"{path}: format {cfg.get('format')!r} is not {HEAD_FORMAT!r}")
     if cfg.get("format_version") != HEAD_FORMAT_VERSION:
         raise ModelConfigError(f"{path}: format_version {cfg.get('format_version')} is not {HEAD_FORMAT_VERSION}")
+    if CONFIG_DIGEST not in cfg:
+        log.warning("%s records no checksum of itself (written by an older version): it is not verified", path)
+    elif cfg[CONFIG_DIGEST] != config_digest(cfg):
+        raise ModelConfigError(f"{path} does not match the {CONFIG_DIGEST} it records: the file is damaged or was "
+                               "edited; copy or export the head again from the run's heads/step-N")
     bad = [k for k in ("head", "dims") if not isinstance(cfg.get(k), dict)]
     if bad:
         raise ModelConfigError(f"{path}: {', '.join(bad)} missing or not an object; the file is damaged: copy or "
@@ -146,16 +182,17 @@ def load_head(head_dir: str | Path, target_dir: str | Path, device: str | torch.
     head_dir, target_dir = Path(head_dir), Path(target_dir)
     cfg_json = read_head_config(head_dir)
     verify_files(head_dir, cfg_json.get("files"), head_dir / "config.json")  # before a byte of it is read
-    args = ModelArgs.from_dir(target_dir)
+    args = args_from_dir(target_dir)
 
     problems = [f"dims.{k}: head checkpoint {cfg_json['dims'].get(k)!r}, target {v!r}"
                 for k, v in head_dims(args).items() if cfg_json["dims"].get(k) != v]
     try:
         head_cfg = HeadConfig(**cfg_json["head"])  # `init` is history here: the weights come from the file
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # a key HeadConfig lacks, or a value it refuses (an unknown type)
         raise ModelConfigError(f"{head_dir / 'config.json'}: head {e}") from None
     if head_cfg.type not in HEAD_TYPES:
-        raise ModelConfigError(f"{head_dir}: head type {head_cfg.type!r} has no implementation")
+        raise ModelConfigError(f"{head_dir / 'config.json'}: head type {head_cfg.type!r} has no implementation; "
+                               f"known: {', '.join(sorted(HEAD_TYPES))}")
     with torch.device("meta"):
         head = new_head(head_cfg, args, None, backend)
     expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
@@ -171,6 +208,7 @@ def load_head(head_dir: str | Path, target_dir: str | Path, device: str | torch.
         if problems:
             raise ModelConfigError(f"head {head_dir} does not fit target {target_dir}:\n  " + "\n  ".join(problems))
         state = {k: f.get_tensor(k) for k in names}
+    check_draft_vocab(state, args.vocab_size, weights)
 
     recorded = cfg_json.get("target_fingerprint")
     if recorded and verify_fingerprint:

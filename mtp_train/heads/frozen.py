@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp_train.models.config import ModelArgs, ModelConfigError
-from mtp_train.models.families import family_of
+from mtp_train.models.families import args_from_dir, family_of
 
 # The family's fusings are the loader's, so that a fused head layer reads a checkpoint exactly as the target does.
 from mtp_train.models.fusing import fuse, parts_plan
@@ -59,7 +59,7 @@ class FrozenTargetParts:
                         dtype: str | torch.dtype = "auto") -> FrozenTargetParts:
         """Read only `model.embed_tokens.weight` and `lm_head.weight` (tied: the embedding) from a target folder."""
         path = Path(path)
-        args = ModelArgs.from_dir(path)
+        args = args_from_dir(path)
         dt = resolve_dtype(dtype, args)
         files = checkpoint_files(path)
         names = [EMBED_NAME] if args.tie_word_embeddings else [EMBED_NAME, LM_HEAD_NAME]
@@ -99,7 +99,7 @@ def read_decoder_layer(path: str | Path, index: int = -1, dtype: str | torch.dty
     Returns e.g. {"self_attn.qkv_proj.weight": ((Hq+2Hkv)·D, H), "mlp.gate_up_proj.weight": (2I, H), ...} on CPU.
     """
     path = Path(path)
-    args = ModelArgs.from_dir(path)
+    args = args_from_dir(path)
     if not -args.num_layers <= index < args.num_layers:
         raise ValueError(f"layer index {index} out of range for a target with {args.num_layers} layers")
     idx = index % args.num_layers

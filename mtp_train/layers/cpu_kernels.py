@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from mtp_train.config.device import on_cpu
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
@@ -211,7 +213,7 @@ def available() -> bool:
 def serves(x: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether the native kernels take an op on x (and its other operands): all float32 on the CPU, nothing that
     autograd has to differentiate, and the kernels available. Shape rules stay with each caller."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or any(t.dtype != torch.float32 for t in others):
+    if x.dtype != torch.float32 or not on_cpu(x.device) or any(t.dtype != torch.float32 for t in others):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in others)):
         return False

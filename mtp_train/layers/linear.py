@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp_train.config.device import on_cpu
 from mtp_train.layers import cpu_kernels
 
 SMALL_M_MAX = 128  # up to this many rows, (W @ xᵀ)ᵀ beats x @ Wᵀ on CPU
@@ -57,7 +58,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _cpu_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """x is a (M, in) float32 CPU matrix and autograd differentiates neither operand."""
-    return (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+    return (x.dtype == torch.float32 and x.dim() == 2 and on_cpu(x.device)
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
 
 
@@ -119,7 +120,7 @@ class Linear(nn.Linear):
         serves 1-row products.
         """
         w = self.weight
-        if (w.device.type == "cpu" and w.dtype == torch.float32 and _mkl_packing_available()
+        if (on_cpu(w.device) and w.dtype == torch.float32 and _mkl_packing_available()
                 and not cpu_kernels.available()):
             self._packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 1)
 

@@ -1,5 +1,8 @@
 """Rotary position embeddings (RoPE) with the scaling schemes of the Llama family.
 
+Each scaling kind (config.json's `rope_type`) is one `RopeScaling` entry of `ROPE_SCALINGS`: its inverse
+frequencies, its cos/sin magnitude, and the score correction a model may take from it.
+
 cos/sin are computed once per forward for the step's positions (not per layer, and not as a table
 sized by `max_position_embeddings`, which is 128k for Llama-3.1) in float32, as `transformers` does.
 """
@@ -7,13 +10,12 @@ sized by `max_position_embeddings`, which is 128k for Llama-3.1) in float32, as 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass
@@ -22,7 +24,7 @@ class RopeConfig:
 
     head_dim: int  # rotated dimension (the full head dim for the Llama family)
     theta: float = 10000.0  # base of the frequencies
-    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    rope_type: str = "default"  # a ROPE_SCALINGS name: default | linear | llama3 | yarn
     scaling: dict[str, Any] = field(default_factory=dict)  # the checkpoint's rope_scaling entries
 
     def __post_init__(self) -> None:
@@ -32,32 +34,40 @@ class RopeConfig:
                 "check `rope_scaling`/`rope_parameters` in the model's config.json"
             )
 
+    @property
+    def scaling_kind(self) -> RopeScaling:
+        """The registered scaling of `rope_type`."""
+        return ROPE_SCALINGS[self.rope_type]
 
-def rope_inv_freq(cfg: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies, shape (head_dim // 2,), float32."""
+
+def _base_inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    """theta^(-2i/d) for i < d/2, float32."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    if cfg.rope_type == "linear":
-        inv_freq = inv_freq / float(cfg.scaling["factor"])
-    elif cfg.rope_type == "llama3":
-        s = cfg.scaling
-        try:
-            factor = float(s["factor"])
-            low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
-            old_ctx = float(s["original_max_position_embeddings"])
-        except KeyError as e:
-            raise ValueError(f"llama3 rope scaling needs the key {e.args[0]!r} in rope_scaling") from None
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv_freq
-        # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    elif cfg.rope_type == "yarn":
-        inv_freq = _yarn_inv_freq(cfg)
-    return inv_freq
+    return 1.0 / (cfg.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+
+def _linear_inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    """Position interpolation: every frequency slowed by `factor`."""
+    return _base_inv_freq(cfg) / float(cfg.scaling["factor"])
+
+
+def _llama3_inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between interpolated."""
+    inv_freq = _base_inv_freq(cfg)
+    s = cfg.scaling
+    try:
+        factor = float(s["factor"])
+        low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_ctx = float(s["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ValueError(f"llama3 rope scaling needs the key {e.args[0]!r} in rope_scaling") from None
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -73,6 +83,12 @@ def yarn_attention_factor(cfg: RopeConfig) -> float:
     if s.get("mscale") and s.get("mscale_all_dim"):
         return _yarn_mscale(factor, float(s["mscale"])) / _yarn_mscale(factor, float(s["mscale_all_dim"]))
     return _yarn_mscale(factor)
+
+
+def _yarn_score_mscale(cfg: RopeConfig) -> float:
+    """mscale(factor, mscale_all_dim) when the config sets `mscale_all_dim`, else 1."""
+    m = cfg.scaling.get("mscale_all_dim")
+    return _yarn_mscale(float(cfg.scaling["factor"]), float(m)) if m else 1.0
 
 
 def _yarn_inv_freq(cfg: RopeConfig) -> torch.Tensor:
@@ -99,6 +115,35 @@ def _yarn_inv_freq(cfg: RopeConfig) -> torch.Tensor:
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
 
 
+def _one(cfg: RopeConfig) -> float:
+    return 1.0
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """One RoPE scaling kind (config.json's `rope_type`): how it sets the frequencies and magnitudes."""
+
+    inv_freq: Callable[[RopeConfig], torch.Tensor]  # cfg → (head_dim // 2,) float32 inverse frequencies
+    attention_factor: Callable[[RopeConfig], float] = _one  # cos/sin are scaled by it (YaRN)
+    # The softmax-scale correction squared into the scores by a model that asks for it (DeepSeek-V2's YaRN
+    # `mscale_all_dim`; transformers' yarn_get_mscale); 1 for kinds without one.
+    score_mscale: Callable[[RopeConfig], float] = _one
+
+
+ROPE_SCALINGS: dict[str, RopeScaling] = {
+    "default": RopeScaling(_base_inv_freq),
+    "linear": RopeScaling(_linear_inv_freq),
+    "llama3": RopeScaling(_llama3_inv_freq),
+    "yarn": RopeScaling(_yarn_inv_freq, yarn_attention_factor, _yarn_score_mscale),
+}
+SUPPORTED_ROPE_TYPES = tuple(ROPE_SCALINGS)
+
+
+def rope_inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies, shape (head_dim // 2,), float32."""
+    return cfg.scaling_kind.inv_freq(cfg)
+
+
 class RotaryEmbedding(nn.Module):
     """Produces (cos, sin) for given positions and applies them to q and k."""
 
@@ -107,7 +152,7 @@ class RotaryEmbedding(nn.Module):
         self.cfg = cfg
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         # YaRN scales cos and sin (hence every rotated q·k term) by its attention factor.
-        self.attention_scaling = yarn_attention_factor(cfg) if cfg.rope_type == "yarn" else 1.0
+        self.attention_scaling = cfg.scaling_kind.attention_factor(cfg)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) int → cos, sin: (T, 1, head_dim) in `dtype`, broadcastable over heads."""

@@ -1,10 +1,12 @@
 """Typed model arguments read from a checkpoint's `config.json`.
 
 `ModelArgs` holds what every target has (the Llama family's arguments are exactly these; a family with more
-subclasses it, e.g. `DeepseekV2Args`). `ModelArgs.from_hf_config` hands the dict to the family that owns its
-`model_type` (`mtp_train.models.families`); the parsing pieces families share are here: the keys every family
-reads (`shared_fields`), and RoPE in both the classic (`rope_theta`, `rope_scaling`) and the newer
-`rope_parameters` form. Anything a family cannot run is rejected with a message that names the key.
+subclasses it, e.g. `DeepseekV2Args`). The family registry (`mtp_train.models.families.args_from_dir` /
+`args_from_hf_config`) hands the dict to the family that owns its `model_type`; this module imports no family,
+so that every family can import it. Here are the parsing pieces families share: reading config.json
+(`read_config_json`), the keys every family reads (`shared_fields`), and RoPE in both the classic (`rope_theta`,
+`rope_scaling`) and the newer `rope_parameters` form. Anything a family cannot run is rejected with a message
+that names the key.
 """
 
 from __future__ import annotations
@@ -58,44 +60,31 @@ class ModelArgs:
         """What a layer's KV pool holds per token: K and V of Hkv heads of D."""
         return KVLayout(self.num_kv_heads, self.head_dim)
 
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
-        """Parse a `transformers` config dict with its family's parser; `source` names it in error messages."""
-        from mtp_train.models.families import family_for_type, supported_model_types  # they import this module
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """`<path>/config.json` as a dict, with clear errors for a missing folder or file and invalid JSON.
 
-        model_type = cfg.get("model_type")
-        family = family_for_type(model_type)
-        if family is None:
-            archs = cfg.get("architectures")
-            raise ModelConfigError(
-                f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; "
-                f"supported: {', '.join(supported_model_types())}"
-            )
-        return family.parse(cfg, source)
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> ModelArgs:
-        """Read `<path>/config.json` with clear errors for a missing folder or file."""
-        path = Path(path)
-        if not path.is_dir():
-            raise ModelConfigError(
-                f"model folder {path} does not exist; for the default model run `mtp-model fetch smollm2-135m` "
-                "(or `make model`), or point `model.path` at a Hugging Face model folder"
-            )
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise ModelConfigError(f"{cfg_file} is missing: {path} is not a Hugging Face model folder")
-        try:
-            cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            where = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else \
-                f"not UTF-8 ({e.reason} at byte {e.start})"
-            raise ModelConfigError(f"{cfg_file}: invalid JSON at {where}; repair the file, or copy or fetch the "
-                                   "model folder again") from None
-        if not isinstance(cfg, dict):
-            raise ModelConfigError(f"{cfg_file}: expected a JSON object, found {type(cfg).__name__}; repair the "
-                                   "file, or copy or fetch the model folder again")
-        return cls.from_hf_config(cfg, source=str(cfg_file))
+    The family that parses it is the registry's business (`mtp_train.models.families.args_from_dir`).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelConfigError(
+            f"model folder {path} does not exist; for the default model run `mtp-model fetch smollm2-135m` "
+            "(or `make model`), or point `model.path` at a Hugging Face model folder"
+        )
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelConfigError(f"{cfg_file} is missing: {path} is not a Hugging Face model folder")
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else \
+            f"not UTF-8 ({e.reason} at byte {e.start})"
+        raise ModelConfigError(f"{cfg_file}: invalid JSON at {where}; repair the file, or copy or fetch the "
+                               "model folder again") from None
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{cfg_file}: expected a JSON object, found {type(cfg).__name__}; repair the "
+                               "file, or copy or fetch the model folder again")
+    return cfg
 
 
 def rope_from_config(cfg: dict[str, Any], head_dim: int, source: str) -> RopeConfig:

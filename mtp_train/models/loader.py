@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,22 @@ from mtp_train.layers.attention import AttentionBackend, MLABackend
 from mtp_train.layers.linear import prepack_linears
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError
-from mtp_train.models.families import family_of
+from mtp_train.models.families import args_from_dir, family_of
 from mtp_train.models.fusing import fuse, fusion_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _checkpoint_dtype(args: ModelArgs | None) -> torch.dtype:
+    name = (args.torch_dtype if args else None) or "float32"
+    return DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+
+
+# A dtype setting → the dtype it means for a target: `auto` the checkpoint's own (float32 if it names none),
+# every other name its fixed dtype.
+DTYPE_NAMES: dict[str, Callable[[ModelArgs | None], torch.dtype]] = {
+    "auto": _checkpoint_dtype, **{name: (lambda args, dt=dt: dt) for name, dt in DTYPES.items()}}
 
 # checkpoint tensors that carry no weights we need
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -35,12 +46,10 @@ def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs | None = None) -> to
     """'auto' → the checkpoint's dtype (float32 if it names none); names or torch dtypes accepted."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        name = (args.torch_dtype if args else None) or "float32"
-        return DTYPES.get(str(name).replace("torch.", ""), torch.float32)
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    rule = DTYPE_NAMES.get(dtype)
+    if rule is None:
+        raise ValueError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPE_NAMES)}")
+    return rule(args)
 
 
 @contextlib.contextmanager
@@ -111,7 +120,7 @@ def load_model(
     The model is in eval mode with gradients off.
     """
     path = Path(path)
-    args = ModelArgs.from_dir(path)
+    args = args_from_dir(path)
     dt = resolve_dtype(dtype, args)
     device = torch.device(device)
     with torch.device("meta"):

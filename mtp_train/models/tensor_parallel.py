@@ -32,7 +32,7 @@ from torch import nn
 from mtp_train.layers.linear import Linear, prepack_linears
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError
-from mtp_train.models.families import TPRules, family_of, titles
+from mtp_train.models.families import TPRules, args_from_dir, family_of, titles
 from mtp_train.models.fusing import fuse, fusion_plan
 from mtp_train.models.loader import (
     IGNORED_SUFFIXES,
@@ -195,7 +195,7 @@ def load_model_tp(path: str | Path, tp: TPGroup, dtype: str | torch.dtype = "aut
                   cpu_prepack: bool = True) -> CausalLM:
     """`load_model` for one rank of a tensor-parallel group: local shapes, only this rank's slices read."""
     path = Path(path)
-    full = ModelArgs.from_dir(path)
+    full = args_from_dir(path)
     rules = tp_rules(full, path)
     args = local_args(full, tp.size)
     dt = resolve_dtype(dtype, full)

@@ -1,4 +1,5 @@
-"""The attention backend interface, its selection, and the layout of one layer's KV pool.
+"""The attention backend interface, the layout of one layer's KV pool, and the backend names (`auto` resolved here;
+the backends themselves are made by name in `selection.py`, which imports them: this module imports none).
 
 A backend computes attention for one layer over the packed new tokens of a step, reading and
 writing that layer's slice of the paged KV cache. The KV cache of one layer is a tensor of shape
@@ -14,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mtp_train.config.device import on_cuda
 from mtp_train.layers.attention.metadata import AttentionMetadata
 
-BACKENDS = ("auto", "torch", "flashinfer")
-
+BACKENDS = ("auto", "torch", "flashinfer")  # what model.attention_backend (and `backend=`) may say
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -86,33 +87,25 @@ class AttentionBackend(ABC):
         """
 
 
-def resolve_backend_name(name: str, device: torch.device | str) -> str:
-    """`auto` → flashinfer on CUDA when it imports, else torch. Validates explicit names."""
+def check_backend_name(name: str) -> None:
+    """ValueError naming the choices unless `name` is one of BACKENDS."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    is_cuda = torch.device(device).type == "cuda"
+
+
+def resolve_backend_name(name: str, device: torch.device | str) -> str:
+    """`auto` → flashinfer on CUDA when it imports, else torch. Validates explicit names (no backend is imported:
+    `selection.make_attention_backend` creates one)."""
+    check_backend_name(name)
+    cuda = on_cuda(torch.device(device))
     if name == "auto":
-        if not is_cuda:
+        if not cuda:
             return "torch"
         try:
             import flashinfer  # noqa: F401
         except ImportError:
             return "torch"
         return "flashinfer"
-    if name == "flashinfer" and not is_cuda:
+    if name == "flashinfer" and not cuda:
         raise ValueError("the flashinfer attention backend needs a CUDA device; use backend=torch on CPU")
     return name
-
-
-def make_attention_backend(name: str, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                           sliding_window: int | None = None,
-                           device: torch.device | str = "cpu") -> AttentionBackend:
-    """Create the backend `name` (auto|torch|flashinfer) for a model of the given shape."""
-    resolved = resolve_backend_name(name, device)
-    if resolved == "flashinfer":
-        from mtp_train.layers.attention.flashinfer_backend import FlashInferBackend
-
-        return FlashInferBackend(num_q_heads, num_kv_heads, head_dim, sliding_window, device=device)
-    from mtp_train.layers.attention.torch_backend import TorchBackend
-
-    return TorchBackend(num_q_heads, num_kv_heads, head_dim, sliding_window)

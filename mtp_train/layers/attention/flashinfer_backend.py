@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from mtp_train.layers.attention.base import AttentionBackend
+from mtp_train.layers.attention.masks import causal_mask, indptr
 from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
-from mtp_train.layers.attention.torch_backend import _causal_mask
 
 INSTALL_HINT = ("pip install 'mtp_train[gpu]' (FlashInfer, package flashinfer-python) on a CUDA machine, "
                 "or use the torch attention backend")
@@ -63,13 +63,6 @@ def planned_step(meta: AttentionMetadata, key: str, dtype: torch.dtype, supporte
     if step is None:
         raise RuntimeError(f"{owner}.forward called before prepare(meta) for this step")
     return step
-
-
-def _indptr(lengths: list[int]) -> torch.Tensor:
-    """(B,) lengths → (B+1,) int32 host offsets."""
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-    return out
 
 
 @dataclass
@@ -150,7 +143,7 @@ class FlashInferBackend(AttentionBackend):
         Index offsets go to FlashInfer as host tensors built from the host-side lengths: `plan` reads
         them on the host anyway, so passing the device copies would cost a device-to-host sync.
         """
-        qo_indptr = _indptr(meta.qo_lens)
+        qo_indptr = indptr(meta.qo_lens)
         common = dict(sm_scale=self.scale, window_left=self.window_left)
         if meta.mode is ForwardMode.PREFILL:
             # The new tokens are the whole sequence: kv offsets are the query offsets.
@@ -159,7 +152,7 @@ class FlashInferBackend(AttentionBackend):
         if not meta.uses_cache or meta.kv_indices is None:
             raise ValueError(f"a {meta.mode.value} step needs the paged KV cache metadata")
         ps = meta.page_size
-        kv_indptr = _indptr([-(-n // ps) for n in meta.kv_lens])
+        kv_indptr = indptr([-(-n // ps) for n in meta.kv_lens])
         last_page_len = torch.tensor([(n - 1) % ps + 1 for n in meta.kv_lens], dtype=torch.int32)
         if int(kv_indptr[-1]) != meta.kv_indices.numel():
             raise ValueError(f"kv_indices holds {meta.kv_indices.numel()} pages but kv_lens "
@@ -173,7 +166,7 @@ class FlashInferBackend(AttentionBackend):
             # One copy of positions and bits to the host (not one sync per sequence); offsets from the host lengths.
             pos, bits = meta.positions.cpu(), meta.tree_bits.cpu()
             starts = qo_indptr.tolist()
-            mask = torch.cat([_causal_mask(pos[lo:lo + q], kv, None, bits[lo:lo + q]).reshape(-1)
+            mask = torch.cat([causal_mask(pos[lo:lo + q], kv, None, bits[lo:lo + q]).reshape(-1)
                               for lo, q, kv in zip(starts, meta.qo_lens, meta.kv_lens)]).to(self.device)
             return _StepPlan("paged", (qo_indptr, *paged), dict(common, causal=False, custom_mask=mask))
         return _StepPlan("paged", (qo_indptr, *paged), dict(common, causal=True))

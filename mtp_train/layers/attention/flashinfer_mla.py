@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from mtp_train.layers.attention.flashinfer_backend import INSTALL_HINT, _indptr, planned_step
+from mtp_train.layers.attention.flashinfer_backend import INSTALL_HINT, planned_step
+from mtp_train.layers.attention.masks import indptr
 from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
 from mtp_train.layers.attention.mla import FLASHINFER_MLA_DTYPES, MLABackend, flashinfer_mla_problem
 
@@ -90,7 +91,7 @@ class FlashInferMLA(MLABackend):
         """
         if meta.tree_bits is not None:
             raise ValueError("FlashInfer's MLA kernels take no custom mask: tree steps need the torch MLA backend")
-        qo_indptr = _indptr(meta.qo_lens)
+        qo_indptr = indptr(meta.qo_lens)
         if meta.mode is ForwardMode.PREFILL:
             # Every new token is its own page of one row: kv offsets are the query offsets.
             step = _StepPlan(False, qo_indptr, qo_indptr,
@@ -100,7 +101,7 @@ class FlashInferMLA(MLABackend):
             if not meta.uses_cache or meta.kv_indices is None:
                 raise ValueError(f"a {meta.mode.value} step needs the paged KV cache metadata")
             ps = meta.page_size
-            kv_indptr = _indptr([-(-n // ps) for n in meta.kv_lens])
+            kv_indptr = indptr([-(-n // ps) for n in meta.kv_lens])
             if int(kv_indptr[-1]) != meta.kv_indices.numel():
                 raise ValueError(f"kv_indices holds {meta.kv_indices.numel()} pages but kv_lens "
                                  f"{meta.kv_lens} need {int(kv_indptr[-1])} at page_size {ps}")

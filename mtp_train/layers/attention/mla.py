@@ -1,5 +1,5 @@
 """Multi-head latent attention (MLA, DeepSeek-V2) over a latent-only paged cache: the interface, the torch
-backend, an adapter for generic backends, and backend selection.
+backend, an adapter for generic backends, and the shapes FlashInfer's MLA kernels run (selection: `selection.py`).
 
 With the key/value up-projection absorbed (see `mtp_train.models.families.deepseek_v2`), every query head attends
 to one shared latent head per token: the key is the row [c ; k_pe] (kv_lora_rank C + qk_rope_head_dim R values) and the
@@ -11,9 +11,9 @@ which is also FlashInfer MLA's page layout: its ckv and kpe caches are the views
 latent_cache[..., C:]. Scores are scaled by the expanded head's softmax scale ((qk_nope + qk_rope)^-0.5, YaRN's
 mscale included), not by the latent width's.
 
-Backends: `TorchMLA` (any device, autograd in prefill) and `FlashInferMLA` (CUDA, `flashinfer_mla.py`, imported only
-when created so that this module loads without CUDA or FlashInfer). `LatentAsOneHead` runs MLA through a generic
-`AttentionBackend` without a cache (the heads' chained training attention).
+Backends: `TorchMLA` (any device, autograd in prefill) and `FlashInferMLA` (CUDA, `flashinfer_mla.py`, which
+imports FlashInfer only when created, so that both modules load without CUDA or FlashInfer). `LatentAsOneHead`
+runs MLA through a generic `AttentionBackend` without a cache (the heads' chained training attention).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from mtp_train.layers.attention.base import BACKENDS, AttentionBackend
+from mtp_train.layers.attention.base import AttentionBackend
+from mtp_train.layers.attention.masks import causal_mask
 from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
-from mtp_train.layers.attention.torch_backend import _causal_mask
 
 # (kv_lora_rank, qk_rope_head_dim) that FlashInfer's MLA kernels are instantiated and tested for (DeepSeek-V2/V3,
 # V2-Lite); its head dims are template parameters, and other widths are neither tested upstream nor guaranteed to
@@ -97,7 +97,7 @@ class TorchMLA(MLABackend):
             # Batched path: queries (B, Q), keys padded to S = max_pages * page_size.
             s = meta.block_tables.shape[1] * meta.page_size
             bits = None if meta.tree_bits is None else meta.tree_bits.view(meta.batch_size, q)
-            state["mask"] = _causal_mask(meta.positions.view(meta.batch_size, q), s, None, bits)[:, None]  # (B,1,Q,S)
+            state["mask"] = causal_mask(meta.positions.view(meta.batch_size, q), s, None, bits)[:, None]  # (B,1,Q,S)
         meta.backend_state[_TORCH_STATE_KEY] = state
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -142,7 +142,7 @@ class TorchMLA(MLABackend):
         for i, (n, kv_len) in enumerate(zip(meta.qo_lens, meta.kv_lens)):
             lo = int(meta.qo_indptr[i])
             bits = None if meta.tree_bits is None else meta.tree_bits[lo: lo + n]
-            m = _causal_mask(meta.positions[lo: lo + n], kv_len, None, bits)[None, None]  # (1, 1, Q, S)
+            m = causal_mask(meta.positions[lo: lo + n], kv_len, None, bits)[None, None]  # (1, 1, Q, S)
             outs.append(self._sdpa(q[None, lo: lo + n], keys[i: i + 1, :kv_len], values[i: i + 1, :kv_len], m)[0])
         return torch.cat(outs, 0)
 
@@ -184,40 +184,3 @@ def flashinfer_mla_problem(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype 
     if dtype is not None and dtype not in FLASHINFER_MLA_DTYPES:
         return f"FlashInfer's MLA kernels run float16/bfloat16 only, got {dtype} (load the model in bf16 or fp16)"
     return None
-
-
-def resolve_mla_backend_name(name: str, device: torch.device | str, kv_lora_rank: int, rope_dim: int,
-                             dtype: torch.dtype | None = None) -> str:
-    """`auto` → flashinfer on CUDA when it imports and fits the shape and dtype, else torch.
-
-    An explicit `flashinfer` that cannot run raises ValueError naming the constraint.
-    """
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    is_cuda = torch.device(device).type == "cuda"
-    problem = flashinfer_mla_problem(kv_lora_rank, rope_dim, dtype)
-    if name == "auto":
-        if not is_cuda or problem:
-            return "torch"
-        try:
-            import flashinfer.mla  # noqa: F401
-        except ImportError:
-            return "torch"
-        return "flashinfer"
-    if name == "flashinfer":
-        if not is_cuda:
-            raise ValueError("the flashinfer MLA backend needs a CUDA device; use backend=torch (or auto) on CPU")
-        if problem:
-            raise ValueError(f"{problem}; use backend=torch (or auto)")
-    return name
-
-
-def make_mla_backend(name: str, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
-                     device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> MLABackend:
-    """Create the MLA backend `name` (auto|torch|flashinfer); dtype (the model's) takes part in `auto`'s choice."""
-    resolved = resolve_mla_backend_name(name, device, kv_lora_rank, rope_dim, dtype)
-    if resolved == "flashinfer":
-        from mtp_train.layers.attention.flashinfer_mla import FlashInferMLA
-
-        return FlashInferMLA(num_heads, kv_lora_rank, rope_dim, scale, device=device)
-    return TorchMLA(num_heads, kv_lora_rank, rope_dim, scale)

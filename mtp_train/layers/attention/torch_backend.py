@@ -10,28 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mtp_train.config.device import on_cpu
 from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention.base import AttentionBackend
+from mtp_train.layers.attention.masks import causal_mask
 from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
-
-
-def _causal_mask(q_pos: torch.Tensor, kv_len: int, window: int | None,
-                 tree_bits: torch.Tensor | None = None) -> torch.Tensor:
-    """q_pos: (..., Q) absolute positions (slots) → bool (..., Q, kv_len), True = attend.
-
-    tree_bits: (..., Q) of a tree step (`AttentionMetadata.set_tree`): a query sees the step's new token i of its
-    sequence (slot q_pos[..., 0] + i) only when its bit i is set.
-    """
-    kv_pos = torch.arange(kv_len, device=q_pos.device)
-    mask = kv_pos <= q_pos[..., None]
-    if window is not None:
-        mask &= kv_pos > q_pos[..., None] - window
-    if tree_bits is not None:
-        rel = kv_pos - q_pos[..., :1]  # (..., S) slot relative to the sequence's first new token
-        new = (rel >= 0) & (rel < 63)
-        seen = (tree_bits[..., None] >> rel.clamp(0, 62)[..., None, :]) & 1  # (..., Q, S)
-        mask &= ~new[..., None, :] | seen.bool()
-    return mask
 
 
 class TorchBackend(AttentionBackend):
@@ -44,13 +27,13 @@ class TorchBackend(AttentionBackend):
             if self.sliding_window is not None:
                 for n in set(meta.qo_lens):
                     pos = torch.arange(n, device=meta.positions.device)
-                    st[("prefill_mask", n)] = _causal_mask(pos, n, self.sliding_window)
+                    st[("prefill_mask", n)] = causal_mask(pos, n, self.sliding_window)
             return
         # flat page ids, converted once per step: index_select over dim 0 gathers pages much faster than
         # advanced indexing with the 2-D table
         st["page_ids"] = meta.block_tables.reshape(-1).long()
         # CPU inference: the native kernel reads the pages in place (see forward)
-        st["native"] = meta.positions.device.type == "cpu" and cpu_kernels.available()
+        st["native"] = on_cpu(meta.positions.device) and cpu_kernels.available()
         if meta.tree_bits is not None and self.sliding_window is not None:
             raise ValueError("a tree step counts a sliding window in slots, not depths; "
                              "verify one chain per sequence for a model with a sliding window")
@@ -63,7 +46,7 @@ class TorchBackend(AttentionBackend):
             s = meta.block_tables.shape[1] * meta.page_size
             q_pos = meta.positions.view(meta.batch_size, q)
             bits = None if meta.tree_bits is None else meta.tree_bits.view(meta.batch_size, q)
-            st["mask"] = _causal_mask(q_pos, s, self.sliding_window, bits)[:, None]  # (B, 1, Q, S)
+            st["mask"] = causal_mask(q_pos, s, self.sliding_window, bits)[:, None]  # (B, 1, Q, S)
             st["uniform"] = True
         else:
             st["uniform"] = False
@@ -120,7 +103,7 @@ class TorchBackend(AttentionBackend):
             lo = int(meta.qo_indptr[i])
             q_pos = meta.positions[lo: lo + n]
             bits = None if meta.tree_bits is None else meta.tree_bits[lo: lo + n]
-            mask = _causal_mask(q_pos, kv_len, self.sliding_window, bits)[None]  # (1, Q, S)
+            mask = causal_mask(q_pos, kv_len, self.sliding_window, bits)[None]  # (1, Q, S)
             outs.append(self._sdpa(q[None, lo: lo + n], keys[i: i + 1, :kv_len], values[i: i + 1, :kv_len],
                                    mask[:, None], causal=False)[0])
         return torch.cat(outs, 0)

@@ -5,8 +5,8 @@ read its `Family` entry instead of branching on `model_type`:
 
 | entry           | what it is                                                  | read by                            |
 |-----------------|-------------------------------------------------------------|------------------------------------|
-| model_types     | the config.json `model_type` values it runs                 | `ModelArgs.from_hf_config`         |
-| parse           | config.json → its args class (`ModelArgs` or a subclass,    | `ModelArgs.from_hf_config`         |
+| model_types     | the config.json `model_type` values it runs                 | `args_from_hf_config`              |
+| parse           | config.json → its args class (`ModelArgs` or a subclass,    | `args_from_hf_config`              |
 |                 | whose `kv_layout` is the attention / KV layout)             |                                    |
 | model           | its `CausalLM` subclass                                     | the loaders                        |
 | attention       | the inference backend for its layout (auto/torch/flashinfer)| the loaders, draft heads           |
@@ -30,6 +30,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from torch import nn
 from mtp_train.layers.attention import AttentionBackend, MLABackend
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.base import CausalLM, rotate_half_rope
-from mtp_train.models.config import ModelArgs
+from mtp_train.models.config import ModelArgs, ModelConfigError, read_config_json
 from mtp_train.models.fusing import Fusing
 
 Attention = AttentionBackend | MLABackend
@@ -131,3 +132,18 @@ def family_of(args: ModelArgs) -> Family:
 def titles(accepts: Callable[[Family], bool]) -> str:
     """The titles of the families `accepts` (for messages: "Llama-family or ...")."""
     return " or ".join(f.title for f in families() if accepts(f))
+
+
+def args_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
+    """Parse a `transformers` config dict with its family's parser; `source` names it in error messages."""
+    model_type = cfg.get("model_type")
+    family = family_for_type(model_type)
+    if family is None:
+        raise ModelConfigError(f"{source}: model_type {model_type!r} (architectures {cfg.get('architectures')}) is "
+                               f"not supported; supported: {', '.join(supported_model_types())}")
+    return family.parse(cfg, source)
+
+
+def args_from_dir(path: str | Path) -> ModelArgs:
+    """The parsed `<path>/config.json` (clear errors for a missing folder or file, invalid JSON, unknown type)."""
+    return args_from_hf_config(read_config_json(path), source=str(Path(path) / "config.json"))

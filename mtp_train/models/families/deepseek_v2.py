@@ -20,7 +20,6 @@ tensor parallelism is not offered (run with model.tp=1, data parallel over ranks
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +65,7 @@ class DeepseekV2Args(ModelArgs):
     n_shared_experts: int = 2
     num_experts_per_tok: int = 6
     first_k_dense_replace: int = 1  # layers before this one have a dense MLP
-    topk_method: str = "greedy"  # greedy | group_limited_greedy
+    topk_method: str = "greedy"  # a TOPK_METHODS name: greedy | group_limited_greedy
     n_group: int | None = None
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
@@ -87,14 +86,12 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> DeepseekV2
         raise ModelConfigError(f"{source}: DeepSeek-V2 rope type {rope.rope_type!r} is not supported "
                                "(default, yarn)")
     scale = (int(cfg["qk_nope_head_dim"]) + rope_dim) ** -0.5
-    if rope.rope_type == "yarn" and rope.scaling.get("mscale_all_dim"):
-        # YaRN's softmax correction, applied to the whole score (transformers' yarn_apply_mscale)
-        factor, m = float(rope.scaling["factor"]), float(rope.scaling["mscale_all_dim"])
-        mscale = 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-        scale *= mscale * mscale
+    # YaRN's softmax correction, applied to the whole score (transformers' yarn_get_mscale(factor, mscale_all_dim))
+    mscale = rope.scaling_kind.score_mscale(rope)
+    scale *= mscale * mscale
     topk = cfg.get("topk_method", "greedy")
-    if topk not in ("greedy", "group_limited_greedy"):
-        raise ModelConfigError(f"{source}: topk_method {topk!r} is not supported (greedy, group_limited_greedy)")
+    if topk not in TOPK_METHODS:
+        raise ModelConfigError(f"{source}: topk_method {topk!r} is not supported ({', '.join(TOPK_METHODS)})")
     kv_lora = int(cfg["kv_lora_rank"])
     q_lora = cfg.get("q_lora_rank")
     attention_bias = bool(cfg.get("attention_bias", False))
@@ -177,6 +174,22 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _greedy(scores: torch.Tensor, a: DeepseekV2Args) -> torch.Tensor:
+    return scores
+
+
+def _group_limited_greedy(scores: torch.Tensor, a: DeepseekV2Args) -> torch.Tensor:
+    """Experts outside the topk_group groups of the best expert scores are dropped (DeepSeek-V2)."""
+    g = int(a.n_group)
+    group_best = scores.view(-1, g, a.n_routed_experts // g).max(-1).values  # (T, G)
+    keep = torch.zeros_like(group_best).scatter_(1, group_best.topk(int(a.topk_group), -1).indices, 1.0)
+    return scores.masked_fill(~keep.repeat_interleave(a.n_routed_experts // g, 1).bool(), 0.0)
+
+
+# config.json's topk_method → which gate scores (T, E) the top-k may choose from
+TOPK_METHODS = {"greedy": _greedy, "group_limited_greedy": _group_limited_greedy}
+
+
 class MoE(nn.Module):
     """Routed experts (softmax gate, top-k, optionally group-limited) plus always-on shared experts."""
 
@@ -192,12 +205,7 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, H) → (weights (T, k) float32, expert ids (T, k))."""
         a = self.a
-        scores = F.linear(x.float(), self.gate.weight.float()).softmax(-1)  # (T, E)
-        if a.topk_method == "group_limited_greedy":
-            g = int(a.n_group)
-            group_best = scores.view(-1, g, a.n_routed_experts // g).max(-1).values
-            keep = torch.zeros_like(group_best).scatter_(1, group_best.topk(int(a.topk_group), -1).indices, 1.0)
-            scores = scores.masked_fill(~keep.repeat_interleave(a.n_routed_experts // g, 1).bool(), 0.0)
+        scores = TOPK_METHODS[a.topk_method](F.linear(x.float(), self.gate.weight.float()).softmax(-1), a)  # (T, E)
         w, idx = scores.topk(a.num_experts_per_tok, dim=-1)
         return w * a.routed_scaling_factor, idx
 

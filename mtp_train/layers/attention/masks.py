@@ -1,0 +1,36 @@
+"""What several backends build from one step's metadata: the causal (and tree) mask, and int32 offsets.
+
+Shared here so that no backend imports another's internals: the torch backend, torch MLA and FlashInfer's tree
+steps all mask with `causal_mask`, both FlashInfer backends plan with `indptr`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal_mask(q_pos: torch.Tensor, kv_len: int, window: int | None,
+                tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """q_pos: (..., Q) absolute positions (slots) → bool (..., Q, kv_len), True = attend.
+
+    window: a sliding window (tokens, the query itself included), or None. tree_bits: (..., Q) of a tree step
+    (`AttentionMetadata.set_tree`): a query sees the step's new token i of its sequence (slot q_pos[..., 0] + i)
+    only when its bit i is set.
+    """
+    kv_pos = torch.arange(kv_len, device=q_pos.device)
+    mask = kv_pos <= q_pos[..., None]
+    if window is not None:
+        mask &= kv_pos > q_pos[..., None] - window
+    if tree_bits is not None:
+        rel = kv_pos - q_pos[..., :1]  # (..., S) slot relative to the sequence's first new token
+        new = (rel >= 0) & (rel < 63)
+        seen = (tree_bits[..., None] >> rel.clamp(0, 62)[..., None, :]) & 1  # (..., Q, S)
+        mask &= ~new[..., None, :] | seen.bool()
+    return mask
+
+
+def indptr(lengths: list[int]) -> torch.Tensor:
+    """(B,) lengths → (B+1,) int32 host offsets (FlashInfer's indptr arrays)."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    return out
