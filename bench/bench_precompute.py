@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report  # noqa: E402
 
 from mtp_train.config import DataConfig, PrecomputeConfig  # noqa: E402
+from mtp_train.data.samples import build_samples  # noqa: E402
 from mtp_train.precompute import PrecomputedDataset, precompute  # noqa: E402
-from mtp_train.precompute.samples import build_samples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "train" / "regen_smollm2_greedy.jsonl"

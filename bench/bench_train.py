@@ -82,8 +82,8 @@ def make_precompute(model_dir: str | Path, out_dir: str | Path, data: str | Path
 
     from mtp_train.config import DataConfig, PrecomputeConfig
     from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
+    from mtp_train.data.samples import build_samples
     from mtp_train.models import load_model
-    from mtp_train.precompute.samples import build_samples
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     cfg = PrecomputeConfig(out=str(out_dir), max_seq_len=max_seq_len, limit=limit, val_fraction=val_fraction,

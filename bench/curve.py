@@ -144,7 +144,7 @@ def steps_for_tokens(lengths: list[int], micro_batch_tokens: int, grad_accum: in
     Replays the trainer's batch plan (LengthBucketedBatchSampler over epochs, one rank) on the sample lengths,
     so the steps are exact for a run with these settings.
     """
-    from mtp_train.precompute import LengthBucketedBatchSampler
+    from mtp_train.data.sampler import LengthBucketedBatchSampler
 
     sampler = LengthBucketedBatchSampler(lengths, micro_batch_tokens, shuffle=True, seed=seed)
     out: list[tuple[int, int]] = []

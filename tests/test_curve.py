@@ -39,7 +39,7 @@ def test_steps_for_tokens_replays_the_batch_plan(curve):
     assert plan == [(1, 200), (5, 1000), (8, 1600)]
     assert curve.steps_for_tokens([100] * 10, 200, 2, 0, [1000]) == [(3, 1200)]  # two micro-batches a step
     # Uneven lengths: the tokens at each step are what the trainer's sampler hands out, in its order.
-    from mtp_train.precompute import LengthBucketedBatchSampler
+    from mtp_train.data.sampler import LengthBucketedBatchSampler
 
     lengths = [37, 250, 90, 410, 12, 180, 333, 64] * 3
     sampler = LengthBucketedBatchSampler(lengths, 512, shuffle=True, seed=3)

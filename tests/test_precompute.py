@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from mtp_train.config import PrecomputeConfig
+from mtp_train.data.sampler import LengthBucketedBatchSampler
 from mtp_train.engine import prefill_hidden
 from mtp_train.models import load_model
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.precompute import (
     CorruptShardError,
-    LengthBucketedBatchSampler,
     Manifest,
     ManifestError,
     ManifestMismatchError,
@@ -28,10 +28,10 @@ from mtp_train.precompute import (
     PrecomputedDataset,
     Sample,
     is_val,
+    plan_runs,
     precompute,
 )
-from mtp_train.precompute import writer as writer_mod
-from mtp_train.precompute.plan import plan_runs
+from mtp_train.precompute import pipeline as pipeline_mod
 from tests._precompute_worker import make_samples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,13 +166,13 @@ class _Stop(Exception):
 def _counting(monkeypatch) -> list[int]:
     """Count the writer's target forwards (tokens per call)."""
     calls: list[int] = []
-    real = writer_mod.prefill_hidden
+    real = pipeline_mod.prefill_hidden
 
     def counted(model, token_lists, hidden_layers=()):
         calls.append(sum(len(t) for t in token_lists))
         return real(model, token_lists, hidden_layers=hidden_layers)
 
-    monkeypatch.setattr(writer_mod, "prefill_hidden", counted)
+    monkeypatch.setattr(pipeline_mod, "prefill_hidden", counted)
     return calls
 
 

@@ -28,9 +28,9 @@ from mtp_train.cli.precompute import precompute_main
 from mtp_train.cli.train import train_main
 from mtp_train.config import ConfigError, register_configs
 from mtp_train.data.chat import load_tokenizer
+from mtp_train.data.samples import load_rows
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.precompute import Manifest, PrecomputedDataset
-from mtp_train.precompute.samples import TokenDataset
 from mtp_train.train.trainer import Trainer
 from tests.conftest import TOPICS, make_chat_target, metrics_by_step
 
@@ -179,7 +179,7 @@ def test_online_samples_split_and_order_are_a_one_rank_precomputes(chat, tmp_pat
     """The conversation → sample path is precompute's: same ids, tokens, masks, split and order."""
     pc = _precompute(chat, tmp_path / "pc")
     from mtp_train.config import TrainConfig, typed
-    from mtp_train.precompute.samples import load_rows
+    from mtp_train.train.online import split_rows
 
     tc = typed(_compose("train", _train_overrides(chat, tmp_path / "x", "online")), TrainConfig)
     rows, info = load_rows(load_tokenizer(chat.target), tc.precompute_config(), vocab_size=10**6)
@@ -187,7 +187,7 @@ def test_online_samples_split_and_order_are_a_one_rank_precomputes(chat, tmp_pat
     assert info == manifest.data
     for split in ("train", "val"):
         folder = PrecomputedDataset(pc, split=split)
-        tokens = TokenDataset(rows, split, SAMPLES["seed"], SAMPLES["val_fraction"])
+        tokens = split_rows(rows, split, tc)
         assert tokens.ids == folder.ids and tokens.lengths == folder.lengths and len(tokens) > 0
         for i in range(len(folder)):
             a, b = folder[i], tokens[i]
@@ -271,7 +271,7 @@ def test_hybrid_killed_in_either_phase_resumes_to_the_uninterrupted_run(chat, hy
     assert (pc / "manifest.json").exists() == (phase == "epoch1")
     if phase == "epoch0":
         (pc / ".tmp-shard-r0-00001.safetensors").write_bytes(b"torn")  # a write the kill interrupted
-    with caplog.at_level(logging.INFO, logger="mtp_train.train.online"):
+    with caplog.at_level(logging.INFO, logger="mtp_train.train.hybrid"):
         _train(chat, out, "hybrid", f"data.dir={pc}", *HYBRID)  # resume=auto
     # epoch 0: the samples of the open shard computed before the checkpoint were lost with the process: replayed
     assert ("recomputed 1 micro-batch(es)" in caplog.text) == (phase == "epoch0"), caplog.text

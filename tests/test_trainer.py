@@ -22,15 +22,16 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from mtp_train.cli.common import CONF_DIR
 from mtp_train.cli.train import train_main
 from mtp_train.config import HeadConfig, LossConfig, PrecomputeConfig, register_configs
+from mtp_train.data.sampler import LengthBucketedBatchSampler
 from mtp_train.heads import FrozenTargetParts, build_head, load_head
 from mtp_train.models import load_model
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.precompute import (
-    LengthBucketedBatchSampler,
     ManifestMismatchError,
     PrecomputedDataset,
     Sample,
@@ -253,13 +254,15 @@ def test_frozen_target_tensors_stay_out_of_engine_optimizer_and_checkpoints(setu
 
         ckpt = run.out / "checkpoints"
         assert latest_tag(ckpt) == f"step-{STEPS}"
-        states = torch.load(ckpt / f"step-{STEPS}" / "mp_rank_00_model_states.pt", weights_only=False)
-        assert set(states["module"]) == set(seen["module_params"])
-        assert not any("embed" in k or "lm_head" in k for k in states["module"])
-        assert states["step"] == STEPS and {"epoch", "position"} <= set(states["data"])
-        assert {"python", "numpy", "torch"} <= set(states["rng"])
-        optim = torch.load(ckpt / f"step-{STEPS}" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
-        flat = optim["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+        tag = ckpt / f"step-{STEPS}"
+        states = load_file(str(tag / "model.safetensors"))  # the engine module's weights (safetensors, no pickle)
+        assert set(states) == set(seen["module_params"])
+        assert not any("embed" in k or "lm_head" in k for k in states)
+        client = json.loads((tag / "state.json").read_text())["client"]
+        assert client["step"] == STEPS and {"epoch", "position"} <= set(client["data"])
+        assert {"python", "numpy", "torch"} <= set(json.loads((tag / "rng-rank0.json").read_text()))
+        optim = load_file(str(tag / "optim-rank0.safetensors"))
+        flat = [t for k, t in optim.items() if k.startswith("single_partition_of_fp32_groups.")]
         assert sum(t.numel() for t in flat) == trainable
 
         export = run.out / "heads" / f"step-{STEPS}"
@@ -272,7 +275,7 @@ def test_frozen_target_tensors_stay_out_of_engine_optimizer_and_checkpoints(setu
         assert OmegaConf.load(export / "train_config.yaml").head.type == head
         loaded = load_head(export, setup.target)  # refuses other target weights; fits this one
         for k, v in loaded.state_dict().items():
-            torch.testing.assert_close(v, states["module"][f"head.{k}"], rtol=0, atol=0)
+            torch.testing.assert_close(v, states[f"head.{k}"], rtol=0, atol=0)
     # save_every=25 kept the intermediate export too: a loadable head of step 25 with the final one's tensors
     mid = trained["mtp"].out / "heads" / "step-25"
     assert json.loads((mid / "config.json").read_text())["extra"]["step"] == 25
@@ -325,9 +328,10 @@ def test_two_ranks_zero2_match_one_rank_with_the_same_global_batch(setup, tmp_pa
     # both ranks wrote their part of the checkpoint; rank 0 alone exported the head
     tag = tmp_path / "two" / "checkpoints" / f"step-{steps}"
     assert {p.name for p in tag.glob("rng-rank*.json")} == {"rng-rank0.json", "rng-rank1.json"}
-    assert {"rng-rank0.json", "rng-rank1.json", "mp_rank_00_model_states.pt"} <= set(
+    assert {"rng-rank0.json", "rng-rank1.json", "model.safetensors", "state.json", "optim-rank0.safetensors",
+            "optim-rank1.safetensors", "optim-rank0.json", "optim-rank1.json"} == set(
         json.loads((tag / "checksums.json").read_text())["files"])  # every rank's files, checksummed by rank 0
-    assert len(list(tag.glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    assert not list(tag.glob("*.pt"))  # no pickle (tests/test_checkpoint.py: what resuming trusts)
     # Two ranks resume it: rank 0 checks every file, rank 1 its own RNG file, then both load.
     more = [a if not a.startswith("train.max_steps=") else f"train.max_steps={steps + 1}" for a in cmd]
     res = subprocess.run(more, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -533,60 +537,3 @@ def test_a_precompute_folder_of_another_target_is_refused(setup, tmp_path):
     with pytest.raises(ManifestMismatchError, match="target weights fingerprint"):
         train_main(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
-
-
-# --- what resuming trusts -----------------------------------------------------------------------------------------
-
-
-class _Planted:
-    """A pickle whose loading creates `marker`: the stand-in for code planted in a checkpoint file."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
-
-
-def _refused(cfg, capsys) -> str:
-    """The one-line error of `mtp-train` on `cfg` (exit code 2)."""
-    from mtp_train.cli.common import run_command
-
-    with pytest.raises(SystemExit) as e:
-        run_command("mtp-train", train_main, cfg)
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and err.count("\n") == 0 and err.startswith("mtp-train: error: "), err
-    return err
-
-
-def test_resume_never_unpickles_our_files_and_checks_deepspeeds_first(setup, tmp_path, capsys):
-    """RNG states are JSON and every file of a checkpoint is checked against its checksums before DeepSpeed
-    unpickles anything: a planted pickle never runs, and a replaced file is refused by name, leaving the run's
-    config and metrics as they were."""
-    out = tmp_path / "run"
-    _train(setup, out, "train.max_steps=2")
-    tag = out / "checkpoints" / "step-2"
-    assert (tag / "rng-rank0.json").is_file() and (tag / "checksums.json").is_file()
-    probe = tmp_path / "probe.pt"
-    torch.save(_Planted(tmp_path / "probe-ran"), probe)
-    torch.load(probe, weights_only=False)
-    assert (tmp_path / "probe-ran").exists()  # the payload is live: unpickling it runs it
-
-    # The RNG file name of earlier versions, planted beside ours: never loaded.
-    marker = tmp_path / "planted-ran"
-    torch.save(_Planted(marker), tag / "rng-rank0.pt")
-    resumed = _train(setup, out, "train.max_steps=3")
-    assert resumed.result["step"] == 3 and not marker.exists()
-
-    tag = out / "checkpoints" / "step-3"
-    kept = {name: (out / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
-    for name in ("rng-rank0.json", "mp_rank_00_model_states.pt"):
-        good = (tag / name).read_bytes()
-        torch.save(_Planted(marker), tag / name)
-        err = _refused(_cfg(_overrides(setup, out, "train.max_steps=4")), capsys)
-        assert str(tag / name) in err and "checksums.json" in err and "resume=none" in err
-        assert not marker.exists()
-        assert {name: (out / name).read_bytes() for name in kept} == kept  # nothing of the run was rewritten
-        (tag / name).write_bytes(good)
-    (tag / "checksums.json").unlink()
-    assert "checksums.json is missing" in _refused(_cfg(_overrides(setup, out, "train.max_steps=4")), capsys)

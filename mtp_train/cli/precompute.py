@@ -23,9 +23,9 @@ from omegaconf import DictConfig
 from mtp_train import dist
 from mtp_train.cli.common import distributed, ensure_model, hydra_entry, load_target, run_device, save_config, to_dict
 from mtp_train.config import PrecomputeConfig, check_config, typed
+from mtp_train.data.samples import dropped_summary
 from mtp_train.fileio import output_lock
 from mtp_train.precompute.pipeline import run_precompute
-from mtp_train.precompute.samples import dropped_summary
 
 log = logging.getLogger(__name__)
 PROG = "mtp-precompute"

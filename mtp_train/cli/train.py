@@ -30,7 +30,7 @@ from mtp_train.config import TrainConfig, bf16_enabled, check_config, typed
 from mtp_train.fileio import output_lock
 from mtp_train.speculative.validator import SpeculativeValidator
 from mtp_train.train.logging import resolve_wandb_mode
-from mtp_train.train.sources import check_hybrid_dir, check_online
+from mtp_train.train.sources import source_class
 from mtp_train.train.trainer import StepHook, train
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
     """
     check_config(cfg, "train")
     tc = typed(cfg, TrainConfig)  # a wrong value type fails here, before any process group or model is touched
-    if tc.data.source != "offline":
-        check_online(tc)  # before the target folder is looked for: an empty model.path is named as such
+    source = source_class(tc.data.source)
+    source.check_config(tc)  # before the target folder is looked for: an empty model.path is named as such
     with distributed(tc.model) as (info, stack):
         # DeepSpeed reads LOCAL_RANK from the environment, which only launchers set (see train/deepspeed_setup.py).
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
@@ -53,9 +53,7 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
         out = Path(cfg.out)
         if info.is_main:
             stack.enter_context(output_lock(out, command=PROG))  # before anything is written to `out`
-            if tc.data.source == "hybrid":  # it writes data.dir too: one run at a time there as well
-                check_hybrid_dir(Path(tc.data.dir), out)
-                stack.enter_context(output_lock(tc.data.dir, command=f"{PROG} data.source=hybrid"))
+            source.lock(tc, out, stack, PROG)  # hybrid writes data.dir too: one run at a time there as well
             ensure_model(cfg.model)
         dist.barrier(group)
         device = run_device(tc.model, info)

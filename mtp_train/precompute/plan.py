@@ -8,6 +8,9 @@ already written and skips them (resume, see `mtp_train.precompute.shards.finishe
 * shards: a rank's samples, in order, are cut into consecutive runs of at most `shard_tokens` tokens
   (a longer sample gets a shard of its own);
 * batches: a shard's samples, in order, are cut the same way by `batch_tokens` into packed prefills.
+
+`plan_shards` is the one cut of rows into shards: precompute cuts single samples, hybrid training cuts its
+epoch-0 micro-batches (a batch is never split).
 """
 
 from __future__ import annotations
@@ -18,27 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from mtp_train.data.samples import Row
 
 RANK_ASSIGNMENT = "strided: rank r takes samples r, r+world, r+2*world, ... of the given order"
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One tokenized conversation: loss_mask is 1 on the tokens the head learns (assistant tokens)."""
-
-    id: str  # unique across the whole data set; decides the train/val split
-    input_ids: list[int]  # (L,)
-    loss_mask: list[int]  # (L,) 0/1
-
-
-@dataclass
-class Row:
-    """A validated sample as compact arrays."""
-
-    id: str
-    ids: np.ndarray  # (L,) int32
-    mask: np.ndarray  # (L,) uint8
 
 
 @dataclass
@@ -81,27 +66,6 @@ def rank_slice(n: int, rank: int, world: int) -> range:
     return range(rank, n, world)
 
 
-def to_rows(samples: Sequence[Sample], vocab_size: int) -> list[Row]:
-    """Validate samples (unique ids, equal lengths, ids in vocab, 0/1 mask) and convert them to arrays."""
-    rows, seen = [], set()
-    for s in samples:
-        if s.id in seen:
-            raise ValueError(f"duplicate sample id {s.id!r}: ids must be unique (they decide resume and the split)")
-        seen.add(s.id)
-        ids = np.asarray(s.input_ids, dtype=np.int64)
-        mask = np.asarray(s.loss_mask, dtype=np.int64)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"sample {s.id!r}: input_ids must be a non-empty list of ints")
-        if mask.shape != ids.shape:
-            raise ValueError(f"sample {s.id!r}: {ids.size} input_ids but {mask.size} loss_mask entries")
-        if ids.min() < 0 or ids.max() >= vocab_size:
-            raise ValueError(f"sample {s.id!r}: token ids must be in 0..{vocab_size - 1}")
-        if ((mask != 0) & (mask != 1)).any():
-            raise ValueError(f"sample {s.id!r}: loss_mask must hold only 0 and 1")
-        rows.append(Row(s.id, ids.astype(np.int32), mask.astype(np.uint8)))
-    return rows
-
-
 def shard_plan(rank: int, index: int, rows: Sequence[Row], settings: dict[str, Any]) -> ShardPlan:
     """Shard `index` of rank `rank` holding `rows`, in order; `settings` (anything that changes shard bytes) enters
     the plan hash, which a finished shard's sidecar must match (resume)."""
@@ -114,9 +78,16 @@ def shard_plan(rank: int, index: int, rows: Sequence[Row], settings: dict[str, A
                      ids_h.hexdigest(), plan_h.hexdigest())
 
 
+def plan_shards(rank: int, groups: Sequence[Sequence[Row]], shard_tokens: int, settings: dict[str, Any],
+                first_index: int = 0) -> list[ShardPlan]:
+    """Shards `first_index`, `first_index` + 1, ... of rank `rank`: consecutive `groups` of rows, in order, cut
+    into runs of at most `shard_tokens` tokens (a group is never split; one over budget runs alone)."""
+    runs = plan_runs([sum(int(r.ids.size) for r in g) for g in groups], shard_tokens)
+    return [shard_plan(rank, first_index + n, [r for k in run for r in groups[k]], settings)
+            for n, run in enumerate(runs)]
+
+
 def plan_rank(rows: Sequence[Row], rank: int, world: int, shard_tokens: int, settings: dict[str, Any]) -> list[
         ShardPlan]:
-    """The shards rank `rank` writes, in order (`RANK_ASSIGNMENT`, cut by `shard_tokens`)."""
-    mine = [rows[i] for i in rank_slice(len(rows), rank, world)]
-    return [shard_plan(rank, index, [mine[i] for i in run], settings)
-            for index, run in enumerate(plan_runs([r.ids.size for r in mine], shard_tokens))]
+    """The shards rank `rank` of `mtp-precompute` writes, in order (`RANK_ASSIGNMENT`, cut by `shard_tokens`)."""
+    return plan_shards(rank, [[rows[i]] for i in rank_slice(len(rows), rank, world)], shard_tokens, settings)

@@ -1,35 +1,29 @@
-"""Stage one: run the frozen target over tokenized samples and write hidden-state shards + the manifest.
+"""Writing a precompute folder: `FolderWriter`, the one writer of hidden-state shards and their manifest.
 
-Every rank plans its shards from the same samples and settings (`mtp_train.precompute.plan`), skips the ones a
-previous run finished and computes the rest, one packed prefill batch at a time; a writer thread writes each
-shard and its sidecar atomically while the target computes the next (`mtp_train.precompute.shards`). After a
-barrier, rank 0 assembles `manifest.json` from the sidecars, last.
-
-The pieces of a folder (`check_settings`, `folder_spec`, `new_shard_tensors` / `store_rows`, `assemble_manifest`,
-`as_stored`) are also what hybrid training writes its epoch-0 folder with (`mtp_train.train.online`), so both
-write one format.
+A writer holds one rank's shard plans (`mtp_train.precompute.plan`). `begin` forgets a stale manifest and torn
+temporaries and keeps the shards a previous run finished (their sidecars match the plan); `record` takes the
+target's rows of any samples, in any grouping, and stores each in its shard; a shard whose every sample is in
+goes to a writer thread that writes it and its sidecar atomically (`mtp_train.precompute.shards`) while the
+target computes on; `finish` waits for the last write, and rank 0's `write_manifest` assembles `manifest.json`
+from the sidecars, last. `mtp-precompute` (`pipeline.precompute`) and hybrid training (`mtp_train.train.hybrid`)
+both write their folders with it, so they write one format.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-import mtp_train
-from mtp_train import dist as mdist
 from mtp_train.config import PrecomputeConfig
-from mtp_train.engine.runner import prefill_hidden
 from mtp_train.fileio import TMP_PREFIX
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.precompute.manifest import (
@@ -37,21 +31,21 @@ from mtp_train.precompute.manifest import (
     MANIFEST_NAME,
     HiddenInfo,
     Manifest,
+    ManifestError,
     SplitInfo,
     TargetInfo,
     TokenizerInfo,
     Totals,
     is_val,
 )
-from mtp_train.precompute.plan import RANK_ASSIGNMENT, Sample, plan_rank, plan_runs, to_rows
 from mtp_train.precompute.quant import FP8, dequantize_fp8, quantize_fp8
 from mtp_train.precompute.shards import finished_shard, sidecar_path, write_shard
 
 if TYPE_CHECKING:  # annotations only
-    from mtp_train.models.base import CausalLM
+    from mtp_train.data.samples import Row
     from mtp_train.models.config import ModelArgs
     from mtp_train.precompute.manifest import ShardInfo
-    from mtp_train.precompute.plan import Row, ShardPlan
+    from mtp_train.precompute.plan import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -116,25 +110,6 @@ def store_rows(tensors: dict[str, torch.Tensor], a: int, b: int, hidden: torch.T
         tensors["hidden"][a:b].copy_(hidden)
         if aux is not None:
             tensors["aux_hidden"][a:b].copy_(aux)
-
-
-def compute_shard(model: CausalLM, plan: ShardPlan, batch_tokens: int, aux_layers: Sequence[int],
-                   storage: str, bar: tqdm) -> dict[str, torch.Tensor]:
-    """Run the target over one shard's samples in packed batches; returns the shard's CPU tensors.
-
-    storage: a key of `STORAGE_DTYPES`; fp8 stores values and per-token scales (`precompute.quant`).
-    """
-    k = len(aux_layers)
-    tensors = new_shard_tensors(plan, model.args.hidden_size, k, storage)
-    offsets = tensors["offsets"]
-    with torch.inference_mode():
-        for run in plan_runs([r.ids.size for r in plan.rows], batch_tokens):
-            out = prefill_hidden(model, [plan.rows[i].ids.tolist() for i in run], hidden_layers=aux_layers)
-            a, b = int(offsets[run.start]), int(offsets[run.stop])
-            aux = torch.cat([out.layers[j] for j in aux_layers], dim=-1) if k else None  # (n, k*H)
-            store_rows(tensors, a, b, out.hidden, aux, storage)
-            bar.update(b - a)
-    return tensors
 
 
 def split_counts(rows: Sequence[Row], seed: int, val_fraction: float) -> dict[str, int]:
@@ -223,138 +198,142 @@ def assemble_manifest(out_dir: Path, plans: Sequence[ShardPlan], rows: Sequence[
     )
 
 
-def precompute(
-    model: CausalLM,
-    samples: Sequence[Sample],
-    cfg: PrecomputeConfig,
-    *,
-    tokenizer_fingerprint: str,
-    chat_template_fingerprint: str,
-    model_dir: str | Path,
-    data_info: dict[str, Any],
-    rank: int = 0,
-    world: int = 1,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    provenance: dict[str, Any] | None = None,
-    on_shard: Callable[[ShardInfo, bool], None] | None = None,
-    barrier_timeout: timedelta = timedelta(hours=24),
-    on_start: Callable[[], None] | None = None,
-) -> Manifest | None:
-    """Precompute target hidden states for `samples` into `cfg.out`; returns the manifest on rank 0, else None.
+def folder_complete(out_dir: Path, plans: Sequence[ShardPlan]) -> bool:
+    """Whether `out_dir` holds the finished folder of `plans` (every rank's, in manifest order): its manifest lists
+    exactly their shards, as their sidecars describe them."""
+    try:
+        manifest = Manifest.load(out_dir)
+    except ManifestError:
+        return False
+    if [s.file for s in manifest.shards] != [p.name for p in plans]:
+        return False
+    return all(finished_shard(out_dir, p, verify=False) == s for p, s in zip(plans, manifest.shards))
 
-    Every rank passes the same full, ordered `samples` and takes its own slice (`RANK_ASSIGNMENT`). From `cfg`
-    (the rest of it, the model and data settings, is not looked at): shard_tokens, most tokens per shard (H=4096
-    in bf16: 2**17 tokens ≈ 1 GiB); batch_tokens, most tokens per packed prefill; aux_layers, HF `hidden_states`
-    indices stored, concatenated, as `aux_hidden`; val_fraction / seed, the recorded train/val rule
-    (`manifest.is_val`); hidden_dtype, the storage (`STORAGE_DTYPES`; fp8 with per-token scales); verify_on_resume,
-    re-hash finished shards before skipping them; progress, a bar on rank 0. on_shard(info, skipped): called
-    after each shard is written (skipped=False) or found done (skipped=True); an exception from it stops the run,
-    which resumes later. barrier_timeout: how long ranks wait for each other
-    at the end (a resumed rank may have nothing to do). on_start(): called on rank 0 once the samples and
-    settings have been checked, before anything in `cfg.out` changes (the place to save the run's config: a
-    refused run leaves the folder as it was). With world > 1, torch.distributed must be initialised
-    (`mtp_train.dist`).
-    Tensor parallelism: rank / world are the data-parallel rank and world (one per TP group of tp_size
-    processes); every member of a group runs the same shards (its forward is collective), and only the group's
-    tp_rank 0 writes them. The manifest is written by data-parallel rank 0's tp_rank 0.
 
-    Host memory: up to two shards (the one being written, the one being computed), i.e. about
-    2 * shard_tokens * (k+1) * H * 2 bytes in bf16.
+ShardHook = Callable[["ShardInfo", bool], None]  # (the shard's sidecar info, skipped: found done on disk)
+
+
+class FolderWriter:
+    """One rank's shards of a precompute folder (the module docstring): plan → `begin` → `record` rows →
+    `finish` → (rank 0, after every rank finished) `write_manifest`; `close` always.
+
+    plans: this rank's shards, in order, each sample in one of them. writes=False: a tensor-parallel member that
+    computes the same shards as its group's writer and writes nothing (it only learns which shards are done).
+    verify: re-hash finished shards before keeping them. on_shard(info, skipped): after each shard is written
+    (skipped=False, called in the caller's thread when the write is collected) or found done at `begin`
+    (skipped=True); an exception from it stops the run, which resumes later. Host memory: the shards being
+    filled (one when rows come in shard order) and the one being written, about
+    2 · shard_tokens · (k+1) · H storage bytes.
     """
-    out_dir = Path(cfg.out)
-    shard_tokens, batch_tokens, val_fraction, seed = cfg.shard_tokens, cfg.batch_tokens, cfg.val_fraction, cfg.seed
-    check_settings(cfg)
-    aux_layers = [int(j) for j in cfg.aux_layers]
-    storage = cfg.hidden_dtype
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in 0..{world - 1}")
-    procs = world * tp_size
-    if procs > 1 and (mdist.get_world_size() != procs or mdist.get_rank() != rank * tp_size + tp_rank):
-        raise PrecomputeError(
-            f"data-parallel rank {rank} of {world} (tp rank {tp_rank} of {tp_size}) needs torch.distributed "
-            f"initialised with {procs} processes, this one rank {rank * tp_size + tp_rank} "
-            "(launch with torchrun and call mtp_train.dist.init_distributed() first)"
-        )
-    writer = tp_rank == 0  # the group's other members compute the same shards and write nothing
-    args = model.args
-    rows = to_rows(samples, args.vocab_size)
-    if not rows:
-        raise ValueError("no samples to precompute")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    group = mdist.cpu_group(barrier_timeout) if procs > 1 else None
 
-    spec = folder_spec(args, model.dtype, model_dir, storage, aux_layers)
-    settings, metadata = spec.settings, spec.metadata
+    def __init__(self, out_dir: str | Path, spec: FolderSpec, plans: Sequence[ShardPlan], *, rank: int,
+                 writes: bool = True, verify: bool = False, on_shard: ShardHook | None = None) -> None:
+        self.out_dir, self.spec, self.plans = Path(out_dir), spec, list(plans)
+        self.rank, self.writes, self.verify, self.on_shard = rank, writes, verify, on_shard
+        self.slots: dict[str, tuple[int, int]] = {}  # sample id → (shard index, its first row in the shard)
+        for p in self.plans:
+            row = 0
+            for r in p.rows:
+                self.slots[r.id] = (p.index, row)
+                row += int(r.ids.size)
+        self.by_index = {p.index: p for p in self.plans}
+        self.done: set[int] = set()  # shard indices finished on disk (or handed to the writer thread)
+        self._buffers: dict[int, dict[str, torch.Tensor]] = {}  # shard index → its tensors being filled
+        self._filled: dict[int, set[str]] = {}  # shard index → ids stored so far
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
+        self._pending: Future[ShardInfo] | None = None
 
-    # A stale manifest would vouch for shards this run is about to rewrite; the barrier keeps other
-    # ranks from writing before it is gone. Leftover temporaries of this rank are from a crash.
-    if rank == 0 and writer:
-        if on_start is not None:
-            on_start()
-        for stale in (out_dir / MANIFEST_NAME, out_dir / (TMP_PREFIX + MANIFEST_NAME)):
-            stale.unlink(missing_ok=True)
-    if writer:
-        for tmp in out_dir.glob(f"{TMP_PREFIX}shard-r{rank}-*"):
-            tmp.unlink(missing_ok=True)
-    mdist.barrier(group)
+    @property
+    def todo(self) -> list[ShardPlan]:
+        """This rank's shards not finished yet, in order."""
+        return [p for p in self.plans if p.index not in self.done]
 
-    plans = plan_rank(rows, rank, world, shard_tokens, settings)
-    done: dict[int, ShardInfo] = {}
-    for p in plans:
-        info = finished_shard(out_dir, p, verify=cfg.verify_on_resume)
-        if info is not None:
-            done[p.index] = info
-            if on_shard is not None:
-                on_shard(info, True)
-    if done and rank == 0:
-        log.info("resuming: %d of %d shards of rank 0 are done", len(done), len(plans))
+    def needs(self, sample_id: str) -> bool:
+        """Whether `sample_id` belongs to one of this rank's unfinished shards."""
+        slot = self.slots.get(sample_id)
+        return slot is not None and slot[0] not in self.done
 
-    bar = tqdm(total=sum(p.tokens for p in plans), initial=sum(p.tokens for p in plans if p.index in done),
-               unit="tok", unit_scale=True, desc="precompute", disable=not (cfg.progress and rank == 0 and writer),
-               dynamic_ncols=True)
-    # One writer thread: shard n is serialised, fsynced and hashed while the target computes shard n+1.
-    with bar, ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
-        pending: Future[ShardInfo] | None = None
-        for p in plans:
-            if p.index in done:
-                continue
-            if writer:
-                sidecar_path(out_dir / p.name).unlink(missing_ok=True)  # it no longer describes what will be there
-            tensors = compute_shard(model, p, batch_tokens, aux_layers, storage, bar)
-            if not writer:
-                continue
-            if pending is not None:
-                _finish(pending, on_shard)
-            pending = pool.submit(write_shard, out_dir, p, tensors, metadata)
-        if pending is not None:
-            _finish(pending, on_shard)
+    def begin(self, *, owner: bool, on_start: Callable[[], None] | None = None) -> None:
+        """Open the folder: owner (the one process writing the manifest) calls on_start() and removes a stale
+        manifest (it would vouch for shards about to be rewritten); a writing rank removes its torn temporaries
+        and the sidecars of shards that will be redone. Call a barrier after it, before any rank records."""
+        if self.writes:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        if owner:
+            if on_start is not None:
+                on_start()
+            for stale in (self.out_dir / MANIFEST_NAME, self.out_dir / (TMP_PREFIX + MANIFEST_NAME)):
+                stale.unlink(missing_ok=True)
+        if self.writes:
+            for tmp in self.out_dir.glob(f"{TMP_PREFIX}shard-r{self.rank}-*"):
+                tmp.unlink(missing_ok=True)  # torn temporaries of a killed run
+        for p in self.plans:
+            info = finished_shard(self.out_dir, p, verify=self.verify)
+            if info is not None:
+                self.done.add(p.index)
+                if self.on_shard is not None:
+                    self.on_shard(info, True)
+            elif self.writes:
+                sidecar_path(self.out_dir / p.name).unlink(missing_ok=True)  # it no longer describes the file
 
-    mdist.barrier(group)
-    manifest = None
-    if rank == 0 and writer:
-        every = [p for r in range(world)
-                 for p in (plans if r == 0 else plan_rank(rows, r, world, shard_tokens, settings))]
-        prov = {
-            "package_version": mtp_train.__version__,
-            "torch_version": torch.__version__,
-            "settings": {"world": world, "tp": tp_size, "shard_tokens": shard_tokens,
-                         "batch_tokens": batch_tokens, "rank_assignment": RANK_ASSIGNMENT},
-            **(provenance or {}),
-        }
-        manifest = assemble_manifest(out_dir, every, rows, spec, tokenizer_fingerprint=tokenizer_fingerprint,
-                                     chat_template_fingerprint=chat_template_fingerprint, data_info=data_info,
-                                     val_fraction=val_fraction, seed=seed, provenance=prov)
-        manifest.save(out_dir)
-    # Nobody returns before the manifest exists, so a next stage started on any rank finds it.
-    mdist.barrier(group)
-    if group is not None:
-        with contextlib.suppress(Exception):
-            torch.distributed.destroy_process_group(group)
-    return manifest
+    def record(self, ids: Sequence[str], seq_lens: Sequence[int], hidden: torch.Tensor,
+               aux: torch.Tensor | None) -> None:
+        """Store the rows of packed samples `ids` (seq_lens rows each) that belong to this rank's unfinished
+        shards; others (another rank's, evaluation's) are ignored. hidden (T, H), aux (T, k·H) or None, in the
+        forward's precision, on any device. A shard whose every sample is in goes to the writer thread."""
+        if not self.writes:
+            return
+        a = 0
+        for sid, n in zip(ids, seq_lens):
+            if self.needs(sid):
+                index, row = self.slots[sid]
+                plan = self.by_index[index]
+                if index not in self._buffers:
+                    self._buffers[index] = new_shard_tensors(plan, self.spec.target.hidden_size,
+                                                             len(self.spec.hidden.aux_layers), self.spec.storage)
+                    self._filled[index] = set()
+                store_rows(self._buffers[index], row, row + n, hidden[a:a + n],
+                           None if aux is None else aux[a:a + n], self.spec.storage)
+                self._filled[index].add(sid)
+                if len(self._filled[index]) == len(plan.rows):
+                    del self._filled[index]
+                    self._write(plan, self._buffers.pop(index))
+            a += n
 
+    def _write(self, plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> None:
+        # At most one shard waits for the disk: the next one blocks here until it is written.
+        self.flush()
+        self._pending = self._pool.submit(write_shard, self.out_dir, plan, tensors, self.spec.metadata)
+        self.done.add(plan.index)
 
-def _finish(pending: Future[ShardInfo], on_shard: Callable[[ShardInfo, bool], None] | None) -> None:
-    info = pending.result()  # re-raises a failed write here, in the caller's thread
-    if on_shard is not None:
-        on_shard(info, False)
+    def flush(self) -> None:
+        """Wait for the shard being written (e.g. before a checkpoint: what it counts as done is on disk)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            info = pending.result()  # re-raises a failed write here, in the caller's thread
+            if self.on_shard is not None:
+                self.on_shard(info, False)
+
+    def finish(self) -> None:
+        """Every row is recorded: wait for the last write; a shard still open is a bug of the caller's plan."""
+        self.flush()
+        if self._buffers:
+            raise RuntimeError(f"shards {sorted(self._buffers)} of rank {self.rank} in {self.out_dir} are "
+                               "incomplete: some of their samples were never recorded")
+        if self.writes and len(self.done) != len(self.plans):
+            missing = [p.name for p in self.todo]
+            raise RuntimeError(f"rank {self.rank} never recorded the samples of {missing[:3]} in {self.out_dir}")
+
+    def write_manifest(self, plans: Sequence[ShardPlan], rows: Sequence[Row], **fields: Any) -> Manifest:
+        """Rank 0, once every rank has finished: assemble and save `manifest.json` (`assemble_manifest`, with
+        `plans` every rank's shards in manifest order and `rows` every sample); returns it."""
+        manifest = assemble_manifest(self.out_dir, plans, rows, self.spec, **fields)
+        manifest.save(self.out_dir)
+        return manifest
+
+    def close(self) -> None:
+        """Finish the write in flight and stop the writer thread (whatever happened before)."""
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown(wait=True)

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from mtp_train.precompute import LengthBucketedBatchSampler, PrecomputedDataset
-from mtp_train.precompute.samples import TokenDataset
+from mtp_train.data.sampler import LengthBucketedBatchSampler
+from mtp_train.data.samples import TokenDataset
+from mtp_train.precompute import PrecomputedDataset
 
 SampleDataset = PrecomputedDataset | TokenDataset  # what batches are made of: folder samples, or tokens only
 

@@ -1,52 +1,41 @@
-"""The target inside training: hidden states computed per micro-batch (online), and written as a precompute folder
-during epoch 0 (hybrid).
+"""`data.source=online`: the target inside training, computing each micro-batch's hidden states.
 
 `OnlineTarget` runs the frozen target's cache-free packed prefill (`engine.prefill_hidden`, what `mtp-precompute`
 runs) over a micro-batch's samples right before the head's step and hands the head exactly what a precompute
 folder would have given it: the final-norm hidden state and the head's aux layers, rounded through the storage
-dtype (`precompute.writer.as_stored`).
+dtype (`precompute.as_stored`).
 
-`HybridWriter` keeps the hidden states of epoch 0 in precompute's format. Rank r's shards `shard-r{r}-{n}` hold,
-in order, the samples of its epoch-0 training batches (each batch's first appearance only: the copies that even
-the ranks out belong to another rank's shards), cut into runs of at most `shard_tokens` tokens (a batch is never
-split), then its share of the val split (val samples r, r+world, ...), cut the same way. The plan is a pure
-function of the data, the batch plan and the settings, so a resumed run plans the same shards, skips those whose
-sidecars match (`precompute.shards.finished_shard`) and recomputes, by replaying the same micro-batches, the
-samples of the shard that was being filled when the run stopped. Shards are written atomically by a writer thread
-while training goes on; after epoch 0 rank 0 writes `manifest.json`, last, and the folder is an ordinary precompute
-folder.
+`OnlineSource` batches the conversations of `data.paths`, made into samples by stage one's own code
+(`mtp_train.data.samples`) with `data.online.*` as its settings. The samples, their split and order are those of a
+one-rank `mtp-precompute` with the same settings, so the batches (and the resume position) are exactly those of
+an offline run on its folder.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 
-from mtp_train import dist
-from mtp_train.config import ModelConfig
+from mtp_train.config import ConfigError, ModelConfig, TrainConfig
+from mtp_train.config.device import on_cuda
+from mtp_train.data.samples import Row, TokenDataset, load_rows
+from mtp_train.dist import DistInfo
 from mtp_train.engine.runner import prefill_hidden
-from mtp_train.fileio import TMP_PREFIX
 from mtp_train.models.base import CausalLM
+from mtp_train.models.families import args_from_dir
+from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.models.loader import load_model
 from mtp_train.models.tensor_parallel import TPGroup, load_model_tp, tp_groups
-from mtp_train.precompute import LengthBucketedBatchSampler
-from mtp_train.precompute.manifest import MANIFEST_NAME, Manifest
-from mtp_train.precompute.plan import Row, ShardPlan, plan_runs, shard_plan
-from mtp_train.precompute.samples import TokenDataset, row_item
-from mtp_train.precompute.shards import finished_shard, sidecar_path, write_shard
-from mtp_train.precompute.writer import FolderSpec, as_stored, assemble_manifest, new_shard_tensors, store_rows
-from mtp_train.train.data import PackedBatch, collate_packed
+from mtp_train.precompute import as_stored, check_settings, in_split
+from mtp_train.train.data import MicroBatchStream, PackedBatch
+from mtp_train.train.source import DataSource, make_sampler, online_record, register_source, val_or_none
 
 log = logging.getLogger(__name__)
-
-HYBRID_ASSIGNMENT = ("hybrid: rank r's shards hold its epoch-0 training batches in order (first appearances), "
-                     "then val samples r, r+world, ...")
 
 
 def online_dtype(model_cfg: ModelConfig, device: torch.device) -> str:
@@ -54,7 +43,7 @@ def online_dtype(model_cfg: ModelConfig, device: torch.device) -> str:
     compute) and the checkpoint's dtype elsewhere."""
     if model_cfg.dtype != "auto":
         return model_cfg.dtype
-    return "bfloat16" if device.type == "cuda" else "auto"
+    return "bfloat16" if on_cuda(device) else "auto"
 
 
 def token_lists(batch: PackedBatch) -> list[list[int]]:
@@ -104,7 +93,7 @@ class OnlineTarget:
     def release(self) -> None:
         """Drop the weights (hybrid, once epoch 0 is on disk); a later use loads them again."""
         self._model = None
-        if self.device.type == "cuda":
+        if on_cuda(self.device):
             torch.cuda.empty_cache()
 
     def _prefill(self, lists: Forward) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -144,176 +133,66 @@ class OnlineTarget:
                            batch.ids, None if aux is None else as_stored(aux, self.storage, groups=k), batch.epoch)
 
 
-class HybridLayout:
-    """Which shards a hybrid run writes (see the module docstring), for any rank: a pure function of the train /
-    val samples, the batch plan's settings (`make_sampler(rank)`) and `shard_tokens`; `settings` enter the plan
-    hashes (`FolderSpec.settings`)."""
-
-    def __init__(self, train_set: TokenDataset, val_rows: Sequence[Row], make_sampler: Callable[[int],
-                 LengthBucketedBatchSampler], world: int, shard_tokens: int, settings: dict[str, Any]) -> None:
-        self.train_set, self.val_rows, self.make_sampler = train_set, list(val_rows), make_sampler
-        self.world, self.shard_tokens, self.settings = world, shard_tokens, settings
-
-    def epoch0(self, rank: int) -> list[tuple[list[int], bool]]:
-        """Rank `rank`'s epoch-0 batches (dataset indices) with their first-appearance flags."""
-        sampler = self.make_sampler(rank)
-        sampler.set_epoch(0)
-        return sampler.rank_batches()
-
-    def plans(self, rank: int) -> tuple[list[ShardPlan], list[ShardPlan]]:
-        """(train shards, val shards) of rank `rank`, in the order they are listed in the manifest."""
-        rows = self.train_set.rows
-        firsts = [b for b, first in self.epoch0(rank) if first]
-        train = []
-        for run in plan_runs([sum(int(rows[i].ids.size) for i in b) for b in firsts], self.shard_tokens):
-            train.append(shard_plan(rank, len(train), [rows[i] for k in run for i in firsts[k]], self.settings))
-        mine = self.val_rows[rank::self.world]
-        val = [shard_plan(rank, len(train) + n, [mine[i] for i in run], self.settings)
-               for n, run in enumerate(plan_runs([int(r.ids.size) for r in mine], self.shard_tokens))]
-        return train, val
+def split_rows(rows: Sequence[Row], split: str, cfg: TrainConfig) -> TokenDataset:
+    """The rows of `split` ("train" | "val" | "all") by the rule a precompute folder records (`in_split`, with
+    `data.online.seed` / `val_fraction`), in their order."""
+    o = cfg.data.online
+    return TokenDataset([r for r in rows if in_split(r.id, split, o.seed, o.val_fraction)], split)
 
 
-class HybridWriter:
-    """Epoch 0's hidden states of this rank, written as precompute shards while training runs (module docstring).
+@register_source
+class OnlineSource(DataSource):
+    """Batches of the conversations of `data.paths`, their hidden states computed by the target held here."""
 
-    `record` takes each training micro-batch's target outputs; `begin` (once, before training, with the position
-    resumed at) skips finished shards and replays what the interrupted run had computed but not written;
-    `finalize` (at the first batch of epoch 1, on every rank at once) completes the folder: any missing train
-    shard, the val shards, then rank 0's manifest. Host memory: the shard being filled and the one being written,
-    about 2 · shard_tokens · (k+1) · H storage bytes, as precompute.
-    """
+    name = "online"
+    plans_from_conversations = True
 
-    def __init__(self, out_dir: Path, layout: HybridLayout, spec: FolderSpec, target: OnlineTarget, *, rank: int,
-                 batch_tokens: int, verify: bool, manifest_fields: dict[str, Any]) -> None:
-        self.out_dir, self.layout, self.spec, self.target = out_dir, layout, spec, target
-        self.rank, self.batch_tokens, self.verify = rank, batch_tokens, verify
-        self.manifest_fields = manifest_fields
-        self.train_plans, self.val_plans = layout.plans(rank)
-        self.plans = {p.index: p for p in (*self.train_plans, *self.val_plans)}
-        self._train_slots, self._val_slots = _slots(self.train_plans), _slots(self.val_plans)
-        self._done: set[int] = set()  # shard indices finished on disk (or handed to the writer thread)
-        self._buffers: dict[int, dict[str, torch.Tensor]] = {}  # shard index → its tensors being filled
-        self._filled: dict[int, set[str]] = {}  # shard index → ids stored so far
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-shard-writer")
-        self._pending: Future | None = None
+    @classmethod
+    def check_config(cls, cfg: TrainConfig) -> None:
+        src = cfg.data.source
+        if not str(cfg.model.path).strip():
+            raise ConfigError(f"data.source={src} computes the target's hidden states during training: set "
+                              "model.path to the target's Hugging Face folder (config.json + safetensors + tokenizer)")
+        if not cfg.data.paths:
+            raise ConfigError(f"data.source={src} reads conversations from data.paths, which is empty: give them "
+                              "(data.paths=[convs.jsonl] or data=<conf/data name>), or train on a precompute folder "
+                              "with data.source=offline data.dir=DIR")
 
-    # -- set-up --
+    def __init__(self, cfg: TrainConfig, info: DistInfo, device: torch.device) -> None:
+        from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
+        from mtp_train.data.chat import load_tokenizer
 
-    def begin(self, position: int) -> None:
-        """Start (or resume) epoch 0 at this rank's batch `position`: forget a stale manifest, keep the shards
-        that match the plan, and refill the shard that was open from the batches before `position`."""
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
-            # The manifest vouches for a finished folder; this run is about to (re)write shards of it.
-            for stale in (self.out_dir / MANIFEST_NAME, self.out_dir / (TMP_PREFIX + MANIFEST_NAME)):
-                stale.unlink(missing_ok=True)
-        for tmp in self.out_dir.glob(f"{TMP_PREFIX}shard-r{self.rank}-*"):
-            tmp.unlink(missing_ok=True)  # torn temporaries of a killed run
-        for p in self.plans.values():
-            if finished_shard(self.out_dir, p, verify=self.verify) is not None:
-                self._done.add(p.index)
-            else:
-                sidecar_path(self.out_dir / p.name).unlink(missing_ok=True)  # it no longer describes the file
-        if self._done:
-            log.info("hybrid: rank %d finds %d of its %d shards done in %s", self.rank, len(self._done),
-                     len(self.plans), self.out_dir)
-        self._catch_up(position)
-        dist.barrier()  # no rank writes before rank 0 has removed the stale manifest
+        c, src = cfg, cfg.data.source
+        self.check_config(c)
+        target_dir = Path(c.model.path)
+        args = args_from_dir(target_dir)
+        head = c.head.resolved(args.num_layers)  # the layers an aux head reads are the ones computed
+        aux_layers = list(head.aux_layers) if head.features == "aux" else []
+        self.settings = c.precompute_config(aux_layers)  # precompute's settings for these samples
+        check_settings(self.settings, prefix="data.online.")
+        tokenizer = load_tokenizer(target_dir)
+        rows, self.data_info = load_rows(tokenizer, self.settings, args.vocab_size)
+        o = c.data.online
+        train_set = split_rows(rows, "train", c)
+        if len(train_set) == 0:
+            raise ValueError(f"data.source={src}: every sample of data.paths is in the val split; lower "
+                             f"data.online.val_fraction (now {o.val_fraction})")
+        val_set = split_rows(rows, "val", c) if c.train.eval_batches > 0 else None
+        stream = MicroBatchStream(train_set, make_sampler(train_set.lengths, c, info.rank, info.world),
+                                  num_workers=c.data.num_workers, pin_memory=on_cuda(device))
+        super().__init__(c, train_set, val_or_none(val_set, "data.paths"), stream, weights_fingerprint(target_dir),
+                         aux_layers, f"data.paths={list(c.data.paths)}")
+        self.info, self.args, self.rows = info, args, rows
+        self.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
+        self.chat_template_fingerprint = chat_template_fingerprint(tokenizer)
+        self.target = OnlineTarget(c.model, device, aux_layers, o.hidden_dtype)
+        if info.is_main:
+            log.info("data.source=%s: %d samples (%d train), %d tokens from %s; the target computes their hidden "
+                     "states (%s, aux layers %s)", src, len(rows), len(train_set), sum(r.ids.size for r in rows),
+                     list(c.data.paths), self.target.dtype, aux_layers)
 
-    def _catch_up(self, position: int) -> None:
-        """Recompute, with the same micro-batches (so the same values), the samples of batches before
-        `position` whose shards are not on disk."""
-        todo = []
-        for b, _first in self.layout.epoch0(self.rank)[:position]:
-            ids = [self.layout.train_set.ids[i] for i in b]
-            if any(s in self._train_slots and self._train_slots[s][0] not in self._done for s in ids):
-                todo.append(collate_packed([self.layout.train_set[i] for i in b]))
-        # Every rank runs this, with or without work: a tensor-parallel target's forwards are collective.
-        self.target.run([token_lists(b) for b in todo], lambda i, hidden, aux: self.record(todo[i], hidden, aux))
-        if todo:
-            log.info("hybrid: rank %d recomputed %d micro-batch(es) of shards the interrupted run had not written",
-                     self.rank, len(todo))
+    def record(self) -> dict[str, Any]:
+        return {**super().record(), **online_record(self.cfg)}
 
-    # -- epoch 0 --
-
-    def record(self, batch: PackedBatch, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
-        """Store the rows of a training batch's samples that belong to this rank's unfinished train shards; hidden
-        (T, H), aux (T, k·H) as the target computed them. A shard whose every sample is in goes to the writer."""
-        self._store(batch, hidden, aux, self._train_slots)
-
-    def _store(self, batch: PackedBatch, hidden: torch.Tensor, aux: torch.Tensor | None,
-               slots: dict[str, tuple[int, int]]) -> None:
-        a = 0
-        for sid, n in zip(batch.ids, batch.seq_lens):
-            slot = slots.get(sid)  # None: a val sample (evaluation), or another rank's (an evening copy)
-            if slot is not None and slot[0] not in self._done:
-                index, row = slot
-                plan = self.plans[index]
-                if index not in self._buffers:
-                    self._buffers[index] = new_shard_tensors(plan, self.spec.target.hidden_size,
-                                                             len(self.spec.hidden.aux_layers), self.spec.storage)
-                    self._filled[index] = set()
-                store_rows(self._buffers[index], row, row + n, hidden[a:a + n],
-                           None if aux is None else aux[a:a + n], self.spec.storage)
-                self._filled[index].add(sid)
-                if len(self._filled[index]) == len(plan.rows):
-                    del self._filled[index]
-                    self._write(plan, self._buffers.pop(index))
-            a += n
-
-    def _write(self, plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> None:
-        # At most one shard waits for the disk: the next one blocks here until it is written.
-        self.flush()
-        self._pending = self._pool.submit(write_shard, self.out_dir, plan, tensors, self.spec.metadata)
-        self._done.add(plan.index)
-
-    def flush(self) -> None:
-        """Wait for the shard being written (before a checkpoint: what it counts as done is on disk)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()  # re-raises a failed write in the training thread
-
-    # -- the end of epoch 0 --
-
-    def finalize(self) -> Manifest | None:
-        """Complete the folder (every rank at once): missing train shards (replayed), this rank's val shards, then,
-        after a barrier, rank 0 writes the manifest; returns it on rank 0."""
-        self._catch_up(len(self.layout.epoch0(self.rank)))
-        if self._buffers:  # cannot happen when the batch plan covers every sample; a bug if it does
-            raise RuntimeError(f"hybrid: shards {sorted(self._buffers)} of rank {self.rank} are incomplete at the "
-                               "end of epoch 0")
-        # The val shards, in packed prefills of at most micro_batch_tokens, as precompute packs its shards.
-        val = [collate_packed([row_item(p.rows[i]) for i in run]) for p in self.val_plans if p.index not in self._done
-               for run in plan_runs([r.ids.size for r in p.rows], self.batch_tokens)]
-        self.target.run([token_lists(b) for b in val],
-                        lambda i, hidden, aux: self._store(val[i], hidden, aux, self._val_slots))
-        self.flush()
-        dist.barrier()
-        manifest = None
-        if self.rank == 0:
-            plans = [p for r in range(self.layout.world) for part in self.layout.plans(r) for p in part]
-            manifest = assemble_manifest(self.out_dir, plans, [*self.layout.train_set.rows, *self.layout.val_rows],
-                                         self.spec, redo="resume the hybrid run to redo it", **self.manifest_fields)
-            manifest.save(self.out_dir)
-            log.info("hybrid: epoch 0 written: %d samples, %d shards, %.1f MiB → %s", manifest.totals.samples,
-                     len(manifest.shards), manifest.totals.bytes / 2**20, self.out_dir / MANIFEST_NAME)
-        dist.barrier()  # every rank reads the folder from here on
-        return manifest
-
-    def close(self) -> None:
-        """Finish the write in flight and stop the writer thread."""
-        try:
-            self.flush()
-        finally:
-            self._pool.shutdown(wait=True)
-
-
-def _slots(plans: Sequence[ShardPlan]) -> dict[str, tuple[int, int]]:
-    """sample id → (shard index, the sample's first row in the shard)."""
-    out = {}
-    for p in plans:
-        row = 0
-        for r in p.rows:
-            out[r.id] = (p.index, row)
-            row += int(r.ids.size)
-    return out
+    def fill(self, batch: PackedBatch) -> PackedBatch:
+        return self.target.stored(batch, *self.target.forward(batch))

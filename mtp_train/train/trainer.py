@@ -63,7 +63,7 @@ from mtp_train.train.deepspeed_setup import prepare_deepspeed, release_deepspeed
 from mtp_train.train.evaluation import evaluate
 from mtp_train.train.logging import RunLogger
 from mtp_train.train.losses import HeadLoss, noise_generator, step_token_counts
-from mtp_train.train.sources import build_train_data, data_record
+from mtp_train.train.sources import build_source
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Trainer:
 
     def _setup_data(self) -> None:
         self.target_dir = Path(self.cfg.model.path)
-        self.data = build_train_data(self.cfg, self.info, self.device)
+        self.data = build_source(self.cfg, self.info, self.device)
         self.train_set, self.val_set, self.stream = self.data.train_set, self.data.val_set, self.data.stream
         self.target_fingerprint = self.data.target_fingerprint  # recorded in every checkpoint and head export
 
@@ -177,11 +177,7 @@ class Trainer:
             if client.get(key) != now:
                 log.warning("resuming with train.%s=%s (checkpoint: %s): the batch order differs from the "
                             "interrupted run's", key, now, client.get(key))
-        # online and hybrid share one batch plan; offline's follows the folder's sample order.
-        was = client.get("data_source", "offline")
-        if (was == "offline") != (self.data.source == "offline"):
-            log.warning("resuming with data.source=%s (checkpoint: %s): the batch order differs from the "
-                        "interrupted run's", self.data.source, was)
+        self.data.check_resume(client)  # online and hybrid share one batch plan; offline's is the folder's
         if self.info.is_main:
             log.info("resumed from %s at step %d (epoch %d, batch %d)", ckpt_dir / tag, self.step,
                      self.stream.epoch, self.stream.position)
@@ -253,14 +249,14 @@ class Trainer:
             "step": self.step, "data": self.stream.state_dict(), "samples_seen": self.samples_seen,
             "tokens_seen": self.tokens_seen, "world": self.info.world,
             "micro_batch_tokens": self.cfg.train.micro_batch_tokens, "seed": self.cfg.train.seed,
-            "target_fingerprint": self.target_fingerprint, "rng": rng_state(), "data_source": self.data.source,
+            "target_fingerprint": self.target_fingerprint, "rng": rng_state(), "data_source": self.data.name,
         }
         tag_dir = save_engine_state(self.engine, self.out, self.step, client, self.info.rank)
         dist.barrier()
         if self.info.is_main:
             write_checksums(tag_dir)
             extra = {"samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
-                     **data_record(self.data, self.cfg), "eval": self.last_eval}
+                     **self.data.record(), "eval": self.last_eval}
             self.head_dir = export_head(self.head, self.out, self.step, self.config_yaml,
                                         target_fingerprint=self.target_fingerprint, extra=extra)
             mark_latest(self.out, self.step)

@@ -1,9 +1,10 @@
 """The samples of stage one before any hidden state: conversations → chat template + loss masks → validated rows,
-and the split of them a training run reads.
+and a split of them that a training run batches.
 
 One code path from conversation to batch: `mtp-precompute` writes shards of exactly these rows (`build_samples`,
-then `plan.to_rows`), and `mtp-train data.source=online|hybrid` batches the same rows (`load_rows`, `TokenDataset`),
-selected by the same split rule (`manifest.in_split`) and batched by the same `LengthBucketedBatchSampler`.
+then `to_rows`), and `mtp-train data.source=online|hybrid` batches the same rows (`load_rows`, `TokenDataset`),
+selected by the split rule a folder records (`precompute.in_split`) and batched by the same
+`LengthBucketedBatchSampler` (`mtp_train.data.sampler`).
 """
 
 from __future__ import annotations
@@ -11,16 +12,56 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from mtp_train.config import PrecomputeConfig
-from mtp_train.data import read_conversations, tokenize_conversations
-from mtp_train.precompute.manifest import SPLITS, in_split
-from mtp_train.precompute.plan import Row, Sample, to_rows
+from mtp_train.data.chat import tokenize_conversations
+from mtp_train.data.readers import read_conversations
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One tokenized conversation: loss_mask is 1 on the tokens the head learns (assistant tokens)."""
+
+    id: str  # unique across the whole data set; decides the train/val split
+    input_ids: list[int]  # (L,)
+    loss_mask: list[int]  # (L,) 0/1
+
+
+@dataclass
+class Row:
+    """A validated sample as compact arrays."""
+
+    id: str
+    ids: np.ndarray  # (L,) int32
+    mask: np.ndarray  # (L,) uint8
+
+
+def to_rows(samples: Sequence[Sample], vocab_size: int) -> list[Row]:
+    """Validate samples (unique ids, equal lengths, ids in vocab, 0/1 mask) and convert them to arrays."""
+    rows, seen = [], set()
+    for s in samples:
+        if s.id in seen:
+            raise ValueError(f"duplicate sample id {s.id!r}: ids must be unique (they decide resume and the split)")
+        seen.add(s.id)
+        ids = np.asarray(s.input_ids, dtype=np.int64)
+        mask = np.asarray(s.loss_mask, dtype=np.int64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"sample {s.id!r}: input_ids must be a non-empty list of ints")
+        if mask.shape != ids.shape:
+            raise ValueError(f"sample {s.id!r}: {ids.size} input_ids but {mask.size} loss_mask entries")
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"sample {s.id!r}: token ids must be in 0..{vocab_size - 1}")
+        if ((mask != 0) & (mask != 1)).any():
+            raise ValueError(f"sample {s.id!r}: loss_mask must hold only 0 and 1")
+        rows.append(Row(s.id, ids.astype(np.int32), mask.astype(np.uint8)))
+    return rows
 
 
 def _unique_ids(ids: list[str]) -> tuple[list[str], list[str]]:
@@ -100,9 +141,8 @@ def build_samples(tokenizer: Any, cfg: PrecomputeConfig) -> tuple[list[Sample], 
     return samples, info
 
 
-
 def load_rows(tokenizer: Any, cfg: PrecomputeConfig, vocab_size: int) -> tuple[list[Row], dict[str, Any]]:
-    """`build_samples`, validated against a vocabulary of `vocab_size` (`plan.to_rows`, as `precompute` does):
+    """`build_samples`, validated against a vocabulary of `vocab_size` (`to_rows`, as `precompute` does):
     every sample of the data in its order, and what happened to the rows (the manifest's `data`)."""
     samples, info = build_samples(tokenizer, cfg)
     return to_rows(samples, vocab_size), info
@@ -114,20 +154,18 @@ def row_item(r: Row) -> dict[str, Any]:
 
 
 class TokenDataset(torch.utils.data.Dataset):
-    """The samples of one split of `rows`, without hidden states: what online training batches.
+    """Rows of one split, without hidden states: what online training batches.
 
     `ds[i]` → {"id": str, "input_ids": LongTensor (L,), "loss_mask": uint8 (L,)}: `PrecomputedDataset`'s items
-    without "hidden". split: "train", "val" or "all", by the rule a precompute folder records (`in_split` with
-    `seed`, `val_fraction`). The order is that of `rows`, which is the order a one-rank precompute lists its
-    samples in, so `lengths` (and with them the length-bucketed batch plan) are those of such a folder.
+    without "hidden". `rows` are the split's rows already selected (by the rule a precompute folder records,
+    `precompute.in_split`), in the order a one-rank precompute lists them, so `lengths` (and with them the
+    length-bucketed batch plan) are those of such a folder; `split` names them in errors.
     """
 
-    def __init__(self, rows: Sequence[Row], split: str, seed: int, val_fraction: float) -> None:
-        if split not in SPLITS:
-            raise ValueError(f"split must be train|val|all, got {split!r}")
+    def __init__(self, rows: Sequence[Row], split: str) -> None:
         self.split = split
         self.where = "data.paths"  # named in errors, as PrecomputedDataset names its folder
-        self.rows = [r for r in rows if in_split(r.id, split, seed, val_fraction)]
+        self.rows = list(rows)
         self.lengths: list[int] = [int(r.ids.size) for r in self.rows]
         self.ids: list[str] = [r.id for r in self.rows]
 
