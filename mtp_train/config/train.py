@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_train.config.data import DataConfig, TrainDataConfig
+from mtp_train.config.errors import ConfigError
 from mtp_train.config.head import HeadConfig
 from mtp_train.config.loss import LossConfig
 from mtp_train.config.model import ModelConfig
@@ -25,6 +27,23 @@ class OptimConfig:
     warmup_steps: int = 100  # optimizer steps of linear warmup from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio · lr at train.max_steps
     grad_clip: float = 0.5  # clip the global gradient norm to this (0 = off)
+
+    def __post_init__(self) -> None:
+        # torch's AdamW would refuse some of these too, but without naming the key; lr=0 it would accept.
+        if not math.isfinite(self.lr) or self.lr < 0:
+            raise ConfigError(f"optim.lr={self.lr} is out of range: `optim.lr` (the peak learning rate) must be a "
+                              "positive finite number, e.g. optim.lr=1e-4")
+        if self.lr == 0:
+            raise ConfigError("optim.lr=0 is refused: a learning rate of 0 never changes the head, so the run would "
+                              "train nothing; give a positive rate, e.g. optim.lr=1e-4")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas={list(self.betas)}: give two numbers in [0, 1), e.g. [0.9, 0.95]")
+        for key in ("eps", "weight_decay", "grad_clip"):
+            value = getattr(self, key)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"optim.{key}={value} is out of range: `optim.{key}` must be 0 or more")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} is out of range: it must be in [0, 1]")
 
 
 @dataclass
@@ -103,6 +122,9 @@ class TrainConfig:
     spec_eval: SpecEvalConfig = field(default_factory=SpecEvalConfig)
     out: str = "runs/train"  # run folder: config.yaml, metrics.jsonl, checkpoints/, heads/, wandb/
     resume: str = "auto"  # auto (the latest checkpoint under out, if any) | none | a checkpoint tag folder
+    # Also resume from a checkpoint in DeepSpeed's pickle format (`*.pt`, written by earlier versions): loading it
+    # unpickles it, which runs any code the file names. Only for folders whose origin you trust.
+    resume_trust_pickles: bool = False
 
     def precompute_config(self, aux_layers: Sequence[int] = ()) -> PrecomputeConfig:
         """The `mtp-precompute` settings whose samples (and folder, for hybrid) an online or hybrid run reads:

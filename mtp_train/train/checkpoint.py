@@ -1,27 +1,29 @@
-"""Training checkpoints: the full DeepSpeed state for exact resume, and a head export at each save.
+"""Training checkpoints: the full training state for exact resume, and a head export at each save.
 
 Layout under a run's `out`:
 
     checkpoints/latest                  the tag of the newest *complete* checkpoint (written last, atomically)
-    checkpoints/step-N/                 DeepSpeed's engine state (module, ZeRO optimizer partitions, LR schedule)
-                                        + client state (step, data position, rank 0's RNG), and
-                  rng-rank{r}.json      each rank's Python / NumPy / torch RNG states (plain JSON)
+    checkpoints/step-N/                 the DeepSpeed engine's state as safetensors + JSON (`train.engine_state`):
+                  state.json            rank 0: step, data position, samples / tokens seen, LR schedule, engine
+                                        counters, ZeRO stage, world size, the head's config
+                  model.safetensors     rank 0: the engine module's weights (the head's trainable tensors)
+                  optim-rank{r}.safetensors / .json   each rank: its ZeRO partition of the fp32 master weights and
+                                        AdamW's moments / the optimizer's other fields (loss scaler, paddings, ...)
+                  rng-rank{r}.json      each rank's Python / NumPy / torch RNG states
                   checksums.json        sha256 and size of every file above, written by rank 0 after a barrier
     heads/step-N/                       `save_head` output (model.safetensors + config.json, which holds the
                                         weights' sha256) + train_config.yaml
 
-DeepSpeed's own `latest` file is not used: it is written before the per-rank files and the head export exist,
-so a crash in between would leave `resume=auto` pointing at an incomplete checkpoint. Ours is written after a
-barrier that follows every part.
+Nothing here is a pickle, and resuming never unpickles: DeepSpeed's own `save_checkpoint` / `load_checkpoint`
+(`torch.save` / `torch.load(weights_only=False)`, which runs whatever code a file names) are not used. A folder in
+that older format (`*.pt` files, no state.json) is refused by name unless `resume_trust_pickles=true`. Every file
+is still checked against `checksums.json` before it is read, which catches damage (a truncated or altered file).
 
-What resuming trusts: our own files are never unpickled (the RNG states are JSON, the head is safetensors), but
-DeepSpeed's `*.pt` files are pickles that `engine.load_checkpoint` unpickles, and unpickling runs whatever code
-the file names. So `checksums.json` is checked first, naming the file that does not match: that catches damage
-(a truncated or altered file) before anything is unpickled, but not a folder that someone rewrote together with
-its checksums. Resume only from checkpoint folders you (or your jobs) wrote.
+Our own `latest` marker, not DeepSpeed's: it is written after a barrier that follows every part (every rank's
+files and the head export), so a crash in between never leaves `resume=auto` pointing at an incomplete checkpoint.
 
 The engine's module holds only the head's trainable weights (the frozen embedding and lm_head sit on a plain
-attribute of the head), so neither the DeepSpeed state nor the export contains target tensors.
+attribute of the head), so neither the training state nor the export contains target tensors.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 
 from mtp_train.fileio import atomic_write_text, sha256_file
 from mtp_train.heads import DraftHead, save_head
+from mtp_train.train.engine_state import STATE, TODO, CheckpointError, load_engine, optim_files, read_state, save_engine
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +54,7 @@ CHECKSUMS = "checksums.json"
 CHECKPOINT_FORMAT = "mtp_train.checkpoint"
 RNG_FORMAT = "mtp_train.rng"
 
-
-class CheckpointError(RuntimeError):
-    """A training checkpoint that cannot be resumed from; the message names the file and what to do."""
+__all__ = ["CheckpointError"]  # defined with the engine state's files, raised from here too
 
 
 def rng_file(rank: int) -> str:
@@ -170,16 +171,17 @@ def resolve_resume(resume: str, out: str | Path) -> tuple[Path, str] | None:
 # --- saving and loading -------------------------------------------------------------------------------------------
 
 
-def save_engine_state(engine: Any, out: str | Path, step: int, client_state: dict[str, Any], rank: int) -> Path:
-    """Every rank: DeepSpeed's state (its own files, per rank) + this rank's RNG file. Returns the tag folder.
+def save_engine_state(engine: Any, out: str | Path, step: int, client_state: dict[str, Any], rank: int,
+                      world: int, head_config: dict[str, Any]) -> Path:
+    """Every rank: the engine's state (`engine_state.save_engine`) + this rank's RNG file. Returns the tag folder.
 
+    client_state: JSON-able (step, data position, ...); head_config: the head's config (checked on resume).
     Call `write_checksums` and then `mark_latest` on rank 0 once every rank has returned (after a barrier).
     """
-    ckpt_dir = Path(out) / CKPT_DIR
-    tag = tag_for(step)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    atomic_write_text(ckpt_dir / tag / rng_file(rank), rng_to_json(rng_state()))
-    return ckpt_dir / tag
+    tag_dir = Path(out) / CKPT_DIR / tag_for(step)
+    save_engine(engine, tag_dir, rank, world, client_state, head_config)
+    atomic_write_text(tag_dir / rng_file(rank), rng_to_json(rng_state()))
+    return tag_dir
 
 
 def write_checksums(tag_dir: str | Path) -> Path:
@@ -196,7 +198,8 @@ def read_checksums(tag_dir: str | Path) -> dict[str, dict[str, Any]] | None:
     """{file: {sha256, bytes}} of a checkpoint, or None for one written before checksums were recorded."""
     path = Path(tag_dir) / CHECKSUMS
     if not path.is_file():
-        if any(Path(tag_dir).glob("rng-rank*.json")):  # written by a version that records checksums: damaged
+        # Written by a version that records checksums: damaged (or its checksums removed on purpose).
+        if (Path(tag_dir) / STATE).is_file() or any(Path(tag_dir).glob("rng-rank*.json")):
             raise CheckpointError(f"{path} is missing, so {tag_dir} cannot be verified; resume from another "
                                   "checkpoint, or start afresh with resume=none")
         return None
@@ -222,7 +225,7 @@ def verify_checkpoint(tag_dir: str | Path, only: list[str] | None = None) -> boo
     if recorded is None:
         log.warning("%s has no %s (written by an older version): its files cannot be verified", tag_dir, CHECKSUMS)
         return False
-    todo = "resume from another checkpoint (resume=<out>/checkpoints/step-N), or start afresh with resume=none"
+    todo = TODO
     for name in (sorted(recorded) if only is None else only):
         want = recorded.get(name)
         path = tag_dir / name
@@ -251,40 +254,75 @@ def checkpoint_ranks(tag_dir: str | Path) -> int:
     return len(list(tag_dir.glob("rng-rank*.json"))) or len(list(tag_dir.glob("rng-rank*.pt")))
 
 
-def check_resume(resume: str, out: str | Path, world: int, rank: int) -> tuple[Path, str] | None:
-    """The checkpoint `resume` names (see `resolve_resume`), checked: written by as many ranks as this run has
-    (`world`), and every file as its checksums say. None for a fresh run.
+def pickle_files(tag_dir: str | Path) -> list[Path]:
+    """The `*.pt` files of a checkpoint folder: DeepSpeed's pickles, in the format of earlier versions."""
+    return sorted(p for p in Path(tag_dir).rglob("*.pt") if p.is_file())
 
-    DeepSpeed unpickles its files, so every file is checked against the checkpoint's checksums first, by rank 0
-    (each other rank checks its own RNG file); the caller lets no rank load anything before that has passed.
+
+def refuse_pickles(tag_dir: Path, trust_pickles: bool) -> bool:
+    """Whether `tag_dir` is a checkpoint in the older pickle format that may be loaded (`resume_trust_pickles`);
+    False for ours. CheckpointError naming the file for an untrusted one, or a folder with neither format."""
+    if (tag_dir / STATE).is_file():
+        return False  # ours: a `*.pt` planted beside it is never opened
+    pickles = pickle_files(tag_dir)
+    if not pickles:
+        raise CheckpointError(f"{tag_dir / STATE} is missing: {tag_dir} is not a complete checkpoint; {TODO}")
+    if not trust_pickles:
+        raise CheckpointError(f"{pickles[0]}: a checkpoint in DeepSpeed's pickle format (an earlier version wrote "
+                              "it); loading it would unpickle it, which runs any code the file names, so it is not "
+                              "loaded. Start afresh with resume=none (or another out), or, only if you trust where "
+                              "the folder came from, resume with resume_trust_pickles=true")
+    log.warning("%s: loading DeepSpeed's pickles (resume_trust_pickles=true): they run any code they name", tag_dir)
+    return True
+
+
+def check_resume(resume: str, out: str | Path, world: int, rank: int, *, head_type: str,
+                 trust_pickles: bool = False) -> tuple[Path, str] | None:
+    """The checkpoint `resume` names (see `resolve_resume`), checked: written by as many ranks as this run has
+    (`world`), for a head of this run's type, in our format (the pickle format only with `trust_pickles`), and
+    every file as its checksums say (rank 0 checks all, other ranks their own). None for a fresh run.
+
+    The caller lets no rank load anything before every rank has passed.
     """
     found = resolve_resume(resume, out)
     if found is None:
         return None
     ckpt_dir, tag = found
-    ranks = checkpoint_ranks(ckpt_dir / tag)
+    tag_dir = ckpt_dir / tag
+    ranks = checkpoint_ranks(tag_dir)
     if ranks and ranks != world:
-        raise ValueError(f"checkpoint {ckpt_dir / tag} was written by {ranks} ranks, this run has {world}: resume "
+        raise ValueError(f"checkpoint {tag_dir} was written by {ranks} ranks, this run has {world}: resume "
                          "with the same number of processes (ZeRO partitions optimizer state per rank), or start "
                          "afresh with resume=none and another out")
-    verify_checkpoint(ckpt_dir / tag, None if rank == 0 else [rng_file(rank)])
+    legacy = refuse_pickles(tag_dir, trust_pickles)
+    verify_checkpoint(tag_dir, None if rank == 0 else [rng_file(rank)] + ([] if legacy else list(optim_files(rank))))
+    if not legacy:
+        saved = (read_state(tag_dir).get("head") or {}).get("type")
+        if saved != head_type:
+            raise CheckpointError(f"{tag_dir / STATE} holds the state of a {saved!r} head, this run asks for "
+                                  f"head.type={head_type!r}: resume with head={saved}, or start afresh with "
+                                  "resume=none (or another out)")
     return found
 
 
-def load_engine_state(engine: Any, ckpt_dir: str | Path, tag: str, rank: int) -> dict[str, Any]:
-    """Every rank: load DeepSpeed's state (module, optimizer, LR schedule) and this rank's RNG; return the client
-    state saved with it (step, data position, ...).
+def load_engine_state(engine: Any, ckpt_dir: str | Path, tag: str, rank: int, world: int, *,
+                      trust_pickles: bool = False) -> dict[str, Any]:
+    """Every rank: load the engine's state (module, optimizer, LR schedule) and this rank's RNG; return the client
+    state saved with it (step, data position, ...). Check it first (`check_resume`).
 
-    Verify the checkpoint first (`verify_checkpoint`): DeepSpeed unpickles its files. This rank's RNG file is
-    JSON; an older checkpoint's `rng-rank*.pt` pickles are never loaded (rank 0's state in the client state,
-    which DeepSpeed's own file carries, stands in for them).
+    A checkpoint of ours is safetensors + JSON. One in DeepSpeed's pickle format is refused here too, unless
+    `trust_pickles`; then DeepSpeed loads (unpickles) it, and rank 0's RNG state from its client state stands in
+    for a missing RNG file (its `rng-rank*.pt` pickles are never loaded).
     """
-    path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
-    if path is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint {tag!r} in {ckpt_dir}; resume from another "
-                              "checkpoint, or start afresh with resume=none")
-    rng = Path(ckpt_dir) / tag / rng_file(rank)
+    tag_dir = Path(ckpt_dir) / tag
+    if refuse_pickles(tag_dir, trust_pickles):
+        path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint {tag!r} in {ckpt_dir}; {TODO}")
+    else:
+        client_state = load_engine(engine, tag_dir, rank, world)
+    rng = tag_dir / rng_file(rank)
     if rng.is_file():
         set_rng_state(rng_from_json(rng))
     elif "rng" in client_state:

@@ -52,7 +52,6 @@ from mtp_train.train.checkpoint import (
     export_head,
     load_engine_state,
     mark_latest,
-    rng_state,
     save_engine_state,
     tag_for,
     write_checksums,
@@ -69,6 +68,10 @@ log = logging.getLogger(__name__)
 
 StepHook = Callable[["Trainer", int, dict[str, float]], None]  # (trainer, step, metrics) after each step
 Validator = Callable[[DraftHead], dict[str, float]]  # head → metrics, on rank 0 at every evaluation
+
+
+class TrainingDivergedError(ValueError):
+    """The loss or the head's weights stopped being finite; the message names the step and what to change."""
 
 
 # --- the trainer --------------------------------------------------------------------------------------------------
@@ -159,7 +162,8 @@ class Trainer:
         return self.engine.module.head
 
     def _check_resume(self) -> tuple[Path, str] | None:
-        found = check_resume(self.cfg.resume, self.out, self.info.world, self.info.rank)
+        found = check_resume(self.cfg.resume, self.out, self.info.world, self.info.rank, head_type=self.cfg.head.type,
+                             trust_pickles=self.cfg.resume_trust_pickles)
         dist.barrier()  # no rank loads anything before rank 0 has checked every file
         return found
 
@@ -168,7 +172,8 @@ class Trainer:
         if found is None:
             return None
         ckpt_dir, tag = found
-        client = load_engine_state(self.engine, ckpt_dir, tag, self.info.rank)
+        client = load_engine_state(self.engine, ckpt_dir, tag, self.info.rank, self.info.world,
+                                   trust_pickles=self.cfg.resume_trust_pickles)
         self.step = int(client["step"])
         self.stream.load_state_dict(client["data"])
         self.samples_seen, self.tokens_seen = int(client["samples_seen"]), int(client["tokens_seen"])
@@ -244,14 +249,18 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint the current step on every rank, export the head on rank 0, then mark it `latest`."""
+        # Never a broken checkpoint (ZeRO-1/2 keep the weights whole on every rank: all ranks agree).
+        if not all(bool(torch.isfinite(p).all()) for p in self.engine.module.parameters()):
+            raise self._diverged("the head's weights are not finite")
         self.data.flush()  # a hybrid source's shards written so far are on disk before the step is recorded
         client = {
             "step": self.step, "data": self.stream.state_dict(), "samples_seen": self.samples_seen,
             "tokens_seen": self.tokens_seen, "world": self.info.world,
             "micro_batch_tokens": self.cfg.train.micro_batch_tokens, "seed": self.cfg.train.seed,
-            "target_fingerprint": self.target_fingerprint, "rng": rng_state(), "data_source": self.data.name,
+            "target_fingerprint": self.target_fingerprint, "data_source": self.data.name,
         }
-        tag_dir = save_engine_state(self.engine, self.out, self.step, client, self.info.rank)
+        tag_dir = save_engine_state(self.engine, self.out, self.step, client, self.info.rank, self.info.world,
+                                    dataclasses.asdict(self.head.cfg))
         dist.barrier()
         if self.info.is_main:
             write_checksums(tag_dir)
@@ -263,6 +272,14 @@ class Trainer:
             log.info("step %d: checkpoint %s, head %s", self.step, self.out / CKPT_DIR, self.head_dir)
         dist.barrier()
         self._saved_step = self.step
+
+    def _diverged(self, what: str) -> TrainingDivergedError:
+        """The error that stops a run whose loss or weights are no longer finite: one line naming the step, the
+        last checkpoint (which stays as it is) and what to change."""
+        kept = f"the last checkpoint, {tag_for(self._saved_step)}, stays" if self._saved_step > 0 else "none saved"
+        return TrainingDivergedError(f"step {self.step}: {what}, so the run stops without saving it ({kept}): "
+                                     f"lower optim.lr (now {self.cfg.optim.lr:g}) or check the data "
+                                     f"({self.data.where})")
 
     # -- the loop --
 
@@ -291,8 +308,7 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", top1=f"{metrics['train/top1']:.3f}")
                 if not math.isfinite(metrics["train/loss"]):
-                    raise FloatingPointError(f"step {self.step}: training loss is {metrics['train/loss']}; lower "
-                                             f"optim.lr or check the data ({self.data.where})")
+                    raise self._diverged(f"the training loss is {metrics['train/loss']}")
                 self.last_train = metrics
                 # Decided before logging, so that the last step of a run stopped by the clock is logged too.
                 if self.step < c.max_steps and self._out_of_time(started):
