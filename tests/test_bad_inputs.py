@@ -303,6 +303,154 @@ CASES: dict[str, tuple[str, list[str], Prepare, list[str]]] = {
 }
 
 
+# --- an `out` holding another tool's output or unrelated files, values of the wrong type, edited heads
+
+
+def _out_file(name: str = "notes.txt", text: str = "a note without a final newline") -> Prepare:
+    """`out` is an existing file of the user's."""
+    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
+        out = tmp / name
+        out.write_text(text)
+        return out, []
+    return prepare
+
+
+def _out_folder(files: dict[str, str]) -> Prepare:
+    """`out` is an existing folder holding `files` (name → text); {} for an empty one."""
+    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
+        out = tmp / "out"
+        out.mkdir()
+        for name, text in files.items():
+            (out / name).write_text(text)
+        return out, []
+    return prepare
+
+
+def _out_data_file(w: World, tmp: Path) -> tuple[Path, list[str]]:
+    """mtp-regenerate pointed at (a copy of) its own input conversations."""
+    return Path(shutil.copy(w.data, tmp / "convs.jsonl")), []
+
+
+def _train_into_its_data_dir(w: World, tmp: Path) -> tuple[Path, list[str]]:
+    pc = tmp / "pc"
+    shutil.copytree(w.pc, pc)
+    return pc, [f"data.dir={pc}"]
+
+
+def _rerun_with_data(name: str, text: str | None) -> Prepare:
+    """A re-run into (a copy of) the finished folder with data.paths=[{tmp}/name] (`text` None: no such file)."""
+    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
+        out = tmp / "pc"
+        shutil.copytree(w.pc, out)
+        if text is not None:
+            (tmp / name).write_text(text)
+        return out, [f"data.paths=[{tmp / name}]"]
+    return prepare
+
+
+def _two_arrays(w: World, tmp: Path) -> tuple[Path, list[str]]:
+    path = tmp / "two.json"
+    path.write_text(json.dumps([GOOD]) + "\n" + json.dumps([_chat(1, "tea")]) + "\n")
+    return tmp / "out", [f"data.paths=[{path}]"]
+
+
+def _edited_head(edit: Callable[[dict, dict], None], *, draft_vocab: int = 0, out_from_head: bool = False,
+                 resign: bool = True) -> Prepare:
+    """A copy of a saved head (with a draft vocabulary of `draft_vocab` ids) whose config.json and tensors
+    `edit(config, tensors)` changed; `resign`: its recorded checksums updated to match, as a hostile edit would.
+    `out_from_head`: the edited copy is the `out` of an export of the world's head."""
+    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
+        from safetensors.torch import load_file, save_file
+
+        from mtp_train.config import HeadConfig
+        from mtp_train.heads import build_head, save_head
+        from mtp_train.heads.checkpoint import config_digest, file_checksums
+
+        head = tmp / "head"
+        if draft_vocab:
+            save_head(build_head(HeadConfig(type="mtp", draft_vocab_size=draft_vocab), w.target), head)
+        else:
+            shutil.copytree(w.head, head)
+        config = json.loads((head / "config.json").read_text())
+        tensors = load_file(str(head / "model.safetensors"))
+        edit(config, tensors)
+        save_file(tensors, str(head / "model.safetensors"), metadata={"format": "pt"})
+        if resign:
+            config["files"] = file_checksums(head, ["model.safetensors"])
+            config["config_sha256"] = config_digest(config)
+        (head / "config.json").write_text(json.dumps(config))
+        if out_from_head:
+            return head, []
+        return tmp / "out", [f"head_ckpt={head}"]
+    return prepare
+
+
+def _set_draft_vocab(ids: Callable[[int], list[int]]) -> Callable[[dict, dict], None]:
+    def edit(config: dict, tensors: dict) -> None:
+        import torch
+
+        tensors["draft_vocab"] = torch.tensor(ids(config["dims"]["vocab_size"]), dtype=torch.long)
+    return edit
+
+
+def _set_head(key: str, value) -> Callable[[dict, dict], None]:
+    def edit(config: dict, tensors: dict) -> None:
+        config["head"][key] = value
+    return edit
+
+
+NOT_OURS = "writes only into a new or empty folder or into its own earlier output"
+CASES.update({
+    # Nothing lost: an `out` that holds something else is refused before it is touched.
+    "regenerate-out-an-unrelated-line": ("regenerate", [], _out_file(),
+                                         ["notes.txt:1 is not a record of mtp-regenerate (line without a newline)",
+                                          "choose another `out`"]),
+    "regenerate-out-its-own-input": ("regenerate", [], _out_data_file,
+                                     ["convs.jsonl:1 is not a record of mtp-regenerate (no provenance)"]),
+    "regenerate-out-a-folder": ("regenerate", [], _out_folder({}), ["out={tmp}/out is a folder"]),
+    "precompute-out-a-file": ("precompute", [], _out_file("out"), ["out={tmp}/out is a file"]),
+    "train-out-a-file": ("train", [], _out_file("out"), ["out={tmp}/out is a file"]),
+    "eval-out-a-file": ("eval", [], _out_file("out"), ["out={tmp}/out is a file"]),
+    "export-out-a-file": ("export", [], _out_file("out"), ["out={tmp}/out is a file"]),
+    "train-out-its-data-dir": ("train", [], _train_into_its_data_dir,
+                               ["out={tmp}/pc holds the output of mtp-precompute", NOT_OURS]),
+    "eval-out-an-unrelated-folder": ("eval", [], _out_folder({"notes.txt": "mine"}),
+                                     ["out={tmp}/out holds files that no mtp command wrote", NOT_OURS]),
+    "precompute-out-a-train-run": ("precompute", [], _out_folder({"metrics.jsonl": "{}\n"}),
+                                   ["holds the output of mtp-train"]),
+    "export-into-another-heads-export": ("export", [], _edited_head(lambda c, t: c.update(num_params=1),
+                                                                     out_from_head=True),
+                                         ["holds an export of another head than", "choose another `out`"]),
+    "precompute-rerun-with-a-missing-file": ("precompute", [], _rerun_with_data("nope.jsonl", None),
+                                             ["nope.jsonl"]),
+    "precompute-rerun-with-an-unknown-suffix": ("precompute", [], _rerun_with_data("convs.txt", "hello\n"),
+                                                ["convs.txt"]),
+    "precompute-json-two-arrays": ("precompute", [], _two_arrays,
+                                   ["two.json:2: invalid_json: text after the closing ] of the file's array"]),
+    "eval-locked": ("eval", [], _fresh("eval"), [HOLDS_LOCK]),
+    "export-locked": ("export", [], _fresh("export"), [HOLDS_LOCK]),
+    # Values of the wrong type, named with the type the key takes.
+    "train-max-steps-not-an-integer": ("train", ["train.max_steps=abc"], _fresh("train"),
+                                       ["`train.max_steps=abc`", "takes an integer"]),
+    "train-data-paths-not-a-list": ("train", ["data.paths=notalist"], _fresh("train"),
+                                    ["`data.paths=notalist`", "takes a list"]),
+    # Heads: the checksum covers config.json; what it says is checked against the weights.
+    "export-head-config-edited": ("export", [], _edited_head(_set_head("init", "zeros"), resign=False),
+                                  ["head/config.json does not match the config_sha256 it records"]),
+    "export-unknown-head-type": ("export", [], _edited_head(_set_head("type", "medusa")),
+                                 ["head/config.json: head", "'medusa'"]),
+    "export-draft-vocab-negative": ("export", [], _edited_head(_set_draft_vocab(lambda v: [-1, *range(1, 16)]),
+                                                               draft_vocab=16),
+                                    ["head/model.safetensors: draft_vocab holds ids outside the target vocabulary"]),
+    "export-draft-vocab-past-the-vocabulary": ("export", [],
+                                               _edited_head(_set_draft_vocab(lambda v: [*range(15), v + 5]),
+                                                            draft_vocab=16),
+                                               ["draft_vocab holds ids outside the target vocabulary", "max"]),
+    "export-draft-vocab-repeated": ("export", [], _edited_head(_set_draft_vocab(lambda v: [0, 0, *range(2, 16)]),
+                                                               draft_vocab=16),
+                                    ["head/model.safetensors: draft_vocab repeats token ids"]),
+})
+
 # Cases whose error comes once the run has started (its inputs checked, its config saved): only the files of a
 # starting run may be there, no checkpoint and no head.
 STARTED = {"train-corrupt-shard": {"config.yaml", "metrics.jsonl"},

@@ -27,6 +27,7 @@ from mtp_train.cli.common import (
     save_config,
     to_dict,
 )
+from mtp_train.cli.outputs import claims_output
 from mtp_train.config import EvalConfig, rank_device, typed
 from mtp_train.data.prompts import load_prompt_sets
 from mtp_train.engine.turns import stop_token_ids
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 PROG = "mtp-eval"
 
 
+@claims_output(PROG)  # refuses a foreign `out`, then holds its lock
 def eval_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-eval` with a composed config; returns the report (also written to `<out>/report.json`)."""
     ec = typed(cfg, EvalConfig)  # the grid's values are checked here, before anything loads

@@ -16,12 +16,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mtp_train.cli.common import ensure_model, hydra_entry
+from mtp_train.cli.outputs import claims_output
 from mtp_train.config import check_config
 from mtp_train.export import describe, export_head, verify_round_trip
 
 PROG = "mtp-export"
 
 
+@claims_output(PROG)  # refuses `out` holding another head's export, then holds its lock
 def export_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-export`; returns {"out", "format", "tensors", "max_abs_diff"}."""
     check_config(cfg, "export")

@@ -22,9 +22,9 @@ from omegaconf import DictConfig
 
 from mtp_train import dist
 from mtp_train.cli.common import distributed, ensure_model, hydra_entry, load_target, run_device, save_config, to_dict
+from mtp_train.cli.outputs import claim_output
 from mtp_train.config import PrecomputeConfig, check_config, typed
 from mtp_train.data.samples import dropped_summary
-from mtp_train.fileio import output_lock
 from mtp_train.precompute.pipeline import run_precompute
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def precompute_main(cfg: DictConfig) -> dict[str, Any]:
         group = dist.cpu_group(timedelta(hours=24))
         out = Path(pc.out)
         if info.is_main:
-            stack.enter_context(output_lock(out, command=PROG))  # before anything is written to `out`
+            stack.enter_context(claim_output(out, PROG))  # refuses a foreign `out`, then locks it, before any write
             ensure_model(pc.model)  # one rank converts a missing default model; the others wait
         dist.barrier(group)
         tp_size = pc.model.tp

@@ -28,7 +28,14 @@ from mtp_train.engine.llm import LLMEngine
 from mtp_train.engine.turns import stop_token_ids
 from mtp_train.fileio import output_lock
 from mtp_train.models.fingerprint import weights_fingerprint
-from mtp_train.regenerate import RegenerateError, RegenerateStats, make_provenance, regenerate, request_params
+from mtp_train.regenerate import (
+    RegenerateError,
+    RegenerateStats,
+    make_provenance,
+    regenerate,
+    request_params,
+    scan_records,
+)
 
 log = logging.getLogger(__name__)
 PROG = "mtp-regenerate"
@@ -53,6 +60,8 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
         out = Path(rc.out)
         # Every rank reads all conversations (the order of the merged output); data errors surface before the
         # model.
+        if info.is_main and (out.exists() or out.is_symlink()):
+            scan_records(out)  # refuses a folder, or a file that is not ours, before anything is read or written
         data = rc.data
         convs, read_stats = read_conversations(data, limit=rc.limit)
         if not convs:

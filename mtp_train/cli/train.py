@@ -26,8 +26,8 @@ from omegaconf import DictConfig
 
 from mtp_train import dist
 from mtp_train.cli.common import distributed, ensure_model, has_wandb_key, hydra_entry, run_device, save_config
+from mtp_train.cli.outputs import claim_output
 from mtp_train.config import TrainConfig, bf16_enabled, check_config, typed
-from mtp_train.fileio import output_lock
 from mtp_train.speculative.validator import SpeculativeValidator
 from mtp_train.train.logging import resolve_wandb_mode
 from mtp_train.train.sources import source_class
@@ -52,7 +52,7 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
         group = dist.cpu_group(timedelta(hours=2))  # rank 0 may fetch the default model meanwhile
         out = Path(cfg.out)
         if info.is_main:
-            stack.enter_context(output_lock(out, command=PROG))  # before anything is written to `out`
+            stack.enter_context(claim_output(out, PROG))  # refuses a foreign `out`, then locks it, before any write
             source.lock(tc, out, stack, PROG)  # hybrid writes data.dir too: one run at a time there as well
             ensure_model(cfg.model)
         dist.barrier(group)

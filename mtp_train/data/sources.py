@@ -70,6 +70,11 @@ def _json_array_rows(path: Path) -> Iterator[tuple[int, Any]]:
         yield line, value
         pos = skip(end, " \t\r\n")
         if pos < len(text) and text[pos] == "]":
+            rest = skip(pos + 1, " \t\r\n")
+            if rest < len(text):  # a second array or more records: refused, never dropped
+                raise DataError(str(path), line + text.count("\n", counted, rest), INVALID_JSON,
+                                "text after the closing ] of the file's array; a .json file holds one array of "
+                                "records (write one record per line as .jsonl instead)")
             return
         if pos >= len(text) or text[pos] != ",":
             bad_line = line + text.count("\n", counted, pos)

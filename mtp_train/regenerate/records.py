@@ -111,17 +111,25 @@ class RecordWriter:
         self.close()
 
 
-def scan_records(path: str | Path, expect: Mapping[str, Any] | None = None) -> list[RecordLine]:
-    """Index the complete records of a JSONL output file.
+def scan_records(path: str | Path, expect: Mapping[str, Any] | None = None, *, part: bool = False,
+                 ) -> list[RecordLine]:
+    """Index the complete records of a JSONL output file (`part`: a rank's part file).
 
     A last line without its newline, or a last line that is not a JSON record, is a write cut short by a kill: it
     is left out with a warning. A bad line anywhere else means the file is damaged (RegenerateError, file:line).
+    A file that is not ours is refused before anything of it is dropped: `out` (not a part) whose first line is
+    not a whole record, or any file whose first record has no provenance (data, or another tool's output).
     With `expect` (a provenance), every record must have been made with matching settings.
     """
     path = Path(path)
+    if path.is_dir():
+        raise RegenerateError(f"out={path} is a folder; mtp-regenerate writes a JSONL file: choose a file name, "
+                              f"e.g. out={path / 'regenerated.jsonl'}")
     lines: list[RecordLine] = []
     bad: tuple[int, str] | None = None  # a bad line is only forgivable if nothing follows it
     offset = 0
+    foreign = ("is not a record of mtp-regenerate ({}): the file holds something else, which would be lost; "
+               "choose another `out`")
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             start, offset = offset, offset + len(raw)
@@ -141,6 +149,8 @@ def scan_records(path: str | Path, expect: Mapping[str, Any] | None = None) -> l
             except (ValueError, KeyError, TypeError) as exc:
                 bad = (lineno, f"not a record ({type(exc).__name__}: {exc})")
                 continue
+            if not lines and not isinstance(record.get("provenance"), dict):
+                raise RegenerateError(f"{path}:{lineno} " + foreign.format("no provenance"))
             if expect is not None:
                 diff = provenance_differences(record.get("provenance") or {}, expect)
                 if diff:
@@ -149,6 +159,8 @@ def scan_records(path: str | Path, expect: Mapping[str, Any] | None = None) -> l
                         "Resuming needs the same target, tokenizer, chat template and sampling; choose another "
                         "`out` or remove the file")
             lines.append(RecordLine(rid, path, start, len(raw)))
+    if bad is not None and not lines and not part:  # `out` is written whole by the merge: never torn alone
+        raise RegenerateError(f"{path}:{bad[0]} " + foreign.format(bad[1]))
     if bad is not None:
         log.warning("%s:%d: dropping a torn last line (%s), left by an interrupted write; its record is "
                     "generated again", path, bad[0], bad[1])
@@ -173,7 +185,7 @@ def consolidate(out: str | Path, order: Mapping[str, tuple[int, int]], expect: M
         return len(existing)
     merged: dict[str, tuple[tuple[int, int], RecordLine]] = {}
     unknown = 0
-    for line in [*existing, *(line for p in parts for line in scan_records(p, expect))]:
+    for line in [*existing, *(line for p in parts for line in scan_records(p, expect, part=True))]:
         if line.id in merged:
             continue
         key = order.get(line.id)
