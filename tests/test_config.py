@@ -22,6 +22,7 @@ from mtp_train.config import (
     resolve_device,
     typed,
 )
+from mtp_train.config.head import FEATURES, HEAD_SPECS, NORM_FLAGS, HeadConfig, HeadTypeSpec, head_spec
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -88,3 +89,36 @@ def test_eval_grid_axes_are_lists_of_their_kind():
         EvalConfig(k="four")
     with pytest.raises(ConfigError, match="`temperature` is empty"):
         EvalConfig(temperature=[])
+
+
+@pytest.mark.parametrize("name", list(HEAD_SPECS))
+def test_each_head_type_spec_drives_its_config(name):
+    """A HeadConfig takes every default from its type's spec, and refuses what the spec fixes."""
+    spec = head_spec(name)
+    vocab = 8 if spec.draft_vocab_required else 0
+    cfg = HeadConfig(type=name, draft_vocab_size=vocab).resolved(num_layers=12)
+    assert {k: getattr(cfg, k) for k in NORM_FLAGS} == spec.norms and cfg.features == spec.features
+    assert cfg.to_dict()["features"] == spec.features and "native" in spec.formats
+    for flag in spec.fixed_norms:
+        with pytest.raises(ValueError, match=f"fixed norms; {flag}"):
+            HeadConfig(type=name, draft_vocab_size=vocab, **{flag: not spec.norms[flag]})
+    other = next(f for f in FEATURES if f != spec.features)
+    if spec.fixed_features:
+        with pytest.raises(ValueError, match=f"head.features={spec.features}"):
+            HeadConfig(type=name, draft_vocab_size=vocab, features=other)
+    else:  # e.g. an mtp head over the aux layers: the spec's width rule follows the features, not the type
+        aux = HeadConfig(type=name, features="aux").resolved(num_layers=12)
+        assert aux.aux_layers == [2, 6, 9] and spec.input_width(aux.features, len(aux.aux_layers), 16) == 48
+    if spec.draft_vocab_required:
+        with pytest.raises(ValueError, match="draft vocabulary"):
+            HeadConfig(type=name)
+    assert spec.input_width("final", 0, 16) == 16
+
+
+def test_an_unknown_head_type_or_a_malformed_spec_is_refused():
+    with pytest.raises(ValueError, match="unknown head type 'medusa'; choose one of mtp, eagle1, eagle3"):
+        HeadConfig(type="medusa")
+    with pytest.raises(ValueError, match="norms must set exactly"):
+        HeadTypeSpec("half", "norms missing", {"enorm": True})
+    with pytest.raises(ValueError, match="unknown fixed norm or features"):
+        HeadTypeSpec("odd", "bad features", dict.fromkeys(NORM_FLAGS, True), features="both")

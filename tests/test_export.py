@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mtp_train.config import HeadConfig
-from mtp_train.export import LayoutError, export_head, load_export
+from mtp_train.config import HEAD_SPECS, HeadConfig
+from mtp_train.export import FORMATS, LAYOUTS, LayoutError, export_head, load_export, verify_round_trip
 from mtp_train.heads import build_head, load_head, save_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import ModelConfigError
@@ -160,3 +160,23 @@ def test_eagle3_export_round_trip_gives_identical_features_and_logits(tmp_path, 
         x, y = (h(hidden, tokens, AttentionMetadata.build([4, 5]), logits_indices=torch.arange(9)) for h in (a, b))
     torch.testing.assert_close(y.hidden, x.hidden, **TOL)
     torch.testing.assert_close(y.logits, x.logits, **TOL)
+
+
+def test_each_format_is_named_by_the_specs_of_the_head_types_it_takes():
+    assert {f for spec in HEAD_SPECS.values() for f in spec.formats} == set(FORMATS)
+    for fmt, layout in LAYOUTS.items():
+        assert layout.head_types == tuple(n for n, s in HEAD_SPECS.items() if fmt in s.formats) != ()
+
+
+def test_round_trip_check_reads_an_aux_mtp_head_through_its_aux_fc(tiny_checkpoints, tmp_path):
+    """An mtp head with features=aux reads (rows, 3·H) at step 0: the check feeds that width, so a difference in
+    aux_fc alone (which an (rows, H) input would skip) shows."""
+    target = tiny_checkpoints["llama"][0]
+    head_dir = _trained_like(tiny_checkpoints, "llama", "mtp", tmp_path / "a", features="aux", aux_layers=[1, 2, 3])
+    head = load_head(head_dir, target)
+    assert head.input_width == 3 * head.args.hidden_size
+    assert verify_round_trip(head_dir, export_head(head_dir, target, "native", tmp_path / "native"), target) == 0.0
+    with torch.no_grad():  # not a scale: hnorm would undo it
+        head.aux_fc.weight.add_(torch.randn_like(head.aux_fc.weight) * 0.1)
+    other = save_head(head, tmp_path / "other")
+    assert verify_round_trip(head_dir, other, target) > 1e-3

@@ -9,10 +9,13 @@ import torch
 
 import mtp_train.heads.frozen as frozen_mod
 from mtp_train.config import HeadConfig
+from mtp_train.config.head import HEAD_SPECS
 from mtp_train.engine import prefill_hidden
 from mtp_train.heads import (
+    HEAD_TYPES,
     DraftHead,
     FrozenTargetParts,
+    MTPHead,
     build_head,
     load_head,
     packed_shift,
@@ -20,6 +23,7 @@ from mtp_train.heads import (
     read_head_config,
     save_head,
 )
+from mtp_train.heads.registry import head_class, register_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.layers.attention import KVLayout
 from mtp_train.models import ModelConfigError, load_model
@@ -396,3 +400,19 @@ def test_flipped_or_truncated_weights_and_a_damaged_config_are_refused_by_file(t
     weights.write_bytes(good[: len(good) // 2])
     with pytest.raises(ModelConfigError, match=rf"{weights}: not a readable safetensors file"):
         load_head(tmp_path / "h", llama)
+
+
+def test_every_head_spec_has_one_registered_class():
+    """The spec registry (settings) and the class registry (torch) know the same head types."""
+    assert set(HEAD_TYPES) == set(HEAD_SPECS)
+    assert all(cls.type_name == name for name, cls in HEAD_TYPES.items())
+
+    class Medusa(MTPHead):
+        type_name = "medusa"
+
+    with pytest.raises(TypeError, match="'medusa' has no HeadTypeSpec"):
+        register_head(Medusa)
+    with pytest.raises(TypeError, match="'mtp' is registered twice"):
+        register_head(MTPHead)
+    with pytest.raises(ValueError, match="head type 'medusa' has no implementation"):
+        head_class("medusa")
