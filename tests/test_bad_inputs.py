@@ -457,6 +457,61 @@ STARTED = {"train-corrupt-shard": {"config.yaml", "metrics.jsonl"},
            "train-corrupt-shard-in-a-worker": {"config.yaml", "metrics.jsonl"}}
 
 
+# --- resuming: a run folder of another head, one in DeepSpeed's pickle format; settings that cannot train
+
+
+def _trained_run(then: Callable[[Path], None] | None = None) -> Prepare:
+    """A finished two-step mtp-train run (head=mtp) as the output, then `then(its checkpoint tag folder)`."""
+    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
+        out = tmp / "out"
+        assert run_cli("train", _base("train", w, out)).code == 0
+        if then is not None:
+            then(out / "checkpoints" / "step-2")
+        return out, []
+    return prepare
+
+
+def _as_pickle_format(tag: Path) -> None:
+    """The tag folder rewritten in the layout of earlier versions (DeepSpeed's `.pt` pickles), checksums matching;
+    the payload would create `planted-ran` in the run folder (which must stay as it was) if it were unpickled."""
+    import torch
+
+    from mtp_train.train.checkpoint import write_checksums
+
+    for f in tag.iterdir():
+        f.unlink()
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        torch.save(_PlantedPickle(tag.parents[1] / "planted-ran"), tag / name)
+    write_checksums(tag)
+
+
+class _PlantedPickle:
+    """Unpickling it creates `marker`: the stand-in for code planted in a checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+CASES.update({
+    "train-resume-another-head-type": ("train", ["head=eagle1"], _trained_run(),
+                                       ["checkpoints/step-2/state.json holds the state of a 'mtp' head",
+                                        "head.type='eagle1'", "resume with head=mtp", "resume=none"]),
+    "train-resume-pickle-format": ("train", [], _trained_run(_as_pickle_format),
+                                   ["step-2/mp_rank_00_model_states.pt: a checkpoint in DeepSpeed's pickle format",
+                                    "resume_trust_pickles=true", "resume=none"]),
+    "train-non-finite-loss": ("train", ["optim.lr=1e30", "train.max_steps=4"], _fresh("train"),
+                              ["step 2: the training loss is", "stops without saving it",
+                               "lower optim.lr (now 1e+30)"]),
+    "train-negative-lr": ("train", ["optim.lr=-1"], _fresh("train"), ["optim.lr=-1", "positive finite number"]),
+    "train-zero-lr": ("train", ["optim.lr=0"], _fresh("train"),
+                      ["optim.lr=0 is refused", "a learning rate of 0 never changes the head"]),
+})
+STARTED["train-non-finite-loss"] = {"config.yaml", "metrics.jsonl"}  # stopped at step 2: no checkpoint, no head
+
+
 def _base(module: str, w: World, out: Path) -> list[str]:
     common = [f"model.path={w.target}", f"out={out}"]
     if module == "precompute":

@@ -290,3 +290,16 @@ def test_a_replaced_file_or_missing_checksums_are_refused_by_name(tiny, run_fold
     (tag / "model.safetensors").write_bytes(good)
     (tag / "checksums.json").unlink()
     assert "checksums.json is missing" in _refused(_cfg(tiny, out, 3), capsys)
+
+
+def test_a_diverging_run_stops_with_its_step_and_keeps_the_last_good_checkpoint(tiny, tmp_path, capsys):
+    """optim.lr=1e30: step 1's update leaves huge but finite weights (saved, save_every=1); step 2's loss is not
+    finite, and the run stops there without writing step-2."""
+    out = tmp_path / "run"
+    cfg = _cfg(tiny, out, 4)
+    cfg.optim.lr, cfg.train.save_every = 1e30, 1
+    err = _refused(cfg, capsys)
+    assert "step 2: the training loss is" in err and "the last checkpoint, step-1, stays" in err, err
+    assert "lower optim.lr (now 1e+30)" in err
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-1"
+    assert not (out / "checkpoints" / "step-2").exists() and not (out / "heads" / "step-2").exists()
