@@ -16,19 +16,23 @@ import torch
 
 from mtp_train.config import PrecomputeConfig
 from mtp_train.data.sampler import LengthBucketedBatchSampler
+from mtp_train.data.samples import to_rows
 from mtp_train.engine import prefill_hidden
 from mtp_train.models import load_model
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.precompute import (
     CorruptShardError,
+    FolderWriter,
     Manifest,
     ManifestError,
     ManifestMismatchError,
     MissingShardError,
     PrecomputedDataset,
     Sample,
+    folder_spec,
     is_val,
     plan_runs,
+    plan_shards,
     precompute,
 )
 from mtp_train.precompute import pipeline as pipeline_mod
@@ -237,6 +241,53 @@ def test_interrupted_run_resumes_to_identical_output(model, model_dir, samples, 
     header = t.bytes - t.tokens * (2 * h + 5) - 8 * (t.samples + len(full.shards))
     assert header <= len(full.shards) * 400 + 20 * t.samples, header
     assert t.bytes / t.tokens <= 2 * h + 8 + 4, t.bytes / t.tokens
+
+
+def test_writer_fed_shuffled_groups_writes_the_folder_precompute_writes(model, model_dir, samples, tmp_path):
+    """The one folder writer fed as hybrid training feeds it (groups of samples in another order, with samples of no
+    shard of its among them) writes what `precompute` writes: the same shard and sidecar bytes, the same manifest."""
+    settings = dict(shard_tokens=200, batch_tokens=1, aux_layers=list(AUX), val_fraction=0.25, seed=7)
+    full = precompute(model, samples, _cfg(tmp_path / "a", **settings), model_dir=model_dir, **KW)  # 1 sample/forward
+    rows = to_rows(samples, model.args.vocab_size)
+    spec = folder_spec(model.args, model.dtype, model_dir, "bfloat16", AUX)
+    plans = plan_shards(0, [[r] for r in rows], 200, spec.settings)
+    assert [p.name for p in plans] == [s.file for s in full.shards]
+    writer = FolderWriter(tmp_path / "b", spec, plans, rank=0)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+    foreign = to_rows([Sample("not-mine", [1, 2, 3], [0, 1, 1])], model.args.vocab_size)
+    try:
+        writer.begin(owner=True)
+        for k in range(0, len(order), 3):
+            group = [rows[i] for i in order[k:k + 3]] + foreign
+            with torch.inference_mode():
+                outs = [prefill_hidden(model, [r.ids.tolist()], hidden_layers=AUX) for r in group]
+            hidden = torch.cat([o.hidden for o in outs])  # (T, H)
+            aux = torch.cat([torch.cat([o.layers[j] for j in AUX], dim=-1) for o in outs])  # (T, k·H)
+            writer.record([r.id for r in group], [int(r.ids.size) for r in group], hidden, aux)
+        writer.finish()
+        manifest = writer.write_manifest(plans, rows, val_fraction=0.25, seed=7, provenance=full.provenance, **KW)
+    finally:
+        writer.close()
+    assert _strip(manifest) == _strip(full) and _strip(Manifest.load(tmp_path / "b")) == _strip(full)
+    for s in full.shards:
+        side = s.file.replace(".safetensors", ".json")
+        for name in (s.file, side):
+            assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "a" / name).read_bytes(), name
+
+
+def test_writer_refuses_to_finish_with_a_shard_open(model, model_dir, samples, tmp_path):
+    rows = to_rows(samples[:6], model.args.vocab_size)
+    spec = folder_spec(model.args, model.dtype, model_dir, "bfloat16", [])
+    writer = FolderWriter(tmp_path, spec, plan_shards(0, [[r] for r in rows], 10**6, spec.settings), rank=0)
+    try:
+        writer.begin(owner=True)
+        first = rows[0]
+        writer.record([first.id], [int(first.ids.size)], torch.zeros(first.ids.size, model.args.hidden_size), None)
+        with pytest.raises(RuntimeError, match="incomplete"):
+            writer.finish()
+    finally:
+        writer.close()
+    assert not list(tmp_path.glob("shard-*"))
 
 
 def test_bad_samples_are_refused(model, model_dir, tmp_path):

@@ -234,7 +234,9 @@ def test_hybrid_writes_a_precompute_folder_and_trains_as_online(chat, hybrid_run
     assert manifest.provenance["writer"] == "mtp-train data.source=hybrid" and len(manifest.shards) >= 4
     pc = _precompute(chat, tmp_path / "pc")
     ref = Manifest.load(pc)
-    assert manifest.split.counts == ref.split.counts and manifest.totals.tokens == ref.totals.tokens
+    assert manifest.split.counts == ref.split.counts
+    assert (manifest.totals.samples, manifest.totals.tokens, manifest.totals.loss_tokens) == (
+        ref.totals.samples, ref.totals.tokens, ref.totals.loss_tokens)  # (other shards: other header bytes)
     assert manifest.data == ref.data and manifest.target == ref.target and manifest.hidden == ref.hidden
     tok = load_tokenizer(chat.target)
     from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
@@ -250,6 +252,9 @@ def test_hybrid_writes_a_precompute_folder_and_trains_as_online(chat, hybrid_run
         a, b = mine[i], theirs[index[mine.ids[i]]]
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         torch.testing.assert_close(a["hidden"].float(), b["hidden"].float(), rtol=1e-2, atol=1e-2)
+        assert a.keys() == b.keys()
+        if "aux_hidden" in a:
+            torch.testing.assert_close(a["aux_hidden"].float(), b["aux_hidden"].float(), rtol=1e-2, atol=1e-2)
     for split in ("train", "val"):
         assert sorted(PrecomputedDataset(folder, split=split).ids) == sorted(PrecomputedDataset(pc, split=split).ids)
     # ... and mtp-train data.source=offline trains on it.
@@ -328,6 +333,33 @@ def test_two_ranks_with_a_tensor_parallel_target_write_one_folder(chat, hybrid_r
 
 
 # --- errors -----------------------------------------------------------------------------------------------------
+
+
+def test_sources_are_registered_by_name_and_an_unknown_one_is_refused():
+    from mtp_train.config.data import SOURCES as NAMES
+    from mtp_train.train.source import DataSource, register_source
+    from mtp_train.train.sources import SOURCES, source_class
+
+    assert sorted(SOURCES) == sorted(NAMES) and all(cls.name == name for name, cls in SOURCES.items())
+    assert [n for n, cls in SOURCES.items() if cls.writes_folder] == ["hybrid"]
+    assert {n for n, cls in SOURCES.items() if cls.plans_from_conversations} == {"online", "hybrid"}
+    with pytest.raises(ConfigError) as e:
+        source_class("streaming")
+    assert "data.source='streaming'" in str(e.value) and "choose one of offline | online | hybrid" in str(e.value)
+
+    class Streaming(DataSource):
+        name = "streaming"
+
+    with pytest.raises(TypeError, match="'streaming' is not a data.source"):
+        register_source(Streaming)
+
+    class Again(DataSource):
+        name = "online"
+
+    with pytest.raises(TypeError, match="registered twice"):
+        register_source(Again)
+    assert source_class("online").__name__ == "OnlineSource" and "streaming" not in SOURCES
+
 
 
 def test_online_and_hybrid_settings_are_refused_by_key(chat, tmp_path):
