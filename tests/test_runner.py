@@ -91,7 +91,7 @@ def test_tree_step_equals_each_branch_as_a_chain(model, native, batch):
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 14)]
-    # new rows per sequence: [last, chain..., alternatives...]; parents -1 / previous row / the last token
+    # new rows per sequence: [last, chain..., siblings of the first draft...]; parents -1 / previous row / the last token
     shapes = {"one": [(2, 3)], "uniform": [(2, 3), (2, 3)], "mixed": [(3, 2), (1, 4)]}[batch]
     runner = ModelRunner.create(model, num_pages=64, page_size=4)
     seqs = [Sequence.new(i, p) for i, p in enumerate(prompts[: len(shapes)])]

@@ -287,11 +287,12 @@ def test_catch_up_modes_keep_or_rewrite_the_chain_rows(tiny_checkpoints, mode):
     (seq,) = eng.running
     L = len(seq)
     eng.runner.kv.ensure(seq.pages, L + 3)
-    drafts = prop.propose([seq], 3).tokens[0]
+    tree = prop.propose([seq], 3)[0]
+    drafts = tree.tokens
     chain = [_row(prop.kv.layers[0], seq.pages, L - 1 + j, 3) for j in range(2)]  # rows of d_1, d_2
     hidden = prefill_hidden(model, [seq.token_ids + drafts]).hidden[L - 1:L + 3]  # h at L-1..L+2
     seq.token_ids.extend(drafts[:2] + [7])  # pretend d_1, d_2 were accepted and the target said 7
-    prop.update([seq], [L], [2], [hidden], [3])
+    prop.update([seq], [L], [tree], [[0, 1]], [hidden[:3]])  # the root, d_1, d_2
     after = [_row(prop.kv.layers[0], seq.pages, L - 1 + j, 3) for j in range(2)]
     kept = [torch.equal(a, b) for a, b in zip(after, chain)]
     assert kept == ([True, True] if mode == "own" else [False, False])
@@ -315,7 +316,7 @@ def test_own_catch_up_gives_plain_greedy_output(tiny_checkpoints):
 
 @pytest.mark.parametrize("catch_up", ["target", "own"])
 @pytest.mark.parametrize(("name", "k"), [("llama", 1), ("llama", 3), ("qwen3", 2)])
-def test_first_draft_alternatives_keep_greedy_output_and_save_missed_steps(tiny_checkpoints, name, k, catch_up):
+def test_first_draft_siblings_keep_greedy_output_and_save_missed_steps(tiny_checkpoints, name, k, catch_up):
     """draft_width 24 over the tiny 256-token vocabulary: the head's runners-up are verified beside its chain in
     one tree step; where the target's token is one of them it is accepted with its bonus token, and the output
     stays plain greedy's, with every page back. With the same head and k, only tau can grow."""
@@ -328,13 +329,13 @@ def test_first_draft_alternatives_keep_greedy_output_and_save_missed_steps(tiny_
     out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert [o.output_ids for o in out] == ref
     m = eng.stats.metrics
-    assert m.num_alt_accepted > 0 and m.num_alt_tokens == 23 * m.num_drafts
+    assert m.num_branch_accepted > 0 and m.num_branch_tokens == 23 * m.num_drafts
     assert m.per_position[0] > chain.stats.metrics.per_position[0]
     assert m.mean_acceptance_length > chain.stats.metrics.mean_acceptance_length
     assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages and eng.runner.kv.reserved == 0
 
 
-def test_alternatives_need_tree_attention_and_a_sane_width(tiny_checkpoints):
+def test_wide_trees_need_tree_attention_and_a_sane_width(tiny_checkpoints):
     head = _head(tiny_checkpoints, "mistral")
     with pytest.raises(ValueError, match="tree"):  # a sliding window counts slots, not depths
         SpecEngine(load_model(tiny_checkpoints["mistral"][0]), HeadProposer(head, draft_width=2), 2, num_pages=64)
@@ -343,7 +344,7 @@ def test_alternatives_need_tree_attention_and_a_sane_width(tiny_checkpoints):
             HeadProposer(head, draft_width=bad)
 
 
-def test_sampled_sequences_keep_a_chain_beside_greedy_ones_with_alternatives(tiny_checkpoints):
+def test_sampled_sequences_keep_a_chain_beside_greedy_trees(tiny_checkpoints):
     """One batch, a greedy request and a sampled one: only the greedy one is verified as a tree, and its answer
     is still plain greedy's."""
     model = load_model(tiny_checkpoints["llama"][0])
@@ -353,7 +354,7 @@ def test_sampled_sequences_keep_a_chain_beside_greedy_ones_with_alternatives(tin
                                      SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=1.0, seed=3)])
     assert out[0].output_ids == ref[0] and len(out[1].output_ids) == 20
     m = eng.stats.metrics
-    assert 0 < m.num_alt_tokens < 7 * m.num_drafts  # alternatives for the greedy request only
+    assert 0 < m.num_branch_tokens < 7 * m.num_drafts  # siblings for the greedy request only
 
 
 @pytest.mark.slow

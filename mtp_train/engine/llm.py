@@ -1,15 +1,16 @@
 """Batched generation with continuous batching over the paged KV cache.
 
-Scheduling (one `step` = one forward): waiting requests are admitted as soon as the batch has room
-and the pool can hold them at their longest (prompt + max_new_tokens, counted as a reservation,
-so a running sequence never runs out of pages and nothing needs preempting); an admission step
-prefills the new prompts, otherwise every running sequence decodes one token. Finished sequences
-free their pages at once, and the next step admits whoever waits.
+One `LLMEngine.step` is one forward and reads schedule → run → postprocess: the `Scheduler` picks the batch (newly
+admitted prompts, else every running sequence) and reserves their pages, the engine's `Step` runs it and says which
+tokens each sequence emits, and the scheduler appends them, finishing sequences at a stop token or max_new_tokens
+(their pages free at once, and the next step admits whoever waits). Engines differ by their `Step` alone: plain
+decoding (`DecodeStep`: one token per sequence) here, speculative decoding in `mtp_train.speculative.engine`.
 """
 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -17,12 +18,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from mtp_train.config.device import on_cuda
 from mtp_train.engine.cuda_graphs import supports_graphs
-from mtp_train.engine.kv_cache import KVCache, OutOfPagesError
+from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.runner import ModelRunner
 from mtp_train.engine.sampling import SamplingBatch, SamplingParams, sample
-from mtp_train.engine.sequence import SeqStatus, Sequence
+from mtp_train.engine.scheduler import GenerationStats, Scheduler
+from mtp_train.engine.sequence import Sequence
 from mtp_train.models.base import CausalLM
+
+__all__ = ["DecodeStep", "GenerationOutput", "GenerationStats", "LLMEngine", "Step", "graphs_wanted"]
 
 
 def graphs_wanted(flag: bool | None, model: CausalLM) -> bool:
@@ -32,13 +37,13 @@ def graphs_wanted(flag: bool | None, model: CausalLM) -> bool:
     backend that cannot be captured is an error that names the fix.
     """
     if flag is None:
-        if model.device.type != "cuda" or not supports_graphs(model.attn):
+        if not on_cuda(model.device) or not supports_graphs(model.attn):
             return False
         # A tensor-parallel target (its layers all-reduce over NCCL) stays eager unless asked.
         from mtp_train.models.tensor_parallel import RowParallelLinear
 
         return not any(isinstance(m, RowParallelLinear) for m in model.modules())
-    if flag and model.device.type == "cuda" and not supports_graphs(model.attn):
+    if flag and on_cuda(model.device) and not supports_graphs(model.attn):
         raise ValueError(f"cuda_graphs=True needs the flashinfer attention backend, the model runs "
                          f"{getattr(model.attn, 'name', type(model.attn).__name__)}; load it with "
                          "attention_backend=flashinfer (pip install 'mtp_train[gpu]') or set cuda_graphs=False")
@@ -54,144 +59,119 @@ class GenerationOutput:
     finish_reason: str  # "stop" | "length"
 
 
-@dataclass
-class GenerationStats:
-    """Counters of a generate call."""
+class Step(ABC):
+    """What an engine runs over the batch its scheduler picked: the one thing engines differ by.
 
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    seconds: float = 0.0
+    extra_tokens: KV rows a step may hold beyond a sequence's longest length (reserved at admission).
+    """
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+    extra_tokens: int = 0
+
+    def bind(self, model: CausalLM, runner: ModelRunner) -> None:
+        """Called once by the engine, before anything runs: the target and its runner (and page pool)."""
+        self.model, self.runner = model, runner
+
+    def new_stats(self) -> GenerationStats:
+        """The counters this step fills (the scheduler starts them afresh on `reset_stats`)."""
+        return GenerationStats()
+
+    def graphed_steps(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(new tokens per sequence, hidden layers returned) of the target steps that replay graphs: decode steps."""
+        return (1,), ()
+
+    def enable_graphs(self, max_batch: int, scratch_pages: Seq[int], capture: bool) -> None:
+        """Graphs of the step's own forwards beyond the target's (a proposer's draft steps); none by default."""
+        return None
+
+    @abstractmethod
+    def run(self, batch: list[Sequence], prefill: bool, stats: GenerationStats) -> list[list[int]]:
+        """Forward the batch (prompts when prefill, else running sequences) → the tokens each one emits."""
+
+    def postprocess(self, batch: list[Sequence], stats: GenerationStats) -> None:
+        """After the scheduler appended the tokens: sequences still running go on, the others finished."""
+        return None
+
+
+class DecodeStep(Step):
+    """Plain decoding: one sampled token per sequence and forward."""
+
+    def run(self, batch: list[Sequence], prefill: bool, stats: GenerationStats) -> list[list[int]]:
+        out = self.runner.run(batch, logits="last")
+        tokens = sample(out.logits, SamplingBatch([s.params for s in batch], [s.generator for s in batch]))
+        return [[t] for t in tokens.tolist()]
 
 
 class LLMEngine:
-    """Greedy or sampled generation for many prompts through our model runner."""
+    """Greedy or sampled generation for many prompts through our model runner.
+
+    kv: a page pool shared with other engines that never run at the same time (an evaluation's baseline and
+    methods, interleaved), instead of a pool of its own; num_pages / page_size / kv_cache_gb are then unused.
+    step: what each step runs (default plain decoding); cuda_graphs: None = where they can run (`graphs_wanted`).
+    """
 
     def __init__(self, model: CausalLM, *, num_pages: int | None = None, page_size: int = 16,
                  kv_cache_gb: float = 1.0, max_batch_size: int = 32, max_batch_tokens: int = 4096,
-                 cuda_graphs: bool | None = None, kv: KVCache | None = None) -> None:
+                 cuda_graphs: bool | None = None, kv: KVCache | None = None, step: Step | None = None) -> None:
         self.model = model
-        # kv: a page pool shared with other engines that never run at the same time (an evaluation's baseline
-        # and methods, interleaved), instead of a pool of its own; num_pages / page_size / kv_cache_gb are unused.
         self.runner = (ModelRunner(model, kv) if kv is not None else
                        ModelRunner.create(model, num_pages=num_pages, page_size=page_size, kv_cache_gb=kv_cache_gb))
         self.max_batch_size = max_batch_size
-        self.max_batch_tokens = max_batch_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.stepper = step if step is not None else DecodeStep()
+        self.stepper.bind(model, self.runner)
+        self.scheduler = Scheduler(self.runner.kv, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+                                   extra_tokens=self.stepper.extra_tokens, new_stats=self.stepper.new_stats)
         self._next_id = 0
-        self.reset_stats()
         self.cuda_graphs = graphs_wanted(cuda_graphs, model)
         if self.cuda_graphs:
-            self._enable_graphs()
+            # the step's fixed-shape forwards replay CUDA graphs from now on (`mtp_train.engine.cuda_graphs`)
+            q_lens, layers = self.stepper.graphed_steps()
+            capture = on_cuda(model.device)
+            self.runner.enable_graphs(max_batch_size, q_lens, layers, capture=capture)
+            self.scheduler.hold(len(self.runner.scratch_pages))  # the padded rows' pages: out of the pool for good
+            self.stepper.enable_graphs(max_batch_size, self.runner.scratch_pages, capture)
 
-    def _graphed_steps(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(new tokens per sequence, hidden layers returned) of the steps that replay graphs: decode steps."""
-        return (1,), ()
-
-    def _enable_graphs(self) -> None:
-        """The `_graphed_steps` replay CUDA graphs from now on (`mtp_train.engine.cuda_graphs`)."""
-        q_lens, layers = self._graphed_steps()
-        self.runner.enable_graphs(self.max_batch_size, q_lens, layers, capture=self.model.device.type == "cuda")
-        self.runner.kv.reserved += len(self.runner.scratch_pages)  # the padded rows' pages: out of the pool for good
+    @property
+    def stats(self) -> GenerationStats:
+        return self.scheduler.stats
 
     def reset_stats(self) -> None:
         """Start counting afresh (e.g. after a warm-up generation)."""
-        self.stats = GenerationStats()
+        self.scheduler.reset_stats()
 
-    # -- requests -------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    def reserve_tokens(self, seq: Sequence) -> int:
+        """Tokens of KV a sequence may ever occupy; its pages are reserved at admission."""
+        return self.scheduler.reserve_tokens(seq)
+
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> Sequence:
         """Queue a request; raises OutOfPagesError if it could never fit in the pool."""
         seq = Sequence.new(self._next_id, list(prompt_ids), params, device=self.model.device)
         self._next_id += 1
         if seq.params.stop_token_ids is None and not seq.params.ignore_eos:
             seq.params.stop_token_ids = list(self.model.args.eos_token_ids)
-        need = self.runner.kv.pages_for(self.reserve_tokens(seq))
-        if need > self.runner.kv.num_pages:
-            raise OutOfPagesError(
-                f"request {seq.seq_id} needs {need} pages ({self.reserve_tokens(seq)} tokens at page size "
-                f"{self.runner.kv.page_size}) but the pool has {self.runner.kv.num_pages}; raise num_pages/"
-                "kv_cache_gb or lower max_new_tokens"
-            )
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
         return seq
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    # -- scheduling -----------------------------------------------------------------------------
-    def reserve_tokens(self, seq: Sequence) -> int:
-        """Tokens of KV a sequence may ever occupy; its pages are reserved at admission."""
-        return seq.max_len
-
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        tokens = 0
-        kv = self.runner.kv
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
-            seq = self.waiting[0]
-            need = kv.pages_for(self.reserve_tokens(seq))
-            if kv.reserved + need > kv.num_pages:
-                break
-            if admitted and tokens + len(seq) > self.max_batch_tokens:
-                break
-            self.waiting.popleft()
-            kv.reserved += need
-            tokens += len(seq)
-            seq.status = SeqStatus.RUNNING
-            admitted.append(seq)
-        return admitted
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        self.runner.free(seq)
-        self.runner.kv.reserved -= self.runner.kv.pages_for(self.reserve_tokens(seq))
-
-    def _emit(self, seq: Sequence, tokens: Seq[int]) -> bool:
-        """Append generated tokens one by one until a stop token or max_new_tokens; True if seq finished.
-
-        Tokens after the stop are dropped (a speculative step may emit several at once).
-        """
-        p = seq.params
-        for tok in tokens:
-            seq.token_ids.append(tok)
-            self.stats.generated_tokens += 1
-            if not p.ignore_eos and p.stop_token_ids and tok in p.stop_token_ids:
-                self._finish(seq, "stop")
-                return True
-            if len(seq.output_ids) >= p.max_new_tokens:
-                self._finish(seq, "length")
-                return True
-        return False
+        return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """Run one forward (prefill of newly admitted prompts, else one decode step for all running).
-
-        Returns the sequences that finished in this step.
-        """
-        admitted = self._admit()
-        batch = admitted if admitted else self.running
+        """One forward: schedule → run → postprocess. Returns the sequences that finished in it."""
+        batch, prefill = self.scheduler.schedule()
         if not batch:
             return []
-        out = self.runner.run(batch, logits="last")
-        if admitted:
-            self.stats.prefill_steps += 1
-            self.stats.prompt_tokens += sum(len(s) for s in admitted)
-            self.running.extend(admitted)
-        else:
-            self.stats.decode_steps += 1
-        next_tokens = sample(out.logits, SamplingBatch([s.params for s in batch], [s.generator for s in batch]))
-        finished = [seq for seq, tok in zip(batch, next_tokens.tolist()) if self._emit(seq, [tok])]
-        if finished:
-            self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+        stats = self.scheduler.stats
+        tokens = self.stepper.run(batch, prefill, stats)
+        finished = self.scheduler.postprocess(batch, tokens)
+        self.stepper.postprocess(batch, stats)
         return finished
-
     @torch.inference_mode()
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  on_finish: Callable[[int, GenerationOutput], None] | None = None,

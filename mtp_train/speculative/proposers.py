@@ -1,4 +1,7 @@
-"""Draft proposers: who guesses the next k tokens of every running sequence.
+"""Draft proposers: who guesses the next k tokens of every running sequence, as a draft tree.
+
+Every proposer returns one `DraftTree` per sequence (`mtp_train.speculative.tree`): a chain, or for the head with
+`draft_width` w > 1 a chain whose first draft has w-1 siblings (its runners-up, greedy sequences only).
 
 Both proposers keep their own paged KV pool with the same page ids as the target (one allocation, owned by
 the target's allocator): a sequence's page list serves the target, the head and the draft model alike.
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 import torch
 
@@ -34,25 +36,7 @@ from mtp_train.engine.sequence import Sequence
 from mtp_train.heads.base import DraftHead
 from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.models.base import CausalLM
-
-
-@dataclass
-class Proposal:
-    """Up to k draft tokens per sequence and, for sampled sequences, the distributions they were drawn from."""
-
-    tokens: list[list[int]]  # (B,) each (k_b,) target token ids, 0 <= k_b <= k (a dynamic chain may stop early)
-    probs: list[torch.Tensor | None]  # (B,) each (k_b, V) float32 draft distribution q over the target vocab;
-    # None when the sequence is greedy or the proposer is deterministic (q is then one-hot at each draft)
-    alternatives: list[list[int]] = field(default_factory=list)  # (B,) each: other candidates for the first
-    # draft (siblings of tokens[b][0], verified beside the chain in one tree step), greedy sequences with a chain
-    # only; [] (or an empty list) = none
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(t) for t in self.tokens]
-
-    def alternatives_of(self, b: int) -> list[int]:
-        return self.alternatives[b] if self.alternatives else []
+from mtp_train.speculative.tree import DraftTree
 
 
 def pick(logits: torch.Tensor, seqs: Seq[Sequence], to_ids: torch.Tensor | None,
@@ -94,16 +78,18 @@ class _Drafts:
             self.probs[b].append(q)
         return picked
 
-    def proposal(self) -> Proposal:
+    def trees(self, siblings: Seq[Seq[int]] | None = None) -> list[DraftTree]:
+        """One chain per sequence (siblings[b]: other candidates for its first draft, greedy sequences only)."""
         probs = [None if not q or q[0] is None else torch.stack(q) for q in self.probs]  # type: ignore[misc]
-        return Proposal(self.tokens, probs)
+        return [DraftTree.chain(t, q, siblings[b] if siblings else ())
+                for b, (t, q) in enumerate(zip(self.tokens, probs))]
 
 
 class Proposer(ABC):
     """The drafting side of speculative decoding, driven by `SpecEngine`."""
 
     name: str = "base"
-    max_alternatives: int = 0  # the most first-draft alternatives a proposal holds per sequence (tree rows)
+    draft_width: int = 1  # candidates at the tree's first level (1 = chains)
     # Target layers (hidden_states numbering) whose states, concatenated (T, k·H), the engine passes as
     # `target_hidden` to prefill / update; () = the target's final hidden (T, H). An EAGLE-3 head sets its aux layers.
     hidden_layers: tuple[int, ...] = ()
@@ -120,18 +106,24 @@ class Proposer(ABC):
         (or (·, k·H), the `hidden_layers` concatenated).
         """
 
-    @abstractmethod
-    def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
-        """At most k draft tokens for every sequence (pages already hold len(seq) + k tokens)."""
+    def max_nodes(self, k: int) -> int:
+        """The most nodes a tree of this proposer holds when drafting k deep: a chain, and the first level's other
+        draft_width - 1 candidates."""
+        return k + self.draft_width - 1
 
     @abstractmethod
-    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
-               target_hidden: Seq[torch.Tensor], num_drafted: Seq[int]) -> None:
-        """After verification of the surviving sequences.
+    def propose(self, seqs: Seq[Sequence], k: int) -> list[DraftTree]:
+        """A tree of depth <= k and at most max_nodes(k) nodes for every sequence (pages already hold that many
+        tokens beyond len(seq))."""
 
-        old_lens: (B,) lengths L before the step; num_drafted: (B,) k_b tokens verified; num_accepted: (B,)
-        n <= k_b; seqs now hold L + n + 1 tokens. target_hidden: (B,) each (k_b+1, H), the target's hidden
-        states at positions L-1..L-1+k_b of its sequence (each (k_b+1, k·H) with `hidden_layers`).
+    @abstractmethod
+    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], trees: Seq[DraftTree], paths: Seq[Seq[int]],
+               target_hidden: Seq[torch.Tensor]) -> None:
+        """After verification of the surviving sequences: catch up along the accepted path.
+
+        old_lens: (B,) lengths L before the step; trees: (B,) what was drafted; paths: (B,) each the n accepted
+        nodes, root to leaf; seqs now hold L + n + 1 tokens. target_hidden: (B,) each (n+1, H), the target's hidden
+        states at the root and along the path, positions L-1..L-1+n (each (n+1, k·H) with `hidden_layers`).
         """
 
     @abstractmethod
@@ -174,7 +166,6 @@ class HeadProposer(Proposer):
         if draft_width > head.vocab_size:
             raise ValueError(f"draft_width {draft_width} exceeds the head's vocabulary of {head.vocab_size}")
         self.draft_width = draft_width
-        self.max_alternatives = draft_width - 1
         if catch_up not in CATCH_UP:
             raise ValueError(f"catch_up must be one of {', '.join(CATCH_UP)}, got {catch_up!r}")
         self.head = head.eval()
@@ -247,13 +238,13 @@ class HeadProposer(Proposer):
         return (torch.softmax(logits.float(), -1).amax(-1) >= self.draft_threshold).tolist()
 
     @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
+    def propose(self, seqs: Seq[Sequence], k: int) -> list[DraftTree]:
         drafts = _Drafts(seqs, self.head.draft_vocab, self.head.args.vocab_size)
         feat = torch.stack([self._feat[s.seq_id] for s in seqs])  # (B, H)
         logits = torch.stack([self._logits[s.seq_id] for s in seqs])  # (B, Vd)
         lens = [len(s) for s in seqs]
         rows = list(range(len(seqs)))  # sequences whose chain goes on
-        alternatives: list[list[int]] = [[] for _ in seqs]
+        siblings: list[list[int]] = [[] for _ in seqs]  # of the first draft
         for j in range(k):
             keep = self._confident(logits)
             if not all(keep):
@@ -265,17 +256,16 @@ class HeadProposer(Proposer):
                 feat, logits = feat[idx], logits[idx]
             picked = drafts.add(logits, rows)
             if j == 0 and self.draft_width > 1:
-                self._alternatives(logits, rows, picked, seqs, alternatives)
+                self._siblings(logits, rows, picked, seqs, siblings)
             if j < k - 1:
                 # Draft step j+2: row at position L-1+j reads ĥ and d_{j+1}.
                 feat, logits = self._draft_step(feat, picked, [lens[b] + j for b in rows], [seqs[b] for b in rows])
-        proposal = drafts.proposal()
-        proposal.alternatives = alternatives
-        return proposal
+        return drafts.trees(siblings)
 
-    def _alternatives(self, logits: torch.Tensor, rows: Seq[int], picked: Seq[int], seqs: Seq[Sequence],
+    def _siblings(self, logits: torch.Tensor, rows: Seq[int], picked: Seq[int], seqs: Seq[Sequence],
                       out: list[list[int]]) -> None:
-        """The runners-up of the first draft (target ids, best first) into out[b] for the greedy rows.
+        """The runners-up of the first draft (target ids, best first) into out[b] for the greedy rows: sampled
+        sequences keep a chain (their acceptance rule takes one candidate per position).
 
         logits: (R, Vd) of `rows`; picked: (R,) the first drafts already taken (the chain's), left out here.
         """
@@ -285,15 +275,18 @@ class HeadProposer(Proposer):
                 out[b] = [t for t in ids[r] if t != picked[r]][: self.draft_width - 1]
 
     @torch.inference_mode()
-    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
-               target_hidden: Seq[torch.Tensor], num_drafted: Seq[int]) -> None:
+    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], trees: Seq[DraftTree], paths: Seq[Seq[int]],
+               target_hidden: Seq[torch.Tensor]) -> None:
         if not seqs:
             return
-        # Rows L-1+m..L-1+n read the target's h and the tokens after them (d_{m+1}..d_n, the new token). With
-        # catch_up=target m = 0: every accepted row is re-run. With own, the chain's rows for accepted drafts
-        # stay: it wrote rows L-1..L+k_b-3 (one per draft after the first), so the first min(n, k_b-1) are kept.
-        keep = [0 if self.catch_up == "target" else max(0, min(n, d - 1)) for n, d in zip(num_accepted, num_drafted)]
-        hidden = torch.cat([h[m:n + 1] for h, m, n in zip(target_hidden, keep, num_accepted)])
+        num_accepted = [len(p) for p in paths]
+        # Rows L-1+m..L-1+n read the target's h and the tokens after them (the path's tokens after the m-th, the
+        # new token). With catch_up=target m = 0: every accepted row is re-run. With own, the chain's rows for
+        # accepted drafts stay: it wrote rows L-1..L+c-3 for its chain of c (one per draft after the first), so
+        # the path's first min(n, c-1) are kept while the path follows the chain (none after a sibling).
+        keep = [0 if self.catch_up == "target" else max(0, min(t.chain_prefix(p), t.chain_length - 1))
+                for t, p in zip(trees, paths)]
+        hidden = torch.cat([h[m:] for h, m in zip(target_hidden, keep)])
         tokens = [t for s, L, m, n in zip(seqs, old_lens, keep, num_accepted) for t in s.token_ids[L + m:L + n + 1]]
         qo = [n - m + 1 for m, n in zip(keep, num_accepted)]
         kv = [L + n for L, n in zip(old_lens, num_accepted)]
@@ -339,11 +332,11 @@ class NgramProposer(Proposer):
                     return list(tokens[i + n:i + n + k])
         return []
 
-    def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
-        return Proposal([self.lookup(s.token_ids, k) for s in seqs], [None] * len(seqs))
+    def propose(self, seqs: Seq[Sequence], k: int) -> list[DraftTree]:
+        return [DraftTree.chain(self.lookup(s.token_ids, k)) for s in seqs]
 
-    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
-               target_hidden: Seq[torch.Tensor], num_drafted: Seq[int]) -> None:
+    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], trees: Seq[DraftTree], paths: Seq[Seq[int]],
+               target_hidden: Seq[torch.Tensor]) -> None:
         pass  # it reads the sequence itself
 
     def release(self, seq: Sequence) -> None:
@@ -380,7 +373,7 @@ class DraftModelProposer(Proposer):
         return out.logits
 
     @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence], k: int) -> Proposal:
+    def propose(self, seqs: Seq[Sequence], k: int) -> list[DraftTree]:
         drafts = _Drafts(seqs, None, self.model.args.vocab_size)
         lens = [len(s) for s in seqs]
         tokens = [s.token_ids[self._cached[s.seq_id]:] for s in seqs]
@@ -388,10 +381,10 @@ class DraftModelProposer(Proposer):
             tokens = [[t] for t in drafts.add(self._forward(seqs, tokens, [n + j for n in lens]))]
         for s, n in zip(seqs, lens):
             self._cached[s.seq_id] = n + k - 1  # fed up to d_{k-1}
-        return drafts.proposal()
+        return drafts.trees()
 
-    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], num_accepted: Seq[int],
-               target_hidden: Seq[torch.Tensor], num_drafted: Seq[int]) -> None:
+    def update(self, seqs: Seq[Sequence], old_lens: Seq[int], trees: Seq[DraftTree], paths: Seq[Seq[int]],
+               target_hidden: Seq[torch.Tensor]) -> None:
         # Entries up to the last accepted draft are valid; the new token (and a rejected tail) are not.
         for s in seqs:
             self._cached[s.seq_id] = min(self._cached[s.seq_id], len(s) - 1)
