@@ -259,7 +259,7 @@ def pickle_files(tag_dir: str | Path) -> list[Path]:
     return sorted(p for p in Path(tag_dir).rglob("*.pt") if p.is_file())
 
 
-def refuse_pickles(tag_dir: Path, trust_pickles: bool) -> bool:
+def pickle_format(tag_dir: Path, trust_pickles: bool) -> bool:
     """Whether `tag_dir` is a checkpoint in the older pickle format that may be loaded (`resume_trust_pickles`);
     False for ours. CheckpointError naming the file for an untrusted one, or a folder with neither format."""
     if (tag_dir / STATE).is_file():
@@ -294,7 +294,7 @@ def check_resume(resume: str, out: str | Path, world: int, rank: int, *, head_ty
         raise ValueError(f"checkpoint {tag_dir} was written by {ranks} ranks, this run has {world}: resume "
                          "with the same number of processes (ZeRO partitions optimizer state per rank), or start "
                          "afresh with resume=none and another out")
-    legacy = refuse_pickles(tag_dir, trust_pickles)
+    legacy = pickle_format(tag_dir, trust_pickles)
     verify_checkpoint(tag_dir, None if rank == 0 else [rng_file(rank)] + ([] if legacy else list(optim_files(rank))))
     if not legacy:
         saved = (read_state(tag_dir).get("head") or {}).get("type")
@@ -315,7 +315,7 @@ def load_engine_state(engine: Any, ckpt_dir: str | Path, tag: str, rank: int, wo
     for a missing RNG file (its `rng-rank*.pt` pickles are never loaded).
     """
     tag_dir = Path(ckpt_dir) / tag
-    if refuse_pickles(tag_dir, trust_pickles):
+    if pickle_format(tag_dir, trust_pickles):
         path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
                                                     load_lr_scheduler_states=True)
         if path is None:
