@@ -29,6 +29,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from mtp_train.config.device import on_cuda
 from mtp_train.engine.kv_cache import KVCache
 from mtp_train.layers.attention import AttentionMetadata
 
@@ -86,7 +87,7 @@ class StepGraphs:
                              f"{kv.page_size}, got {len(scratch_pages)}")
         self.device = torch.device(device)
         if capture:
-            if self.device.type != "cuda":
+            if not on_cuda(self.device):
                 raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
             if not supports_graphs(attn):
                 raise ValueError(f"the {getattr(attn, 'name', type(attn).__name__)} attention backend cannot run "
