@@ -303,6 +303,128 @@ CASES: dict[str, tuple[str, list[str], Prepare, list[str]]] = {
 }
 
 
+
+# --- manifests that do not describe their folder (edited, or pointing elsewhere): refused on open, naming the field
+# and the shard; an edited manifest is blamed, never the good shard it describes (the message says so).
+
+
+def _edit_manifest(edit: Callable[[Path, dict], None]) -> Prepare:
+    """A copy of the finished folder whose manifest.json `edit(folder, manifest)` has changed."""
+    def damage(pc: Path, manifest: dict) -> None:
+        edit(pc, manifest)
+        (pc / "manifest.json").write_text(json.dumps(manifest))
+    return _broken_pc(damage)
+
+
+def _shard_entry(key: str, change: Callable) -> Callable[[Path, dict], None]:
+    """shards[1][key] = change(old value) (and the total with it when it is a count, so only the entry is off)."""
+    def edit(pc: Path, m: dict) -> None:
+        old = m["shards"][1][key]
+        m["shards"][1][key] = change(old)
+        if key in m["totals"]:
+            m["totals"][key] += m["shards"][1][key] - old
+    return edit
+
+
+def _outside_shard(pc: Path, m: dict) -> Path:
+    """A copy of shard 1 outside the folder (as good as the shard itself)."""
+    (pc.parent / "outside").mkdir()
+    return Path(shutil.copy(_shard(pc, m), pc.parent / "outside"))
+
+
+def _up_and_out(pc: Path, m: dict) -> None:
+    """shards[1].file pointing at a good copy of the shard outside the folder, through `..`."""
+    _outside_shard(pc, m)
+    _shard_entry("file", lambda f: f"../outside/{f}")(pc, m)
+
+
+def _link_out(pc: Path, m: dict) -> None:
+    outside = _outside_shard(pc, m)
+    _shard(pc, m).unlink()
+    _shard(pc, m).symlink_to(outside)
+
+
+def _listed_twice(pc: Path, m: dict) -> None:
+    m["shards"].append(dict(m["shards"][1]))
+    for key in ("samples", "tokens", "loss_tokens", "bytes"):
+        m["totals"][key] += m["shards"][1][key]
+
+
+def _set_key(section: str, key: str, value) -> Callable[[Path, dict], None]:
+    def edit(pc: Path, m: dict) -> None:
+        m[section][key] = value
+    return edit
+
+
+def _fp8_without_scales(w: World, tmp: Path) -> tuple[Path, list[str]]:
+    """An fp8 folder made by mtp-precompute, one of whose shards was saved again without `hidden_scale` (its
+    manifest entry and sidecar updated to the new file, as a tool that re-saves shards would leave them)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mtp_train.fileio import sha256_file
+
+    pc = tmp / "pc"
+    res = run_cli("precompute", [f"model.path={w.target}", f"data.paths=[{w.data}]", f"out={pc}", *PRECOMPUTE,
+                                 "hidden_dtype=float8_e4m3"])
+    assert res.code == 0
+    manifest = json.loads((pc / "manifest.json").read_text())
+    path = _shard(pc, manifest)
+    with safe_open(str(path), framework="pt") as f:
+        names = f.keys()
+        tensors = {k: f.get_tensor(k).clone() for k in names if k != "hidden_scale"}
+        meta = f.metadata()
+    save_file(tensors, str(path), metadata=meta)
+    entry = manifest["shards"][1]
+    manifest["totals"]["bytes"] += path.stat().st_size - entry["bytes"]
+    entry["sha256"], entry["bytes"] = sha256_file(path), path.stat().st_size
+    (pc / "manifest.json").write_text(json.dumps(manifest))
+    side = path.with_suffix(".json")
+    side.write_text(json.dumps({**json.loads(side.read_text()), "sha256": entry["sha256"], "bytes": entry["bytes"]}))
+    return tmp / "out", [f"data.dir={pc}"]
+
+
+RESTORE = "restore this folder's own manifest.json, or re-run mtp-precompute on {tmp}/pc"
+CASES.update({
+    "train-manifest-shard-up-and-out": (
+        "train", [], _edit_manifest(_up_and_out),
+        ["{tmp}/pc/manifest.json: shards[1].file '../outside/shard-r0-00001.safetensors' leads out of the folder",
+         RESTORE]),
+    "train-manifest-absolute-shard": (
+        "train", [], _edit_manifest(_shard_entry("file", lambda f: "/etc/hostname")),
+        ["{tmp}/pc/manifest.json: shards[1].file '/etc/hostname' is an absolute path", RESTORE]),
+    "train-manifest-shard-links-out": (
+        "train", [], _broken_pc(_link_out),
+        ["{tmp}/pc/shard-r0-00001.safetensors (shards[1] of {tmp}/pc/manifest.json) is a link leading outside",
+         "{tmp}/outside/shard-r0-00001.safetensors", RESTORE]),
+    "train-manifest-shard-listed-twice": (
+        "train", [], _edit_manifest(_listed_twice),
+        ["'shard-r0-00001.safetensors' is listed twice (shards[1] and shards[", RESTORE]),
+    "train-manifest-edited-total-tokens": (
+        "train", [], _edit_manifest(lambda pc, m: _set_key("totals", "tokens", m["totals"]["tokens"] + 7)(pc, m)),
+        ["{tmp}/pc/manifest.json: totals.tokens is", "the sum of shards[*].tokens", RESTORE]),
+    "train-manifest-edited-shard-tokens": (
+        "train", [], _edit_manifest(_shard_entry("tokens", lambda n: n + 3)),
+        ["{tmp}/pc/manifest.json lists shard-r0-00001.safetensors with tokens=", "header and sidecar say",
+         "the shard is not at fault", RESTORE]),
+    "train-manifest-edited-hidden-size": (
+        "train", [], _edit_manifest(_set_key("target", "hidden_size", 48)),
+        ["{tmp}/pc/manifest.json: target.hidden_size is 48, but {tmp}/pc/shard-r0-00000.safetensors holds hidden "
+         "states of width 32", "the shard is not at fault", RESTORE]),
+    "train-manifest-dtype-the-shards-lack": (
+        "train", [], _edit_manifest(_set_key("hidden", "dtype", "float8_e4m3fn")),
+        ["{tmp}/pc/manifest.json: hidden.dtype is float8_e4m3fn, but {tmp}/pc/shard-r0-00000.safetensors holds "
+         "bfloat16 hidden states", RESTORE]),
+    "train-manifest-aux-layers-the-shards-lack": (
+        "train", [], _edit_manifest(_set_key("hidden", "aux_layers", [1])),
+        ["{tmp}/pc/manifest.json: hidden.aux_layers is [1], but {tmp}/pc/shard-r0-00000.safetensors holds aux "
+         "layers []", RESTORE]),
+    "train-fp8-shard-without-its-scales": (
+        "train", [], _fp8_without_scales,
+        ["{tmp}/pc/shard-r0-00001.safetensors is not a shard of the format: it holds no `hidden_scale` tensor "
+         "(the per-token scales of its float8_e4m3fn hidden states)", "re-run precompute"]),
+})
+
 # --- an `out` holding another tool's output or unrelated files, values of the wrong type, edited heads
 
 

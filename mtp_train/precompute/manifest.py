@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,11 @@ from mtp_train.fileio import atomic_write_text
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# What a shard entry's `file` may be: the plain name precompute gives a shard (`plan.shard_name`), nothing that
+# could lead out of the folder.
+SHARD_FILE = re.compile(r"shard-r[0-9]+-[0-9]{5,}\.safetensors")
+# `hidden.dtype` values: the storage dtypes of hidden / aux_hidden, as torch names them.
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
 # How the train/val split is decided, written into every manifest so the rule travels with the data.
 SPLIT_RULE = "val iff int.from_bytes(sha256(f'{seed}:{id}')[:8], 'big') / 2**64 < val_fraction"
 
@@ -38,6 +44,12 @@ class ManifestError(ValueError):
 
 class ManifestMismatchError(ManifestError):
     """The folder was precomputed for another target, tokenizer or chat template."""
+
+
+def restore_advice(directory: str | Path) -> str:
+    """What to do about a manifest that does not describe its folder's shards (which are not at fault)."""
+    return (f"restore this folder's own {MANIFEST_NAME}, or re-run mtp-precompute on {directory} with the settings "
+            "that made it (its finished shards are kept and the manifest is written anew)")
 
 
 def is_val(sample_id: str, seed: int, val_fraction: float) -> bool:
@@ -206,7 +218,100 @@ class Manifest:
             ) from None
         if not isinstance(d, dict):
             raise ManifestError(f"{path}: expected a JSON object; re-run precompute")
-        return cls.from_dict(d, source=str(path))
+        manifest = cls.from_dict(d, source=str(path))
+        manifest.check_listing(directory)
+        return manifest
+
+    def check_listing(self, directory: str | Path) -> None:
+        """Refuse fields of the wrong type or range, and a shard list that could read anything but the folder's own
+        shards, each once; raises ManifestError naming the field and the shard.
+
+        Nothing outside the folder is opened, or even looked at: a `file` that is not a plain shard file name is
+        refused as written, and a listed file that is a link is resolved (not opened) to see where it leads.
+        """
+        directory = Path(directory)
+        source, todo = directory / MANIFEST_NAME, restore_advice(directory)
+        self._check_fields(source, todo)
+        try:
+            home = directory.resolve()
+        except (OSError, RuntimeError) as e:
+            raise ManifestError(f"precompute folder {directory} cannot be resolved ({e})") from None
+        names: dict[str, int] = {}
+        reals: dict[Path, int] = {}
+        for i, s in enumerate(self.shards):
+            entry = f"{source}: shards[{i}].file {s.file!r}"
+            if not isinstance(s.file, str) or not SHARD_FILE.fullmatch(s.file):
+                raise ManifestError(
+                    f"{entry} {_name_problem(s.file)}: a manifest names each shard by its plain file name inside the "
+                    f"folder (shard-r<rank>-<n>.safetensors) and reads no other file; {todo}"
+                )
+            if s.file in names:
+                raise ManifestError(f"{entry} is listed twice (shards[{names[s.file]}] and shards[{i}]): each shard "
+                                    f"is listed once; {todo}")
+            names[s.file] = i
+            try:
+                real = (directory / s.file).resolve()
+            except (OSError, RuntimeError) as e:  # a link loop
+                raise ManifestError(f"{directory / s.file} (shards[{i}] of {source}) cannot be resolved ({e}); "
+                                    f"put the shard itself in the folder, or {todo}") from None
+            if not real.is_relative_to(home):
+                raise ManifestError(
+                    f"{directory / s.file} (shards[{i}] of {source}) is a link leading outside {directory} (to "
+                    f"{real}): a precompute folder reads only its own files; put the shard itself in the folder, "
+                    f"or {todo}"
+                )
+            if real in reals:
+                raise ManifestError(f"{entry} is the same file as shards[{reals[real]}] ({real}): each shard is "
+                                    f"listed once; {todo}")
+            reals[real] = i
+        # A shard copied under a second name is caught by its sample ids (the reader refuses an id in two shards).
+
+    def _check_fields(self, source: Path, todo: str) -> None:
+        """Every count a non-negative integer, sizes positive, the storage dtype known, aux layers in range."""
+        def count(field: str, value: Any, least: int = 0) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ManifestError(f"{source}: {field} is {value!r}, expected an integer >= {least}; {todo}")
+
+        t = self.target
+        for name, least in (("hidden_size", 1), ("num_layers", 1), ("vocab_size", 1)):
+            count(f"target.{name}", getattr(t, name), least)
+        for name in ("samples", "tokens", "loss_tokens", "bytes"):
+            count(f"totals.{name}", getattr(self.totals, name))
+        for i, s in enumerate(self.shards):
+            for name, least in (("rank", 0), ("index", 0), ("samples", 1), ("tokens", 1), ("loss_tokens", 0),
+                                ("bytes", 1)):
+                count(f"shards[{i}].{name} ({s.file})", getattr(s, name), least)
+            if not (isinstance(s.sha256, str) and re.fullmatch(r"[0-9a-f]{64}", s.sha256)):
+                raise ManifestError(f"{source}: shards[{i}].sha256 ({s.file}) is {s.sha256!r}, expected 64 hex "
+                                    f"digits; {todo}")
+        if self.hidden.dtype not in HIDDEN_DTYPES:
+            raise ManifestError(f"{source}: hidden.dtype is {self.hidden.dtype!r}, expected one of "
+                                f"{', '.join(HIDDEN_DTYPES)}; {todo}")
+        aux = self.hidden.aux_layers
+        if not isinstance(aux, list) or any(not isinstance(j, int) or isinstance(j, bool) for j in aux):
+            raise ManifestError(f"{source}: hidden.aux_layers is {aux!r}, expected a list of layer indices; {todo}")
+        # HF hidden_states numbering: 0 is the embeddings, num_layers the last layer's output.
+        if len(set(aux)) != len(aux) or any(not 0 <= j <= t.num_layers for j in aux):
+            raise ManifestError(f"{source}: hidden.aux_layers {aux} are not distinct layers in 0..{t.num_layers} "
+                                f"(target.num_layers={t.num_layers}); {todo}")
+
+    def check_totals(self, directory: str | Path) -> None:
+        """Refuse totals and split counts that are not the sums over the listed shards (ManifestError)."""
+        directory = Path(directory)
+        source, todo = directory / MANIFEST_NAME, restore_advice(directory)
+        for name in ("samples", "tokens", "loss_tokens", "bytes"):
+            have, want = getattr(self.totals, name), sum(getattr(s, name) for s in self.shards)
+            if have != want:
+                raise ManifestError(f"{source}: totals.{name} is {have}, but its {len(self.shards)} shards hold "
+                                    f"{want} (the sum of shards[*].{name}): the manifest was edited; {todo}")
+        c = self.split.counts
+        for name in ("samples", "tokens", "loss_tokens"):
+            parts = [c.get(f"{s}_{name}") for s in ("train", "val")]
+            if all(isinstance(p, int) for p in parts) and sum(parts) != getattr(self.totals, name):
+                raise ManifestError(
+                    f"{source}: split.counts train_{name} + val_{name} is {parts[0]} + {parts[1]}, but "
+                    f"totals.{name} is {getattr(self.totals, name)}: the manifest was edited; {todo}"
+                )
 
     def check(self, *, target_fingerprint: str | None = None, tokenizer_fingerprint: str | None = None,
               chat_template_fingerprint: str | None = None, where: str = "this folder") -> None:
@@ -225,6 +330,19 @@ class Manifest:
                     f"{where} was precomputed with {what} fingerprint {have}, but this run expects {want}: "
                     f"{todo}, or point at the folder precomputed for it"
                 )
+
+
+def _name_problem(file: Any) -> str:
+    """Why a shard entry's `file` is refused, in words."""
+    if not isinstance(file, str) or not file:
+        return "is not a file name"
+    if file.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", file):
+        return "is an absolute path"
+    if ".." in re.split(r"[/\\]", file):
+        return "leads out of the folder (..)"
+    if "/" in file or "\\" in file:
+        return "is a path, not a file name"
+    return "is not a shard file name"
 
 
 def write_json(path: Path, obj: Any) -> None:

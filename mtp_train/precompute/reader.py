@@ -3,6 +3,12 @@
 Nothing is loaded whole: building the dataset reads each shard's header and `offsets` (a few KB), and
 `ds[i]` reads only sample i's rows through safetensors' memory map. A shard's file is opened the first
 time one of its samples is read, then kept open.
+
+Opening checks the manifest against the folder before a sample is read: shard entries are plain file names
+inside it, each listed once (`Manifest.check_listing`); each shard's header must hold the format's tensors
+(`shards.shard_layout`) and agree with the manifest on its counts, the hidden size, the storage dtype and the aux
+layers; totals are the sums over the shards. An error blames the shard only when the shard contradicts itself;
+a manifest that disagrees with good shards is the one named, with what to do that keeps the shards.
 """
 
 from __future__ import annotations
@@ -17,9 +23,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from mtp_train.fileio import sha256_file
-from mtp_train.precompute.manifest import SPLITS, Manifest, ManifestError, ShardInfo, in_split
+from mtp_train.precompute.manifest import SPLITS, Manifest, ManifestError, ShardInfo, in_split, restore_advice
 from mtp_train.precompute.quant import FP8_NAME, dequantize_fp8
-from mtp_train.precompute.shards import sidecar_path
+from mtp_train.precompute.shards import ShardLayout, ShardLayoutError, shard_layout, sidecar_path
 
 VERIFY_MODES = ("first_open", "never", "always")
 
@@ -91,6 +97,8 @@ class PrecomputedDataset(torch.utils.data.Dataset):
                             where=f"precompute folder {self.directory}")
         self.split, self.verify, self.rank, self.world = split, verify, rank, world
         self._shards = [self._index_shard(s) for s in self.manifest.shards]
+        self._check_ids_unique()
+        self.manifest.check_totals(self.directory)
         self._handles: dict[int, Any] = {}
         self._verified: set[int] = set()
         if verify == "always":
@@ -111,8 +119,9 @@ class PrecomputedDataset(torch.utils.data.Dataset):
                                    for k, j in picked]
         self.ids: list[str] = [self._shards[k].ids[j] for k, j in picked]
 
-    def _check_sidecar(self, info: ShardInfo, path: Path) -> None:
-        """Refuse a manifest that describes other shards than the folder's (e.g. one copied from another run).
+    def _check_sidecar(self, info: ShardInfo, path: Path) -> dict[str, Any] | None:
+        """Refuse a manifest that describes other shards than the folder's (e.g. one copied from another run);
+        returns the shard's sidecar (None when it has no readable one).
 
         Each shard's sidecar (`<shard>.json`, written with it) records its sha256 and size. When the sidecar agrees
         with the file but not with the manifest, the shard is fine and the manifest is the stranger: blaming the
@@ -123,7 +132,7 @@ class PrecomputedDataset(torch.utils.data.Dataset):
             d = json.loads(side.read_text())
             own_sha, own_bytes = d["sha256"], int(d["bytes"])
         except (OSError, ValueError, KeyError, TypeError):
-            return  # no readable sidecar: the shard's own checks below decide
+            return None  # no readable sidecar: the shard's own checks below decide
         if (own_sha, own_bytes) != (info.sha256, info.bytes) and own_bytes == path.stat().st_size:
             manifest = self.directory / "manifest.json"
             raise ManifestError(
@@ -133,29 +142,80 @@ class PrecomputedDataset(torch.utils.data.Dataset):
                 "restore this folder's own manifest, or re-run precompute with this folder's settings (its "
                 "finished shards are kept and the manifest is written anew)"
             )
+        return d if isinstance(d, dict) else None
 
     def _index_shard(self, info: ShardInfo) -> _ShardIndex:
-        """Check a shard's size and read its ids and offsets (header only, no hidden states)."""
-        path = self.directory / info.file
+        """Check a shard against its own header, its sidecar and the manifest, and read its ids and offsets
+        (header only, no hidden states)."""
+        path = self.directory / info.file  # a plain name inside the folder (Manifest.check_listing)
         if not path.is_file():
             raise MissingShardError(
                 f"{path} is listed in {self.directory / 'manifest.json'} but missing; restore it, or re-run "
                 "precompute with the same settings (it redoes missing shards)"
             )
-        self._check_sidecar(info, path)
+        side = self._check_sidecar(info, path)
         size = path.stat().st_size
         if size != info.bytes:
             raise CorruptShardError(f"{path} has {size} bytes, the manifest says {info.bytes}: {_advice(path)}")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                meta = f.metadata() or {}
-                offsets = f.get_tensor("offsets").numpy()
-            ids = json.loads(meta["sample_ids"])
-        except (SafetensorError, KeyError, ValueError, OSError) as e:
+                layout = shard_layout(f)
+        except ShardLayoutError as e:
+            raise CorruptShardError(f"{path} is not a shard of the format: {e}; {_advice(path)}") from None
+        except (SafetensorError, ValueError, OSError) as e:
             raise CorruptShardError(f"{path}: unreadable header ({e}): {_advice(path)}") from None
-        if len(ids) != info.samples or offsets.shape != (info.samples + 1,) or int(offsets[-1]) != info.tokens:
-            raise CorruptShardError(f"{path}: sample table does not match the manifest: {_advice(path)}")
-        return _ShardIndex(info=info, path=path, ids=ids, offsets=offsets.astype(np.int64))
+        self._check_against_manifest(info, path, layout, side, size)
+        return _ShardIndex(info=info, path=path, ids=layout.ids, offsets=layout.offsets)
+
+    def _check_against_manifest(self, info: ShardInfo, path: Path, layout: ShardLayout, side: dict[str, Any] | None,
+                                size: int) -> None:
+        """Refuse a manifest whose counts, hidden size, dtype or aux layers are not what the (self-consistent)
+        shard holds: the manifest was edited or belongs elsewhere, and the shard is not to blame."""
+        m = self.manifest
+        manifest, todo = self.directory / "manifest.json", restore_advice(self.directory)
+        # The sidecar vouches for loss_tokens (which only the mask tensor holds) when it describes this very file.
+        trusted = side is not None and (side.get("samples"), side.get("tokens"), side.get("bytes")) == (
+            len(layout.ids), layout.tokens, size)
+        own = {"samples": len(layout.ids), "tokens": layout.tokens}
+        if trusted:
+            own["loss_tokens"] = side["loss_tokens"]
+        for name, have in own.items():
+            if getattr(info, name) != have:
+                said = "header and sidecar say" if trusted else "header says"
+                raise ManifestError(
+                    f"{manifest} lists {info.file} with {name}={getattr(info, name)}, but the shard's own {said} "
+                    f"{have} ({path}): the manifest was edited, the shard is not at fault; {todo}"
+                )
+        aux = layout.aux_layers
+        stored = [
+            ("target.hidden_size", m.target.hidden_size, layout.hidden_size,
+             f"hidden states of width {layout.hidden_size}"),
+            ("hidden.dtype", m.hidden.dtype, layout.dtype, f"{layout.dtype} hidden states"),
+            ("hidden.aux_layers", m.hidden.aux_layers if aux is not None else len(m.hidden.aux_layers),
+             aux if aux is not None else layout.aux_count,
+             f"aux layers {aux}" if aux is not None else f"{layout.aux_count} aux layer(s)"),
+        ]
+        for name, want, have, what in stored:
+            if want != have:
+                raise ManifestError(
+                    f"{manifest}: {name} is {want}, but {path} holds {what}: the manifest was edited or belongs to "
+                    f"another folder, the shard is not at fault; {todo}"
+                )
+
+    def _check_ids_unique(self) -> None:
+        """Refuse a folder where a sample appears in two shards (a shard copied under another name, or mixed runs):
+        it would be trained on twice."""
+        first: dict[str, int] = {}
+        for k, sh in enumerate(self._shards):
+            for sid in sh.ids:
+                j = first.setdefault(sid, k)
+                if j != k:
+                    raise ManifestError(
+                        f"{self.directory / 'manifest.json'} lists sample {sid!r} twice: in "
+                        f"{self._shards[j].path.name} and in {sh.path.name} (a shard copied under another name, or "
+                        "shards of two runs); "
+                        f"{restore_advice(self.directory)}"
+                    )
 
     def _verify(self, k: int) -> None:
         if k in self._verified:

@@ -11,18 +11,100 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from mtp_train.fileio import atomic_write, sha256_file
 from mtp_train.precompute.manifest import FORMAT_VERSION, ShardInfo, read_json, write_json
 from mtp_train.precompute.plan import ShardPlan
+from mtp_train.precompute.quant import FP8_NAME
 
 # safetensors dtype names of the tensors a shard can hold
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
               torch.int32: "I32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
+# safetensors dtype of stored hidden states → the manifest's `hidden.dtype`
+_HIDDEN_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": FP8_NAME}
+
+
+class ShardLayoutError(ValueError):
+    """A shard whose header does not hold the tensors, shapes and metadata of the format (the shard is at fault)."""
+
+
+@dataclass
+class ShardLayout:
+    """What a shard's own header says it holds (read from the header and `offsets`, no hidden states)."""
+
+    ids: list[str]  # (S,) sample ids
+    offsets: np.ndarray  # (S+1,) int64
+    tokens: int  # T
+    hidden_size: int  # H
+    dtype: str  # storage dtype of hidden / aux_hidden, as the manifest's `hidden.dtype` names it
+    aux_layers: list[int] | None  # from the metadata (None: a shard that does not record them)
+    aux_count: int  # k: aux_hidden is (T, k*H)
+
+
+def shard_layout(f: Any) -> ShardLayout:
+    """The layout of the shard open as safetensors handle `f`; raises ShardLayoutError naming what is wrong.
+
+    Reads the header (tensor names, dtypes, shapes, metadata) and the small `offsets` tensor only, so checking
+    every shard of a big folder costs a few KB per shard.
+    """
+    meta = dict(f.metadata() or {})
+    names: list[str] = f.keys()
+    spec = {k: (sl.get_dtype(), tuple(sl.get_shape())) for k in names for sl in [f.get_slice(k)]}
+
+    def need(name: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None = None, why: str = "") -> None:
+        if name not in spec:
+            raise ShardLayoutError(f"it holds no `{name}` tensor{why}")
+        dt, sh = spec[name]
+        if dt not in dtypes or (shape is not None and sh != shape):
+            want = f"{'/'.join(dtypes)} {list(shape) if shape is not None else ''}".strip()
+            raise ShardLayoutError(f"its `{name}` tensor is {dt} {list(sh)}, the format says {want}")
+
+    need("hidden", tuple(_HIDDEN_DTYPES))
+    st_dtype, hshape = spec["hidden"]
+    if len(hshape) != 2 or hshape[1] < 1:
+        raise ShardLayoutError(f"its `hidden` tensor is {list(hshape)}, the format says (T, H)")
+    t, h = hshape
+    need("input_ids", ("I32", "I64"), (t,))
+    need("loss_mask", ("U8",), (t,))
+    need("offsets", ("I64",))
+    try:
+        ids = json.loads(meta["sample_ids"])
+    except (KeyError, ValueError) as e:
+        raise ShardLayoutError(f"its metadata has no readable sample_ids ({type(e).__name__}: {e})") from None
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise ShardLayoutError("its metadata's sample_ids is not a list of ids")
+    need("offsets", ("I64",), (len(ids) + 1,))
+    offsets = f.get_tensor("offsets").numpy().astype(np.int64)
+    if offsets[0] != 0 or int(offsets[-1]) != t or (np.diff(offsets) < 0).any():
+        raise ShardLayoutError(f"its offsets do not cut its {t} rows into {len(ids)} samples")
+    dtype = _HIDDEN_DTYPES[st_dtype]
+    if meta.get("hidden_dtype", dtype) != dtype:
+        raise ShardLayoutError(f"its metadata says hidden_dtype {meta['hidden_dtype']}, its `hidden` tensor is "
+                               f"{dtype}")
+    aux_layers = None
+    if "aux_layers" in meta:
+        try:
+            aux_layers = [int(j) for j in json.loads(meta["aux_layers"])]
+        except (ValueError, TypeError) as e:
+            raise ShardLayoutError(f"its metadata's aux_layers is unreadable ({e})") from None
+    width = spec["aux_hidden"][1][1] if "aux_hidden" in spec and len(spec["aux_hidden"][1]) == 2 else 0
+    k = len(aux_layers) if aux_layers is not None else width // h
+    if k:
+        need("aux_hidden", (st_dtype,), (t, k * h), f" for its {k} aux layers")
+    elif "aux_hidden" in spec:
+        raise ShardLayoutError("it holds an `aux_hidden` tensor, but its metadata lists no aux layers")
+    if dtype == FP8_NAME:  # fp8 values mean nothing without their per-token scales
+        need("hidden_scale", ("F32",), (t, 1), f" (the per-token scales of its {FP8_NAME} hidden states)")
+        if k:
+            need("aux_hidden_scale", ("F32",), (t, k), f" (the per-token scales of its {FP8_NAME} aux_hidden)")
+    return ShardLayout(ids=ids, offsets=offsets, tokens=t, hidden_size=h, dtype=dtype, aux_layers=aux_layers,
+                       aux_count=k)
 
 
 def sidecar_path(shard: Path) -> Path:
