@@ -12,6 +12,8 @@ import logging
 import torch
 import torch.distributed as tdist
 
+from mtp_train.config.device import on_cpu, on_cuda
+
 
 def skip_cpu_shm_comm_build() -> None:
     """Tell DeepSpeed its CPU shared-memory allreduce op is unavailable, so it is neither probed nor JIT-built.
@@ -34,11 +36,11 @@ def prepare_deepspeed(device: torch.device) -> bool:
     Returns True when this call created the group: the caller then calls `release_deepspeed` at the end.
     """
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-step INFO lines drown ours
-    if device.type == "cpu":
+    if on_cpu(device):
         skip_cpu_shm_comm_build()
     if tdist.is_initialized():
         return False
-    if device.type == "cuda":
+    if on_cuda(device):
         # Naming the device spares NCCL guessing it (and warning at every barrier).
         dev = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         tdist.init_process_group(backend="nccl", store=tdist.HashStore(), rank=0, world_size=1, device_id=dev)
