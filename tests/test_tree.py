@@ -29,6 +29,7 @@ def test_a_chain_is_laid_out_causally_after_the_last_token():
     assert rows.positions == [[3, 4, 5, 6]] and rows.slots == [[3, 4, 5, 6]]
     assert rows.tree is None  # causal attention is a chain's visibility (and keeps graphed steps possible)
     assert rows.moves(0, [0, 1]) == []  # an accepted chain prefix already sits at its positions
+    assert rows.path_rows([0, 1]) == slice(0, 3)
 
 
 def test_a_depth_one_tree_puts_siblings_after_the_chain_at_depth_one():

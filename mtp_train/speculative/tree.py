@@ -122,9 +122,11 @@ class VerifyRows:
         """(B,) rows per sequence."""
         return [len(t) for t in self.tokens]
 
-    def path_rows(self, path: Sequence[int]) -> list[int]:
-        """The rows of the root and of a path's nodes, in order: what a proposer catches up on."""
-        return [0, *map(row_of, path)]
+    def path_rows(self, path: Sequence[int]) -> slice | list[int]:
+        """The rows of the root and of a path's nodes, in order (what a proposer catches up on): a slice when the
+        path is the first nodes, so that indexing a sequence's rows with it copies nothing."""
+        rows = [0, *map(row_of, path)]
+        return slice(0, len(rows)) if rows[-1] == len(path) else rows
 
     def moves(self, b: int, path: Sequence[int]) -> list[tuple[int, int]]:
         """(source slot, destination slot) K/V copies that leave sequence b's accepted path at its positions, in an
