@@ -49,6 +49,16 @@ TINY: dict[str, dict[str, dict]] = {
         "lite": {**_DEEPSEEK, "model_type": "deepseek_v2", "q_lora_rank": None},
         "q-lora": {**_DEEPSEEK, "model_type": "deepseek_v2", "q_lora_rank": 12},
     },
+    "deepseek_v3": {  # V3's router: sigmoid scores, correction bias, 2 groups of 2 experts with the best one eligible
+        "v3": {**_DEEPSEEK, "model_type": "deepseek_v3", "q_lora_rank": 12, "n_group": 2, "topk_group": 1,
+               "routed_scaling_factor": 2.5},
+        # Kimi-K2's config.json names its own model_type: one routing group
+        "kimi": {**_DEEPSEEK, "model_type": "kimi_k2", "q_lora_rank": None, "n_group": 1, "topk_group": 1},
+    },
+    "qwen3_moe": {
+        "sparse": {**_LLAMA, "model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 16, "norm_topk_prob": True, "decoder_sparse_step": 2},
+    },
 }
 CASES = [(fam, name) for fam, configs in TINY.items() for name in configs]
 

@@ -1,0 +1,256 @@
+"""DeepSeek-V3 / Kimi-K2 targets (V2's MLA with V3's sigmoid router: correction bias, group-limited top-k, scaling,
+shared experts, dense layers first): the router against transformers', parity on tiny random configs (every hidden
+state, logits, paged greedy decoding = HF generate), speculative decoding with the target as its own draft (greedy =
+plain), precompute, mtp heads (dense and MoE block) trained a few steps on it, and the configs refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_train.config import HeadConfig, LossConfig, PrecomputeConfig
+from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.heads import build_head
+from mtp_train.models import ModelConfigError, load_model
+from mtp_train.models.families import args_from_hf_config
+from mtp_train.precompute import PrecomputedDataset, Sample, precompute
+from mtp_train.speculative.engine import SpecEngine
+from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer
+from mtp_train.train.losses import unrolled_loss
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+            max_position_embeddings=512, tie_word_embeddings=False)
+CONFIGS = {
+    # DeepSeek-V3's routing: q LoRA, 4 groups of 2 experts with the best 2 groups eligible, renormalised, scaled
+    "v3": {"q_lora_rank": 24, "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+           "n_shared_experts": 2, "tie_word_embeddings": True},
+    # plain q_proj, one group (no limit), raw sigmoid weights, two dense layers first
+    "plain": {"q_lora_rank": None, "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+              "routed_scaling_factor": 1.5, "first_k_dense_replace": 2, "num_experts_per_tok": 3},
+    # Kimi-K2's shape: one group, its scaling and YaRN (factor 32, beta 1 / 1), on a short original context
+    "kimi": {"q_lora_rank": 24, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.827,
+             "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                                 "original_max_position_embeddings": 16, "beta_fast": 1.0, "beta_slow": 1.0,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0}},
+}
+PROMPTS = [[3, 17, 42, 9, 100, 7, 8, 200, 13], [5, 6], list(range(30, 52))]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import transformers
+
+    out = {}
+    for name, over in CONFIGS.items():
+        torch.manual_seed(0)
+        cfg = transformers.DeepseekV3Config(**{**BASE, **over})
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for n, p in hf.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+                elif n.endswith("mlp.gate.weight"):
+                    p.normal_(0, 0.5)  # a router with real preferences
+            for n, b in hf.named_buffers():
+                if n.endswith("e_score_correction_bias"):
+                    b.normal_(0, 0.3)  # comparable to the sigmoid scores' spread, so it changes the choice
+        path = tmp_path_factory.mktemp("ds3") / name
+        hf.save_pretrained(path, safe_serialization=True)
+        out[name] = (path, hf)
+    return out
+
+
+def test_layers_are_dense_before_first_k_dense_replace(checkpoints):
+    kinds = {name: [type(layer.mlp).__name__ for layer in load_model(path).model.layers]
+             for name, (path, _) in checkpoints.items()}
+    assert kinds["v3"] == ["DenseMLP", "MoE", "MoE"] and kinds["plain"] == ["DenseMLP", "DenseMLP", "MoE"]
+
+
+@pytest.mark.parametrize("name", ["v3", "kimi"])
+def test_router_chooses_by_the_biased_scores_and_weighs_by_the_unbiased_ones(checkpoints, name):
+    """Our router = transformers' DeepseekV3TopkRouter (same experts, same weights), and the bias matters."""
+    path, hf = checkpoints[name]
+    model = load_model(path, dtype="float32", backend="torch")
+    ours, theirs = model.model.layers[-1].mlp.gate, hf.model.layers[-1].mlp.gate
+    bias = ours.e_score_correction_bias
+    assert not bias.requires_grad and bias.abs().sum() > 0
+    torch.testing.assert_close(bias, theirs.e_score_correction_bias, rtol=0, atol=0)
+    torch.manual_seed(3)
+    x = torch.randn(64, BASE["hidden_size"])
+    w, idx = ours(x)
+    with torch.no_grad():
+        _, hf_w, hf_idx = theirs(x)
+    order, hf_order = idx.sort(-1), hf_idx.sort(-1)  # transformers' top-k is unsorted
+    assert torch.equal(order.values, hf_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), hf_w.gather(1, hf_order.indices), rtol=1e-6, atol=1e-7)
+    # the weights are the un-biased sigmoid scores of the chosen experts (renormalised, scaled)
+    a = model.args
+    raw = torch.sigmoid(x @ ours.weight.T).gather(1, idx)
+    want = raw / raw.sum(-1, keepdim=True) if a.norm_topk_prob else raw
+    torch.testing.assert_close(w, want * a.routed_scaling_factor, rtol=1e-6, atol=1e-7)
+    # without the correction bias other experts are chosen for some tokens
+    with torch.no_grad():
+        saved = bias.clone()
+        bias.zero_()
+        _, unbiased = ours(x)
+        bias.copy_(saved)
+    assert not torch.equal(unbiased.sort(-1).values, order.values)
+
+
+def test_group_limit_keeps_experts_inside_the_best_groups(checkpoints):
+    path, _ = checkpoints["v3"]
+    gate = load_model(path, dtype="float32", backend="torch").model.layers[1].mlp.gate
+    torch.manual_seed(4)
+    x = torch.randn(256, BASE["hidden_size"])
+    _, idx = gate(x)
+    choice = torch.sigmoid(x @ gate.weight.T) + gate.e_score_correction_bias  # (T, 8): 4 groups of 2
+    best_groups = choice.view(-1, 4, 2).sum(-1).topk(2, -1).indices  # top-2 of 2 experts = the group's sum
+    assert all(set((idx[t] // 2).tolist()) <= set(best_groups[t].tolist()) for t in range(len(x)))
+    # and the limit binds: the unlimited top-2 of the biased scores leaves the best groups for some tokens
+    free = choice.topk(2, -1).indices // 2
+    assert any(not set(free[t].tolist()) <= set(best_groups[t].tolist()) for t in range(len(x)))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hidden_states_and_logits_match_transformers(checkpoints, name):
+    path, hf = checkpoints[name]
+    model = load_model(path, dtype="float32", backend="torch")
+    n = model.args.num_layers
+    for ids in PROMPTS:
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids]), output_hidden_states=True)
+        out = prefill_hidden(model, [ids], hidden_layers=range(n + 1))
+        for j in range(n + 1):
+            torch.testing.assert_close(out.layers[j], ref.hidden_states[j][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.compute_logits(out.hidden), ref.logits[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_paged_decode_and_speculative_decoding_equal_transformers_generate(checkpoints, name):
+    path, hf = checkpoints[name]
+    model = load_model(path, dtype="float32", backend="torch")
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    ref = [hf.generate(torch.tensor([p]), max_new_tokens=14, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    plain = LLMEngine(model, page_size=3, num_pages=128).generate(PROMPTS, params)
+    assert [o.output_ids for o in plain] == ref
+    assert model.args.num_kv_heads == 1 and model.args.head_dim == 32 + 8  # one latent row per token and layer
+    spec = SpecEngine(model, DraftModelProposer(model), 3, page_size=3, num_pages=128)
+    assert [o.output_ids for o in spec.generate(PROMPTS, params)] == ref
+    assert spec.stats.metrics.acceptance_rate == 1.0
+
+
+def test_precompute_stores_the_models_hidden_states(checkpoints, tmp_path):
+    path, _ = checkpoints["v3"]
+    model = load_model(path, dtype="float32", backend="torch")
+    samples = [Sample(f"s{i}", p, [1] * len(p)) for i, p in enumerate(PROMPTS)]
+    cfg = PrecomputeConfig(out=str(tmp_path / "pc"), shard_tokens=64, batch_tokens=64, val_fraction=0.0, progress=False)
+    precompute(model, samples, cfg, tokenizer_fingerprint="t", chat_template_fingerprint="c", model_dir=path,
+               data_info={})
+    ds = PrecomputedDataset(tmp_path / "pc", split="all")
+    assert len(ds) == len(PROMPTS)
+    for i in range(len(ds)):
+        item = ds[i]
+        ref = prefill_hidden(model, [item["input_ids"].tolist()]).hidden.to(torch.bfloat16)
+        torch.testing.assert_close(item["hidden"].float(), ref.float(), rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_mtp_head_with_a_deepseek_block_trains_and_drafts_losslessly(checkpoints, moe):
+    path, _ = checkpoints["v3"]
+    model = load_model(path, dtype="float32", backend="torch")
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type="mtp", moe=moe, init="last_layer" if moe else "scratch"), path, dtype="float32")
+    block = head.layers[0]
+    assert type(block.self_attn).__name__ == "MLAttention"
+    assert type(block.mlp).__name__ == ("MoE" if moe else "DenseMLP")
+    if moe:  # the target's last layer, its correction bias included, and the bias stays out of training
+        bias = block.mlp.gate.e_score_correction_bias
+        torch.testing.assert_close(bias, model.model.layers[-1].mlp.gate.e_score_correction_bias, rtol=0, atol=0)
+        assert not bias.requires_grad
+    lens = [len(p) for p in PROMPTS]
+    hidden = prefill_hidden(model, PROMPTS).hidden
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    cfg = LossConfig(steps=2, w_tok=1.0, chunk_size=16)
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss, _ = unrolled_loss(head, hidden, ids, torch.ones_like(ids), lens, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0], losses
+    head.eval()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ref = [o.output_ids for o in LLMEngine(model, page_size=3, num_pages=128).generate(PROMPTS, params)]
+    spec = SpecEngine(model, HeadProposer(head), 3, page_size=3, num_pages=128)
+    assert [o.output_ids for o in spec.generate(PROMPTS, params)] == ref
+
+
+def test_eagle_heads_are_refused_and_backends_named(checkpoints):
+    path, _ = checkpoints["plain"]
+    with pytest.raises(ModelConfigError, match="DeepSeek-V3 target takes an mtp head"):
+        build_head(HeadConfig(type="eagle1"), path)
+    assert type(load_model(path, backend="auto").attn).__name__ == "TorchMLA"
+    with pytest.raises(ModelConfigError, match="DeepSeek-V3 \\(MLA\\): the flashinfer MLA backend needs a CUDA"):
+        load_model(path, backend="flashinfer")
+
+
+def test_tensor_parallel_is_refused_clearly(checkpoints):
+    from mtp_train.models.tensor_parallel import TPGroup, load_model_tp
+
+    with pytest.raises(ModelConfigError, match="model.tp=1"):
+        load_model_tp(checkpoints["plain"][0], TPGroup(0, 2))
+
+
+def _cfg(**over) -> dict:
+    return {**BASE, "model_type": "deepseek_v3", "n_group": 4, "topk_group": 2, **over}
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
+     "quantization_config \\(quant_method 'fp8'\\) is not supported"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
+    ({"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
+    ({"rope_interleave": False}, "rope_interleave=False is not supported"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
+    ({"n_group": 3}, "n_group=3 must divide n_routed_experts=8"),
+    ({"topk_group": 5}, "topk_group=5 must be in 1..n_group"),
+    ({"n_group": 8, "topk_group": 4}, "n_group=8 leaves 1 expert"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 must be in 1..4"),
+    ({"n_routed_experts": 0}, "needs n_routed_experts > 0"),
+], ids=["fp8", "softmax", "topk", "rope", "freq", "groups", "topk-group", "group-size", "k", "no-experts"])
+def test_configs_it_does_not_run_are_refused_naming_the_key(over, match):
+    with pytest.raises(ModelConfigError, match=match):
+        args_from_hf_config(_cfg(**over), "x/config.json")
+
+
+def test_the_released_routing_keys_parse():
+    """DeepSeek-V3's own config.json spells its routing out; Kimi-K2's has one group."""
+    a = args_from_hf_config(_cfg(scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1,
+                                 num_nextn_predict_layers=1, routed_scaling_factor=2.5), "x/config.json")
+    assert (a.n_group, a.topk_group, a.topk_method, a.norm_topk_prob) == (4, 2, "noaux_tc", True)
+    assert a.num_nextn_predict_layers == 1 and a.routed_scaling_factor == 2.5
+    assert a.kv_layout.latent and a.kv_layout.head_dim == 32 + 8
+
+
+def test_a_kimi_k2_config_runs_as_deepseek_v3(checkpoints, tmp_path):
+    """Kimi-K2's config.json names model_type kimi_k2 over DeepSeek-V3's architecture and tensor names."""
+    import json
+    import shutil
+
+    from mtp_train.models.families import family_of
+
+    path, _ = checkpoints["kimi"]
+    kimi = tmp_path / "kimi"
+    shutil.copytree(path, kimi)
+    cfg = json.loads((kimi / "config.json").read_text())
+    (kimi / "config.json").write_text(json.dumps({**cfg, "model_type": "kimi_k2"}))
+    model, ref = load_model(kimi, dtype="float32", backend="torch"), load_model(path, dtype="float32", backend="torch")
+    assert family_of(model.args).name == "deepseek_v3" and model.args.model_type == "kimi_k2"
+    torch.testing.assert_close(prefill_hidden(model, PROMPTS).hidden, prefill_hidden(ref, PROMPTS).hidden,
+                               rtol=0, atol=0)
