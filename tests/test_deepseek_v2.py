@@ -99,7 +99,7 @@ def test_precompute_stores_the_models_hidden_states(checkpoints, tmp_path):
 def test_eagle_heads_and_dense_targets_with_moe_are_refused_clearly(checkpoints, tiny_checkpoints):
     with pytest.raises(ModelConfigError, match="DeepSeek-V2 target takes an mtp head"):
         build_head(HeadConfig(type="eagle1"), checkpoints["lite"][0])
-    with pytest.raises(ModelConfigError, match="eagle3 heads take Llama-family or Qwen3-MoE targets; a DeepSeek-V2 target"):
+    with pytest.raises(ModelConfigError, match="eagle3 heads take .*targets; a DeepSeek-V2 target"):
         build_head(HeadConfig(type="eagle3", draft_vocab_size=16), checkpoints["lite"][0])
     with pytest.raises(ValueError, match="head.moe=true needs a DeepSeek-V2 .*target"):
         build_head(HeadConfig(type="mtp", moe=True), tiny_checkpoints["llama"][0])
