@@ -7,6 +7,7 @@ import torch
 
 from mtp_train.engine import ModelRunner, Sequence, prefill_hidden
 from mtp_train.models import load_model
+from mtp_train.speculative.tree import DraftTree, layout
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_tree_step_equals_each_branch_as_a_chain(model, native, batch):
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 14)]
-    # new rows per sequence: [last, chain..., siblings of the first draft...]; parents -1 / previous row / the last token
+    # new rows per sequence: [last, chain..., siblings of the first draft...], as tree.layout lays them
     shapes = {"one": [(2, 3)], "uniform": [(2, 3), (2, 3)], "mixed": [(3, 2), (1, 4)]}[batch]
     runner = ModelRunner.create(model, num_pages=64, page_size=4)
     seqs = [Sequence.new(i, p) for i, p in enumerate(prompts[: len(shapes)])]
@@ -102,7 +103,9 @@ def test_tree_step_equals_each_branch_as_a_chain(model, native, batch):
         base = list(s.token_ids[:-1])
         s.token_ids[-1:] = new[:1]
         s.token_ids.extend(new[1:])
-        trees.append([-1, *range(d), *[0] * a])
+        rows_of = layout([DraftTree.chain(new[1:1 + d], siblings=new[1 + d:])], new[:1], [len(base) + 1])
+        assert rows_of.tokens == [new]
+        trees.append(rows_of.parents[0])  # -1, then the chain, then the siblings as children of the last token
         # the tokens each row's branch holds, from the start of the sequence
         branches.append([base + new[: i + 1] for i in range(1 + d)] + [base + [new[0], t] for t in new[1 + d:]])
         rows.append(1 + d + a)

@@ -66,6 +66,8 @@ class Step(ABC):
     """
 
     extra_tokens: int = 0
+    model: CausalLM  # set by bind
+    runner: ModelRunner
 
     def bind(self, model: CausalLM, runner: ModelRunner) -> None:
         """Called once by the engine, before anything runs: the target and its runner (and page pool)."""

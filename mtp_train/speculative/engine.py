@@ -26,6 +26,7 @@ floating-point near-ties between the verify and decode kernels).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -106,7 +107,7 @@ class SpeculativeStep(Step):
         or a tree run eagerly."""
         return (self.k + 1,), tuple(self.proposer.hidden_layers)
 
-    def enable_graphs(self, max_batch: int, scratch_pages: list[int], capture: bool) -> None:
+    def enable_graphs(self, max_batch: int, scratch_pages: Seq[int], capture: bool) -> None:
         self.proposer.enable_graphs(max_batch, scratch_pages, capture)
 
     def _features(self, out: ForwardOutput) -> torch.Tensor:
