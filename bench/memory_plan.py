@@ -1,9 +1,9 @@
 """Memory plan: GPU memory per rank for precompute and training at the shipped configs, and disk per million tokens.
 
-For Llama-3.1-8B, Llama-3.1-70B, DeepSeek-V2-Lite and Qwen3-30B-A3B (the `conf/model` entries). Shapes come from the
-model folder's config.json when it is present, else from the public config.json values embedded below; parameter
-counts are exact (our target and head are built on the meta device and counted). Memory is an estimate from those
-counts:
+For Llama-3.1-8B, Llama-3.1-70B, DeepSeek-V2-Lite, Qwen3-30B-A3B, DeepSeek-V3 and Kimi-K2 (the `conf/model`
+entries). Shapes come from the model folder's config.json when it is present, else from the public config.json
+values embedded below; parameter counts are exact (our target and head are built on the meta device and counted).
+Memory is an estimate from those counts:
 
 precompute (bf16, cache-free packed prefill of `batch_tokens`, tensor parallel over `model.tp` ranks):
     weights / tp + the largest per-layer temporaries of one step (hidden, q/k/v, the MLP's 2·I/tp) + output rows
@@ -65,8 +65,25 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size
                      vocab_size=151936, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                      decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0, rms_norm_eps=1e-6,
                      tie_word_embeddings=False, max_position_embeddings=40960)
+# DeepSeek-V3's and Kimi-K2-Instruct's public config.json values, counted as bf16 weights: the released checkpoints
+# are FP8 block-scaled (a quantization_config, left out here, that the deepseek_v3 family refuses for now).
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                   num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, vocab_size=129280,
+                   q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                   n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
+                   moe_layer_freq=1, n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid",
+                   norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=1, rms_norm_eps=1e-6,
+                   rope_theta=10000.0, max_position_embeddings=163840, tie_word_embeddings=False,
+                   rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+KIMI_K2 = {**DEEPSEEK_V3, "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64,
+           "vocab_size": 163840, "n_routed_experts": 384, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+           "routed_scaling_factor": 2.827, "num_nextn_predict_layers": 0, "rope_theta": 50000.0,
+           "max_position_embeddings": 131072,
+           "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
 MODELS = {"llama3.1-8b": LLAMA31_8B, "llama3.1-70b": LLAMA31_70B, "deepseek-v2-lite": DEEPSEEK_V2_LITE,
-          "qwen3-30b-a3b": QWEN3_30B_A3B}
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "deepseek-v3": DEEPSEEK_V3, "kimi-k2": KIMI_K2}
 
 
 def model_conf(name: str) -> dict:
