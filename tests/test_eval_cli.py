@@ -50,6 +50,10 @@ def trained(default_model_dir, tmp_path_factory):
     return root, res
 
 
+def outputs_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+
+
 def test_training_validation_logs_speculative_acceptance(trained):
     root, res = trained
     assert 1.0 <= res["spec/tau"] <= 3.0 and 0.0 <= res["spec/acceptance_rate"] <= 1.0
@@ -89,6 +93,10 @@ def test_eval_writes_reports_and_greedy_speculation_equals_plain_decoding(traine
             if r["draft_threshold"] == 0.0:
                 assert r["mean_draft_len"] == r["k"]  # a fixed chain always drafts k
     assert report["best"]["k"] in (1, 3) and report["best"]["method"] == "mtp"
+    # every axis that varies is in the labels: 8 head points and 2 lookup points, all named apart
+    labels = {r["label"] for r in rows if r["dataset"] == "overall"}
+    assert len(labels) == 10 and "mtp head k=3 thr=0.5 catch-up=own" in labels and "prompt lookup k=1" in labels
+    assert {o["label"] for o in outputs_of(out)} == labels | {"plain"}
     md = (out / "report.md").read_text()
     assert "step_cost" in md and "tau_ngram" in md and "mean_draft_len" in md
     for name in ("acceptance_per_position.png", "tau_speedup_vs_k.png"):
@@ -118,6 +126,12 @@ def test_eval_names_an_unknown_prompt_set(default_model_dir, tmp_path):
                            "method=none", "prompts=[no-such-set]", f"out={tmp_path / 'eval'}"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "no-such-set" in proc.stderr and "demo-heldout" in proc.stderr
+
+
+def test_eval_refuses_an_unknown_method_naming_the_registered_ones(default_model_dir, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mtp_train.cli.eval", f"model.path={default_model_dir}",
+                           "method=medusa", f"out={tmp_path / 'eval'}"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "'medusa' is unknown; choose one of none, mtp, draft, ngram" in proc.stderr
 
 
 def test_eval_prompt_lookup_alone(default_model_dir, tmp_path):
@@ -159,5 +173,7 @@ def test_eval_draft_width_axis_runs_trees_beside_chains(trained, default_model_d
     assert rows[1]["mean_draft_len"] == 1.0 and rows[2]["mean_draft_len"] == 2.0
     assert all(r["exact_match"] == 1.0 for r in rows.values())
     assert rows[1]["num_alt_accepted"] == 0 and rows[2]["num_alt_accepted"] >= 0
+    assert (rows[1]["label"], rows[2]["label"]) == ("mtp head width=1", "mtp head width=2")  # k=1 only: not named
+    assert report["best"]["label"] in ("mtp head width=1", "mtp head width=2")
     with pytest.raises(ValueError, match="draft_width"):
         eval_main(_cfg("eval", [*base, "draft_width=0", f"out={root / 'eval-bad'}"]))

@@ -27,7 +27,8 @@ class EvalConfig:
     """`mtp-eval`: speculative decoding on held-out prompts, against plain decoding in the same run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    method: str = "mtp"  # mtp (a trained head) | draft (a small model) | ngram (prompt lookup) | none (plain only)
+    method: str = "mtp"  # mtp (a trained head) | draft (a small model) | ngram (prompt lookup) | none (plain only):
+    # the methods registered in mtp_train.eval.methods, each multiplied only by the axes of GRID_AXES it has
     head_ckpt: str | None = None  # head folder (mtp-train's heads/step-N or an mtp-export native folder)
     draft_model: str | None = None  # Hugging Face folder of the draft model (method=draft), same tokenizer
     prompts: list[str] = field(default_factory=lambda: ["demo-heldout"])  # conf/data names or prompt files
