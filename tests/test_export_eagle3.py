@@ -187,7 +187,8 @@ class _StubEagle3Head:
 
     def __init__(self, spec: e3.Eagle3Spec, **cfg):
         self.cfg = SimpleNamespace(**{"type": "eagle3", "aux_layers": list(spec.aux_layers), "fc_bias": False,
-                                      "draft_vocab_size": spec.draft_vocab_size, **cfg})
+                                      "draft_vocab_size": spec.draft_vocab_size, "aux_norm": spec.aux_norm,
+                                      "norm_output": spec.norm_output, **cfg})
         self.target_args = spec.args
         self._state = _state(spec)
 

@@ -16,6 +16,7 @@ INITS = ("scratch", "last_layer")
 FEATURES = ("final", "aux")  # what step 0 reads: the target's last hidden, or its aux layers concatenated
 FEATURE_NAMES = {"final": "the final hidden state", "aux": "the aux layers"}  # FEATURES in messages
 NORM_FLAGS = ("enorm", "hnorm", "input_norm", "final_norm")  # HeadConfig's norm switches
+EAGLE31_FLAGS = ("aux_norm", "norm_output")  # EAGLE-3.1's switches (HeadConfig, off by default)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class HeadTypeSpec:
     # vocabulary), and the draft_vocab buffer exists even when it covers the whole vocabulary.
     draft_vocab_required: bool = False
     formats: tuple[str, ...] = ("native",)  # `mtp-export format=` values that take this type
+    # The head feeds the next draft step its output BEFORE the final norm (eagle3, as vLLM and SGLang run it), so
+    # `head.norm_output` (EAGLE-3.1: feed the normed output instead) means something; the other types already feed
+    # the output the lm_head reads.
+    feeds_pre_norm: bool = False
 
     def __post_init__(self) -> None:
         if set(self.norms) != set(NORM_FLAGS):
@@ -54,7 +59,7 @@ HEAD_SPECS: dict[str, HeadTypeSpec] = {s.name: s for s in (
     # enorm = the layer's input_layernorm on the embedding, hnorm = its hidden_norm, final_norm = `norm`.
     HeadTypeSpec("eagle3", "EAGLE-3: aux target layers in, its own lm_head over a draft vocabulary", _ALL_ON,
                  fixed_norms=NORM_FLAGS, features="aux", fixed_features=True, draft_vocab_required=True,
-                 formats=("native", "speculators", "sglang-eagle3")),
+                 formats=("native", "speculators", "sglang-eagle3"), feeds_pre_norm=True),
 )}
 
 
@@ -94,6 +99,12 @@ class HeadConfig:
     # Target layers of the aux features, in transformers' hidden_states[j] numbering (0 = the embeddings, j = the
     # output of decoder layer j-1); [] = EAGLE-3's default [2, L//2, L-3]. Only with features=aux.
     aux_layers: list[int] = field(default_factory=list)
+    # EAGLE-3.1 (speculators' `fc_norm`): one RMSNorm per aux layer on its H-slice of the (T, k·H) step-0 input,
+    # before the k·H → H fc. Only with features=aux.
+    aux_norm: bool = False
+    # EAGLE-3.1 (speculators' `norm_output`): the next draft step reads the final-normed output instead of the
+    # pre-norm one. Only for a type that feeds the pre-norm output (eagle3).
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 0:
@@ -117,6 +128,12 @@ class HeadConfig:
             raise ValueError(f"head.aux_layers={list(self.aux_layers)} needs head.features=aux")
         if len(set(self.aux_layers)) != len(self.aux_layers) or any(int(j) < 0 for j in self.aux_layers):
             raise ValueError(f"head.aux_layers {list(self.aux_layers)} must be distinct layer indices >= 0")
+        if self.aux_norm and self.resolved_features != "aux":
+            raise ValueError("head.aux_norm=true needs head.features=aux: it norms each aux layer's slice before the "
+                             "fc, and a head over the final hidden state has no aux layers")
+        if self.norm_output and not spec.feeds_pre_norm:
+            raise ValueError(f"head.norm_output=true: {self.type} heads already feed the next step the output their "
+                             "lm_head reads; only a head that feeds its pre-norm output (eagle3) takes it")
 
     @property
     def spec(self) -> HeadTypeSpec:

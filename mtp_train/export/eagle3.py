@@ -10,6 +10,7 @@ Our names (the eagle3 head's state dict) → the layouts' names:
 | `fc.weight` [H, 3H]                | `fc.weight`                        | `fc.weight`                     |
 | `layers.0.<x>` (qkv, gate_up fused)| `layers.0.<x>` split q/k/v, gate/up| `midlayer.<x>` split            |
 | `norm.weight`, `lm_head.weight`    | same                               | same                            |
+| `aux_norm.{i}.weight` [H] (3.1)    | `fc_norm.{i}.weight`               | refused                         |
 | `draft_vocab` [V_d] int64          | `d2t` [V_d] int64, `t2d` [V] bool  | `d2t`, `t2d`                    |
 
 `d2t[i] = draft_vocab[i] - i` (both engines add `arange(V_d)` back: vLLM's `Eagle3LlamaForCausalLM.compute_logits`,
@@ -30,7 +31,15 @@ Facts the maps and configs rest on (files read in the engines' sources):
 * vLLM's `update_eagle3` (`vllm/transformers_utils/configs/speculators/algos.py`) defaults `norm_before_residual`
   to True, speculators' `Eagle3SpeculatorConfig` (`src/speculators/models/eagle3/config.py`) to False; ours
   takes the residual from the un-normed g (SGLang's `llama_eagle3.py` does the same, and has no flag), so the
-  speculators config writes False and every other norm flag (`norm_before_fc`, `fc_norm`, `norm_output`) too.
+  speculators config writes it False; `norm_before_fc` (ONE RMSNorm over the whole k·H input, `input_norm.weight`)
+  has no counterpart here and is written False.
+* EAGLE-3.1. speculators' `Eagle3SpeculatorConfig` has `fc_norm` (one RMSNorm per aux layer on its H-slice before
+  fc: `fc_norm.{i}.weight`, ModuleList over the aux layers, `Eagle3DraftModel.forward` in `core.py`) and
+  `norm_output` (the TTT steps feed the post-norm output); vLLM's `update_eagle3` copies both into the draft's
+  config and `llama_eagle3.py` builds `model.fc_norm` (applied in `combine_hidden_states`) and returns the normed
+  stream as the next step's hidden when `norm_output`. Ours: `head.aux_norm` = `fc_norm`, `head.norm_output` =
+  `norm_output`. SGLang's `LlamaForCausalLMEagle3` as stored here reads neither and skips weights it has no
+  parameter for, so a 3.1 head would load there silently changed: `format=sglang-eagle3` refuses both flags.
 * vLLM's `Eagle3LlamaForCausalLM` (`llama_eagle3.py`) returns (final-normed, pre-norm) and its proposer
   (`vllm/v1/spec_decode/eagle.py`) samples from the first and feeds the second to the next draft step; SGLang's
   `LlamaModel.forward` returns the pre-norm stream as the next step's hidden ("capture the hidden state before
@@ -77,12 +86,15 @@ class Eagle3Spec:
     fusings: tuple[Fusing, ...]  # the family's fused projections (the head's block fuses as its target does)
     fc_bias: bool = False
     head_type: str = "eagle3"
+    aux_norm: bool = False  # EAGLE-3.1: an RMSNorm per aux layer before fc (speculators' `fc_norm`)
+    norm_output: bool = False  # EAGLE-3.1: the next step reads the normed output (speculators' `norm_output`)
 
     @classmethod
     def of(cls, head: DraftHead) -> Eagle3Spec:
         c = head.cfg
         return cls(args=head.target_args, aux_layers=tuple(c.aux_layers), draft_vocab_size=c.draft_vocab_size,
-                   fusings=tuple(family_of(head.target_args).fusings), fc_bias=c.fc_bias, head_type=c.type)
+                   fusings=tuple(family_of(head.target_args).fusings), fc_bias=c.fc_bias, head_type=c.type,
+                   aux_norm=c.aux_norm, norm_output=c.norm_output)
 
 
 class Eagle3LayoutError(ValueError):
@@ -145,6 +157,9 @@ def sglang_problems(spec: Eagle3Spec) -> list[str]:
     """Why a head does not fit `format=sglang-eagle3` (empty: it fits)."""
     a = spec.args
     problems = _common_problems(spec, "sglang-eagle3")
+    problems += [f"head.{flag}=true: SGLang's LlamaForCausalLMEagle3 layout has no {flag} (EAGLE-3.1); it would "
+                 "load the head without it (export format=speculators)"
+                 for flag, on in (("aux_norm", spec.aux_norm), ("norm_output", spec.norm_output)) if on]
     problems += [f"{name}: SGLang's LlamaForCausalLMEagle3 layer has no such bias (export format=speculators)"
                  for name, on in (("qkv_bias", a.qkv_bias), ("o_bias", a.o_bias), ("mlp_bias", a.mlp_bias)) if on]
     return problems
@@ -181,6 +196,13 @@ _O_BIAS = "self_attn.o_proj.bias"
 # Outside the decoder layer, the same names in every layout; anything else of a head is left out (and then
 # reported by the exporter's coverage check).
 _TOP = ("fc.weight", "norm.weight", "lm_head.weight")
+# EAGLE-3.1's per-aux-layer norms: ours `aux_norm.{i}.*`, speculators' (and vLLM's) `fc_norm.{i}.*`.
+_AUX_NORM, _FC_NORM = "aux_norm.", "fc_norm."
+
+
+def _renamed(tensors: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
+    """The tensors whose names start with `old`, under `new` instead."""
+    return {new + k[len(old):]: v for k, v in tensors.items() if k.startswith(old)}
 
 
 def _to(prefix: str, zero_o_bias: bool) -> Callable[[dict[str, torch.Tensor], Eagle3Spec], dict[str, torch.Tensor]]:
@@ -191,6 +213,7 @@ def _to(prefix: str, zero_o_bias: bool) -> Callable[[dict[str, torch.Tensor], Ea
             w = layer["self_attn.o_proj.weight"]  # the engine expects it with the q/k/v bias: zero is the same map
             layer[_O_BIAS] = torch.zeros(w.shape[0], dtype=w.dtype)
         out = {k: state[k] for k in _TOP}
+        out.update(_renamed(state, _AUX_NORM, _FC_NORM))
         out.update({f"{prefix}{k}": v for k, v in layer.items()})
         out["d2t"], out["t2d"] = vocab_maps(state["draft_vocab"], spec.args.vocab_size)
         return out
@@ -207,6 +230,7 @@ def _from(prefix: str, zero_o_bias: bool) -> Callable[[dict[str, torch.Tensor], 
                 raise Eagle3LayoutError(f"{prefix}{_O_BIAS} is not zero: not an export of a head without o_proj bias")
         layer.update(fuse(layer, parts_plan(list(layer), spec.fusings)))
         state = {k: tensors[k] for k in _TOP}
+        state.update(_renamed(tensors, _FC_NORM, _AUX_NORM))
         state.update({f"layers.0.{k}": v for k, v in layer.items()})
         state["draft_vocab"] = draft_vocab_from(tensors["d2t"], tensors["t2d"])
         return state
@@ -255,7 +279,8 @@ def speculators_config(spec: Eagle3Spec, target: dict[str, Any]) -> dict[str, An
         "target_hidden_size": spec.args.hidden_size,
         "eagle_aux_hidden_state_layer_ids": vllm_aux_ids(spec.aux_layers),
         # Written out: vLLM and speculators default norm_before_residual differently (True / False).
-        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "norm_before_residual": False, "norm_before_fc": False,
+        "fc_norm": spec.aux_norm, "norm_output": spec.norm_output,  # EAGLE-3.1 (see the module docstring)
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",

@@ -99,6 +99,12 @@ def _no_fc_bias(head: DraftHead) -> list[str]:
             "sglang-eagle)"] if head.cfg.fc_bias else []
 
 
+def _no_aux_norm(head: DraftHead, layouts: str) -> list[str]:
+    # EAGLE-3.1's per-aux-layer norms have a place in the speculators layout only (`export/eagle3.py`).
+    return [f"head.aux_norm=true: {layouts} have no per-aux-layer norms (EAGLE-3.1); export native"] \
+        if head.cfg.aux_norm else []
+
+
 def _eagle_check(bias_ok: bool) -> Callable[[DraftHead], list[str]]:
     def check(head: DraftHead) -> list[str]:
         c = head.cfg
@@ -106,7 +112,8 @@ def _eagle_check(bias_ok: bool) -> Callable[[DraftHead], list[str]]:
                     for flag in ("enorm", "hnorm", "final_norm") if getattr(c, flag)]
         if c.input_norm:
             problems.append("input_norm=True: EAGLE-1's first decoder layer has no input_layernorm")
-        return problems + ([] if bias_ok else _no_fc_bias(head)) + _no_draft_vocab(head)
+        return (problems + ([] if bias_ok else _no_fc_bias(head)) + _no_draft_vocab(head)
+                + _no_aux_norm(head, "the EAGLE-1 layouts (vllm-eagle, sglang-eagle)"))
 
     return check
 
@@ -114,7 +121,8 @@ def _eagle_check(bias_ok: bool) -> Callable[[DraftHead], list[str]]:
 def _mtp_check(head: DraftHead) -> list[str]:
     c = head.cfg
     return [f"{flag}=False: the layout requires it (an RMSNorm weight is always present)"
-            for flag in ("enorm", "hnorm", "input_norm", "final_norm") if not getattr(c, flag)] + _no_fc_bias(head)
+            for flag in ("enorm", "hnorm", "input_norm", "final_norm") if not getattr(c, flag)] + _no_fc_bias(head) \
+        + _no_aux_norm(head, "the MTP layouts (deepseek-mtp, qwen3-next-mtp)")
 
 
 def _drop_vocab(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

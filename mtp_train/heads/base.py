@@ -29,6 +29,9 @@ Unrolled alignment (a sequence of n tokens, rows i = 0..n-1, steps j = 0..k-1):
 An aux head (`features=aux`: eagle3, or mtp / eagle1 with head.features=aux) reads at step 0 the target's aux
 layers at position i, concatenated (T, k·H), in place of h_i; targets stay h_{i+j+1}. eagle3's output feature (fed
 to step j+1) is its layer output before the final norm, as vLLM and SGLang feed it; `logit_input` applies the norm.
+EAGLE-3.1's two switches: `head.aux_norm` RMS-norms each aux layer's H-slice before the fc (`aux_input`, any aux
+head), and `head.norm_output` (eagle3) makes the output feature the normed one (`logit_input` is then the identity);
+both act inside `features`, so training (`forward_train`, `unroll`) and inference (`forward`) see them alike.
 
 The last j+1 rows of each sequence have no token t_{i+j+1}: they are fed token id 0 and never counted; no
 counted row attends to them (packing: `heads/packing.py`; the chain's attention: `heads/chain_attention.py`).
@@ -55,6 +58,7 @@ from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.packing import packed_shift, resolve_seq_lens
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, KVLayout, MLABackend
 from mtp_train.layers.linear import linear
+from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import family_of, titles
@@ -96,6 +100,9 @@ class DraftHead(nn.Module, ABC):
         self.frozen = frozen
         self.backend_name = backend
         a = self.args
+        # EAGLE-3.1 (head.aux_norm): one RMSNorm per aux layer, on its H-slice of step 0's input (`aux_input`).
+        self.aux_norm = (nn.ModuleList(RMSNorm(a.hidden_size, a.rms_norm_eps) for _ in self.aux_layers)
+                         if self.cfg.aux_norm else None)
         # Training always uses the torch backend (SDPA supports autograd); inference uses `backend`, per device.
         self._train_attn = self._make_attention("torch", torch.device("cpu"), None)
         self._attn: dict[torch.device, AttentionBackend | MLABackend] = {}
@@ -126,6 +133,14 @@ class DraftHead(nn.Module, ABC):
         page_size, C + R) latent rows for a DeepSeek block, written at the step's slots, or None.
         Returns (T, H): the estimate of h_{i+1}.
         """
+
+    def aux_input(self, aux: torch.Tensor) -> torch.Tensor:
+        """(T, k·H) step 0's aux features → (T, k·H) what the aux fc reads: with head.aux_norm (EAGLE-3.1) each
+        layer's H-slice through its own RMSNorm (the target's layers differ in scale), else unchanged."""
+        if self.aux_norm is None:
+            return aux
+        chunks = aux.split(self.args.hidden_size, dim=-1)
+        return torch.cat([norm(c.contiguous()) for norm, c in zip(self.aux_norm, chunks, strict=True)], dim=-1)
 
     def logit_input(self, out: torch.Tensor) -> torch.Tensor:
         """The head's output feature (N, H) → what its lm_head reads (N, H): itself (mtp, eagle1), or the final
@@ -320,5 +335,5 @@ class DraftHead(nn.Module, ABC):
         c = self.cfg
         return (f"type={c.type}, enorm={c.enorm}, hnorm={c.hnorm}, input_norm={c.input_norm}, "
                 f"final_norm={c.final_norm}, fc_bias={c.fc_bias}, features={c.features}, aux_layers={self.aux_layers}, "
-                f"draft_vocab={self.vocab_size}")
+                f"aux_norm={c.aux_norm}, norm_output={c.norm_output}, draft_vocab={self.vocab_size}")
 

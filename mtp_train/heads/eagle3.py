@@ -3,6 +3,8 @@ Training-Time Test"), as vLLM's `llama_eagle3` and SGLang's `LlamaForCausalLMEag
 
     g = fc(a_i)                       step 0: a_i (3H) = the target's aux layers at i, concatenated (no bias)
     g = x_{j-1}                       step j > 0: the head's previous output, BEFORE the final norm
+                                      (EAGLE-3.1's head.norm_output: norm(x_{j-1}); head.aux_norm: fc reads
+                                      [n_1(a_i^1) ; ... ; n_k(a_i^k)], one RMSNorm per aux layer)
     u = [ input_layernorm(E(t_{i+1})) ; hidden_norm(g) ]      (2H: embedding first)
     r = g + o_proj(attention(qkv_proj(u)))                    (q/k/v read 2H; the residual is g itself)
     x = r + mlp(post_attention_layernorm(r))                  (the output feature, fed to the next step)
@@ -10,7 +12,8 @@ Training-Time Test"), as vLLM's `llama_eagle3` and SGLang's `LlamaForCausalLMEag
 
 State dict: fc.weight (H, 3H); layers.0.{input_layernorm, hidden_norm, post_attention_layernorm}.weight;
 layers.0.self_attn.{qkv_proj (fused q/k/v of input 2H, bias with qkv_bias), o_proj}; layers.0.mlp.{gate_up_proj,
-down_proj}; norm.weight; lm_head.weight (Vd, H); the draft_vocab buffer (Vd,) of ascending target ids. The
+down_proj}; norm.weight; lm_head.weight (Vd, H); the draft_vocab buffer (Vd,) of ascending target ids;
+aux_norm.{0..k-1}.weight (H,) with head.aux_norm. The
 lm_head rows start as the target's lm_head rows of the draft tokens (re-copied whenever the draft vocabulary is
 set) and train. The block is the Llama family's (attention with q/k norms or qkv bias as the variant has them);
 targets whose family lists its head types (DeepSeek-V2) refuse it by name.
@@ -86,17 +89,19 @@ class Eagle3Head(DraftHead):
             self._copy_target_rows()
 
     def logit_input(self, out: torch.Tensor) -> torch.Tensor:
-        return self.norm(out)
+        return out if self.cfg.norm_output else self.norm(out)  # norm_output: `features` has normed it already
 
     def draft_lm_head(self) -> torch.Tensor:
         return self.lm_head.weight
 
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor | None, attn: AttentionBackend) -> torch.Tensor:
-        """(T, 3H) aux features (step 0) or (T, H) the previous output + (T,) next tokens → (T, H) pre-norm output."""
+        """(T, 3H) aux features (step 0) or (T, H) the previous output + (T,) next tokens → (T, H) the output
+        feature: the layer output before the final norm, or after it with head.norm_output (EAGLE-3.1)."""
         e = self.embed(token_ids)  # (T, H)
         g = hidden.to(e.dtype)
         if g.shape[-1] != e.shape[-1]:
-            g = self.fc(g)  # step 0: (T, 3H) → (T, H)
+            g = self.fc(self.aux_input(g))  # step 0: (T, 3H) → (T, H), each layer's slice normed with aux_norm
         cos, sin = self.rope(meta.positions, g.dtype)
-        return self.layers[0](e, g, cos, sin, attn, kv_cache, meta)
+        x = self.layers[0](e, g, cos, sin, attn, kv_cache, meta)
+        return self.norm(x) if self.cfg.norm_output else x

@@ -13,8 +13,9 @@ With every switch off this is the original EAGLE head (see `eagle1.py`), so abla
 `head.features=aux` (EAGLE-3's fused input, for the comparison with `eagle3.py` one flag at a time): step 0 reads
 the target's k aux layers at i, concatenated (T, k·H), through `aux_fc` (k·H → H, no bias) in place of h_i; steps
 j > 0 read the head's own (final-normed) output as before, and the targets stay the final hidden h_{i+1}. Nothing
-else changes. What still separates it from eagle3: eagle3 has no 2H → H fc (its attention reads [E ; g] at 2H, the
-residual is g), it feeds the next step its output before the final norm, and it trains its own lm_head rows.
+else changes. `head.aux_norm` (EAGLE-3.1) norms each aux layer's slice before `aux_fc` (`DraftHead.aux_input`).
+What still separates it from eagle3: eagle3 has no 2H → H fc (its attention reads [E ; g] at 2H, the residual is
+g), it feeds the next step its output before the final norm, and it trains its own lm_head rows.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class MTPHead(DraftHead):
         e = self.embed(token_ids)  # (T, H)
         h = hidden.to(e.dtype)  # stored features are bf16; the head may train in fp32
         if self.aux_fc is not None and h.shape[-1] != e.shape[-1]:
-            h = self.aux_fc(h)  # step 0 of an aux head: (T, k·H) → (T, H)
+            h = self.aux_fc(self.aux_input(h))  # step 0 of an aux head: (T, k·H) → (T, H) (aux_norm first)
         if self.enorm is not None:
             e = self.enorm(e)
         if self.hnorm is not None:
