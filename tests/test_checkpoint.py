@@ -19,14 +19,17 @@ from hydra import compose, initialize_config_dir
 
 from mtp_train.cli.common import CONF_DIR, run_command
 from mtp_train.cli.train import train_main
-from mtp_train.config import DeepSpeedConfig, OptimConfig, PrecomputeConfig, register_configs
+from mtp_train.config import ConfigError, DeepSpeedConfig, LoopConfig, OptimConfig, PrecomputeConfig, register_configs
 from mtp_train.models import load_model
 from mtp_train.precompute import Sample, precompute
+from mtp_train.train.best import BestTracker, sync_best
 from mtp_train.train.checkpoint import (
     CheckpointError,
     check_resume,
     load_engine_state,
     mark_latest,
+    publish_best,
+    read_best,
     save_engine_state,
     write_checksums,
 )
@@ -303,3 +306,57 @@ def test_a_diverging_run_stops_with_its_step_and_keeps_the_last_good_checkpoint(
     assert "lower optim.lr (now 1e+30)" in err
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-1"
     assert not (out / "checkpoints" / "step-2").exists() and not (out / "heads" / "step-2").exists()
+
+
+# --- heads/best -------------------------------------------------------------------------------------------------
+
+
+def _fake_head(out: Path, step: int) -> Path:
+    """heads/step-N with the files an export writes (contents that name the step)."""
+    d = out / "heads" / f"step-{step}"
+    d.mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "train_config.yaml"):
+        (d / name).write_text(f"{name} of step {step}\n")
+    return d
+
+
+def test_heads_best_is_a_plain_copy_replaced_whole_and_synced_to_the_tracked_step(tmp_path):
+    for step in (2, 4):
+        _fake_head(tmp_path, step)
+    best = publish_best(tmp_path, 2, {"metric": "eval/loss", "mode": "min", "value": 0.5, "step": 2})
+    assert best == tmp_path / "heads" / "best" and not best.is_symlink()
+    assert (best / "model.safetensors").read_text() == "model.safetensors of step 2\n"
+    publish_best(tmp_path, 4, {"metric": "eval/loss", "mode": "min", "value": 0.4, "step": 4})
+    assert read_best(tmp_path) == {"metric": "eval/loss", "mode": "min", "value": 0.4, "step": 4, "head": "step-4"}
+    assert sorted(p.name for p in best.iterdir()) == ["best.json", "config.json", "model.safetensors",
+                                                      "train_config.yaml"]
+    assert sorted(p.name for p in (tmp_path / "heads").iterdir()) == ["best", "step-2", "step-4"]  # no leftovers
+    with pytest.raises(FileNotFoundError, match="step-9"):
+        publish_best(tmp_path, 9, {})
+    # A resumed state whose best is step 2 (the crash came before step 4's improvement was checkpointed).
+    tracker = BestTracker("eval/loss", "min", 0.5, 2)
+    sync_best(tmp_path, tracker)
+    assert read_best(tmp_path)["step"] == 2
+    assert (best / "config.json").read_text() == "config.json of step 2\n"
+    sync_best(tmp_path, BestTracker("eval/loss", "min"))  # a state with no best yet shows none
+    assert not best.exists()
+
+
+def test_the_best_tracker_follows_its_direction_and_resumes_only_its_own_metric():
+    assert BestTracker.from_config(LoopConfig(keep_best="eval/step1/tok_loss")).mode == "min"  # auto
+    assert BestTracker.from_config(LoopConfig(keep_best="eval/alpha")).mode == "max"
+    assert BestTracker.from_config(LoopConfig(keep_best="eval/loss", keep_best_mode="max")).mode == "max"
+    with pytest.raises(ConfigError, match="keep_best_mode='best'.*auto | max | min"):
+        LoopConfig(keep_best="eval/loss", keep_best_mode="best")
+    t = BestTracker("spec/tau", "max")
+    assert t.update({"eval/loss": 1.0}, 1) == {}  # not this rank's metric (spec/* exist on rank 0 only)
+    assert t.update({"spec/tau": 1.2}, 2) == {"best/spec/tau": 1.2, "best/step": 2.0}
+    assert t.update({"spec/tau": 1.2}, 3) == {} and t.update({"spec/tau": float("nan")}, 4) == {}  # a tie keeps 2
+    assert t.update({"spec/tau": 1.1}, 5) == {} and t.step == 2
+    assert t.update({"spec/tau": 1.3}, 6)["best/step"] == 6.0
+    again = BestTracker("spec/tau", "max")
+    again.load_state_dict(json.loads(json.dumps(t.state_dict())))  # as state.json holds it
+    assert (again.value, again.step) == (1.3, 6)
+    other = BestTracker("eval/loss", "min")
+    other.load_state_dict(t.state_dict())  # kept by another metric: starts afresh
+    assert other.value is None and other.update({"eval/loss": 9.0}, 7)

@@ -15,6 +15,8 @@ from mtp_train.config.loss import LossConfig
 from mtp_train.config.model import ModelConfig
 from mtp_train.config.precompute import PrecomputeConfig
 
+KEEP_BEST_MODES = ("auto", "max", "min")  # train.keep_best_mode
+
 
 @dataclass
 class OptimConfig:
@@ -63,6 +65,15 @@ class LoopConfig:
     log_every: int = 10  # log training metrics every N steps
     seed: int = 0  # seeds the head's init, the batch order and the feature noise
     progress: bool = True  # tqdm progress bar on rank 0
+    # Keep heads/best as a copy of the best evaluated head by this validation metric ("" = off), e.g. spec/tau
+    # (needs spec_eval.prompts) or eval/loss; each improvement logs best/<metric> and best/step (train/best.py).
+    keep_best: str = ""
+    keep_best_mode: str = "auto"  # max | min | auto (min for a name ending in loss, else max)
+
+    def __post_init__(self) -> None:
+        if self.keep_best_mode not in KEEP_BEST_MODES:
+            raise ConfigError(f"train.keep_best_mode={self.keep_best_mode!r}: give one of "
+                              f"{' | '.join(KEEP_BEST_MODES)} (auto = min for a metric ending in loss, else max)")
 
 
 @dataclass

@@ -13,6 +13,8 @@ Layout under a run's `out`:
                   checksums.json        sha256 and size of every file above, written by rank 0 after a barrier
     heads/step-N/                       `save_head` output (model.safetensors + config.json, which holds the
                                         weights' sha256) + train_config.yaml
+    heads/best/                         with train.keep_best: a copy of the best evaluated heads/step-N, plus
+                                        best.json (metric, mode, value, step); see `publish_best`
 
 Nothing here is a pickle, and resuming never unpickles: DeepSpeed's own `save_checkpoint` / `load_checkpoint`
 (`torch.save` / `torch.load(weights_only=False)`, which runs whatever code a file names) are not used. A folder in
@@ -40,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mtp_train.fileio import atomic_write_text, sha256_file
+from mtp_train.fileio import atomic_write, atomic_write_text, fsync_dir, sha256_file
 from mtp_train.heads import DraftHead, save_head
 from mtp_train.train.engine_state import STATE, TODO, CheckpointError, load_engine, optim_files, read_state, save_engine
 
@@ -48,6 +50,8 @@ log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
 HEADS_DIR = "heads"
+BEST = "best"  # heads/best: a copy of the best evaluated head (train.keep_best)
+BEST_FILE = "best.json"  # in heads/best: which metric made it the best, its value and step
 LATEST = "latest"
 RESUME_MODES = ("auto", "none")
 CHECKSUMS = "checksums.json"
@@ -343,3 +347,48 @@ def export_head(head: DraftHead, out: str | Path, step: int, train_config_yaml: 
         shutil.rmtree(final)  # a re-run of the same step (resumed after a crash past this save) replaces it
     os.replace(tmp, final)
     return final
+
+
+def publish_best(out: str | Path, step: int, record: dict[str, Any]) -> Path:
+    """Rank 0: make `heads/best` a copy of the exported `heads/step-N` plus `best.json` (`record`).
+
+    A plain copy, not a symlink: it survives copying or syncing the run folder to another machine, and
+    `mtp-eval head_ckpt=<out>/heads/best` / `mtp-export` read it as any head folder (its config.json, with the
+    weights' sha256, is the step's own, byte for byte). Written beside as a temporary folder, then swapped in with
+    two renames, so a crash never leaves a half-copied `best`.
+    """
+    heads = Path(out) / HEADS_DIR
+    src, final = heads / tag_for(step), heads / BEST
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src} is not an exported head: heads/{BEST} can only copy one")
+    tmp, old = heads / f".{BEST}.{os.getpid()}.tmp", heads / f".{BEST}.{os.getpid()}.old"
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for path in sorted(src.iterdir()):
+        if path.is_dir():
+            shutil.copytree(path, tmp / path.name)
+        else:
+            atomic_write(tmp / path.name, lambda dst, path=path: shutil.copyfile(path, dst))  # fsynced
+    atomic_write_text(tmp / BEST_FILE, json.dumps({**record, "head": tag_for(step)}, indent=1) + "\n")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(heads)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_best(out: str | Path) -> dict[str, Any] | None:
+    """`heads/best/best.json` of a run (metric, mode, value, step, head), or None when there is no readable one."""
+    path = Path(out) / HEADS_DIR / BEST / BEST_FILE
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def remove_best(out: str | Path) -> None:
+    """Rank 0: remove `heads/best` (a run whose state holds no best yet must not show another trajectory's)."""
+    shutil.rmtree(Path(out) / HEADS_DIR / BEST, ignore_errors=True)

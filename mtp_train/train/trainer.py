@@ -45,6 +45,7 @@ from mtp_train import dist
 from mtp_train.config import TrainConfig, bf16_enabled
 from mtp_train.dist import DistInfo
 from mtp_train.heads import DraftHead, FrozenTargetParts, build_head
+from mtp_train.train.best import BestTracker, check_keep_best, sync_best
 from mtp_train.train.checkpoint import (
     CKPT_DIR,
     HEADS_DIR,
@@ -52,6 +53,7 @@ from mtp_train.train.checkpoint import (
     export_head,
     load_engine_state,
     mark_latest,
+    publish_best,
     save_engine_state,
     tag_for,
     write_checksums,
@@ -104,13 +106,16 @@ class Trainer:
         self.last_train: dict[str, float] = {}
         self.head_dir: Path | None = None
         self._saved_step = -1
+        self.best = BestTracker.from_config(cfg.train)  # train.keep_best: heads/best (train/best.py)
         self._setup_data()
         try:
+            check_keep_best(cfg, self.val_set is not None)
             resume_from = self._check_resume()  # before the engine: a damaged checkpoint fails fast
             self._setup_engine()
             self._resume_step = self._maybe_resume(resume_from)
             if on_start is not None and info.is_main:
                 on_start()
+                sync_best(self.out, self.best)  # heads/best as the resumed state says (a crash may have left another)
             # After the config is saved: a hybrid source starts writing its folder here.
             self.data.begin(self.stream.epoch, self.stream.position)
         except BaseException:
@@ -178,6 +183,7 @@ class Trainer:
         self.stream.load_state_dict(client["data"])
         self.samples_seen, self.tokens_seen = int(client["samples_seen"]), int(client["tokens_seen"])
         self._saved_step = self.step
+        self.best.load_state_dict(client.get("best"))  # compare against the interrupted run's best, not afresh
         for key, now in (("micro_batch_tokens", self.cfg.train.micro_batch_tokens), ("seed", self.cfg.train.seed)):
             if client.get(key) != now:
                 log.warning("resuming with train.%s=%s (checkpoint: %s): the batch order differs from the "
@@ -258,20 +264,41 @@ class Trainer:
             "tokens_seen": self.tokens_seen, "world": self.info.world,
             "micro_batch_tokens": self.cfg.train.micro_batch_tokens, "seed": self.cfg.train.seed,
             "target_fingerprint": self.target_fingerprint, "data_source": self.data.name,
+            "best": self.best.state_dict(),
         }
         tag_dir = save_engine_state(self.engine, self.out, self.step, client, self.info.rank, self.info.world,
                                     dataclasses.asdict(self.head.cfg))
         dist.barrier()
         if self.info.is_main:
             write_checksums(tag_dir)
-            extra = {"samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
-                     **self.data.record(), "eval": self.last_eval}
-            self.head_dir = export_head(self.head, self.out, self.step, self.config_yaml,
-                                        target_fingerprint=self.target_fingerprint, extra=extra)
+            self.head_dir = self._export_head()
             mark_latest(self.out, self.step)
             log.info("step %d: checkpoint %s, head %s", self.step, self.out / CKPT_DIR, self.head_dir)
         dist.barrier()
         self._saved_step = self.step
+
+    def _export_head(self) -> Path:
+        """Rank 0: `heads/step-N` of the current head, with the run's counters and its last evaluation."""
+        extra = {"samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen,
+                 **self.data.record(), "eval": self.last_eval}
+        return export_head(self.head, self.out, self.step, self.config_yaml,
+                           target_fingerprint=self.target_fingerprint, extra=extra)
+
+    def _log_evaluation(self) -> bool:
+        """Evaluate and log, with best/<metric> and best/step when train.keep_best's metric improved (then True)."""
+        metrics = self.evaluate()
+        best = self.best.update(metrics, self.step)
+        self.logger.log({**metrics, **best}, self.step)
+        return bool(best)
+
+    def _publish_best(self) -> None:
+        """Rank 0, after an improvement and the step's save (if due): heads/best becomes a copy of this step's head,
+        exported here when the step saves none (no checkpoint: only the head is needed)."""
+        if self.info.is_main:
+            if self._saved_step != self.step:
+                self._export_head()
+            publish_best(self.out, self.step, self.best.record())
+            log.info("step %d: best %s %.6g, heads/best", self.step, self.best.metric, self.best.value)
 
     def _diverged(self, what: str) -> TrainingDivergedError:
         """The error that stops a run whose loss or weights are no longer finite: one line naming the step, the
@@ -319,22 +346,26 @@ class Trainer:
                     metrics["train/elapsed_s"] = time.monotonic() - started
                     t0, rows0 = now, self.tokens_seen
                     self.logger.log(metrics, self.step)
+                improved = False
                 if c.eval_every and self.step % c.eval_every == 0:
-                    self.logger.log(self.evaluate(), self.step)
+                    improved = self._log_evaluation()
                     evaluated_at = self.step
                 if c.save_every and self.step % c.save_every == 0:
                     self.save()
+                if improved:
+                    self._publish_best()
                 if self.on_step is not None:
                     self.on_step(self, self.step, metrics)
             bar.close()
             train_seconds = time.monotonic() - started
             # Stopped by either limit: the final evaluation, checkpoint and head export (a re-run resumes from them).
-            if evaluated_at != self.step:
-                self.logger.log(self.evaluate(), self.step)
+            improved = self._log_evaluation() if evaluated_at != self.step else False
             if self._saved_step != self.step:
                 self.save()
             elif self.head_dir is None and (self.out / HEADS_DIR / tag_for(self.step)).is_dir():
                 self.head_dir = self.out / HEADS_DIR / tag_for(self.step)  # resumed at the end: already exported
+            if improved:
+                self._publish_best()
             self.logger.summary(self.last_eval)
             return {"step": self.step, "out": str(self.out), "head_dir": str(self.head_dir) if self.head_dir else None,
                     "train_seconds": train_seconds, "stopped_by": stopped_by, **self.last_train, **self.last_eval}
