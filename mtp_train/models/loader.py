@@ -3,14 +3,16 @@
 The model is built on the meta device (no memory, no random init), then every parameter is
 assigned from the checkpoint: tensors already in the wanted dtype are taken as they come from
 safetensors' memory map; the family's fused projections (e.g. q/k/v, gate/up) are concatenated
-from their parts (`mtp_train.models.fusing`).
+from their parts (`mtp_train.models.fusing`). A block-scaled FP8 checkpoint (`quantization_config` with
+`quant_method: fp8`) has each FP8 weight dequantised to the compute dtype as it is read, with its
+`weight_scale_inv` (`mtp_train.models.fp8`), before any fusing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from mtp_train.layers.linear import prepack_linears
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import args_from_dir, family_of
+from mtp_train.models.fp8 import BlockFP8, block_fp8, covering, dequantize, plan_fp8
 from mtp_train.models.fusing import fuse, fusion_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -104,6 +107,71 @@ def iter_tensors(files: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, fh.get_tensor(name)
 
 
+class CheckpointReader:
+    """A checkpoint's tensors by name, each safetensors file opened once; FP8 weights dequantised as they are read.
+
+    Use as a context manager (the files stay open until it exits). `names` lists the tensors a model consumes,
+    file by file: every tensor but the FP8 scales, each of which is read with its weight. Opening checks the
+    FP8 weights and scales against `quant` (`mtp_train.models.fp8.plan_fp8`), from the headers alone.
+    """
+
+    def __init__(self, files: Mapping[str, Path], quant: BlockFP8 | None = None,
+                 source: str | Path = "checkpoint") -> None:
+        self.files, self.quant = dict(files), quant
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[Path, Any] = {}
+        headers: dict[str, tuple[str, list[int]]] = {}
+        try:
+            for f, names in names_by_file(self.files).items():
+                fh = self._handle_of(f)
+                for name in names:
+                    sl = fh.get_slice(name)
+                    headers[name] = (sl.get_dtype(), list(sl.get_shape()))
+            self.fp8 = plan_fp8(headers, quant, source)  # {weight: scale}
+        except BaseException:
+            self._stack.close()
+            raise
+        self.shapes = {n: tuple(shape) for n, (_, shape) in headers.items()}
+        scales = set(self.fp8.values())
+        self.names = [n for names in names_by_file(self.files).values() for n in names if n not in scales]
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _handle_of(self, f: Path) -> Any:
+        if f not in self._handles:
+            self._handles[f] = self._stack.enter_context(open_safetensors(f))
+        return self._handles[f]
+
+    def read(self, name: str, dtype: torch.dtype, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        """Tensor `name` in `dtype`, or only its part `index` (one slice per leading dimension; nothing else is read).
+
+        An FP8 weight's part is dequantised from its FP8 rows and columns and the scale blocks that cover them, so
+        a part need not start or end on a block boundary.
+        """
+        fh = self._handle_of(self.files[name])
+        if name not in self.fp8:
+            return (fh.get_slice(name)[index] if index else fh.get_tensor(name)).to(dtype)
+        assert self.quant is not None
+        (bm, bn), shape = self.quant.block, self.shapes[name]
+        rows, cols = (tuple(index) + (slice(None), slice(None)))[:2]
+        r0, r1, step_r = rows.indices(shape[0])
+        c0, c1, step_c = cols.indices(shape[1])
+        assert step_r == step_c == 1, "parts are contiguous ranges"
+        weight = fh.get_slice(name)[r0:r1, c0:c1]
+        scale = self.fp8[name]
+        blocks = self._handle_of(self.files[scale]).get_slice(scale)[covering(r0, r1, bm), covering(c0, c1, bn)]
+        return dequantize(weight, blocks, (bm, bn), dtype, offset=(r0 % bm, c0 % bn))
+
+
+def open_checkpoint(path: Path, args: ModelArgs) -> CheckpointReader:
+    """A `CheckpointReader` over a model folder's safetensors, with the FP8 format of its config (if any)."""
+    return CheckpointReader(checkpoint_files(path), block_fp8(args.raw, path / "config.json"), path)
+
+
 def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -134,23 +202,24 @@ def load_model(
     fused_parts = fusion_plan(expected, family_of(args).fusings)
     fused_target = {src: full for full, parts in fused_parts.items() for src in parts}
 
-    files = checkpoint_files(path)
     state: dict[str, torch.Tensor] = {}
     fused_got: dict[str, torch.Tensor] = {}  # checkpoint name → tensor, for the fused parameters
-    for name, tensor in iter_tensors(files):
-        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
-            continue
-        if name in fused_target:
-            fused_got[name] = tensor.to(dt)
-            continue
-        if name not in expected or name in fused_parts:
-            raise ModelConfigError(f"{files[name]}: unexpected tensor {name!r} for a {args.model_type} model")
-        want = tuple(expected[name].shape)
-        if tuple(tensor.shape) != want:
-            raise ModelConfigError(
-                f"{files[name]}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies {want}"
-            )
-        state[name] = tensor.to(device=device, dtype=dt)
+    with open_checkpoint(path, args) as ckpt:
+        files = ckpt.files
+        for name in ckpt.names:
+            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
+                continue
+            if name in fused_target:
+                fused_got[name] = ckpt.read(name, dt)
+                continue
+            if name not in expected or name in fused_parts:
+                raise ModelConfigError(f"{files[name]}: unexpected tensor {name!r} for a {args.model_type} model")
+            want = tuple(expected[name].shape)
+            if ckpt.shapes[name] != want:
+                raise ModelConfigError(
+                    f"{files[name]}: tensor {name} has shape {ckpt.shapes[name]}, config.json implies {want}"
+                )
+            state[name] = ckpt.read(name, dt).to(device)
 
     for target, full in fuse(fused_got, fused_parts).items():  # a fusion with a part missing is reported below
         want = tuple(expected[target].shape)

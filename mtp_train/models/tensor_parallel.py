@@ -11,7 +11,8 @@ args fields each rank holds 1/tp of; everything else (norms) is replicated. For 
 | `lm_head.weight`                         | vocabulary rows              | local logits → all-gather        |
 
 (the Llama family's table is in `families/llama.py`). Each rank builds the model with its local shapes
-(`local_args`), reads only its slices of every checkpoint tensor (safetensors `get_slice`), fuses them as the
+(`local_args`), reads only its slices of every checkpoint tensor (safetensors `get_slice`; an FP8 weight's slice
+is dequantised from the scale blocks covering it, `mtp_train.models.fp8`), fuses them as the
 single-process loader does, and then has its row-parallel projections, embedding and lm_head wrapped
 (`parallelize`). The model file itself is unchanged: the attention backend and the KV cache see the local head
 counts, so each rank caches only its heads. Hidden states and logits are replicated on every rank after each step,
@@ -36,10 +37,9 @@ from mtp_train.models.families import TPRules, args_from_dir, family_of, titles
 from mtp_train.models.fusing import fuse, fusion_plan
 from mtp_train.models.loader import (
     IGNORED_SUFFIXES,
+    CheckpointReader,
     attention_for,
-    checkpoint_files,
-    names_by_file,
-    open_safetensors,
+    open_checkpoint,
     resolve_dtype,
 )
 
@@ -115,23 +115,30 @@ def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
     return lo, min(lo + per, vocab), per
 
 
-def _slice(name: str, sl, tp: TPGroup, rules: TPRules) -> torch.Tensor:
-    """Read this rank's part of checkpoint tensor `name` through a safetensors slice (nothing else is read)."""
-    shape = sl.get_shape()
+def _part(name: str, shape: tuple[int, ...], tp: TPGroup, rules: TPRules) -> tuple[tuple[slice, ...], int]:
+    """This rank's part of checkpoint tensor `name` of `shape`: one slice per leading dimension (empty: all of it),
+    and the rows of zeros to append so that every rank's vocabulary shard has the same shape."""
     module = name.rsplit(".", 1)[0]
     if any(module.endswith(c) for c in rules.column):
         n = shape[0] // tp.size
-        return sl[tp.rank * n:(tp.rank + 1) * n]
+        return (slice(tp.rank * n, (tp.rank + 1) * n),), 0
     if any(module.endswith(r) for r in rules.row) and name.endswith(".weight"):
         n = shape[1] // tp.size
-        return sl[:, tp.rank * n:(tp.rank + 1) * n]
+        return (slice(None), slice(tp.rank * n, (tp.rank + 1) * n)), 0
     if name in VOCAB:
         lo, hi, per = vocab_range(shape[0], tp.size, tp.rank)
-        part = sl[lo:hi]
-        if hi - lo < per:  # pad the short last shard so that every rank gathers the same shape
-            part = torch.cat([part, part.new_zeros(per - (hi - lo), *part.shape[1:])])
-        return part
-    return sl[:]
+        return (slice(lo, hi),), per - (hi - lo)
+    return (), 0
+
+
+def _read_part(ckpt: CheckpointReader, name: str, tp: TPGroup, rules: TPRules, dtype: torch.dtype) -> torch.Tensor:
+    """Read only this rank's part of `name` (an FP8 weight: its part dequantised from the scale blocks covering it,
+    a part boundary need not fall on a block boundary); the short last vocabulary shard padded with zeros."""
+    index, pad = _part(name, ckpt.shapes[name], tp, rules)
+    part = ckpt.read(name, dtype, index)
+    if pad:
+        part = torch.cat([part, part.new_zeros(pad, *part.shape[1:])])
+    return part
 
 
 class RowParallelLinear(nn.Module):
@@ -175,7 +182,7 @@ class VocabParallelLMHead(nn.Module):
 
 
 def parallelize(model: CausalLM, tp: TPGroup, vocab: int) -> CausalLM:
-    """Wrap a model holding this rank's slices (see `_slice`) so that its forward is the full model's."""
+    """Wrap a model holding this rank's slices (see `_part`) so that its forward is the full model's."""
     for layer in model.model.layers:
         for path in tp_rules(model.args).row:
             parent, _, attr = path.rpartition(".")
@@ -206,14 +213,12 @@ def load_model_tp(path: str | Path, tp: TPGroup, dtype: str | torch.dtype = "aut
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     if args.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    files = checkpoint_files(path)
     raw: dict[str, torch.Tensor] = {}
-    for f, names in names_by_file(files).items():
-        with open_safetensors(f) as fh:
-            for name in names:
-                if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
-                    continue
-                raw[name] = _slice(name, fh.get_slice(name), tp, rules).to(dtype=dt)
+    with open_checkpoint(path, full) as ckpt:
+        for name in ckpt.names:
+            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
+                continue
+            raw[name] = _read_part(ckpt, name, tp, rules, dt)
     state = fuse(raw, fusion_plan(expected, family_of(args).fusings))
     state.update({name: raw.pop(name) for name in expected if name in raw})
     problems = [f"{n}: missing" for n in sorted(expected.keys() - state.keys())]
