@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from mtp_train.config import HeadConfig
 from mtp_train.config.head import default_aux_layers
 from mtp_train.engine import prefill_hidden
+from mtp_train.export import LayoutError, check_fits
 from mtp_train.heads import DraftHead, build_head, load_head, packed_shift, save_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import load_model
@@ -128,12 +129,50 @@ def test_own_lm_head_starts_as_the_target_rows_and_draft_vocab_is_mandatory(tiny
         _eagle3(tiny_checkpoints, aux_layers=[1, 2, 9])
 
 
-CASES = [("llama", LENS), ("qwen3", LENS), ("mistral", [20, 18])]
+EAGLE31 = dict(aux_norm=True, norm_output=True)
+CASES = [("llama", LENS, {}), ("qwen3", LENS, {}), ("mistral", [20, 18], {}), ("llama", LENS, EAGLE31)]
 
 
-@pytest.mark.parametrize(("name", "lens"), CASES, ids=[c[0] for c in CASES])
-def test_training_forward_equals_inference_prefill_verify_and_decode(tiny_checkpoints, name, lens):
-    head = _eagle3(tiny_checkpoints, name)
+def _perturb(head: DraftHead, seed: int = 1) -> None:
+    """Move every weight off its initial value (norms off identity, lm_head off the copied rows)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def test_eagle31_norms_follow_the_published_equations(tiny_checkpoints):
+    """head.aux_norm: fc reads [n_1(a^1) ; n_2(a^2) ; n_3(a^3)] (one RMSNorm per aux layer, speculators' fc_norm);
+    head.norm_output: the output feature is norm(x), and the logits read it as is. Each flag changes the output."""
+    head = _eagle3(tiny_checkpoints, **EAGLE31)
+    _perturb(head)
+    cfg = tiny_checkpoints["llama"][1].config
+    theta = json.loads((tiny_checkpoints["llama"][0] / "config.json").read_text()).get("rope_theta", 10000.0)
+    h = cfg.hidden_size
+    sd = {k: t.detach() for k, t in head.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in sd.items() if k.startswith("aux_norm.")} == {
+        f"aux_norm.{i}.weight": (h,) for i in range(3)}
+    aux, _, tokens = _aux_batch(tiny_checkpoints, "llama", head.aux_layers, [8])
+    nxt = packed_shift(tokens, [8], 1)
+    normed = torch.cat([_rms(c, sd[f"aux_norm.{i}.weight"], cfg.rms_norm_eps) for i, c in enumerate(aux.split(h, -1))],
+                       -1)
+    want_x, want_logits = reference_eagle3(sd, head.frozen.embed, normed, nxt, cfg, theta)
+    meta, rows = AttentionMetadata.build([8]), torch.arange(8)
+    with torch.no_grad():
+        out = head(aux, nxt, meta, logits_indices=rows)
+        torch.testing.assert_close(out.hidden, _rms(want_x, sd["norm.weight"], cfg.rms_norm_eps), **TOL)
+        torch.testing.assert_close(out.logits, want_logits, **TOL)
+        for flag in EAGLE31:  # the same weights with one flag off give another output
+            other = _eagle3(tiny_checkpoints, **{**EAGLE31, flag: False})
+            other.load_state_dict({k: v for k, v in sd.items() if flag != "aux_norm" or not k.startswith("aux_norm.")})
+            assert not torch.allclose(other(aux, nxt, meta).hidden, out.hidden, **TOL), flag
+
+
+@pytest.mark.parametrize(("name", "lens", "flags"), CASES, ids=["llama", "qwen3", "mistral", "llama-eagle3.1"])
+def test_training_forward_equals_inference_prefill_verify_and_decode(tiny_checkpoints, name, lens, flags):
+    head = _eagle3(tiny_checkpoints, name, **flags)
+    if flags:
+        _perturb(head)
     aux, _, tokens = _aux_batch(tiny_checkpoints, name, head.aux_layers, lens)
     nxt = packed_shift(tokens, lens, 1)
     train = head.forward_train(aux, nxt, lens)
@@ -156,14 +195,20 @@ def test_training_forward_equals_inference_prefill_verify_and_decode(tiny_checkp
         torch.testing.assert_close(out, train, **TOL)
 
 
+@pytest.mark.parametrize("flags", [{}, EAGLE31], ids=["eagle3.0", "eagle3.1"])
 @pytest.mark.parametrize("type_", ["eagle3", "mtp"])
 @pytest.mark.parametrize(("name", "lens"), [("qwen3", [6, 5]), ("mistral", [19])], ids=["qwen3", "mistral"])
-def test_training_time_test_equals_what_draft_step_j_sees(tiny_checkpoints, name, lens, type_):
+def test_training_time_test_equals_what_draft_step_j_sees(tiny_checkpoints, name, lens, type_, flags):
     """Row i of unrolled step j (chain attention) = draft step j of a chain started at i over a paged cache:
     the cache holds the entries of positions 0..i computed from the target's aux features, step j > 0 feeds the
-    previous output (eagle3: before its final norm) with the next token at the next position."""
+    previous output (eagle3: before its final norm, or after it with head.norm_output) with the next token at the
+    next position. EAGLE-3.1's flags (an mtp head takes aux_norm only) act the same in both."""
     kw = dict(draft_vocab_size=64) if type_ == "eagle3" else dict(features="aux", aux_layers=[1, 3])
-    head = build_head(HeadConfig(type=type_, **kw), tiny_checkpoints[name][0], dtype="float32")
+    if type_ == "mtp":
+        flags = {k: v for k, v in flags.items() if k == "aux_norm"}
+    head = build_head(HeadConfig(type=type_, **kw, **flags), tiny_checkpoints[name][0], dtype="float32")
+    if flags:
+        _perturb(head)
     steps, page_size = 3, 2
     aux, _, tokens = _aux_batch(tiny_checkpoints, name, head.aux_layers, lens)
     assert aux.shape[-1] == head.input_width
@@ -187,6 +232,34 @@ def test_eagle3_feeds_its_pre_norm_output_to_the_next_step(tiny_checkpoints):
         torch.testing.assert_close(logits, head.norm(outs[0]) @ head.lm_head.weight.T, **TOL)
 
 
+def test_norm_output_feeds_the_normed_output_to_the_next_step(tiny_checkpoints):
+    head = _eagle3(tiny_checkpoints, norm_output=True)
+    aux, _, tokens = _aux_batch(tiny_checkpoints, "llama", head.aux_layers, [6])
+    with torch.no_grad():
+        outs = head.unroll(aux, tokens, [6], 2)
+        rms = outs[0].pow(2).mean(-1).sqrt()  # the final norm's weight starts at ones: RMS 1
+        torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(head.logit_input(outs[0]), outs[0])  # the logits read it as is
+        torch.testing.assert_close(outs[1].pow(2).mean(-1).sqrt(), torch.ones(6), rtol=1e-3, atol=1e-3)
+
+
+def test_eagle31_flags_are_refused_where_they_mean_nothing(tiny_checkpoints):
+    for type_ in ("mtp", "eagle1"):
+        with pytest.raises(ValueError, match="head.aux_norm=true needs head.features=aux"):
+            HeadConfig(type=type_, aux_norm=True)
+        with pytest.raises(ValueError, match=f"head.norm_output=true: {type_} heads already feed"):
+            HeadConfig(type=type_, features="aux", norm_output=True)
+    folder = tiny_checkpoints["llama"][0]
+    mtp = build_head(HeadConfig(type="mtp", features="aux", aux_norm=True), folder, dtype="float32")
+    with pytest.raises(LayoutError, match="head.aux_norm=true: the MTP layouts"):
+        check_fits(mtp, "deepseek-mtp")
+    e1 = build_head(HeadConfig(type="eagle1", features="aux", aux_norm=True), folder, dtype="float32")
+    with pytest.raises(LayoutError, match="head.aux_norm=true: the EAGLE-1 layouts"):
+        check_fits(e1, "vllm-eagle")
+    with pytest.raises(LayoutError, match="head.norm_output=true: SGLang"):
+        check_fits(_eagle3(tiny_checkpoints, norm_output=True), "sglang-eagle3")
+
+
 def test_mtp_aux_features_change_only_the_step0_input(tiny_checkpoints):
     base = build_head(HeadConfig(type="mtp"), tiny_checkpoints["llama"][0], dtype="float32")
     aux_head = build_head(HeadConfig(type="mtp", features="aux", aux_layers=[1, 3]), tiny_checkpoints["llama"][0],
@@ -204,11 +277,15 @@ def test_mtp_aux_features_change_only_the_step0_input(tiny_checkpoints):
         torch.testing.assert_close(aux_head.forward_train(aux, nxt, [6]), via_fc, **TOL)
 
 
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3.0", "eagle3.1"])
 @pytest.mark.parametrize("type_", ["eagle3", "mtp"])
-def test_save_load_round_trip_keeps_aux_layers_and_lm_head(tiny_checkpoints, tmp_path, type_):
+def test_save_load_round_trip_keeps_aux_layers_and_lm_head(tiny_checkpoints, tmp_path, type_, eagle31):
     folder = tiny_checkpoints["llama"][0]
     kw = dict(draft_vocab_size=64) if type_ == "eagle3" else dict(features="aux")
-    head = build_head(HeadConfig(type=type_, **kw), folder, dtype="float32")
+    flags = ({"aux_norm": True, "norm_output": type_ == "eagle3"}) if eagle31 else {}
+    head = build_head(HeadConfig(type=type_, **kw, **flags), folder, dtype="float32")
+    if eagle31:
+        _perturb(head)
     if type_ == "eagle3":
         head.set_draft_vocab(torch.arange(100, 164))
         with torch.no_grad():
@@ -216,5 +293,11 @@ def test_save_load_round_trip_keeps_aux_layers_and_lm_head(tiny_checkpoints, tmp
     save_head(head, tmp_path / "h", target_fingerprint=weights_fingerprint(folder))
     back = load_head(tmp_path / "h", folder, dtype="float32")
     assert back.aux_layers == head.aux_layers == [2, 1, 0]
+    assert (back.cfg.aux_norm, back.cfg.norm_output) == (head.cfg.aux_norm, head.cfg.norm_output)
+    assert ("aux_norm.2.weight" in back.state_dict()) == eagle31
+    assert back.state_dict().keys() == head.state_dict().keys()
     for k, v in head.state_dict().items():
         torch.testing.assert_close(back.state_dict()[k], v)
+    aux, _, tokens = _aux_batch(tiny_checkpoints, "llama", head.aux_layers, [5])
+    with torch.no_grad():
+        torch.testing.assert_close(back.unroll(aux, tokens, [5], 2)[1], head.unroll(aux, tokens, [5], 2)[1], **TOL)

@@ -47,6 +47,8 @@ def _state(spec: e3.Eagle3Spec, seed: int = 0) -> dict[str, torch.Tensor]:
          "draft_vocab": torch.randperm(V, generator=g)[:VD].sort().values}
     if a.qkv_bias:
         s["layers.0.self_attn.qkv_proj.bias"] = r(qkv_rows)
+    if spec.aux_norm:  # EAGLE-3.1: one RMSNorm per aux layer
+        s.update({f"aux_norm.{i}.weight": r(H) for i in range(len(spec.aux_layers))})
     return s
 
 
@@ -213,3 +215,33 @@ def test_exporter_reports_a_head_tensor_the_layout_leaves_out():
     head._state["embed_norm.weight"] = torch.ones(H)
     with pytest.raises(LayoutError, match=r"missing \['embed_norm.weight'\]"):
         layout_tensors(head, "speculators")
+
+
+def test_eagle31_in_the_speculators_layout():
+    """head.aux_norm → speculators' / vLLM's `fc_norm` (tensors `fc_norm.{i}.weight`, vLLM loads them as
+    `model.fc_norm.{i}`), head.norm_output → `norm_output`; both written into config.json."""
+    spec = _spec(aux_norm=True, norm_output=True)
+    state = _state(spec)
+    out = e3.to_speculators(state, spec)
+    assert {k for k in out if "norm." in k and not k.startswith("layers.")} == {
+        "norm.weight", "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
+    assert not any(k.startswith("aux_norm.") for k in out)
+    for i in range(3):
+        assert torch.equal(out[f"fc_norm.{i}.weight"], state[f"aux_norm.{i}.weight"])
+    back = e3.from_speculators(out, spec)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    cfg = e3.speculators_config(spec, TARGET)
+    assert (cfg["fc_norm"], cfg["norm_output"], cfg["norm_before_fc"]) == (True, True, False)
+    only_output = e3.speculators_config(_spec(norm_output=True), TARGET)
+    assert (only_output["fc_norm"], only_output["norm_output"]) == (False, True)
+    assert e3.speculators_problems(spec) == []
+    tensors = layout_tensors(_StubEagle3Head(spec), "speculators")  # coverage and exactness through the exporter
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= tensors.keys()
+
+
+@pytest.mark.parametrize("flag", ["aux_norm", "norm_output"])
+def test_sglang_refuses_the_eagle31_flags_by_name(flag):
+    spec = _spec(**{flag: True})
+    assert [p for p in e3.sglang_problems(spec) if f"head.{flag}=true" in p and "SGLang" in p]
+    with pytest.raises(LayoutError, match=f"head.{flag}=true"):
+        check_fits(_StubEagle3Head(spec), "sglang-eagle3")

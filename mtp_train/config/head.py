@@ -16,7 +16,6 @@ INITS = ("scratch", "last_layer")
 FEATURES = ("final", "aux")  # what step 0 reads: the target's last hidden, or its aux layers concatenated
 FEATURE_NAMES = {"final": "the final hidden state", "aux": "the aux layers"}  # FEATURES in messages
 NORM_FLAGS = ("enorm", "hnorm", "input_norm", "final_norm")  # HeadConfig's norm switches
-EAGLE31_FLAGS = ("aux_norm", "norm_output")  # EAGLE-3.1's switches (HeadConfig, off by default)
 
 
 @dataclass(frozen=True)
