@@ -13,6 +13,7 @@ import torch
 
 from mtp_train.cli.train import train_main
 from mtp_train.config import ConfigError
+from mtp_train.export import export_head, verify_round_trip
 from mtp_train.heads import load_head
 from mtp_train.train.checkpoint import latest_tag
 from tests.conftest import metrics_by_step
@@ -64,6 +65,8 @@ def test_heads_best_is_the_head_of_the_lowest_eval_loss(setup, tmp_path):  # noq
             expected.append((s, running, float(s)))
     assert _improvements(out, "eval/loss") == expected and expected[-1][0] == step
     assert run.result["head_dir"].endswith("step-8")
+    exported = export_head(out / "heads" / "best", setup.target, "deepseek-mtp", tmp_path / "export")  # mtp-export's
+    assert verify_round_trip(out / "heads" / "best", exported, setup.target) == 0.0
     state = json.loads((out / "checkpoints" / "step-8" / "state.json").read_text())["client"]["best"]
     assert state == {"metric": "eval/loss", "mode": "min", "value": expected[-1][1], "step": step}
 
