@@ -95,3 +95,27 @@ def test_truncated_weights_and_cut_config_name_the_file(tiny_checkpoints, tmp_pa
     (p / "config.json").write_text(text[: len(text) // 2])
     with pytest.raises(ModelConfigError, match=r"config.json: invalid JSON at line \d+ column \d+: .*; repair"):
         load_model(p)
+
+
+def test_another_quantization_method_is_refused_naming_the_key(tiny_checkpoints, tmp_path):
+    p = _copy(tiny_checkpoints, tmp_path)
+    _edit_config(p, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(ModelConfigError, match=r"config.json: quantization_config.quant_method='bitsandbytes' "
+                                               r"cannot be loaded.*unquantized release"):
+        load_model(p)
+
+
+def test_checkpoint_reader_reads_parts_of_a_tensor(tiny_checkpoints):
+    import torch
+
+    from mtp_train.models.loader import checkpoint_files, open_checkpoint
+
+    path = tiny_checkpoints["llama"][0]
+    args = args_from_hf_config(json.loads((path / "config.json").read_text()))
+    name = "model.layers.1.mlp.down_proj.weight"  # (64, 128)
+    with open_checkpoint(path, args) as ckpt:
+        assert set(ckpt.names) == set(checkpoint_files(path)) and ckpt.shapes[name] == (64, 128)
+        full = ckpt.read(name, torch.float32)
+        assert torch.equal(ckpt.read(name, torch.float32, (slice(None), slice(37, 101))), full[:, 37:101])
+        assert torch.equal(ckpt.read(name, torch.float32, (slice(5, 9),)), full[5:9])
+        assert ckpt.read(name, torch.bfloat16).dtype == torch.bfloat16

@@ -19,7 +19,13 @@ from mtp_train.models.families import args_from_dir, family_of
 
 # The family's fusings are the loader's, so that a fused head layer reads a checkpoint exactly as the target does.
 from mtp_train.models.fusing import fuse, parts_plan
-from mtp_train.models.loader import IGNORED_SUFFIXES, checkpoint_files, iter_tensors, resolve_dtype
+from mtp_train.models.loader import (
+    IGNORED_SUFFIXES,
+    checkpoint_files,
+    iter_tensors,
+    open_checkpoint,
+    resolve_dtype,
+)
 
 EMBED_NAME = "model.embed_tokens.weight"
 LM_HEAD_NAME = "lm_head.weight"
@@ -108,7 +114,9 @@ def read_decoder_layer(path: str | Path, index: int = -1, dtype: str | torch.dty
     if not files:
         raise ModelConfigError(f"{path}: checkpoint has no tensors under {prefix}*")
     dt = resolve_dtype(dtype, args)
-    raw = {n[len(prefix):]: t.to(dt) for n, t in iter_tensors(files) if not n.endswith(IGNORED_SUFFIXES)}
+    # block-scaled FP8 weights are dequantised as the full loader does (their scales share the layer's prefix)
+    with open_checkpoint(path, args, files) as ckpt:
+        raw = {n[len(prefix):]: ckpt.read(n, dt) for n in ckpt.names if not n.endswith(IGNORED_SUFFIXES)}
     plan = parts_plan(raw, family_of(args).fusings)
     for parts in plan.values():
         present = [n for n in parts if n in raw]

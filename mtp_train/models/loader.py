@@ -167,9 +167,11 @@ class CheckpointReader:
         return dequantize(weight, blocks, (bm, bn), dtype, offset=(r0 % bm, c0 % bn))
 
 
-def open_checkpoint(path: Path, args: ModelArgs) -> CheckpointReader:
-    """A `CheckpointReader` over a model folder's safetensors, with the FP8 format of its config (if any)."""
-    return CheckpointReader(checkpoint_files(path), block_fp8(args.raw, path / "config.json"), path)
+def open_checkpoint(path: Path, args: ModelArgs, files: Mapping[str, Path] | None = None) -> CheckpointReader:
+    """A `CheckpointReader` over a model folder's safetensors (or only `files`, a part of its `checkpoint_files`
+    that holds each FP8 weight's scale with it), with the FP8 format of its config (if any)."""
+    files = checkpoint_files(path) if files is None else files
+    return CheckpointReader(files, block_fp8(args.raw, path / "config.json"), path)
 
 
 def load_model(
