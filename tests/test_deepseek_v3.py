@@ -212,8 +212,8 @@ def _cfg(**over) -> dict:
 
 
 @pytest.mark.parametrize("over,match", [
-    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
-     "quantization_config \\(quant_method 'fp8'\\) is not supported"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}},
+     "quantization_config \\(quant_method 'awq'\\) is not supported"),
     ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
     ({"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
     ({"rope_interleave": False}, "rope_interleave=False is not supported"),

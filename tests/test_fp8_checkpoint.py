@@ -46,9 +46,6 @@ FAMILIES = {
                                          "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
                                          "routed_scaling_factor": 2.5}),
 }
-# the deepseek_v3 family's config parser still refuses every quantization_config; the loader reads the layout
-DSV3_REFUSES = pytest.mark.xfail(raises=ModelConfigError, strict=True,
-                                 reason="families/deepseek_v3.py parse_config refuses quantization_config")
 # variant → (weight_block_size, scale_fmt)
 VARIANTS = {"128": ([128, 128], "float"), "32x48": ([32, 48], "float"), "ue8m0": ([128, 128], "ue8m0"),
             "40x40": ([40, 40], "float")}
@@ -181,7 +178,7 @@ def test_a_heads_init_layer_is_read_dequantised(folders, key):
 
 
 @pytest.mark.parametrize("key", ["llama/128", "llama/32x48", "qwen3_moe/128",
-                                 pytest.param("deepseek_v3/128", marks=DSV3_REFUSES)])
+                                 "deepseek_v3/128"])
 def test_logits_equal_transformers_on_the_dequantised_weights(folders, key):
     import transformers
 

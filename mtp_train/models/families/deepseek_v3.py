@@ -21,8 +21,8 @@ rule, not by gradients, and no gradient reaches it through the top-k).
 
 A draft head over this target takes DeepSeek's own MTP block (MLA + a dense MLP, or the V3 MoE with head.moe=true)
 over a latent-only pool of its own; only mtp heads fit. Not offered yet: tensor parallelism (run with model.tp=1,
-data parallel over ranks), FP8 block-scaled checkpoints (a `quantization_config` is refused: convert to bf16 first),
-and running the checkpoint's own MTP layers (`num_nextn_predict_layers`) as a head.
+data parallel over ranks) and running the checkpoint's own MTP layers (`num_nextn_predict_layers`) as a head. The
+released FP8 block-scaled weights load dequantised (`mtp_train/models/fp8.py`); other quantisations are refused.
 """
 
 from __future__ import annotations
@@ -72,11 +72,10 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> DeepseekV3
     """A deepseek_v3 (or kimi_k2) config.json dict → DeepseekV3Args; anything this family does not run is a
     ModelConfigError naming the key."""
     quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ModelConfigError(f"{source}: quantization_config (quant_method {method!r}) is not supported: "
-                               "FP8 / quantised DeepSeek-V3 weights are not loaded yet; use a bf16 copy of the "
-                               "checkpoint (and drop quantization_config from its config.json)")
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if quant and method != "fp8":  # block-scaled fp8 is read by the loader (models/fp8.py), which checks the rest
+        raise ModelConfigError(f"{source}: quantization_config (quant_method {method!r}) is not supported: only "
+                               "the released block-scaled fp8 weights load; use a bf16 or fp8 copy of the checkpoint")
     checks = {"scoring_func": ("sigmoid", "sigmoid"), "topk_method": ("noaux_tc", "noaux_tc"),
               "moe_layer_freq": (1, 1), "rope_interleave": (True, True)}
     for key, (default, wanted) in checks.items():
