@@ -78,6 +78,8 @@ ablation: model
 
 # The learning curve (conf/experiment/curve.yaml): τ of mtp and eagle1 against training tokens, beside prompt lookup;
 # resumes when re-run; e.g. `make curve CURVE_ARGS="--max-tokens 1048576 --out runs/curve_1m"`.
+# Recipe variants (conf/experiment/curve.yaml `variants:`), each measured at the budget:
+# `make curve CURVE_ARGS="--variants all"` or `CURVE_ARGS="--variants mtp-soft_ce-s1,mtp-lk_hybrid-s1"`.
 curve: model
 	$(PY) bench/curve.py --model $(MODEL_DIR) $(CURVE_ARGS)
 

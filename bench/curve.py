@@ -19,6 +19,10 @@ as a horizontal line). `--doc` / `--png` write copies elsewhere (e.g. docs/).
 
 Usage: python bench/curve.py [--out runs/curve] [--max-tokens N] [--first-tokens N] [--heads mtp,eagle1]
                              [--report-only] [--doc docs/curve.md --png docs/curve.png] [key=value ...]
+                             [--variants NAME,...|all [--variants-file FILE] [--full-curve]]
+--variants: recipe variants (the config's `variants:` block) trained on the same folder, batches and budget and
+measured at the last point, into `<out>/variants/<name>` and curve.json's `variants` (bench/curve_variants.py);
+with --variants the heads' own curve runs only when --heads is given too. --doc also writes <doc>.json.
 key=value: more mtp-train overrides for every head. --report-only redoes the table and plot from curve.json
 (and measures prompt lookup if it is missing and available), without training or evaluating heads.
 The last line printed is one JSON object.
@@ -39,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import curve_variants as cv  # noqa: E402
 from bench_train import DEFAULT_MODEL, compose_train  # noqa: E402
 from common import compose, report  # noqa: E402
 
@@ -77,6 +82,7 @@ class CurveConfig:
     train: list[str] = field(default_factory=list)
     eval: CurveEval = field(default_factory=CurveEval)
     ngram: dict[str, int] = field(default_factory=lambda: {"n_max": 3, "n_min": 1})
+    variants: dict[str, cv.VariantSpec] = field(default_factory=dict)  # bench/curve_variants.py; run by --variants
 
 
 def load_config(path: str | Path = CONFIG) -> CurveConfig:
@@ -478,12 +484,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def write_report(results: dict[str, Any], out: Path, doc: Path | None = None, png: Path | None = None) -> str:
     from mtp_train.fileio import atomic_write_text
 
-    text = markdown(results)
+    text = markdown(results) + cv.variants_markdown(results)
     atomic_write_text(out / "curve.md", text)
     plot(results, out / "curve.png")
     if doc is not None:
         doc.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(doc, text)
+        cv.write_points_json(results, doc.with_suffix(".json"))
     if png is not None:
         png.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out / "curve.png", png)
@@ -500,9 +507,11 @@ def save_results(results: dict[str, Any], out: Path) -> None:
 
 
 def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command: str, results: dict[str, Any],
-              data: tuple[Path, str] | None = None) -> dict[str, Any]:
-    """Train and measure every head of cfg.heads (resuming what curve.json and the run folders hold); data:
-    (an existing precompute folder, its data name) instead of the one made here."""
+              data: tuple[Path, str] | None = None, variants: list[cv.Variant] | None = None,
+              full_curve: bool = False, run_heads: bool = True) -> dict[str, Any]:
+    """Train and measure every head of cfg.heads (unless not run_heads), then every variant (resuming what
+    curve.json and the run folders hold); data: (an existing precompute folder, its data name) instead of the
+    one made here."""
     from mtp_train.cli.train import train_main
     from mtp_train.train.checkpoint import HEADS_DIR, tag_for
 
@@ -543,7 +552,7 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
     print(f"curve: {len(points)} points {', '.join(_tokens(p) for p in points)} tokens → steps "
           f"{[s for s, _ in plan]} (max_steps {max_steps}); data: {kind}", flush=True)
     evaluator: Evaluator | None = None
-    for head in cfg.heads:
+    for head in cfg.heads if run_heads else []:
         why = head_available(head)
         if why is not None:
             print(f"curve: head {head} skipped: {why}", flush=True)
@@ -573,7 +582,23 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
             print(f"curve: {head} step {step} ({_tokens(p['tokens'])} tokens): τ {p['tau']:.3f}, pos "
                   f"{' / '.join(f'{a:.3f}' for a in p['pos'])} ({p['seconds']:.0f}s)", flush=True)
             save_results(results, out)
-    return results
+    if not variants:
+        return results
+
+    def variant_train(v: cv.Variant, steps: list[int]) -> dict[str, Any]:
+        head_dir, head_data, _ = data_for(v.head)
+        shared = train_overrides(cfg, v.head, head_dir, head_data, out, model, max_steps, extra)
+        ov = cv.variant_overrides(shared, v, out / cv.VARIANTS_DIR / v.name)
+        return train_main(compose_train(ov), on_step=PointSaver(steps, cfg.checkpoint_every))
+
+    def variant_measure(v: cv.Variant, step: int) -> dict[str, Any]:
+        nonlocal evaluator
+        evaluator = evaluator or Evaluator(model, cfg.eval)
+        return evaluator.head_point(out / cv.VARIANTS_DIR / v.name / HEADS_DIR / tag_for(step))
+
+    return cv.run_variants(results, variants, plan, recipe, full_curve, variant_train, variant_measure,
+                           lambda: save_results(results, out),
+                           lambda v, step: (out / cv.VARIANTS_DIR / v.name / HEADS_DIR / tag_for(step)).is_dir())
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -592,6 +617,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-ngram", action="store_true", help="do not measure prompt lookup")
     ap.add_argument("--doc", default=None, help="also write the Markdown here (e.g. docs/curve.md)")
     ap.add_argument("--png", default=None, help="also write the plot here (e.g. docs/curve.png)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated variant names of the config's `variants:` block (or `all`): train and "
+                         "measure them at the budget (the heads' curve is then run only with --heads)")
+    ap.add_argument("--variants-file", default=None, help="a YAML file whose `variants:` block replaces the config's")
+    ap.add_argument("--full-curve", action="store_true", help="measure the variants at every point, not the last")
     ap.add_argument("overrides", nargs="*", help="more mtp-train overrides for every head, key=value")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
@@ -615,7 +645,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         command = "python bench/curve.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                else sys.argv[1:]))
         data = (Path(args.data_dir), args.data_name) if args.data_dir else None
-        results = run_curve(cfg, out, args.model, list(args.overrides), command.strip(), results, data)
+        variants = None
+        if args.variants or args.variants_file:
+            known = cv.load_variants_file(args.variants_file) if args.variants_file else cv.parse_variants(cfg.variants)
+            variants = cv.select(known, args.variants)
+            for v in variants:  # refused before the precompute folder is made
+                if (why := head_available(v.head)) is not None:
+                    raise SystemExit(f"curve: variant {v.name}: {why}")
+        results = run_curve(cfg, out, args.model, list(args.overrides), command.strip(), results, data, variants,
+                            args.full_curve, run_heads=variants is None or bool(args.heads))
     if not args.no_ngram and not results.get("ngram"):
         ev = CurveEval(**results["eval"])
         results["ngram"] = Evaluator(args.model, ev).ngram_point(int(cfg.ngram["n_max"]), int(cfg.ngram["n_min"]))

@@ -158,3 +158,144 @@ def test_eagle3_trains_on_a_folder_with_its_layers(curve, tmp_path):
     curve.check_folder(tmp_path, [])
     with pytest.raises(SystemExit, match=r"aux_layers \[\].*reads \[2, 15, 27\]"):
         curve.check_folder(tmp_path, [2, 15, 27])
+
+
+# --- recipe variants (bench/curve_variants.py) ----------------------------------------------------------------------
+
+
+def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(curve, tmp_path):
+    """The issue's list, most informative first; each variant's overrides come after the curve's (so its
+    loss.steps wins over the shared loss.steps=1) and the composed config passes the trainer's checks."""
+    import curve_variants as cv  # on sys.path once curve.py is loaded
+    from bench_train import compose_train
+
+    from mtp_train.config import TrainConfig, typed
+
+    cfg = curve.load_config()
+    variants = cv.parse_variants(cfg.variants)
+    names = [v.name for v in variants]
+    assert names[:6] == ["mtp-soft_ce-s1", "mtp-lk_hybrid-s1", "mtp-tv-s1", "mtp-nla-s1", "mtp-soft_ce-s3",
+                         "mtp-lk_hybrid-s3"]
+    assert len(names) == len(set(names)) == 12
+    mtp = {(dict(o.split("=") for o in v.overrides)["loss.kind"], dict(o.split("=") for o in v.overrides)
+            ["loss.steps"]) for v in variants if v.head == "mtp"}
+    assert mtp == {(k, s) for k in ("soft_ce", "tv", "nla", "lk_hybrid") for s in ("1", "3")}
+    assert "loss.steps=1" in cfg.train
+    for v in variants:
+        assert curve.head_available(v.head) is None
+        run_dir = tmp_path / cv.VARIANTS_DIR / v.name
+        shared = curve.train_overrides(cfg, v.head, tmp_path / "pc", "shared-regen", tmp_path,
+                                       "models/smollm2-135m-instruct", 299, ["train.log_every=5"])
+        ov = cv.variant_overrides(shared, v, run_dir)
+        assert ov[:len(shared)] == shared and ov[-1] == f"out={run_dir}"  # the shared recipe first, untouched
+        own = dict(o.split("=", 1) for o in v.overrides)
+        c = typed(compose_train(ov), TrainConfig)
+        assert c.head.type == v.head and c.out == str(run_dir) and c.train.max_steps == 299
+        assert c.loss.steps == int(own["loss.steps"]) and c.train.seed == 0 and c.train.log_every == 5
+        assert c.loss.kind == own.get("loss.kind", "soft_ce") and c.head.draft_vocab_size == 8192
+        assert c.head.aux_norm == c.head.norm_output == (v.name.startswith("eagle3.1"))
+    eagle3 = {v.name: int(dict(o.split("=", 1) for o in v.overrides)["loss.steps"]) for v in variants
+              if v.head == "eagle3"}
+    assert eagle3 == {"eagle3-s3": 3, "eagle3.1-s3": 3, "eagle3-s7": 7, "eagle3.1-s7": 7}
+
+
+def test_variant_selection_and_files(curve, tmp_path):
+    import curve_variants as cv
+
+    variants = cv.parse_variants({"b": {"head": "eagle1", "overrides": ["loss.kind=tv"]}, "a": {"head": "mtp"}})
+    assert [(v.name, v.head, v.overrides) for v in variants] == [("b", "eagle1", ("loss.kind=tv",)),
+                                                                  ("a", "mtp", ())]
+    assert [v.name for v in cv.select(variants, "all")] == ["b", "a"]
+    assert [v.name for v in cv.select(variants, "a,b,a")] == ["a", "b"]  # the given order, once each
+    with pytest.raises(SystemExit, match="unknown variant.*c.*known: b, a"):
+        cv.select(variants, "a,c")
+    with pytest.raises(SystemExit, match="key=value"):
+        cv.parse_variants({"x": {"head": "mtp", "overrides": ["loss.kind"]}})
+    with pytest.raises(SystemExit, match="folder name"):
+        cv.parse_variants({"../x": {"head": "mtp"}})
+    (tmp_path / "v.yaml").write_text("variants:\n  s3: {head: mtp, overrides: [loss.steps=3]}\n")
+    assert cv.load_variants_file(tmp_path / "v.yaml") == [cv.Variant("s3", "mtp", ("loss.steps=3",))]
+    (tmp_path / "w.yaml").write_text("s1: {head: eagle1}\n")  # the mapping itself at the top level
+    assert cv.load_variants_file(tmp_path / "w.yaml") == [cv.Variant("s1", "eagle1", ())]
+
+
+def test_run_variants_skips_finished_ones_and_resumes_training(curve):
+    """The loop's bookkeeping on curve.json's `variants` (training and measuring stand in as recorders)."""
+    import curve_variants as cv
+
+    plan = [(10, 16000), (20, 32000), (40, 64000)]
+    calls: list[tuple] = []
+    folders: set[tuple[str, int]] = set()
+
+    def train(v, steps):
+        calls.append(("train", v.name, tuple(steps)))
+        folders.update((v.name, s) for s in steps)
+        return {"train/loss": 1.0, "eval/top1": 0.4, "lr": 1e-3}
+
+    def measure(v, step):
+        calls.append(("measure", v.name, step))
+        return {"step": step, "tokens": dict(plan)[step], "tau": 1.3 + step / 1000, "acceptance_rate": 0.1,
+                "pos": [0.3, 0.05, 0.01], "seconds": 2.0}
+
+    def run(results, variants, full_curve=False):
+        return cv.run_variants(results, variants, plan, ["loss.steps=1"], full_curve, train, measure,
+                               lambda: None, lambda v, step: (v.name, step) in folders)
+
+    a, b = cv.Variant("a", "mtp", ("loss.kind=tv",)), cv.Variant("b", "mtp", ("loss.steps=3",))
+    results: dict = {"command": "python bench/curve.py --variants a,b"}
+    run(results, [a, b])
+    assert calls == [("train", "a", (40,)), ("measure", "a", 40), ("train", "b", (40,)), ("measure", "b", 40)]
+    row = results["variants"]["a"]
+    assert (row["tau"], row["tokens"], row["step"], row["overrides"], row["head"]) == (1.34, 64000, 40,
+                                                                                      ["loss.kind=tv"], "mtp")
+    assert row["final"] == {"train/loss": 1.0, "eval/top1": 0.4} and list(row["points"]) == ["40"]
+    assert results["variant_order"] == ["a", "b"]
+    calls.clear()
+    run(results, [b, a])  # both finished: nothing trained or measured again
+    assert calls == [] and results["variant_order"] == ["a", "b"]
+    # A killed run: the head was exported (the folder is there) but not measured → measured, not retrained.
+    del results["variants"]["b"]["points"]["40"]
+    run(results, [a, b])
+    assert calls == [("measure", "b", 40)]
+    calls.clear()
+    # A changed definition is refused (its folder holds the old one's heads and checkpoint), by name.
+    with pytest.raises(SystemExit, match="variant a is not what curve.json measured"):
+        run(results, [cv.Variant("a", "mtp", ("loss.kind=nla",))])
+    # --full-curve after a last-point-only run: the earlier exports do not exist, and resuming cannot make them.
+    with pytest.raises(SystemExit, match=r"without exports at steps \[10, 20\]"):
+        run(results, [a], full_curve=True)
+    c = cv.Variant("c", "eagle3", ("loss.steps=7",))
+    run(results, [c], full_curve=True)  # every point exported and measured, the last one's fields on the row
+    assert calls == [("train", "c", (10, 20, 40)), ("measure", "c", 10), ("measure", "c", 20), ("measure", "c", 40)]
+    assert sorted(results["variants"]["c"]["points"], key=int) == ["10", "20", "40"]
+    assert results["variants"]["c"]["step"] == 40 and results["variant_order"] == ["a", "b", "c"]
+
+
+def test_variants_table_and_points_json(curve, tmp_path):
+    import curve_variants as cv
+
+    results = _synthetic()
+    pos = [0.4, 0.1, 0.02]
+    results["variants"] = {
+        name: {"variant": name, "head": "mtp", "overrides": ov, "tokens": 131072, "step": 80, "tau": tau,
+               "acceptance_rate": 0.2, "pos": pos, "seconds": 90.0,
+               "points": {"80": {"step": 80, "tokens": 131072, "tau": tau, "acceptance_rate": 0.2, "pos": pos,
+                                 "seconds": 90.0}}}
+        for name, ov, tau in (("mtp-tv-s1", ["loss.kind=tv"], 1.42), ("mtp-nla-s1", ["loss.kind=nla"], 1.30))}
+    results["variant_order"] = ["mtp-tv-s1", "mtp-nla-s1"]
+    out = tmp_path / "run"
+    out.mkdir()
+    text = curve.write_report(results, out, doc=tmp_path / "docs" / "curve.md")
+    assert "| 16k (16384) | 10 | 1.100 | 0.100 / 0.050 / 0.025 | 1.120 |" in text  # the heads' table unchanged
+    assert "| `mtp-tv-s1` | `mtp` | `loss.kind=tv` | 131072 | 80 | 1.420 | 0.200 | 0.400 / 0.100 / 0.020 | 90 |" in text
+    assert text.index("mtp-tv-s1") < text.index("mtp-nla-s1")
+    doc = json.loads((tmp_path / "docs" / "curve.json").read_text())
+    assert (doc["best_tau_512k"], doc["best_variant"], doc["best_head"]) == (1.42, "mtp-tv-s1", "mtp")
+    last = doc["heads"]["mtp"]["curve"][-1]
+    assert (last["tokens"], last["step"], last["tau"]) == (131072, 80, 1.35)
+    assert last["pos"] == pytest.approx([0.35, 0.175, 0.0875])
+    assert doc["heads"]["mtp"]["mtp-nla-s1"] == [{"tokens": 131072, "step": 80, "tau": 1.30, "pos": pos}]
+    assert "eagle1" in doc["heads"] and doc["max_steps"] == 80
+    del results["variants"]
+    assert cv.variants_markdown(results) == ""  # no variants measured: the report is the heads' alone
+    assert cv.points_json(results)["best_variant"] == "curve"  # then the best head of the curve itself
