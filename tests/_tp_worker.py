@@ -1,8 +1,9 @@
 """One rank of a tensor-parallel run, started by torchrun from tests/test_tensor_parallel.py.
 
-    torchrun --standalone --nproc_per_node 2 tests/_tp_worker.py MODEL_DIR OUT_FILE
+    torchrun --standalone --nproc_per_node 2 tests/_tp_worker.py MODEL_DIR OUT_FILE [MODEL_DIR OUT_FILE ...]
 
-Each rank loads only its slices; rank 0 saves the prefill hidden states / logits and greedy generations.
+Each rank loads only its slices; rank 0 saves the prefill hidden states / logits and greedy generations, and the
+number of all-reduces one prefill forward makes (each pair of arguments is one model, in one process group).
 """
 
 from __future__ import annotations
@@ -26,15 +27,31 @@ def run(model) -> dict:
     return {"hidden": out.hidden, "logits": logits, "tokens": [g.output_ids for g in gen]}
 
 
+def count_all_reduces(model) -> int:
+    """The all-reduces of one prefill forward (torch.distributed's, counted as they are called)."""
+    calls, real = [0], tdist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    tdist.all_reduce = counted
+    try:
+        prefill_hidden(model, PROMPTS[:1])
+    finally:
+        tdist.all_reduce = real
+    return calls[0]
+
+
 def main(argv: list[str]) -> None:
-    model_dir, out_file = argv
     torch.set_num_threads(1)
     tdist.init_process_group("gloo")
     tp, _, _ = tp_groups(tdist.get_world_size())
-    model = load_model_tp(model_dir, tp, dtype="float32", backend="torch")
-    res = run(model)
-    if tdist.get_rank() == 0:
-        torch.save(res, out_file)
+    for model_dir, out_file in zip(argv[::2], argv[1::2], strict=True):
+        model = load_model_tp(model_dir, tp, dtype="float32", backend="torch")
+        res = {**run(model), "all_reduces": count_all_reduces(model)}
+        if tdist.get_rank() == 0:
+            torch.save(res, out_file)
     tdist.barrier()
     tdist.destroy_process_group()
 

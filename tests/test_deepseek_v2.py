@@ -284,8 +284,9 @@ def test_flashinfer_mla_model_matches_torch_on_cuda(tmp_path):
     assert all(len(o.output_ids) == 8 for o in out)
 
 
-def test_tensor_parallel_refuses_deepseek_clearly(checkpoints):
+def test_tensor_parallel_refuses_a_tp_that_does_not_divide_the_heads(checkpoints):
+    """TP = 2 against TP = 1 is tests/test_tp_moe.py's; tp = 8 over 4 heads is refused naming them."""
     from mtp_train.models.tensor_parallel import TPGroup, load_model_tp
 
-    with pytest.raises(ModelConfigError, match="model.tp=1"):
-        load_model_tp(checkpoints["lite"][0], TPGroup(0, 2))
+    with pytest.raises(ModelConfigError, match="num_heads=4 divisible by 8"):
+        load_model_tp(checkpoints["lite"][0], TPGroup(0, 8))

@@ -200,11 +200,12 @@ def test_eagle_heads_are_refused_and_backends_named(checkpoints):
         load_model(path, backend="flashinfer")
 
 
-def test_tensor_parallel_is_refused_clearly(checkpoints):
+def test_tensor_parallel_refuses_a_tp_that_does_not_divide_the_heads(checkpoints):
+    """TP = 2 against TP = 1 is tests/test_tp_moe.py's; tp = 8 over 4 heads is refused naming them."""
     from mtp_train.models.tensor_parallel import TPGroup, load_model_tp
 
-    with pytest.raises(ModelConfigError, match="model.tp=1"):
-        load_model_tp(checkpoints["plain"][0], TPGroup(0, 2))
+    with pytest.raises(ModelConfigError, match="num_heads=4 divisible by 8"):
+        load_model_tp(checkpoints["plain"][0], TPGroup(0, 8))
 
 
 def _cfg(**over) -> dict:

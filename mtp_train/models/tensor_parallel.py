@@ -10,7 +10,20 @@ args fields each rank holds 1/tp of; everything else (norms) is replicated. For 
 | `model.embed_tokens.weight`              | vocabulary rows              | masked lookup → all-reduce       |
 | `lm_head.weight`                         | vocabulary rows              | local logits → all-gather        |
 
-(the Llama family's table is in `families/llama.py`). Each rank builds the model with its local shapes
+(the Llama family's table is in `families/llama.py`, MLA's in `families/deepseek_v2.py`).
+
+Mixture-of-experts blocks are split by tensor, not by expert: every rank holds every expert, with gate / up split
+by intermediate rows and down by input columns (the `partial` rules; the shared experts alike), and the router and
+norms replicated. Each rank routes its (replicated) tokens identically, runs the same grouped products on its
+slices, and sums the routed and shared experts' partial outputs locally; the block (a `reduced` rule, the MoE
+`mlp`) is then all-reduced once (`ReducedSum`), so an MoE layer costs two all-reduces like a dense one (attention's
+o_proj, the MoE), not one per expert. An expert's bias is added on rank 0 only (the others hold zeros), so the sum
+counts it once. Why tensor split: it is exact and balanced whatever the routing (every rank does 1/tp of every hit
+expert's work; an expert split waits for the rank with the most hit experts) and the block needs no token
+exchange; both hold 1/tp of the expert weights. Its cost is narrower products at large tp (moe_intermediate_size
+/ tp rows per expert) and the divisibility of moe_intermediate_size by tp.
+
+Each rank builds the model with its local shapes
 (`local_args`), reads only its slices of every checkpoint tensor (safetensors `get_slice`; an FP8 weight's slice
 is dequantised from the scale blocks covering it, `mtp_train.models.fp8`), fuses them as the
 single-process loader does, and then has its row-parallel projections, embedding and lm_head wrapped
@@ -22,6 +35,8 @@ equal to the single-process model's up to summation order.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,14 +130,27 @@ def vocab_range(vocab: int, tp: int, rank: int) -> tuple[int, int, int]:
     return lo, min(lo + per, vocab), per
 
 
+@functools.cache
+def _pattern(rules: tuple[str, ...]) -> re.Pattern[str]:
+    """A regex matching module paths that end, at a dot boundary, with one of `rules` (`*`: one path component)."""
+    alts = "|".join(re.escape(r).replace(r"\*", r"[^.]+") for r in rules)
+    return re.compile(rf"(?:^|\.)(?:{alts})$" if rules else r"(?!)")
+
+
+def matches(module: str, rules: tuple[str, ...]) -> bool:
+    """Whether module path `module` (a checkpoint name without its last part, or relative to a layer) is one of
+    the TP `rules`' modules."""
+    return _pattern(rules).search(module) is not None
+
+
 def _part(name: str, shape: tuple[int, ...], tp: TPGroup, rules: TPRules) -> tuple[tuple[slice, ...], int]:
     """This rank's part of checkpoint tensor `name` of `shape`: one slice per leading dimension (empty: all of it),
     and the rows of zeros to append so that every rank's vocabulary shard has the same shape."""
     module = name.rsplit(".", 1)[0]
-    if any(module.endswith(c) for c in rules.column):
+    if matches(module, rules.column):
         n = shape[0] // tp.size
         return (slice(tp.rank * n, (tp.rank + 1) * n),), 0
-    if any(module.endswith(r) for r in rules.row) and name.endswith(".weight"):
+    if matches(module, rules.row + rules.partial) and name.endswith(".weight"):
         n = shape[1] // tp.size
         return (slice(None), slice(tp.rank * n, (tp.rank + 1) * n)), 0
     if name in VOCAB:
@@ -133,7 +161,10 @@ def _part(name: str, shape: tuple[int, ...], tp: TPGroup, rules: TPRules) -> tup
 
 def _read_part(ckpt: CheckpointReader, name: str, tp: TPGroup, rules: TPRules, dtype: torch.dtype) -> torch.Tensor:
     """Read only this rank's part of `name` (an FP8 weight: its part dequantised from the scale blocks covering it,
-    a part boundary need not fall on a block boundary); the short last vocabulary shard padded with zeros."""
+    a part boundary need not fall on a block boundary); the short last vocabulary shard padded with zeros; a
+    partial module's bias on rank 0 only (zeros elsewhere: the block's all-reduce adds it once)."""
+    if tp.rank and name.endswith(".bias") and matches(name.rsplit(".", 1)[0], rules.partial):
+        return torch.zeros(ckpt.shapes[name], dtype=dtype)
     index, pad = _part(name, ckpt.shapes[name], tp, rules)
     part = ckpt.read(name, dtype, index)
     if pad:
@@ -153,6 +184,19 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.inner(x))
         return y if self.bias is None else y + self.bias
+
+
+class ReducedSum(nn.Module):
+    """A block whose output is a sum over the group of partial outputs (an MoE split by tensor, its experts'
+    down_proj slices not reduced themselves): the block's forward, then one all-reduce."""
+
+    def __init__(self, inner: nn.Module, tp: TPGroup) -> None:
+        super().__init__()
+        self.inner, self.tp = inner, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, H) replicated → (T, H) replicated."""
+        return self.tp.all_reduce(self.inner(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -182,12 +226,22 @@ class VocabParallelLMHead(nn.Module):
 
 
 def parallelize(model: CausalLM, tp: TPGroup, vocab: int) -> CausalLM:
-    """Wrap a model holding this rank's slices (see `_part`) so that its forward is the full model's."""
+    """Wrap a model holding this rank's slices (see `_part`) so that its forward is the full model's: in every
+    layer, the `row` modules it has as RowParallelLinears, and the `reduced` blocks that hold `partial` modules
+    (a sparse layer's MoE; a dense layer's MLP has a row-parallel down_proj instead) as ReducedSums."""
+    rules = tp_rules(model.args)
     for layer in model.model.layers:
-        for path in tp_rules(model.args).row:
+        names = [n for n, _ in layer.named_modules() if n]
+        rows = [n for n in names if matches(n, rules.row)]
+        blocks = [n for n in names if matches(n, rules.reduced)
+                  and any(p.startswith(n + ".") and matches(p, rules.partial) for p in names)]
+        if any(r.startswith(b + ".") for r in rows for b in blocks):
+            raise ValueError(f"TP rules of {model.args.model_type}: a row-parallel module inside a reduced block "
+                             "would be all-reduced twice")
+        for path, wrap in [(n, RowParallelLinear) for n in rows] + [(n, ReducedSum) for n in blocks]:
             parent, _, attr = path.rpartition(".")
             owner = layer.get_submodule(parent)
-            setattr(owner, attr, RowParallelLinear(getattr(owner, attr), tp))
+            setattr(owner, attr, wrap(getattr(owner, attr), tp))
     lo, hi, _ = vocab_range(vocab, tp.size, tp.rank)
     embed = model.model.embed_tokens.weight
     model.model.embed_tokens = VocabParallelEmbedding(embed.data, lo, hi, tp)

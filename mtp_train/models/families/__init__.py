@@ -49,12 +49,15 @@ Attention = AttentionBackend | MLABackend
 class TPRules:
     """How a family's tensors shard over a tensor-parallel group (Megatron-style, see models/tensor_parallel.py).
 
-    Module names are relative to a decoder layer and name the checkpoint's (unfused) modules.
+    Module names are relative to a decoder layer and name the checkpoint's (unfused) modules; a `*` stands for one
+    path component (an expert's index: "mlp.experts.*.gate_proj"). A rule matches in the layers that have the module.
     """
 
     column: tuple[str, ...]  # split by output rows (attention by heads): each rank computes its slice locally
     row: tuple[str, ...]  # split by input columns: partial products, all-reduced, then the bias
     divided: tuple[str, ...]  # args fields each rank holds 1/tp of (e.g. num_heads, num_kv_heads, intermediate_size)
+    partial: tuple[str, ...] = ()  # split by input columns, not reduced themselves (an MoE's experts' down_proj) ...
+    reduced: tuple[str, ...] = ()  # ... but by the block holding them: its output all-reduced once (the MoE `mlp`)
 
 
 def _as_is(attn: AttentionBackend, args: ModelArgs) -> Attention:

@@ -14,8 +14,27 @@ RoPE here rotates consecutive pairs (x[2i], x[2i+1]) (DeepSeek's complex-number 
 has the `CausalLM` signature and outputs, so the engine, precompute and speculative decoding drive it alike.
 
 A draft head over this target takes DeepSeek's own MTP block (MLA + a dense MLP, or the MoE with head.moe=true)
-over a latent-only pool of its own; only mtp heads fit. Nothing is fused (the checkpoint's names are ours), and
-tensor parallelism is not offered (run with model.tp=1, data parallel over ranks).
+over a latent-only pool of its own; only mtp heads fit. Nothing is fused (the checkpoint's names are ours).
+
+Tensor parallelism (`TP`, see models/tensor_parallel.py): MLA split by heads, the latent path replicated, so every
+rank caches the whole latent row of each token (it is shared by all heads) and absorbs its own heads' W_UK / W_UV
+(the rank's rows of kv_b_proj); the MoE split by tensor (every rank holds every expert's slice):
+
+| tensor (HF name)                                     | split                  | forward                            |
+|------------------------------------------------------|------------------------|------------------------------------|
+| `self_attn.q_proj` or `q_b_proj` (H·(nope+rope) rows)| rows, by heads (column)| local heads                        |
+| `self_attn.q_a_proj`, `q_a_layernorm`                | replicated             |                                    |
+| `self_attn.kv_a_proj_with_mqa`, `kv_a_layernorm`     | replicated             | the latent row, cached on each rank|
+| `self_attn.kv_b_proj` (H·(nope+v) rows)              | rows, by heads (column)| the rank's heads' W_UK, W_UV       |
+| `self_attn.o_proj.weight`                            | columns (row-parallel) | partial sums → all-reduce, +bias   |
+| dense `mlp.{gate,up}_proj` / `mlp.down_proj`         | rows / columns (row)   | all-reduce                         |
+| `mlp.gate.weight` (router)                           | replicated             | every rank routes alike            |
+| `mlp.{experts.{e},shared_experts}.{gate,up}_proj`    | rows (column)          | local                              |
+| `mlp.{experts.{e},shared_experts}.down_proj`         | columns (partial)      | partial sums, not reduced each     |
+| the MoE block (`mlp`)                                | (reduced)              | one all-reduce of routed + shared  |
+
+Per layer: two all-reduces (o_proj, then the MLP or the MoE); num_heads, intermediate_size and
+moe_intermediate_size must be divisible by tp.
 """
 
 from __future__ import annotations
@@ -40,7 +59,7 @@ from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError, rope_from_config, shared_fields
-from mtp_train.models.families import Family
+from mtp_train.models.families import Family, TPRules
 
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "kv_lora_rank",
                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size")
@@ -305,6 +324,15 @@ def head_block(args: DeepseekV2Args, input_norm: bool, moe: bool) -> DeepseekV2L
     return DeepseekV2Layer(args, moe=moe)
 
 
+TP = TPRules(
+    column=("self_attn.q_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj", "mlp.gate_proj", "mlp.up_proj",
+            "mlp.experts.*.gate_proj", "mlp.experts.*.up_proj",
+            "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
+    row=("self_attn.o_proj", "mlp.down_proj"),
+    divided=("num_heads", "intermediate_size", "moe_intermediate_size"),  # the latent (num_kv_heads = 1) is whole
+    partial=("mlp.experts.*.down_proj", "mlp.shared_experts.down_proj"),
+    reduced=("mlp",),
+)
 FAMILY = Family(
     name="deepseek_v2", title="DeepSeek-V2", model_types=("deepseek_v2",), parse=parse_config,
     model=DeepseekV2ForCausalLM, attention=attention, head_block=head_block,
@@ -313,4 +341,5 @@ FAMILY = Family(
     head_types=("mtp",),
     head_note="its block is DeepSeek's: MLA + a dense MLP, or MoE with head.moe=true; EAGLE heads use Llama layers",
     head_moe=True,
+    tp=TP,
 )

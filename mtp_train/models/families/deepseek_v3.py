@@ -20,9 +20,13 @@ and `mlp.shared_experts.*`. The bias is a frozen parameter (requires_grad false:
 rule, not by gradients, and no gradient reaches it through the top-k).
 
 A draft head over this target takes DeepSeek's own MTP block (MLA + a dense MLP, or the V3 MoE with head.moe=true)
-over a latent-only pool of its own; only mtp heads fit. Not offered yet: tensor parallelism (run with model.tp=1,
-data parallel over ranks) and running the checkpoint's own MTP layers (`num_nextn_predict_layers`) as a head. The
-released FP8 block-scaled weights load dequantised (`mtp_train/models/fp8.py`); other quantisations are refused.
+over a latent-only pool of its own; only mtp heads fit. Not offered yet: running the checkpoint's own MTP layers
+(`num_nextn_predict_layers`) as a head. The released FP8 block-scaled weights load dequantised
+(`mtp_train/models/fp8.py`); other quantisations are refused.
+
+Tensor parallelism: DeepSeek-V2's rules (`deepseek_v2.TP`: MLA by heads with the latent cache replicated, the MoE
+split by tensor with one all-reduce per block); the router's weight and correction bias are replicated, so every
+rank chooses the same experts.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelConfigError
 from mtp_train.models.families import Family
 from mtp_train.models.families.deepseek_v2 import (
+    TP,
     DeepseekV2Args,
     DeepseekV2ForCausalLM,
     DeepseekV2Layer,
@@ -219,4 +224,5 @@ FAMILY = Family(
     head_note="its block is DeepSeek's: MLA + a dense MLP, or V3's MoE with head.moe=true; EAGLE heads use Llama "
               "layers",
     head_moe=True,
+    tp=TP,
 )

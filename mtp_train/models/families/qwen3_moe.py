@@ -9,8 +9,19 @@ are sorted by expert once, and each expert that was hit multiplies its contiguou
 (`grouped_experts`), so the work is one product per active expert, never one per token.
 
 Attention, RoPE, norms and the fused q/k/v are the Llama family's (`families/llama.py`, Qwen3 variant); a draft
-head's block is a dense Qwen3 layer (`head.moe=true` gives it a sparse MoE block of the target's shape). Tensor
-parallelism is not offered yet (run with model.tp=1, data parallel over ranks).
+head's block is a dense Qwen3 layer (`head.moe=true` gives it a sparse MoE block of the target's shape).
+
+Tensor parallelism (`TP`, see models/tensor_parallel.py): attention and dense layers as the Llama family's; a sparse
+block split by tensor, every rank holding every expert's slice:
+
+| tensor (HF name)                             | split                     | forward                               |
+|----------------------------------------------|---------------------------|---------------------------------------|
+| `mlp.gate.weight` (router)                   | replicated                | every rank routes alike               |
+| `mlp.experts.{e}.{gate,up}_proj.weight`      | rows (column)             | local                                 |
+| `mlp.experts.{e}.down_proj.weight`           | columns (partial)         | partial sums, not reduced per expert  |
+| the block (`mlp`)                            | (reduced)                 | one all-reduce of the weighted sum    |
+
+Per sparse layer: two all-reduces (o_proj, the MoE); moe_intermediate_size must be divisible by tp.
 """
 
 from __future__ import annotations
@@ -27,8 +38,9 @@ from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError
-from mtp_train.models.families import Family
+from mtp_train.models.families import Family, TPRules
 from mtp_train.models.families.llama import FUSINGS, MLP, Attention, attention
+from mtp_train.models.families.llama import TP as LLAMA_TP
 from mtp_train.models.families.llama import parse_config as parse_llama
 
 
@@ -170,6 +182,13 @@ def head_block(args: Qwen3MoeArgs, input_norm: bool, moe: bool) -> DecoderLayer:
     return DecoderLayer(args, sparse=moe, input_norm=input_norm)
 
 
+TP = TPRules(
+    column=(*LLAMA_TP.column, "mlp.experts.*.gate_proj", "mlp.experts.*.up_proj"),
+    row=LLAMA_TP.row,  # attention's o_proj; a dense layer's down_proj
+    divided=(*LLAMA_TP.divided, "moe_intermediate_size"),
+    partial=("mlp.experts.*.down_proj",),
+    reduced=("mlp",),
+)
 FAMILY = Family(name="qwen3_moe", title="Qwen3-MoE", model_types=("qwen3_moe",), parse=parse_config,
                 model=Qwen3MoeForCausalLM, attention=attention, head_block=head_block, head_moe=True,
-                fusings=FUSINGS)
+                fusings=FUSINGS, tp=TP)
