@@ -90,6 +90,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.slow
 def test_tp2_equals_tp1_with_two_all_reduces_per_layer(folders, tmp_path):
     outs = {name: tmp_path / f"{name}.pt" for name in NAMES}
     argv = [str(a) for name in NAMES for a in (folders[name], outs[name])]
