@@ -1,8 +1,9 @@
 """Memory plan: GPU memory per rank for precompute and training at the shipped configs, and disk per million tokens.
 
-For Llama-3.1-8B, Llama-3.1-70B, DeepSeek-V2-Lite, Qwen3-30B-A3B, DeepSeek-V3 and Kimi-K2 (the `conf/model`
-entries). Shapes come from the model folder's config.json when it is present, else from the public config.json
-values embedded below; parameter counts are exact (our target and head are built on the meta device and counted).
+For Llama-3.1-8B, Llama-3.1-70B, DeepSeek-V2-Lite, Qwen3-30B-A3B, DeepSeek-V3, Kimi-K2, GPT-OSS-20B and
+GPT-OSS-120B (the `conf/model` entries). Shapes come from the model folder's config.json when it is present, else
+from the public config.json values embedded below; parameter counts are exact (our target and head are built on the
+meta device and counted).
 Memory is an estimate from those counts:
 
 precompute (bf16, cache-free packed prefill of `batch_tokens`, tensor parallel over `model.tp` ranks):
@@ -82,8 +83,20 @@ KIMI_K2 = {**DEEPSEEK_V3, "model_type": "kimi_k2", "num_attention_heads": 64, "n
            "max_position_embeddings": 131072,
            "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+# GPT-OSS-20B's and -120B's public config.json values, counted as bf16 weights: the released checkpoints are MXFP4
+# (a quantization_config, left out here, that the gpt_oss family refuses); layer_types default to the released
+# alternation (sliding, full, ...).
+GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                   num_local_experts=32, num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+                   swiglu_limit=7.0, rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+                   tie_word_embeddings=False,
+                   rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096})
+GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128}
 MODELS = {"llama3.1-8b": LLAMA31_8B, "llama3.1-70b": LLAMA31_70B, "deepseek-v2-lite": DEEPSEEK_V2_LITE,
-          "qwen3-30b-a3b": QWEN3_30B_A3B, "deepseek-v3": DEEPSEEK_V3, "kimi-k2": KIMI_K2}
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "deepseek-v3": DEEPSEEK_V3, "kimi-k2": KIMI_K2,
+          "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}
 
 
 def model_conf(name: str) -> dict:

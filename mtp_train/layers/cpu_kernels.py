@@ -140,7 +140,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = None
     fn = lib.mtp_rope_f32
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -289,13 +289,14 @@ def paged_attention_args(block_tables: torch.Tensor, qo_indptr: torch.Tensor, po
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, scale: float,
-                    sliding_window: int | None) -> torch.Tensor:
+                    sliding_window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode / verify attention read straight from one layer's pages (no gather, no mask tensor).
 
     q: (T, Hq, D) float32; kv_cache: (num_pages, 2, page_size, Hkv, D) float32 contiguous, already holding
     the new tokens' K/V; step_args: from `paged_attention_args` (block tables (B, max_pages), qo_indptr
     (B+1,), positions (T,), the longest sequence's token count, tree bits or None). Token t attends causally to
     its own sequence (within the sliding window, if any; in a tree step only to the new tokens its bits name).
+    sinks: None, or (Hq,) attention-sink logits (GPT-OSS), each joining its head's softmax denominator.
     Returns (T, Hq, D). Call only when `available()`.
     """
     if not kv_cache.is_contiguous():
@@ -303,6 +304,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
     bt, indptr, pos, max_kv, bits = step_args
     q = q.contiguous()
     t, hq, d = q.shape
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+        if sinks.shape != (hq,):
+            raise ValueError(f"paged_attention: sinks {tuple(sinks.shape)} need one logit per query head ({hq})")
     scores = torch.empty(t * hq * max_kv, dtype=torch.float32)
     out = torch.empty(t, hq, d, dtype=torch.float32)
     lib = _lib or _require()
@@ -310,7 +315,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
                                 bt.data_ptr(), bt.shape[1], indptr.data_ptr(), indptr.shape[0] - 1, pos.data_ptr(),
                                 sliding_window or 0, scale, scores.data_ptr(), max_kv, out.data_ptr(),
                                 torch.get_num_threads() if _threads_ok else 1,
-                                None if bits is None else bits.data_ptr())
+                                None if bits is None else bits.data_ptr(),
+                                None if sinks is None else sinks.data_ptr())
     return out
 
 

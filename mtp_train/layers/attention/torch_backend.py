@@ -3,6 +3,10 @@
 Prefill runs causal SDPA per sequence over its new tokens only. Decode and verify gather each
 sequence's pages into a contiguous (B, S, Hkv, D) view and run one batched SDPA with a mask that
 encodes both the sequence lengths and causality among the new tokens.
+
+Attention sinks (GPT-OSS: one learned logit per head that joins the softmax denominator and carries no value) are
+a `forward` argument: SDPA has none, so a layer with sinks takes an explicit softmax over [scores ; sink]
+(`sink_attention`), and the native CPU decode kernel takes them as an argument; layers without keep SDPA.
 """
 
 from __future__ import annotations
@@ -15,6 +19,26 @@ from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention.base import AttentionBackend
 from mtp_train.layers.attention.masks import causal_mask
 from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+                   scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax also runs over one sink logit per head (no value): softmax([q·kᵀ·scale ; s_h]).
+
+    q: (B, Hq, Q, D); k, v: (B, Hkv, S, D); mask: bool broadcastable to (B, Hq, Q, S), True = attend, or None
+    (then `causal` among Q = S tokens); sinks: (Hq,). The softmax runs in float32. Returns (B, Hq, Q, D).
+    """
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (B, Hq, Q, S)
+    if mask is None and causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]  # the sink's share is dropped
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 class TorchBackend(AttentionBackend):
@@ -52,8 +76,12 @@ class TorchBackend(AttentionBackend):
             st["uniform"] = False
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              causal: bool) -> torch.Tensor:
-        """q: (B, Q, Hq, D); k, v: (B, S, Hkv, D) → (B, Q, Hq, D)."""
+              causal: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: (B, Q, Hq, D); k, v: (B, S, Hkv, D) → (B, Q, Hq, D); sinks: None or (Hq,) sink logits."""
+        if sinks is not None:
+            out = sink_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal, self.scale,
+                                 sinks)
+            return out.transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             is_causal=causal and mask is None, scale=self.scale,
@@ -62,7 +90,9 @@ class TorchBackend(AttentionBackend):
         return out.transpose(1, 2)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """See `AttentionBackend.forward`; sinks: None, or (Hq,) attention-sink logits of this layer."""
         if kv_cache is not None:
             kv_cache[meta.slot_pages, 0, meta.slot_offsets] = k
             kv_cache[meta.slot_pages, 1, meta.slot_offsets] = v
@@ -71,18 +101,18 @@ class TorchBackend(AttentionBackend):
             # The new tokens are the whole sequence: attend among them, never touch the pool.
             if meta.batch_size == 1:
                 mask = st.get(("prefill_mask", meta.qo_lens[0]))
-                return self._sdpa(q[None], k[None], v[None], mask, causal=True)[0]
+                return self._sdpa(q[None], k[None], v[None], mask, causal=True, sinks=sinks)[0]
             outs = []
             for b, n in enumerate(meta.qo_lens):
                 lo = int(meta.qo_indptr[b])
                 sl = slice(lo, lo + n)
                 mask = st.get(("prefill_mask", n))
-                outs.append(self._sdpa(q[None, sl], k[None, sl], v[None, sl], mask, causal=True)[0])
+                outs.append(self._sdpa(q[None, sl], k[None, sl], v[None, sl], mask, causal=True, sinks=sinks)[0])
             return torch.cat(outs, 0)
 
         assert kv_cache is not None, "decode/verify steps need the KV cache"
         if st["native"] and kv_cache.is_contiguous() and cpu_kernels.serves(q, kv_cache):
-            return cpu_kernels.paged_attention(q, kv_cache, st["native_args"], self.scale, self.sliding_window)
+            return cpu_kernels.paged_attention(q, kv_cache, st["native_args"], self.scale, self.sliding_window, sinks)
         b, p = meta.block_tables.shape
         s = p * meta.page_size
         # Gather K and V separately: index_select over the (strided) K or V half of the pool yields
@@ -94,10 +124,10 @@ class TorchBackend(AttentionBackend):
             # (unless a sliding window hides the oldest ones).
             n, kv_len = meta.qo_lens[0], meta.kv_lens[0]
             mask = None if n == 1 and self.sliding_window is None else st["mask"][..., :kv_len]
-            return self._sdpa(q[None], keys[:, :kv_len], values[:, :kv_len], mask, causal=False)[0]
+            return self._sdpa(q[None], keys[:, :kv_len], values[:, :kv_len], mask, causal=False, sinks=sinks)[0]
         if st["uniform"]:
             qb = q.view(b, meta.qo_lens[0], self.num_q_heads, self.head_dim)
-            return self._sdpa(qb, keys, values, st["mask"], causal=False).reshape(q.shape)
+            return self._sdpa(qb, keys, values, st["mask"], causal=False, sinks=sinks).reshape(q.shape)
         outs = []
         for i, (n, kv_len) in enumerate(zip(meta.qo_lens, meta.kv_lens)):
             lo = int(meta.qo_indptr[i])
@@ -105,5 +135,5 @@ class TorchBackend(AttentionBackend):
             bits = None if meta.tree_bits is None else meta.tree_bits[lo: lo + n]
             mask = causal_mask(q_pos, kv_len, self.sliding_window, bits)[None]  # (1, Q, S)
             outs.append(self._sdpa(q[None, lo: lo + n], keys[i: i + 1, :kv_len], values[i: i + 1, :kv_len],
-                                   mask[:, None], causal=False)[0])
+                                   mask[:, None], causal=False, sinks=sinks)[0])
         return torch.cat(outs, 0)

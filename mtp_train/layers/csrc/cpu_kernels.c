@@ -155,11 +155,14 @@ static inline __m256 exp8(__m256 x) {
  * tree_bits: NULL, or (T,) int64 for a step whose new tokens form a tree (a token's position is then its slot,
  * not its depth): token t sees the new token i of its own sequence (slot positions[qo_indptr[b]] + i) only when
  * bit i of tree_bits[t] is set; cached tokens before the step stay visible. Hidden slots get no weight at all.
+ * sinks: NULL, or (Hq,) learned logits (GPT-OSS attention sinks): head h's sink joins the softmax denominator
+ * as one more score that has no value, so the weights of the real keys sum to less than 1.
  */
 void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, const float *cache, int ps,
                              const int *block_tables, int max_pages, const int *qo_indptr, int B,
                              const int64_t *positions, int window, float scale, float *scores, long max_kv,
-                             float *out, int num_threads, const int64_t *tree_bits) {
+                             float *out, int num_threads, const int64_t *tree_bits,
+                             const float *sinks) {
     int group = Hq / Hkv;
     long tok_stride = (long)Hkv * D;          /* between tokens of a page */
     long page_stride = 2L * ps * tok_stride;  /* between pages; V starts ps * tok_stride after K */
@@ -180,7 +183,7 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, cons
         float *st = scores + (size_t)t * Hq * max_kv;  /* head h's scores at st[h * max_kv + (j - lo)] */
         float *ot = out + (size_t)t * Hq * D;
         float mx[Hq], inv[Hq];
-        for (int h = 0; h < Hq; h++) mx[h] = -INFINITY;
+        for (int h = 0; h < Hq; h++) mx[h] = sinks ? sinks[h] : -INFINITY;  /* the max covers the sink */
         /* pass 1: scores, page by page, row by row */
         for (long p = lo / ps; p <= pos / ps; p++) {
             const float *kpage = cache + (size_t)bt[p] * page_stride;
@@ -210,6 +213,7 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, cons
             }
             float sum = hsum(acc);
             for (; j < n; j++) { s[j] = expf(s[j] - mx[h]); sum += s[j]; }
+            if (sinks) sum += expf(sinks[h] - mx[h]);
             inv[h] = 1.f / sum;
         }
         /* pass 3: weighted sum of the values */
