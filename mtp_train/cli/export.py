@@ -3,6 +3,8 @@
     mtp-export head_ckpt=runs/train/heads/step-1000 format=deepseek-mtp out=runs/export/deepseek-mtp
     mtp-export head_ckpt=runs/ablation/eagle1/heads/step-16 format=vllm-eagle out=runs/export/eagle  # eagle1 heads
     mtp-export head_ckpt=runs/eagle3/heads/step-1000 format=speculators out=runs/export/eagle3  # eagle3 heads
+    mtp-export head_ckpt=runs/ds3/heads/step-1000 format=deepseek-mtp stitch=models/deepseek-v3 out=runs/ds3-mtp
+        # the target's checkpoint folder with the fine-tuned head as its MTP layer (shards linked, not copied)
     formats: native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp | speculators | sglang-eagle3
 
 The export is loaded back and its logits compared with the trained head's before the command reports success.
@@ -18,7 +20,7 @@ from omegaconf import DictConfig
 from mtp_train.cli.common import ensure_model, hydra_entry
 from mtp_train.cli.outputs import claims_output
 from mtp_train.config import check_config
-from mtp_train.export import describe, export_head, verify_round_trip
+from mtp_train.export import describe, export_head, stitch_head, verify_round_trip, verify_stitched
 
 PROG = "mtp-export"
 
@@ -29,6 +31,8 @@ def export_main(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg, "export")
     if not cfg.head_ckpt:
         raise ValueError("head_ckpt=DIR is required (a head folder written by mtp-train)")
+    if cfg.stitch:
+        return _stitch_main(cfg)
     target_dir = ensure_model(cfg.model)
     out = export_head(cfg.head_ckpt, target_dir, cfg.format, cfg.out, verify_fingerprint=cfg.verify_fingerprint)
     diff = verify_round_trip(cfg.head_ckpt, out, target_dir)
@@ -40,6 +44,22 @@ def export_main(cfg: DictConfig) -> dict[str, Any]:
     print(f"{PROG}: {info['head']} head → {cfg.format} ({info['tensors']} tensors) in {out}; loaded back: "
           f"features within {diff:.1e}", flush=True)
     return {"out": str(out), **info, "max_abs_diff": diff}
+
+
+def _stitch_main(cfg: DictConfig) -> dict[str, Any]:
+    """`stitch=TARGET_DIR`: the target's checkpoint with the head as its MTP layer, read back through
+    head.init=target_mtp and compared with the head before success is reported."""
+    res = stitch_head(cfg.head_ckpt, cfg.stitch, cfg.out, cfg.format, verify_fingerprint=cfg.verify_fingerprint)
+    diff = verify_stitched(cfg.head_ckpt, res.out, cfg.stitch)
+    if diff > 0:  # the layer's tensors are moved, never changed
+        raise RuntimeError(f"{res.out}: the MTP layer read back differs from the head by {diff:g}")
+    for name in res.mixed:
+        print(f"{PROG}: warning: {name} (linked from the target) also holds the replaced MTP tensors; loaders that "
+              "follow the index skip them, one that reads every tensor of every file would not", flush=True)
+    print(f"{PROG}: mtp head → {cfg.stitch} stitched into {res.out} ({res.new_tensors} tensors in the new shard, "
+          f"{len(res.links)} shard(s) linked, {len(res.copied)} file(s) copied); read back exactly", flush=True)
+    return {"out": str(res.out), "format": cfg.format, "stitched": cfg.stitch, "tensors": res.new_tensors,
+            "links": sorted(res.links), "mixed": res.mixed, "max_abs_diff": diff}
 
 
 main = hydra_entry(PROG, "export", export_main)

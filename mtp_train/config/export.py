@@ -17,4 +17,7 @@ class ExportConfig:
     # speculators, sglang-eagle3 (eagle3)
     format: str = "native"
     out: str = "runs/export"
+    # TARGET_DIR: write a loadable copy of that target checkpoint folder with the head as its own MTP layer
+    # (format=deepseek-mtp; shards linked, not copied: mtp_train/export/stitch.py); the head is loaded against it
+    stitch: str | None = None
     verify_fingerprint: bool = True  # refuse a head trained for other target weights

@@ -12,7 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-INITS = ("scratch", "last_layer")
+# How a new head's weights start: random | the target's last decoder layer | the target's own MTP layer
+# (DeepSeek-V3 / Kimi-K2 checkpoints' `model.layers.{L}.*`, fine-tuned in place: heads/mtp.py)
+INITS = ("scratch", "last_layer", "target_mtp")
 FEATURES = ("final", "aux")  # what step 0 reads: the target's last hidden, or its aux layers concatenated
 FEATURE_NAMES = {"final": "the final hidden state", "aux": "the aux layers"}  # FEATURES in messages
 NORM_FLAGS = ("enorm", "hnorm", "input_norm", "final_norm")  # HeadConfig's norm switches
@@ -37,12 +39,15 @@ class HeadTypeSpec:
     # `head.norm_output` (EAGLE-3.1: feed the normed output instead) means something; the other types already feed
     # the output the lm_head reads.
     feeds_pre_norm: bool = False
+    inits: tuple[str, ...] = ("scratch",)  # the HeadConfig.init values this type takes (INITS)
 
     def __post_init__(self) -> None:
         if set(self.norms) != set(NORM_FLAGS):
             raise ValueError(f"head type {self.name}: norms must set exactly {', '.join(NORM_FLAGS)}")
         if not set(self.fixed_norms) <= set(NORM_FLAGS) or self.features not in FEATURES:
             raise ValueError(f"head type {self.name}: unknown fixed norm or features {self.features!r}")
+        if not set(self.inits) <= set(INITS):
+            raise ValueError(f"head type {self.name}: unknown inits {sorted(set(self.inits) - set(INITS))}")
 
     def input_width(self, features: str, num_aux_layers: int, hidden_size: int) -> int:
         """Width of step 0's input rows: k·H for features=aux over k layers, else H."""
@@ -51,10 +56,12 @@ class HeadTypeSpec:
 
 _ALL_ON = dict.fromkeys(NORM_FLAGS, True)
 HEAD_SPECS: dict[str, HeadTypeSpec] = {s.name: s for s in (
+    # target_mtp: the checkpoint's MTP layer is this type's shape exactly (see `target_mtp_problems`)
     HeadTypeSpec("mtp", "RMSNorm-restored, DeepSeek-V3 MTP shape", _ALL_ON,
-                 formats=("native", "deepseek-mtp", "qwen3-next-mtp")),
+                 formats=("native", "deepseek-mtp", "qwen3-next-mtp"), inits=INITS),
     HeadTypeSpec("eagle1", "the original EAGLE head: the mtp structure with every norm off",
-                 dict.fromkeys(NORM_FLAGS, False), formats=("native", "vllm-eagle", "sglang-eagle")),
+                 dict.fromkeys(NORM_FLAGS, False), formats=("native", "vllm-eagle", "sglang-eagle"),
+                 inits=("scratch", "last_layer")),
     # enorm = the layer's input_layernorm on the embedding, hnorm = its hidden_norm, final_norm = `norm`.
     HeadTypeSpec("eagle3", "EAGLE-3: aux target layers in, its own lm_head over a draft vocabulary", _ALL_ON,
                  fixed_norms=NORM_FLAGS, features="aux", fixed_features=True, draft_vocab_required=True,
@@ -86,7 +93,9 @@ class HeadConfig:
     final_norm: bool | None = None  # RMSNorm after the layer (its output is the predicted feature); null = default
     fc_bias: bool = False  # bias on the 2H→H fc (vLLM's EAGLE layout has none, SGLang's has one)
     moe: bool = False  # DeepSeek-V2 targets: an MoE block (the target's experts' shapes) instead of a dense MLP
-    init: str = "scratch"  # scratch (random) | last_layer (copy the target's last decoder layer)
+    # scratch (random) | last_layer (copy the target's last decoder layer) | target_mtp (the target checkpoint's own
+    # MTP layer, mtp heads only: every norm on, no fc bias, features=final; head.moe as that layer's MLP)
+    init: str = "scratch"
     # Draft over the N most frequent target tokens only (EAGLE-3's draft vocabulary, FR-Spec): the head's logits
     # are lm_head rows of those tokens, so each draft step and the training loss cost N/V of the full lm_head.
     # 0 = the target's whole vocabulary. The token ids are a buffer of the head (`draft_vocab`), saved with it.
@@ -111,6 +120,10 @@ class HeadConfig:
         spec = head_spec(self.type)
         if self.init not in INITS:
             raise ValueError(f"unknown head init {self.init!r}; choose one of {', '.join(INITS)}")
+        if self.init not in spec.inits:
+            takes = [name for name, s in HEAD_SPECS.items() if self.init in s.inits]
+            raise ValueError(f"head.init={self.init} takes {'/'.join(takes)} heads; {self.type} heads start "
+                             f"from {' | '.join(spec.inits)}")
         if self.features is not None and self.features not in FEATURES:
             raise ValueError(f"unknown head features {self.features!r}; choose one of {', '.join(FEATURES)}")
         off = [k for k in spec.fixed_norms if getattr(self, k) is not None and getattr(self, k) != spec.norms[k]]
@@ -133,6 +146,12 @@ class HeadConfig:
         if self.norm_output and not spec.feeds_pre_norm:
             raise ValueError(f"head.norm_output=true: {self.type} heads already feed the next step the output their "
                              "lm_head reads; only a head that feeds its pre-norm output (eagle3) takes it")
+
+        if self.init == "target_mtp":
+            problems = target_mtp_problems(self)
+            if problems:
+                raise ValueError("head.init=target_mtp copies the target's MTP layer (enorm, hnorm, eh_proj without "
+                                 "bias, the block, shared_head.norm) and has no place for: " + "; ".join(problems))
 
     @property
     def spec(self) -> HeadTypeSpec:
@@ -161,3 +180,15 @@ class HeadConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self.resolved())
+
+
+def target_mtp_problems(cfg: HeadConfig) -> list[str]:
+    """The settings (named by their keys) an mtp head cannot have to take a DeepSeek-style MTP layer 1:1: each of the
+    layer's RMSNorms needs its switch on, eh_proj has no bias, and the layer reads the target's final hidden state.
+    Whether the block is MoE (head.moe) is the checkpoint's to say: checked against it when the layer is read."""
+    problems = [f"head.{flag}=false (the layer has its norm)" for flag in NORM_FLAGS if getattr(cfg, flag) is False]
+    if cfg.fc_bias:
+        problems.append("head.fc_bias=true (eh_proj has no bias)")
+    if cfg.resolved_features != "final":
+        problems.append(f"head.features={cfg.features} (the layer reads the target's final hidden state)")
+    return problems

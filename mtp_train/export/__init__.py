@@ -1,5 +1,5 @@
 """Head exports for serving engines: native, vLLM/SGLang EAGLE-1 and EAGLE-3 (speculators), DeepSeek-V3 MTP and
-Qwen3-Next MTP layouts."""
+Qwen3-Next MTP layouts; a DeepSeek-V3 MTP head stitched back into its target's checkpoint (`stitch`)."""
 
 from mtp_train.export.exporter import (
     check_fits,
@@ -10,6 +10,8 @@ from mtp_train.export.exporter import (
     verify_round_trip,
 )
 from mtp_train.export.layouts import FORMATS, LAYOUTS, LayoutError
+from mtp_train.export.stitch import STITCH_FORMATS, StitchResult, stitch, stitch_head, verify_stitched
 
-__all__ = ["FORMATS", "LAYOUTS", "LayoutError", "check_fits", "describe", "export_head", "layout_tensors",
-           "load_export", "verify_round_trip"]
+__all__ = ["FORMATS", "LAYOUTS", "STITCH_FORMATS", "LayoutError", "StitchResult", "check_fits", "describe",
+           "export_head", "layout_tensors", "load_export", "stitch", "stitch_head", "verify_round_trip",
+           "verify_stitched"]

@@ -154,7 +154,8 @@ class DraftHead(nn.Module, ABC):
         return self.lm_head_weight()
 
     def init_from_target(self, target_dir: str | Path) -> None:
-        """Copy target weights into the head (HeadConfig.init = last_layer); heads without such init refuse."""
+        """Copy target weights into the head (HeadConfig.init = last_layer | target_mtp, as the type's spec takes
+        them: `HeadTypeSpec.inits`); heads without such init refuse."""
         raise NotImplementedError(f"{self.type_name} heads cannot be initialised from the target")
 
     # -- shared machinery --

@@ -1,4 +1,5 @@
-"""The target tensors a draft head uses but never trains: `embed_tokens`, `lm_head`, and (for init) a decoder layer.
+"""The target tensors a draft head uses but never trains: `embed_tokens`, `lm_head`, and (for init) a decoder layer
+or the checkpoint's own MTP layer.
 
 Only the named tensors are read from the target's safetensors, never the whole model. The frozen
 embedding and lm_head live in a plain object, not in the head's `nn.Module` tree, so that a training
@@ -23,6 +24,7 @@ from mtp_train.models.loader import (
     IGNORED_SUFFIXES,
     checkpoint_files,
     iter_tensors,
+    mtp_layer_prefixes,
     open_checkpoint,
     resolve_dtype,
 )
@@ -113,10 +115,7 @@ def read_decoder_layer(path: str | Path, index: int = -1, dtype: str | torch.dty
     files = {n: f for n, f in checkpoint_files(path).items() if n.startswith(prefix)}
     if not files:
         raise ModelConfigError(f"{path}: checkpoint has no tensors under {prefix}*")
-    dt = resolve_dtype(dtype, args)
-    # block-scaled FP8 weights are dequantised as the full loader does (their scales share the layer's prefix)
-    with open_checkpoint(path, args, files) as ckpt:
-        raw = {n[len(prefix):]: ckpt.read(n, dt) for n in ckpt.names if not n.endswith(IGNORED_SUFFIXES)}
+    raw = _read_prefixed(path, args, files, prefix, dtype)
     plan = parts_plan(raw, family_of(args).fusings)
     for parts in plan.values():
         present = [n for n in parts if n in raw]
@@ -126,3 +125,38 @@ def read_decoder_layer(path: str | Path, index: int = -1, dtype: str | torch.dty
     state = fuse(raw, plan)
     state.update(raw)
     return state
+
+
+def _read_prefixed(path: Path, args: ModelArgs, files: dict[str, Path], prefix: str,
+                   dtype: str | torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors `files` names (all under `prefix`), in `dtype`, named without the prefix."""
+    dt = resolve_dtype(dtype, args)
+    # block-scaled FP8 weights are dequantised as the full loader does (their scales share the layer's prefix)
+    with open_checkpoint(path, args, files) as ckpt:
+        return {n[len(prefix):]: ckpt.read(n, dt) for n in ckpt.names if not n.endswith(IGNORED_SUFFIXES)}
+
+
+# The MTP layer's tensors that are copies of the target's own (its embedding and lm_head): a head reads the
+# target's frozen ones (`FrozenTargetParts`), so these are not read.
+MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def read_mtp_layer(path: str | Path, dtype: str | torch.dtype = "auto") -> dict[str, torch.Tensor]:
+    """The target checkpoint's first MTP layer `model.layers.{L}.*` (L = num_hidden_layers; DeepSeek-V3 / Kimi-K2),
+    named without that prefix and with its embedding / lm_head copies (`MTP_SHARED`) left out, FP8 dequantised.
+
+    Returns e.g. {"enorm.weight": (H,), "hnorm.weight": (H,), "eh_proj.weight": (H, 2H), "shared_head.norm.weight":
+    (H,), "input_layernorm.weight": (H,), "self_attn.kv_a_proj_with_mqa.weight": ..., "mlp.gate.weight": (E, H),
+    ...} on CPU. A family without MTP layers, or a checkpoint lacking them, is a ModelConfigError naming the folder.
+    """
+    path = Path(path)
+    args = args_from_dir(path)
+    prefixes = mtp_layer_prefixes(args)
+    n = int(getattr(args, "num_nextn_predict_layers", 0) or 0)
+    prefix = prefixes[0] if prefixes else f"model.layers.{args.num_layers}."
+    files = {k: f for k, f in checkpoint_files(path).items()
+             if k.startswith(prefix) and k[len(prefix):] not in MTP_SHARED}
+    if not prefixes or not files:
+        raise ModelConfigError(f"head.init=target_mtp: {path} holds no {prefix}* MTP layer "
+                               f"(num_nextn_predict_layers={n})")
+    return _read_prefixed(path, args, files, prefix, dtype)

@@ -27,7 +27,7 @@ from torch import nn
 
 from mtp_train.config import HeadConfig
 from mtp_train.heads.base import DraftHead
-from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer
+from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer, read_mtp_layer
 from mtp_train.heads.registry import register_head
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
 from mtp_train.layers.norm import RMSNorm
@@ -71,11 +71,18 @@ class MTPHead(DraftHead):
         if self.hnorm is not None:
             h = self.hnorm(h)
         x = self.fc(torch.cat([e, h], dim=-1))  # (T, 2H) → (T, H)
-        cos, sin = self.rope(meta.positions, x.dtype)
+        cos, sin = self.rope(meta.rotary_positions, x.dtype)  # a tree step rotates to depths
         x = self.layers[0](x, cos, sin, attn, kv_cache, meta)
         return x if self.norm is None else self.norm(x)
 
     def init_from_target(self, target_dir: str | Path) -> None:
+        """Copy target weights into the head, as `head.init` says: `last_layer` or `target_mtp`."""
+        if self.cfg.init == "target_mtp":
+            self._init_from_mtp_layer(target_dir)
+        else:
+            self._init_from_last_layer(target_dir)
+
+    def _init_from_last_layer(self, target_dir: str | Path) -> None:
         """Copy the target's last decoder layer (fused as the loader fuses it, e.g. q/k/v and gate/up) into ours.
 
         A head without the layer's input norm simply does not take the target's input_layernorm.
@@ -84,13 +91,43 @@ class MTPHead(DraftHead):
         layer = self.layers[0]
         if layer.input_layernorm is None:
             state.pop("input_layernorm.weight", None)
-        own = layer.state_dict()
+        self._copy(layer, state, f"{target_dir}: last layer")
+
+    def _init_from_mtp_layer(self, target_dir: str | Path) -> None:
+        """Copy the checkpoint's own MTP layer `model.layers.{L}.*` (DeepSeek-V3 / Kimi-K2) into the head, 1:1:
+
+            enorm → enorm,  hnorm → hnorm,  eh_proj → fc  (its [enorm(E) ; hnorm(h)] input is ours, embedding first),
+            input_layernorm, self_attn.*, post_attention_layernorm, mlp.* → layers.0.* (the family's block, names
+            as the target loader reads them),  shared_head.norm → norm (the final norm before the lm_head).
+
+        Its `embed_tokens` and `shared_head.head` are copies of the target's embedding and lm_head, which the head
+        reads frozen. The layer's MLP decides `head.moe`: a mismatch is refused naming the key.
+        """
+        raw = read_mtp_layer(target_dir)
+        prefix = f"model.layers.{self.target_args.num_layers}."
+        moe_layer = any(k.startswith("mlp.experts.") for k in raw)
+        if moe_layer != self.cfg.moe:
+            kind = "an MoE MLP (mlp.gate, mlp.experts.*)" if moe_layer else "a dense MLP (mlp.gate_proj, ...)"
+            raise ModelConfigError(f"head.init=target_mtp: the MTP layer {prefix}* of {target_dir} has {kind}: set "
+                                   f"head.moe={str(moe_layer).lower()}")
+        top = {"enorm.weight": "enorm", "hnorm.weight": "hnorm", "eh_proj.weight": "fc",
+               "shared_head.norm.weight": "norm"}  # checkpoint name → our module
+        for name, ours in top.items():
+            if name not in raw:
+                raise ModelConfigError(f"head.init=target_mtp: {target_dir} lacks {prefix}{name}")
+            self._copy(getattr(self, ours), {"weight": raw.pop(name)}, f"{target_dir}: {prefix}{name}")
+        self._copy(self.layers[0], raw, f"{target_dir}: MTP layer {prefix}*")
+
+    @staticmethod
+    def _copy(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+        """Copy `state` into `module`'s state dict: exactly its keys, each of its shape (else the names)."""
+        own = module.state_dict()
         bad = [f"{k}: target {tuple(v.shape)}, head {tuple(own[k].shape)}"
                for k, v in state.items() if k in own and v.shape != own[k].shape]
         missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
         if bad or missing or unexpected:
-            raise ModelConfigError(f"{target_dir}: last layer does not fit the head: mismatched {bad}, "
-                                   f"missing {missing}, unexpected {unexpected}")
+            raise ModelConfigError(f"{source} does not fit the head: mismatched {bad}, missing {missing}, "
+                                   f"unexpected {unexpected}")
         with torch.no_grad():
             for k, v in state.items():
                 own[k].copy_(v)

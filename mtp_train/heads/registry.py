@@ -53,13 +53,14 @@ def build_head(cfg: HeadConfig, target_dir: str | Path, device: str | torch.devi
     """A new head for the target in `target_dir`, with its frozen embedding / lm_head read from there.
 
     dtype: auto (the target's) | float32 | bfloat16 | float16, for the head and the frozen parts alike.
-    `cfg.init = last_layer` copies the target's last decoder layer into the head's layer.
+    `cfg.init = last_layer` copies the target's last decoder layer into the head's layer; `target_mtp` copies the
+    checkpoint's own MTP layer into the whole head (mtp heads).
     """
     cls = head_class(cfg.type)
     if frozen is None:
         frozen = FrozenTargetParts.from_pretrained(target_dir, device=device, dtype=dtype)
     head = cls(cfg, frozen.args, frozen, backend)
-    if head.cfg.init == "last_layer":
+    if head.cfg.init != "scratch":  # last_layer | target_mtp (`init_from_target` reads which)
         head.init_from_target(target_dir)
     dt = resolve_dtype(dtype, frozen.args)
     return head.to(device=device, dtype=dt)

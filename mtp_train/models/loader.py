@@ -45,6 +45,16 @@ DTYPE_NAMES: dict[str, Callable[[ModelArgs | None], torch.dtype]] = {
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def mtp_layer_prefixes(args: ModelArgs) -> tuple[str, ...]:
+    """`model.layers.{L}.` ... `model.layers.{L+n-1}.`: the checkpoint's own MTP layers, stored after the L decoder
+    layers by a family whose args declare `num_nextn_predict_layers` = n (DeepSeek-V3 / Kimi-K2); () for the rest.
+
+    They are no part of the target (a draft head reads them: `head.init=target_mtp`), so the loaders skip them.
+    """
+    n = int(getattr(args, "num_nextn_predict_layers", 0) or 0)
+    return tuple(f"model.layers.{args.num_layers + i}." for i in range(n))
+
+
 def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs | None = None) -> torch.dtype:
     """'auto' → the checkpoint's dtype (float32 if it names none); names or torch dtypes accepted."""
     if isinstance(dtype, torch.dtype):
@@ -206,10 +216,13 @@ def load_model(
 
     state: dict[str, torch.Tensor] = {}
     fused_got: dict[str, torch.Tensor] = {}  # checkpoint name → tensor, for the fused parameters
+    mtp = mtp_layer_prefixes(args)  # the checkpoint's MTP layers: read by a head, never by the target
     with open_checkpoint(path, args) as ckpt:
         files = ckpt.files
         for name in ckpt.names:
             if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
+                continue
+            if mtp and name.startswith(mtp):
                 continue
             if name in fused_target:
                 fused_got[name] = ckpt.read(name, dt)
