@@ -1,16 +1,14 @@
-"""Chat rendering and assistant-only loss masks: golden masks for four template families, truncation, drops,
-errors and fingerprints.
+"""Chat rendering and assistant-only loss masks: golden masks for four template families, the linear method against
+the reference prefix method, truncation, drops, errors and fingerprints.
 
-The Llama-3, Mistral and Qwen3 tokenizers are built here: the SmolLM2 tokenizer (or, without it, a small
-byte-level BPE trained on the spot) plus each family's special tokens, with a template from
-`tests/fixtures/chat_templates/` that reproduces the structure of that family's template (plus Phi-3, whose
-end-of-conversation token exercises the per-turn diff).
+The Llama-3, Mistral, Qwen3 and Phi-3 tokenizers come from `tests/_templates.py`: the SmolLM2 tokenizer (or a
+small byte-level BPE trained on the spot) plus each family's special tokens and a template reproducing the
+structure of that family's (Phi-3's end-of-conversation token exercises the per-turn diff).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 from pathlib import Path
 
 import pytest
@@ -25,57 +23,14 @@ from mtp_train.data.chat import (
     tokenizer_fingerprint,
 )
 from mtp_train.data.readers import Conversation
+from tests._templates import DEFAULT_MODEL, END_OF_TURN, build_families, smollm2, trained_bpe
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
-TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
-REGEN = ROOT.parent / "shared" / "data" / "train" / "regen_smollm2_greedy.jsonl"
-
-FAMILY_TOKENS = {  # family → (special tokens, plain added tokens, bos, eos)
-    "llama3": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], [],
-               "<|begin_of_text|>", "<|eot_id|>"),
-    "mistral": (["<s>", "</s>", "[INST]", "[/INST]"], [], "<s>", "</s>"),
-    # Qwen3's think markers are ordinary added tokens (they survive skip_special_tokens).
-    "qwen3": (["<|im_start|>", "<|im_end|>"], ["<think>", "</think>"], None, "<|im_end|>"),
-    "phi3": (["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"], [], None, "<|endoftext|>"),
-}
-END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "mistral": "</s>", "qwen3": "<|im_end|>",
-               "phi3": "<|end|>"}
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris is the capital.",
-    "user assistant system Hello! How are you? I am fine, thank you. Let me think step by step.",
-    "2 + 2 = 4. 3 * 3 = 9. The answer is 42. def add(a, b):\n    return a + b\n",
-]
-
-
-def _trained_bpe():
-    """A small byte-level BPE with ChatML specials, for when the SmolLM2 folder is absent."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False)
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>")
-
-
-@functools.cache
-def _smollm2():
-    """The real SmolLM2 tokenizer (with its ChatML template), or None when the model folder is absent."""
-    if not (DEFAULT_MODEL / "tokenizer.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+REGEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "train" / "regen_smollm2_greedy.jsonl"
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    tok = _smollm2()
+    tok = smollm2()
     if tok is None:
         pytest.skip(f"{DEFAULT_MODEL} missing: run `make model`")
     return tok
@@ -84,24 +39,13 @@ def smollm2_tokenizer():
 @pytest.fixture(scope="session")
 def base_tokenizer():
     """Byte-level BPE to build the other families on: SmolLM2's when present, else a trained one."""
-    return _smollm2() or _trained_bpe()
+    return smollm2() or trained_bpe()
 
 
 @pytest.fixture(scope="session")
 def families(base_tokenizer) -> dict:
     """family name → tokenizer with that family's special tokens and template."""
-    out = {}
-    for name, (special, plain, bos, eos) in FAMILY_TOKENS.items():
-        tok = copy.deepcopy(base_tokenizer)
-        tok.add_tokens(special, special_tokens=True)
-        if plain:
-            tok.add_tokens(plain, special_tokens=False)
-        if bos is not None:
-            tok.bos_token = bos
-        tok.eos_token = eos
-        tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
-        out[name] = tok
-    return out
+    return build_families(base_tokenizer)
 
 
 def masked_text(tok, sample) -> str:
@@ -406,13 +350,50 @@ def _rendered_messages(tok, turns: int) -> int:
     return counter.messages
 
 
-@pytest.mark.parametrize("family", ["llama3", "mistral", "phi3"])
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "phi3"])
 def test_loss_mask_renders_grow_linearly_with_the_turns(families, family):
-    """Deriving the masks renders a number of messages proportional to the conversation: each turn is rendered
-    in a window of a few messages, not as the end of a prefix of the whole conversation (which grew with the
-    square of the turns: 0.8 / 3.2 / 12.9 s for 100 / 200 / 400 turns)."""
+    """Deriving the masks renders a number of messages proportional to the conversation, Qwen3's re-rendered
+    history included: a constant number of renderings of the whole conversation and a window of a few messages
+    per turn, not a prefix of the conversation per turn (which grew with the square of the turns: 0.8 / 3.2 /
+    12.9 s for 100 / 200 / 400 turns)."""
     tok = copy.deepcopy(families[family])
     counts = [_rendered_messages(tok, n) for n in (25, 50, 100)]
     per_turn = [c / n for c, n in zip(counts, (25, 50, 100))]
-    assert max(per_turn) <= 12, counts  # two renderings of the whole conversation and two windows a turn
+    assert max(per_turn) <= 15, counts  # four renderings of the whole conversation and two windows a turn
     assert counts[2] - counts[1] == 2 * (counts[1] - counts[0]), counts  # exactly linear
+
+
+PIECES = ["Yes.", "  padded  ", "\nleading newline", "two\n\nparagraphs", "trailing\n", "<think>\nhmm\n</think>\n\nOK.",
+          "<think></think>bare", "<|im_end|> and [INST] as text", "émoji 🙂", "\ue000 probe", "x"]
+
+
+def _random_conversation(rng, family: str) -> list[dict[str, str]]:
+    """1-4 user/assistant exchanges (an optional system turn first, an optional user turn last) of pieces that
+    exercise whitespace handling, think blocks, marker-like text and probe characters."""
+    messages = [{"role": "system", "content": rng.choice(PIECES)}] if rng.random() < 0.5 else []
+    for _ in range(rng.randint(1, 4)):
+        messages += [{"role": "user", "content": rng.choice(PIECES)},
+                     {"role": "assistant", "content": " ".join(rng.sample(PIECES, rng.randint(1, 2)))}]
+    if rng.random() < 0.3 and family != "mistral":  # Mistral's template demands an answer last
+        messages.append({"role": "user", "content": "More?"})
+    return messages
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "phi3"])
+def test_linear_spans_equal_the_prefix_method(families, family):
+    """On random conversations the linear derivation gives exactly the spans of the per-turn prefix renderings,
+    for templates that render each turn by itself and for Qwen3's, which rewrites the earlier answers."""
+    import random
+
+    from mtp_train.data.spans import prefix_char_spans
+
+    rng = random.Random(family)
+    tok = copy.deepcopy(families[family])
+    counter = tok.apply_chat_template = _CountingTemplate(tok)
+    for _ in range(12):
+        messages = _random_conversation(rng, family)
+        counter.calls = 0
+        text, spans, _ = assistant_char_spans(tok, messages)
+        turns = sum(m["role"] == "assistant" for m in messages)
+        assert counter.calls <= 4 + 2 * turns, messages  # the linear method answered, not the fallback
+        assert (text, spans) == prefix_char_spans(tok, messages)[:2], messages
