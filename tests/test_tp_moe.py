@@ -15,8 +15,16 @@ import torch
 from safetensors.torch import save_file
 
 from mtp_train.models import ModelConfigError, load_model
-from mtp_train.models.families import args_from_hf_config, family_of
-from mtp_train.models.tensor_parallel import ReducedSum, RowParallelLinear, TPGroup, load_model_tp, local_args
+from mtp_train.models.families import TPRules, args_from_hf_config, family_of
+from mtp_train.models.tensor_parallel import (
+    ReducedSum,
+    RowParallelLinear,
+    TPGroup,
+    added_once,
+    load_model_tp,
+    local_args,
+    rank_part,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _tp_worker import run  # noqa: E402
@@ -185,3 +193,31 @@ def test_divisibility_is_checked_for_heads_and_expert_widths(folders):
                                 "moe_intermediate_size": 30})
     with pytest.raises(ModelConfigError, match="moe_intermediate_size=30 divisible by 4"):
         local_args(qwen, 4)
+
+
+def test_fused_expert_tensors_opt_in_by_tensor_rules():
+    """A family whose experts are fused tensors (GPT-OSS's (E, H, 2I) gate_up with interleaved gate / up columns,
+    (E, I, H) down, their biases) opts in with `tensors` and `once` rules: each rank reads a contiguous run of
+    intermediate units (pairs stay together), and the down bias is rank 0's."""
+    rules = TPRules(column=("self_attn.q_proj",), row=("self_attn.o_proj",), divided=("intermediate_size",),
+                    reduced=("mlp",), tensors=(("mlp.experts.gate_up_proj", 2), ("mlp.experts.gate_up_proj_bias", 1),
+                                               ("mlp.experts.down_proj", 1)),
+                    once=("mlp.experts.down_proj_bias",))
+    layer = "model.layers.3."
+    for rank in (0, 1):
+        tp, lo, hi = TPGroup(rank, 2), 6 * rank, 6 * rank + 6
+        assert rank_part(layer + "mlp.experts.gate_up_proj", (4, 8, 12), tp, rules) == (
+            (slice(None), slice(None), slice(lo, hi)), 0)
+        assert rank_part(layer + "mlp.experts.gate_up_proj_bias", (4, 12), tp, rules) == ((slice(None), slice(lo, hi)),
+                                                                                          0)
+        assert rank_part(layer + "mlp.experts.down_proj", (4, 12, 8), tp, rules) == ((slice(None), slice(lo, hi)), 0)
+        assert rank_part(layer + "mlp.experts.down_proj_bias", (4, 8), tp, rules) == ((), 0)
+        assert rank_part(layer + "mlp.router.weight", (4, 8), tp, rules) == ((), 0)
+        assert rank_part(layer + "self_attn.q_proj.weight", (8, 8), tp, rules) == ((slice(4 * rank, 4 * rank + 4),), 0)
+    assert added_once(layer + "mlp.experts.down_proj_bias", rules)
+    assert not added_once(layer + "mlp.experts.down_proj", rules) and not added_once(layer + "mlp.router.bias", rules)
+    # module rules: partial modules' biases are added once, the others' are not
+    ds = family_of(args_from_hf_config(BIASED)).tp
+    assert added_once(layer + "mlp.experts.5.down_proj.bias", ds)
+    assert added_once(layer + "mlp.shared_experts.down_proj.bias", ds)
+    assert not added_once(layer + "mlp.down_proj.bias", ds) and not added_once(layer + "mlp.experts.5.up_proj.bias", ds)

@@ -21,7 +21,9 @@ o_proj, the MoE), not one per expert. An expert's bias is added on rank 0 only (
 counts it once. Why tensor split: it is exact and balanced whatever the routing (every rank does 1/tp of every hit
 expert's work; an expert split waits for the rank with the most hit experts) and the block needs no token
 exchange; both hold 1/tp of the expert weights. Its cost is narrower products at large tp (moe_intermediate_size
-/ tp rows per expert) and the divisibility of moe_intermediate_size by tp.
+/ tp rows per expert) and the divisibility of moe_intermediate_size by tp. Experts stored as fused tensors
+((E, H, 2I) gate_up, (E, I, H) down) opt in by `tensors` rules (a tensor name and the dimension split) and `once`
+rules (a fused down bias: rank 0's); so do other per-head tensors (attention sinks, split along heads).
 
 Each rank builds the model with its local shapes
 (`local_args`), reads only its slices of every checkpoint tensor (safetensors `get_slice`; an FP8 weight's slice
@@ -143,10 +145,14 @@ def matches(module: str, rules: tuple[str, ...]) -> bool:
     return _pattern(rules).search(module) is not None
 
 
-def _part(name: str, shape: tuple[int, ...], tp: TPGroup, rules: TPRules) -> tuple[tuple[slice, ...], int]:
+def rank_part(name: str, shape: tuple[int, ...], tp: TPGroup, rules: TPRules) -> tuple[tuple[slice, ...], int]:
     """This rank's part of checkpoint tensor `name` of `shape`: one slice per leading dimension (empty: all of it),
     and the rows of zeros to append so that every rank's vocabulary shard has the same shape."""
     module = name.rsplit(".", 1)[0]
+    for pattern, dim in rules.tensors:
+        if matches(name, (pattern,)):
+            n = shape[dim] // tp.size
+            return (slice(None),) * dim + (slice(tp.rank * n, (tp.rank + 1) * n),), 0
     if matches(module, rules.column):
         n = shape[0] // tp.size
         return (slice(tp.rank * n, (tp.rank + 1) * n),), 0
@@ -159,13 +165,19 @@ def _part(name: str, shape: tuple[int, ...], tp: TPGroup, rules: TPRules) -> tup
     return (), 0
 
 
+def added_once(name: str, rules: TPRules) -> bool:
+    """Whether tensor `name` is one a reduced block adds once over the group (held by rank 0, zeros elsewhere): a
+    partial module's bias, or a `once` tensor."""
+    return matches(name, rules.once) or (name.endswith(".bias") and matches(name.rsplit(".", 1)[0], rules.partial))
+
+
 def _read_part(ckpt: CheckpointReader, name: str, tp: TPGroup, rules: TPRules, dtype: torch.dtype) -> torch.Tensor:
     """Read only this rank's part of `name` (an FP8 weight: its part dequantised from the scale blocks covering it,
     a part boundary need not fall on a block boundary); the short last vocabulary shard padded with zeros; a
     partial module's bias on rank 0 only (zeros elsewhere: the block's all-reduce adds it once)."""
-    if tp.rank and name.endswith(".bias") and matches(name.rsplit(".", 1)[0], rules.partial):
+    if tp.rank and added_once(name, rules):
         return torch.zeros(ckpt.shapes[name], dtype=dtype)
-    index, pad = _part(name, ckpt.shapes[name], tp, rules)
+    index, pad = rank_part(name, ckpt.shapes[name], tp, rules)
     part = ckpt.read(name, dtype, index)
     if pad:
         part = torch.cat([part, part.new_zeros(pad, *part.shape[1:])])
@@ -226,15 +238,17 @@ class VocabParallelLMHead(nn.Module):
 
 
 def parallelize(model: CausalLM, tp: TPGroup, vocab: int) -> CausalLM:
-    """Wrap a model holding this rank's slices (see `_part`) so that its forward is the full model's: in every
-    layer, the `row` modules it has as RowParallelLinears, and the `reduced` blocks that hold `partial` modules
-    (a sparse layer's MoE; a dense layer's MLP has a row-parallel down_proj instead) as ReducedSums."""
+    """Wrap a model holding this rank's slices (see `rank_part`) so that its forward is the full model's: in every
+    layer, the `row` modules it has as RowParallelLinears, and the `reduced` blocks that hold `partial` modules or
+    `tensors` (a sparse layer's MoE; a dense layer's MLP has a row-parallel down_proj instead) as ReducedSums."""
     rules = tp_rules(model.args)
+    split_tensors = tuple(pattern for pattern, _ in rules.tensors)
     for layer in model.model.layers:
         names = [n for n, _ in layer.named_modules() if n]
         rows = [n for n in names if matches(n, rules.row)]
-        blocks = [n for n in names if matches(n, rules.reduced)
-                  and any(p.startswith(n + ".") and matches(p, rules.partial) for p in names)]
+        parts = [n for n in names if matches(n, rules.partial)]
+        parts += [n for n, _ in layer.named_parameters() if matches(n, split_tensors)]
+        blocks = [n for n in names if matches(n, rules.reduced) and any(p.startswith(n + ".") for p in parts)]
         if any(r.startswith(b + ".") for r in rows for b in blocks):
             raise ValueError(f"TP rules of {model.args.model_type}: a row-parallel module inside a reduced block "
                              "would be all-reduced twice")

@@ -58,6 +58,10 @@ class TPRules:
     divided: tuple[str, ...]  # args fields each rank holds 1/tp of (e.g. num_heads, num_kv_heads, intermediate_size)
     partial: tuple[str, ...] = ()  # split by input columns, not reduced themselves (an MoE's experts' down_proj) ...
     reduced: tuple[str, ...] = ()  # ... but by the block holding them: its output all-reduced once (the MoE `mlp`)
+    # tensors (names with their parameter) split along dim ≥ 0, for layouts the module rules do not fit, e.g. fused
+    # (E, H, 2I) experts: ("mlp.experts.gate_up_proj", 2); part of a reduced block like a partial module
+    tensors: tuple[tuple[str, int], ...] = ()
+    once: tuple[str, ...] = ()  # tensors a reduced block adds once (fused experts' down bias): rank 0 holds them
 
 
 def _as_is(attn: AttentionBackend, args: ModelArgs) -> Attention:
