@@ -221,6 +221,16 @@ def test_tp_ranks_dequantise_exactly_their_slices(folders, variant):
         assert got.model.layers[0].self_attn.qkv_proj.weight.shape == (80 + 40 + 40, 200)
 
 
+@pytest.mark.parametrize("key", ["qwen3_moe/32x48", "deepseek_v3/128", "deepseek_v3/32x48"])
+def test_tp_ranks_of_moe_and_mla_targets_dequantise_exactly_their_slices(folders, key):
+    """Experts' halves (36 of 72 rows / columns) and MLA's head rows (kv_b_proj at 96 of 192) cut inside blocks."""
+    fp8_dir, ref_dir = folders[key]
+    for rank in (0, 1):
+        tp = TPGroup(rank, 2)
+        assert_same_weights(load_model_tp(fp8_dir, tp, dtype="float32", backend="torch", cpu_prepack=False),
+                            load_model_tp(ref_dir, tp, dtype="float32", backend="torch", cpu_prepack=False))
+
+
 @pytest.mark.slow
 def test_tp2_logits_equal_tp1_on_the_fp8_folder(folders, tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
