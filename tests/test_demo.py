@@ -1,5 +1,5 @@
 """`mtp-demo` end to end at a tiny size on the real default model: every stage runs, the summary is written, and a
-re-run skips every finished stage."""
+re-run skips every finished stage; an `out` that is not the demo's is refused untouched."""
 
 from __future__ import annotations
 
@@ -8,11 +8,30 @@ import json
 import pytest
 
 from mtp_train.cli.demo import STAGES, run_demo
+from mtp_train.cli.outputs import OutputError
 from mtp_train.config import DemoConfig
 
-pytestmark = pytest.mark.slow
+
+@pytest.mark.parametrize("files, says", [
+    ({"manifest.json": "{}"}, "holds the output of mtp-precompute"),
+    ({"notes.txt": "mine"}, "holds files that no mtp command wrote"),
+    (None, "is a file, but mtp-demo writes a folder there"),
+], ids=["precompute-folder", "unrelated-files", "a-file"])
+def test_demo_refuses_an_out_that_is_not_its_own_untouched(tmp_path, files, says):
+    out = tmp_path / "out"
+    if files is None:
+        out.write_text("a note")
+    else:
+        out.mkdir()
+        for name, text in files.items():
+            (out / name).write_text(text)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(OutputError, match=says):
+        run_demo(DemoConfig(out=str(out), model_path=str(tmp_path / "no-model")))
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_demo_runs_every_stage_then_skips_them(default_model_dir, tmp_path, capsys):
     cfg = DemoConfig(
         out=str(tmp_path / "demo"), model_path=str(default_model_dir),

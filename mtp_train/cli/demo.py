@@ -12,8 +12,10 @@ Stages, each the project's own command run in this process with the overrides of
 5. `mtp-export` writes the head in the `native` layout.
 
 A finished stage is recorded in `<out>/stages.json` with its overrides; a re-run skips it while its overrides
-and outputs are unchanged (and each command resumes by itself if it was interrupted). The summary (τ,
-acceptance rate, speed-up, where outputs are) is printed and written to `<out>/summary.json`.
+and outputs are unchanged (and each command resumes by itself if it was interrupted). `out` is new, empty or an
+earlier demo's folder, held under its lock while the demo runs: one holding another command's output or unrelated
+files is refused before anything is written. The summary (τ, acceptance rate, speed-up, where outputs are) is
+printed and written to `<out>/summary.json`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from mtp_train.cli.common import EXIT_USER_ERROR, USER_ERRORS, configure_from_env
+from mtp_train.cli.outputs import DEMO, claim_output
 from mtp_train.config import CONF_DIR, DemoConfig, register_configs
 from mtp_train.fileio import atomic_write_text
 
@@ -63,17 +66,28 @@ def _load_state(path: Path) -> dict[str, Any]:
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Run (or resume) the pipeline; returns the summary."""
+    """Run (or resume) the pipeline under `out`'s lock; returns the summary.
+
+    An `out` holding anything but an earlier demo's folder (another command's output, unrelated files, a file) is
+    refused before anything is written (`claim_output`).
+    """
+    register_configs()
+    out = Path(cfg.out)
+    with claim_output(out, DEMO):
+        state_path = out / "stages.json"
+        if not state_path.is_file():  # marks the folder as the demo's before any stage writes into it
+            atomic_write_text(state_path, "{}\n")
+        return _run_stages(cfg, out, state_path)
+
+
+def _run_stages(cfg: DemoConfig, out: Path, state_path: Path) -> dict[str, Any]:
+    """Each stage not done yet with its overrides, then the summary."""
     from mtp_train.cli.eval import eval_main
     from mtp_train.cli.export import export_main
     from mtp_train.cli.precompute import precompute_main
     from mtp_train.cli.regenerate import regenerate_main
     from mtp_train.cli.train import train_main
 
-    register_configs()
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    state_path = out / "stages.json"
     state = _load_state(state_path)
     overrides = stage_overrides(cfg, out)
     mains: dict[str, tuple[str, Callable[[DictConfig], Any]]] = {

@@ -7,6 +7,9 @@ say) or anything unrecognised is refused with one line naming what it holds, bef
 is an `out` that is a file where a folder is written. `claim_output` is that check followed by the folder's lock
 (`mtp_train.fileio.output_lock`), for the rank that writes; `claims_output` wraps a one-process command.
 
+mtp-demo's `out` holds the stages' outputs in subfolders, each claimed by its own command, and `stages.json`, which
+marks the folder as the demo's before the first stage writes anything.
+
 mtp-export replaces an earlier export only of the same head (the same head settings, target and parameter
 count recorded in its config.json): an export of another head is refused, so that it is never lost silently.
 """
@@ -25,7 +28,7 @@ from mtp_train.fileio import LOCK_NAME, TMP_PREFIX, output_lock
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-PRECOMPUTE, TRAIN, EVAL, EXPORT = "mtp-precompute", "mtp-train", "mtp-eval", "mtp-export"
+PRECOMPUTE, TRAIN, EVAL, EXPORT, DEMO = "mtp-precompute", "mtp-train", "mtp-eval", "mtp-export", "mtp-demo"
 # Top-level keys that only one command's saved config.yaml has.
 CONFIG_KEYS = {PRECOMPUTE: "shard_tokens", TRAIN: "optim", EVAL: "prompts"}
 
@@ -63,8 +66,8 @@ def output_owner(folder: str | Path) -> str | None:
     names = {p.name for p in folder.iterdir() if p.name != LOCK_NAME and not p.name.startswith(TMP_PREFIX)}
     if not names:
         return ""
-    if "stages.json" in names:
-        return "mtp-demo"
+    if "stages.json" in names:  # written by mtp-demo before its first stage
+        return DEMO
     if "config.yaml" in names:
         owner = _config_owner(folder / "config.yaml")
         if owner is not None:

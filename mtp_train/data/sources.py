@@ -56,8 +56,18 @@ def _json_array_rows(path: Path) -> Iterator[tuple[int, Any]]:
             p += 1
         return p
 
+    def end_of_array(close: int) -> None:
+        """The array closes at `close`: anything but whitespace after it (a second array, more records) is
+        refused, never dropped."""
+        rest = skip(close + 1, " \t\r\n")
+        if rest < len(text):
+            raise DataError(str(path), line + text.count("\n", counted, rest), INVALID_JSON,
+                            "text after the closing ] of the file's array; a .json file holds one array of "
+                            "records (write one record per line as .jsonl instead)")
+
     pos = skip(pos, " \t\r\n")
     if pos < len(text) and text[pos] == "]":
+        end_of_array(pos)
         return
     while pos < len(text):
         line += text.count("\n", counted, pos)
@@ -70,11 +80,7 @@ def _json_array_rows(path: Path) -> Iterator[tuple[int, Any]]:
         yield line, value
         pos = skip(end, " \t\r\n")
         if pos < len(text) and text[pos] == "]":
-            rest = skip(pos + 1, " \t\r\n")
-            if rest < len(text):  # a second array or more records: refused, never dropped
-                raise DataError(str(path), line + text.count("\n", counted, rest), INVALID_JSON,
-                                "text after the closing ] of the file's array; a .json file holds one array of "
-                                "records (write one record per line as .jsonl instead)")
+            end_of_array(pos)
             return
         if pos >= len(text) or text[pos] != ",":
             bad_line = line + text.count("\n", counted, pos)
