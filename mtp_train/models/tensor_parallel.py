@@ -18,20 +18,21 @@ norms replicated. Each rank routes its (replicated) tokens identically, runs the
 slices, and sums the routed and shared experts' partial outputs locally; the block (a `reduced` rule, the MoE
 `mlp`) is then all-reduced once (`ReducedSum`), so an MoE layer costs two all-reduces like a dense one (attention's
 o_proj, the MoE), not one per expert. An expert's bias is added on rank 0 only (the others hold zeros), so the sum
-counts it once. Why tensor split: it is exact and balanced whatever the routing (every rank does 1/tp of every hit
-expert's work; an expert split waits for the rank with the most hit experts) and the block needs no token
-exchange; both hold 1/tp of the expert weights. Its cost is narrower products at large tp (moe_intermediate_size
-/ tp rows per expert) and the divisibility of moe_intermediate_size by tp. Experts stored as fused tensors
-((E, H, 2I) gate_up, (E, I, H) down) opt in by `tensors` rules (a tensor name and the dimension split) and `once`
-rules (a fused down bias: rank 0's); so do other per-head tensors (attention sinks, split along heads).
+counts it once. Why tensor split rather than expert split (E/tp whole experts per rank, also one all-reduce): both
+hold 1/tp of the expert weights, but the tensor split is balanced whatever the routing (every rank does 1/tp of
+every hit expert's work, where an expert split waits for the rank whose experts were hit most) and needs no
+expert-to-rank map. Its cost is narrower products at large tp (moe_intermediate_size / tp rows per expert) and the
+divisibility of moe_intermediate_size by tp. Experts stored as fused tensors ((E, H, 2I) gate_up, (E, I, H) down)
+opt in by `tensors` rules (a tensor name and the dimension split) and `once` rules (a fused down bias: rank 0's);
+so do other per-head tensors (attention sinks, split along heads).
 
-Each rank builds the model with its local shapes
-(`local_args`), reads only its slices of every checkpoint tensor (safetensors `get_slice`; an FP8 weight's slice
-is dequantised from the scale blocks covering it, `mtp_train.models.fp8`), fuses them as the
-single-process loader does, and then has its row-parallel projections, embedding and lm_head wrapped
-(`parallelize`). The model file itself is unchanged: the attention backend and the KV cache see the local head
-counts, so each rank caches only its heads. Hidden states and logits are replicated on every rank after each step,
-equal to the single-process model's up to summation order.
+Each rank builds the model with its local shapes (`local_args`), reads only its slices of every checkpoint tensor
+(safetensors `get_slice`; an FP8 weight's slice is dequantised from the scale blocks covering it,
+`mtp_train.models.fp8`), fuses them as the single-process loader does, and then has its row-parallel projections,
+reduced blocks, embedding and lm_head wrapped (`parallelize`). The model file itself is unchanged: the attention
+backend and the KV cache see the local head counts, so each rank caches only its KV heads (MLA: the whole latent row,
+which all heads share). Hidden states and logits are replicated on every rank after each step, equal to the
+single-process model's up to summation order.
 """
 
 from __future__ import annotations
