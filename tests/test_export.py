@@ -136,9 +136,9 @@ def test_a_tampered_export_is_refused_naming_the_key(tiny_checkpoints, tmp_path)
     # The export's config records its weights' sha256: a rewritten file is refused by name at once ...
     with pytest.raises(ModelConfigError, match=r"model.safetensors has \d+ bytes, .*config.json records"):
         load_export(out, target)
-    # ... and without that record (edited by hand), by the key that does not fit.
+    # ... and without that record and the config's own checksum (edited by hand), by the key that does not fit.
     cfg = json.loads((out / "config.json").read_text())
-    del cfg["mtp_train"]["files"]
+    del cfg["mtp_train"]["files"], cfg["mtp_train"]["config_sha256"]
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(Exception, match="mtp.fc.weight: missing"):
         load_export(out, target)

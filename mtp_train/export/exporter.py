@@ -4,11 +4,18 @@ An export folder holds `model.safetensors` (the layout's names) and `config.json
 config (`save_head`); for the other layouts the layout's config.json (the target's with the layout's keys, e.g.
 `architectures`, `num_nextn_predict_layers`; for EAGLE-3 one built from the head's shapes) plus an `mtp_train`
 block (head type, norms, dims, target fingerprint, format) that engines ignore and `load_export` reads back.
+
+Like a native head's, the config.json of every layout records a checksum of itself, `mtp_train.config_sha256`
+(the sha256 of the file without that key, `export_digest`), checked by `load_export`. It sits in the `mtp_train`
+block, the one key of ours a layout's config already carries, so the layouts' own keys stay exactly the engines':
+vLLM and SGLang read configs through transformers' `PretrainedConfig`, which keeps unknown keys as attributes,
+and vLLM's speculators config picks out the keys it knows.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +28,8 @@ from mtp_train.export.layouts import FORMATS, LAYOUTS, Layout, LayoutError
 from mtp_train.fileio import atomic_write, atomic_write_text
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.checkpoint import (
+    CONFIG_DIGEST,
+    config_digest,
     file_checksums,
     head_dims,
     load_head,
@@ -34,6 +43,10 @@ from mtp_train.heads.registry import new_head
 from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.models.config import ModelConfigError
 from mtp_train.models.families import args_from_dir
+
+log = logging.getLogger(__name__)
+META = "mtp_train"  # the block of an export's config.json that is ours (engines ignore it)
+META_KEYS = ("format", "head", "dims")  # what `load_export` needs from it
 
 
 def _layout(fmt: str) -> Layout:
@@ -75,6 +88,36 @@ def layout_tensors(head: DraftHead, fmt: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def export_digest(config: dict[str, Any]) -> str:
+    """sha256 (hex) of a layout export's config.json without the digest its `mtp_train` block records."""
+    meta = {k: v for k, v in config[META].items() if k != CONFIG_DIGEST}
+    return config_digest({**config, META: meta})
+
+
+def read_export_meta(path: Path) -> dict[str, Any] | None:
+    """The `mtp_train` block of the export config `path` (None for a native head's), its checksum checked.
+
+    Raises ModelConfigError naming the file when the file does not match the checksum it records or the block
+    lacks what a loader needs; an export without a checksum (an older version's) is read with a warning.
+    """
+    cfg = read_json_config(path)
+    meta = cfg.get(META)
+    if meta is None:
+        return None
+    if not isinstance(meta, dict):
+        raise ModelConfigError(f"{path}: `{META}` is {type(meta).__name__}, not the export's block; export the head "
+                               "again")
+    if CONFIG_DIGEST not in meta:
+        log.warning("%s records no checksum of itself (written by an older version): it is not verified", path)
+    elif meta[CONFIG_DIGEST] != export_digest(cfg):
+        raise ModelConfigError(f"{path} does not match the {META}.{CONFIG_DIGEST} it records: the file is damaged "
+                               "or was edited; export the head again")
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise ModelConfigError(f"{path}: `{META}` lacks {', '.join(missing)}; export the head again")
+    return meta
+
+
 def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str | Path, *,
                 verify_fingerprint: bool = True) -> Path:
     """Export the head in `head_dir` (trained for the target in `target_dir`) as `fmt` into `out`."""
@@ -96,6 +139,7 @@ def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str
     atomic_write(out / "model.safetensors",
                  lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt", "layout": fmt}))
     config["mtp_train"]["files"] = file_checksums(out, ["model.safetensors"])  # `load_export` checks them
+    config["mtp_train"][CONFIG_DIGEST] = export_digest(config)  # and config.json itself
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -104,11 +148,12 @@ def load_export(export_dir: str | Path, target_dir: str | Path, device: str | to
                 dtype: torch.dtype | None = None) -> DraftHead:
     """Load a folder written by `export_head` (any format) back into one of our heads.
 
-    Refuses, naming the keys, a folder whose tensors are not exactly those of its recorded layout.
+    Refuses, naming the file or the keys, a config.json that does not match its checksum and a folder whose
+    tensors are not exactly those of its recorded layout.
     """
     export_dir = Path(export_dir)
-    cfg = read_json_config(export_dir / "config.json") if (export_dir / "config.json").is_file() else {}
-    meta = cfg.get("mtp_train")
+    config = export_dir / "config.json"
+    meta = read_export_meta(config) if config.is_file() else None
     if meta is None:  # native
         return load_head(export_dir, target_dir, device=device, dtype=dtype, verify_fingerprint=False)
     verify_files(export_dir, meta.get("files"), export_dir / "config.json")
