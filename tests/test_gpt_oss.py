@@ -238,3 +238,22 @@ def test_flashinfer_and_mxfp4_and_bad_layer_types_are_refused_by_name(checkpoint
         args_from_hf_config({**cfg, "sliding_window": None}, "x/config.json")
     with pytest.raises(ModelConfigError, match="num_experts_per_tok=9"):
         args_from_hf_config({**cfg, "num_experts_per_tok": 9}, "x/config.json")
+
+
+def test_bfloat16_is_close_to_transformers_and_decodes(checkpoints):
+    """bf16 weights (the released model's compute dtype; the sink softmax runs in float32) against transformers in
+    float32: bf16 rounding only (a router near-tie may send one token elsewhere, hence mean and argmax checks)."""
+    path, hf = checkpoints["alternating"]
+    model = load_model(path, dtype="bfloat16", backend="torch")
+    ids = PROMPTS[2]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True)
+    out = prefill_hidden(model, [ids]).hidden
+    assert out.dtype == torch.bfloat16
+    err = (out.float() - ref.hidden_states[-1][0]).abs()
+    assert float(err.mean()) < 0.03 * float(ref.hidden_states[-1][0].abs().mean()) + 0.02, float(err.mean())
+    agree = model.compute_logits(out).float().argmax(-1) == ref.logits[0].argmax(-1)
+    assert float(agree.float().mean()) >= 0.9
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    outs = LLMEngine(model, page_size=3, num_pages=64).generate(PROMPTS, params)
+    assert [len(o.output_ids) for o in outs] == [6] * len(PROMPTS)
