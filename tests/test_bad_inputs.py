@@ -470,9 +470,9 @@ def _rerun_with_data(name: str, text: str | None) -> Prepare:
     return prepare
 
 
-def _two_arrays(w: World, tmp: Path) -> tuple[Path, list[str]]:
+def _two_arrays(w: World, tmp: Path, first: list | None = None) -> tuple[Path, list[str]]:
     path = tmp / "two.json"
-    path.write_text(json.dumps([GOOD]) + "\n" + json.dumps([_chat(1, "tea")]) + "\n")
+    path.write_text(json.dumps([GOOD] if first is None else first) + "\n" + json.dumps([_chat(1, "tea")]) + "\n")
     return tmp / "out", [f"data.paths=[{path}]"]
 
 
@@ -549,6 +549,15 @@ CASES.update({
                                                 ["convs.txt"]),
     "precompute-json-two-arrays": ("precompute", [], _two_arrays,
                                    ["two.json:2: invalid_json: text after the closing ] of the file's array"]),
+    "precompute-json-empty-array-then-another": ("precompute", [], lambda w, tmp: _two_arrays(w, tmp, []),
+                                                 ["two.json:2: invalid_json: text after the closing ] of the "
+                                                  "file's array"]),
+    "demo-out-a-precompute-folder": ("demo", [], lambda w, tmp: (_train_into_its_data_dir(w, tmp)[0], []),
+                                     ["out={tmp}/pc holds the output of mtp-precompute", NOT_OURS]),
+    "demo-out-an-unrelated-folder": ("demo", [], _out_folder({"notes.txt": "mine"}),
+                                     ["out={tmp}/out holds files that no mtp command wrote", NOT_OURS]),
+    "demo-out-a-file": ("demo", [], _out_file("out"), ["out={tmp}/out is a file, but mtp-demo writes a folder"]),
+    "demo-locked": ("demo", [], _fresh("demo"), [HOLDS_LOCK]),
     "eval-locked": ("eval", [], _fresh("eval"), [HOLDS_LOCK]),
     "export-locked": ("export", [], _fresh("export"), [HOLDS_LOCK]),
     # Values of the wrong type, named with the type the key takes.
@@ -635,6 +644,8 @@ STARTED["train-non-finite-loss"] = {"config.yaml", "metrics.jsonl"}  # stopped a
 
 
 def _base(module: str, w: World, out: Path) -> list[str]:
+    if module == "demo":  # the demo's own config: the model's path, stages' overrides as lists
+        return [f"model_path={w.target}", f"out={out}"]
     common = [f"model.path={w.target}", f"out={out}"]
     if module == "precompute":
         return [*common, f"data.paths=[{w.data}]", *PRECOMPUTE]
