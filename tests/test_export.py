@@ -180,3 +180,15 @@ def test_round_trip_check_reads_an_aux_mtp_head_through_its_aux_fc(tiny_checkpoi
         head.aux_fc.weight.add_(torch.randn_like(head.aux_fc.weight) * 0.1)
     other = save_head(head, tmp_path / "other")
     assert verify_round_trip(head_dir, other, target) > 1e-3
+
+
+def test_stitch_refuses_a_target_family_without_mtp_layers(tiny_checkpoints, tmp_path):
+    """A Llama-family checkpoint has no place for a `model.layers.{L}.*` layer (its loader refuses such tensors), so
+    `stitch=` into it is refused by name; the deepseek-mtp export on its own still works (tests/test_target_mtp.py
+    stitches into DeepSeek-V3)."""
+    from mtp_train.export import stitch_head
+
+    head_dir = _trained_like(tiny_checkpoints, "llama", "mtp", tmp_path)
+    with pytest.raises(LayoutError, match="stitch: a Llama-family target declares no MTP layers"):
+        stitch_head(head_dir, tiny_checkpoints["llama"][0], tmp_path / "stitched")
+    assert not (tmp_path / "stitched").exists()

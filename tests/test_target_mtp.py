@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 
 from mtp_train.cli.export import export_main
 from mtp_train.config import CONF_DIR, HeadConfig, register_configs
-from mtp_train.export import LayoutError, stitch_head, verify_stitched
+from mtp_train.export import LayoutError, stitch, stitch_head, verify_stitched
+from mtp_train.export.exporter import export_digest
 from mtp_train.export.stitch import INDEX, NEW_SHARD, SINGLE_LINK
 from mtp_train.heads import build_head, packed_shift, save_head
 from mtp_train.layers import AttentionMetadata
@@ -192,6 +193,13 @@ def test_target_with_an_mtp_layer_loads_and_matches_transformers(target, layout)
     with torch.no_grad():
         got = ours(ids[0], meta, logits_indices=torch.arange(ids.shape[1])).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if layout == "sharded":  # the tensor-parallel loader skips them too (a group of one here)
+        from mtp_train.models.tensor_parallel import TPGroup, load_model_tp
+
+        tp = load_model_tp(path, TPGroup(0, 1), dtype="float32", backend="torch")
+        with torch.no_grad():
+            tp_logits = tp(ids[0], meta, logits_indices=torch.arange(ids.shape[1])).logits
+        torch.testing.assert_close(tp_logits, got, rtol=1e-5, atol=1e-5)
 
 
 def test_loader_ignores_only_the_declared_mtp_layers(target, tmp_path):
@@ -237,6 +245,7 @@ def test_initialised_head_equals_a_reference_forward_of_the_mtp_layer(target, la
     torch.testing.assert_close(out.hidden, want_f, rtol=1e-5, atol=1e-5)  # the inference forward agrees
     torch.testing.assert_close(out.logits, want_l, rtol=1e-5, atol=1e-5)
     # not a coincidence of the inputs: a head from scratch is far from it
+    torch.manual_seed(0)
     scratch = build_head(HeadConfig(type="mtp", moe=True), path, dtype="float32").eval()
     with torch.no_grad():
         assert (scratch.forward_train(hidden, nxt, lens) - want_f).abs().max() > 0.1
@@ -304,7 +313,9 @@ def test_stitched_folder_loads_back_the_fine_tuned_head_with_no_shard_copied(tar
     assert {k for k, v in wmap.items() if v == NEW_SHARD} == set(mtp) == set(_tensors(out / NEW_SHARD))
     assert set(wmap) == set(old_index)
     assert all(v in res.links for k, v in wmap.items() if not k.startswith(PREFIX))
-    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    stitched_cfg = json.loads((out / "config.json").read_text())
+    assert stitched_cfg["num_nextn_predict_layers"] == 1
+    assert stitched_cfg["mtp_train"]["config_sha256"] == export_digest(stitched_cfg)
     # our loader: the same target, and the fine-tuned head back through head.init=target_mtp, exactly
     ids, lens = _packed()
     meta = AttentionMetadata.build([len(ids)])
@@ -342,3 +353,16 @@ def test_mtp_export_stitch_command_and_its_refusals(target, tmp_path):
         export_main(bad)
     with pytest.raises(LayoutError, match="is the target folder itself"):
         stitch_head(head_dir, path, path)
+
+
+def test_stitch_refuses_a_quantised_target(target, tmp_path):
+    path, _ = target["sharded"]
+    head = build_head(HeadConfig(type="mtp", moe=True, init="target_mtp"), path, dtype="float32")
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    cfg = json.loads((path / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
+    with pytest.raises(LayoutError, match="declares quantization_config"):
+        stitch(head, fp8, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

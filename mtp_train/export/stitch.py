@@ -3,7 +3,8 @@
 The stitched folder is a loadable copy of the target's checkpoint folder that copies no weights of the target:
 
     config.json                       the target's, with num_nextn_predict_layers >= 1 and an `mtp_train` block
-                                      (head config, dims, fingerprint, the new shard's sha256) engines ignore
+                                      (head config, dims, fingerprint, the new shard's sha256, the file's own
+                                      config_sha256) engines ignore
     tokenizer*, generation_config.json, chat_template.jinja, *.py ...   copied (every other top-level file)
     model-mtp.safetensors             NEW: the head as `model.layers.{L}.*` (the deepseek-mtp layout, with its
                                       embed_tokens / shared_head.head copies, as the release stores them)
@@ -42,13 +43,14 @@ import torch
 from safetensors.torch import save_file
 
 from mtp_train.config.head import HeadConfig
-from mtp_train.export.exporter import layout_tensors
+from mtp_train.export.exporter import export_digest, layout_tensors
 from mtp_train.export.layouts import LayoutError
 from mtp_train.fileio import atomic_write, atomic_write_text
 from mtp_train.heads.base import DraftHead
-from mtp_train.heads.checkpoint import file_checksums, head_dims, load_head, read_head_config
+from mtp_train.heads.checkpoint import CONFIG_DIGEST, file_checksums, head_dims, load_head, read_head_config
 from mtp_train.heads.registry import build_head
 from mtp_train.layers.attention import AttentionMetadata
+from mtp_train.models.families import family_of
 from mtp_train.models.loader import checkpoint_files, mtp_layer_prefixes
 
 STITCH_FORMATS = ("deepseek-mtp",)  # layouts `stitch` writes into a target checkpoint
@@ -90,8 +92,12 @@ def stitch(head: DraftHead, target_dir: str | Path, out: str | Path, fmt: str = 
     if config.get("quantization_config"):
         raise LayoutError(f"stitch: {target / 'config.json'} declares quantization_config: the fine-tuned MTP layer "
                           "would be stored unquantised where the config says otherwise; stitch into a bf16 copy")
-    tensors = layout_tensors(head, fmt)  # model.layers.{L}.* (checked to give the head back exactly)
     args = head.target_args
+    if not hasattr(args, "num_nextn_predict_layers"):  # the family's loaders would refuse the new layer's tensors
+        raise LayoutError(f"stitch: a {family_of(args).title} target declares no MTP layers "
+                          "(num_nextn_predict_layers); stitch into a DeepSeek-V3 / Kimi-K2 checkpoint, or export the "
+                          "head on its own (without stitch)")
+    tensors = layout_tensors(head, fmt)  # model.layers.{L}.* (checked to give the head back exactly)
     new_prefix = f"model.layers.{args.num_layers}."
     files = checkpoint_files(target)
     # The target's own copy of the layer being replaced; its other MTP layers (if any) stay referenced.
@@ -128,6 +134,7 @@ def stitch(head: DraftHead, target_dir: str | Path, out: str | Path, fmt: str = 
     config["mtp_train"] = {"format": fmt, "stitched": True, "head": head.cfg.to_dict(),
                            "dims": head_dims(args), "num_params": head.num_params(), **(head_meta or {}),
                            "files": file_checksums(out, [NEW_SHARD])}
+    config["mtp_train"][CONFIG_DIGEST] = export_digest(config)  # as every export's config.json records itself
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     return result
 

@@ -57,6 +57,7 @@ from mtp_train.models.loader import (
     IGNORED_SUFFIXES,
     CheckpointReader,
     attention_for,
+    mtp_layer_prefixes,
     open_checkpoint,
     resolve_dtype,
 )
@@ -286,6 +287,8 @@ def load_model_tp(path: str | Path, tp: TPGroup, dtype: str | torch.dtype = "aut
     with open_checkpoint(path, full) as ckpt:
         for name in ckpt.names:
             if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and args.tie_word_embeddings):
+                continue
+            if name.startswith(mtp_layer_prefixes(full)):  # the checkpoint's MTP layers: a head's to read
                 continue
             raw[name] = _read_part(ckpt, name, tp, rules, dt)
     state = fuse(raw, fusion_plan(expected, family_of(args).fusings))

@@ -20,8 +20,9 @@ and `mlp.shared_experts.*`. The bias is a frozen parameter (requires_grad false:
 rule, not by gradients, and no gradient reaches it through the top-k).
 
 A draft head over this target takes DeepSeek's own MTP block (MLA + a dense MLP, or the V3 MoE with head.moe=true)
-over a latent-only pool of its own; only mtp heads fit. Not offered yet: running the checkpoint's own MTP layers
-(`num_nextn_predict_layers`) as a head. The released FP8 block-scaled weights load dequantised
+over a latent-only pool of its own; only mtp heads fit. The checkpoint's own MTP layers
+(`num_nextn_predict_layers`, `model.layers.{L}.*`) are skipped by the loader and start such a head with
+`head.init=target_mtp` (heads/mtp.py). The released FP8 block-scaled weights load dequantised
 (`mtp_train/models/fp8.py`); other quantisations are refused.
 
 Tensor parallelism: DeepSeek-V2's rules (`deepseek_v2.TP`: MLA by heads with the latent cache replicated, the MoE
@@ -119,6 +120,7 @@ class TopkRouter(nn.Module):
         super().__init__()
         self.a = a
         self.weight = nn.Parameter(torch.empty(a.n_routed_experts, a.hidden_size))
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)  # nn.Linear's init: a head's MoE block built from scratch
         self.e_score_correction_bias = nn.Parameter(torch.zeros(a.n_routed_experts), requires_grad=False)
 
     def choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
