@@ -1,5 +1,5 @@
 """Conversations in (readers of chat and prompt sets: sources → formats → readers), token ids and assistant-only
-loss masks out (chat)."""
+loss masks out (spans: where the template puts each assistant turn; chat: tokens and masks)."""
 
 from mtp_train.data.chat import (
     ChatTemplateError,
