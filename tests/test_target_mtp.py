@@ -366,3 +366,40 @@ def test_stitch_refuses_a_quantised_target(target, tmp_path):
     with pytest.raises(LayoutError, match="declares quantization_config"):
         stitch(head, fp8, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_fine_tuned_mtp_layer_stitched_back_drafts_losslessly(target, tmp_path):
+    """The whole use: the target's MTP layer as the head's start, a few training steps, stitched back; the stitched
+    folder serves as target and head at once, and speculative decoding with them equals plain greedy decoding."""
+    from mtp_train.config import LossConfig
+    from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+    from mtp_train.speculative.engine import SpecEngine
+    from mtp_train.speculative.proposers import HeadProposer
+    from mtp_train.train.losses import unrolled_loss
+
+    path, _ = target["sharded"]
+    model = load_model(path, dtype="float32", backend="torch")
+    head = build_head(HeadConfig(type="mtp", moe=True, init="target_mtp"), path, dtype="float32")
+    ids, lens = _packed()
+    hidden = prefill_hidden(model, SEQS).hidden
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(6):
+        loss, _ = unrolled_loss(head, hidden, ids, torch.ones_like(ids), lens, LossConfig(steps=2, w_tok=1.0))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0], losses
+    head.eval()
+    out = stitch_head(save_head(head, tmp_path / "head", target_fingerprint=weights_fingerprint(path)), path,
+                      tmp_path / "stitched").out
+    served = load_model(out, dtype="float32", backend="torch")
+    back = build_head(HeadConfig(type="mtp", moe=True, init="target_mtp"), out, dtype="float32").eval()
+    nxt = packed_shift(ids, lens, 1)
+    with torch.no_grad():
+        assert torch.equal(back.forward_train(hidden, nxt, lens), head.forward_train(hidden, nxt, lens))
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    ref = [o.output_ids for o in LLMEngine(model, page_size=3, num_pages=128).generate(SEQS, params)]
+    spec = SpecEngine(served, HeadProposer(back), 3, page_size=3, num_pages=128)
+    assert [o.output_ids for o in spec.generate(SEQS, params)] == ref
