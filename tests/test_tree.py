@@ -1,5 +1,5 @@
 """Draft trees: the verify rows `layout` gives (chain, depth-1 tree, mixed batch) and the paths `accept` takes (greedy
-chain, greedy tree through a sibling, sampled chain)."""
+chain, greedy tree through a sibling, sampled chain, sampled tree)."""
 
 from __future__ import annotations
 
@@ -113,9 +113,14 @@ def test_sampled_chain_follows_leviathan_chen():
     assert b.tokens == ref.tokens[0]
 
 
-def test_a_sampled_sequence_with_siblings_is_refused():
+def test_a_sampled_tree_with_siblings_takes_the_multi_candidate_rule():
+    """Deterministic siblings (q one-hot): the target puts all its mass on sibling 7, so the first child (5) is
+    rejected (p(5) = 0), p loses nothing, and 7 is accepted with probability p(7) = 1; a seeded request replays."""
     tree = DraftTree.chain([5, 6], siblings=[7])
-    with pytest.raises(ValueError, match="chains"):
-        accept([tree], _logits([5, 6, 1, 0]), SamplingBatch([SamplingParams(temperature=0.8)], [None]))
+    logits = torch.full((4, V), -30.0)
+    logits[0, 7] = logits[1, 2] = logits[2, 3] = logits[3, 4] = 0.0  # rows: root, 5, 6, 7
+    params = SamplingBatch([SamplingParams(temperature=0.8, seed=5)], [torch.Generator().manual_seed(5)])
+    (a,) = accept([tree], logits, params)
+    assert a.path == [2] and a.tokens == [7, 4]
     with pytest.raises(ValueError, match="verify rows"):
         accept([tree], _logits([5, 6, 1]), SamplingBatch([GREEDY]))

@@ -102,6 +102,6 @@ class Eagle3Head(DraftHead):
         g = hidden.to(e.dtype)
         if g.shape[-1] != e.shape[-1]:
             g = self.fc(self.aux_input(g))  # step 0: (T, 3H) → (T, H), each layer's slice normed with aux_norm
-        cos, sin = self.rope(meta.positions, g.dtype)
+        cos, sin = self.rope(meta.rotary_positions, g.dtype)  # a tree step rotates to depths
         x = self.layers[0](e, g, cos, sin, attn, kv_cache, meta)
         return self.norm(x) if self.cfg.norm_output else x

@@ -84,3 +84,60 @@ def accept_stochastic_flashinfer(draft_tokens: torch.Tensor, draft_probs: torch.
     rows = out.tolist()
     tokens = [[t for t in row if t >= 0] for row in rows]
     return AcceptResult([len(t) - 1 for t in tokens], tokens)
+
+
+def accept_tree_stochastic(tokens: Sequence[int], parents: Sequence[int], target_probs: torch.Tensor,
+                           draft_probs: torch.Tensor | None = None,
+                           generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Multi-candidate (recursive) rejection sampling down one draft tree: the accepted path and the token after it.
+
+    tokens: (N,) the nodes' tokens; parents: (N,) each node's parent, -1 for a child of the root, parents[i] < i;
+    target_probs p: (1+N, V) the target's processed distribution after the root (row 0) and after node i (row
+    1+i); draft_probs q: (N, V), row i the distribution node i was drawn from *given its earlier siblings*, or None
+    when every node is deterministic (q_i = δ(x_i), e.g. a head's top-k children). Siblings are tried in node order.
+
+    The rule, at a node whose target distribution is p, for its children x_1, x_2, .. in order:
+
+        accept x_i with probability min(1, p(x_i) / q_i(x_i));
+        on rejection p ← norm(max(p − q_i, 0)) and try x_{i+1};
+        when every child is rejected (or the node is a leaf) the bonus token is drawn from p;
+
+    after an acceptance the walk goes on from x_i with the target's distribution there. This is SpecInfer's
+    multi-step speculative sampling (Miao et al. 2024, "SpecInfer", Algorithm 2) with per-sibling q_i: for
+    children drawn i.i.d. from q, q_i = q (SpecInfer's case); drawn without replacement from q, q_i = q with the
+    earlier siblings removed and renormalised (Jeon et al. 2024, "Recursive Speculative Decoding"); deterministic
+    top-k children, q_i = δ(x_i), make it accept x_i with probability p(x_i) and otherwise remove x_i from p and
+    renormalise (EAGLE's `evaluate_posterior`, SGLang's `tree_speculative_sampling_target_only`). Every emitted
+    token then follows the target exactly, provided which children a node has does not depend on the values drawn
+    for them (a deterministic tree, or a fixed number of samples). One generator draws every uniform and the
+    bonus, so a seeded request replays exactly.
+    """
+    children: dict[int, list[int]] = {}
+    for i, par in enumerate(parents):
+        children.setdefault(par, []).append(i)
+    dev = target_probs.device
+    path: list[int] = []
+    node = -1
+    while True:
+        p = target_probs[node + 1].float()
+        nxt = None
+        for c in children.get(node, []):
+            x = int(tokens[c])
+            q = None if draft_probs is None else draft_probs[c].to(dev).float()
+            qx = 1.0 if q is None else float(q[x])
+            u = float(torch.rand(1, generator=generator, device=dev))
+            if qx > 0 and u * qx < float(p[x]):
+                nxt = c
+                break
+            if q is None:  # max(p − δ(x), 0): p without x (p(x) <= 1)
+                residual = p.clone()
+                residual[x] = 0.0
+            else:
+                residual = (p - q).clamp_min(0)
+            mass = float(residual.sum())
+            if mass > 0:  # an empty residual means p <= q_i everywhere: the rejection had probability 0
+                p = residual / mass
+        if nxt is None:
+            return path, int(torch.multinomial(p / p.sum(), 1, generator=generator))
+        path.append(nxt)
+        node = nxt

@@ -7,11 +7,13 @@ step, for all running sequences at once (`SpeculativeStep._speculate`):
 
     draft    the proposer gives each sequence a draft tree (`mtp_train.speculative.tree`): a chain of k_b <= k
              tokens (greedy or sampled from its distribution q; a dynamic chain or prompt lookup may draft fewer,
-             even none), for greedy sequences widened to `draft_width` candidates at the first position (EAGLE-2)
+             even none), or a head's tree (`tree_draft.TreeSpec`: EAGLE-2's dynamic tree, a static one, or
+             `draft_width` candidates at the first position)
     verify   `tree.layout` puts [t_{L-1}, nodes..] into rows; the target runs them in one forward (each row
              seeing its ancestors) → a distribution p per row, and the hidden states the proposer reads
     accept   `tree.accept`: greedy, the longest path matching the target's argmax; sampled, the Leviathan/Chen
-             rule over the chain → the accepted path and the target's token after it
+             rule over a chain, multi-candidate rejection sampling over a tree → the accepted path and the
+             target's token after it
     commit   the path's K/V move to its positions (`KVCache.copy_token`, for a path off the first slots), the
              rest of the tree leaves the cache and the token list, the scheduler appends the emitted tokens, and
              the proposer catches up along the path for the sequences that go on
@@ -86,16 +88,19 @@ class SpeculativeStep(Step):
             raise ValueError(f"k (draft tokens per step) must be >= 1, got {k}")
         self.proposer, self.k = proposer, k
         self.max_nodes = proposer.max_nodes(k)
-        # A step holds t_{L-1}'s successor slots for the whole tree before its rollback.
-        self.extra_tokens = 1 + self.max_nodes
+        # A step holds t_{L-1}'s successor slots for the whole tree (and for a head's tree rows, which may be more)
+        # before its rollback: slots L-1 .. L-1+span-1.
+        self.span = max(1 + self.max_nodes, proposer.draft_slots(k))
+        self.extra_tokens = self.span
         self.use_flashinfer_sampling = use_flashinfer_sampling
         self._pending: _CatchUp | None = None
 
     def bind(self, model: CausalLM, runner: ModelRunner) -> None:
         super().bind(model, runner)
-        if self.proposer.draft_width > 1 and model.attn is not None and not model.attn.tree_steps:
-            raise ValueError(f"draft_width > 1 verifies a tree of candidates, which the {model.attn.name} attention "
-                             "backend of this model cannot; use draft_width=1")
+        if self.proposer.drafts_trees and model.attn is not None and not model.attn.tree_steps:
+            raise ValueError(f"a draft tree (draft_width > 1, or a tree with siblings) verifies several candidates "
+                             f"at once, which the {model.attn.name} attention backend of this model cannot; use "
+                             "draft_width=1 or a chain")
         self.fused = self.use_flashinfer_sampling and on_cuda(model.device)
         self.proposer.bind(runner.kv)
 
@@ -136,7 +141,7 @@ class SpeculativeStep(Step):
         kv = self.runner.kv
         lens = [len(s) for s in seqs]
         for s in seqs:
-            kv.ensure(s.pages, len(s) + self.max_nodes)  # the proposer writes into pages the verify then fills
+            kv.ensure(s.pages, len(s) - 1 + self.span)  # the proposer writes into pages the verify then fills
 
         t0 = self._sync()
         trees = self.proposer.propose(seqs, self.k)  # draft

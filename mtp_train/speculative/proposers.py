@@ -1,7 +1,9 @@
 """Draft proposers: who guesses the next k tokens of every running sequence, as a draft tree.
 
-Every proposer returns one `DraftTree` per sequence (`mtp_train.speculative.tree`): a chain, or for the head with
-`draft_width` w > 1 a chain whose first draft has w-1 siblings (its runners-up, greedy sequences only).
+Every proposer returns one `DraftTree` per sequence (`mtp_train.speculative.tree`): a chain, or for the head with a
+`TreeSpec` (`mtp_train.speculative.tree_draft`: EAGLE-2's dynamic trees by SGLang's steps / topk / tokens, or a
+static tree in vLLM's format; `draft_width` w > 1 is the static tree of a chain whose first draft has w-1 siblings)
+the tree `head_tree.TreeDrafter` drafts, greedy and sampled sequences alike.
 
 Both proposers keep their own paged KV pool with the same page ids as the target (one allocation, owned by
 the target's allocator): a sequence's page list serves the target, the head and the draft model alike.
@@ -36,7 +38,9 @@ from mtp_train.engine.sequence import Sequence
 from mtp_train.heads.base import DraftHead
 from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.models.base import CausalLM
+from mtp_train.speculative.head_tree import TreeDrafter
 from mtp_train.speculative.tree import DraftTree
+from mtp_train.speculative.tree_draft import TreeSpec
 
 
 def pick(logits: torch.Tensor, seqs: Seq[Sequence], to_ids: torch.Tensor | None,
@@ -78,11 +82,10 @@ class _Drafts:
             self.probs[b].append(q)
         return picked
 
-    def trees(self, siblings: Seq[Seq[int]] | None = None) -> list[DraftTree]:
-        """One chain per sequence (siblings[b]: other candidates for its first draft, greedy sequences only)."""
+    def trees(self) -> list[DraftTree]:
+        """One chain per sequence."""
         probs = [None if not q or q[0] is None else torch.stack(q) for q in self.probs]  # type: ignore[misc]
-        return [DraftTree.chain(t, q, siblings[b] if siblings else ())
-                for b, (t, q) in enumerate(zip(self.tokens, probs))]
+        return [DraftTree.chain(t, q) for t, q in zip(self.tokens, probs)]
 
 
 class Proposer(ABC):
@@ -110,6 +113,16 @@ class Proposer(ABC):
         """The most nodes a tree of this proposer holds when drafting k deep: a chain, and the first level's other
         draft_width - 1 candidates."""
         return k + self.draft_width - 1
+
+    def draft_slots(self, k: int) -> int:
+        """KV slots from L-1 on that drafting writes in the proposer's own cache beyond the tree's (a head's tree
+        rows, when its frontiers hold more rows than the tree keeps nodes); 0 = none beyond the tree's."""
+        return 0
+
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether a step may verify siblings (a tree step, which needs the target's tree attention)."""
+        return self.draft_width > 1
 
     @abstractmethod
     def propose(self, seqs: Seq[Sequence], k: int) -> list[DraftTree]:
@@ -151,14 +164,16 @@ class HeadProposer(Proposer):
     the rows it never wrote, from the target's hidden states ("own": cheaper, the cache holds the head's own
     features). draft_width: how many candidates the first draft position gets (1 = a chain): the head's top
     draft_width tokens there, the top one carrying the chain and the others verified beside it in the same target
-    forward (a tree of that width at depth 1; greedy sequences only, sampled ones keep the chain), so a first
-    guess that misses can still be saved by the runner-up.
+    forward (a tree of that width at depth 1, the static tree `TreeSpec.first_width`), so a first guess that
+    misses can still be saved by the runner-up. tree: a `TreeSpec` (EAGLE-2's dynamic tree by steps / topk /
+    tokens, or a static `choices` tree), drafted by `TreeDrafter` and verified in one target forward; the engine
+    then runs with k = tree.steps. Without either the head drafts a plain chain (CUDA graphs, draft_threshold).
     """
 
     name = "mtp"
 
     def __init__(self, head: DraftHead, draft_threshold: float = 0.0, catch_up: str = "target",
-                 draft_width: int = 1) -> None:
+                 draft_width: int = 1, tree: TreeSpec | None = None) -> None:
         if not 0.0 <= draft_threshold < 1.0:
             raise ValueError(f"draft_threshold must be in [0, 1), got {draft_threshold}")
         if not 1 <= draft_width <= 32:
@@ -166,6 +181,11 @@ class HeadProposer(Proposer):
         if draft_width > head.vocab_size:
             raise ValueError(f"draft_width {draft_width} exceeds the head's vocabulary of {head.vocab_size}")
         self.draft_width = draft_width
+        if tree is not None and draft_width > 1:
+            raise ValueError("give a tree or a draft_width, not both (draft_width w is TreeSpec.first_width(k, w))")
+        if draft_threshold > 0.0 and (tree is not None or draft_width > 1):
+            raise ValueError("draft_threshold stops a chain; a tree (tree or draft_width > 1) keeps its shape")
+        self.tree = tree
         if catch_up not in CATCH_UP:
             raise ValueError(f"catch_up must be one of {', '.join(CATCH_UP)}, got {catch_up!r}")
         self.head = head.eval()
@@ -176,6 +196,28 @@ class HeadProposer(Proposer):
         self.graphs: StepGraphs | None = None  # the chained draft steps (one row per sequence), when enabled
         self._feat: dict[int, torch.Tensor] = {}  # seq_id → (H,) the head's last output ĥ_{L-1}
         self._logits: dict[int, torch.Tensor] = {}  # seq_id → (Vd,) logits of the first draft token
+        self._rows: dict[int, list[int]] = {}  # seq_id → each node's head row of the last tree drafted (-1: none)
+
+    def spec(self, k: int) -> TreeSpec | None:
+        """The tree drafted at depth k, None for a plain chain."""
+        if self.tree is not None:
+            if k != self.tree.steps:
+                raise ValueError(f"the tree {self.tree.name} drafts {self.tree.steps} levels; run the engine with "
+                                 f"k={self.tree.steps}, not {k}")
+            return self.tree
+        return TreeSpec.first_width(k, self.draft_width) if self.draft_width > 1 else None
+
+    def max_nodes(self, k: int) -> int:
+        spec = self.spec(k)
+        return k if spec is None else spec.tokens - 1
+
+    def draft_slots(self, k: int) -> int:
+        spec = self.spec(k)
+        return 0 if spec is None else spec.max_head_rows
+
+    @property
+    def drafts_trees(self) -> bool:
+        return self.draft_width > 1 or (self.tree is not None and not self.tree.is_chain)
 
     def bind(self, target_kv: KVCache) -> None:
         layers, layout = self.head.kv_shape  # a DeepSeek-block head caches MLA's latent rows
@@ -239,12 +281,17 @@ class HeadProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs: Seq[Sequence], k: int) -> list[DraftTree]:
-        drafts = _Drafts(seqs, self.head.draft_vocab, self.head.args.vocab_size)
         feat = torch.stack([self._feat[s.seq_id] for s in seqs])  # (B, H)
         logits = torch.stack([self._logits[s.seq_id] for s in seqs])  # (B, Vd)
+        spec = self.spec(k)
+        if spec is not None:
+            assert self.kv is not None, "bind() the proposer to the target's KV cache first"
+            trees, rows = TreeDrafter(self.head, self.kv, spec, self.head.args.vocab_size).draft(seqs, feat, logits)
+            self._rows.update((s.seq_id, r) for s, r in zip(seqs, rows))
+            return trees
+        drafts = _Drafts(seqs, self.head.draft_vocab, self.head.args.vocab_size)
         lens = [len(s) for s in seqs]
         rows = list(range(len(seqs)))  # sequences whose chain goes on
-        siblings: list[list[int]] = [[] for _ in seqs]  # of the first draft
         for j in range(k):
             keep = self._confident(logits)
             if not all(keep):
@@ -255,24 +302,10 @@ class HeadProposer(Proposer):
                 idx = torch.tensor(sel, device=logits.device)
                 feat, logits = feat[idx], logits[idx]
             picked = drafts.add(logits, rows)
-            if j == 0 and self.draft_width > 1:
-                self._siblings(logits, rows, picked, seqs, siblings)
             if j < k - 1:
                 # Draft step j+2: row at position L-1+j reads ĥ and d_{j+1}.
                 feat, logits = self._draft_step(feat, picked, [lens[b] + j for b in rows], [seqs[b] for b in rows])
-        return drafts.trees(siblings)
-
-    def _siblings(self, logits: torch.Tensor, rows: Seq[int], picked: Seq[int], seqs: Seq[Sequence],
-                      out: list[list[int]]) -> None:
-        """The runners-up of the first draft (target ids, best first) into out[b] for the greedy rows: sampled
-        sequences keep a chain (their acceptance rule takes one candidate per position).
-
-        logits: (R, Vd) of `rows`; picked: (R,) the first drafts already taken (the chain's), left out here.
-        """
-        ids = self.head.to_target_ids(logits.topk(self.draft_width, dim=-1).indices).tolist()  # (R, w)
-        for r, b in enumerate(rows):
-            if seqs[b].params.greedy:
-                out[b] = [t for t in ids[r] if t != picked[r]][: self.draft_width - 1]
+        return drafts.trees()
 
     @torch.inference_mode()
     def update(self, seqs: Seq[Sequence], old_lens: Seq[int], trees: Seq[DraftTree], paths: Seq[Seq[int]],
@@ -283,9 +316,9 @@ class HeadProposer(Proposer):
         # Rows L-1+m..L-1+n read the target's h and the tokens after them (the path's tokens after the m-th, the
         # new token). With catch_up=target m = 0: every accepted row is re-run. With own, the chain's rows for
         # accepted drafts stay: it wrote rows L-1..L+c-3 for its chain of c (one per draft after the first), so
-        # the path's first min(n, c-1) are kept while the path follows the chain (none after a sibling).
-        keep = [0 if self.catch_up == "target" else max(0, min(t.chain_prefix(p), t.chain_length - 1))
-                for t, p in zip(trees, paths)]
+        # the path's first min(n, c-1) are kept while the path follows the chain. A tree keeps the path's first
+        # nodes whose head rows sit at their positions (row d-1 for depth d: the first frontier node of each level).
+        keep = [0 if self.catch_up == "target" else self._kept_rows(s, t, p) for s, t, p in zip(seqs, trees, paths)]
         hidden = torch.cat([h[m:] for h, m in zip(target_hidden, keep)])
         tokens = [t for s, L, m, n in zip(seqs, old_lens, keep, num_accepted) for t in s.token_ids[L + m:L + n + 1]]
         qo = [n - m + 1 for m, n in zip(keep, num_accepted)]
@@ -293,9 +326,20 @@ class HeadProposer(Proposer):
         feat, logits = self._forward(hidden, tokens, qo, kv, seqs)
         self._store(seqs, feat, logits)
 
+    def _kept_rows(self, seq: Sequence, tree: DraftTree, path: Seq[int]) -> int:
+        """Catch-up `own`: how many of the path's first nodes have head rows already at their positions."""
+        rows = self._rows.get(seq.seq_id)
+        if rows is None:  # a chain of c wrote rows L-1..L+c-3
+            return max(0, min(tree.chain_prefix(path), tree.chain_length - 1))
+        m = 0
+        while m < len(path) and rows[path[m]] == m:
+            m += 1
+        return m
+
     def release(self, seq: Sequence) -> None:
         self._feat.pop(seq.seq_id, None)
         self._logits.pop(seq.seq_id, None)
+        self._rows.pop(seq.seq_id, None)
 
 
 class NgramProposer(Proposer):

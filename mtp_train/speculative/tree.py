@@ -16,9 +16,11 @@ Language Models with Dynamic Draft Trees"); the functions below take them all.
              for a path along the first nodes, e.g. an accepted chain prefix
 
 The greedy rule follows, from the root, the child whose token is the target's argmax while there is one: the output
-equals plain greedy decoding. The sampled rule is Leviathan/Chen's over a chain (`acceptance.accept_stochastic`):
-sampled sequences draft chains, and a tree with siblings at temperature > 0 is refused (rejection sampling over
-several candidates, SpecInfer's rule, is not implemented).
+equals plain greedy decoding. The sampled rule is Leviathan/Chen's over a chain (`acceptance.accept_stochastic`,
+batched, FlashInfer's fused kernel on CUDA) and multi-candidate rejection sampling over a tree with siblings
+(`acceptance.accept_tree_stochastic`: children tried in order, each accepted with min(1, p/q_i), p replaced by the
+normalised residual max(p − q_i, 0) after each rejection): every emitted token follows the target either way.
+How trees are drafted (EAGLE-2's dynamic trees, vLLM's static ones) is `mtp_train.speculative.tree_draft`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from mtp_train.engine.sampling import SamplingBatch, filtered_probs
-from mtp_train.speculative.acceptance import accept_stochastic, accept_stochastic_flashinfer
+from mtp_train.speculative.acceptance import accept_stochastic, accept_stochastic_flashinfer, accept_tree_stochastic
 
 ROOT = -1  # the parent of the root's children: the sequence's last token, verify row 0
 
@@ -45,8 +47,8 @@ class DraftTree:
 
     tokens: list[int]  # (N,) target token ids of the nodes
     parents: list[int]  # (N,) each node's parent node, ROOT (-1) for a child of the root; parents[i] < i
-    probs: torch.Tensor | None = None  # (N, V) float32 q each node was drawn from (a sampled chain); None when the
-    # sequence is greedy or the proposer deterministic (q is then one-hot at each node)
+    probs: torch.Tensor | None = None  # (N, V) float32 q each node was drawn from (given its earlier siblings);
+    # None when the sequence is greedy or every node deterministic (q is then one-hot at each node)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -166,8 +168,9 @@ def accept(trees: Sequence[DraftTree], logits: torch.Tensor, sampling: SamplingB
 
     logits: (Σ_b 1+N_b, V) the target's logits over the verify rows as `layout` lays them; sampling: each
     sequence's parameters and generator. Greedy sequences take the longest path whose every node is the target's
-    argmax after its parent; sampled ones must have chains and take the Leviathan/Chen rule, in groups of equal
-    length (fused: FlashInfer's kernel for groups of unseeded sequences, CUDA only).
+    argmax after its parent; sampled chains take the Leviathan/Chen rule, in groups of equal length (fused:
+    FlashInfer's kernel for groups of unseeded sequences, CUDA only), and sampled trees with siblings
+    multi-candidate rejection sampling (`accept_tree_stochastic`), each with its sequence's generator.
     """
     starts = [0]
     for t in trees:
@@ -185,10 +188,13 @@ def accept(trees: Sequence[DraftTree], logits: torch.Tensor, sampling: SamplingB
     groups: dict[int, list[int]] = {}
     for b, t in enumerate(trees):
         if not params[b].greedy:
-            if not t.is_chain:
-                raise ValueError(f"sequence {b} is sampled but its draft tree has siblings; sampled sequences "
-                                 "draft chains (the Leviathan/Chen rule accepts one candidate per position)")
-            groups.setdefault(len(t), []).append(b)
+            if t.is_chain:
+                groups.setdefault(len(t), []).append(b)
+                continue
+            pr = params[b]
+            p = filtered_probs(logits[starts[b]:starts[b + 1]], pr.temperature, pr.top_k, pr.top_p)
+            path, bonus = accept_tree_stochastic(t.tokens, t.parents, p, t.probs, gens[b])
+            out[b] = Accepted(path, [t.tokens[j] for j in path] + [bonus])
     for d, group in groups.items():
         p = torch.stack([filtered_probs(logits[starts[b]:starts[b + 1]], params[b].temperature, params[b].top_k,
                                         params[b].top_p) for b in group])  # (G, d+1, V)

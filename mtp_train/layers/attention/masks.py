@@ -23,8 +23,9 @@ def causal_mask(q_pos: torch.Tensor, kv_len: int, window: int | None,
         mask &= kv_pos > q_pos[..., None] - window
     if tree_bits is not None:
         rel = kv_pos - q_pos[..., :1]  # (..., S) slot relative to the sequence's first new token
-        new = (rel >= 0) & (rel < 63)
-        seen = (tree_bits[..., None] >> rel.clamp(0, 62)[..., None, :]) & 1  # (..., Q, S)
+        new = (rel >= 0) & (rel < 64)
+        # an arithmetic shift keeps bit 63 (the sign bit) readable: (x >> 63) & 1 is that bit
+        seen = (tree_bits[..., None] >> rel.clamp(0, 63)[..., None, :]) & 1  # (..., Q, S)
         mask &= ~new[..., None, :] | seen.bool()
     return mask
 

@@ -72,10 +72,11 @@ class AttentionMetadata:
     def set_tree(self, parents: Sequence[Sequence[int]]) -> None:
         """Make the new tokens of each sequence a tree (speculative verification of several candidates at once).
 
-        parents[b][i]: the index among sequence b's new tokens of token i's parent, -1 for its first token (the
-        root, whose parent is the cached prefix), and < i otherwise (a parent comes first in slot order). Token i
-        then sees the cached prefix, its ancestors and itself, and is rotated to position kv_len - qo_len + depth.
-        A sequence's new tokens are at most 63.
+        parents[b][i]: the index among sequence b's new tokens of token i's parent, -1 for a root (whose parent
+        is the cached prefix: always the first token, and any other of a forest, e.g. a head's level of draft rows
+        over several first drafts), and < i otherwise (a parent comes first in slot order). Token i then sees the
+        cached prefix, its ancestors and itself, and is rotated to position kv_len - qo_len + depth (a root's
+        depth 0). A sequence's new tokens are at most 64 (the bits of one int64; bit 63 is its sign bit).
         """
         if len(parents) != self.batch_size:
             raise ValueError(f"{len(parents)} parent lists for {self.batch_size} sequences")
@@ -84,17 +85,17 @@ class AttentionMetadata:
         for b, (par, q, kv) in enumerate(zip(parents, self.qo_lens, self.kv_lens)):
             if len(par) != q:
                 raise ValueError(f"sequence {b} has {q} new tokens but {len(par)} parents")
-            if q > 63:
-                raise ValueError(f"a tree step takes at most 63 new tokens per sequence, sequence {b} has {q}")
+            if q > 64:
+                raise ValueError(f"a tree step takes at most 64 new tokens per sequence, sequence {b} has {q}")
             mine: list[int] = []
             depth: list[int] = []
             for i, p in enumerate(par):
-                if (i == 0) != (p == -1) or not -1 <= p < i:
+                if (i == 0 and p != -1) or not -1 <= p < i:
                     raise ValueError(f"sequence {b}: token {i} has parent {p}; the first token's is -1 and every "
-                                     "other's an earlier token")
+                                     "other's -1 or an earlier token")
                 mine.append((mine[p] if p >= 0 else 0) | (1 << i))
                 depth.append(depth[p] + 1 if p >= 0 else 0)
-            bits += mine
+            bits += [m - (1 << 64) if m >= 1 << 63 else m for m in mine]  # as int64 (two's complement)
             rope += [kv - q + d for d in depth]
         dev = self.positions.device
         self.tree_bits = torch.tensor(bits, dtype=torch.int64, device=dev)

@@ -176,7 +176,7 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, cons
         long pos = positions[t];
         long s0 = positions[qo_indptr[b]];  /* the step's first new slot of this sequence (tree steps) */
         int64_t bits = tree_bits ? tree_bits[t] : 0;
-#define HIDDEN(j) (tree_bits && (j) >= s0 && !((bits >> ((j) - s0)) & 1))
+#define HIDDEN(j) (tree_bits && (j) >= s0 && !(((uint64_t)bits >> ((j) - s0)) & 1u))  /* j - s0 <= 63 */
         long lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
         long n = pos - lo + 1;
         const float *qt = q + (size_t)t * Hq * D;
