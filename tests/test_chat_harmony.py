@@ -7,6 +7,9 @@ closed by `<|end|>`, assistant turns on channels (`<|channel|>final`, and `<|cha
 `thinking` in the last turn only, as the real template drops earlier reasoning), and `<|return|>` closing the last
 assistant turn of a training render. The generation prompt is `<|start|>assistant`: the channel header after it is
 the model's own output.
+
+The analysis channel is not in the loss yet (an expected failure below): it needs a span per rendered field of the
+message, and readers that keep `thinking`.
 """
 
 from __future__ import annotations
@@ -83,10 +86,19 @@ def test_system_developer_user_turns_and_headers_stay_outside_the_loss(harmony):
     assert sample.input_ids == harmony(render(harmony, MULTI_TURN), add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.xfail(strict=True, reason="the spans derive a turn's end from its rendering as the last turn: harmony "
-                   "closes the last turn with <|return|> and earlier ones with <|end|>, so an earlier turn's <|end|> "
-                   "is left out; and only `content` is probed, so the analysis channel from `thinking` is left out")
-def test_multi_turn_golden_covers_analysis_and_final_with_their_end_tokens(harmony):
+def test_multi_turn_golden_masks_each_final_answer_with_the_end_token_it_renders(harmony):
+    """Earlier turns close with <|end|>, the last with <|return|>: each is in the loss as the template renders it."""
+    plain = [{k: v for k, v in m.items() if k != "thinking"} for m in MULTI_TURN]
+    sample = tokenize_conversation(harmony, plain)
+    assert masked_text(harmony, sample) == ("Paris is the capital of France.<|end|>"
+                                            "2 + 2 = 4.\n\nThe answer is  4 (two spaces).<|return|>")
+    runs = sum(1 for k, m in enumerate(sample.loss_mask) if m and (k == 0 or not sample.loss_mask[k - 1]))
+    assert runs == 2
+
+
+@pytest.mark.xfail(strict=True, reason="the analysis channel comes from the message's `thinking`, and only `content` "
+                   "is probed for a turn's span (the readers keep role and content only, too)")
+def test_the_analysis_channel_and_its_end_token_are_in_the_loss(harmony):
     sample = tokenize_conversation(harmony, MULTI_TURN)
     last = MULTI_TURN[-1]
     assert masked_text(harmony, sample) == ("Paris is the capital of France.<|end|>"

@@ -10,7 +10,9 @@ No marker string is known to this module; every boundary comes from renderings:
   content, e.g. re-formatted a `<think>` block, the raw content is matched where it ends.)
 * Where the turn ends: the text after the content when the turn is rendered as the last message (its closing),
   matched after the content. Where it does not follow as a whole (an end-of-conversation token after the last
-  turn only), the closing's common ending with a probe rendering is matched and cut at its last whitespace.
+  turn only), the closing's common ending with a probe rendering is matched and cut at its last whitespace; where
+  nothing of it follows (harmony closes the last turn with `<|return|>`, the others with `<|end|>`), the closing
+  the turn gets when another follows it (rendered with a generation prompt, less the prompt).
 
 `assistant_char_spans` takes both from a constant number of renderings of the whole conversation plus two short
 renderings per turn (`_linear_spans`), so the work grows linearly with the conversation; `prefix_char_spans`, the
@@ -104,6 +106,29 @@ def _closing_in_full(full: str, at: int, closing: str) -> int:
     part = full[at:at + matched]
     last_space = max((k for k, ch in enumerate(part) if ch.isspace()), default=-1)
     return last_space + 1 if last_space >= 0 else matched
+
+
+def _closing_before_next(tokenizer: Any, window: Messages, kw: Mapping[str, Any] | None) -> str:
+    """The text after the last turn's content of `window` when the template renders that turn as one that another
+    follows ('' when it cannot tell): the window rendered with a generation prompt, less that prompt.
+
+    For a template that closes the last turn otherwise (harmony: `<|return|>` last, `<|end|>` before the next
+    turn). The prompt is what the template adds after the user turn before (`window[:-1]` with and without it).
+    """
+    if len(window) < 2:
+        return ""
+    try:
+        probe = _probe_for(window[-1]["content"])
+        gen = render(tokenizer, window, add_generation_prompt=True, template_kwargs=kw)
+        gen_alt = render(tokenizer, _with_content(window, len(window) - 1, probe), add_generation_prompt=True,
+                         template_kwargs=kw)
+        before = render(tokenizer, window[:-1], template_kwargs=kw)
+        prompted = render(tokenizer, window[:-1], add_generation_prompt=True, template_kwargs=kw)
+    except ChatTemplateError:
+        return ""
+    tail = gen[len(gen) - _common_suffix(gen, gen_alt):]  # the closing, then the prompt
+    prompt = prompted[len(before):] if prompted.startswith(before) else ""
+    return tail[:len(tail) - len(prompt)] if prompt and tail.endswith(prompt) else ""
 
 
 def _raw_start(full: str, c0: int, c1: int, content: str, bound: int) -> int:
@@ -212,6 +237,10 @@ def _linear_spans(tokenizer: Any, messages: Messages, full: str, turns: Sequence
             method = "diff"
             common = _common_suffix(upto, alt_upto)
             turn_end = c1 + _closing_in_full(full, c1, upto[len(upto) - common:] if common else "")
+            if not any(ch.isspace() for ch in full[c1:turn_end]):  # no next turn found: closed otherwise
+                before_next = _closing_before_next(tokenizer, window, kw)  # when last? (harmony: <|return|>)
+                if before_next and full.startswith(before_next, c1):
+                    turn_end = max(turn_end, c1 + len(before_next))
         start = _raw_start(full, c0, c1, messages[i]["content"], bound)
         if spans and start < spans[-1][1]:
             return None
@@ -287,6 +316,10 @@ def prefix_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mappi
             alt_upto = render(tokenizer, _with_content(messages[: i + 1], i, probe), template_kwargs=kw)
             closing = _common_suffix(upto, alt_upto)
             turn_end = c1 + _closing_in_full(full, c1, upto[len(upto) - closing:] if closing else "")
+            if not any(ch.isspace() for ch in full[c1:turn_end]):  # no next turn found: closed otherwise
+                before_next = _closing_before_next(tokenizer, messages[: i + 1], kw)  # when last? (harmony: <|return|>)
+                if before_next and full.startswith(before_next, c1):
+                    turn_end = max(turn_end, c1 + len(before_next))
         end = c1 + len(full[c1:turn_end].rstrip())
         if spans and c0 < spans[-1][1]:
             raise ChatTemplateError(f"{where}: span overlaps the previous assistant turn")
