@@ -83,7 +83,8 @@ class AttentionBackend(ABC):
         q: (T, Hq, D); k, v: (T, Hkv, D) for the step's new tokens (already rotated).
         kv_cache: this layer's (num_pages, 2, page_size, Hkv, D) pool or None when the step uses no
         cache; when given, the new K/V are written into it at meta.slot_pages/slot_offsets first.
-        Returns (T, Hq, D).
+        Returns (T, Hq, D). A backend that runs attention sinks (GPT-OSS; the torch backend) also takes
+        `sinks=` (Hq,) logits that join each head's softmax denominator; the others are never passed them.
         """
 
 
