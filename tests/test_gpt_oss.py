@@ -100,6 +100,12 @@ def test_hidden_states_and_logits_match_transformers(checkpoints, name, native):
         for j in range(n + 1):
             torch.testing.assert_close(out.layers[j], ref.hidden_states[j][0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model.compute_logits(out.hidden), ref.logits[0], rtol=1e-5, atol=1e-5)
+    with _kernels(native):  # the prompts packed into one prefill step: each attends within itself
+        packed = prefill_hidden(model, PROMPTS).hidden.split([len(p) for p in PROMPTS])
+    for ids, got in zip(PROMPTS, packed):
+        with torch.no_grad():
+            want = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("native", MODES)
