@@ -115,6 +115,35 @@ def test_tp2_equals_tp1_with_two_all_reduces_per_layer(folders, tmp_path):
         assert got["all_reduces"] == 1 + 2 * ref_model.args.num_layers, name
 
 
+@pytest.mark.slow
+def test_gpt_oss_tp2_equals_tp1(tmp_path):
+    """GPT-OSS's fused experts, sinks, biases and alternating windows under TP = 2: the hidden states, logits and
+    greedy tokens of TP = 1, with one all-reduce for o_proj and one for the MoE block per layer."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                                    num_experts_per_tok=2, sliding_window=5, max_position_embeddings=64,
+                                    tie_word_embeddings=False, swiglu_limit=1.5)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("sinks") or n.endswith("bias"):
+                p.normal_(0, 0.5)  # non-zero sinks and biases, so their slices and the rank-0 bias are tested
+    folder, out = tmp_path / "gpt_oss", tmp_path / "gpt_oss.pt"
+    hf.save_pretrained(folder, safe_serialization=True)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(WORKER), str(folder), str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref_model = load_model(folder, dtype="float32", backend="torch")
+    ref, got = run(ref_model), torch.load(out)
+    torch.testing.assert_close(got["hidden"], ref["hidden"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
+    assert got["tokens"] == ref["tokens"]
+    assert got["all_reduces"] == 1 + 2 * ref_model.args.num_layers
+
+
 def _unwrapped(name: str) -> str:
     return name.replace(".inner.", ".")
 

@@ -21,7 +21,8 @@ take no sinks (sink support there is a separate JIT variant of the paged prefill
 A draft head's block is a full-attention GPT-OSS layer without sinks (the heads' training attention, the chained
 unroll included, is plain SDPA) with a dense clamped-SwiGLU MLP of `intermediate_size`, or with `head.moe` the
 target's MoE. MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`, the released weights) are refused by
-name: a bf16 copy of the model loads. Tensor parallelism is not offered yet (run with model.tp=1).
+name: a bf16 copy of the model loads. Tensor parallelism splits attention by heads (the sinks with them) and the
+MoE by tensor, one all-reduce per block (`TP`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError, rope_from_config, shared_fields
-from mtp_train.models.families import Family, llama
+from mtp_train.models.families import Family, TPRules, llama
 from mtp_train.models.families.qwen3_moe import grouped_experts
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -335,6 +336,13 @@ def head_block(args: GptOssArgs, input_norm: bool, moe: bool) -> DecoderLayer:
     return DecoderLayer(args, window=None, sinks=False, moe=moe, input_norm=input_norm)
 
 
+# Attention by heads (fused q/k/v as for Llama, the sinks with their heads), the MoE by tensor: every expert's
+# interleaved gate/up columns and down rows split over the ranks, the block all-reduced once, its down bias on rank 0.
+TP = TPRules(column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), row=("self_attn.o_proj",),
+             divided=("num_heads", "num_kv_heads", "intermediate_size"), reduced=("mlp",),
+             tensors=(("self_attn.sinks", 0), ("mlp.experts.gate_up_proj", 2),
+                      ("mlp.experts.gate_up_proj_bias", 1), ("mlp.experts.down_proj", 1)),
+             once=("mlp.experts.down_proj_bias",))
 FAMILY = Family(name="gpt_oss", title="GPT-OSS", model_types=("gpt_oss",), parse=parse_config,
                 model=GptOssForCausalLM, attention=attention, head_block=head_block, head_moe=True,
-                fusings=llama.FUSINGS[:1], tp=None)
+                fusings=llama.FUSINGS[:1], tp=TP)
