@@ -131,6 +131,9 @@ def test_tree_parents_are_checked():
     meta.set_tree([[-1, 0, 1, 0]])
     assert meta.rope_positions.tolist() == [6, 7, 8, 7]  # depths 0 1 2 1 after 6 cached tokens
     assert meta.tree_bits.tolist() == [0b1, 0b11, 0b111, 0b1001]
-    for bad in ([[-1, 0, 2, 0]], [[0, 0, 1, 0]], [[-1, -1, 1, 0]], [[-1, 0, 1]]):
+    forest = AttentionMetadata.build([3], [10], [[0, 1, 2]], 4)
+    forest.set_tree([[-1, -1, 1]])  # several roots over the prefix (a head's level of draft rows)
+    assert forest.tree_bits.tolist() == [0b1, 0b10, 0b110] and forest.rope_positions.tolist() == [7, 7, 8]
+    for bad in ([[-1, 0, 2, 0]], [[0, 0, 1, 0]], [[-1, 1, 1, 0]], [[-1, 0, 1]]):
         with pytest.raises(ValueError):
             AttentionMetadata.build([4], [10], [[0, 1, 2]], 4).set_tree(bad)

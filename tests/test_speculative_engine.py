@@ -13,6 +13,7 @@ from mtp_train.layers import AttentionMetadata
 from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer, NgramProposer
+from mtp_train.speculative.tree_draft import TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -167,11 +168,12 @@ def _marginal_of_second_token(model, prompt, temperature):
     return (first[:, None] * second).sum(0)
 
 
-@pytest.mark.parametrize("proposer", ["head", "head-threshold", "eagle3", "draft", "ngram"])
+@pytest.mark.parametrize("proposer", ["head", "head-threshold", "head-tree", "head-width", "eagle3", "draft", "ngram"])
 def test_sampled_speculation_follows_the_target_distribution(tiny_checkpoints, proposer):
     """Chi-square: the second generated token (the first one that goes through speculative acceptance) of many
     seeded requests is distributed as the target's exact marginal (fixed seeds; bins with expected < 5 merged).
-    Covers variable draft lengths (a threshold) and a deterministic proposer (prompt lookup: q one-hot)."""
+    Covers variable draft lengths (a threshold), a deterministic proposer (prompt lookup: q one-hot) and draft
+    trees: a dynamic one of width 3, depth 3 and the first-draft width (multi-candidate rejection sampling)."""
     model = load_model(tiny_checkpoints["llama"][0])
     # prompt lookup drafts when the first sampled token occurs in the prompt: give it many tokens to match
     prompt = [3, 17, 42, 7] + (list(range(60, 120)) if proposer == "ngram" else [])
@@ -179,6 +181,10 @@ def test_sampled_speculation_follows_the_target_distribution(tiny_checkpoints, p
     expected_p = _marginal_of_second_token(model, prompt, temp)
     if proposer == "eagle3":
         prop = HeadProposer(_eagle3(tiny_checkpoints))
+    elif proposer == "head-tree":
+        prop = HeadProposer(_head(tiny_checkpoints, draft_vocab_size=96), tree=TreeSpec(3, 3, 16))
+    elif proposer == "head-width":
+        prop = HeadProposer(_head(tiny_checkpoints, draft_vocab_size=96), draft_width=3)
     elif proposer.startswith("head"):
         prop = (HeadProposer(_sharp_head(tiny_checkpoints, 96), draft_threshold=0.4) if proposer == "head-threshold"
                 else HeadProposer(_head(tiny_checkpoints, draft_vocab_size=96)))
