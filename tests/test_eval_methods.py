@@ -53,7 +53,7 @@ def test_axes_that_do_not_apply_to_a_method_do_not_multiply_its_runs():
     assert len(set(points)) == len(points)
     assert [s.name for s in grid_methods(cfg)] == ["none", "mtp", "ngram"]
     head = next(p for p in points if p.method == "mtp")
-    assert head.options == {"draft_threshold": 0.0, "catch_up": "target", "draft_width": 1}
+    assert head.options == {"draft_threshold": 0.0, "catch_up": "target", "draft_width": 1, "tree": "none"}
     assert [s.name for s in grid_methods(EvalConfig(ngram=NgramConfig(compare=False)))] == ["none", "mtp"]
 
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_train.config.errors import ConfigError
 from mtp_train.config.model import ModelConfig
 
-GRID_AXES = ("k", "draft_threshold", "catch_up", "draft_width", "temperature")  # settings that take a value or a list
-GRID_KINDS: dict[str, type] = {"k": int, "draft_threshold": float, "catch_up": str, "draft_width": int,
+GRID_AXES = ("k", "draft_threshold", "catch_up", "draft_width", "tree", "temperature")  # a value or a list each
+GRID_KINDS: dict[str, type] = {"k": int, "draft_threshold": float, "catch_up": str, "draft_width": int, "tree": str,
                                "temperature": float}
+TREE_SHAPE = re.compile(r"none|\d+x\d+x\d+")  # `tree` values: none (a chain / draft_width) or STEPSxTOPKxTOKENS
 
 
 @dataclass
@@ -36,7 +38,10 @@ class EvalConfig:
     draft_threshold: Any = 0.0  # mtp: stop a chain before a draft with top-1 prob below it; a float or a list
     catch_up: Any = "target"  # mtp: after verification re-run accepted rows on the target's h | own; or a list
     draft_width: Any = 1  # mtp: candidates at the first draft position (the head's top w; the top one carries the
-    # chain, the others are verified beside it in one tree step; greedy only); an int or a list
+    # chain, the others are verified beside it in one tree step); an int or a list
+    tree: Any = "none"  # mtp: a dynamic draft tree STEPSxTOPKxTOKENS (SGLang's speculative_num_steps /
+    # speculative_eagle_topk / speculative_num_draft_tokens, the root counted), e.g. 3x4x8, or none; or a list. A
+    # tree's point runs at k = STEPS whatever `k` says (the k axis multiplies only the chains)
     ngram: NgramConfig = field(default_factory=NgramConfig)
     temperature: Any = 0.0  # a float or a list (a grid); 0 = greedy
     top_k: int = 0
@@ -59,6 +64,9 @@ class EvalConfig:
     def __post_init__(self) -> None:
         for axis in GRID_AXES:
             self.grid(axis)  # a value of the wrong kind, or an empty list, fails here
+        bad = [t for t in self.grid("tree") if not TREE_SHAPE.fullmatch(t)]
+        if bad:
+            raise ConfigError(f"tree must be none or STEPSxTOPKxTOKENS (e.g. 3x4x8), got {bad}")
         ks = self.grid("k")
         if any(k < 1 for k in ks):
             raise ConfigError(f"k must be >= 1, got {ks}")

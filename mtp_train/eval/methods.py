@@ -20,6 +20,7 @@ from mtp_train.data.chat import load_tokenizer, tokenizer_fingerprint
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelConfigError
 from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer, NgramProposer, Proposer
+from mtp_train.speculative.tree_draft import TreeSpec
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +150,15 @@ def _load_draft(cfg: EvalConfig, target: CausalLM, tokenizer: Any, target_dir: P
 
 
 register(MethodSpec("none", "plain", axes=("temperature",)))
-register(MethodSpec("mtp", "mtp head", axes=("k", "draft_threshold", "catch_up", "draft_width", "temperature"),
-                    build=lambda head, opts, cfg: HeadProposer(head, **opts), load=_load_head, lookup_beside=True))
+def _build_head(head: Any, opts: Mapping[str, Any], cfg: EvalConfig) -> HeadProposer:
+    """The head's proposer for one point: its options, the `tree` axis's STEPSxTOPKxTOKENS as a TreeSpec."""
+    opts = dict(opts)
+    tree = opts.pop("tree", "none")
+    return HeadProposer(head, **opts, tree=None if tree in (None, "none") else TreeSpec.parse(tree))
+
+
+register(MethodSpec("mtp", "mtp head", axes=("k", "draft_threshold", "catch_up", "draft_width", "tree", "temperature"),
+                    build=_build_head, load=_load_head, lookup_beside=True))
 register(MethodSpec("draft", "draft model", axes=("k", "temperature"),
                     build=lambda model, opts, cfg: DraftModelProposer(model), load=_load_draft, lookup_beside=True))
 register(MethodSpec("ngram", "prompt lookup", axes=("k", "temperature"),

@@ -2,9 +2,9 @@
 
 `expand_grid(cfg)` multiplies, per method of the evaluation (`mtp_train.eval.methods.grid_methods`), only the axes
 that apply to it: `none` gets one point per temperature whatever k is, prompt lookup one per (k, temperature), the
-head one per (k, threshold, catch-up, width, temperature). A point's `label` names its method and every axis that
-takes more than one value in the grid, so two runs of one grid never share a label; report rows, plot series and
-the console all use it.
+head one per (k, threshold, catch-up, width, tree, temperature), a tree's points at k = its steps only. A point's
+`label` names its method and every axis that takes more than one value in the grid (`mtp head k=3 tree=3x4x8`), so
+two runs of one grid never share a label; report rows, plot series and the console all use it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mtp_train.eval.methods import MethodSpec, grid_methods, method_spec
 
 # How a label shows each axis, in GRID_AXES order.
 AXIS_FORMATS = {"k": "k={}", "draft_threshold": "thr={:g}", "catch_up": "catch-up={}", "draft_width": "width={}",
-                "temperature": "T={:g}"}
+                "tree": "tree={}", "temperature": "T={:g}"}
 PLOT_X = "k"  # the x axis of the τ / speed-up plot: a series is a label without it
 
 
@@ -33,6 +33,7 @@ class EvalPoint:
     draft_threshold: float | None = None
     catch_up: str | None = None
     draft_width: int | None = None
+    tree: str | None = None  # mtp: "none" (a chain, or draft_width's tree) or a dynamic tree STEPSxTOPKxTOKENS
     varies: frozenset[str] = field(default=frozenset(), compare=False)  # the grid's axes with more than one value
 
     @property
@@ -76,6 +77,11 @@ def expand_grid(cfg: EvalConfig) -> list[EvalPoint]:
         axes = [a for a in GRID_AXES if a in spec.axes]
         axes = [a for a in axes if a != "k"] + [a for a in axes if a == "k"]  # k innermost: a series runs together
         for combo in itertools.product(*(cfg.grid(a) for a in axes)):
-            values.append((spec, dict(zip(axes, combo))))
+            v = dict(zip(axes, combo))
+            if v.get("tree", "none") != "none":  # a tree drafts its own depth: one point per tree, at k = steps
+                v["k"] = int(v["tree"].split("x")[0])
+                if (spec, v) in values:
+                    continue
+            values.append((spec, v))
     varies = frozenset(a for a in GRID_AXES if len({v[a] for _, v in values if a in v}) > 1)
     return [EvalPoint(spec.name, varies=varies, **v) for spec, v in values]

@@ -11,7 +11,7 @@ from mtp_train.engine.turns import answer_text
 from mtp_train.eval.acceptance import RunResult
 from mtp_train.fileio import atomic_write, atomic_write_text
 
-COLUMNS = ("dataset", "method", "k", "draft_threshold", "catch_up", "draft_width", "temperature", "tau",
+COLUMNS = ("dataset", "method", "k", "draft_threshold", "catch_up", "draft_width", "tree", "temperature", "tau",
            "mean_draft_len", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup", "speedup_lo",
            "speedup_hi", "step_cost", "tau_ngram",
            "speedup_ngram", "exact_match")
