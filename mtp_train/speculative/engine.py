@@ -20,9 +20,9 @@ step, for all running sequences at once (`SpeculativeStep._speculate`):
 
 so every sequence advances by its own 1..k+1 tokens per target forward. The forwards return the target layers
 the proposer names (`Proposer.hidden_layers`, e.g. an EAGLE-3 head's aux layers), concatenated, in place of the
-final hidden it otherwise reads. Pages are reserved for prompt + max_new_tokens + 1 + the largest tree, so a step
-never runs out of pages. Greedy speculative output equals plain greedy output token for token (up to
-floating-point near-ties between the verify and decode kernels).
+final hidden it otherwise reads. Pages are reserved for prompt + max_new_tokens + 1 + the largest tree (or the
+head's tree rows, when more), so a step never runs out of pages. Greedy speculative output equals plain greedy
+output token for token (up to floating-point near-ties between the verify and decode kernels).
 """
 
 from __future__ import annotations

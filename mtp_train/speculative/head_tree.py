@@ -63,9 +63,8 @@ class TreeDrafter:
         if spec.choices is not None:
             parents, _ = static_parents(spec.choices)
             kids: dict[int, list[int]] = {}
-            for i, (par, c) in enumerate(zip(parents, spec.choices)):
-                kids.setdefault(par, [])
-                kids[par].append(i)
+            for i, par in enumerate(parents):
+                kids.setdefault(par, []).append(i)
             # static node → its children, by rank
             self.static = {n: sorted(cs, key=lambda i: spec.choices[i][-1]) for n, cs in kids.items()}
 

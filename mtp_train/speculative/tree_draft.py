@@ -119,7 +119,8 @@ def static_parents(choices: Sequence[Sequence[int]]) -> tuple[list[int], list[in
     return parents, ranks
 
 
-def expand(logprobs: torch.Tensor, parent_scores: Sequence[float], widths: Sequence[int]) -> list[list[tuple[int, float]]]:
+def expand(logprobs: torch.Tensor, parent_scores: Sequence[float],
+           widths: Sequence[int]) -> list[list[tuple[int, float]]]:
     """Each frontier node's most likely children: logprobs (F, V) the draft's log q after node f; parent_scores
     (F,) its cumulative log-probability; widths (F,) how many children it gets → per node [(token, cumulative
     score)] best first (children of probability 0, e.g. outside a top-k filter, are left out)."""
