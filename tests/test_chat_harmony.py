@@ -79,7 +79,8 @@ def test_system_developer_user_turns_and_headers_stay_outside_the_loss(harmony):
     sample = tokenize_conversation(harmony, MULTI_TURN)
     masked = masked_text(harmony, sample)
     for outside in ("ChatGPT", "Reasoning", "# Instructions", "You are terse.", "capital of France?", "And 2 + 2?",
-                    "<|start|>", "<|channel|>", "<|message|>", "user", "developer"):
+                    "<|start|>", "<|channel|>", "<|message|>", "user<|", "developer<|", "analysis",
+                    "final"):
         assert outside not in masked, outside
     assert "Paris is the capital of France." in masked and "(two spaces).<|return|>" in masked
     assert masked.endswith("2 + 2 = 4.\n\nThe answer is  4 (two spaces).<|return|>")
@@ -96,8 +97,6 @@ def test_multi_turn_golden_masks_each_final_answer_with_the_end_token_it_renders
     assert runs == 2
 
 
-@pytest.mark.xfail(strict=True, reason="the analysis channel comes from the message's `thinking`, and only `content` "
-                   "is probed for a turn's span (the readers keep role and content only, too)")
 def test_the_analysis_channel_and_its_end_token_are_in_the_loss(harmony):
     sample = tokenize_conversation(harmony, MULTI_TURN)
     last = MULTI_TURN[-1]

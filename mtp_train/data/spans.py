@@ -3,21 +3,29 @@
 An assistant span runs from the first character of a turn's rendered content to the end of that turn's
 end-of-turn marker as the template renders it (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...); whitespace after the
 marker, role headers and text a template inserts before the content (an empty `<think></think>`) are outside.
-No marker string is known to this module; every boundary comes from renderings:
+A turn's reasoning (`REASONING_FIELDS`), where the template renders it, is a field of its own with a span of its
+own: from its first character to where the next message's header starts (harmony's analysis channel ends with
+its `<|end|>`, before `<|start|>assistant<|channel|>final`), or up to the content when no header comes between
+(Qwen3's `</think>` and the blank line after it). No marker string is known to this module; every boundary
+comes from renderings:
 
-* Where the content sits: the conversation is rendered again with the content replaced by a probe character; the
-  text that differs from the real rendering is the rendered content. (When the template rewrote the start of the
-  content, e.g. re-formatted a `<think>` block, the raw content is matched where it ends.)
-* Where the turn ends: the text after the content when the turn is rendered as the last message (its closing),
-  matched after the content. Where it does not follow as a whole (an end-of-conversation token after the last
-  turn only), the closing's common ending with a probe rendering is matched and cut at its last whitespace; where
-  nothing of it follows (harmony closes the last turn with `<|return|>`, the others with `<|end|>`), the closing
-  the turn gets when another follows it (rendered with a generation prompt, less the prompt).
+* Where a field sits: the conversation is rendered again with the field replaced by a probe character; the text
+  that differs from the real rendering is the rendered field. (When the template rewrote the start of the
+  content, e.g. re-formatted a `<think>` block, the raw content is matched where it ends.) A field whose probe is
+  not rendered (the reasoning of earlier turns, which harmony and Qwen3 drop) has no span.
+* Where a field that another field of its turn follows ends: the text between the two up to the generation
+  prompt (the header a next message starts with), when it holds one.
+* Where the turn ends: the text after its last field when the turn is rendered as the last message (its
+  closing), matched after that field. Where it does not follow as a whole (an end-of-conversation token after the
+  last turn only), the closing's common ending with a probe rendering is matched and cut at its last whitespace;
+  where nothing of it follows (harmony closes the last turn with `<|return|>`, the others with `<|end|>`), the
+  closing the turn gets when another follows it (rendered with a generation prompt, less the prompt).
 
-`assistant_char_spans` takes both from a constant number of renderings of the whole conversation plus two short
-renderings per turn (`_linear_spans`), so the work grows linearly with the conversation; `prefix_char_spans`, the
-reference method (a probe rendering of the whole conversation and renderings of `messages[:i+1]` per turn, whose
-cost grows with the square of the turns), remains for templates that fail the linear method's checks.
+`assistant_char_spans` takes them from a constant number of renderings of the whole conversation plus two short
+renderings per turn (four for a turn with two rendered fields: `_linear_spans`), so the work grows linearly with
+the conversation; `prefix_char_spans`, the reference method (a probe rendering of the whole conversation per field
+and renderings of `messages[:i+1]` per turn, whose cost grows with the square of the turns), remains for templates
+that fail the linear method's checks.
 """
 
 from __future__ import annotations
@@ -31,6 +39,12 @@ Span = tuple[int, int]  # [start, end) character offsets in the rendered text
 # in the content it stands in for, or the diff could run into the content; the first absent one is used, so text
 # holding U+E000-U+E002 (icon fonts put glyphs there) takes another from the rest of the private-use area.
 PROBES = ("\ue000", "\ue001", "\ue002", *(chr(c) for c in range(0xE003, 0xF900)))
+# The names templates read an assistant message's reasoning under: GPT-OSS's harmony template `thinking`, Qwen3's
+# and DeepSeek's `reasoning_content`. Readers set every one of them to the record's reasoning, so a field is the
+# group of names that carry one text, probed together.
+REASONING_FIELDS = ("thinking", "reasoning_content")
+CONTENT = ("content",)
+Field = tuple[str, ...]
 
 
 class ChatTemplateError(ValueError):
@@ -87,9 +101,44 @@ def _probe_for(content: str) -> str:
                             "rendering")
 
 
-def _with_content(messages: Messages, i: int, content: str) -> list[dict[str, str]]:
+def _fields(message: Mapping[str, str]) -> list[Field]:
+    """The fields of an assistant message a template may render: its content, and its reasoning when it has one."""
+    reasoning = tuple(k for k in REASONING_FIELDS if isinstance(message.get(k), str) and message[k].strip())
+    return [CONTENT, reasoning] if reasoning else [CONTENT]
+
+
+def _with_field(messages: Messages, i: int, text: str, keys: Field = CONTENT) -> list[dict[str, str]]:
+    """`messages` with the field `keys` of message i set to `text`."""
     out = [dict(m) for m in messages]
-    out[i]["content"] = content
+    out[i].update(dict.fromkeys(keys, text))
+    return out
+
+
+def _generation_prompt(tokenizer: Any, history: Messages, kw: Mapping[str, Any] | None) -> str:
+    """What the template adds after `history` for the next assistant turn ('' when it cannot tell)."""
+    before = render(tokenizer, history, template_kwargs=kw)
+    prompted = render(tokenizer, history, add_generation_prompt=True, template_kwargs=kw)
+    return prompted[len(before):] if prompted.startswith(before) else ""
+
+
+def _gap_end(full: str, r1: int, n0: int, prompt: str) -> int:
+    """End of the span of a field that another field of its turn follows at `n0` (the analysis channel before the
+    final one): the text between them up to where a next message's header starts (the generation prompt: harmony's
+    `<|start|>assistant`), trailing whitespace excluded; all of it when no header starts there (Qwen3's
+    `</think>` before the answer)."""
+    gap = full[r1:n0]
+    cut = gap.find(prompt) if prompt else -1
+    return n0 if cut < 0 else r1 + len(gap[:cut].rstrip())
+
+
+def _merged(spans: Sequence[Span]) -> list[Span]:
+    """Touching spans as one, so that a token across their boundary stays in the loss."""
+    out: list[Span] = []
+    for a, b in spans:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
     return out
 
 
@@ -108,26 +157,26 @@ def _closing_in_full(full: str, at: int, closing: str) -> int:
     return last_space + 1 if last_space >= 0 else matched
 
 
-def _closing_before_next(tokenizer: Any, window: Messages, kw: Mapping[str, Any] | None) -> str:
+def _closing_before_next(tokenizer: Any, window: Messages, kw: Mapping[str, Any] | None,
+                         keys: Field = CONTENT) -> str:
     """The text after the last turn's content of `window` when the template renders that turn as one that another
     follows ('' when it cannot tell): the window rendered with a generation prompt, less that prompt.
 
     For a template that closes the last turn otherwise (harmony: `<|return|>` last, `<|end|>` before the next
     turn). The prompt is what the template adds after the user turn before (`window[:-1]` with and without it).
+    `keys` is the turn's last rendered field.
     """
     if len(window) < 2:
         return ""
     try:
-        probe = _probe_for(window[-1]["content"])
+        probe = _probe_for(window[-1][keys[0]])
         gen = render(tokenizer, window, add_generation_prompt=True, template_kwargs=kw)
-        gen_alt = render(tokenizer, _with_content(window, len(window) - 1, probe), add_generation_prompt=True,
+        gen_alt = render(tokenizer, _with_field(window, len(window) - 1, probe, keys), add_generation_prompt=True,
                          template_kwargs=kw)
-        before = render(tokenizer, window[:-1], template_kwargs=kw)
-        prompted = render(tokenizer, window[:-1], add_generation_prompt=True, template_kwargs=kw)
+        prompt = _generation_prompt(tokenizer, window[:-1], kw)
     except ChatTemplateError:
         return ""
     tail = gen[len(gen) - _common_suffix(gen, gen_alt):]  # the closing, then the prompt
-    prompt = prompted[len(before):] if prompted.startswith(before) else ""
     return tail[:len(tail) - len(prompt)] if prompt and tail.endswith(prompt) else ""
 
 
@@ -150,47 +199,61 @@ def _window(messages: Messages, i: int) -> list[Mapping[str, str]]:
     return [*head, *messages[max(len(head), i - 1):i + 1]]
 
 
-def _probed(messages: Messages, turns: Sequence[int], probes: Sequence[str]) -> list[dict[str, str]]:
+Slot = tuple[int, Field]  # (message index, field)
+
+
+def _probed(messages: Messages, slots: Sequence[Slot], probes: Sequence[str]) -> list[dict[str, str]]:
     out = [dict(m) for m in messages]
-    for i, p in zip(turns, probes):
-        out[i]["content"] = p
+    for (i, keys), p in zip(slots, probes):
+        out[i].update(dict.fromkeys(keys, p))
     return out
 
 
-def _rendered_contents(tokenizer: Any, messages: Messages, full: str, turns: Sequence[int],
-                       kw: Mapping[str, Any] | None) -> list[Span] | None:
-    """[c0, c1) in `full` of every assistant turn's changed text, from four renderings of the conversation; None
-    when the template's rendering of a turn depends on another turn's content.
+def _rendered_fields(tokenizer: Any, messages: Messages, full: str, slots: Sequence[Slot],
+                     kw: Mapping[str, Any] | None) -> list[tuple[Slot, Span]] | None:
+    """(field, [c0, c1) in `full` of its changed text) of every rendered assistant field, in the order of the text,
+    from four renderings of the conversation; None when the template's rendering of a field depends on another
+    field's text.
 
-    With every assistant content probed (`alt`), the probes split the template's text into pieces. A rendering with
-    the turns of one parity (by their order among assistant turns) probed and the others real holds each real turn
-    between two probes, so its diff against `alt` between those probes is what that turn's content changes: the
-    rendered content, plus text the template derives from it (a `<think>` block). That is the whole-conversation
-    probe diff of the reference method, for every turn at once, and it depends only on the template rendering
-    each turn from its own content and its place in the conversation (Qwen3 keeps the reasoning of the turns
-    after the last user message only); checked by rebuilding `full` from `alt` and the diffs.
+    With every field probed (`alt`), the probes split the template's text into pieces; a field whose probe is not
+    there is not rendered (harmony and Qwen3 drop the reasoning of earlier turns) and stays probed throughout. A
+    rendering with the rendered fields of one parity (by their order in `alt`) probed and the others real holds
+    each real field between two probes, so its diff against `alt` between those probes is what that field's text
+    changes: the rendered text, plus text the template derives from it (a `<think>` block). That is the
+    whole-conversation probe diff of the reference method, for every field at once, and it depends only on the
+    template rendering each field from its own text and its place in the conversation (Qwen3 keeps the reasoning
+    of the turns after the last user message only); checked by rebuilding `full` from `alt` and the diffs.
     """
-    used = set(full).union(*(m["content"] for m in messages))
-    probes = [p for p in PROBES if p not in used][:len(turns)]
-    if len(probes) < len(turns):
+    used = set(full).union(*(messages[i][k] for i, keys in slots for k in keys))
+    probes = [p for p in PROBES if p not in used][:len(slots)]
+    if len(probes) < len(slots):
         return None
-    alt = render(tokenizer, _probed(messages, turns, probes), template_kwargs=kw)
+    alt = render(tokenizer, _probed(messages, slots, probes), template_kwargs=kw)
+    at = [alt.find(p) for p in probes]
+    if any(a >= 0 and alt.count(p) != 1 for a, p in zip(at, probes)):
+        return None
+    if any(a < 0 and keys == CONTENT for a, (_, keys) in zip(at, slots)):
+        return None
+    order = sorted((k for k, a in enumerate(at) if a >= 0), key=at.__getitem__)
+    if [slots[k][0] for k in order] != sorted(slots[k][0] for k in order):  # turns in order, each one's together
+        return None
+    hidden = [k for k, a in enumerate(at) if a < 0]
     by_parity = []
-    for parity in (0, 1):  # parity p: turns k with k % 2 == p real, the others probed
-        other = [(i, p) for k, (i, p) in enumerate(zip(turns, probes)) if k % 2 != parity]
-        by_parity.append(render(tokenizer, _probed(messages, *zip(*other)), template_kwargs=kw) if other else full)
-    at_alt = [alt.find(p) for p in probes]
-    if any(a < 0 or alt.count(p) != 1 for a, p in zip(at_alt, probes)) or at_alt != sorted(at_alt):
-        return None
-    regions: list[tuple[int, int, str]] = []  # per turn: [start, end) in alt replaced by the text in the real one
-    for k in range(len(turns)):
-        real = by_parity[k % 2]
-        lo = real.find(probes[k - 1]) + 1 if k else 0  # the neighbours are probed in `real`
-        hi = real.find(probes[k + 1]) if k + 1 < len(turns) else len(real)
-        if lo < (1 if k else 0) or hi < lo:
+    for parity in (0, 1):  # parity p: fields n with n % 2 == p real, the others probed
+        other = hidden + [k for n, k in enumerate(order) if n % 2 != parity]
+        by_parity.append(render(tokenizer, _probed(messages, [slots[k] for k in other], [probes[k] for k in other]),
+                                template_kwargs=kw) if other else full)
+    shown = [probes[k] for k in order]
+    at_alt = [at[k] for k in order]
+    regions: list[tuple[int, int, str]] = []  # per field: [start, end) in alt replaced by the text in the real one
+    for n in range(len(order)):
+        real = by_parity[n % 2]
+        lo = real.find(shown[n - 1]) + 1 if n else 0  # the neighbours are probed in `real`
+        hi = real.find(shown[n + 1]) if n + 1 < len(order) else len(real)
+        if lo < (1 if n else 0) or hi < lo:
             return None
-        a_lo = at_alt[k - 1] + 1 if k else 0
-        a_hi = at_alt[k + 1] if k + 1 < len(turns) else len(alt)
+        a_lo = at_alt[n - 1] + 1 if n else 0
+        a_hi = at_alt[n + 1] if n + 1 < len(order) else len(alt)
         seg, alt_seg = real[lo:hi], alt[a_lo:a_hi]
         pre = _common_prefix(seg, alt_seg)
         suf = min(_common_suffix(seg, alt_seg), len(seg) - pre, len(alt_seg) - pre)
@@ -204,58 +267,86 @@ def _rendered_contents(tokenizer: Any, messages: Messages, full: str, turns: Seq
         shift += len(text) - (e - s)
         pos = e
     pieces.append(alt[pos:])
-    return spans if "".join(pieces) == full else None
+    return [(slots[k], span) for k, span in zip(order, spans)] if "".join(pieces) == full else None
+
+
+def _diff_turn_end(tokenizer: Any, full: str, c1: int, upto: str, alt_upto: str, window: Messages,
+                   kw: Mapping[str, Any] | None, keys: Field) -> int:
+    """Where a turn whose last field ends at `c1` ends, from the closing it gets as the last turn of `window`
+    (`upto`, and `alt_upto` with that field probed) where that closing does not follow it whole in `full`."""
+    common = _common_suffix(upto, alt_upto)
+    turn_end = c1 + _closing_in_full(full, c1, upto[len(upto) - common:] if common else "")
+    if not any(ch.isspace() for ch in full[c1:turn_end]):  # no next turn found: closed otherwise
+        before_next = _closing_before_next(tokenizer, window, kw, keys)  # when last? (harmony: <|return|>)
+        if before_next and full.startswith(before_next, c1):
+            turn_end = max(turn_end, c1 + len(before_next))
+    return turn_end
+
+
+def _by_turn(located: Sequence[tuple[Slot, Span]]) -> list[tuple[int, list[tuple[Field, Span]]]]:
+    """The located fields grouped by turn, in the order of the text."""
+    out: list[tuple[int, list[tuple[Field, Span]]]] = []
+    for (i, keys), span in located:
+        if not out or out[-1][0] != i:
+            out.append((i, []))
+        out[-1][1].append((keys, span))
+    return out
 
 
 def _linear_spans(tokenizer: Any, messages: Messages, full: str, turns: Sequence[int],
                   kw: Mapping[str, Any] | None) -> tuple[list[Span], str] | None:
-    """The spans of `prefix_char_spans` from `_rendered_contents` and two renderings of a short window per turn
-    (`_window`, the turn last, alone and with a probe content: its closing), so the work grows linearly with the
+    """The spans of `prefix_char_spans` from `_rendered_fields` and two renderings of a short window per turn
+    (`_window`, the turn last, alone and with its last field probed: its closing; two more for a turn with two
+    rendered fields: the generation prompt that starts a next message), so the work grows linearly with the
     conversation; None when a check fails.
 
     The method is "diff" when a turn renders differently as the last message of its window than in the
     conversation (history re-rendered) or its closing does not follow its content whole.
     """
-    contents = _rendered_contents(tokenizer, messages, full, turns, kw)
-    if contents is None:
+    located = _rendered_fields(tokenizer, messages, full, [(i, keys) for i in turns for keys in _fields(messages[i])],
+                               kw)
+    if located is None:
         return None
     spans: list[Span] = []
     method, bound = "prefix", 0
-    for i, (c0, c1) in zip(turns, contents):
+    for i, fields in _by_turn(located):
         window = _window(messages, i)
-        upto = render(tokenizer, window, template_kwargs=kw)
-        alt_upto = render(tokenizer, _with_content(window, len(window) - 1, _probe_for(messages[i]["content"])),
-                          template_kwargs=kw)
-        w0 = _common_prefix(upto, alt_upto)
-        w1 = max(w0, len(upto) - _common_suffix(upto, alt_upto))
-        if upto[w0:w1] != full[c0:c1]:
-            method = "diff"
-        closing = upto[w1:]
-        if full.startswith(closing, c1):
-            turn_end = c1 + len(closing)
-        else:
-            method = "diff"
-            common = _common_suffix(upto, alt_upto)
-            turn_end = c1 + _closing_in_full(full, c1, upto[len(upto) - common:] if common else "")
-            if not any(ch.isspace() for ch in full[c1:turn_end]):  # no next turn found: closed otherwise
-                before_next = _closing_before_next(tokenizer, window, kw)  # when last? (harmony: <|return|>)
-                if before_next and full.startswith(before_next, c1):
-                    turn_end = max(turn_end, c1 + len(before_next))
-        start = _raw_start(full, c0, c1, messages[i]["content"], bound)
-        if spans and start < spans[-1][1]:
-            return None
-        spans.append((start, c1 + len(full[c1:turn_end].rstrip())))
-        bound = c1
-    return spans, method
+        hidden = [messages[i][keys[0]] for keys in _fields(messages[i]) if keys not in dict(fields)]
+        prompt = _generation_prompt(tokenizer, window[:-1], kw) if len(fields) > 1 and len(window) > 1 else ""
+        for n, (keys, (c0, c1)) in enumerate(fields):
+            start = _raw_start(full, c0, c1, messages[i][keys[0]], bound)
+            if spans and start < spans[-1][1]:
+                return None
+            bound = c1
+            if n + 1 < len(fields):
+                spans.append((start, _gap_end(full, c1, fields[n + 1][1][0], prompt)))
+                continue
+            upto = render(tokenizer, window, template_kwargs=kw)
+            alt_upto = render(tokenizer, _with_field(window, len(window) - 1, _probe_for(messages[i][keys[0]]), keys),
+                              template_kwargs=kw)
+            w0 = _common_prefix(upto, alt_upto)
+            w1 = max(w0, len(upto) - _common_suffix(upto, alt_upto))
+            if upto[w0:w1] != full[c0:c1] or any(text.strip() in upto for text in hidden):  # history re-rendered
+                method = "diff"
+            closing = upto[w1:]
+            if full.startswith(closing, c1):
+                turn_end = c1 + len(closing)
+            else:
+                method = "diff"
+                turn_end = _diff_turn_end(tokenizer, full, c1, upto, alt_upto, window, kw, keys)
+            spans.append((start, c1 + len(full[c1:turn_end].rstrip())))
+    return _merged(spans), method
 
 
 def assistant_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mapping[str, Any] | None = None,
                          ) -> tuple[str, list[Span], str]:
     """Render `messages`; return (text, [start, end) of every assistant span in it, method).
 
-    A span runs from the first character of the rendered content to the end of the turn's end-of-turn marker
-    (trailing whitespace after the marker excluded). `method` is "prefix", or "diff" when any turn needed the
-    per-turn diff because the template re-renders history or closes the last turn differently.
+    A span runs from the first character of a rendered field (the content, or the reasoning where the template
+    renders it) to the end of the end-of-turn marker after it (trailing whitespace after the marker excluded); a
+    field another field of its turn follows ends where a next message's header starts (`_gap_end`). `method` is
+    "prefix", or "diff" when any turn needed the per-turn diff because the template re-renders history or closes
+    the last turn differently.
 
     Linear in the conversation's length (`_linear_spans`); `prefix_char_spans` for templates that fail its checks.
     """
@@ -277,10 +368,11 @@ def assistant_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Ma
 
 def prefix_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mapping[str, Any] | None = None,
                       ) -> tuple[str, list[Span], str]:
-    """`assistant_char_spans` by the reference method: per turn, the conversation rendered with that turn's
-    content probed, the generation prompt before it and `messages[:i+1]`, whose cost grows with the square of the
-    number of turns. Where `messages[:i+1]` does not render as a prefix of the full text (history re-rendered,
-    as Qwen3 drops the reasoning of earlier turns), the turn's closing comes from the per-turn diff ("diff")."""
+    """`assistant_char_spans` by the reference method: per field of a turn, the conversation rendered with that
+    field probed, and per turn the generation prompt before it and `messages[:i+1]`, whose cost grows with the
+    square of the number of turns. Where `messages[:i+1]` does not render as a prefix of the full text (history
+    re-rendered, as Qwen3 drops the reasoning of earlier turns), the turn's closing comes from the per-turn diff
+    ("diff")."""
     kw = template_kwargs
     full = render(tokenizer, messages, template_kwargs=kw)
     spans: list[Span] = []
@@ -298,14 +390,26 @@ def prefix_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mappi
         else:
             start_bound = _common_prefix(full, render(tokenizer, messages[:i], template_kwargs=kw))
 
-        # Content span: what changes when only this turn's content changes.
-        probe = _probe_for(message["content"])
-        alt = render(tokenizer, _with_content(messages, i, probe), template_kwargs=kw)
-        c0 = _common_prefix(full, alt)
-        c1 = max(c0, len(full) - _common_suffix(full, alt))
-        c0 = _raw_start(full, c0, c1, message["content"], start_bound)
-        if c0 < start_bound:
-            raise ChatTemplateError(f"{where}: its content changes the rendering before the turn starts")
+        # Field spans: what changes when only that field changes; a field that changes nothing is not rendered.
+        fields = []
+        for keys in _fields(message):
+            probe = _probe_for(message[keys[0]])
+            alt = render(tokenizer, _with_field(messages, i, probe, keys), template_kwargs=kw)
+            if alt == full and keys != CONTENT:
+                continue
+            c0 = _common_prefix(full, alt)
+            c1 = max(c0, len(full) - _common_suffix(full, alt))
+            c0 = _raw_start(full, c0, c1, message[keys[0]], start_bound)
+            if c0 < start_bound:
+                raise ChatTemplateError(f"{where}: its {keys[0]} changes the rendering before the turn starts")
+            fields.append((c0, c1, keys, probe))
+        fields.sort()
+        prompt = _generation_prompt(tokenizer, messages[:i], kw) if len(fields) > 1 and i else ""
+        for (c0, c1, _, _), (n0, _, _, _) in zip(fields, fields[1:]):
+            if spans and c0 < spans[-1][1]:
+                raise ChatTemplateError(f"{where}: span overlaps the previous assistant span")
+            spans.append((c0, _gap_end(full, c1, n0, prompt)))
+        c0, c1, keys, probe = fields[-1]
 
         # Turn end: from the prefix rendering when it is a prefix of the full text, else per-turn diff.
         upto = render(tokenizer, messages[: i + 1], template_kwargs=kw)
@@ -313,15 +417,10 @@ def prefix_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mappi
             turn_end = len(upto)
         else:
             method = "diff"
-            alt_upto = render(tokenizer, _with_content(messages[: i + 1], i, probe), template_kwargs=kw)
-            closing = _common_suffix(upto, alt_upto)
-            turn_end = c1 + _closing_in_full(full, c1, upto[len(upto) - closing:] if closing else "")
-            if not any(ch.isspace() for ch in full[c1:turn_end]):  # no next turn found: closed otherwise
-                before_next = _closing_before_next(tokenizer, messages[: i + 1], kw)  # when last? (harmony: <|return|>)
-                if before_next and full.startswith(before_next, c1):
-                    turn_end = max(turn_end, c1 + len(before_next))
+            alt_upto = render(tokenizer, _with_field(messages[: i + 1], i, probe, keys), template_kwargs=kw)
+            turn_end = _diff_turn_end(tokenizer, full, c1, upto, alt_upto, messages[: i + 1], kw, keys)
         end = c1 + len(full[c1:turn_end].rstrip())
         if spans and c0 < spans[-1][1]:
-            raise ChatTemplateError(f"{where}: span overlaps the previous assistant turn")
+            raise ChatTemplateError(f"{where}: span overlaps the previous assistant span")
         spans.append((c0, end))
-    return full, spans, method
+    return full, _merged(spans), method
