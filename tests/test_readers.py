@@ -230,6 +230,41 @@ def test_parse_record_directly():
     assert metadata == {"level": 3} and conv_id is None
 
 
+@pytest.mark.parametrize("name", ["thinking", "reasoning_content"])
+def test_an_assistant_turns_reasoning_is_kept_under_both_names(tmp_path, name):
+    """GPT-OSS's template reads `thinking`, Qwen3's and DeepSeek's `reasoning_content`: a record with either keeps
+    the text under both; turns without one (and a user turn's stray field) are read as before."""
+    record = {"id": "r", "messages": [
+        {"role": "user", "content": "2 + 2?", name: "not an assistant's"},
+        {"role": "assistant", "content": "4.", name: "Two and two make four."},
+        {"role": "user", "content": "And 3 + 3?"},
+        {"role": "assistant", "content": "6.", name: "  "}]}
+    convs, _ = read_conversations(_data(_write_jsonl(tmp_path / "r.jsonl", [record])))
+    assert convs[0].messages == [
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "4.", "thinking": "Two and two make four.",
+         "reasoning_content": "Two and two make four."},
+        {"role": "user", "content": "And 3 + 3?"},
+        {"role": "assistant", "content": "6."}]
+    sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello.", name: "Greet."}]}
+    messages, _, _ = parse_record(sharegpt, DataConfig())
+    assert messages[1] == {"role": "assistant", "content": "Hello.", "thinking": "Greet.", "reasoning_content": "Greet."}
+
+
+def test_reasoning_that_is_not_one_text_is_a_bad_row(tmp_path):
+    def row(**fields):
+        return {"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A.", **fields}]}
+
+    same, _, _ = parse_record(row(thinking="R.", reasoning_content="R."), DataConfig())
+    assert same[1]["thinking"] == same[1]["reasoning_content"] == "R."
+    path = _write_jsonl(tmp_path / "bad.jsonl", [row(thinking="R.", reasoning_content="S."), row(thinking=["R."]),
+                                                 row(reasoning_content="\ud800")])
+    convs, stats = read_conversations(_data(path, on_bad_row="skip"))
+    assert not convs and stats.bad == {"conflicting_reasoning": 1, "non_string_content": 1, "invalid_text": 1}
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: conflicting_reasoning: messages\[1\] has different texts"):
+        read_conversations(_data(path))
+
+
 # ------------------------------------------------------------------------------------------ shared data
 
 

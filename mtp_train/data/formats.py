@@ -4,6 +4,10 @@ Shapes (detected per record with `format="auto"`, or forced by `DataConfig.forma
 
 * `sharegpt`: `conversations: [{from, value}]`, `from` in human/user, gpt/assistant/chatgpt/bard/model, system.
 * `messages`: `messages: [{role, content}]` (OpenAI / HF chat shape).
+
+An assistant turn of either chat shape keeps its reasoning, given as `thinking` (GPT-OSS's template reads it) or
+`reasoning_content` (Qwen3's and DeepSeek's): the text goes into the message under both names
+(`REASONING_FIELDS`), so the target's template renders it whichever name it reads; a turn without one is unchanged.
 * `prompt`: one of `prompt` (+ optional `completion`/`response`/`output`); `instruction` + optional `input`
   (joined with a blank line) + optional `output`/`response` (Alpaca, GPTeacher; Self-Instruct's first
   `instances` entry stands in for `input`/`output`); `question` + optional `answer` (GSM8K); `turns: [str, ...]`
@@ -19,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtp_train.config import DataConfig
+from mtp_train.data.spans import REASONING_FIELDS
 
 FORMATS = ("auto", "sharegpt", "messages", "prompt")
 # Speaker names of ShareGPT dumps and other chat exports, mapped to our three roles.
@@ -46,6 +51,7 @@ NON_STRING = "non_string_content"
 EMPTY_CONTENT = "empty_content"
 ROLE_ORDER = "role_order"
 INVALID_TEXT = "invalid_text"  # a string that is not valid Unicode (a lone surrogate such as "\ud800" in JSON)
+CONFLICTING_REASONING = "conflicting_reasoning"  # `thinking` and `reasoning_content` holding different texts
 
 
 class DataError(ValueError):
@@ -110,8 +116,29 @@ def _chat_turns(turns: Any, role_key: str, content_key: str, what: str) -> list[
         mapped = ROLE_ALIASES.get(role.lower()) if isinstance(role, str) else None
         if mapped is None:
             raise BadRecord(UNKNOWN_ROLE, f"{what}[{k}] has role {role!r}")
-        messages.append({"role": mapped, "content": _text(content, f"{what}[{k}] content")})
+        message = {"role": mapped, "content": _text(content, f"{what}[{k}] content")}
+        reasoning = _reasoning(turn, f"{what}[{k}]") if mapped == "assistant" else None
+        if reasoning is not None:
+            message.update(dict.fromkeys(REASONING_FIELDS, reasoning))
+        messages.append(message)
     return messages
+
+
+def _reasoning(turn: Mapping[str, Any], what: str) -> str | None:
+    """An assistant turn's reasoning under any of `REASONING_FIELDS`, or None when it has none (absent, null or
+    blank); a non-string, invalid text or two different texts make a bad row."""
+    found = {}
+    for key in REASONING_FIELDS:
+        value = _optional(turn, key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise BadRecord(NON_STRING, f"{what} {key} is {type(value).__name__}, not a string")
+        if value.strip():
+            found[key] = _unicode(value, f"{what} {key}")
+    if len(set(found.values())) > 1:
+        raise BadRecord(CONFLICTING_REASONING, f"{what} has different texts in {' and '.join(found)}")
+    return next(iter(found.values()), None)
 
 
 def _prompt_messages(record: Mapping[str, Any]) -> tuple[list[dict[str, str]], set[str]]:
