@@ -1,8 +1,8 @@
-"""Tokenizers of four chat-template families for the loss-mask tests.
+"""Tokenizers of five chat-template families for the loss-mask tests.
 
-The Llama-3, Mistral, Qwen3 and Phi-3 tokenizers are the SmolLM2 tokenizer (or, without it, a small byte-level
-BPE trained on the spot) plus each family's special tokens, with a template from `tests/fixtures/chat_templates/`
-that reproduces the structure of that family's template.
+The Llama-3, Mistral, Qwen3, Phi-3 and GPT-OSS (harmony) tokenizers are the SmolLM2 tokenizer (or, without it, a
+small byte-level BPE trained on the spot) plus each family's special tokens, with a template from
+`tests/fixtures/chat_templates/` that reproduces the structure of that family's template.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ FAMILY_TOKENS = {  # family → (special tokens, plain added tokens, bos, eos)
     # Qwen3's think markers are ordinary added tokens (they survive skip_special_tokens).
     "qwen3": (["<|im_start|>", "<|im_end|>"], ["<think>", "</think>"], None, "<|im_end|>"),
     "phi3": (["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"], [], None, "<|endoftext|>"),
+    "harmony": (["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"], [], None, "<|return|>"),
 }
 END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "mistral": "</s>", "qwen3": "<|im_end|>",
                "phi3": "<|end|>"}
@@ -58,17 +59,20 @@ def smollm2():
     return AutoTokenizer.from_pretrained(DEFAULT_MODEL)
 
 
+def build_family(base: Any, name: str) -> Any:
+    """A copy of `base` with family `name`'s special tokens and template."""
+    special, plain, bos, eos = FAMILY_TOKENS[name]
+    tok = copy.deepcopy(base)
+    tok.add_tokens(special, special_tokens=True)
+    if plain:
+        tok.add_tokens(plain, special_tokens=False)
+    if bos is not None:
+        tok.bos_token = bos
+    tok.eos_token = eos
+    tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+    return tok
+
+
 def build_families(base: Any) -> dict[str, Any]:
     """family name → a copy of `base` with that family's special tokens and template."""
-    out = {}
-    for name, (special, plain, bos, eos) in FAMILY_TOKENS.items():
-        tok = copy.deepcopy(base)
-        tok.add_tokens(special, special_tokens=True)
-        if plain:
-            tok.add_tokens(plain, special_tokens=False)
-        if bos is not None:
-            tok.bos_token = bos
-        tok.eos_token = eos
-        tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
-        out[name] = tok
-    return out
+    return {name: build_family(base, name) for name in FAMILY_TOKENS}

@@ -8,22 +8,23 @@ closed by `<|end|>`, assistant turns on channels (`<|channel|>final`, and `<|cha
 assistant turn of a training render. The generation prompt is `<|start|>assistant`: the channel header after it is
 the model's own output.
 
-The analysis channel is not in the loss yet (an expected failure below): it needs a span per rendered field of the
-message, and readers that keep `thinking`.
+The loss covers the final channel's content and its end token, and the analysis channel's content (the message's
+`thinking`, which the readers fill from a record's `thinking` or `reasoning_content`) and its `<|end|>`; the
+headers between them stay outside.
 """
 
 from __future__ import annotations
 
-import copy
-from pathlib import Path
+import json
 
 import pytest
 
-from mtp_train.data.chat import render, tokenize_conversation
-from tests._templates import smollm2, trained_bpe
+from mtp_train.config import DataConfig
+from mtp_train.data.chat import assistant_char_spans, render, tokenize_conversation
+from mtp_train.data.readers import read_conversations
+from mtp_train.data.spans import prefix_char_spans
+from tests._templates import build_family, smollm2, trained_bpe
 
-TEMPLATE = Path(__file__).resolve().parent / "fixtures" / "chat_templates" / "harmony.jinja"
-SPECIALS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
 SYSTEM_HEADER = "<|start|>system<|message|>You are ChatGPT"
 FINAL = "<|start|>assistant<|channel|>final<|message|>"
 ANALYSIS = "<|start|>assistant<|channel|>analysis<|message|>"
@@ -38,11 +39,7 @@ MULTI_TURN = [{"role": "system", "content": "You are terse."}, *ONE_TURN,
 
 @pytest.fixture(scope="module")
 def harmony():
-    tok = copy.deepcopy(smollm2() or trained_bpe())
-    tok.add_tokens(SPECIALS, special_tokens=True)
-    tok.eos_token = "<|return|>"
-    tok.chat_template = TEMPLATE.read_text()
-    return tok
+    return build_family(smollm2() or trained_bpe(), "harmony")
 
 
 def masked_text(tok, sample) -> str:
@@ -102,3 +99,38 @@ def test_the_analysis_channel_and_its_end_token_are_in_the_loss(harmony):
     last = MULTI_TURN[-1]
     assert masked_text(harmony, sample) == ("Paris is the capital of France.<|end|>"
                                             f"{last['thinking']}<|end|>{last['content']}<|return|>")
+    # three runs: the analysis channel's header and the final channel's header between them stay outside
+    runs = sum(1 for k, m in enumerate(sample.loss_mask) if m and (k == 0 or not sample.loss_mask[k - 1]))
+    assert runs == 3
+    assert unmasked_text(harmony, sample).endswith(f"And 2 + 2?<|end|>{ANALYSIS}{FINAL}")
+    assert sample.input_ids == harmony(render(harmony, MULTI_TURN), add_special_tokens=False)["input_ids"]
+
+
+def test_the_reasoning_of_earlier_turns_is_dropped_by_the_template_and_outside_the_loss(harmony):
+    """harmony renders the analysis of the last turn only: an earlier turn's `thinking` is neither in the text
+    nor in the loss, and the masks are those of the conversation without it."""
+    messages = [dict(m) for m in MULTI_TURN]
+    messages[2]["thinking"] = "Recall the capital."
+    assert "Recall" not in render(harmony, messages)
+    assert tokenize_conversation(harmony, messages) == tokenize_conversation(harmony, MULTI_TURN)
+
+
+def test_the_linear_method_equals_the_reference_method_with_reasoning(harmony):
+    messages = [dict(m) for m in MULTI_TURN]
+    messages[2]["thinking"] = "Recall the capital."
+    for conv in (MULTI_TURN, messages, MULTI_TURN[:3], [*MULTI_TURN[1:3], MULTI_TURN[3]]):
+        assert assistant_char_spans(harmony, conv) == prefix_char_spans(harmony, conv), conv
+
+
+@pytest.mark.parametrize("name", ["thinking", "reasoning_content"])
+def test_a_records_reasoning_reaches_the_analysis_channel_through_the_readers(harmony, tmp_path, name):
+    """A messages record with `thinking` or `reasoning_content` (the name Qwen3's and DeepSeek's data use) renders
+    the analysis channel with GPT-OSS's template, and it is in the loss."""
+    last = MULTI_TURN[-1]
+    turns = [*MULTI_TURN[:-1], {"role": "assistant", "content": last["content"], name: last["thinking"]}]
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"id": "r", "messages": turns}) + "\n", encoding="utf-8")
+    convs, _ = read_conversations(DataConfig(paths=[str(path)]))
+    sample = tokenize_conversation(harmony, convs[0])
+    assert ANALYSIS + last["thinking"] + "<|end|>" in render(harmony, convs[0].messages)
+    assert masked_text(harmony, sample).endswith(f"{last['thinking']}<|end|>{last['content']}<|return|>")

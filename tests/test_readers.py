@@ -248,7 +248,8 @@ def test_an_assistant_turns_reasoning_is_kept_under_both_names(tmp_path, name):
         {"role": "assistant", "content": "6."}]
     sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello.", name: "Greet."}]}
     messages, _, _ = parse_record(sharegpt, DataConfig())
-    assert messages[1] == {"role": "assistant", "content": "Hello.", "thinking": "Greet.", "reasoning_content": "Greet."}
+    assert messages[1] == {"role": "assistant", "content": "Hello.", "thinking": "Greet.",
+                           "reasoning_content": "Greet."}
 
 
 def test_reasoning_that_is_not_one_text_is_a_bad_row(tmp_path):
