@@ -220,6 +220,10 @@ class HeadProposer(Proposer):
         return self.draft_width > 1 or (self.tree is not None and not self.tree.is_chain)
 
     def bind(self, target_kv: KVCache) -> None:
+        attn = self.head.attention_backend(self.head.device)
+        if (self.tree is not None or self.draft_width > 1) and not attn.tree_steps:
+            raise ValueError(f"a draft tree's head rows attend as a tree, which the head's {attn.name} attention "
+                             "backend cannot (FlashInfer's MLA kernels take no custom mask); draft a chain")
         layers, layout = self.head.kv_shape  # a DeepSeek-block head caches MLA's latent rows
         self.kv = KVCache(layers, target_kv.num_pages, target_kv.page_size, layout,
                           dtype=self.head.dtype, device=self.head.device)
