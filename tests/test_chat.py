@@ -185,6 +185,42 @@ def test_qwen3_template_kwargs_reach_the_template(families):
                  template_kwargs={"enable_thinking": False})
 
 
+def _with_reasoning(message: dict, reasoning: str) -> dict:
+    """An assistant message as the readers give it: the reasoning under both names templates read."""
+    return {**message, "thinking": reasoning, "reasoning_content": reasoning}
+
+
+QWEN3_REASONING = [*QWEN3_THINKING[:2],
+                   _with_reasoning({"role": "assistant", "content": "The answer is 4."}, "Two plus two makes four."),
+                   QWEN3_THINKING[3],
+                   _with_reasoning({"role": "assistant", "content": "It is 9."}, "\nThree times three is nine.\n")]
+
+
+def test_qwen3_reasoning_content_field_renders_and_is_in_the_loss(families):
+    """Qwen3's template reads `reasoning_content`: the last turn's <think> block renders as from the content's own
+    block, and its reasoning, `</think>` and the answer are in the loss (one run; the template's `<think>` opener
+    stays outside like the empty block it inserts); the earlier turn's reasoning is dropped by the template."""
+    tok = families["qwen3"]
+    text = render(tok, QWEN3_REASONING)
+    assert text == render(tok, QWEN3_THINKING)
+    sample = check_golden(tok, QWEN3_REASONING,
+                          ["The answer is 4.<|im_end|>", "Three times three is nine.\n</think>\n\nIt is 9.<|im_end|>"])
+    assert "Two plus two" not in masked_text(tok, sample)
+    assert spans_method(tok, QWEN3_REASONING) == "diff"  # the window renders the first turn's reasoning
+    from mtp_train.data.spans import prefix_char_spans
+
+    assert assistant_char_spans(tok, QWEN3_REASONING) == prefix_char_spans(tok, QWEN3_REASONING)
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "phi3"])
+def test_a_reasoning_field_the_template_does_not_render_changes_nothing(families, family):
+    tok = families[family]
+    messages = [m if m["role"] != "assistant" else _with_reasoning(m, "Some reasoning.") for m in MULTI_TURN]
+    assert render(tok, messages) == render(tok, MULTI_TURN)
+    assert tokenize_conversation(tok, messages) == tokenize_conversation(tok, MULTI_TURN)
+    assert assistant_char_spans(tok, messages) == assistant_char_spans(tok, MULTI_TURN)
+
+
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "phi3"])
 def test_awkward_contents(families, family):
     """Whitespace runs, unicode, a probe character and marker-like text inside the content stay exact."""
@@ -335,31 +371,39 @@ class _CountingTemplate:
         return self.inner(conversation, *args, **kwargs)
 
 
-def _rendered_messages(tok, turns: int) -> int:
+def _rendered_messages(tok, turns: int, reasoning: bool = False, runs: int | None = None) -> int:
     counter = _CountingTemplate(tok)
     tok.apply_chat_template = counter
     try:
         messages = [{"role": "system", "content": "Be brief."}]
         for t in range(turns):
+            answer = {"role": "assistant", "content": f"Answer {t}."}
             messages += [{"role": "user", "content": f"Question {t}?"},
-                         {"role": "assistant", "content": f"Answer {t}."}]
+                         _with_reasoning(answer, f"Reasoning {t}.") if reasoning else answer]
         sample = tokenize_conversation(tok, messages)
     finally:
         del tok.apply_chat_template
-    assert sample is not None and mask_runs(sample.loss_mask) == turns
+    assert sample is not None and mask_runs(sample.loss_mask) == turns + (runs or 0)
     return counter.messages
 
 
-@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "phi3"])
-def test_loss_mask_renders_grow_linearly_with_the_turns(families, family):
+@pytest.mark.parametrize("family, reasoning", [("llama3", False), ("mistral", False), ("qwen3", False),
+                                               ("phi3", False), ("harmony", False), ("llama3", True),
+                                               ("qwen3", True), ("harmony", True)])
+def test_loss_mask_renders_grow_linearly_with_the_turns(families, family, reasoning):
     """Deriving the masks renders a number of messages proportional to the conversation, Qwen3's re-rendered
     history included: a constant number of renderings of the whole conversation and a window of a few messages
     per turn, not a prefix of the conversation per turn (which grew with the square of the turns: 0.8 / 3.2 /
-    12.9 s for 100 / 200 / 400 turns)."""
+    12.9 s for 100 / 200 / 400 turns). With reasoning in every answer the template renders it for the last turn
+    only (harmony: one more run, the analysis channel; Qwen3: the same run) or never (Llama-3)."""
     tok = copy.deepcopy(families[family])
-    counts = [_rendered_messages(tok, n) for n in (25, 50, 100)]
+    extra = 1 if reasoning and family == "harmony" else 0
+    counts = [_rendered_messages(tok, n, reasoning, extra) for n in (25, 50, 100)]
     per_turn = [c / n for c, n in zip(counts, (25, 50, 100))]
-    assert max(per_turn) <= 15, counts  # four renderings of the whole conversation and two windows a turn
+    # four renderings of the whole conversation and two windows a turn; harmony's earlier turns, which close
+    # otherwise as the last one, four windows more (the turn with a generation prompt: `_closing_before_next`);
+    # a reasoning the conversation does not render, one window more (does the window render it?)
+    assert max(per_turn) <= (27 if family == "harmony" else 15) + 3 * reasoning, counts
     assert counts[2] - counts[1] == 2 * (counts[1] - counts[0]), counts  # exactly linear
 
 
@@ -369,20 +413,23 @@ PIECES = ["Yes.", "  padded  ", "\nleading newline", "two\n\nparagraphs", "trail
 
 def _random_conversation(rng, family: str) -> list[dict[str, str]]:
     """1-4 user/assistant exchanges (an optional system turn first, an optional user turn last) of pieces that
-    exercise whitespace handling, think blocks, marker-like text and probe characters."""
+    exercise whitespace handling, think blocks, marker-like text and probe characters; some answers with reasoning."""
     messages = [{"role": "system", "content": rng.choice(PIECES)}] if rng.random() < 0.5 else []
     for _ in range(rng.randint(1, 4)):
-        messages += [{"role": "user", "content": rng.choice(PIECES)},
-                     {"role": "assistant", "content": " ".join(rng.sample(PIECES, rng.randint(1, 2)))}]
+        answer = {"role": "assistant", "content": " ".join(rng.sample(PIECES, rng.randint(1, 2)))}
+        if rng.random() < 0.4:
+            answer = _with_reasoning(answer, rng.choice(PIECES))
+        messages += [{"role": "user", "content": rng.choice(PIECES)}, answer]
     if rng.random() < 0.3 and family != "mistral":  # Mistral's template demands an answer last
         messages.append({"role": "user", "content": "More?"})
     return messages
 
 
-@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "phi3", "harmony"])
 def test_linear_spans_equal_the_prefix_method(families, family):
     """On random conversations the linear derivation gives exactly the spans of the per-turn prefix renderings,
-    for templates that render each turn by itself and for Qwen3's, which rewrites the earlier answers."""
+    for templates that render each turn by itself and for Qwen3's, which rewrites the earlier answers, with and
+    without reasoning (harmony and Qwen3 render it in the last turns only)."""
     import random
 
     from mtp_train.data.spans import prefix_char_spans
@@ -395,5 +442,9 @@ def test_linear_spans_equal_the_prefix_method(families, family):
         counter.calls = 0
         text, spans, _ = assistant_char_spans(tok, messages)
         turns = sum(m["role"] == "assistant" for m in messages)
-        assert counter.calls <= 4 + 2 * turns, messages  # the linear method answered, not the fallback
+        with_reasoning = sum("thinking" in m for m in messages)
+        # the linear method answered, not the fallback (two more renderings for a turn with two fields, four for
+        # a harmony turn closed otherwise as the last one)
+        per_turn = 6 if family == "harmony" else 2
+        assert counter.calls <= 4 + per_turn * turns + 2 * with_reasoning, messages
         assert (text, spans) == prefix_char_spans(tok, messages)[:2], messages

@@ -297,8 +297,8 @@ def _linear_spans(tokenizer: Any, messages: Messages, full: str, turns: Sequence
                   kw: Mapping[str, Any] | None) -> tuple[list[Span], str] | None:
     """The spans of `prefix_char_spans` from `_rendered_fields` and two renderings of a short window per turn
     (`_window`, the turn last, alone and with its last field probed: its closing; two more for a turn with two
-    rendered fields: the generation prompt that starts a next message), so the work grows linearly with the
-    conversation; None when a check fails.
+    rendered fields: the generation prompt that starts a next message; one for a field the conversation does not
+    render: whether the window does), so the work grows linearly with the conversation; None when a check fails.
 
     The method is "diff" when a turn renders differently as the last message of its window than in the
     conversation (history re-rendered) or its closing does not follow its content whole.
@@ -311,7 +311,7 @@ def _linear_spans(tokenizer: Any, messages: Messages, full: str, turns: Sequence
     method, bound = "prefix", 0
     for i, fields in _by_turn(located):
         window = _window(messages, i)
-        hidden = [messages[i][keys[0]] for keys in _fields(messages[i]) if keys not in dict(fields)]
+        hidden = [keys for keys in _fields(messages[i]) if keys not in dict(fields)]
         prompt = _generation_prompt(tokenizer, window[:-1], kw) if len(fields) > 1 and len(window) > 1 else ""
         for n, (keys, (c0, c1)) in enumerate(fields):
             start = _raw_start(full, c0, c1, messages[i][keys[0]], bound)
@@ -326,8 +326,13 @@ def _linear_spans(tokenizer: Any, messages: Messages, full: str, turns: Sequence
                               template_kwargs=kw)
             w0 = _common_prefix(upto, alt_upto)
             w1 = max(w0, len(upto) - _common_suffix(upto, alt_upto))
-            if upto[w0:w1] != full[c0:c1] or any(text.strip() in upto for text in hidden):  # history re-rendered
+            if upto[w0:w1] != full[c0:c1]:
                 method = "diff"
+            for keys_hidden in hidden:  # a field the conversation drops and the window renders: history re-rendered
+                probe = _probe_for(messages[i][keys_hidden[0]])
+                if render(tokenizer, _with_field(window, len(window) - 1, probe, keys_hidden),
+                          template_kwargs=kw) != upto:
+                    method = "diff"
             closing = upto[w1:]
             if full.startswith(closing, c1):
                 turn_end = c1 + len(closing)
