@@ -3,8 +3,10 @@
 `loss_mask` is 1 on the tokens of every assistant turn's content and on that turn's end-of-turn marker as the
 template renders it (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...), and 0 everywhere else: system and user turns, role
 headers (`<|im_start|>assistant\\n`), text a template inserts before the content (an empty `<think></think>`), and
-whitespace after the end marker. Where each assistant turn sits in the rendering comes from the template itself
-(`mtp_train.data.spans`, in time linear in the conversation's length; no marker string is known here).
+whitespace after the end marker. A turn's reasoning (`thinking` / `reasoning_content`), where the template renders
+it, is 1 too, with the text that closes it before the next header (harmony's `<|end|>`, Qwen3's `</think>`). Where
+each assistant turn sits in the rendering comes from the template itself (`mtp_train.data.spans`, in time linear
+in the conversation's length; no marker string is known here).
 
 Tokens are mapped to characters with the fast tokenizer's offsets; a token is masked when its characters overlap
 an assistant span and do not run past its end. (A token that straddles a header and the content, e.g. `\\n\\n` when

@@ -30,7 +30,8 @@ EXAMPLES_PER_REASON = 3  # file:line examples kept per bad-row reason for the wa
 
 @dataclass
 class Conversation:
-    """One conversation: `messages` alternate user/assistant after an optional leading system message."""
+    """One conversation: `messages` alternate user/assistant after an optional leading system message; an
+    assistant message may carry its reasoning (`REASONING_FIELDS` of `mtp_train.data.spans`, all one text)."""
 
     id: str
     messages: list[dict[str, str]]
