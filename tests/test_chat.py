@@ -23,6 +23,7 @@ from mtp_train.data.chat import (
     tokenizer_fingerprint,
 )
 from mtp_train.data.readers import Conversation
+from mtp_train.data.spans import prefix_char_spans
 from tests._templates import DEFAULT_MODEL, END_OF_TURN, build_families, smollm2, trained_bpe
 
 REGEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "train" / "regen_smollm2_greedy.jsonl"
@@ -207,8 +208,6 @@ def test_qwen3_reasoning_content_field_renders_and_is_in_the_loss(families):
                           ["The answer is 4.<|im_end|>", "Three times three is nine.\n</think>\n\nIt is 9.<|im_end|>"])
     assert "Two plus two" not in masked_text(tok, sample)
     assert spans_method(tok, QWEN3_REASONING) == "diff"  # the window renders the first turn's reasoning
-    from mtp_train.data.spans import prefix_char_spans
-
     assert assistant_char_spans(tok, QWEN3_REASONING) == prefix_char_spans(tok, QWEN3_REASONING)
 
 
@@ -431,8 +430,6 @@ def test_linear_spans_equal_the_prefix_method(families, family):
     for templates that render each turn by itself and for Qwen3's, which rewrites the earlier answers, with and
     without reasoning (harmony and Qwen3 render it in the last turns only)."""
     import random
-
-    from mtp_train.data.spans import prefix_char_spans
 
     rng = random.Random(family)
     tok = copy.deepcopy(families[family])
