@@ -15,7 +15,9 @@ SmolLM2's exact shape), all in bf16. Then prefill and decode tokens/s for both b
     FlashInfer's MLA kernels against the torch MLA backend (prefill, decode over pages of 4, verify), the torch
     backend against transformers, paged greedy decoding = HF generate and speculative decoding with an mtp head on
     the FlashInfer backend (near-ties aside);
-  - with two or more GPUs: tensor parallelism over 2 GPUs (NCCL) = one GPU (hidden states, logits, tokens).
+  - with two or more GPUs: tensor parallelism over 2 GPUs (NCCL) = one GPU (hidden states, logits, tokens);
+  - claim (c): SmolLM2's verify time by rows 1-64 with the tree mask (FlashInfer's custom mask) against a chain of
+    the same rows, batch 1 and 8, one table each and a `TREE_COST {json}` line (launch/tree_cost.py).
 
 Usage: python launch/gpu_check.py [--model models/smollm2-135m-instruct]
 """
@@ -327,6 +329,34 @@ def tensor_parallel_check(tmp: Path, path: Path) -> None:
           f"hidden max rel err {e:.2e}, logits {el:.2e}")
 
 
+def tree_mask_cost(tag: str, path: Path) -> None:
+    """Claim (c): the target's verify time by rows (1-64) with the tree mask against a chain of the same rows, on
+    the FlashInfer backend (its custom mask), batch 1 and 8, one table each (`tree_cost`); before that, the chain
+    passed as a tree mask must give the causal chain's logits."""
+    from tree_cost import ROWS, chain_parents, cost_table, format_table, verify_times
+
+    model = load_model(path, dtype=DT, device="cuda", backend="flashinfer")
+    runner = ModelRunner.create(model, kv_cache_gb=1)
+    prefix = [(7 * i) % model.args.vocab_size for i in range(300)]
+    worst = 0.0
+    for r in (16, 64):
+        logits = []
+        for tree in (None, [chain_parents(r)]):
+            s = Sequence.new(0, prefix, device="cuda")
+            runner.run([s])  # the prefix cached, then r new rows verified over it
+            s.token_ids.extend(range(100, 100 + r))
+            logits.append(runner.run([s], logits="all", tree=tree).logits)
+            runner.free(s)
+        worst = max(worst, rel_err(logits[1], logits[0]))
+    check(f"{tag} tree mask: a chain as a tree mask = the causal chain (16 and 64 rows)", worst < TOL,
+          f"max rel err {worst:.2e}")
+    for batch in (1, 8):
+        table = cost_table(verify_times(model, ROWS, batch=batch))
+        print(f"INFO  {tag} verify time by rows, batch {batch}, 512 cached tokens (claim (c): tree mask vs chain):\n"
+              f"{format_table(table)}", flush=True)
+        print(f"TREE_COST {json.dumps({'model': tag, 'batch': batch, 'table': table})}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -351,6 +381,7 @@ def main() -> int:
                                      rms_norm_eps=1e-5, tie_word_embeddings=True)
         jobs = [(t, lambda p=p, t=t: run_checks(t, p, True)) for t, p in (("small", small), (tag, smol))]
         jobs.append(("deepseek-v2", lambda: deepseek_checks(Path(tmp))))
+        jobs.append(("tree mask cost", lambda: tree_mask_cost(tag, smol)))
         if torch.cuda.device_count() > 1:
             jobs.append(("tensor parallel", lambda: tensor_parallel_check(Path(tmp), small)))
         else:

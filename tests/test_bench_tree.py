@@ -1,0 +1,140 @@
+"""bench/bench_tree.py on a tiny chat target and a random head: the grid's shapes, τ per shape beside the plain
+chains (a chain-shaped tree has its chain's τ), the headline's best_tree / best_chain, the JSON; and
+launch/tree_cost.py's shapes and table (the GPU check's claim (c) section) on the CPU. No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtp_train.config import HeadConfig
+from mtp_train.data.chat import load_tokenizer
+from mtp_train.data.readers import Conversation
+from mtp_train.heads import build_head
+from mtp_train.models import load_model
+from mtp_train.speculative.tree_draft import TreeSpec
+from tests.conftest import TOPICS, make_chat_target
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    yield _load("bench_tree", ROOT / "bench" / "bench_tree.py")
+    sys.modules.pop("bench_tree", None)
+
+
+@pytest.fixture(scope="module")
+def tree_cost():
+    yield _load("launch_tree_cost", ROOT / "launch" / "tree_cost.py")
+    sys.modules.pop("launch_tree_cost", None)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny chat target whose layers are scaled down (its next token mostly follows from the last one alone) and a
+    head that predicts just that: lm_head(norm(embedding)), so its drafts are accepted often, not always (τ
+    strictly between 1 and k + 1, where a random head would accept nothing and make every τ 1)."""
+    path = make_chat_target(tmp_path_factory.mktemp("chat") / "target")
+    model = load_model(path, dtype="float32", device="cpu")
+    head = build_head(HeadConfig(type="mtp", init="last_layer"), path)
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                w.mul_(0.4)
+        h = head.fc.weight.shape[0]
+        head.fc.weight.zero_()
+        head.fc.weight[:, :h] = torch.eye(h)  # the embedding through, the target's hidden state left out
+        head.enorm.weight.fill_(1.0)
+        head.norm.weight.copy_(model.state_dict()["model.norm.weight"])
+        head.layers[0].self_attn.o_proj.weight.zero_()  # the layer adds nothing to its residual
+        head.layers[0].mlp.down_proj.weight.zero_()
+    return model, load_tokenizer(path), head
+
+
+def _convs(n: int) -> list[Conversation]:
+    return [Conversation(f"c{i}", [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}],
+                         "test", i + 1) for i in range(n)]
+
+
+def test_the_grid_keeps_shapes_that_exist_and_verify_every_level(bench):
+    names = [s.name for s in bench.grid_shapes([1, 2, 3, 4], [1, 2, 4], [2, 4, 8, 16])]
+    assert names == ["1x1x2", "1x2x2", "1x4x2", "1x4x4", "2x2x4", "2x4x4", "2x4x8", "2x4x16", "3x1x4", "3x2x4",
+                     "3x2x8", "3x4x4", "3x4x8", "3x4x16", "4x2x8", "4x4x8", "4x4x16"]
+    # topk 1 leaves the chains only; tokens - 1 < steps (levels never verified) and more nodes than drafted are out
+    assert [s.name for s in bench.grid_shapes([2, 3], [1], [3, 4, 8])] == ["2x1x3", "3x1x4"]
+    assert bench.grid_shapes([4], [2], [4]) == [] and bench.grid_shapes([1], [2], [4]) == []
+    assert all(isinstance(s, TreeSpec) for s in bench.grid_shapes([2], [2], [4]))
+
+
+def test_best_tree_and_chain_by_tau_at_the_headline_tokens(bench):
+    result = {"grid": {"2x2x4": {"steps": 2, "topk": 2, "tokens": 4, "tau": 1.5},
+                       "3x2x8": {"steps": 3, "topk": 2, "tokens": 8, "tau": 1.5},  # a tie: fewer rows win
+                       "3x4x16": {"steps": 3, "topk": 4, "tokens": 16, "tau": 2.5},  # over the headline's 8 rows
+                       "3x1x4": {"steps": 3, "topk": 1, "tokens": 4, "tau": 1.9}},  # a chain, not a tree
+              "chains": {1: {"k": 1, "tokens": 2, "tau": 1.2}, 2: {"k": 2, "tokens": 3, "tau": 1.2}}}
+    h = bench.headline(result, 8)
+    assert h["best_tree"]["shape"] == "2x2x4" and h["best_chain"]["k"] == 1
+    assert h["tau_ratio"] == pytest.approx(1.25) and h["goal_met"] is True
+    assert bench.headline(result, 16)["best_tree"]["shape"] == "3x4x16"
+    assert bench.timed_shapes(result, 2, 8) == ["2x2x4", "3x2x8"]
+    none = bench.headline({"grid": {}, "chains": result["chains"]})
+    assert none["best_tree"] is None and none["tau_ratio"] is None and none["goal_met"] is None
+
+
+def test_tree_grid_on_a_tiny_target(bench, target):
+    model, tok, head = target
+    shapes = [TreeSpec.chain(2), TreeSpec(2, 2, 4)]
+    out = bench.tree_grid(model, tok, head, _convs(3), shapes, [2], 12, batch_size=2, verbose=False)
+    assert set(out["grid"]) == {"2x1x3", "2x2x4"} and set(out["chains"]) == {2}
+    for name, g in out["grid"].items():
+        assert (g["steps"], g["topk"], g["tokens"]) == tuple(map(int, name.split("x")))
+        assert 1.0 <= g["tau"] <= g["steps"] + 1 and len(g["per_position"]) == g["steps"]
+    assert 1.0 < out["chains"][2]["tau"] < 3.0 and 0 < out["chains"][2]["per_position"][1] < 1
+    # the chain through the tree code accepts exactly what the plain chain does (greedy, deterministic)
+    assert out["grid"]["2x1x3"]["tau"] == out["chains"][2]["tau"] and out["chain_agrees"] is True
+    out.update(bench.headline(out, 8))
+    assert out["best_tree"]["shape"] == "2x2x4" and out["best_chain"]["k"] == 2
+    assert out["tau_ratio"] == pytest.approx(out["best_tree"]["tau"] / out["chains"][2]["tau"], abs=1e-4)
+    line = json.loads(json.dumps(out, sort_keys=True))  # the report's last line
+    assert {"grid", "chains", "chain_agrees", "best_tree", "best_chain", "tau_ratio", "goal_met",
+            "headline_tokens"} <= set(line)
+    assert line["chains"]["2"]["tau"] == out["chains"][2]["tau"]
+
+
+def test_tree_cost_shapes(tree_cost):
+    assert tree_cost.chain_parents(4) == [-1, 0, 1, 2]
+    assert tree_cost.tree_parents(1) == [-1]
+    assert tree_cost.tree_parents(7, topk=2) == [-1, 0, 0, 1, 1, 2, 2]
+    assert tree_cost.tree_depth(tree_cost.tree_parents(64, topk=4)) == 3
+    assert tree_cost.tree_depth(tree_cost.chain_parents(64)) == 63
+    with pytest.raises(ValueError, match="rows >= 1"):
+        tree_cost.tree_parents(0)
+
+
+def test_tree_cost_table_on_the_cpu(tree_cost, target):
+    model = target[0]
+    times = tree_cost.verify_times(model, (1, 4, 9), batch=2, prefix=20, rounds=1, warmup=0)
+    assert set(times) == {1, 4, 9} and all(set(t) == set(tree_cost.KINDS) for t in times.values())
+    table = tree_cost.cost_table(times)
+    assert [r["rows"] for r in table] == [1, 4, 9] and table[0]["chain_vs_decode"] == 1.0
+    assert [r["tree_depth"] for r in table] == [0, 1, 2]
+    assert all(r[f"{k}_ms"] > 0 for r in table for k in tree_cost.KINDS)
+    text = tree_cost.format_table(table).splitlines()
+    assert len(text) == 4 and "tree_vs_chain" in text[0]
+    with pytest.raises(ValueError, match="at most 64"):
+        tree_cost.verify_times(model, (65,))
