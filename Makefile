@@ -68,7 +68,8 @@ bench-memory: setup
 bench-spec: model
 	$(PY) bench/bench_spec.py --model $(MODEL_DIR) $(if $(HEAD),--head $(HEAD)) $(BENCH_SPEC_ARGS)
 
-# Verify cost by rows, and a head's tau by (k, draft_width), e.g. `make bench-tree HEAD=runs/demo/train/heads/step-600`.
+# A head's tau over the dynamic-tree grid (steps x topk x tokens) beside its chains, and verify cost by rows, e.g.
+# `make bench-tree HEAD=runs/demo/train/heads/step-600 BENCH_TREE_ARGS="--limit 8 --timed"`.
 bench-tree: model
 	$(PY) bench/bench_tree.py --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-600) $(BENCH_TREE_ARGS)
 

@@ -62,12 +62,13 @@ TAU_GOAL = 1.25  # best_tree.tau / best_chain.tau at tokens <= 8 (issue's goal)
 def rows_cost(model, rows: list[int], rounds: int = 30, prefix: int = 300) -> dict[int, float]:
     """Median time of an r-row forward over a cached prefix, as a ratio to the 1-row forward."""
     runner = ModelRunner.create(model, kv_cache_gb=0.1)
-    seq = EngineSeq.new(0, [100 + i % 1000 for i in range(prefix)], device=model.device)
+    vocab = model.args.vocab_size
+    seq = EngineSeq.new(0, [(100 + i % 1000) % vocab for i in range(prefix)], device=model.device)
     runner.run([seq], logits="last")
     times: dict[int, list[float]] = {r: [] for r in rows}
     for i in range(rounds + 2):
         for r in rows:
-            seq.token_ids.extend(range(500, 500 + r))
+            seq.token_ids.extend((500 + j) % vocab for j in range(r))
             t0 = time.perf_counter()
             runner.run([seq], logits="all")
             if i >= 2:  # two warm-up rounds

@@ -329,20 +329,22 @@ def tensor_parallel_check(tmp: Path, path: Path) -> None:
           f"hidden max rel err {e:.2e}, logits {el:.2e}")
 
 
-def tree_mask_cost(tag: str, path: Path) -> None:
+def tree_mask_cost(tag: str, path: Path, device: str = "cuda", backend: str = "flashinfer", rounds: int = 20) -> None:
     """Claim (c): the target's verify time by rows (1-64) with the tree mask against a chain of the same rows, on
     the FlashInfer backend (its custom mask), batch 1 and 8, one table each (`tree_cost`); before that, the chain
-    passed as a tree mask must give the causal chain's logits."""
+    passed as a tree mask must give the causal chain's logits. `device` / `backend` / `rounds` are for a dry run of
+    the plumbing on CPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from tree_cost import ROWS, chain_parents, cost_table, format_table, verify_times
 
-    model = load_model(path, dtype=DT, device="cuda", backend="flashinfer")
+    model = load_model(path, dtype=DT, device=device, backend=backend)
     runner = ModelRunner.create(model, kv_cache_gb=1)
     prefix = [(7 * i) % model.args.vocab_size for i in range(300)]
     worst = 0.0
     for r in (16, 64):
         logits = []
         for tree in (None, [chain_parents(r)]):
-            s = Sequence.new(0, prefix, device="cuda")
+            s = Sequence.new(0, prefix, device=device)
             runner.run([s])  # the prefix cached, then r new rows verified over it
             s.token_ids.extend(range(100, 100 + r))
             logits.append(runner.run([s], logits="all", tree=tree).logits)
@@ -351,7 +353,7 @@ def tree_mask_cost(tag: str, path: Path) -> None:
     check(f"{tag} tree mask: a chain as a tree mask = the causal chain (16 and 64 rows)", worst < TOL,
           f"max rel err {worst:.2e}")
     for batch in (1, 8):
-        table = cost_table(verify_times(model, ROWS, batch=batch))
+        table = cost_table(verify_times(model, ROWS, batch=batch, rounds=rounds))
         print(f"INFO  {tag} verify time by rows, batch {batch}, 512 cached tokens (claim (c): tree mask vs chain):\n"
               f"{format_table(table)}", flush=True)
         print(f"TREE_COST {json.dumps({'model': tag, 'batch': batch, 'table': table})}", flush=True)

@@ -10,9 +10,10 @@ runner (eager, the engine's attention backend: FlashInfer's custom mask on CUDA)
     tree        an EAGLE-2-like tree of r rows (breadth first, `topk` children a node, `tree_parents`): the mask
                 path with a tree's mask
 
-A row r = 1 is the decode step every ratio is taken to (`*_vs_decode`). The rounds interleave every (r, kind), and
-the medians are kept, so drift on the machine hits all of them alike. Used by launch/gpu_check.py; runs on the CPU
-too (the torch backend's tree mask), which only the tests do.
+A time is the whole step as the engine pays it: its planning (for a tree, the mask built on the host and copied
+over) and the forward. A row r = 1 is the decode step every ratio is taken to (`*_vs_decode`). The rounds
+interleave every (r, kind), and the medians are kept, so drift on the machine hits all of them alike. Used by
+launch/gpu_check.py; runs on the CPU too (the torch backend's tree mask), which only the tests do.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def target(tmp_path_factory):
         head.norm.weight.copy_(model.state_dict()["model.norm.weight"])
         head.layers[0].self_attn.o_proj.weight.zero_()  # the layer adds nothing to its residual
         head.layers[0].mlp.down_proj.weight.zero_()
-    return model, load_tokenizer(path), head
+    return model, load_tokenizer(path), head, path
 
 
 def _convs(n: int) -> list[Conversation]:
@@ -97,7 +97,7 @@ def test_best_tree_and_chain_by_tau_at_the_headline_tokens(bench):
 
 
 def test_tree_grid_on_a_tiny_target(bench, target):
-    model, tok, head = target
+    model, tok, head, _ = target
     shapes = [TreeSpec.chain(2), TreeSpec(2, 2, 4)]
     out = bench.tree_grid(model, tok, head, _convs(3), shapes, [2], 12, batch_size=2, verbose=False)
     assert set(out["grid"]) == {"2x1x3", "2x2x4"} and set(out["chains"]) == {2}
@@ -138,3 +138,43 @@ def test_tree_cost_table_on_the_cpu(tree_cost, target):
     assert len(text) == 4 and "tree_vs_chain" in text[0]
     with pytest.raises(ValueError, match="at most 64"):
         tree_cost.verify_times(model, (65,))
+
+
+def test_the_cli_prints_the_grid_and_headline_as_its_last_line(bench, target, tmp_path, capsys):
+    """`bench_tree.py` end to end on the tiny target: a 2-shape grid, one chain, no rows timing, and --timed's
+    interleaved speed-up of the best tree and chain (its values are not asserted, only that they are reported)."""
+    from mtp_train.heads.checkpoint import save_head
+
+    _, _, head, model_dir = target
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Tell me about {t}."}]}) + "\n"
+                               for t in TOPICS[:2]))
+    save_head(head, tmp_path / "head")
+    args = ["--model", str(model_dir), "--head", str(tmp_path / "head"), "--prompts", str(prompts), "--limit", "2",
+            "--steps", "2", "--topk", "1,2", "--tokens", "3,4", "--chains", "2", "--max-new-tokens", "6",
+            "--batch-size", "2", "--no-rows", "--timed", "--timed-top", "1"]
+    result = bench.main(args)
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(line["grid"]) == {"2x1x3", "2x2x3", "2x2x4"} and set(line["chains"]) == {"2"}
+    assert line["best_tree"]["shape"] in ("2x2x3", "2x2x4") and line["best_chain"]["k"] == 2
+    assert "rows_cost" not in line and set(line["timed"]) == {line["best_tree"]["shape"], "chain k=2"}
+    for best in (line["best_tree"], line["best_chain"]):
+        assert {"tau", "speedup", "speedup_lo", "speedup_hi"} <= set(best)
+    assert result["best_tree"]["tau"] == line["best_tree"]["tau"]
+
+
+def test_the_gpu_checks_tree_mask_section_runs_on_the_cpu(target, monkeypatch, capsys):
+    """launch/gpu_check.py's claim (c) section as a dry run on the CPU (torch backend, one round): its check that a
+    chain passed as a tree mask gives the causal chain's logits passes, and both tables come out."""
+    gpu_check = _load("launch_gpu_check", ROOT / "launch" / "gpu_check.py")
+    try:
+        monkeypatch.setattr(gpu_check, "DT", torch.float32)
+        gpu_check.tree_mask_cost("tiny", target[3], device="cpu", backend="torch", rounds=1)
+        assert [(name, ok) for name, ok, _ in gpu_check.RESULTS] == [
+            ("tiny tree mask: a chain as a tree mask = the causal chain (16 and 64 rows)", True)]
+        lines = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines()
+                 if x.startswith("TREE_COST ")]
+        assert [t["batch"] for t in lines] == [1, 8]
+        assert [r["rows"] for r in lines[0]["table"]] == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
+    finally:
+        sys.modules.pop("launch_gpu_check", None)
