@@ -8,15 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp_train.config import HeadConfig, LossConfig, PrecomputeConfig
-from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.config import HeadConfig, PrecomputeConfig
+from mtp_train.engine import prefill_hidden
 from mtp_train.heads import build_head
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.models.families import args_from_hf_config
 from mtp_train.precompute import PrecomputedDataset, Sample, precompute
-from mtp_train.speculative.engine import SpecEngine
-from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer
-from mtp_train.train.losses import unrolled_loss
+from tests._family import (
+    assert_greedy_matches_generate,
+    assert_head_trains_and_drafts_losslessly,
+    assert_layers_and_logits_match,
+    save_random,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,24 +47,15 @@ PROMPTS = [[3, 17, 42, 9, 100, 7, 8, 200, 13], [5, 6], list(range(30, 52))]
 def checkpoints(tmp_path_factory):
     import transformers
 
-    out = {}
-    for name, over in CONFIGS.items():
-        torch.manual_seed(0)
-        cfg = transformers.DeepseekV3Config(**{**BASE, **over})
-        hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for n, p in hf.named_parameters():
-                if n.endswith("norm.weight"):
-                    p.uniform_(0.5, 1.5)
-                elif n.endswith("mlp.gate.weight"):
-                    p.normal_(0, 0.5)  # a router with real preferences
-            for n, b in hf.named_buffers():
-                if n.endswith("e_score_correction_bias"):
-                    b.normal_(0, 0.3)  # comparable to the sigmoid scores' spread, so it changes the choice
-        path = tmp_path_factory.mktemp("ds3") / name
-        hf.save_pretrained(path, safe_serialization=True)
-        out[name] = (path, hf)
-    return out
+    def router(name, t):
+        if name.endswith("mlp.gate.weight"):
+            t.normal_(0, 0.5)  # a router with real preferences
+        elif name.endswith("e_score_correction_bias"):
+            t.normal_(0, 0.3)  # comparable to the sigmoid scores' spread, so it changes the choice
+
+    root = tmp_path_factory.mktemp("ds3")
+    return {name: (root / name, save_random(transformers.DeepseekV3Config(**{**BASE, **over}), root / name, router))
+            for name, over in CONFIGS.items()}
 
 
 def test_layers_are_dense_before_first_k_dense_replace(checkpoints):
@@ -118,29 +112,15 @@ def test_group_limit_keeps_experts_inside_the_best_groups(checkpoints):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_hidden_states_and_logits_match_transformers(checkpoints, name):
     path, hf = checkpoints[name]
-    model = load_model(path, dtype="float32", backend="torch")
-    n = model.args.num_layers
-    for ids in PROMPTS:
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids]), output_hidden_states=True)
-        out = prefill_hidden(model, [ids], hidden_layers=range(n + 1))
-        for j in range(n + 1):
-            torch.testing.assert_close(out.layers[j], ref.hidden_states[j][0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(model.compute_logits(out.hidden), ref.logits[0], rtol=1e-5, atol=1e-5)
+    assert_layers_and_logits_match(load_model(path, dtype="float32", backend="torch"), hf, PROMPTS)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_paged_decode_and_speculative_decoding_equal_transformers_generate(checkpoints, name):
     path, hf = checkpoints[name]
     model = load_model(path, dtype="float32", backend="torch")
-    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
-    ref = [hf.generate(torch.tensor([p]), max_new_tokens=14, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
-    plain = LLMEngine(model, page_size=3, num_pages=128).generate(PROMPTS, params)
-    assert [o.output_ids for o in plain] == ref
     assert model.args.num_kv_heads == 1 and model.args.head_dim == 32 + 8  # one latent row per token and layer
-    spec = SpecEngine(model, DraftModelProposer(model), 3, page_size=3, num_pages=128)
-    assert [o.output_ids for o in spec.generate(PROMPTS, params)] == ref
-    assert spec.stats.metrics.acceptance_rate == 1.0
+    assert_greedy_matches_generate(model, hf, PROMPTS)
 
 
 def test_precompute_stores_the_models_hidden_states(checkpoints, tmp_path):
@@ -171,24 +151,7 @@ def test_mtp_head_with_a_deepseek_block_trains_and_drafts_losslessly(checkpoints
         bias = block.mlp.gate.e_score_correction_bias
         torch.testing.assert_close(bias, model.model.layers[-1].mlp.gate.e_score_correction_bias, rtol=0, atol=0)
         assert not bias.requires_grad
-    lens = [len(p) for p in PROMPTS]
-    hidden = prefill_hidden(model, PROMPTS).hidden
-    ids = torch.tensor([t for p in PROMPTS for t in p])
-    cfg = LossConfig(steps=2, w_tok=1.0, chunk_size=16)
-    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss, _ = unrolled_loss(head, hidden, ids, torch.ones_like(ids), lens, cfg)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    assert losses[-1] < losses[0], losses
-    head.eval()
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    ref = [o.output_ids for o in LLMEngine(model, page_size=3, num_pages=128).generate(PROMPTS, params)]
-    spec = SpecEngine(model, HeadProposer(head), 3, page_size=3, num_pages=128)
-    assert [o.output_ids for o in spec.generate(PROMPTS, params)] == ref
+    assert_head_trains_and_drafts_losslessly(model, head, PROMPTS, k=3, max_new_tokens=12)
 
 
 def test_eagle_heads_are_refused_and_backends_named(checkpoints):

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from mtp_train.config import HeadConfig, LossConfig, PrecomputeConfig
+from mtp_train.config import HeadConfig, PrecomputeConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.heads import build_head
 from mtp_train.layers import cpu_kernels
@@ -21,8 +21,8 @@ from mtp_train.models.families import args_from_hf_config
 from mtp_train.models.families.gpt_oss import Experts, clamped_swiglu
 from mtp_train.precompute import PrecomputedDataset, Sample, precompute
 from mtp_train.speculative.engine import SpecEngine
-from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer
-from mtp_train.train.losses import unrolled_loss
+from mtp_train.speculative.proposers import DraftModelProposer
+from tests._family import assert_head_trains_and_drafts_losslessly
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -208,26 +208,7 @@ def test_heads_train_on_it_and_draft_losslessly(checkpoints, head_cfg):
         assert type(block.mlp).__name__ == ("MoE" if head_cfg.moe else "DenseMLP")
         if head_cfg.moe:  # the target's layer but for its sinks
             assert block.state_dict().keys() == model.model.layers[0].state_dict().keys() - {"self_attn.sinks"}
-    lens = [len(p) for p in PROMPTS]
-    out = prefill_hidden(model, PROMPTS, hidden_layers=head.aux_layers)
-    aux = torch.cat([out.layers[j] for j in head.aux_layers], -1) if head.aux_layers else None
-    ids = torch.tensor([t for p in PROMPTS for t in p])
-    mask = torch.ones_like(ids)
-    cfg = LossConfig(steps=2, w_tok=1.0, chunk_size=16)
-    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss, _ = unrolled_loss(head, out.hidden, ids, mask, lens, cfg, aux_hidden=aux)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    assert losses[-1] < losses[0], losses
-    head.eval()
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    ref = [o.output_ids for o in LLMEngine(model, page_size=3, num_pages=128).generate(PROMPTS, params)]
-    spec = SpecEngine(model, HeadProposer(head), 2, page_size=3, num_pages=128)
-    assert [o.output_ids for o in spec.generate(PROMPTS, params)] == ref
+    assert_head_trains_and_drafts_losslessly(model, head, PROMPTS)
 
 
 def test_flashinfer_and_mxfp4_and_bad_layer_types_are_refused_by_name(checkpoints):

@@ -7,15 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp_train.config import HeadConfig, LossConfig, PrecomputeConfig
-from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.config import HeadConfig, PrecomputeConfig
+from mtp_train.engine import prefill_hidden
 from mtp_train.heads import build_head
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.models.families.qwen3_moe import grouped_experts
 from mtp_train.precompute import PrecomputedDataset, Sample, precompute
-from mtp_train.speculative.engine import SpecEngine
-from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer
-from mtp_train.train.losses import unrolled_loss
+from tests._family import (
+    assert_greedy_matches_generate,
+    assert_head_trains_and_drafts_losslessly,
+    assert_layers_and_logits_match,
+    save_random,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,21 +39,13 @@ PROMPTS = [[3, 17, 42, 9, 100, 7, 8, 200, 13], [5, 6], list(range(30, 52))]
 def checkpoints(tmp_path_factory):
     import transformers
 
-    out = {}
-    for name, over in CONFIGS.items():
-        torch.manual_seed(0)
-        cfg = transformers.Qwen3MoeConfig(**{**BASE, **over})
-        hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for n, p in hf.named_parameters():
-                if n.endswith("norm.weight"):
-                    p.uniform_(0.5, 1.5)
-                elif n.endswith("mlp.gate.weight"):
-                    p.normal_(0, 0.5)  # a router with real preferences
-        path = tmp_path_factory.mktemp("q3moe") / name
-        hf.save_pretrained(path, safe_serialization=True)
-        out[name] = (path, hf)
-    return out
+    def router(name, t):
+        if name.endswith("mlp.gate.weight"):
+            t.normal_(0, 0.5)  # a router with real preferences
+
+    root = tmp_path_factory.mktemp("q3moe")
+    return {name: (root / name, save_random(transformers.Qwen3MoeConfig(**{**BASE, **over}), root / name, router))
+            for name, over in CONFIGS.items()}
 
 
 def test_layers_are_sparse_by_transformers_rule(checkpoints):
@@ -63,28 +58,13 @@ def test_layers_are_sparse_by_transformers_rule(checkpoints):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_hidden_states_and_logits_match_transformers(checkpoints, name):
     path, hf = checkpoints[name]
-    model = load_model(path, dtype="float32", backend="torch")
-    n = model.args.num_layers
-    for ids in PROMPTS:
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids]), output_hidden_states=True)
-        out = prefill_hidden(model, [ids], hidden_layers=range(n + 1))
-        for j in range(n + 1):
-            torch.testing.assert_close(out.layers[j], ref.hidden_states[j][0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(model.compute_logits(out.hidden), ref.logits[0], rtol=1e-5, atol=1e-5)
+    assert_layers_and_logits_match(load_model(path, dtype="float32", backend="torch"), hf, PROMPTS)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_paged_decode_and_speculative_decoding_equal_transformers_generate(checkpoints, name):
     path, hf = checkpoints[name]
-    model = load_model(path, dtype="float32", backend="torch")
-    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
-    ref = [hf.generate(torch.tensor([p]), max_new_tokens=14, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
-    plain = LLMEngine(model, page_size=3, num_pages=128).generate(PROMPTS, params)
-    assert [o.output_ids for o in plain] == ref
-    spec = SpecEngine(model, DraftModelProposer(model), 3, page_size=3, num_pages=128)
-    assert [o.output_ids for o in spec.generate(PROMPTS, params)] == ref
-    assert spec.stats.metrics.acceptance_rate == 1.0
+    assert_greedy_matches_generate(load_model(path, dtype="float32", backend="torch"), hf, PROMPTS)
 
 
 def test_grouped_experts_equal_a_loop_over_tokens():
@@ -124,26 +104,7 @@ def test_heads_train_on_it_and_draft_losslessly(checkpoints, head_cfg):
     head = build_head(head_cfg, path, dtype="float32")
     if head_cfg.moe:
         assert type(head.layers[0].mlp).__name__ == "SparseMoE"
-    lens = [len(p) for p in PROMPTS]
-    out = prefill_hidden(model, PROMPTS, hidden_layers=head.aux_layers)
-    aux = torch.cat([out.layers[j] for j in head.aux_layers], -1) if head.aux_layers else None
-    ids = torch.tensor([t for p in PROMPTS for t in p])
-    mask = torch.ones_like(ids)
-    cfg = LossConfig(steps=2, w_tok=1.0, chunk_size=16)
-    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss, _ = unrolled_loss(head, out.hidden, ids, mask, lens, cfg, aux_hidden=aux)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    assert losses[-1] < losses[0], losses
-    head.eval()
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    ref = [o.output_ids for o in LLMEngine(model, page_size=3, num_pages=128).generate(PROMPTS, params)]
-    spec = SpecEngine(model, HeadProposer(head), 2, page_size=3, num_pages=128)
-    assert [o.output_ids for o in spec.generate(PROMPTS, params)] == ref
+    assert_head_trains_and_drafts_losslessly(model, head, PROMPTS)
 
 
 def test_a_config_without_experts_is_refused_naming_the_keys(tmp_path):
