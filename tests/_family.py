@@ -1,6 +1,7 @@
 """What every target family's test file checks the same way: a random transformers checkpoint saved to disk, parity
 of every hidden state and the logits, greedy decoding against HF `generate` (plain and speculative), and a head that
-trains a few steps on the target and then drafts without changing greedy output."""
+trains a few steps on the target and then drafts without changing greedy output; precompute storing the target's
+hidden states."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from mtp_train.config import LossConfig
+from mtp_train.config import LossConfig, PrecomputeConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.precompute import PrecomputedDataset, Sample, precompute
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer
 from mtp_train.train.losses import unrolled_loss
@@ -57,6 +59,21 @@ def assert_greedy_matches_generate(model, hf, prompts: Sequence[Sequence[int]], 
     spec = SpecEngine(model, DraftModelProposer(model), 3, page_size=3, num_pages=128)
     assert [o.output_ids for o in spec.generate(prompts, params)] == ref
     assert spec.stats.metrics.acceptance_rate == 1.0
+
+
+def assert_precompute_stores_hidden(model, model_dir: Path, prompts: Sequence[Sequence[int]], out: Path) -> None:
+    """mtp-precompute's pipeline over the prompts (all tokens in the loss) writes, per sample, the model's own final
+    hidden states, within bf16 storage rounding."""
+    samples = [Sample(f"s{i}", list(p), [1] * len(p)) for i, p in enumerate(prompts)]
+    cfg = PrecomputeConfig(out=str(out), shard_tokens=64, batch_tokens=64, val_fraction=0.0, progress=False)
+    precompute(model, samples, cfg, tokenizer_fingerprint="t", chat_template_fingerprint="c", model_dir=model_dir,
+               data_info={})
+    ds = PrecomputedDataset(out, split="all")
+    assert len(ds) == len(prompts)
+    for i in range(len(ds)):
+        item = ds[i]
+        ref = prefill_hidden(model, [item["input_ids"].tolist()]).hidden.to(torch.bfloat16)
+        torch.testing.assert_close(item["hidden"].float(), ref.float(), rtol=0, atol=2e-2)
 
 
 def assert_head_trains_and_drafts_losslessly(model, head, prompts: Sequence[Sequence[int]], k: int = 2,

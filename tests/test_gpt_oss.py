@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from mtp_train.config import HeadConfig, PrecomputeConfig
+from mtp_train.config import HeadConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.heads import build_head
 from mtp_train.layers import cpu_kernels
@@ -19,10 +19,9 @@ from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.models.families import args_from_hf_config
 from mtp_train.models.families.gpt_oss import Experts, clamped_swiglu
-from mtp_train.precompute import PrecomputedDataset, Sample, precompute
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.proposers import DraftModelProposer
-from tests._family import assert_head_trains_and_drafts_losslessly
+from tests._family import assert_head_trains_and_drafts_losslessly, assert_precompute_stores_hidden
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -180,17 +179,7 @@ def test_experts_equal_transformers_experts_token_by_token():
 
 def test_precompute_stores_the_models_hidden_states(checkpoints, tmp_path):
     path, _ = checkpoints["mixed"]
-    model = load_model(path, dtype="float32", backend="torch")
-    samples = [Sample(f"s{i}", p, [1] * len(p)) for i, p in enumerate(PROMPTS)]
-    cfg = PrecomputeConfig(out=str(tmp_path / "pc"), shard_tokens=64, batch_tokens=64, val_fraction=0.0, progress=False)
-    precompute(model, samples, cfg, tokenizer_fingerprint="t", chat_template_fingerprint="c", model_dir=path,
-               data_info={})
-    ds = PrecomputedDataset(tmp_path / "pc", split="all")
-    assert len(ds) == len(PROMPTS)
-    for i in range(len(ds)):
-        item = ds[i]
-        ref = prefill_hidden(model, [item["input_ids"].tolist()]).hidden.to(torch.bfloat16)
-        torch.testing.assert_close(item["hidden"].float(), ref.float(), rtol=0, atol=2e-2)
+    assert_precompute_stores_hidden(load_model(path, dtype="float32", backend="torch"), path, PROMPTS, tmp_path / "pc")
 
 
 @pytest.mark.parametrize("head_cfg", [HeadConfig(type="mtp"), HeadConfig(type="mtp", moe=True),

@@ -7,16 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp_train.config import HeadConfig, PrecomputeConfig
-from mtp_train.engine import prefill_hidden
+from mtp_train.config import HeadConfig
 from mtp_train.heads import build_head
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.models.families.qwen3_moe import grouped_experts
-from mtp_train.precompute import PrecomputedDataset, Sample, precompute
 from tests._family import (
     assert_greedy_matches_generate,
     assert_head_trains_and_drafts_losslessly,
     assert_layers_and_logits_match,
+    assert_precompute_stores_hidden,
     save_random,
 )
 
@@ -82,16 +81,7 @@ def test_grouped_experts_equal_a_loop_over_tokens():
 
 def test_precompute_stores_the_models_hidden_states(checkpoints, tmp_path):
     path, _ = checkpoints["mixed"]
-    model = load_model(path, dtype="float32", backend="torch")
-    samples = [Sample(f"s{i}", p, [1] * len(p)) for i, p in enumerate(PROMPTS)]
-    cfg = PrecomputeConfig(out=str(tmp_path / "pc"), shard_tokens=64, batch_tokens=64, val_fraction=0.0, progress=False)
-    precompute(model, samples, cfg, tokenizer_fingerprint="t", chat_template_fingerprint="c", model_dir=path,
-               data_info={})
-    ds = PrecomputedDataset(tmp_path / "pc", split="all")
-    for i in range(len(ds)):
-        item = ds[i]
-        ref = prefill_hidden(model, [item["input_ids"].tolist()]).hidden.to(torch.bfloat16)
-        torch.testing.assert_close(item["hidden"].float(), ref.float(), rtol=0, atol=2e-2)
+    assert_precompute_stores_hidden(load_model(path, dtype="float32", backend="torch"), path, PROMPTS, tmp_path / "pc")
 
 
 @pytest.mark.parametrize("head_cfg", [HeadConfig(type="mtp"), HeadConfig(type="mtp", moe=True),
