@@ -13,7 +13,7 @@ from mtp_train.heads import build_head
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.proposers import DraftModelProposer
-from tests._family import assert_precompute_stores_hidden
+from tests._family import assert_precompute_stores_hidden, save_random
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,21 +37,13 @@ PROMPTS = [[3, 17, 42, 9, 100, 7, 8, 200, 13], [5, 6], list(range(30, 52))]
 def checkpoints(tmp_path_factory):
     import transformers
 
-    out = {}
-    for name, over in CONFIGS.items():
-        torch.manual_seed(0)
-        cfg = transformers.DeepseekV2Config(**{**BASE, **over})
-        hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for n, p in hf.named_parameters():
-                if n.endswith("norm.weight"):
-                    p.uniform_(0.5, 1.5)
-                elif n.endswith("mlp.gate.weight"):
-                    p.normal_(0, 0.5)  # a router with real preferences
-        path = tmp_path_factory.mktemp("ds") / name
-        hf.save_pretrained(path, safe_serialization=True)
-        out[name] = (path, hf)
-    return out
+    def router(name, t):
+        if name.endswith("mlp.gate.weight"):
+            t.normal_(0, 0.5)  # a router with real preferences
+
+    root = tmp_path_factory.mktemp("ds")
+    return {name: (root / name, save_random(transformers.DeepseekV2Config(**{**BASE, **over}), root / name, router))
+            for name, over in CONFIGS.items()}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

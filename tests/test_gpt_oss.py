@@ -21,7 +21,7 @@ from mtp_train.models.families import args_from_hf_config
 from mtp_train.models.families.gpt_oss import Experts, clamped_swiglu
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.proposers import DraftModelProposer
-from tests._family import assert_head_trains_and_drafts_losslessly, assert_precompute_stores_hidden
+from tests._family import assert_head_trains_and_drafts_losslessly, assert_precompute_stores_hidden, save_random
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,25 +52,17 @@ def _kernels(native: bool):
 def checkpoints(tmp_path_factory):
     import transformers
 
-    out = {}
-    for name, over in CONFIGS.items():
-        torch.manual_seed(0)
-        cfg = transformers.GptOssConfig(**{**BASE, **over})
-        hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for n, p in hf.named_parameters():
-                if n.endswith("norm.weight"):
-                    p.uniform_(0.5, 1.5)
-                elif n.endswith("sinks"):
-                    p.normal_(0, 1.5)  # sinks that take a real share of the softmax
-                elif n.endswith("bias"):
-                    p.normal_(0, 0.3)
-                elif "experts" in n or n.endswith("router.weight"):
-                    p.normal_(0, 0.3)  # experts and a router with real preferences
-        path = tmp_path_factory.mktemp("gptoss") / name
-        hf.save_pretrained(path, safe_serialization=True)
-        out[name] = (path, hf)
-    return out
+    def router(name, t):
+        if name.endswith("sinks"):
+            t.normal_(0, 1.5)  # sinks that take a real share of the softmax
+        elif name.endswith("bias"):
+            t.normal_(0, 0.3)
+        elif "experts" in name or name.endswith("router.weight"):
+            t.normal_(0, 0.3)  # experts and a router with real preferences
+
+    root = tmp_path_factory.mktemp("gptoss")
+    return {name: (root / name, save_random(transformers.GptOssConfig(**{**BASE, **over}), root / name, router))
+            for name, over in CONFIGS.items()}
 
 
 def test_config_is_parsed_as_transformers_reads_it(checkpoints):
