@@ -82,7 +82,7 @@ ablation: model
 # Recipe variants (conf/experiment/curve.yaml `variants:`), each measured at the budget:
 # `make curve CURVE_ARGS="--variants all"` or `CURVE_ARGS="--variants mtp-soft_ce-s1,mtp-lk_hybrid-s1"`.
 curve: model
-	$(PY) bench/curve.py --model $(MODEL_DIR) $(CURVE_ARGS)
+	$(PY) bench/curve.py --model $(MODEL_DIR) --record docs/curve.json $(CURVE_ARGS)
 
 # A real serving engine beside ours: vLLM's CPU build (its own venv, ~3.4 GB) serves our exported heads; the check
 # compares its greedy text and acceptance with mtp-eval's on the same prompt ids. Not part of `make test` (size).

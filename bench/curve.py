@@ -20,9 +20,12 @@ as a horizontal line). `--doc` / `--png` write copies elsewhere (e.g. docs/).
 Usage: python bench/curve.py [--out runs/curve] [--max-tokens N] [--first-tokens N] [--heads mtp,eagle1]
                              [--report-only] [--doc docs/curve.md --png docs/curve.png] [key=value ...]
                              [--variants NAME,...|all [--variants-file FILE] [--full-curve]]
+                             [--record docs/curve.json]
 --variants: recipe variants (the config's `variants:` block) trained on the same folder, batches and budget and
 measured at the last point, into `<out>/variants/<name>` and curve.json's `variants` (bench/curve_variants.py);
 with --variants the heads' own curve runs only when --heads is given too. --doc also writes <doc>.json.
+--record: the committed record of every point (docs/curve.json): read first, so a fresh checkout skips what it
+holds, and rewritten at the end with this run's rows.
 key=value: more mtp-train overrides for every head. --report-only redoes the table and plot from curve.json
 (and measures prompt lookup if it is missing and available), without training or evaluating heads.
 The last line printed is one JSON object.
@@ -622,6 +625,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "measure them at the budget (the heads' curve is then run only with --heads)")
     ap.add_argument("--variants-file", default=None, help="a YAML file whose `variants:` block replaces the config's")
     ap.add_argument("--full-curve", action="store_true", help="measure the variants at every point, not the last")
+    ap.add_argument("--record", default=None,
+                    help="a committed record (e.g. docs/curve.json): what it holds and curve.json lacks is taken "
+                         "as measured (skipped), and it is rewritten with this run's rows at the end")
     ap.add_argument("overrides", nargs="*", help="more mtp-train overrides for every head, key=value")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
@@ -637,6 +643,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "curve.json"
     results: dict[str, Any] = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    record = Path(args.record) if args.record else None
+    if record is not None and record.is_file():
+        taken = cv.seed(results, json.loads(record.read_text()))
+        print(f"curve: taken from {record} as measured: {', '.join(taken) or 'nothing new'}", flush=True)
     t0 = time.perf_counter()
     if args.report_only:
         if not results:
@@ -661,6 +671,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["wall_s_this_run"] = time.perf_counter() - t0
     save_results(results, out)
     text = write_report(results, out, Path(args.doc) if args.doc else None, Path(args.png) if args.png else None)
+    if record is not None:
+        cv.write_points_json(results, record)
     print(text, flush=True)
     summary = summarize(results)
     report({"out": str(out), "summary": summary, "ngram_tau": (results.get("ngram") or {}).get("tau"),

@@ -164,6 +164,10 @@ def ordered_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     return [rows[n] for n in names if "tau" in rows[n]]
 
 
+def _seconds(s: float | None) -> str:
+    return "–" if s is None else f"{s:.0f}"
+
+
 def variants_markdown(results: dict[str, Any]) -> str:
     """The variants table (empty string when none is measured): one row per variant at its last point."""
     rows = ordered_rows(results)
@@ -176,7 +180,8 @@ def variants_markdown(results: dict[str, Any]) -> str:
     for r in rows:
         lines.append(f"| `{r['variant']}` | `{r['head']}` | `{' '.join(r['overrides'])}` | {r['tokens']} | "
                      f"{r['step']} | {r['tau']:.3f} | {r['acceptance_rate']:.3f} | "
-                     f"{' / '.join(f'{a:.3f}' for a in r['pos'])} | {r['seconds']:.0f} |")
+                     f"{' / '.join(f'{a:.3f}' for a in r['pos'])} | "
+                     f"{_seconds(r.get('seconds'))} |")
     return ("\n## Variants (the recipe at the budget)\n\n"
             "Each variant trains one head on the same folder, batches, seed and budget as the heads above, with the "
             "recipe's overrides followed by its own (`bench/curve.py --variants NAME,...`), and is measured at the "
@@ -207,9 +212,42 @@ def points_json(results: dict[str, Any]) -> dict[str, Any]:
                 if p["step"] == last_step and (best is None or p["tau"] > best[0]):
                     best = (p["tau"], name, h)
     return {"k": results["eval"]["k"], "budget_tokens": results.get("budget_tokens"), "max_steps": last_step,
-            "recipe": results.get("recipe"), "heads": heads,
+            "recipe": results.get("recipe"), "eval": results["eval"], "heads": heads,
             "best_tau_512k": best[0] if best else None, "best_variant": best[1] if best else None,
-            "best_head": best[2] if best else None}
+            "best_head": best[2] if best else None, "ngram": results.get("ngram"),
+            # the measured rows in full, so that another checkout's run resumes from this file (see `seed`)
+            "variant_order": results.get("variant_order", []),
+            "variants": {r["variant"]: r for r in ordered_rows(results)}}
+
+
+def seed(results: dict[str, Any], record: dict[str, Any]) -> list[str]:
+    """Fill `results` (a curve.json) with what a record (`points_json`, e.g. docs/curve.json) holds and it lacks:
+    variant rows, the heads' curve points, prompt lookup. Returns what was taken, one name each.
+
+    A run on a fresh checkout thus skips what is already measured and committed; a seeded row whose head,
+    overrides or recipe differs from the config's is refused by `run_variants` as any other changed row.
+    """
+    taken = []
+    rows = results.setdefault("variants", {})
+    for name, row in (record.get("variants") or {}).items():
+        if name not in rows:
+            rows[name] = row
+            taken.append(name)
+    order = [*results.get("variant_order", []), *record.get("variant_order", [])]
+    results["variant_order"] = list(dict.fromkeys(order))
+    if results.get("recipe") in (None, record.get("recipe")) and results.get("max_steps") in (
+            None, record.get("max_steps")):
+        heads = results.setdefault("heads", {})
+        for h, by_variant in (record.get("heads") or {}).items():
+            if by_variant.get("curve") and not (heads.get(h) or {}).get("points"):
+                heads[h] = {"points": {str(p["step"]): p for p in by_variant["curve"]}}
+                taken.append(f"{h} (curve)")
+        for key in ("recipe", "max_steps", "budget_tokens", "eval"):
+            results.setdefault(key, record.get(key))
+    if record.get("ngram") and not results.get("ngram"):
+        results["ngram"] = record["ngram"]
+        taken.append("prompt lookup")
+    return taken
 
 
 def write_points_json(results: dict[str, Any], path: Path) -> None:

@@ -299,3 +299,38 @@ def test_variants_table_and_points_json(curve, tmp_path):
     del results["variants"]
     assert cv.variants_markdown(results) == ""  # no variants measured: the report is the heads' alone
     assert cv.points_json(results)["best_variant"] == "curve"  # then the best head of the curve itself
+
+
+def test_a_committed_record_seeds_a_fresh_run(curve, tmp_path):
+    """docs/curve.json round-trips: a fresh checkout's curve.json takes its rows, heads and prompt lookup as
+    measured (run_variants then skips them), keeps its own rows first, and refuses a seeded row whose definition
+    changed."""
+    import curve_variants as cv
+
+    results = _synthetic()
+    pos = [0.4, 0.1, 0.02]
+    point = {"step": 80, "tokens": 131072, "tau": 1.42, "acceptance_rate": 0.2, "pos": pos, "seconds": 90.0}
+    results["recipe"] = ["loss.steps=1"]
+    results["ngram"] = {"tau": 1.25, "pos": [0.1, 0.05, 0.02], "n_min": 1, "n_max": 3}
+    results["variants"] = {"mtp-tv-s1": {"variant": "mtp-tv-s1", "head": "mtp", "overrides": ["loss.kind=tv"],
+                                         "recipe": ["loss.steps=1"], "points": {"80": point}, **point}}
+    results["variant_order"] = ["mtp-tv-s1"]
+    record = json.loads(json.dumps(cv.points_json(results)))
+    fresh: dict = {"variants": {"mtp-nla-s1": {"variant": "mtp-nla-s1", "head": "mtp", "overrides": ["loss.kind=nla"],
+                                               "recipe": ["loss.steps=1"], "points": {"80": point}, **point}},
+                   "variant_order": ["mtp-nla-s1"]}
+    taken = cv.seed(fresh, record)
+    assert taken == ["mtp-tv-s1", "mtp (curve)", "eagle1 (curve)", "prompt lookup"]
+    assert fresh["variant_order"] == ["mtp-nla-s1", "mtp-tv-s1"] and fresh["max_steps"] == 80
+    assert fresh["heads"]["mtp"]["points"]["80"]["tau"] == 1.35
+    assert cv.seed(fresh, record) == []  # nothing new the second time
+    calls = []
+    cv.run_variants(fresh, [cv.Variant("mtp-tv-s1", "mtp", ("loss.kind=tv",))], [(80, 131072)], ["loss.steps=1"],
+                    False, lambda v, s: calls.append(v) or {}, lambda v, s: calls.append(v) or {}, lambda: None,
+                    lambda v, s: False)
+    assert calls == []  # the seeded row counts as measured
+    with pytest.raises(SystemExit, match="variant mtp-tv-s1 is not what curve.json measured"):
+        cv.run_variants(fresh, [cv.Variant("mtp-tv-s1", "mtp", ("loss.kind=nla",))], [(80, 131072)],
+                        ["loss.steps=1"], False, lambda v, s: {}, lambda v, s: {}, lambda: None, lambda v, s: False)
+    again = cv.points_json(fresh)
+    assert set(again["variants"]) == {"mtp-nla-s1", "mtp-tv-s1"} and again["best_tau_512k"] == 1.42

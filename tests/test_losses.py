@@ -428,3 +428,120 @@ def test_every_token_loss_trains_a_head_towards_acceptance(tiny_batch, kind):
     assert m["loss"] < 0.8 * first["loss"], (first["loss"], m["loss"])
     assert m["alpha"] > first["alpha"] + 0.05, (first["alpha"], m["alpha"])
     assert m["top1"] > first["top1"], (first["top1"], m["top1"])
+
+
+# --- per-row weights (D-PACE) -------------------------------------------------------------------------------------
+
+
+def _dpace_by_hand(conf: list[list[float]], counted: list[list[bool]], a: float) -> list[list[float]]:
+    """D-PACE's weights anchor by anchor with plain loops: w_j = m_j · Σ_{l ≥ j} m_l Π_{i ≤ l} s_i."""
+    steps, rows = len(conf), len(conf[0])
+    out = [[0.0] * rows for _ in range(steps)]
+    for r in range(rows):
+        s = [((1 - a) * conf[j][r] + a) if counted[j][r] else 1.0 for j in range(steps)]
+        prefix = [1.0] * steps
+        for j in range(steps):
+            prefix[j] = s[j] * (prefix[j - 1] if j else 1.0)
+        for j in range(steps):
+            if counted[j][r]:
+                out[j][r] = sum(prefix[m] for m in range(j, steps) if counted[m][r])
+    return out
+
+
+def test_dpace_weights_equal_the_formula_by_hand():
+    from mtp_train.train.position_weights import dpace_weights
+
+    g = torch.Generator().manual_seed(3)
+    conf = torch.rand(4, 9, generator=g)
+    counted = torch.rand(4, 9, generator=g) > 0.3
+    for a in (0.5, 1.0, 0.1):
+        ref = torch.tensor(_dpace_by_hand(conf.tolist(), counted.tolist(), a))
+        torch.testing.assert_close(dpace_weights(conf, counted, a), ref)
+    # a = 1: every draft is assumed to stand, so step j weighs the counted steps from j on (S − j without holes)
+    full = dpace_weights(conf, torch.ones(4, 9, dtype=torch.bool), 1.0)
+    assert full[:, 0].tolist() == [4.0, 3.0, 2.0, 1.0]
+    with pytest.raises(ValueError, match="must be"):
+        dpace_weights(conf[0], counted[0], 0.5)
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        LossConfig(position_weights="dpace", dpace_alpha=0.0)
+    with pytest.raises(ValueError, match="position_weights"):
+        LossConfig(position_weights="linear")
+
+
+@pytest.mark.parametrize("impl", ["checkpoint", "fused"])
+@pytest.mark.parametrize("kind", ["soft_ce", "tv", "lk_hybrid"])
+def test_row_weights_scale_each_rows_loss_and_gradient(kind, impl):
+    pred, target = _rand(23, H, seed=11).requires_grad_(), _rand(23, H, seed=12)
+    lm_head = _rand(V, H, seed=13, scale=0.5)
+    w = torch.rand(23, generator=torch.Generator().manual_seed(14), dtype=torch.float64) * 2
+    loss, top1, _, alpha = chunked_token_loss(pred, target, lm_head, chunk_size=7, impl=impl, kind=kind, row_weight=w)
+    rows = _reference_kind(kind, pred @ lm_head.T, target @ lm_head.T)
+    ref = (rows * w).sum()
+    torch.testing.assert_close(loss, ref)
+    (g,) = torch.autograd.grad(loss, pred)
+    (r,) = torch.autograd.grad(ref, pred)
+    torch.testing.assert_close(g, r)
+    _, top1_plain, _, alpha_plain = chunked_token_loss(pred, target, lm_head, chunk_size=7, impl=impl, kind=kind)
+    assert int(top1) == int(top1_plain) and float(alpha) == pytest.approx(float(alpha_plain))  # counts unweighted
+
+
+def test_fused_native_path_takes_row_weights(monkeypatch):
+    """fp32 on CPU: the native soft-CE kernel's rows and gradient are weighted as the torch path's."""
+    if not cpu_kernels.available():
+        pytest.skip("native CPU kernels not built")
+    pred = _rand(21, H, seed=15, dtype=torch.float32).requires_grad_()
+    target, lm_head = _rand(21, H, seed=16, dtype=torch.float32), _rand(V, H, seed=17, scale=0.5, dtype=torch.float32)
+    w = torch.rand(21, generator=torch.Generator().manual_seed(18))
+    native = chunked_token_loss(pred, target, lm_head, chunk_size=8, impl="fused", row_weight=w)[0]
+    (g_native,) = torch.autograd.grad(native, pred)
+    monkeypatch.setattr(cpu_kernels, "serves", lambda *a: False)
+    plain = chunked_token_loss(pred, target, lm_head, chunk_size=8, impl="fused", row_weight=w)[0]
+    (g_plain,) = torch.autograd.grad(plain, pred)
+    torch.testing.assert_close(native, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_native, g_plain, rtol=1e-5, atol=1e-6)
+
+
+def test_dpace_unrolled_loss_weights_rows_by_the_heads_confidence(tiny_batch):
+    """Under dpace each step's loss is the row-weighted step loss with the weights of `dpace_weights` on the head's
+    own probability of the target's argmax; step weights are all 1; the mean weight is logged per step."""
+    from mtp_train.train.position_weights import dpace_weights
+
+    path, hidden, ids, mask, lens = tiny_batch
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type="mtp"), path, dtype="float32")
+    cfg = LossConfig(steps=3, chunk_size=7, position_weights="dpace", dpace_alpha=0.5)
+    loss, m = unrolled_loss(head, hidden, ids, mask, lens, cfg)
+    preds = head.unroll(hidden, ids, lens, 3)
+    conf, counted, targets = [], [], []
+    for j, pred in enumerate(preds):
+        t, c = step_targets(hidden, mask, lens, j)
+        z, zt = pred @ head.frozen.lm_head.T, t @ head.frozen.lm_head.T
+        conf.append(z.softmax(-1).gather(1, zt.argmax(-1, keepdim=True)).squeeze(1).detach())
+        counted.append(c)
+        targets.append(t)
+    w = dpace_weights(torch.stack(conf), torch.stack(counted), 0.5)
+    assert float(w[0][counted[0]].min()) > float(w[2][counted[2]].max())  # earlier steps weigh more
+    ref = sum(draft_loss(preds[j], targets[j], counted[j], head.frozen.lm_head, row_weight=w[j])[0] for j in range(3))
+    torch.testing.assert_close(loss, ref)
+    for j in range(3):
+        torch.testing.assert_close(m[f"step{j}/pos_weight"], w[j][counted[j]].mean())
+    loss.backward()
+    assert all(p.grad is not None for p in head.parameters())
+
+
+def test_dpace_trains_a_three_step_head(tiny_batch):
+    path, hidden, ids, mask, lens = tiny_batch
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type="mtp"), path, dtype="float32")
+    cfg = LossConfig(steps=3, w_tok=1.0, chunk_size=8, position_weights="dpace", ce_impl="fused")
+    opt = torch.optim.Adam(head.parameters(), lr=5e-3)
+    first = None
+    for _ in range(40):
+        loss, m = unrolled_loss(head, hidden, ids, mask, lens, cfg)
+        first = first if first is not None else m
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for j in range(3):
+        assert m[f"step{j}/top1"] > first[f"step{j}/top1"], j
+        assert m[f"step{j}/pos_weight"] > first[f"step{j}/pos_weight"], j  # more confidence, more weight

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 CE_IMPLS = ("checkpoint", "fused")  # how the soft cross-entropy's backward is computed (see train/losses.py)
 # the token loss between the head's and the target's distributions (see train/divergences.py)
 LOSS_KINDS = ("soft_ce", "rkl", "jsd", "tv", "nla", "lk_hybrid")
+POSITION_WEIGHTS = ("decay", "dpace")  # how the unrolled steps' rows are weighted (see train/position_weights.py)
 UNROLL_ATTENTION = ("chain", "causal")  # how unrolled steps j > 0 attend (see heads/chain_attention.py)
 
 
@@ -21,6 +22,11 @@ class LossConfig:
     steps: int = 1  # chained draft steps unrolled per batch
     step_decay: float = 0.8  # step j weighs step_decay ** j, unless step_weights is given
     step_weights: list[float] | None = None  # explicit per-step weights (length = steps)
+    # decay: step j weighs step_weights[j] (or step_decay ** j); dpace: each row of each step weighs the expected
+    # accepted drafts that depend on it, from the head's own detached confidence (D-PACE), and the step weights
+    # are not used
+    position_weights: str = "decay"
+    dpace_alpha: float = 0.5  # D-PACE's confidence smoothing: (1 − a)·q + a, in (0, 1]
     unroll_attention: str = "chain"  # chain (as the inference chain sees it) | causal (DeepSeek-V3 MTP style)
     chunk_size: int = 1024  # rows per lm_head chunk: bounds memory at ~3 · chunk_size · V floats
     ce_impl: str = "checkpoint"  # checkpoint | fused (see the module docstring)
@@ -39,13 +45,20 @@ class LossConfig:
         if self.unroll_attention not in UNROLL_ATTENTION:
             raise ValueError(f"unknown unroll_attention {self.unroll_attention!r}; "
                              f"choose one of {', '.join(UNROLL_ATTENTION)}")
+        if self.position_weights not in POSITION_WEIGHTS:
+            raise ValueError(f"unknown position_weights {self.position_weights!r}; choose one of "
+                             f"{', '.join(POSITION_WEIGHTS)}")
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.kind not in LOSS_KINDS:
             raise ValueError(f"unknown loss kind {self.kind!r}; choose one of {', '.join(LOSS_KINDS)}")
         if self.ce_impl not in CE_IMPLS:
             raise ValueError(f"unknown ce_impl {self.ce_impl!r}; choose one of {', '.join(CE_IMPLS)}")
 
     def weights(self) -> list[float]:
-        """Per-step loss weights."""
+        """Per-step loss weights (all 1 under dpace, whose weights are per row)."""
+        if self.position_weights == "dpace":
+            return [1.0] * self.steps
         if self.step_weights is not None:
             return [float(w) for w in self.step_weights]
         return [self.step_decay**j for j in range(self.steps)]

@@ -41,6 +41,7 @@ from mtp_train.config.loss import CE_IMPLS, LOSS_KINDS, LossConfig
 from mtp_train.heads import DraftHead, packed_shift, resolve_seq_lens
 from mtp_train.layers import cpu_kernels
 from mtp_train.train.divergences import row_loss
+from mtp_train.train.position_weights import dpace_weights, target_argmax_probability
 
 TOPK = 3  # the second accuracy reported: target argmax within the head's top-3
 
@@ -123,17 +124,23 @@ def _alpha(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         return torch.minimum(z.softmax(-1), p).sum()
 
 
+def _weighted_sum(rows: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor:
+    return rows.sum() if row_weight is None else (rows * row_weight.to(rows.dtype)).sum()
+
+
 def _ce_chunk(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, target_weight: torch.Tensor,
-              kind: str = "soft_ce") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The token loss summed over one chunk's rows, top-1 / top-k counts and Σ α."""
+              kind: str = "soft_ce", row_weight: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token loss summed over one chunk's rows (each times its row_weight, when given), top-1 / top-k counts
+    and Σ α (unweighted)."""
     if kind != "soft_ce":
         z, t = _logits(pred, target, weight, target_weight)
         rows, alpha = row_loss(kind, z, t)
         top1, topk = _accuracy(z, t.argmax(-1))
-        return rows.sum(), top1, topk, alpha.sum()
+        return _weighted_sum(rows, row_weight), top1, topk, alpha.sum()
     z, p, best = _chunk_logits(pred, target, weight, target_weight)
     # -Σ p·log_softmax(z) = logsumexp(z) - Σ p·z  (Σ p = 1): no (C, V) log-softmax tensor is kept
-    ce = (torch.logsumexp(z, -1) - (p * z).sum(-1)).sum()
+    ce = _weighted_sum(torch.logsumexp(z, -1) - (p * z).sum(-1), row_weight)
     top1, topk = _accuracy(z, best)
     return ce, top1, topk, _alpha(z, p)
 
@@ -145,7 +152,7 @@ class _FusedTokenLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
-                target_weight: torch.Tensor, chunk_size: int, kind: str,
+                target_weight: torch.Tensor, chunk_size: int, kind: str, row_weight: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         acc = torch.promote_types(torch.promote_types(weight.dtype, target_weight.dtype), torch.float32)
         ce = torch.zeros((), dtype=acc, device=pred.device)
@@ -156,13 +163,14 @@ class _FusedTokenLoss(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[2] else None
         for s in range(0, pred.shape[0], chunk_size):
             chunk = pred[s:s + chunk_size]
+            rw = None if row_weight is None else row_weight[s:s + chunk_size].to(acc)
             z, t = _logits(chunk, target[s:s + chunk_size], weight, target_weight)
             if kind != "soft_ce":
                 with torch.enable_grad():
                     zg = z.detach().requires_grad_()
                     rows, a_rows = row_loss(kind, zg, t)
-                    (dz,) = torch.autograd.grad(rows.sum(), zg)
-                ce += rows.detach().sum()
+                    (dz,) = torch.autograd.grad(_weighted_sum(rows, rw), zg)
+                ce += _weighted_sum(rows.detach(), rw)
                 alpha += a_rows.sum()
                 a, b = _accuracy(z, t.argmax(-1))
                 top1 += a
@@ -171,19 +179,21 @@ class _FusedTokenLoss(torch.autograd.Function):
                 alpha += _alpha(z, t.softmax(-1))  # before the kernel turns z into d CE / d z
                 # One pass per row in native code: CE, argmax, rank, and d CE / d z = softmax(z) - p over z.
                 ce_rows, _, rank = cpu_kernels.soft_ce_(z, t)
-                ce += ce_rows.sum()
+                ce += _weighted_sum(ce_rows, rw)
                 top1 += (rank == 0).sum()
                 topk += (rank < min(TOPK, z.shape[-1])).sum()
-                dz = z
+                dz = z if rw is None else z.mul_(rw[:, None])
             else:
                 p = t.softmax(-1)
                 lse = torch.logsumexp(z, -1)  # (C,)
-                ce += (lse - (p * z).sum(-1)).sum()
+                ce += _weighted_sum(lse - (p * z).sum(-1), rw)
                 alpha += _alpha(z, p)
                 a, b = _accuracy(z, p.argmax(-1))
                 top1 += a
                 topk += b
                 dz = (z - lse[:, None]).exp_().sub_(p)  # d CE / d z = softmax(z) - p
+                if rw is not None:
+                    dz.mul_(rw[:, None])
             # then through the linear: (C, V) @ (V, H), and (V, C) @ (C, H)
             if grad is not None:
                 if dz.dtype == weight.dtype == pred.dtype:
@@ -203,7 +213,7 @@ class _FusedTokenLoss(torch.autograd.Function):
         grad, grad_w = ctx.saved_tensors
         gp = grad * g_ce.to(grad.dtype) if ctx.has[0] else None
         gw = grad_w * g_ce.to(grad_w.dtype) if ctx.has[1] else None
-        return gp, None, gw, None, None, None
+        return gp, None, gw, None, None, None, None
 
 
 def chunked_soft_ce(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.Tensor, chunk_size: int = 1024,
@@ -216,6 +226,7 @@ def chunked_soft_ce(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.Ten
 
 def chunked_token_loss(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.Tensor, chunk_size: int = 1024,
                        impl: str = "checkpoint", pred_head: torch.Tensor | None = None, kind: str = "soft_ce",
+                       row_weight: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The token loss of `kind` (`mtp_train.train.divergences`) of the head's distribution against the target's,
     summed over rows, with top-k counts and Σ α (the acceptance rate a sampled draft would get, summed).
@@ -225,6 +236,7 @@ def chunked_token_loss(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.
     Returns (loss_sum scalar in float32 or wider, top1 count, top3 count, α sum): top-k = the target's argmax is
     among the head's k most likely tokens. At most `chunk_size` rows of (·, V) logits exist at a time. Gradients
     reach `pred` and a trainable `pred_head` only (the target and the target's lm_head are constants).
+    row_weight: (N,) constants multiplying each row's loss (and gradient); top-k and α stay unweighted counts.
     """
     if impl not in CE_IMPLS:
         raise ValueError(f"unknown ce impl {impl!r}; choose one of {', '.join(CE_IMPLS)}")
@@ -234,14 +246,16 @@ def chunked_token_loss(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.
     if kind not in LOSS_KINDS:
         raise ValueError(f"unknown loss kind {kind!r}; choose one of {', '.join(LOSS_KINDS)}")
     if impl == "fused" and grad:
-        return _FusedTokenLoss.apply(pred, target.detach(), w, lm_head.detach(), chunk_size, kind)
+        return _FusedTokenLoss.apply(pred, target.detach(), w, lm_head.detach(), chunk_size, kind,
+                                     None if row_weight is None else row_weight.detach())
     acc = torch.promote_types(torch.promote_types(lm_head.dtype, w.dtype), torch.float32)
     ce = torch.zeros((), dtype=acc, device=pred.device)
     alpha = torch.zeros((), dtype=acc, device=pred.device)
     top1 = torch.zeros((), dtype=torch.long, device=pred.device)
     topk = torch.zeros_like(top1)
     for s in range(0, n, chunk_size):
-        args = (pred[s:s + chunk_size], target[s:s + chunk_size].detach(), w, lm_head.detach(), kind)
+        rw = None if row_weight is None else row_weight[s:s + chunk_size].detach()
+        args = (pred[s:s + chunk_size], target[s:s + chunk_size].detach(), w, lm_head.detach(), kind, rw)
         # Non-reentrant: unrolled steps reuse one module, which reentrant checkpointing breaks under ZeRO-2.
         c, a, b, al = checkpoint(_ce_chunk, *args, use_reentrant=False) if grad else _ce_chunk(*args)
         ce = ce + c
@@ -257,7 +271,7 @@ def chunked_token_loss(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.
 def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, lm_head: torch.Tensor,
                num_tokens: float | torch.Tensor | None = None, *, w_feat: float = 1.0, w_tok: float = 0.1,
                smooth_l1_beta: float = 1.0, chunk_size: int = 1024, impl: str = "checkpoint",
-               pred_head: torch.Tensor | None = None, kind: str = "soft_ce",
+               pred_head: torch.Tensor | None = None, kind: str = "soft_ce", row_weight: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one draft step.
 
@@ -265,7 +279,8 @@ def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, 
     (T,) bool rows to learn; lm_head: (V, H) frozen, the target's side; pred_head: the head's side (None =
     lm_head); num_tokens: the normaliser (None → counted.sum(); a trainer passes the global count).
     Rows not counted are dropped before any arithmetic, so their values (even NaN) never matter.
-    kind: the token loss (`mtp_train.train.divergences`).
+    kind: the token loss (`mtp_train.train.divergences`); row_weight: (T,) constant weights of the rows' feature and
+    token losses (D-PACE, `mtp_train.train.position_weights`), None = 1.
     Returns (loss, metrics): loss, feat_loss, tok_loss, top1, top3, alpha (the mean acceptance α of a draft
     sampled from the head), each a sum over this batch's rows divided by num_tokens (so they add up over ranks),
     and num_tokens = this batch's counted rows.
@@ -276,8 +291,9 @@ def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, 
     denom = n_local if num_tokens is None else torch.as_tensor(num_tokens, dtype=torch.float32, device=pred.device)
     denom = denom.clamp_min(1.0)  # a batch without counted rows gives a zero (still differentiable) loss
     acc = torch.promote_types(pred.dtype, torch.float32)  # bf16 features are compared in float32
-    feat = F.smooth_l1_loss(p.to(acc), t.to(acc), reduction="none", beta=smooth_l1_beta).mean(-1).sum()
-    ce, top1, top3, alpha = chunked_token_loss(p, t, lm_head, chunk_size, impl, pred_head, kind)
+    rw = None if row_weight is None else row_weight.detach()[idx]
+    feat = _weighted_sum(F.smooth_l1_loss(p.to(acc), t.to(acc), reduction="none", beta=smooth_l1_beta).mean(-1), rw)
+    ce, top1, top3, alpha = chunked_token_loss(p, t, lm_head, chunk_size, impl, pred_head, kind, rw)
     feat_loss, tok_loss = feat / denom, ce / denom
     loss = w_feat * feat_loss + w_tok * tok_loss
     metrics = {
@@ -307,23 +323,51 @@ def in_draft_vocab(head: DraftHead, hidden: torch.Tensor, chunk_size: int = 1024
     return member[best]
 
 
+def _counted_rows(hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int], step: int,
+                  in_vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step `step`'s target rows (T, H), its counted rows (T,) bool (in_vocab applied) and the count before it."""
+    target, counted = step_targets(hidden, loss_mask, lens, step)
+    n_all = counted.sum().float()
+    if in_vocab is not None:
+        counted = counted & packed_shift(in_vocab, lens, step + 1, fill=False)
+    return target, counted, n_all
+
+
+def row_weights(head: DraftHead, preds: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torch.Tensor,
+                lens: list[int], cfg: LossConfig, in_vocab: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Per step, the (T,) row weights of `cfg.position_weights` (None for `decay`, whose weights are per step):
+    D-PACE's from one no-grad lm_head pass per step over the head's predictions."""
+    if cfg.position_weights != "dpace":
+        return [None] * len(preds)
+    conf, masks = [], []
+    for j, pred in enumerate(preds):
+        target, counted, _ = _counted_rows(hidden, loss_mask, lens, j, in_vocab)
+        conf.append(target_argmax_probability(head.logit_input(pred).detach(), target, head.draft_lm_head().detach(),
+                                              head.lm_head_weight(), cfg.chunk_size))
+        masks.append(counted)
+    return list(dpace_weights(torch.stack(conf), torch.stack(masks), cfg.dpace_alpha).unbind(0))
+
+
 def step_loss(head: DraftHead, out: torch.Tensor, hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int],
               step: int, cfg: LossConfig, num_tokens: float | torch.Tensor | None,
-              in_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              in_vocab: torch.Tensor | None = None, row_weight: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`draft_loss` of draft step `step` of a head: out (T, H) its output, hidden (T, H) the target's final hidden.
 
     The head's lm_head reads `head.logit_input(out)` through `head.draft_lm_head()`; the target's distribution
     comes from its own lm_head rows of the draft vocabulary. in_vocab (T,) (see `in_draft_vocab`): rows whose
     target position is out of the draft vocabulary are not counted.
     """
-    target, counted = step_targets(hidden, loss_mask, lens, step)
-    n_all = counted.sum().float()
+    target, counted, n_all = _counted_rows(hidden, loss_mask, lens, step, in_vocab)
     if in_vocab is not None:
-        counted = counted & packed_shift(in_vocab, lens, step + 1, fill=False)
         num_tokens = n_all if num_tokens is None else num_tokens
     loss, m = draft_loss(head.logit_input(out), target, counted, head.lm_head_weight(), num_tokens, w_feat=cfg.w_feat,
                          w_tok=cfg.w_tok, smooth_l1_beta=cfg.smooth_l1_beta, chunk_size=cfg.chunk_size,
-                         impl=cfg.ce_impl, pred_head=head.draft_lm_head(), kind=cfg.kind)
+                         impl=cfg.ce_impl, pred_head=head.draft_lm_head(), kind=cfg.kind, row_weight=row_weight)
+    if row_weight is not None:
+        # the mean D-PACE weight of the rows, over the same normaliser as the others (so it adds up over ranks)
+        denom = torch.as_tensor(n_all if num_tokens is None else num_tokens, dtype=torch.float32)
+        m["pos_weight"] = row_weight[counted].sum() / denom.to(row_weight.device).clamp_min(1.0)
     m["num_tokens"] = n_all  # masked-out rows stay in every normaliser: their top-1 counts as a miss
     return loss, m
 
@@ -362,11 +406,12 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
         x = uniform_noise(x, cfg.noise_std, generator)
     in_vocab = in_draft_vocab(head, hidden, cfg.chunk_size) if cfg.mask_out_of_draft else None
     preds = head.unroll(x, input_ids, lens, cfg.steps, cfg.unroll_attention)
+    rows_w = row_weights(head, preds, hidden, loss_mask, lens, cfg, in_vocab)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     metrics: dict[str, torch.Tensor] = {}
     for j, (pred, w) in enumerate(zip(preds, cfg.weights())):
         loss_j, m = step_loss(head, pred, hidden, loss_mask, lens, j, cfg,
-                              None if num_tokens is None else num_tokens[j], in_vocab)
+                              None if num_tokens is None else num_tokens[j], in_vocab, rows_w[j])
         total = total + w * loss_j
         metrics.update({f"step{j}/{k}": v for k, v in m.items()})
     metrics.update({k: metrics[f"step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "alpha",
