@@ -176,10 +176,12 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
     names = [v.name for v in variants]
     assert names[:6] == ["mtp-soft_ce-s1", "mtp-lk_hybrid-s1", "mtp-tv-s1", "mtp-nla-s1", "mtp-soft_ce-s3",
                          "mtp-lk_hybrid-s3"]
-    assert len(names) == len(set(names)) == 12
+    assert len(names) == len(set(names)) == 13
     mtp = {(dict(o.split("=") for o in v.overrides)["loss.kind"], dict(o.split("=") for o in v.overrides)
             ["loss.steps"]) for v in variants if v.head == "mtp"}
     assert mtp == {(k, s) for k in ("soft_ce", "tv", "nla", "lk_hybrid") for s in ("1", "3")}
+    dpace = [v.name for v in variants if "loss.position_weights=dpace" in v.overrides]
+    assert dpace == ["mtp-soft_ce-s3-dpace"]
     assert "loss.steps=1" in cfg.train
     for v in variants:
         assert curve.head_available(v.head) is None
@@ -194,6 +196,7 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
         assert c.loss.steps == int(own["loss.steps"]) and c.train.seed == 0 and c.train.log_every == 5
         assert c.loss.kind == own.get("loss.kind", "soft_ce") and c.head.draft_vocab_size == 8192
         assert c.head.aux_norm == c.head.norm_output == (v.name.startswith("eagle3.1"))
+        assert c.loss.position_weights == ("dpace" if v.name in dpace else "decay")
     eagle3 = {v.name: int(dict(o.split("=", 1) for o in v.overrides)["loss.steps"]) for v in variants
               if v.head == "eagle3"}
     assert eagle3 == {"eagle3-s3": 3, "eagle3.1-s3": 3, "eagle3-s7": 7, "eagle3.1-s7": 7}
