@@ -26,6 +26,12 @@ def test_the_tree_axis_gives_one_point_per_tree_at_its_depth():
     assert len(plain) == 1 and plain[0].tree is None
 
 
+def test_a_tree_point_is_run_once_whatever_the_draft_widths():
+    cfg = EvalConfig(k=[1, 2], draft_width=[1, 2], tree=["none", "2x2x4"], ngram=NgramConfig(compare=False))
+    heads = [(p.k, p.draft_width, p.tree) for p in expand_grid(cfg) if p.method == "mtp"]
+    assert heads == [(1, 1, "none"), (2, 1, "none"), (2, 1, "2x2x4"), (1, 2, "none"), (2, 2, "none")]
+
+
 def test_a_tree_point_builds_the_heads_tree(tiny_checkpoints):
     cfg = EvalConfig(k=2, tree=["none", "3x2x6"], ngram=NgramConfig(compare=False))
     head = build_head(HeadConfig(type="mtp"), tiny_checkpoints["llama"][0])

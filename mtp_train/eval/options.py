@@ -80,6 +80,8 @@ def expand_grid(cfg: EvalConfig) -> list[EvalPoint]:
             v = dict(zip(axes, combo))
             if v.get("tree", "none") != "none":  # a tree drafts its own depth: one point per tree, at k = steps
                 v["k"] = int(v["tree"].split("x")[0])
+                if "draft_width" in v:  # the tree sets its own widths: one point, not one per draft_width
+                    v["draft_width"] = 1
                 if (spec, v) in values:
                     continue
             values.append((spec, v))
