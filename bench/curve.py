@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import shlex
 import shutil
 import sys
@@ -49,11 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import curve_variants as cv  # noqa: E402
 from bench_train import DEFAULT_MODEL, compose_train  # noqa: E402
 from common import compose, report  # noqa: E402
+from curve_report import fmt_tokens, summarize, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "conf" / "experiment" / "curve.yaml"
 SHARED_REGEN = ROOT.parent / "shared" / "data" / "train" / "regen_smollm2_greedy.jsonl"
-TAU_GOAL = 2.0
 
 
 # --- config -------------------------------------------------------------------------------------------------------
@@ -313,193 +312,6 @@ class Evaluator:
         return {"n_max": n_max, "n_min": n_min, **self.measure(lambda: NgramProposer(n_max=n_max, n_min=n_min))}
 
 
-# --- the report -------------------------------------------------------------------------------------------------
-
-
-def log_fit(points: list[dict[str, Any]]) -> tuple[float, float] | None:
-    """Least squares τ = a + b·log2(tokens) over the points; (a, b) (b: τ gained per doubling), None if < 2."""
-    xs = [math.log2(p["tokens"]) for p in points]
-    ys = [p["tau"] for p in points]
-    if len(xs) < 2 or max(xs) == min(xs):
-        return None
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
-
-
-def tokens_for_tau(fit: tuple[float, float] | None, tau: float = TAU_GOAL) -> float | None:
-    """Where the log-linear fit reaches τ (an extrapolation); None when it does not rise."""
-    if fit is None or fit[1] <= 0:
-        return None
-    return 2.0 ** ((tau - fit[0]) / fit[1])
-
-
-def _tokens(n: float) -> str:
-    """A token count in binary units: 16k, 1.5M, ...; scientific beyond 1000T."""
-    if n >= 1000 * (1 << 50):
-        return f"{n:.2g}"
-    for unit, scale in (("T", 1 << 50), ("G", 1 << 30), ("M", 1 << 20), ("k", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.0f}"
-
-
-def head_order(results: dict[str, Any]) -> list[str]:
-    """The measured heads in the config's order (curve.json's keys are sorted)."""
-    heads = results["heads"]
-    first = [h for h in results.get("head_order", []) if h in heads]
-    return first + sorted(h for h in heads if h not in first)
-
-
-def summarize(results: dict[str, Any]) -> dict[str, Any]:
-    """Per head: the last point, the slope per doubling (all points and the upper half), the crossing count."""
-    heads = {h: sorted(results["heads"][h]["points"].values(), key=lambda p: p["tokens"]) for h in head_order(results)}
-    out: dict[str, Any] = {}
-    for h, pts in heads.items():
-        if not pts:
-            continue
-        upper = pts[len(pts) // 2:] if len(pts) >= 4 else pts
-        fit_all, fit_upper = log_fit(pts), log_fit(upper)
-        out[h] = {"last_tokens": pts[-1]["tokens"], "last_tau": pts[-1]["tau"],
-                  "slope_per_doubling": fit_all[1] if fit_all else None,
-                  "slope_per_doubling_upper": fit_upper[1] if fit_upper else None,
-                  "upper_from_tokens": upper[0]["tokens"],
-                  "tokens_for_tau_goal": tokens_for_tau(fit_upper)}
-    names = [h for h in heads if heads[h]]
-    if len(names) >= 2:
-        a, b = names[:2]
-        by_step = {p["step"]: p["tau"] for p in heads[b]}
-        diffs = [p["tau"] - by_step[p["step"]] for p in heads[a] if p["step"] in by_step]
-        signs = [d > 0 for d in diffs if d != 0]
-        out["pair"] = {"heads": [a, b], "crossings": sum(x != y for x, y in zip(signs, signs[1:])),
-                       "last_diff": diffs[-1] if diffs else None, "diffs": diffs}
-    return out
-
-
-def markdown_table(results: dict[str, Any]) -> str:
-    """tokens × head → τ and per-position acceptance; prompt lookup as the last row."""
-    heads = [h for h in head_order(results) if results["heads"][h]["points"]]
-    k = int(results["eval"]["k"])
-    pos = " / ".join(f"pos{j}" for j in range(k))
-    header = "| training tokens | step | " + " | ".join(f"τ `{h}` | {pos} `{h}`" for h in heads) + " |"
-    lines = [header, "|---:|---:|" + "---:|---:|" * len(heads)]
-    steps = sorted({p["step"] for h in heads for p in results["heads"][h]["points"].values()})
-    for step in steps:
-        cells, tokens = [], None
-        for h in heads:
-            p = results["heads"][h]["points"].get(str(step))
-            if p is None:
-                cells += ["–", "–"]
-                continue
-            tokens = p["tokens"]
-            cells += [f"{p['tau']:.3f}", " / ".join(f"{a:.3f}" for a in p["pos"])]
-        lines.append(f"| {_tokens(tokens or 0)} ({tokens}) | {step} | " + " | ".join(cells) + " |")
-    ng = results.get("ngram")
-    if ng:
-        cells = [f"{ng['tau']:.3f}", " / ".join(f"{a:.3f}" for a in ng["pos"])] + [""] * (2 * len(heads) - 2)
-        lines.append(f"| prompt lookup (n = {ng['n_min']}..{ng['n_max']}, no training) | – | "
-                     + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def fits_text(summary: dict[str, Any]) -> str:
-    lines = []
-    for h, s in summary.items():
-        if h == "pair":
-            continue
-        slope = s["slope_per_doubling"]
-        upper = s["slope_per_doubling_upper"]
-        need = s["tokens_for_tau_goal"]
-        lines.append(
-            f"- `{h}`: τ {s['last_tau']:.3f} at {_tokens(s['last_tokens'])} tokens; τ per doubling of the tokens "
-            f"{'–' if slope is None else f'{slope:+.3f}'} over all points, "
-            f"{'–' if upper is None else f'{upper:+.3f}'} from {_tokens(s['upper_from_tokens'])} on; "
-            + (f"extrapolated (log-linear from {_tokens(s['upper_from_tokens'])} on) to τ {TAU_GOAL}: "
-               f"~{_tokens(need)} tokens" if need else f"no rising trend to extrapolate to τ {TAU_GOAL}") + ".")
-    pair = summary.get("pair")
-    if pair and pair["last_diff"] is not None:
-        a, b = pair["heads"]
-        lines.append(f"- `{a}` − `{b}` at the last point: {pair['last_diff']:+.3f} τ; the curves cross "
-                     f"{pair['crossings']} time(s) over the points.")
-    return "\n".join(lines)
-
-
-def markdown(results: dict[str, Any]) -> str:
-    summary = summarize(results)
-    ev = results["eval"]
-    skipped = "".join(f"\n- `{h}` skipped: {why}" for h, why in results.get("skipped", {}).items())
-    return (f"# Learning curve: τ against training tokens\n\n"
-            f"Command: `{results['command']}`\n\n"
-            f"- Data: {results['data']} (`{results['data_dir']}`)"
-            + (f"; {results['data_dirs_note']}" if results.get("data_dirs_note") else "") + "\n"
-            f"- Recipe (every head, one run each to {_tokens(results['budget_tokens'])} tokens = "
-            f"{results['max_steps']} steps): `{' '.join(results['recipe'])}`\n"
-            f"- Evaluation at each point: greedy speculative decoding through the engine, k = {ev['k']}, "
-            f"{ev['limit']} conversations of {', '.join(ev['prompts'])}, at most {ev['max_new_tokens']} new tokens "
-            f"per turn, batch {ev['batch_size']}; τ = mean tokens per verify step, posj = acceptance at draft "
-            f"position j.\n"
-            f"- Training tokens = packed rows (prompt and answer tokens) the head has trained on; the smaller "
-            f"points are exports of the same run mid-way through its cosine schedule.{skipped}\n\n"
-            f"{markdown_table(results)}\n\n## Fits (computed)\n\n{fits_text(summary)}\n")
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    """τ (left) and per-position acceptance (right) against training tokens, log x axis; prompt lookup dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = ["-", "--", ":", "-."]
-    for i, h in enumerate(head_order(results)):
-        pts = sorted(results["heads"][h]["points"].values(), key=lambda p: p["tokens"])
-        if not pts:
-            continue
-        xs = [p["tokens"] for p in pts]
-        ax.plot(xs, [p["tau"] for p in pts], "o-", color=colors[i % len(colors)], label=h)
-        for j in range(len(pts[0]["pos"])):
-            ax2.plot(xs, [p["pos"][j] for p in pts], marker="o", ms=3, ls=styles[j % len(styles)],
-                     color=colors[i % len(colors)], label=f"{h} pos{j}")
-    ng = results.get("ngram")
-    if ng:
-        ax.axhline(ng["tau"], color="gray", ls="--", label=f"prompt lookup (n ≤ {ng['n_max']})")
-        for j, a in enumerate(ng["pos"]):
-            ax2.axhline(a, color="gray", ls=styles[j % len(styles)], lw=0.8,
-                        label="prompt lookup pos0..2" if j == 0 else None)
-    k = results["eval"]["k"]
-    ax.set(xscale="log", xlabel="training tokens", ylabel=f"τ (tokens per verify step, k = {k})",
-           title=f"τ on {', '.join(results['eval']['prompts'])}, greedy")
-    ax2.set(xscale="log", xlabel="training tokens", ylabel="acceptance at draft position j",
-            title="per-position acceptance")
-    for a in (ax, ax2):
-        a.set_xscale("log", base=2)
-        a.grid(True, which="both", alpha=0.3)
-        a.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: _tokens(x)))
-    ax.legend(loc="upper left")
-    ax2.legend(loc="upper left", fontsize=7, ncol=2, handlelength=3.5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_report(results: dict[str, Any], out: Path, doc: Path | None = None, png: Path | None = None) -> str:
-    from mtp_train.fileio import atomic_write_text
-
-    text = markdown(results) + cv.variants_markdown(results)
-    atomic_write_text(out / "curve.md", text)
-    plot(results, out / "curve.png")
-    if doc is not None:
-        doc.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(doc, text)
-        cv.write_points_json(results, doc.with_suffix(".json"))
-    if png is not None:
-        png.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(out / "curve.png", png)
-    return text
-
-
 # --- the run ------------------------------------------------------------------------------------------------------
 
 
@@ -552,7 +364,7 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
                     "eval": dataclasses.asdict(cfg.eval), "skipped": {}, "head_order": list(cfg.heads),
                     "data_dirs": results.get("data_dirs", {})})
     results.setdefault("heads", {})
-    print(f"curve: {len(points)} points {', '.join(_tokens(p) for p in points)} tokens → steps "
+    print(f"curve: {len(points)} points {', '.join(fmt_tokens(p) for p in points)} tokens → steps "
           f"{[s for s, _ in plan]} (max_steps {max_steps}); data: {kind}", flush=True)
     evaluator: Evaluator | None = None
     for head in cfg.heads if run_heads else []:
@@ -582,7 +394,7 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
             evaluator = evaluator or Evaluator(model, cfg.eval)
             p = evaluator.head_point(run_out / HEADS_DIR / tag_for(step))
             rec["points"][str(step)] = p
-            print(f"curve: {head} step {step} ({_tokens(p['tokens'])} tokens): τ {p['tau']:.3f}, pos "
+            print(f"curve: {head} step {step} ({fmt_tokens(p['tokens'])} tokens): τ {p['tau']:.3f}, pos "
                   f"{' / '.join(f'{a:.3f}' for a in p['pos'])} ({p['seconds']:.0f}s)", flush=True)
             save_results(results, out)
     if not variants:

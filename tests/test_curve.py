@@ -25,6 +25,14 @@ def curve():
     sys.modules.pop(spec.name, None)
 
 
+@pytest.fixture(scope="module")
+def report(curve):
+    """bench/curve_report.py (on sys.path once curve.py is loaded): the fits, table and plot."""
+    import curve_report
+
+    return curve_report
+
+
 def test_token_points_double_up_to_the_budget(curve):
     assert curve.log_spaced(16384, 524288) == [16384, 32768, 65536, 131072, 262144, 524288]
     assert curve.log_spaced(1000, 5000) == [1000, 2000, 4000, 5000]  # the budget is always the last point
@@ -93,26 +101,26 @@ def _synthetic() -> dict:
                       "seconds": 1.0}}
 
 
-def test_fits_and_crossings(curve):
-    s = curve.summarize(_synthetic())
+def test_fits_and_crossings(report):
+    s = report.summarize(_synthetic())
     assert s["pair"]["heads"] == ["mtp", "eagle1"] and s["pair"]["crossings"] == 1
     assert s["pair"]["last_diff"] == pytest.approx(0.07)
     # upper half (the last two points): +0.10 per doubling from 1.35 at 128k → τ 2.0 after 6.5 more doublings
     assert s["mtp"]["slope_per_doubling_upper"] == pytest.approx(0.10)
     assert s["mtp"]["tokens_for_tau_goal"] == pytest.approx(131072 * 2**6.5)
-    assert curve.tokens_for_tau((2.0, -0.1)) is None  # a falling curve has no extrapolation
-    a, b = curve.log_fit([{"tokens": 2**i, "tau": 1 + 0.05 * i} for i in range(4, 9)])
+    assert report.tokens_for_tau((2.0, -0.1)) is None  # a falling curve has no extrapolation
+    a, b = report.log_fit([{"tokens": 2**i, "tau": 1 + 0.05 * i} for i in range(4, 9)])
     assert b == pytest.approx(0.05) and a == pytest.approx(1.0)
-    assert math.isclose(curve.tokens_for_tau((a, b), 1.5), 2**10)
+    assert math.isclose(report.tokens_for_tau((a, b), 1.5), 2**10)
 
 
-def test_report_table_plot_and_json(curve, tmp_path):
+def test_report_table_plot_and_json(curve, report, tmp_path):
     results = _synthetic()
     out = tmp_path / "run"
     out.mkdir()
     curve.save_results(results, out)
     assert json.loads((out / "curve.json").read_text())["heads"]["mtp"]["points"]["80"]["tau"] == 1.35
-    text = curve.write_report(results, out, doc=tmp_path / "docs" / "curve.md", png=tmp_path / "docs" / "curve.png")
+    text = report.write_report(results, out, doc=tmp_path / "docs" / "curve.md", png=tmp_path / "docs" / "curve.png")
     assert "| 16k (16384) | 10 | 1.100 | 0.100 / 0.050 / 0.025 | 1.120 |" in text
     assert "| prompt lookup (n = 1..3, no training) | – | 1.180 | 0.100 / 0.050 / 0.030 |  |  |" in text
     assert "`eagle3` skipped" in text and "extrapolated" in text and "cross 1 time(s)" in text
@@ -121,7 +129,7 @@ def test_report_table_plot_and_json(curve, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     # Without prompt lookup (not measured yet) the report still builds.
     results["ngram"] = None
-    assert "prompt lookup" not in curve.markdown_table(results)
+    assert "prompt lookup" not in report.markdown_table(results)
 
 
 def test_the_recipe_composes_for_every_head_and_unknown_heads_are_skipped(curve, tmp_path):
@@ -274,7 +282,7 @@ def test_run_variants_skips_finished_ones_and_resumes_training(curve):
     assert results["variants"]["c"]["step"] == 40 and results["variant_order"] == ["a", "b", "c"]
 
 
-def test_variants_table_and_points_json(curve, tmp_path):
+def test_variants_table_and_points_json(report, tmp_path):
     import curve_variants as cv
 
     results = _synthetic()
@@ -288,7 +296,7 @@ def test_variants_table_and_points_json(curve, tmp_path):
     results["variant_order"] = ["mtp-tv-s1", "mtp-nla-s1"]
     out = tmp_path / "run"
     out.mkdir()
-    text = curve.write_report(results, out, doc=tmp_path / "docs" / "curve.md")
+    text = report.write_report(results, out, doc=tmp_path / "docs" / "curve.md")
     assert "| 16k (16384) | 10 | 1.100 | 0.100 / 0.050 / 0.025 | 1.120 |" in text  # the heads' table unchanged
     assert "| `mtp-tv-s1` | `mtp` | `loss.kind=tv` | 131072 | 80 | 1.420 | 0.200 | 0.400 / 0.100 / 0.020 | 90 |" in text
     assert text.index("mtp-tv-s1") < text.index("mtp-nla-s1")
