@@ -285,12 +285,16 @@ class Evaluator:
         self.stops = stop_token_ids(self.tokenizer, self.target.args.eos_token_ids)
 
     def measure(self, proposer_factory: Any) -> dict[str, Any]:
-        from mtp_train.speculative.validator import head_acceptance
+        """One point: τ, its standard error over requests, acceptance, per-position acceptance, seconds, and the
+        per-request counts ({request: [steps, accepted]}) that pair it with any other point on these prompts."""
+        from mtp_train.speculative.metrics import tau_standard_error
+        from mtp_train.speculative.validator import spec_metrics
 
-        m = head_acceptance(self.target, self.tokenizer, proposer_factory, self.convs, self.ev.k,
-                            self.ev.max_new_tokens, batch_size=self.ev.batch_size, stop_token_ids=self.stops)
-        return {"tau": m["spec/tau"], "acceptance_rate": m["spec/acceptance_rate"], "seconds": m["spec/seconds"],
-                "pos": [m[f"spec/pos{j}"] for j in range(self.ev.k) if f"spec/pos{j}" in m]}
+        m, seconds = spec_metrics(self.target, self.tokenizer, proposer_factory, self.convs, self.ev.k,
+                                  self.ev.max_new_tokens, batch_size=self.ev.batch_size, stop_token_ids=self.stops)
+        return {"tau": m.mean_acceptance_length, "tau_se": tau_standard_error(m.by_request),
+                "acceptance_rate": m.acceptance_rate, "seconds": seconds, "pos": m.per_position[:self.ev.k],
+                "requests": {str(r): c for r, c in sorted(m.by_request.items())}}
 
     def head_point(self, head_dir: Path) -> dict[str, Any]:
         from mtp_train.heads import load_head, read_head_config
@@ -416,6 +420,32 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
                            lambda v, step: (out / cv.VARIANTS_DIR / v.name / HEADS_DIR / tag_for(step)).is_dir())
 
 
+def remeasure(results: dict[str, Any], out: Path, model: str) -> list[str]:
+    """Measure again every point (heads' and variants') that lacks per-request counts and whose head is in `out`
+    (points measured before τ had a standard error); τ is deterministic, so only the counts and SE are new.
+    Returns what was measured, one `name@step` each."""
+    from mtp_train.train.checkpoint import HEADS_DIR, tag_for
+
+    evaluator: Evaluator | None = None
+    done = []
+    folders = [(h, out / h, rec) for h, rec in (results.get("heads") or {}).items()]
+    folders += [(n, out / cv.VARIANTS_DIR / n, row) for n, row in (results.get("variants") or {}).items()]
+    for name, run_dir, rec in folders:
+        for step, point in sorted((rec.get("points") or {}).items(), key=lambda kv: int(kv[0])):
+            head_dir = run_dir / HEADS_DIR / tag_for(int(step))
+            if point.get("requests") or not head_dir.is_dir():
+                continue
+            evaluator = evaluator or Evaluator(model, CurveEval(**results["eval"]))
+            fresh = evaluator.head_point(head_dir)
+            if abs(fresh["tau"] - point["tau"]) > 1e-9:
+                print(f"curve: {name}@{step}: τ {fresh['tau']:.4f} now, {point['tau']:.4f} in curve.json", flush=True)
+            point.update({k: v for k, v in fresh.items() if k != "seconds"})
+            done.append(f"{name}@{step}")
+        if "variant" in rec and str(rec.get("step")) in rec.get("points", {}):
+            rec.update({k: v for k, v in rec["points"][str(rec["step"])].items() if k in cv.LAST_FIELDS})
+    return done
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(CONFIG))
@@ -437,6 +467,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "measure them at the budget (the heads' curve is then run only with --heads)")
     ap.add_argument("--variants-file", default=None, help="a YAML file whose `variants:` block replaces the config's")
     ap.add_argument("--full-curve", action="store_true", help="measure the variants at every point, not the last")
+    ap.add_argument("--remeasure", action="store_true",
+                    help="measure again the points without per-request counts whose heads are in --out (their τ's "
+                         "standard error and pairing), then report")
     ap.add_argument("--record", default=None,
                     help="a committed record (e.g. docs/curve.json): what it holds and curve.json lacks is taken "
                          "as measured (skipped), and it is rewritten with this run's rows at the end")
@@ -476,6 +509,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     raise SystemExit(f"curve: variant {v.name}: {why}")
         results = run_curve(cfg, out, args.model, list(args.overrides), command.strip(), results, data, variants,
                             args.full_curve, run_heads=variants is None or bool(args.heads))
+    if args.remeasure:
+        print(f"curve: measured again (per-request counts): {', '.join(remeasure(results, out, args.model)) or 'none'}",
+              flush=True)
+        save_results(results, out)
     if not args.no_ngram and not results.get("ngram"):
         ev = CurveEval(**results["eval"])
         results["ngram"] = Evaluator(args.model, ev).ngram_point(int(cfg.ngram["n_max"]), int(cfg.ngram["n_min"]))

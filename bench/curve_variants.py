@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS_DIR = "variants"
+LAST_FIELDS = ("tokens", "step", "tau", "tau_se", "acceptance_rate", "pos", "seconds")  # a row repeats its last point's
 
 
 @dataclass
@@ -148,7 +149,7 @@ def run_variants(results: dict[str, Any], variants: list[Variant], plan: list[tu
                   f"{' / '.join(f'{a:.3f}' for a in p['pos'])} ({p['seconds']:.0f}s)", flush=True)
             save()
         last = row["points"][str(steps[-1])]
-        row.update({k: last[k] for k in ("tokens", "step", "tau", "acceptance_rate", "pos", "seconds")})
+        row.update({k: last[k] for k in LAST_FIELDS if k in last})
         save()
     return results
 
@@ -168,24 +169,49 @@ def _seconds(s: float | None) -> str:
     return "–" if s is None else f"{s:.0f}"
 
 
+def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row of highest τ (the first of equals)."""
+    return max(rows, key=lambda r: r["tau"], default=None)
+
+
+def last_requests(row: dict[str, Any]) -> dict[str, list[int]] | None:
+    """The per-request counts of a row's last point (None when it was measured without them)."""
+    return (row.get("points") or {}).get(str(row.get("step")), {}).get("requests")
+
+
+def versus(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    """`row`'s τ minus `ref`'s with its paired standard error over the prompts' requests ("–" without counts)."""
+    from mtp_train.speculative.metrics import paired_tau_difference
+
+    a, b = last_requests(row), last_requests(ref or {})
+    if ref is None or row is ref or not a or not b:
+        return "–"
+    diff, se = paired_tau_difference(a, b)
+    return f"{diff:+.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+
 def variants_markdown(results: dict[str, Any]) -> str:
-    """The variants table (empty string when none is measured): one row per variant at its last point."""
+    """The variants table (empty string when none is measured): one row per variant at its last point, its τ with
+    its standard error over requests, and its difference to the best row with the paired standard error."""
     rows = ordered_rows(results)
     if not rows:
         return ""
     k = int(results["eval"]["k"])
     pos = " / ".join(f"pos{j}" for j in range(k))
-    lines = ["| variant | head | overrides (after the recipe) | training tokens | step | τ | acceptance rate | "
-             f"{pos} | measured (s) |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    best = best_row(rows)
+    lines = ["| variant | head | overrides (after the recipe) | training tokens | step | τ ± SE | τ − best (paired SE) "
+             f"| acceptance rate | {pos} | measured (s) |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        tau = f"{r['tau']:.3f}" + (f" ± {r['tau_se']:.3f}" if r.get("tau_se") is not None else "")
         lines.append(f"| `{r['variant']}` | `{r['head']}` | `{' '.join(r['overrides'])}` | {r['tokens']} | "
-                     f"{r['step']} | {r['tau']:.3f} | {r['acceptance_rate']:.3f} | "
+                     f"{r['step']} | {tau} | {versus(r, best)} | {r['acceptance_rate']:.3f} | "
                      f"{' / '.join(f'{a:.3f}' for a in r['pos'])} | "
                      f"{_seconds(r.get('seconds'))} |")
     return ("\n## Variants (the recipe at the budget)\n\n"
             "Each variant trains one head on the same folder, batches, seed and budget as the heads above, with the "
             "recipe's overrides followed by its own (`bench/curve.py --variants NAME,...`), and is measured at the "
-            "last point.\n\n" + "\n".join(lines) + "\n")
+            "last point; SE is over the prompts' requests, the paired SE of a difference over the requests both "
+            "answered (greedy: the same tokens).\n\n" + "\n".join(lines) + "\n")
 
 
 def points_json(results: dict[str, Any]) -> dict[str, Any]:
@@ -195,7 +221,8 @@ def points_json(results: dict[str, Any]) -> dict[str, Any]:
     heads (variant `curve`) and every variant, with the variant and head that reached it.
     """
     def pts(points: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{"tokens": p["tokens"], "step": p["step"], "tau": p["tau"], "pos": p["pos"]}
+        return [{"tokens": p["tokens"], "step": p["step"], "tau": p["tau"], "pos": p["pos"],
+                 **({"tau_se": p["tau_se"]} if p.get("tau_se") is not None else {})}
                 for p in sorted(points.values(), key=lambda p: p["tokens"])]
 
     heads: dict[str, dict[str, Any]] = {}

@@ -298,7 +298,8 @@ def test_variants_table_and_points_json(report, tmp_path):
     out.mkdir()
     text = report.write_report(results, out, doc=tmp_path / "docs" / "curve.md")
     assert "| 16k (16384) | 10 | 1.100 | 0.100 / 0.050 / 0.025 | 1.120 |" in text  # the heads' table unchanged
-    assert "| `mtp-tv-s1` | `mtp` | `loss.kind=tv` | 131072 | 80 | 1.420 | 0.200 | 0.400 / 0.100 / 0.020 | 90 |" in text
+    assert ("| `mtp-tv-s1` | `mtp` | `loss.kind=tv` | 131072 | 80 | 1.420 | – | 0.200 | 0.400 / 0.100 / 0.020 | 90 |"
+            in text)
     assert text.index("mtp-tv-s1") < text.index("mtp-nla-s1")
     doc = json.loads((tmp_path / "docs" / "curve.json").read_text())
     assert (doc["best_tau_512k"], doc["best_variant"], doc["best_head"]) == (1.42, "mtp-tv-s1", "mtp")
@@ -307,6 +308,17 @@ def test_variants_table_and_points_json(report, tmp_path):
     assert last["pos"] == pytest.approx([0.35, 0.175, 0.0875])
     assert doc["heads"]["mtp"]["mtp-nla-s1"] == [{"tokens": 131072, "step": 80, "tau": 1.30, "pos": pos}]
     assert "eagle1" in doc["heads"] and doc["max_steps"] == 80
+    # With per-request counts: τ ± its SE, and each row's paired difference to the best row.
+    reqs = {"tv": {"0": [10, 5], "1": [10, 4], "2": [20, 7]}, "nla": {"0": [12, 4], "1": [10, 3], "2": [20, 5]}}
+    for name, key in (("mtp-tv-s1", "tv"), ("mtp-nla-s1", "nla")):
+        results["variants"][name]["points"]["80"]["requests"] = reqs[key]
+        results["variants"][name]["tau_se"] = 0.05
+    table = cv.variants_markdown(results)
+    assert "| 1.420 ± 0.050 | – |" in table  # the best row itself
+    from mtp_train.speculative.metrics import paired_tau_difference
+
+    diff, se = paired_tau_difference(reqs["nla"], reqs["tv"])
+    assert f"| 1.300 ± 0.050 | {diff:+.3f} ± {se:.3f} |" in table and diff < 0
     del results["variants"]
     assert cv.variants_markdown(results) == ""  # no variants measured: the report is the heads' alone
     assert cv.points_json(results)["best_variant"] == "curve"  # then the best head of the curve itself

@@ -57,6 +57,10 @@ def test_greedy_mtp_equals_plain_greedy(tiny_checkpoints, name, k):
     assert m.num_drafts >= eng.stats.verify_steps  # one drafting step per sequence and verify step
     assert 1.0 <= m.mean_acceptance_length <= k + 1
     assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages  # every page came back
+    # per request: one entry per prompt, adding up to the totals (τ's standard error is taken over them)
+    assert len(m.by_request) == len(PROMPTS)
+    assert sum(c[0] for c in m.by_request.values()) == m.num_drafts
+    assert sum(c[1] for c in m.by_request.values()) == m.num_accepted
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -74,3 +74,43 @@ def test_record_reads_a_tree_and_its_path():
     m.record(DraftTree.chain([]), [])  # nothing drafted
     assert (m.num_drafts, m.num_draft_tokens, m.num_branch_tokens, m.num_branch_accepted) == (3, 10, 4, 1)
     assert (m.num_accepted, m.num_empty, m.accepted_per_pos) == (3, 1, [2, 1, 0])
+
+
+def test_tau_standard_errors_per_request_and_paired():
+    """The per-request counters add up to the totals; the ratio estimator's SE matches a bootstrap over requests;
+    a paired difference of two drafters is as exact as its requests allow (zero for identical runs)."""
+    import random
+
+    from mtp_train.speculative.metrics import paired_tau_difference, paired_tau_ratio, tau_standard_error
+
+    rng = random.Random(0)
+    a, b = SpecMetrics(k=3), SpecMetrics(k=3)
+    for req in range(40):
+        ease = rng.random()
+        for _ in range(rng.randint(5, 30)):
+            a.add(min(3, int(rng.random() * 4 * ease)), request=req)
+            b.add(min(3, int(rng.random() * 3.2 * ease)), request=req)
+    assert sum(s for s, _ in a.by_request.values()) == a.num_drafts
+    assert sum(x for _, x in a.by_request.values()) == a.num_accepted
+    se = tau_standard_error(a.by_request)
+    reqs = list(a.by_request.values())
+    boot = []
+    for _ in range(2000):
+        pick = [reqs[rng.randrange(len(reqs))] for _ in reqs]
+        boot.append(1 + sum(x for _, x in pick) / sum(s for s, _ in pick))
+    mean = sum(boot) / len(boot)
+    sd = (sum((t - mean) ** 2 for t in boot) / (len(boot) - 1)) ** 0.5
+    assert abs(se - sd) < 0.15 * sd, (se, sd)
+    diff, dse = paired_tau_difference(a.by_request, b.by_request)
+    assert abs(diff - (a.mean_acceptance_length - b.mean_acceptance_length)) < 1e-12
+    assert 0 < dse < se + tau_standard_error(b.by_request)  # pairing removes the requests' shared difficulty
+    assert paired_tau_difference(a.by_request, a.by_request) == (0.0, 0.0)
+    ratio, rse = paired_tau_ratio(a.by_request, b.by_request)
+    assert abs(ratio - a.mean_acceptance_length / b.mean_acceptance_length) < 1e-12 and 0 < rse < 1
+    merged = SpecMetrics(k=3)
+    merged.merge(a)
+    merged.merge(a)
+    assert merged.by_request[0] == [2 * a.by_request[0][0], 2 * a.by_request[0][1]]
+    assert tau_standard_error({0: [10, 4]}) is None
+    with pytest.raises(ValueError, match="share no request"):
+        paired_tau_difference({0: [1, 1]}, {1: [1, 1]})

@@ -157,7 +157,7 @@ class SpeculativeStep(Step):
 
         hidden = self._features(out).split(rows.rows)  # commit
         for b, (s, n_tok, a) in enumerate(zip(seqs, lens, accepted)):
-            stats.metrics.record(trees[b], a.path)
+            stats.metrics.record(trees[b], a.path, s.seq_id)
             for src, dst in rows.moves(b, a.path):
                 kv.copy_token(s.pages, src, dst)
             # The target's cache keeps t_{L-1} and the accepted path; the tokens come back through the scheduler

@@ -12,11 +12,17 @@ names, `num_alt_tokens` and `num_alt_accepted`.
 A step counts once per sequence per verification, also when its proposer drafted nothing (prompt lookup without
 a match, or a dynamic chain stopped before its first token): such a step still costs a target forward and emits
 one token, so τ stays the number of tokens per target step, the figure a speed-up is made of.
+
+Steps are also counted per request (`by_request`: steps and accepted tokens), so τ has a standard error over
+requests (`tau_standard_error`; steps of one answer are not independent, answers are) and two drafters measured on
+the same requests have a paired one for their difference (`paired_tau_difference`): with greedy decoding both
+answer every request with the same tokens, so their per-request counts pair exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mtp_train.speculative.tree import DraftTree
@@ -34,13 +40,14 @@ class SpecMetrics:
     num_branch_accepted: int = 0  # steps whose accepted path left the chain
     num_empty: int = 0  # steps whose proposer drafted no token (verified the last token alone)
     accepted_per_pos: list[int] = field(default_factory=list)  # steps with >= j+1 accepted, j = 0..k-1
+    by_request: dict[int, list[int]] = field(default_factory=dict)  # request id → [steps, accepted tokens]
 
     def __post_init__(self) -> None:
         if not self.accepted_per_pos:
             self.accepted_per_pos = [0] * self.k
 
     def add(self, num_accepted: int, num_drafted: int | None = None, num_branch_tokens: int = 0,
-            branch_accepted: bool = False) -> None:
+            branch_accepted: bool = False, request: int | None = None) -> None:
         """Record one step whose tree had a chain of `num_drafted` (default k) tokens and `num_branch_tokens` nodes
         off it, and accepted `num_accepted` tokens (along a branch when `branch_accepted`)."""
         drafted = self.k if num_drafted is None else num_drafted
@@ -59,11 +66,15 @@ class SpecMetrics:
         self.num_empty += drafted == 0
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
+        if request is not None:
+            counts = self.by_request.setdefault(request, [0, 0])
+            counts[0] += 1
+            counts[1] += num_accepted
 
-    def record(self, tree: DraftTree, path: Sequence[int]) -> None:
-        """Record one verified tree and its accepted path (nodes, root to leaf)."""
+    def record(self, tree: DraftTree, path: Sequence[int], request: int | None = None) -> None:
+        """Record one verified tree and its accepted path (nodes, root to leaf), of request `request`."""
         chain = tree.chain_length
-        self.add(len(path), chain, len(tree) - chain, tree.chain_prefix(path) < len(path))
+        self.add(len(path), chain, len(tree) - chain, tree.chain_prefix(path) < len(path), request)
 
     def merge(self, other: SpecMetrics) -> None:
         """Add another run's counters (same k) to these."""
@@ -76,6 +87,10 @@ class SpecMetrics:
         self.num_branch_tokens += other.num_branch_tokens
         self.num_branch_accepted += other.num_branch_accepted
         self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos)]
+        for r, (steps, acc) in other.by_request.items():
+            counts = self.by_request.setdefault(r, [0, 0])
+            counts[0] += steps
+            counts[1] += acc
 
     @property
     def num_alt_accepted(self) -> int:
@@ -106,3 +121,49 @@ class SpecMetrics:
                 "num_alt_tokens": self.num_branch_tokens, "num_alt_accepted": self.num_branch_accepted,
                 "acceptance_rate": self.acceptance_rate, "tau": self.mean_acceptance_length,
                 "mean_draft_len": self.mean_draft_length, "per_position": self.per_position}
+
+
+def tau_standard_error(by_request: Mapping[object, Sequence[int]]) -> float | None:
+    """The standard error of τ = 1 + ΣA / ΣS over requests (A accepted tokens and S steps per request), by the
+    ratio estimator's linearisation: sqrt(n/(n−1) · Σ (A_i − R·S_i)²) / ΣS with R = ΣA / ΣS. None below 2 requests."""
+    counts = [(int(s), int(a)) for s, a in by_request.values() if s > 0]
+    n, total = len(counts), sum(s for s, _ in counts)
+    if n < 2 or total == 0:
+        return None
+    r = sum(a for _, a in counts) / total
+    return math.sqrt(n / (n - 1) * sum((a - r * s) ** 2 for s, a in counts)) / total
+
+
+def paired_tau_difference(a: Mapping[object, Sequence[int]], b: Mapping[object, Sequence[int]],
+                          ) -> tuple[float, float | None]:
+    """τ_a − τ_b over the requests both measured, and its paired standard error (None below 2 shared requests).
+
+    Each request's linearised contribution to τ_a minus its contribution to τ_b, summed in quadrature, so a request
+    both drafters find easy adds nothing to the difference's error."""
+    keys = [k for k in a if k in b and a[k][0] > 0 and b[k][0] > 0]
+    if not keys:
+        raise ValueError("the two runs share no request: measure them on the same prompts")
+    sa, sb = sum(a[k][0] for k in keys), sum(b[k][0] for k in keys)
+    ra, rb = sum(a[k][1] for k in keys) / sa, sum(b[k][1] for k in keys) / sb
+    diff = ra - rb
+    n = len(keys)
+    if n < 2:
+        return diff, None
+    e = [(a[k][1] - ra * a[k][0]) / sa - (b[k][1] - rb * b[k][0]) / sb for k in keys]
+    return diff, math.sqrt(n / (n - 1) * sum(x * x for x in e))
+
+
+def paired_tau_ratio(a: Mapping[object, Sequence[int]], b: Mapping[object, Sequence[int]],
+                     ) -> tuple[float, float | None]:
+    """τ_a / τ_b over the requests both measured, and its paired standard error (delta method; None below 2)."""
+    keys = [k for k in a if k in b and a[k][0] > 0 and b[k][0] > 0]
+    if not keys:
+        raise ValueError("the two runs share no request: measure them on the same prompts")
+    sa, sb = sum(a[k][0] for k in keys), sum(b[k][0] for k in keys)
+    ta, tb = 1 + sum(a[k][1] for k in keys) / sa, 1 + sum(b[k][1] for k in keys) / sb
+    n = len(keys)
+    if n < 2:
+        return ta / tb, None
+    # τ = 1 + ΣA/ΣS linearises per request to (A_i − (τ − 1)·S_i)/ΣS; the ratio's to (e_a − (τ_a/τ_b)·e_b)/τ_b
+    e = [((a[k][1] - (ta - 1) * a[k][0]) / sa - ta / tb * (b[k][1] - (tb - 1) * b[k][0]) / sb) / tb for k in keys]
+    return ta / tb, math.sqrt(n / (n - 1) * sum(x * x for x in e))

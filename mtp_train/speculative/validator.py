@@ -27,24 +27,37 @@ from mtp_train.heads import DraftHead
 from mtp_train.models.base import CausalLM
 from mtp_train.models.loader import load_model
 from mtp_train.speculative.engine import SpecEngine
+from mtp_train.speculative.metrics import SpecMetrics, tau_standard_error
 from mtp_train.speculative.proposers import HeadProposer, Proposer
 
 
 @torch.inference_mode()
-def head_acceptance(target: CausalLM, tokenizer: Any, proposer: Callable[[], Proposer],
-                    convs: Sequence[Conversation], k: int, max_new_tokens: int, *, page_size: int = 16,
-                    batch_size: int = 8, stop_token_ids: list[int] | None = None) -> dict[str, float]:
-    """τ, acceptance rate and per-position acceptance of a head on held-out prompts, greedy (training validation).
-
-    No baseline, no timing: the speculative path only, batched.
-    """
+def spec_metrics(target: CausalLM, tokenizer: Any, proposer: Callable[[], Proposer], convs: Sequence[Conversation],
+                 k: int, max_new_tokens: int, *, page_size: int = 16, batch_size: int = 8,
+                 stop_token_ids: list[int] | None = None) -> tuple[SpecMetrics, float]:
+    """The counters (per request too) of greedy speculative decoding of `convs` with `proposer()`, and its seconds."""
     t0 = time.perf_counter()
     engine = SpecEngine(target, proposer(), k, page_size=page_size, max_batch_size=batch_size,
                         kv_cache_gb=0.25)
     answer(engine, tokenizer, convs, SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids))
-    m = engine.stats.metrics
+    return engine.stats.metrics, time.perf_counter() - t0
+
+
+def head_acceptance(target: CausalLM, tokenizer: Any, proposer: Callable[[], Proposer],
+                    convs: Sequence[Conversation], k: int, max_new_tokens: int, *, page_size: int = 16,
+                    batch_size: int = 8, stop_token_ids: list[int] | None = None) -> dict[str, float]:
+    """τ (and its standard error over requests), acceptance rate and per-position acceptance of a head on held-out
+    prompts, greedy (training validation).
+
+    No baseline, no timing: the speculative path only, batched.
+    """
+    m, seconds = spec_metrics(target, tokenizer, proposer, convs, k, max_new_tokens, page_size=page_size,
+                              batch_size=batch_size, stop_token_ids=stop_token_ids)
     out = {"spec/tau": m.mean_acceptance_length, "spec/acceptance_rate": m.acceptance_rate,
-           "spec/seconds": time.perf_counter() - t0}
+           "spec/seconds": seconds}
+    se = tau_standard_error(m.by_request)
+    if se is not None:
+        out["spec/tau_se"] = se
     out.update({f"spec/pos{j}": a for j, a in enumerate(m.per_position)})
     return out
 
