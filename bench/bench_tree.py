@@ -3,7 +3,7 @@
 Part 1 (timed, ratios only): one target forward over r new rows (r = 1..16) on top of a 300-token cached prefix,
 batch 1, through our runner; the rounds interleave every r, and the medians are printed as ratios to the 1-row
 decode step (`rows_cost`). A tree of `tokens` verifies `tokens` rows, a chain of k verifies k + 1.
-Part 2 (untimed, greedy, deterministic): τ of a head on held-out prompts through the engine's `head_acceptance`
+Part 2 (untimed, greedy, deterministic): τ of a head on held-out prompts through the engine's `spec_metrics`
 (the training validation's path), batch 8, for every shape steps × topk × tokens of the grid (SGLang's
 speculative_num_steps / speculative_eagle_topk / speculative_num_draft_tokens, the root counted) and for the plain
 chains k = 1..4. A shape is run only when it can exist and every level it drafts can be verified:
@@ -51,9 +51,10 @@ from mtp_train.eval.options import expand_grid  # noqa: E402
 from mtp_train.eval.rows import overall_rows  # noqa: E402
 from mtp_train.heads import load_head  # noqa: E402
 from mtp_train.models import load_model  # noqa: E402
+from mtp_train.speculative.metrics import SpecMetrics, paired_tau_ratio, tau_standard_error  # noqa: E402
 from mtp_train.speculative.proposers import HeadProposer  # noqa: E402
 from mtp_train.speculative.tree_draft import TreeSpec  # noqa: E402
-from mtp_train.speculative.validator import head_acceptance  # noqa: E402
+from mtp_train.speculative.validator import spec_metrics  # noqa: E402
 
 TAU_GOAL = 1.25  # best_tree.tau / best_chain.tau at tokens <= 8 (issue's goal)
 
@@ -91,10 +92,18 @@ def grid_shapes(steps: Iterable[int], topks: Iterable[int], tokens: Iterable[int
     return out
 
 
-def tau_entry(r: Mapping[str, float], steps: int) -> dict[str, Any]:
-    """A `head_acceptance` result → {"tau", "acceptance_rate", "per_position"} (rounded)."""
-    return {"tau": round(r["spec/tau"], 4), "acceptance_rate": round(r["spec/acceptance_rate"], 4),
-            "per_position": [round(r[f"spec/pos{j}"], 4) for j in range(steps) if f"spec/pos{j}" in r]}
+def tau_entry(m: SpecMetrics, steps: int) -> dict[str, Any]:
+    """A run's counters → {"tau", "tau_se", "acceptance_rate", "per_position", "requests"} (rounded; requests: the
+    per-request [steps, accepted] that pair two entries, dropped from the printed result)."""
+    se = tau_standard_error(m.by_request)
+    return {"tau": round(m.mean_acceptance_length, 4), "tau_se": None if se is None else round(se, 4),
+            "acceptance_rate": round(m.acceptance_rate, 4),
+            "per_position": [round(a, 4) for a in m.per_position[:steps]], "requests": dict(m.by_request)}
+
+
+def _run(model, tokenizer, proposer, convs, k: int, max_new_tokens: int, stops, batch_size: int) -> SpecMetrics:
+    return spec_metrics(model, tokenizer, proposer, convs, k, max_new_tokens, batch_size=batch_size,
+                        stop_token_ids=stops)[0]
 
 
 def tree_grid(model, tokenizer, head, convs: Sequence, shapes: Sequence[TreeSpec], chains: Sequence[int],
@@ -108,16 +117,15 @@ def tree_grid(model, tokenizer, head, convs: Sequence, shapes: Sequence[TreeSpec
     """
     grid: dict[str, dict[str, Any]] = {}
     for spec in shapes:
-        r = head_acceptance(model, tokenizer, lambda spec=spec: HeadProposer(head, tree=spec), convs, spec.steps,
-                            max_new_tokens, batch_size=batch_size, stop_token_ids=stops)
+        r = _run(model, tokenizer, lambda spec=spec: HeadProposer(head, tree=spec), convs, spec.steps,
+                 max_new_tokens, stops, batch_size)
         grid[spec.name] = {"steps": spec.steps, "topk": spec.topk, "tokens": spec.tokens, **tau_entry(r, spec.steps)}
         if verbose:
             print(f"tree {spec.name}: tau {grid[spec.name]['tau']:.3f}  per depth {grid[spec.name]['per_position']}",
                   flush=True)
     chain: dict[int, dict[str, Any]] = {}
     for k in chains:
-        r = head_acceptance(model, tokenizer, lambda: HeadProposer(head), convs, k, max_new_tokens,
-                            batch_size=batch_size, stop_token_ids=stops)
+        r = _run(model, tokenizer, lambda: HeadProposer(head), convs, k, max_new_tokens, stops, batch_size)
         chain[k] = {"k": k, "tokens": k + 1, **tau_entry(r, k)}
         if verbose:
             print(f"chain k={k}: tau {chain[k]['tau']:.3f}  per position {chain[k]['per_position']}", flush=True)
@@ -144,7 +152,17 @@ def headline(result: Mapping[str, Any], max_tokens: int = 8) -> dict[str, Any]:
     if bt is not None and bc is not None and bc["tau"] > 0:
         out["tau_ratio"] = round(bt["tau"] / bc["tau"], 4)
         out["goal_met"] = out["tau_ratio"] >= TAU_GOAL
+        if bt.get("requests") and bc.get("requests"):  # paired: both answered the same requests, token for token
+            se = paired_tau_ratio(bt["requests"], bc["requests"])[1]
+            out["tau_ratio_se"] = None if se is None else round(se, 4)
     return out
+
+
+def without_requests(value: Any) -> Any:
+    """`value` with every "requests" entry dropped (the per-request counts stay out of the printed result)."""
+    if isinstance(value, Mapping):
+        return {k: without_requests(v) for k, v in value.items() if k != "requests"}
+    return value
 
 
 def timed_shapes(result: Mapping[str, Any], top: int, max_tokens: int = 8) -> list[str]:
@@ -223,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
                                         if f in fields})
         result["best_chain"].update({f: v for f, v in speed.get(f"chain k={result['best_chain']['k']}", {}).items()
                                      if f in fields})
+    result = without_requests(result)
     report(result)
     return result
 

@@ -110,6 +110,7 @@ def test_tree_grid_on_a_tiny_target(bench, target):
     out.update(bench.headline(out, 8))
     assert out["best_tree"]["shape"] == "2x2x4" and out["best_chain"]["k"] == 2
     assert out["tau_ratio"] == pytest.approx(out["best_tree"]["tau"] / out["chains"][2]["tau"], abs=1e-4)
+    assert out["tau_ratio_se"] >= 0 and out["chains"][2]["tau_se"] > 0  # over the 3 conversations' requests
     line = json.loads(json.dumps(out, sort_keys=True))  # the report's last line
     assert {"grid", "chains", "chain_agrees", "best_tree", "best_chain", "tau_ratio", "goal_met",
             "headline_tokens"} <= set(line)
@@ -161,6 +162,7 @@ def test_the_cli_prints_the_grid_and_headline_as_its_last_line(bench, target, tm
     for best in (line["best_tree"], line["best_chain"]):
         assert {"tau", "speedup", "speedup_lo", "speedup_hi"} <= set(best)
     assert result["best_tree"]["tau"] == line["best_tree"]["tau"]
+    assert "requests" not in json.dumps(line)  # the per-request counts pair entries, they are not printed
 
 
 def test_the_gpu_checks_tree_mask_section_runs_on_the_cpu(target, monkeypatch, capsys):
