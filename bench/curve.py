@@ -1,34 +1,23 @@
 """The learning curve: τ of each head against its training tokens, beside prompt lookup, at equal budgets.
 
-Config: conf/experiment/curve.yaml (heads, token points, data, the shared mtp-train overrides, evaluation).
-Every head listed there is trained once, with the same recipe on the same precompute folder (so the same batches
-in the same order), to the last token point, into `<out>/<head>`; the step hook exports the head at the step
-where the training tokens (packed rows) reach each log-spaced point, and writes a resumable checkpoint every
-`checkpoint_every` steps (only the newest full checkpoint is kept; a re-run resumes the training, and
-skips points already measured). A head type without an implementation (e.g. `eagle3` before it exists) is
-skipped with a message. Every exported point is then measured by `head_acceptance`: greedy speculative decoding
-through the engine on the held-out prompts (τ at k, acceptance rate, per-position acceptance; no timing),
-and prompt lookup (`NgramProposer`) once on the same prompts, as the floor a trained head must clear.
-
-The data folder is the shared self-distilled set when ../shared/data has it (data=shared-regen), else the demo's
-own conversations (made here as `make demo` makes them).
-
-Outputs in `--out` (default runs/curve): curve.json (every point), curve.md (recipe, command, table, fits),
-curve.png (τ and per-position acceptance against training tokens, log x axis, one line per head, prompt lookup
-as a horizontal line). `--doc` / `--png` write copies elsewhere (e.g. docs/).
+Config: conf/experiment/curve.yaml. Every head listed there is trained once, with the same recipe on the same
+precompute folder (the same batches in the same order), to the last token point, into `<out>/<head>`; the step hook
+exports the head where the training tokens (packed rows) reach each log-spaced point and keeps a resumable
+checkpoint every `checkpoint_every` steps, so a re-run resumes and skips measured points. Each point is measured by
+bench/curve_measure.py (greedy speculative decoding through the engine on held-out prompts: τ at k with its standard
+error, per-position acceptance; untimed), and prompt lookup once on the same prompts, the floor a head must clear.
+Data: the shared self-distilled set when ../shared/data has it (data=shared-regen), else the demo's conversations.
+Outputs in `--out` (default runs/curve): curve.json (every point), curve.md and curve.png (bench/curve_report.py).
 
 Usage: python bench/curve.py [--out runs/curve] [--max-tokens N] [--first-tokens N] [--heads mtp,eagle1]
                              [--report-only] [--doc docs/curve.md --png docs/curve.png] [key=value ...]
                              [--variants NAME,...|all [--variants-file FILE] [--full-curve]]
-                             [--record docs/curve.json]
---variants: recipe variants (the config's `variants:` block) trained on the same folder, batches and budget and
-measured at the last point, into `<out>/variants/<name>` and curve.json's `variants` (bench/curve_variants.py);
-with --variants the heads' own curve runs only when --heads is given too. --doc also writes <doc>.json.
---record: the committed record of every point (docs/curve.json): read first, so a fresh checkout skips what it
-holds, and rewritten at the end with this run's rows.
-key=value: more mtp-train overrides for every head. --report-only redoes the table and plot from curve.json
-(and measures prompt lookup if it is missing and available), without training or evaluating heads.
-The last line printed is one JSON object.
+                             [--record docs/curve.json] [--remeasure]
+--variants: recipe variants (the config's `variants:` block, bench/curve_variants.py) trained on the same folder,
+batches and budget, measured at the last point, into `<out>/variants/<name>`; the heads' own curve then runs only
+with --heads. --doc also writes <doc>.json. --record: the committed record (docs/curve.json), read first so a fresh
+checkout skips what it holds, rewritten at the end. key=value: more mtp-train overrides for every head.
+--report-only: the table and plot from curve.json (prompt lookup measured if missing). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -48,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import curve_variants as cv  # noqa: E402
 from bench_train import DEFAULT_MODEL, compose_train  # noqa: E402
 from common import compose, report  # noqa: E402
+from curve_measure import Evaluator, remeasure  # noqa: E402
 from curve_report import fmt_tokens, summarize, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,53 +259,6 @@ def same_samples(a: Path, b: Path) -> None:
                          f"precompute both with the same data and precompute overrides")
 
 
-class Evaluator:
-    """The target, tokenizer and held-out prompts, loaded once; `measure(proposer_factory)` → one point."""
-
-    def __init__(self, model: str, ev: CurveEval) -> None:
-        from mtp_train.data.chat import load_tokenizer
-        from mtp_train.data.prompts import load_prompt_sets
-        from mtp_train.engine.turns import stop_token_ids
-        from mtp_train.models.loader import load_model
-
-        self.model_dir, self.ev = model, ev
-        self.target = load_model(model, dtype="float32", device="cpu")
-        self.tokenizer = load_tokenizer(model)
-        self.convs = [c for ps in load_prompt_sets(list(ev.prompts), ev.limit) for c in ps.convs]
-        self.stops = stop_token_ids(self.tokenizer, self.target.args.eos_token_ids)
-
-    def measure(self, proposer_factory: Any) -> dict[str, Any]:
-        """One point: τ, its standard error over requests, acceptance, per-position acceptance, seconds, and the
-        per-request counts ({request: [steps, accepted]}) that pair it with any other point on these prompts."""
-        from mtp_train.speculative.metrics import tau_standard_error
-        from mtp_train.speculative.validator import spec_metrics
-
-        m, seconds = spec_metrics(self.target, self.tokenizer, proposer_factory, self.convs, self.ev.k,
-                                  self.ev.max_new_tokens, batch_size=self.ev.batch_size, stop_token_ids=self.stops)
-        return {"tau": m.mean_acceptance_length, "tau_se": tau_standard_error(m.by_request),
-                "acceptance_rate": m.acceptance_rate, "seconds": seconds, "pos": m.per_position[:self.ev.k],
-                "requests": {str(r): c for r, c in sorted(m.by_request.items())}}
-
-    def head_point(self, head_dir: Path) -> dict[str, Any]:
-        from mtp_train.heads import load_head, read_head_config
-        from mtp_train.speculative.proposers import HeadProposer
-
-        head = load_head(head_dir, self.model_dir, device="cpu", dtype="float32")
-        head.eval()
-        extra = read_head_config(head_dir)["extra"]
-        return {"step": int(extra["step"]), "tokens": int(extra["tokens_seen"]),
-                **self.measure(lambda: HeadProposer(head))}
-
-    def ngram_point(self, n_max: int, n_min: int) -> dict[str, Any] | None:
-        try:
-            from mtp_train.speculative.proposers import NgramProposer  # type: ignore[attr-defined]
-        except ImportError:
-            print("curve: prompt lookup not measured (mtp_train.speculative.proposers has no NgramProposer yet); "
-                  "re-run with --report-only once it has", flush=True)
-            return None
-        return {"n_max": n_max, "n_min": n_min, **self.measure(lambda: NgramProposer(n_max=n_max, n_min=n_min))}
-
-
 # --- the run ------------------------------------------------------------------------------------------------------
 
 
@@ -420,32 +363,6 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
                            lambda v, step: (out / cv.VARIANTS_DIR / v.name / HEADS_DIR / tag_for(step)).is_dir())
 
 
-def remeasure(results: dict[str, Any], out: Path, model: str) -> list[str]:
-    """Measure again every point (heads' and variants') that lacks per-request counts and whose head is in `out`
-    (points measured before τ had a standard error); τ is deterministic, so only the counts and SE are new.
-    Returns what was measured, one `name@step` each."""
-    from mtp_train.train.checkpoint import HEADS_DIR, tag_for
-
-    evaluator: Evaluator | None = None
-    done = []
-    folders = [(h, out / h, rec) for h, rec in (results.get("heads") or {}).items()]
-    folders += [(n, out / cv.VARIANTS_DIR / n, row) for n, row in (results.get("variants") or {}).items()]
-    for name, run_dir, rec in folders:
-        for step, point in sorted((rec.get("points") or {}).items(), key=lambda kv: int(kv[0])):
-            head_dir = run_dir / HEADS_DIR / tag_for(int(step))
-            if point.get("requests") or not head_dir.is_dir():
-                continue
-            evaluator = evaluator or Evaluator(model, CurveEval(**results["eval"]))
-            fresh = evaluator.head_point(head_dir)
-            if abs(fresh["tau"] - point["tau"]) > 1e-9:
-                print(f"curve: {name}@{step}: τ {fresh['tau']:.4f} now, {point['tau']:.4f} in curve.json", flush=True)
-            point.update({k: v for k, v in fresh.items() if k != "seconds"})
-            done.append(f"{name}@{step}")
-        if "variant" in rec and str(rec.get("step")) in rec.get("points", {}):
-            rec.update({k: v for k, v in rec["points"][str(rec["step"])].items() if k in cv.LAST_FIELDS})
-    return done
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(CONFIG))
@@ -510,8 +427,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results = run_curve(cfg, out, args.model, list(args.overrides), command.strip(), results, data, variants,
                             args.full_curve, run_heads=variants is None or bool(args.heads))
     if args.remeasure:
-        print(f"curve: measured again (per-request counts): {', '.join(remeasure(results, out, args.model)) or 'none'}",
-              flush=True)
+        again = remeasure(results, out, args.model, CurveEval(**results["eval"]))
+        print(f"curve: measured again (per-request counts): {', '.join(again) or 'none'}", flush=True)
         save_results(results, out)
     if not args.no_ngram and not results.get("ngram"):
         ev = CurveEval(**results["eval"])
