@@ -68,10 +68,13 @@ bench-memory: setup
 bench-spec: model
 	$(PY) bench/bench_spec.py --model $(MODEL_DIR) $(if $(HEAD),--head $(HEAD)) $(BENCH_SPEC_ARGS)
 
-# A head's tau over the dynamic-tree grid (steps x topk x tokens) beside its chains, and verify cost by rows, e.g.
-# `make bench-tree HEAD=runs/demo/train/heads/step-600 BENCH_TREE_ARGS="--limit 8 --timed"`.
+# A head's tau over the dynamic-tree grid (steps x topk x tokens) beside its chains, the verify cost by rows, and the
+# timed speed-up (with its interval) of the best trees and chain, e.g.
+# `make bench-tree HEAD=runs/demo/train/heads/step-600 BENCH_TREE_ARGS="--limit 8"`.
+BENCH_TREE_ARGS ?=
 bench-tree: model
-	$(PY) bench/bench_tree.py --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-600) $(BENCH_TREE_ARGS)
+	$(PY) bench/bench_tree.py --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-600) --timed \
+		$(BENCH_TREE_ARGS)
 
 # The norm ablation (mtp vs eagle1) at the CPU-sized default; e.g. `make ablation ABLATION_ARGS="--steps 2000"`.
 ablation: model
