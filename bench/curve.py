@@ -393,14 +393,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("overrides", nargs="*", help="more mtp-train overrides for every head, key=value")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
-    if args.max_tokens:
-        cfg.tokens.last = args.max_tokens
-    if args.first_tokens:
-        cfg.tokens.first = args.first_tokens
+    cfg.tokens.last, cfg.tokens.first = args.max_tokens or cfg.tokens.last, args.first_tokens or cfg.tokens.first
+    cfg.eval.limit = args.eval_limit or cfg.eval.limit
     if args.heads:
         cfg.heads = [h for h in args.heads.split(",") if h]
-    if args.eval_limit:
-        cfg.eval.limit = args.eval_limit
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "curve.json"
@@ -436,6 +432,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         save_results(results, out)
     results["wall_s_this_run"] = time.perf_counter() - t0
     save_results(results, out)
+    known = [v.name for v in cv.parse_variants(cfg.variants)]  # rows in the config's order, others after them
+    results["variant_order"] = sorted(results.get("variant_order", []),
+                                      key=lambda n: known.index(n) if n in known else len(known))
     text = write_report(results, out, Path(args.doc) if args.doc else None, Path(args.png) if args.png else None)
     if record is not None:
         cv.write_points_json(results, record)
