@@ -184,12 +184,21 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
     names = [v.name for v in variants]
     assert names[:6] == ["mtp-soft_ce-s1", "mtp-lk_hybrid-s1", "mtp-tv-s1", "mtp-nla-s1", "mtp-soft_ce-s3",
                          "mtp-lk_hybrid-s3"]
-    assert len(names) == len(set(names)) == 13
+    assert len(names) == len(set(names)) == 21
     mtp = {(dict(o.split("=") for o in v.overrides)["loss.kind"], dict(o.split("=") for o in v.overrides)
             ["loss.steps"]) for v in variants if v.head == "mtp"}
+    seeds = {v.name: dict(o.split("=") for o in v.overrides).get("train.seed") for v in variants}
+    assert sorted(n for n, s in seeds.items() if s) == sorted(f"{n}-seed{s}" for n, s in [
+        ("mtp-soft_ce-s1", 1), ("mtp-soft_ce-s1", 2), ("eagle1-soft_ce-s1", 1), ("eagle1-soft_ce-s1", 2),
+        ("mtp-lk_hybrid-s1", 1), ("mtp-soft_ce-s3-dpace", 1)])
+    for name, seed in seeds.items():  # a seed variant is its base variant with train.seed added, nothing else
+        if seed:
+            base = next(v for v in variants if v.name == name.rsplit("-seed", 1)[0])
+            assert [o for o in next(v for v in variants if v.name == name).overrides
+                    if not o.startswith("train.seed=")] == list(base.overrides)
     assert mtp == {(k, s) for k in ("soft_ce", "tv", "nla", "lk_hybrid") for s in ("1", "3")}
     dpace = [v.name for v in variants if "loss.position_weights=dpace" in v.overrides]
-    assert dpace == ["mtp-soft_ce-s3-dpace"]
+    assert dpace == ["mtp-soft_ce-s3-dpace", "eagle1-soft_ce-s3-dpace", "mtp-soft_ce-s3-dpace-seed1"]
     assert "loss.steps=1" in cfg.train
     for v in variants:
         assert curve.head_available(v.head) is None
@@ -201,7 +210,8 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
         own = dict(o.split("=", 1) for o in v.overrides)
         c = typed(compose_train(ov), TrainConfig)
         assert c.head.type == v.head and c.out == str(run_dir) and c.train.max_steps == 299
-        assert c.loss.steps == int(own["loss.steps"]) and c.train.seed == 0 and c.train.log_every == 5
+        assert c.loss.steps == int(own["loss.steps"]) and c.train.seed == int(own.get("train.seed", 0))
+        assert c.train.log_every == 5
         assert c.loss.kind == own.get("loss.kind", "soft_ce") and c.head.draft_vocab_size == 8192
         assert c.head.aux_norm == c.head.norm_output == (v.name.startswith("eagle3.1"))
         assert c.loss.position_weights == ("dpace" if v.name in dpace else "decay")
