@@ -4,7 +4,6 @@ launch/tree_cost.py's shapes and table (the GPU check's claim (c) section) on th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -18,29 +17,22 @@ from mtp_train.data.readers import Conversation
 from mtp_train.heads import build_head
 from mtp_train.models import load_model
 from mtp_train.speculative.tree_draft import TreeSpec
-from tests.conftest import TOPICS, make_chat_target
+from tests.conftest import TOPICS, load_script, make_chat_target
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.fixture(scope="module")
 def bench():
-    yield _load("bench_tree", ROOT / "bench" / "bench_tree.py")
+    yield load_script("bench_tree", ROOT / "bench" / "bench_tree.py")
     sys.modules.pop("bench_tree", None)
 
 
 @pytest.fixture(scope="module")
 def tree_cost():
-    yield _load("launch_tree_cost", ROOT / "launch" / "tree_cost.py")
+    yield load_script("launch_tree_cost", ROOT / "launch" / "tree_cost.py")
     sys.modules.pop("launch_tree_cost", None)
 
 
@@ -168,7 +160,7 @@ def test_the_cli_prints_the_grid_and_headline_as_its_last_line(bench, target, tm
 def test_the_gpu_checks_tree_mask_section_runs_on_the_cpu(target, monkeypatch, capsys):
     """launch/gpu_check.py's claim (c) section as a dry run on the CPU (torch backend, one round): its check that a
     chain passed as a tree mask gives the causal chain's logits passes, and both tables come out."""
-    gpu_check = _load("launch_gpu_check", ROOT / "launch" / "gpu_check.py")
+    gpu_check = load_script("launch_gpu_check", ROOT / "launch" / "gpu_check.py")
     try:
         monkeypatch.setattr(gpu_check, "DT", torch.float32)
         gpu_check.tree_mask_cost("tiny", target[3], device="cpu", backend="torch", rounds=1)

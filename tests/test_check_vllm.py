@@ -4,7 +4,6 @@ line and exit code, vLLM's metric counters, and that the vLLM side imports nothi
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -12,26 +11,21 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def check():
-    yield _load("launch_check_vllm", ROOT / "launch" / "check_vllm.py")
+    yield load_script("launch_check_vllm", ROOT / "launch" / "check_vllm.py")
     sys.modules.pop("launch_check_vllm", None)
 
 
 @pytest.fixture(scope="module")
 def side():
-    yield _load("launch_vllm_side", ROOT / "launch" / "vllm_side.py")
+    yield load_script("launch_vllm_side", ROOT / "launch" / "vllm_side.py")
     sys.modules.pop("launch_vllm_side", None)
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -12,17 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def curve():
-    spec = importlib.util.spec_from_file_location("bench_curve", ROOT / "bench" / "curve.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    yield load_script("bench_curve", ROOT / "bench" / "curve.py")
+    sys.modules.pop("bench_curve", None)
 
 
 @pytest.fixture(scope="module")

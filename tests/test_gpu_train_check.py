@@ -7,7 +7,6 @@ tokenizer and a ChatML template; the training conversations and the prompt sets 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TOPICS, make_chat_target
+from tests.conftest import TOPICS, load_script, make_chat_target
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["it", "is", "old", "and", "very", "small", "bright", "cold", "round", "near", "far", "often", "seen"]
@@ -29,12 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("launch_gpu_train_check", ROOT / "launch" / "gpu_train_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    yield load_script("launch_gpu_train_check", ROOT / "launch" / "gpu_train_check.py")
+    sys.modules.pop("launch_gpu_train_check", None)
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> Path:
