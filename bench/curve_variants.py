@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from curve_seeds import comparisons, last_requests, seeds_markdown
+
 VARIANTS_DIR = "variants"
 LAST_FIELDS = ("tokens", "step", "tau", "tau_se", "acceptance_rate", "pos", "seconds")  # a row repeats its last point's
 
@@ -174,11 +176,6 @@ def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(rows, key=lambda r: r["tau"], default=None)
 
 
-def last_requests(row: dict[str, Any]) -> dict[str, list[int]] | None:
-    """The per-request counts of a row's last point (None when it was measured without them)."""
-    return (row.get("points") or {}).get(str(row.get("step")), {}).get("requests")
-
-
 def versus(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
     """`row`'s τ minus `ref`'s with its paired standard error over the prompts' requests ("–" without counts)."""
     from mtp_train.speculative.metrics import paired_tau_difference
@@ -211,7 +208,7 @@ def variants_markdown(results: dict[str, Any]) -> str:
             "Each variant trains one head on the same folder, batches, seed and budget as the heads above, with the "
             "recipe's overrides followed by its own (`bench/curve.py --variants NAME,...`), and is measured at the "
             "last point; SE is over the prompts' requests, the paired SE of a difference over the requests both "
-            "answered (greedy: the same tokens).\n\n" + "\n".join(lines) + "\n")
+            "answered (greedy: the same tokens).\n\n" + "\n".join(lines) + "\n" + seeds_markdown(rows))
 
 
 def points_json(results: dict[str, Any]) -> dict[str, Any]:
@@ -242,6 +239,7 @@ def points_json(results: dict[str, Any]) -> dict[str, Any]:
             "recipe": results.get("recipe"), "eval": results["eval"], "heads": heads,
             "best_tau_512k": best[0] if best else None, "best_variant": best[1] if best else None,
             "best_head": best[2] if best else None, "ngram": results.get("ngram"),
+            "seed_comparisons": comparisons(ordered_rows(results)),  # e.g. mtp against eagle1 over 3 seeds
             # the measured rows in full, so that another checkout's run resumes from this file (see `seed`)
             "variant_order": results.get("variant_order", []),
             "variants": {r["variant"]: r for r in ordered_rows(results)}}

@@ -364,3 +364,45 @@ def test_a_committed_record_seeds_a_fresh_run(curve, tmp_path):
                         ["loss.steps=1"], False, lambda v, s: {}, lambda v, s: {}, lambda: None, lambda v, s: False)
     again = cv.points_json(fresh)
     assert set(again["variants"]) == {"mtp-nla-s1", "mtp-tv-s1"} and again["best_tau_512k"] == 1.42
+
+
+def _seed_row(head: str, overrides: list[str], requests: dict[str, list[int]]) -> dict:
+    steps, accepted = sum(s for s, _ in requests.values()), sum(a for _, a in requests.values())
+    tau = 1 + accepted / steps
+    return {"variant": f"{head}-{'-'.join(overrides)}", "head": head, "overrides": overrides, "tokens": 131072,
+            "step": 80, "tau": tau, "acceptance_rate": 0.2, "pos": [0.3], "seconds": 1.0,
+            "points": {"80": {"step": 80, "tokens": 131072, "tau": tau, "pos": [0.3], "requests": requests}}}
+
+
+def test_seeds_group_by_recipe_and_two_heads_compare_with_an_interval(report):
+    import curve_seeds as cs
+    import curve_variants as cv
+
+    assert cs.recipe_and_seed(["loss.steps=1", "train.seed=2", "loss.kind=tv"]) == (
+        ("loss.kind=tv", "loss.steps=1"), 2)
+    assert cs.recipe_and_seed(["loss.kind=tv"]) == (("loss.kind=tv",), 0)
+    recipe = ["loss.kind=soft_ce", "loss.steps=1"]
+    # mtp accepts 5 of 10 steps per request, eagle1 4 of 10 (seeds 0..2 shift both by one accepted token)
+    rows = [_seed_row(head, recipe + ([f"train.seed={s}"] if s else []),
+                      {str(i): [10, base + s - 1 + (i % 2)] for i in range(6)})
+            for head, base in (("mtp", 5), ("eagle1", 4)) for s in range(3)]
+    rows.append(_seed_row("mtp", ["loss.kind=tv"], {"0": [10, 3], "1": [10, 2]}))  # one seed: no comparison
+    groups = cs.seed_groups(rows)
+    assert sorted(groups[("mtp", tuple(recipe))]) == [0, 1, 2] and len(groups[("mtp", ("loss.kind=tv",))]) == 1
+    (c,) = cs.comparisons(rows)
+    assert (c["head_a"], c["head_b"], c["recipe"]) == ("mtp", "eagle1", recipe)
+    assert c["diff"] == pytest.approx(0.1) and c["per_seed_diff"] == pytest.approx([0.1, 0.1, 0.1])
+    assert c["seed_sd"] == pytest.approx(0.0, abs=1e-12) and c["se"] == pytest.approx(c["se_prompts"])
+    assert c["ci95"][0] < 0.1 < c["ci95"][1]
+    # a noisier eagle1 seed widens the interval through the seeds' spread, the pooled difference moves with it
+    rows[4]["points"]["80"]["requests"] = {str(i): [10, 1 + (i % 2)] for i in range(6)}
+    rows[4]["tau"] = 1 + sum(a for _, a in rows[4]["points"]["80"]["requests"].values()) / 60
+    (wide,) = cs.comparisons(rows)
+    assert wide["seed_sd"] > 0.1 and wide["se"] > c["se"] and wide["diff"] > c["diff"]
+    assert wide["ci95"][1] - wide["ci95"][0] > 2 * 4.303 * wide["seed_sd"] / math.sqrt(3) * 0.99
+    text = cs.seeds_markdown(rows)
+    assert "| `mtp` − `eagle1` | `loss.kind=soft_ce loss.steps=1` |" in text and "| 0, 1, 2 |" in text
+    assert cs.seeds_markdown(rows[:1]) == ""
+    results = {"eval": {"k": 3}, "max_steps": 80, "variants": {r["variant"]: r for r in rows}}
+    assert cv.points_json(results)["seed_comparisons"][0]["head_b"] == "eagle1"
+    assert "## Seeds" in cv.variants_markdown(results)
