@@ -181,13 +181,13 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
     names = [v.name for v in variants]
     assert names[:6] == ["mtp-soft_ce-s1", "mtp-lk_hybrid-s1", "mtp-tv-s1", "mtp-nla-s1", "mtp-soft_ce-s3",
                          "mtp-lk_hybrid-s3"]
-    assert len(names) == len(set(names)) == 21
+    assert len(names) == len(set(names)) == 22
     mtp = {(dict(o.split("=") for o in v.overrides)["loss.kind"], dict(o.split("=") for o in v.overrides)
             ["loss.steps"]) for v in variants if v.head == "mtp"}
     seeds = {v.name: dict(o.split("=") for o in v.overrides).get("train.seed") for v in variants}
     assert sorted(n for n, s in seeds.items() if s) == sorted(f"{n}-seed{s}" for n, s in [
         ("mtp-soft_ce-s1", 1), ("mtp-soft_ce-s1", 2), ("eagle1-soft_ce-s1", 1), ("eagle1-soft_ce-s1", 2),
-        ("mtp-lk_hybrid-s1", 1), ("mtp-soft_ce-s3-dpace", 1)])
+        ("mtp-lk_hybrid-s1", 1), ("mtp-soft_ce-s3-dpace", 1), ("eagle3-s3", 1)])
     for name, seed in seeds.items():  # a seed variant is its base variant with train.seed added, nothing else
         if seed:
             base = next(v for v in variants if v.name == name.rsplit("-seed", 1)[0])
@@ -214,7 +214,7 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
         assert c.loss.position_weights == ("dpace" if v.name in dpace else "decay")
     eagle3 = {v.name: int(dict(o.split("=", 1) for o in v.overrides)["loss.steps"]) for v in variants
               if v.head == "eagle3"}
-    assert eagle3 == {"eagle3-s3": 3, "eagle3.1-s3": 3, "eagle3-s7": 7, "eagle3.1-s7": 7}
+    assert eagle3 == {"eagle3-s3": 3, "eagle3.1-s3": 3, "eagle3-s7": 7, "eagle3.1-s7": 7, "eagle3-s3-seed1": 3}
 
 
 def test_variant_selection_and_files(curve, tmp_path):
