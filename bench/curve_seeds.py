@@ -10,9 +10,9 @@ are compared by
          prompts are a sample), s the standard deviation of the per-seed differences over the n seeds paired by
          seed (the training's own randomness: initialisation and batch order),
 
-with the 95% interval Δτ ± t(0.975, n − 1)·SE (Student's t over the few seeds: wide on purpose). Seeds of one
-head have no pairing with the other head's (seed 1 of `mtp` and of `eagle1` share nothing but the number), so s
-is taken over the seeds both heads have, in order.
+with the 95% interval Δτ ± t(0.975, n − 1)·SE (Student's t over the few seeds: wide on purpose). Seed s of two
+heads shares the batch order (both read the same folder), so the per-seed differences pair the seed numbers both
+heads have; two heads are compared when they share two or more.
 """
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ def pooled(rows: list[dict[str, Any]]) -> dict[str, list[int]]:
 
 
 def compare(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Head a's seeds against head b's (each {seed: row}, two or more seeds each): Δτ, its SE and 95% interval as
-    the module's docstring defines them, the per-seed τ and differences."""
+    """Head a's seeds against head b's (each {seed: row}, two or more seed numbers in common): Δτ, its SE and 95%
+    interval as the module's docstring defines them, the per-seed τ and differences."""
     from mtp_train.speculative.metrics import paired_tau_difference
 
     diff, se_prompts = paired_tau_difference(pooled(list(a.values())), pooled(list(b.values())))
-    per_seed = [a[sa]["tau"] - b[sb]["tau"] for sa, sb in zip(sorted(a), sorted(b))]
+    per_seed = [a[s]["tau"] - b[s]["tau"] for s in sorted(set(a) & set(b))]
     n = len(per_seed)
-    spread = statistics.stdev(per_seed) if n >= 2 else 0.0
+    spread = statistics.stdev(per_seed)
     se = math.sqrt((se_prompts or 0.0) ** 2 + spread ** 2 / n)
     half = T975.get(n - 1, 1.96) * se
     return {"seeds_a": sorted(a), "seeds_b": sorted(b), "tau_a": [a[s]["tau"] for s in sorted(a)],
@@ -71,14 +71,22 @@ def compare(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> dict[
             "seed_sd": spread, "per_seed_diff": per_seed, "se": se, "ci95": [diff - half, diff + half]}
 
 
-def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every pair of heads trained with one recipe over two or more seeds each, `mtp` first where present."""
-    groups = {key: g for key, g in seed_groups(rows).items() if len(g) >= 2}
+def multi_seed_groups(rows: list[dict[str, Any]]) -> dict[tuple[str, tuple[str, ...]], dict[int, dict[str, Any]]]:
+    """`seed_groups` of the recipes measured with two or more seeds."""
+    return {key: g for key, g in seed_groups(rows).items() if len(g) >= 2}
+
+
+def comparisons(rows: list[dict[str, Any]],
+                groups: dict[tuple[str, tuple[str, ...]], dict[int, dict[str, Any]]] | None = None,
+                ) -> list[dict[str, Any]]:
+    """Every pair of heads trained with one recipe over two or more common seeds, `mtp` first where present
+    (groups: `multi_seed_groups(rows)` when the caller has them)."""
+    groups = multi_seed_groups(rows) if groups is None else groups
     out = []
     keys = sorted(groups, key=lambda k: (k[1], k[0] != "mtp", k[0]))
     for i, (ha, recipe) in enumerate(keys):
         for hb, rb in keys[i + 1:]:
-            if rb == recipe and hb != ha:
+            if rb == recipe and hb != ha and len(set(groups[(ha, recipe)]) & set(groups[(hb, rb)])) >= 2:
                 out.append({"head_a": ha, "head_b": hb, "recipe": list(recipe),
                             **compare(groups[(ha, recipe)], groups[(hb, rb)])})
     return out
@@ -87,7 +95,7 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def seeds_markdown(rows: list[dict[str, Any]]) -> str:
     """The seeds section of the report: each recipe's τ per seed, and every head pair's Δτ with its interval
     (empty string when no recipe has two seeds)."""
-    groups = {key: g for key, g in seed_groups(rows).items() if len(g) >= 2}
+    groups = multi_seed_groups(rows)
     if not groups:
         return ""
     lines = ["| head | recipe | seeds | τ per seed | mean ± sd |", "|---|---|---|---|---:|"]
@@ -96,7 +104,7 @@ def seeds_markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| `{head}` | `{' '.join(recipe)}` | {', '.join(map(str, sorted(g)))} | "
                      f"{' / '.join(f'{t:.3f}' for t in taus)} | {statistics.mean(taus):.3f} ± "
                      f"{statistics.stdev(taus):.3f} |")
-    pairs = comparisons(rows)
+    pairs = comparisons(rows, groups)
     if pairs:
         lines += ["", "| heads | recipe | Δτ (pooled) | SE (prompts, seeds) | 95% interval | per-seed Δτ |",
                   "|---|---|---:|---|---|---|"]

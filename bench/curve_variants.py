@@ -228,7 +228,8 @@ def points_json(results: dict[str, Any]) -> dict[str, Any]:
     for h, rec in (results.get("heads") or {}).items():
         if rec.get("points"):
             heads.setdefault(h, {})["curve"] = pts(rec["points"])
-    for r in ordered_rows(results):
+    rows = ordered_rows(results)
+    for r in rows:
         heads.setdefault(r["head"], {})[r["variant"]] = pts(r["points"])
     for h, by_variant in heads.items():
         for name, ps in by_variant.items():
@@ -239,10 +240,10 @@ def points_json(results: dict[str, Any]) -> dict[str, Any]:
             "recipe": results.get("recipe"), "eval": results["eval"], "heads": heads,
             "best_tau_512k": best[0] if best else None, "best_variant": best[1] if best else None,
             "best_head": best[2] if best else None, "ngram": results.get("ngram"),
-            "seed_comparisons": comparisons(ordered_rows(results)),  # e.g. mtp against eagle1 over 3 seeds
+            "seed_comparisons": comparisons(rows),  # e.g. mtp against eagle1 over 3 seeds
             # the measured rows in full, so that another checkout's run resumes from this file (see `seed`)
             "variant_order": results.get("variant_order", []),
-            "variants": {r["variant"]: r for r in ordered_rows(results)}}
+            "variants": {r["variant"]: r for r in rows}}
 
 
 def seed(results: dict[str, Any], record: dict[str, Any]) -> list[str]:

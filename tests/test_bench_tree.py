@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 @pytest.fixture(scope="module")
 def bench():
     yield load_script("bench_tree", ROOT / "bench" / "bench_tree.py")

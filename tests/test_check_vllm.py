@@ -16,7 +16,6 @@ from tests.conftest import load_script
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 @pytest.fixture(scope="module")
 def check():
     yield load_script("launch_check_vllm", ROOT / "launch" / "check_vllm.py")

@@ -403,6 +403,10 @@ def test_seeds_group_by_recipe_and_two_heads_compare_with_an_interval(report):
     text = cs.seeds_markdown(rows)
     assert "| `mtp` − `eagle1` | `loss.kind=soft_ce loss.steps=1` |" in text and "| 0, 1, 2 |" in text
     assert cs.seeds_markdown(rows[:1]) == ""
+    # per-seed differences pair seed numbers (the same batch order): heads without two seeds in common are not compared
+    apart = [_seed_row(head, ["loss.kind=nla", f"train.seed={s}"], {"0": [10, 3], "1": [10, 2]})
+             for head, seeds in (("mtp", (1, 2)), ("eagle1", (3, 4))) for s in seeds]
+    assert len(cs.multi_seed_groups(apart)) == 2 and cs.comparisons(apart) == []
     results = {"eval": {"k": 3}, "max_steps": 80, "variants": {r["variant"]: r for r in rows}}
     assert cv.points_json(results)["seed_comparisons"][0]["head_b"] == "eagle1"
     assert "## Seeds" in cv.variants_markdown(results)
