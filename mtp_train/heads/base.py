@@ -308,8 +308,9 @@ class DraftHead(nn.Module, ABC):
         return self.features(hidden, next_tokens, meta, None, self._train_attn)
 
     def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
-               steps: int, attention: str = "chain") -> list[torch.Tensor]:
-        """Chain `steps` training forwards (alignment and `attention` modes in the module docstring).
+               steps: int, attention: str = "chain", chain_mode: str = "diagonal") -> list[torch.Tensor]:
+        """Chain `steps` training forwards (alignment and `attention` modes in the module docstring; `chain_mode`:
+        how the chain attention computes it, `ChainTrainAttention`'s `mode`).
 
         hidden: (T, H) target hidden h_i, or (T, k·H) its aux layers (`input_width`); input_ids: (T,) the
         sequences' own tokens t_i (NOT shifted: step j shifts them j+1 to the left). Step j > 0 reads step j-1's
@@ -321,7 +322,7 @@ class DraftHead(nn.Module, ABC):
         if attention not in UNROLL_ATTENTION:
             raise ValueError(f"unknown unroll attention {attention!r}; choose one of {', '.join(UNROLL_ATTENTION)}")
         lens = resolve_seq_lens(hidden.shape[0], seq_lens)
-        attn = chain_attention(self.args) if attention == "chain" else self._train_attn
+        attn = chain_attention(self.args, chain_mode) if attention == "chain" else self._train_attn
         outs: list[torch.Tensor] = []
         x = hidden
         for j in range(steps):

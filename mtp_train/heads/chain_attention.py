@@ -15,6 +15,8 @@ from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLAB
 from mtp_train.models.config import ModelArgs
 from mtp_train.models.families import family_of
 
+CHAIN_MODES = ("diagonal", "masked")  # how ChainTrainAttention computes a step (same result)
+
 
 class ChainTrainAttention(AttentionBackend):
     """Training attention of an unrolled chain, one instance per `unroll` call (EAGLE-3's training-time test).
@@ -24,13 +26,22 @@ class ChainTrainAttention(AttentionBackend):
     step j at position i+j attends to at inference, when the head's KV cache holds the entries computed from
     the target's hidden states up to position i and the chain's own entries after it. Step 0 is the plain
     causal prefill. The caller gives step j the positions i + j (keys carry RoPE at their own positions).
+
+    `mode` says how a later step is computed; both give the same attention. `diagonal` (the default) scores the
+    step-0 keys as one causal (n, n) block and the chain's own keys as j dot products per row (its keys of steps
+    1..j at the same row: the only ones it may see), so a step costs about one causal attention whatever j is.
+    `masked` concatenates all (j+1)·n keys of the sequence and masks all but those: a step costs j+1 of them,
+    and a 7-step test ~4x its attention (`bench/bench_chain_attention.py` times the two; a test checks they agree).
     """
 
     name = "chain-train"
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, mode: str = "diagonal") -> None:
         super().__init__(num_q_heads, num_kv_heads, head_dim, sliding_window)
+        if mode not in CHAIN_MODES:
+            raise ValueError(f"unknown chain attention mode {mode!r}; choose one of {', '.join(CHAIN_MODES)}")
+        self.mode = mode
         self.keys: list[torch.Tensor] = []  # per step (T, Hkv, D)
         self.values: list[torch.Tensor] = []
 
@@ -51,9 +62,61 @@ class ChainTrainAttention(AttentionBackend):
             mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
         return mask
 
+    def _masked(self, q: torch.Tensor, sl: slice, q_pos: torch.Tensor, step: int) -> torch.Tensor:
+        """One sequence's rows `sl` over all its (step+1)·n keys, masked: q (n, Hq, D) → (n, Hq, Dv)."""
+        keys = torch.cat([x[sl] for x in self.keys], 0)  # ((step+1)·n, Hkv, D)
+        values = torch.cat([x[sl] for x in self.values], 0)
+        mask = self._mask(q_pos, step)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            enable_gqa=self.num_q_heads != self.num_kv_heads,
+        )  # (1, Hq, n, Dv)
+        return out[0].transpose(0, 1)
+
+    def _diagonal(self, q: torch.Tensor, sl: slice, step: int) -> torch.Tensor:
+        """One sequence's rows `sl` at step >= 1: q (n, Hq, D) → (n, Hq, Dv).
+
+        Row i's own keys k_s[i] (s = 1..step) are scored as dot products d_s; their softmax group enters the one
+        SDPA over the causal step-0 block as a single extra key whose score is the group's logsumexp (an extra
+        q/k dimension carries it) and whose value is an indicator column: that column's output is the group's
+        share u_i of the joint softmax, and out = SDPA's value part + u_i · Σ_s softmax(d)_s v_s[i], exactly the
+        attention over all the keys, at the cost of one causal attention over n + 1 keys.
+        """
+        n, hkv, g = q.shape[0], self.num_kv_heads, self.num_q_heads // self.num_kv_heads
+        k0, v0 = self.keys[0][sl], self.values[0][sl]  # (n, Hkv, D), (n, Hkv, Dv)
+        ks = torch.stack([x[sl] for x in self.keys[1:]], 1)  # (n, step, Hkv, D)
+        vs = torch.stack([x[sl] for x in self.values[1:]], 1)  # (n, step, Hkv, Dv)
+        d = torch.einsum("nkgd,nskd->nkgs", q.view(n, hkv, g, -1), ks) * self.scale  # (n, Hkv, g, step)
+        if self.sliding_window is not None:  # k_s[i] sits at i + s, the query at i + step: seen while step - s < window
+            gone = torch.arange(1, step + 1, device=q.device) <= step - self.sliding_window
+            d = d.masked_fill(gone, float("-inf"))
+        own = torch.einsum("nkgs,nskv->nkgv", torch.softmax(d, -1), vs).reshape(n, self.num_q_heads, -1)
+        lse = torch.logsumexp(d, -1).reshape(n, self.num_q_heads, 1)  # the group's score
+        # The extra columns: one on CPU; eight on CUDA, whose fused kernels want head dims in multiples of 8.
+        extra = 8 if q.is_cuda else 1
+        q_ext = torch.cat([q, F.pad(lse / self.scale, (0, extra - 1))], -1)  # (n, Hq, D+e): · the sink's 1 → lse
+        sink_k = torch.zeros(1, hkv, k0.shape[-1] + extra, dtype=k0.dtype, device=k0.device)
+        sink_k[..., k0.shape[-1]] = 1
+        sink_v = torch.zeros(1, hkv, v0.shape[-1] + extra, dtype=v0.dtype, device=v0.device)
+        sink_v[..., v0.shape[-1]] = 1
+        k_ext = torch.cat([F.pad(k0, (0, extra)), sink_k], 0)  # (n+1, Hkv, D+e)
+        v_ext = torch.cat([F.pad(v0, (0, extra)), sink_v], 0)  # (n+1, Hkv, Dv+e)
+        rows = torch.arange(n, device=q.device)
+        allowed = rows[None, :] <= rows[:, None]  # step-0 key row <= query row
+        if self.sliding_window is not None:  # key position r vs query position i + step (contiguous positions)
+            allowed &= rows[None, :] > rows[:, None] + step - self.sliding_window
+        mask = torch.cat([allowed, torch.ones(n, 1, dtype=torch.bool, device=q.device)], 1)  # (n, n+1)
+        out = F.scaled_dot_product_attention(
+            q_ext.transpose(0, 1)[None], k_ext.transpose(0, 1)[None], v_ext.transpose(0, 1)[None],
+            attn_mask=mask, scale=self.scale, enable_gqa=g > 1,
+        )[0].transpose(0, 1)  # (n, Hq, Dv+e)
+        dv = v0.shape[-1]
+        return out[..., :dv] + out[..., dv:dv + 1] * own
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
-        """q: (T, Hq, D); k, v: (T, Hkv, D) of this step → (T, Hq, D); no KV cache."""
+        """q: (T, Hq, D); k, v: (T, Hkv, D) of this step → (T, Hq, Dv); no KV cache."""
         if kv_cache is not None:
             raise ValueError("training attention takes no KV cache")
         self.keys.append(k)
@@ -63,20 +126,15 @@ class ChainTrainAttention(AttentionBackend):
         for b, n in enumerate(meta.qo_lens):
             lo = int(meta.qo_indptr[b])
             sl = slice(lo, lo + n)
-            keys = torch.cat([x[sl] for x in self.keys], 0)  # ((step+1)·n, Hkv, D)
-            values = torch.cat([x[sl] for x in self.values], 0)
-            mask = self._mask(meta.positions[sl], step)
-            out = F.scaled_dot_product_attention(
-                q[sl].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                enable_gqa=self.num_q_heads != self.num_kv_heads,
-            )  # (1, Hq, n, D)
-            outs.append(out[0].transpose(0, 1))
+            if step == 0 or self.mode == "masked":
+                outs.append(self._masked(q[sl], sl, meta.positions[sl], step))
+            else:
+                outs.append(self._diagonal(q[sl], sl, step))
         return torch.cat(outs, 0)
 
 
-def chain_attention(args: ModelArgs) -> AttentionBackend | MLABackend:
+def chain_attention(args: ModelArgs, mode: str = "diagonal") -> AttentionBackend | MLABackend:
     """A fresh chain over the head block's attention shape (args: the head's one-layer args), as its family's
-    block calls attention."""
-    chain = ChainTrainAttention(args.num_heads, args.num_kv_heads, args.head_dim, args.sliding_window)
+    block calls attention; `mode` as in `ChainTrainAttention`."""
+    chain = ChainTrainAttention(args.num_heads, args.num_kv_heads, args.head_dim, args.sliding_window, mode)
     return family_of(args).adapt_attention(chain, args)
