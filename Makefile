@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-spec bench-tree bench-memory bench-regenerate ablation curve check-vllm clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-spec bench-tree bench-memory bench-regenerate ablation curve check-vllm clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,10 @@ bench-precompute: model
 
 bench-train: model
 	$(PY) bench/bench_train.py --model $(MODEL_DIR)
+
+# The chained training attention (training-time test): its diagonal mode against the masked one, 3 and 7 steps.
+bench-chain: model
+	$(PY) bench/bench_chain_attention.py --model $(MODEL_DIR)
 
 # Self-distillation throughput: our batched greedy decoding vs transformers' batched generate, and the peak share.
 bench-regenerate: model

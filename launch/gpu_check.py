@@ -17,7 +17,10 @@ SmolLM2's exact shape), all in bf16. Then prefill and decode tokens/s for both b
     the FlashInfer backend (near-ties aside);
   - with two or more GPUs: tensor parallelism over 2 GPUs (NCCL) = one GPU (hidden states, logits, tokens);
   - claim (c): SmolLM2's verify time by rows 1-64 with the tree mask (FlashInfer's custom mask) against a chain of
-    the same rows, batch 1 and 8, one table each and a `TREE_COST {json}` line (launch/tree_cost.py).
+    the same rows, batch 1 and 8, one table each and a `TREE_COST {json}` line (launch/tree_cost.py);
+  - the heads' chained training attention (EAGLE-3's training-time test, 7 steps) in bf16: the `diagonal` mode
+    against `masked` (outputs and gradients), and each one's forward + backward time and peak memory on
+    SmolLM2's head shape and on Llama-3-8B's, two sequences of 2048 tokens (a `CHAIN_ATTENTION {json}` line).
 
 Usage: python launch/gpu_check.py [--model models/smollm2-135m-instruct]
 """
@@ -359,6 +362,63 @@ def tree_mask_cost(tag: str, path: Path, device: str = "cuda", backend: str = "f
         print(f"TREE_COST {json.dumps({'model': tag, 'batch': batch, 'table': table})}", flush=True)
 
 
+def chain_attention_check(device: str = "cuda", dtype: torch.dtype = DT, lens: tuple[int, ...] = (2048, 2048),
+                          steps: int = 7, shapes: tuple[tuple[str, int, int, int], ...] = (
+                              ("smollm2", 9, 3, 64), ("llama3-8b", 32, 8, 128)), rounds: int = 5) -> None:
+    """The chained training attention's `diagonal` mode against `masked` on `device`: outputs and gradients agree,
+    and each mode's forward + backward time and peak memory for a `steps`-step unroll over packed `lens`.
+    `device` / `lens` / `shapes` / `rounds` are for a dry run of the plumbing on CPU."""
+    from mtp_train.heads.chain_attention import ChainTrainAttention
+    from mtp_train.layers import AttentionMetadata
+
+    def unroll(mode: str, qkv: list[tuple[torch.Tensor, ...]], hq: int, hkv: int, d: int) -> list[torch.Tensor]:
+        attn = ChainTrainAttention(hq, hkv, d, mode=mode)
+        outs = []
+        for j, (q, k, v) in enumerate(qkv):
+            meta = AttentionMetadata.build(list(lens), device=device)
+            meta.positions = meta.positions + j
+            attn.prepare(meta)
+            outs.append(attn.forward(q, k, v, None, meta))
+        return outs
+
+    record: dict = {"steps": steps, "lens": list(lens), "dtype": str(dtype).removeprefix("torch.")}
+    for name, hq, hkv, d in shapes:
+        g = torch.Generator(device=device).manual_seed(0)
+        t = sum(lens)
+        qkv = [tuple(torch.randn(t, h, d, generator=g, device=device, dtype=dtype).requires_grad_()
+                     for h in (hq, hkv, hkv)) for _ in range(steps)]
+        weights = [torch.randn(t, hq, d, generator=g, device=device, dtype=dtype) for _ in range(steps)]
+        got: dict[str, tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+        row: dict = {}
+        for mode in ("masked", "diagonal"):
+            def once(mode: str = mode, qkv: list = qkv, weights: list = weights, heads: tuple = (hq, hkv, d)
+                     ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+                outs = unroll(mode, qkv, *heads)
+                loss = sum((o.float() * w.float()).sum() for o, w in zip(outs, weights))
+                return [o.detach() for o in outs], torch.autograd.grad(loss, [x for step in qkv for x in step])
+
+            got[mode] = once()  # also the warm-up
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                once()
+            if device == "cuda":
+                torch.cuda.synchronize()
+                row[f"{mode}_peak_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+            row[f"{mode}_ms"] = round((time.perf_counter() - t0) / rounds * 1e3, 2)
+        out_err = max(rel_err(a, b) for a, b in zip(got["diagonal"][0], got["masked"][0]))
+        grad_err = max(rel_err(a, b) for a, b in zip(got["diagonal"][1], got["masked"][1]))
+        check(f"chain attention {name} ({hq}/{hkv} heads of {d}), {steps} steps: diagonal = masked",
+              out_err < TOL and grad_err < TOL, f"outputs max rel err {out_err:.2e}, gradients {grad_err:.2e}")
+        row["masked_over_diagonal"] = round(row["masked_ms"] / row["diagonal_ms"], 3)
+        print(f"INFO  chain attention {name}, {steps} steps over {list(lens)}: {row}", flush=True)
+        record[name] = row
+    print(f"CHAIN_ATTENTION {json.dumps(record)}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -384,6 +444,7 @@ def main() -> int:
         jobs = [(t, lambda p=p, t=t: run_checks(t, p, True)) for t, p in (("small", small), (tag, smol))]
         jobs.append(("deepseek-v2", lambda: deepseek_checks(Path(tmp))))
         jobs.append(("tree mask cost", lambda: tree_mask_cost(tag, smol)))
+        jobs.append(("chain attention", chain_attention_check))
         if torch.cuda.device_count() > 1:
             jobs.append(("tensor parallel", lambda: tensor_parallel_check(Path(tmp), small)))
         else:
