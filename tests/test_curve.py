@@ -181,13 +181,14 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
     names = [v.name for v in variants]
     assert names[:6] == ["mtp-soft_ce-s1", "mtp-lk_hybrid-s1", "mtp-tv-s1", "mtp-nla-s1", "mtp-soft_ce-s3",
                          "mtp-lk_hybrid-s3"]
-    assert len(names) == len(set(names)) == 22
+    assert len(names) == len(set(names)) == 24
     mtp = {(dict(o.split("=") for o in v.overrides)["loss.kind"], dict(o.split("=") for o in v.overrides)
             ["loss.steps"]) for v in variants if v.head == "mtp"}
     seeds = {v.name: dict(o.split("=") for o in v.overrides).get("train.seed") for v in variants}
     assert sorted(n for n, s in seeds.items() if s) == sorted(f"{n}-seed{s}" for n, s in [
         ("mtp-soft_ce-s1", 1), ("mtp-soft_ce-s1", 2), ("eagle1-soft_ce-s1", 1), ("eagle1-soft_ce-s1", 2),
-        ("mtp-lk_hybrid-s1", 1), ("mtp-soft_ce-s3-dpace", 1), ("eagle3-s3", 1)])
+        ("mtp-lk_hybrid-s1", 1), ("mtp-soft_ce-s3-dpace", 1),
+        ("eagle1-soft_ce-s3-dpace", 1), ("eagle3-s3", 1), ("eagle3-s3", 2)])
     for name, seed in seeds.items():  # a seed variant is its base variant with train.seed added, nothing else
         if seed:
             base = next(v for v in variants if v.name == name.rsplit("-seed", 1)[0])
@@ -195,7 +196,8 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
                     if not o.startswith("train.seed=")] == list(base.overrides)
     assert mtp == {(k, s) for k in ("soft_ce", "tv", "nla", "lk_hybrid") for s in ("1", "3")}
     dpace = [v.name for v in variants if "loss.position_weights=dpace" in v.overrides]
-    assert dpace == ["mtp-soft_ce-s3-dpace", "eagle1-soft_ce-s3-dpace", "mtp-soft_ce-s3-dpace-seed1"]
+    assert dpace == ["mtp-soft_ce-s3-dpace", "eagle1-soft_ce-s3-dpace", "mtp-soft_ce-s3-dpace-seed1",
+                     "eagle1-soft_ce-s3-dpace-seed1"]
     assert "loss.steps=1" in cfg.train
     for v in variants:
         assert curve.head_available(v.head) is None
@@ -214,7 +216,8 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
         assert c.loss.position_weights == ("dpace" if v.name in dpace else "decay")
     eagle3 = {v.name: int(dict(o.split("=", 1) for o in v.overrides)["loss.steps"]) for v in variants
               if v.head == "eagle3"}
-    assert eagle3 == {"eagle3-s3": 3, "eagle3.1-s3": 3, "eagle3-s7": 7, "eagle3.1-s7": 7, "eagle3-s3-seed1": 3}
+    assert eagle3 == {"eagle3-s3": 3, "eagle3.1-s3": 3, "eagle3-s7": 7, "eagle3.1-s7": 7, "eagle3-s3-seed1": 3,
+                      "eagle3-s3-seed2": 3}
 
 
 def test_variant_selection_and_files(curve, tmp_path):
