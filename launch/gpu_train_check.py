@@ -12,7 +12,7 @@ wall-clock budget each, then measured by speculative decoding against plain deco
    set), with `train.max_seconds` = `--budget-s` and a step count it never reaches, so that the clock ends the run
    and the head is evaluated, checkpointed and exported as at max_steps. The recipe is the demo's (draft
    vocabulary 8192, lr 1e-3 after a short warmup and then constant in effect, the fused CE, token loss weight 1),
-   with each head's own unrolling (eagle3: its 7-step training-time test; mtp: 3 chained steps, since it is
+   with each head's own unrolling (eagle3: its 3-step training-time test; mtp: 3 chained steps, since it is
    measured up to k = 6). On CUDA the heads train at the same time (`--jobs`), one process each on the one GPU:
    a one-layer head over a 135M target leaves most of the chip idle (the step is bound by kernel launches), and
    training them one after the other would not fit the check in ten minutes. On CPU they run one after the other.
@@ -71,7 +71,7 @@ RECIPE = ("head.draft_vocab_size=8192", "loss.w_tok=1.0", "loss.ce_impl=fused", 
           "optim.warmup_steps=10", "train.grad_accum=1", "train.eval_every=0", "train.eval_batches=4",
           "train.save_every=0", "train.log_every=10", "train.progress=false", "spec_eval.prompts=[]",
           "wandb.mode=disabled", "resume=auto")
-# Each head's own part: eagle3's group brings the 7-step training-time test (conf/head/eagle3.yaml); mtp trains
+# Each head's own part: eagle3's group brings the 3-step training-time test (conf/head/eagle3.yaml); mtp trains
 # its first three chained steps, since it drafts up to six.
 HEAD_RECIPE: dict[str, tuple[str, ...]] = {"eagle3": ("head=eagle3",), "mtp": ("head=mtp", "loss.steps=3")}
 MICRO_BATCH_TOKENS = {"cuda": 16384, "cpu": 2048}  # per optimizer step (grad_accum 1)
