@@ -27,21 +27,14 @@ from common import compare, report  # noqa: E402
 
 from mtp_train.config.head import HeadConfig  # noqa: E402
 from mtp_train.heads import build_head  # noqa: E402
-from mtp_train.heads.chain_attention import ChainTrainAttention  # noqa: E402
-from mtp_train.layers import AttentionMetadata  # noqa: E402
+from mtp_train.heads.chain_attention import ChainTrainAttention, attend_chain  # noqa: E402
 
 HQ, HKV, D = 9, 3, 64
 
 
 def attention_only(lens: list[int], steps: int, mode: str, qkv: list[tuple[torch.Tensor, ...]]) -> None:
     """One unroll's `steps` chained attention calls and their backward. qkv: per step (q, k, v), (T, H, D)."""
-    attn = ChainTrainAttention(HQ, HKV, D, mode=mode)
-    outs = []
-    for j, (q, k, v) in enumerate(qkv[:steps]):
-        meta = AttentionMetadata.build(lens)
-        meta.positions = meta.positions + j
-        attn.prepare(meta)
-        outs.append(attn.forward(q, k, v, None, meta))
+    outs = attend_chain(ChainTrainAttention(HQ, HKV, D, mode=mode), qkv[:steps], lens)
     torch.stack([o.square().mean() for o in outs]).sum().backward()
 
 

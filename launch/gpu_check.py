@@ -368,18 +368,7 @@ def chain_attention_check(device: str = "cuda", dtype: torch.dtype = DT, lens: t
     """The chained training attention's `diagonal` mode against `masked` on `device`: outputs and gradients agree,
     and each mode's forward + backward time and peak memory for a `steps`-step unroll over packed `lens`.
     `device` / `lens` / `shapes` / `rounds` are for a dry run of the plumbing on CPU."""
-    from mtp_train.heads.chain_attention import ChainTrainAttention
-    from mtp_train.layers import AttentionMetadata
-
-    def unroll(mode: str, qkv: list[tuple[torch.Tensor, ...]], hq: int, hkv: int, d: int) -> list[torch.Tensor]:
-        attn = ChainTrainAttention(hq, hkv, d, mode=mode)
-        outs = []
-        for j, (q, k, v) in enumerate(qkv):
-            meta = AttentionMetadata.build(list(lens), device=device)
-            meta.positions = meta.positions + j
-            attn.prepare(meta)
-            outs.append(attn.forward(q, k, v, None, meta))
-        return outs
+    from mtp_train.heads.chain_attention import ChainTrainAttention, attend_chain
 
     record: dict = {"steps": steps, "lens": list(lens), "dtype": str(dtype).removeprefix("torch.")}
     for name, hq, hkv, d in shapes:
@@ -393,7 +382,7 @@ def chain_attention_check(device: str = "cuda", dtype: torch.dtype = DT, lens: t
         for mode in ("masked", "diagonal"):
             def once(mode: str = mode, qkv: list = qkv, weights: list = weights, heads: tuple = (hq, hkv, d)
                      ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
-                outs = unroll(mode, qkv, *heads)
+                outs = attend_chain(ChainTrainAttention(*heads, mode=mode), qkv, lens, device)
                 loss = sum((o.float() * w.float()).sum() for o, w in zip(outs, weights))
                 return [o.detach() for o in outs], torch.autograd.grad(loss, [x for step in qkv for x in step])
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtp_train.heads.chain_attention import ChainTrainAttention
-from mtp_train.layers import AttentionMetadata
+from mtp_train.heads.chain_attention import ChainTrainAttention, attend_chain
 from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,14 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _unroll(mode: str, qkv: list[tuple[torch.Tensor, ...]], lens: list[int], window: int | None) -> list[torch.Tensor]:
     q0, k0, _ = qkv[0]
-    attn = ChainTrainAttention(q0.shape[1], k0.shape[1], q0.shape[2], window, mode)
-    outs = []
-    for j, (q, k, v) in enumerate(qkv):
-        meta = AttentionMetadata.build(lens)
-        meta.positions = meta.positions + j
-        attn.prepare(meta)
-        outs.append(attn.forward(q, k, v, None, meta))
-    return outs
+    return attend_chain(ChainTrainAttention(q0.shape[1], k0.shape[1], q0.shape[2], window, mode), qkv, lens)
 
 
 @pytest.mark.parametrize(("heads", "dv", "window"), [((6, 2), 16, None), ((4, 4), 16, 3), ((4, 1), 8, None)],

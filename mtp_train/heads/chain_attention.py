@@ -8,6 +8,8 @@ reproduces exactly that in a cache-free packed batch; `chain_attention` adapts i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -48,25 +50,32 @@ class ChainTrainAttention(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to plan: masks depend on the step, built in `forward`."""
 
-    def _mask(self, q_pos: torch.Tensor, step: int) -> torch.Tensor | None:
-        """q_pos: (n,) positions i + step of one sequence's queries → bool (n, (step+1)·n), True = attend."""
-        n = q_pos.shape[0]
-        rows = torch.arange(n, device=q_pos.device)
-        if step == 0 and self.sliding_window is None:
-            return None  # plain causal
-        base = q_pos - step  # the chain's start positions i
-        parts = [rows[None, :] <= rows[:, None]] + [torch.eye(n, dtype=torch.bool, device=q_pos.device)] * step
-        mask = torch.cat(parts, 1)
+    def _visible(self, n: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which keys row i of step `step` sees, over one sequence of n rows with contiguous positions (step-0 key r
+        at r, the row's own key of step s at i + s, its query at i + step): the step-0 block, bool (n, n), key row
+        <= query row and within the window; its own keys of steps 1..step, bool (step,), the same for every row."""
+        rows = torch.arange(n, device=device)
+        block = rows[None, :] <= rows[:, None]
+        own = torch.ones(step, dtype=torch.bool, device=device)
         if self.sliding_window is not None:
-            k_pos = torch.cat([base + s for s in range(step + 1)])  # ((step+1)·n,)
-            mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
-        return mask
+            block &= rows[None, :] > rows[:, None] + step - self.sliding_window
+            own = torch.arange(1, step + 1, device=device) > step - self.sliding_window
+        return block, own
 
-    def _masked(self, q: torch.Tensor, sl: slice, q_pos: torch.Tensor, step: int) -> torch.Tensor:
+    def _mask(self, n: int, step: int, device: torch.device) -> torch.Tensor | None:
+        """The masked mode's bool (n, (step+1)·n), True = attend: `_visible`'s block, then per step s the diagonal
+        where that step's own key is seen; None for the plain causal step 0."""
+        if step == 0 and self.sliding_window is None:
+            return None
+        block, own = self._visible(n, step, device)
+        eye = torch.eye(n, dtype=torch.bool, device=device)
+        return torch.cat([block] + [eye & seen for seen in own], 1)
+
+    def _masked(self, q: torch.Tensor, sl: slice, step: int) -> torch.Tensor:
         """One sequence's rows `sl` over all its (step+1)·n keys, masked: q (n, Hq, D) → (n, Hq, Dv)."""
         keys = torch.cat([x[sl] for x in self.keys], 0)  # ((step+1)·n, Hkv, D)
         values = torch.cat([x[sl] for x in self.values], 0)
-        mask = self._mask(q_pos, step)
+        mask = self._mask(q.shape[0], step, q.device)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
             attn_mask=mask, is_causal=mask is None, scale=self.scale,
@@ -87,10 +96,9 @@ class ChainTrainAttention(AttentionBackend):
         k0, v0 = self.keys[0][sl], self.values[0][sl]  # (n, Hkv, D), (n, Hkv, Dv)
         ks = torch.stack([x[sl] for x in self.keys[1:]], 1)  # (n, step, Hkv, D)
         vs = torch.stack([x[sl] for x in self.values[1:]], 1)  # (n, step, Hkv, Dv)
+        block, own_seen = self._visible(n, step, q.device)
         d = torch.einsum("nkgd,nskd->nkgs", q.view(n, hkv, g, -1), ks) * self.scale  # (n, Hkv, g, step)
-        if self.sliding_window is not None:  # k_s[i] sits at i + s, the query at i + step: seen while step - s < window
-            gone = torch.arange(1, step + 1, device=q.device) <= step - self.sliding_window
-            d = d.masked_fill(gone, float("-inf"))
+        d = d.masked_fill(~own_seen, float("-inf"))
         own = torch.einsum("nkgs,nskv->nkgv", torch.softmax(d, -1), vs).reshape(n, self.num_q_heads, -1)
         lse = torch.logsumexp(d, -1).reshape(n, self.num_q_heads, 1)  # the group's score
         # The extra columns: one on CPU; eight on CUDA, whose fused kernels want head dims in multiples of 8.
@@ -102,11 +110,7 @@ class ChainTrainAttention(AttentionBackend):
         sink_v[..., v0.shape[-1]] = 1
         k_ext = torch.cat([F.pad(k0, (0, extra)), sink_k], 0)  # (n+1, Hkv, D+e)
         v_ext = torch.cat([F.pad(v0, (0, extra)), sink_v], 0)  # (n+1, Hkv, Dv+e)
-        rows = torch.arange(n, device=q.device)
-        allowed = rows[None, :] <= rows[:, None]  # step-0 key row <= query row
-        if self.sliding_window is not None:  # key position r vs query position i + step (contiguous positions)
-            allowed &= rows[None, :] > rows[:, None] + step - self.sliding_window
-        mask = torch.cat([allowed, torch.ones(n, 1, dtype=torch.bool, device=q.device)], 1)  # (n, n+1)
+        mask = torch.cat([block, torch.ones(n, 1, dtype=torch.bool, device=q.device)], 1)  # (n, n+1): the sink seen
         out = F.scaled_dot_product_attention(
             q_ext.transpose(0, 1)[None], k_ext.transpose(0, 1)[None], v_ext.transpose(0, 1)[None],
             attn_mask=mask, scale=self.scale, enable_gqa=g > 1,
@@ -127,10 +131,24 @@ class ChainTrainAttention(AttentionBackend):
             lo = int(meta.qo_indptr[b])
             sl = slice(lo, lo + n)
             if step == 0 or self.mode == "masked":
-                outs.append(self._masked(q[sl], sl, meta.positions[sl], step))
+                outs.append(self._masked(q[sl], sl, step))
             else:
                 outs.append(self._diagonal(q[sl], sl, step))
         return torch.cat(outs, 0)
+
+
+def attend_chain(attn: ChainTrainAttention, qkv: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 lens: Sequence[int], device: torch.device | str | None = None) -> list[torch.Tensor]:
+    """The attention alone of one unroll, step by step as `DraftHead.unroll` calls it: step j over the packed
+    sequences `lens` at positions i + j. qkv: per step (q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv)); `attn` a fresh
+    instance. Returns each step's (T, Hq, Dv) (for the benchmarks and checks that compare the modes)."""
+    outs = []
+    for j, (q, k, v) in enumerate(qkv):
+        meta = AttentionMetadata.build(list(lens), device=device)
+        meta.positions = meta.positions + j
+        attn.prepare(meta)
+        outs.append(attn.forward(q, k, v, None, meta))
+    return outs
 
 
 def chain_attention(args: ModelArgs, mode: str = "diagonal") -> AttentionBackend | MLABackend:
