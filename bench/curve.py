@@ -347,9 +347,22 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
     if not variants:
         return results
 
+    plans: dict[str, list[tuple[int, int]]] = {}
+
+    def variant_plan(v: cv.Variant) -> list[tuple[int, int]]:
+        """The curve's plan, or the variant's own where it batches otherwise (the same token points)."""
+        if v.name not in plans:
+            head_dir, head_data, _ = data_for(v.head)
+            shared = train_overrides(cfg, v.head, head_dir, head_data, out, model, max_steps, extra)
+            vconf = compose_train(cv.variant_overrides(shared, v, out / cv.VARIANTS_DIR / v.name))
+            batching = (int(vconf.train.micro_batch_tokens), int(vconf.train.grad_accum))
+            same = batching == (int(probe.train.micro_batch_tokens), int(probe.train.grad_accum))
+            plans[v.name] = plan if same else schedule(cfg, data_dir, points, vconf)
+        return plans[v.name]
+
     def variant_train(v: cv.Variant, steps: list[int]) -> dict[str, Any]:
         head_dir, head_data, _ = data_for(v.head)
-        shared = train_overrides(cfg, v.head, head_dir, head_data, out, model, max_steps, extra)
+        shared = train_overrides(cfg, v.head, head_dir, head_data, out, model, variant_plan(v)[-1][0], extra)
         ov = cv.variant_overrides(shared, v, out / cv.VARIANTS_DIR / v.name)
         return train_main(compose_train(ov), on_step=PointSaver(steps, cfg.checkpoint_every))
 
@@ -360,7 +373,8 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
 
     return cv.run_variants(results, variants, plan, recipe, full_curve, variant_train, variant_measure,
                            lambda: save_results(results, out),
-                           lambda v, step: (out / cv.VARIANTS_DIR / v.name / HEADS_DIR / tag_for(step)).is_dir())
+                           lambda v, step: (out / cv.VARIANTS_DIR / v.name / HEADS_DIR / tag_for(step)).is_dir(),
+                           plan_of=variant_plan)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -106,18 +106,21 @@ def is_done(row: dict[str, Any] | None, variant: Variant, recipe: list[str], ste
 def run_variants(results: dict[str, Any], variants: list[Variant], plan: list[tuple[int, int]], recipe: list[str],
                  full_curve: bool, train: Callable[[Variant, list[int]], dict[str, Any]],
                  measure: Callable[[Variant, int], dict[str, Any]], save: Callable[[], None],
-                 trained: Callable[[Variant, int], bool]) -> dict[str, Any]:
+                 trained: Callable[[Variant, int], bool],
+                 plan_of: Callable[[Variant], list[tuple[int, int]]] | None = None) -> dict[str, Any]:
     """Train (unless `trained(variant, last_step)`) and measure each variant not yet in results["variants"].
 
     train(variant, point_steps) → the trainer's final metrics; measure(variant, step) → a point (step, tokens,
     tau, acceptance_rate, pos, seconds); save() writes curve.json (after each training and each point).
+    plan_of(variant): the variant's own batch plan where its overrides change the batches (micro-batch tokens,
+    accumulation), so that it reaches the same token points at other steps; default: `plan` for every variant.
     """
     import time
 
     rows = results.setdefault("variants", {})
     results["variant_order"] = list(dict.fromkeys([*results.get("variant_order", []), *(v.name for v in variants)]))
-    steps = point_steps(plan, full_curve)
     for v in variants:
+        steps = point_steps(plan_of(v) if plan_of else plan, full_curve)
         if is_done(rows.get(v.name), v, recipe, steps):
             print(f"curve: variant {v.name} already measured (curve.json): skipped", flush=True)
             continue
@@ -225,6 +228,7 @@ def points_json(results: dict[str, Any]) -> dict[str, Any]:
     heads: dict[str, dict[str, Any]] = {}
     best: tuple[float, str, str] | None = None
     last_step = results.get("max_steps")
+    budget = int(results.get("budget_tokens") or 0)
     for h, rec in (results.get("heads") or {}).items():
         if rec.get("points"):
             heads.setdefault(h, {})["curve"] = pts(rec["points"])
@@ -233,9 +237,10 @@ def points_json(results: dict[str, Any]) -> dict[str, Any]:
         heads.setdefault(r["head"], {})[r["variant"]] = pts(r["points"])
     for h, by_variant in heads.items():
         for name, ps in by_variant.items():
-            for p in ps:
-                if p["step"] == last_step and (best is None or p["tau"] > best[0]):
-                    best = (p["tau"], name, h)
+            # the point at the budget (a variant that batches otherwise reaches it at another step)
+            p = ps[-1] if ps else None
+            if p and p["tokens"] >= budget and (best is None or p["tau"] > best[0]):
+                best = (p["tau"], name, h)
     return {"k": results["eval"]["k"], "budget_tokens": results.get("budget_tokens"), "max_steps": last_step,
             "recipe": results.get("recipe"), "eval": results["eval"], "heads": heads,
             "best_tau_512k": best[0] if best else None, "best_variant": best[1] if best else None,

@@ -181,9 +181,10 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
     names = [v.name for v in variants]
     assert names[:6] == ["mtp-soft_ce-s1", "mtp-lk_hybrid-s1", "mtp-tv-s1", "mtp-nla-s1", "mtp-soft_ce-s3",
                          "mtp-lk_hybrid-s3"]
-    assert len(names) == len(set(names)) == 24
+    assert len(names) == len(set(names))
+    grid = [v for v in variants if v.head == "mtp" and len(v.overrides) == 2]  # loss.kind × loss.steps alone
     mtp = {(dict(o.split("=") for o in v.overrides)["loss.kind"], dict(o.split("=") for o in v.overrides)
-            ["loss.steps"]) for v in variants if v.head == "mtp"}
+            ["loss.steps"]) for v in grid} - {("argmax_ce", "1")}
     seeds = {v.name: dict(o.split("=") for o in v.overrides).get("train.seed") for v in variants}
     assert sorted(n for n, s in seeds.items() if s) == sorted(f"{n}-seed{s}" for n, s in [
         ("mtp-soft_ce-s1", 1), ("mtp-soft_ce-s1", 2), ("eagle1-soft_ce-s1", 1), ("eagle1-soft_ce-s1", 2),
@@ -210,6 +211,8 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
         c = typed(compose_train(ov), TrainConfig)
         assert c.head.type == v.head and c.out == str(run_dir) and c.train.max_steps == 299
         assert c.loss.steps == int(own["loss.steps"]) and c.train.seed == int(own.get("train.seed", 0))
+        assert c.optim.lr == float(own.get("optim.lr", 1e-3))
+        assert c.train.micro_batch_tokens == int(own.get("train.micro_batch_tokens", 2048))
         assert c.train.log_every == 5
         assert c.loss.kind == own.get("loss.kind", "soft_ce") and c.head.draft_vocab_size == 8192
         assert c.head.aux_norm == c.head.norm_output == (v.name.startswith("eagle3.1"))
@@ -290,6 +293,15 @@ def test_run_variants_skips_finished_ones_and_resumes_training(curve):
     assert calls == [("train", "c", (10, 20, 40)), ("measure", "c", 10), ("measure", "c", 20), ("measure", "c", 40)]
     assert sorted(results["variants"]["c"]["points"], key=int) == ["10", "20", "40"]
     assert results["variants"]["c"]["step"] == 40 and results["variant_order"] == ["a", "b", "c"]
+    # A variant that batches otherwise (half the micro-batch tokens) reaches the same budget at its own last step.
+    calls.clear()
+    halves = [(20, 16000), (40, 32000), (80, 64000)]
+    plan.extend(halves[2:])  # measure() looks a step's tokens up in `plan`
+    d = cv.Variant("d", "mtp", ("train.micro_batch_tokens=1024",))
+    cv.run_variants(results, [a, d], plan[:3], ["loss.steps=1"], False, train, measure, lambda: None,
+                    lambda v, step: (v.name, step) in folders, plan_of=lambda v: halves if v is d else plan[:3])
+    assert calls == [("train", "d", (80,)), ("measure", "d", 80)]
+    assert (results["variants"]["d"]["step"], results["variants"]["d"]["tokens"]) == (80, 64000)
 
 
 def test_variants_table_and_points_json(report, tmp_path):
@@ -329,6 +341,11 @@ def test_variants_table_and_points_json(report, tmp_path):
 
     diff, se = paired_tau_difference(reqs["nla"], reqs["tv"])
     assert f"| 1.300 ± 0.050 | {diff:+.3f} ± {se:.3f} |" in table and diff < 0
+    # A variant batched otherwise reaches the budget at another step: its last point still counts for the best.
+    mb = {"step": 160, "tokens": 131500, "tau": 1.5, "acceptance_rate": 0.2, "pos": pos, "seconds": 90.0}
+    results["variants"]["mtp-mb1024"] = {"variant": "mtp-mb1024", "head": "mtp", "overrides": [
+        "train.micro_batch_tokens=1024"], "points": {"160": mb}, **mb}
+    assert (cv.points_json(results)["best_tau_512k"], cv.points_json(results)["best_variant"]) == (1.5, "mtp-mb1024")
     del results["variants"]
     assert cv.variants_markdown(results) == ""  # no variants measured: the report is the heads' alone
     assert cv.points_json(results)["best_variant"] == "curve"  # then the best head of the curve itself

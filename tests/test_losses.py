@@ -332,7 +332,7 @@ def test_eagle3_loss_restricts_the_target_to_the_draft_rows_and_masks_out_of_voc
 
 # --- acceptance-aimed token losses (loss.kind) -----------------------------------------------------------------
 
-KINDS = ("soft_ce", "rkl", "jsd", "tv", "nla", "lk_hybrid")
+KINDS = ("soft_ce", "rkl", "jsd", "tv", "nla", "lk_hybrid", "argmax_ce")
 
 
 def _reference_kind(kind: str, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -351,6 +351,8 @@ def _reference_kind(kind: str, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor
         return 1 - alpha
     if kind == "nla":
         return -alpha.log()
+    if kind == "argmax_ce":
+        return -q[torch.arange(len(q)), p.argmax(-1)].log()
     lam = torch.exp(-3 * alpha).detach()
     return lam * kl_pq + (1 - lam) * (1 - alpha)
 
@@ -412,7 +414,8 @@ def test_acceptance_two_ways_and_its_limits():
 
 @pytest.mark.parametrize("kind", KINDS[1:])
 def test_every_token_loss_trains_a_head_towards_acceptance(tiny_batch, kind):
-    """Sixty Adam steps on one fixed batch with each acceptance-aimed loss: the loss falls and α and top-1 rise."""
+    """Sixty Adam steps on one fixed batch with each acceptance-aimed loss: the loss falls, top-1 rises, and so
+    does α for every kind but the hard CE (it aims at the greedy match, not at α)."""
     path, hidden, ids, mask, lens = tiny_batch
     torch.manual_seed(0)
     head = build_head(HeadConfig(type="mtp"), path, dtype="float32")
@@ -426,7 +429,8 @@ def test_every_token_loss_trains_a_head_towards_acceptance(tiny_batch, kind):
         loss.backward()
         opt.step()
     assert m["loss"] < 0.8 * first["loss"], (first["loss"], m["loss"])
-    assert m["alpha"] > first["alpha"] + 0.05, (first["alpha"], m["alpha"])
+    if kind != "argmax_ce":  # the hard CE aims at the greedy match (top-1), not at α over this near-flat target
+        assert m["alpha"] > first["alpha"] + 0.05, (first["alpha"], m["alpha"])
     assert m["top1"] > first["top1"], (first["top1"], m["top1"])
 
 

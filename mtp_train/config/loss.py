@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 CE_IMPLS = ("checkpoint", "fused")  # how the soft cross-entropy's backward is computed (see train/losses.py)
 # the token loss between the head's and the target's distributions (see train/divergences.py)
-LOSS_KINDS = ("soft_ce", "rkl", "jsd", "tv", "nla", "lk_hybrid")
+LOSS_KINDS = ("soft_ce", "rkl", "jsd", "tv", "nla", "lk_hybrid", "argmax_ce")
 POSITION_WEIGHTS = ("decay", "dpace")  # how the unrolled steps' rows are weighted (see train/position_weights.py)
 UNROLL_ATTENTION = ("chain", "causal")  # how unrolled steps j > 0 attend (see heads/chain_attention.py)
 
@@ -17,7 +17,7 @@ class LossConfig:
 
     w_feat: float = 1.0  # weight of the SmoothL1 feature loss
     w_tok: float = 0.1  # weight of the token loss against the target's distribution
-    kind: str = "soft_ce"  # token loss: soft_ce | rkl | jsd | tv (1 − α) | nla (−log α) | lk_hybrid (KL/TV blend)
+    kind: str = "soft_ce"  # token loss: soft_ce | rkl | jsd | tv (1 − α) | nla (−log α) | lk_hybrid | argmax_ce
     smooth_l1_beta: float = 1.0  # SmoothL1 switch point between quadratic and linear
     steps: int = 1  # chained draft steps unrolled per batch
     step_decay: float = 0.8  # step j weighs step_decay ** j, unless step_weights is given

@@ -11,6 +11,8 @@ that a token drafted from q is accepted against p (Leviathan et al. 2023, the ex
     nla        −log α                     the negative log acceptance
     lk_hybrid  λ · KL(p ‖ q) + (1 − λ)(1 − α), λ = exp(−3α) held constant per row ("LK losses", arXiv 2602.23881):
                KL's dense gradient while α is low, TV's direct push on acceptance once it is high
+    argmax_ce  −log q[argmax p]           hard cross-entropy on the target's greedy token: what greedy acceptance
+               (draft argmax = target argmax) rewards, and nothing of the rest of p
 
 All arithmetic runs in the logits' dtype (float32 at least, see `losses._logits`); log-probabilities come from
 log_softmax, so no log of an underflowed zero appears (m's log is a logaddexp of the two).
@@ -62,8 +64,13 @@ def _lk_hybrid(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
     return lam * kl + (1.0 - lam) * (1.0 - alpha)
 
 
+def _argmax_ce(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+    return -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)
+
+
 ROW_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "soft_ce": _soft_ce, "rkl": _rkl, "jsd": _jsd, "tv": _tv, "nla": _nla, "lk_hybrid": _lk_hybrid,
+    "argmax_ce": _argmax_ce,
 }
 assert tuple(ROW_LOSSES) == LOSS_KINDS, "every configurable loss kind has its row loss"
 
