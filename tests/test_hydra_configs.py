@@ -67,3 +67,15 @@ def test_demo_config_is_typed_and_its_stage_overrides_compose():
         compose(name, overrides=extra + overrides)
     with pytest.raises(Exception, match="trian"):
         OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.create({"trian": []}))
+
+
+@pytest.mark.parametrize(("head", "steps", "weights"), [("mtp", 1, "decay"), ("eagle1", 3, "dpace"),
+                                                         ("eagle3", 3, "decay")])
+def test_each_head_group_brings_its_measured_recipe_and_the_ablation_pins_its_own(head, steps, weights):
+    """conf/head/<type>.yaml's defaults are the learning curve's best per head type (docs/curve.md); a
+    command-line override still wins, and the norm ablation compares every head at its one recipe."""
+    cfg = compose("train", overrides=[f"head={head}"])
+    assert (cfg.head.type, cfg.loss.steps, cfg.loss.position_weights) == (head, steps, weights)
+    assert compose("train", overrides=[f"head={head}", "loss.steps=2"]).loss.steps == 2
+    ablation = compose("train", overrides=["+experiment=ablation_norms", f"head={head}"])
+    assert (ablation.loss.steps, ablation.loss.position_weights) == (2, "decay")

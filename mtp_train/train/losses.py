@@ -5,8 +5,8 @@ Per counted row r (a row whose target position is in the loss mask, see `step_ta
     loss_r = w_feat · mean_H SmoothL1(ĥ_r, h_r) + w_tok · D(softmax(lm_head(h_r)), softmax(W_d ĥ_r))
 
 D is `loss.kind` (`mtp_train.train.divergences`): soft cross-entropy by default, or an acceptance-aimed loss
-(reverse KL, JSD, TV = 1 − α, −log α, the LK hybrid, the hard CE at the target's argmax). What follows is said of the soft CE; the other kinds are
-chunked the same way, their d/dz taken by autograd over one chunk at a time.
+(reverse KL, JSD, TV = 1 − α, −log α, the LK hybrid, the hard CE at the target's argmax). What follows is said of
+the soft CE; the other kinds are chunked the same way, their d/dz taken by autograd over one chunk at a time.
 
 summed over rows and divided by `num_tokens` (by default the local count of counted rows; a trainer passes
 the count over all ranks). The target distribution is recomputed from the stored (bf16) target hidden with
