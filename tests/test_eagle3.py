@@ -260,6 +260,19 @@ def test_eagle31_flags_are_refused_where_they_mean_nothing(tiny_checkpoints):
         check_fits(_eagle3(tiny_checkpoints, norm_output=True), "sglang-eagle3")
 
 
+def test_aux_feature_heads_are_refused_by_the_layouts_without_an_aux_fc(tiny_checkpoints):
+    """An mtp / eagle1 head on the aux layers (head.features=aux) has no place in the final-hidden layouts: the
+    refusal names the flag before any tensor is mapped, and the plain head still fits."""
+    folder = tiny_checkpoints["llama"][0]
+    for type_, formats in (("mtp", ("deepseek-mtp", "qwen3-next-mtp")), ("eagle1", ("vllm-eagle", "sglang-eagle"))):
+        aux = build_head(HeadConfig(type=type_, features="aux"), folder, dtype="float32")
+        plain = build_head(HeadConfig(type=type_), folder, dtype="float32")
+        for fmt in formats:
+            with pytest.raises(LayoutError, match="head.features=aux: the .* layouts .* export native"):
+                check_fits(aux, fmt)
+            check_fits(plain, fmt)
+
+
 def test_mtp_aux_features_change_only_the_step0_input(tiny_checkpoints):
     base = build_head(HeadConfig(type="mtp"), tiny_checkpoints["llama"][0], dtype="float32")
     aux_head = build_head(HeadConfig(type="mtp", features="aux", aux_layers=[1, 3]), tiny_checkpoints["llama"][0],
