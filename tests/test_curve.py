@@ -189,7 +189,7 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
     assert sorted(n for n, s in seeds.items() if s) == sorted(f"{n}-seed{s}" for n, s in [
         ("mtp-soft_ce-s1", 1), ("mtp-soft_ce-s1", 2), ("eagle1-soft_ce-s1", 1), ("eagle1-soft_ce-s1", 2),
         ("mtp-lk_hybrid-s1", 1), ("mtp-soft_ce-s3-dpace", 1),
-        ("eagle1-soft_ce-s3-dpace", 1), ("eagle3-s3", 1), ("eagle3-s3", 2)])
+        ("eagle1-soft_ce-s3-dpace", 1), ("eagle3-s3", 1), ("eagle3-s3", 2), ("mtp-aux-s3-dpace", 1)])
     for name, seed in seeds.items():  # a seed variant is its base variant with train.seed added, nothing else
         if seed:
             base = next(v for v in variants if v.name == name.rsplit("-seed", 1)[0])
@@ -198,7 +198,7 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
     assert mtp == {(k, s) for k in ("soft_ce", "tv", "nla", "lk_hybrid") for s in ("1", "3")}
     dpace = [v.name for v in variants if "loss.position_weights=dpace" in v.overrides]
     assert dpace == ["mtp-soft_ce-s3-dpace", "eagle1-soft_ce-s3-dpace", "mtp-soft_ce-s3-dpace-seed1",
-                     "eagle1-soft_ce-s3-dpace-seed1"]
+                     "eagle1-soft_ce-s3-dpace-seed1", "mtp-aux-s3-dpace", "mtp-aux-s3-dpace-seed1"]
     assert "loss.steps=1" in cfg.train
     for v in variants:
         assert curve.head_available(v.head) is None
@@ -216,6 +216,7 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
         assert c.train.log_every == 5
         assert c.loss.kind == own.get("loss.kind", "soft_ce") and c.head.draft_vocab_size == 8192
         assert c.head.aux_norm == c.head.norm_output == (v.name.startswith("eagle3.1"))
+        assert (c.head.features == "aux") == (v.head == "eagle3" or v.name.startswith("mtp-aux"))
         assert c.loss.position_weights == ("dpace" if v.name in dpace else "decay")
     eagle3 = {v.name: int(dict(o.split("=", 1) for o in v.overrides)["loss.steps"]) for v in variants
               if v.head == "eagle3"}
