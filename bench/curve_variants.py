@@ -242,6 +242,7 @@ def points_json(results: dict[str, Any]) -> dict[str, Any]:
             if p and p["tokens"] >= budget and (best is None or p["tau"] > best[0]):
                 best = (p["tau"], name, h)
     return {"k": results["eval"]["k"], "budget_tokens": results.get("budget_tokens"), "max_steps": last_step,
+            "data": results.get("data"), "data_dir": results.get("data_dir"),  # which conversations trained them
             "recipe": results.get("recipe"), "eval": results["eval"], "heads": heads,
             "best_tau_512k": best[0] if best else None, "best_variant": best[1] if best else None,
             "best_head": best[2] if best else None, "ngram": results.get("ngram"),
