@@ -349,22 +349,24 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
 
     plans: dict[str, list[tuple[int, int]]] = {}
 
+    def variant_config(v: cv.Variant, steps: int) -> Any:
+        """The variant's composed mtp-train config, trained to `steps`."""
+        head_dir, head_data, _ = data_for(v.head)
+        shared = train_overrides(cfg, v.head, head_dir, head_data, out, model, steps, extra)
+        return compose_train(cv.variant_overrides(shared, v, out / cv.VARIANTS_DIR / v.name))
+
     def variant_plan(v: cv.Variant) -> list[tuple[int, int]]:
         """The curve's plan, or the variant's own where it batches otherwise (the same token points)."""
         if v.name not in plans:
-            head_dir, head_data, _ = data_for(v.head)
-            shared = train_overrides(cfg, v.head, head_dir, head_data, out, model, max_steps, extra)
-            vconf = compose_train(cv.variant_overrides(shared, v, out / cv.VARIANTS_DIR / v.name))
+            vconf = variant_config(v, max_steps)
             batching = (int(vconf.train.micro_batch_tokens), int(vconf.train.grad_accum))
             same = batching == (int(probe.train.micro_batch_tokens), int(probe.train.grad_accum))
             plans[v.name] = plan if same else schedule(cfg, data_dir, points, vconf)
         return plans[v.name]
 
     def variant_train(v: cv.Variant, steps: list[int]) -> dict[str, Any]:
-        head_dir, head_data, _ = data_for(v.head)
-        shared = train_overrides(cfg, v.head, head_dir, head_data, out, model, variant_plan(v)[-1][0], extra)
-        ov = cv.variant_overrides(shared, v, out / cv.VARIANTS_DIR / v.name)
-        return train_main(compose_train(ov), on_step=PointSaver(steps, cfg.checkpoint_every))
+        return train_main(variant_config(v, variant_plan(v)[-1][0]),
+                          on_step=PointSaver(steps, cfg.checkpoint_every))
 
     def variant_measure(v: cv.Variant, step: int) -> dict[str, Any]:
         nonlocal evaluator

@@ -99,17 +99,15 @@ def _no_fc_bias(head: DraftHead) -> list[str]:
             "sglang-eagle)"] if head.cfg.fc_bias else []
 
 
-def _no_aux_norm(head: DraftHead, layouts: str) -> list[str]:
-    # EAGLE-3.1's per-aux-layer norms have a place in the speculators layout only (`export/eagle3.py`).
-    return [f"head.aux_norm=true: {layouts} have no per-aux-layer norms (EAGLE-3.1); export native"] \
-        if head.cfg.aux_norm else []
-
-
-def _no_aux_features(head: DraftHead, layouts: str) -> list[str]:
-    # An mtp/eagle1 head on the aux layers (head.features=aux) reads them through `aux_fc`, which these layouts
-    # (one fc over [E(t); h]) have no tensor for; the engines would feed it the final hidden instead.
-    return [f"head.features=aux: {layouts} read the target's final hidden state, with no fc over its aux layers; "
-            f"export native"] if head.cfg.features == "aux" else []
+def _no_aux(head: DraftHead, layouts: str) -> list[str]:
+    """What a final-hidden layout (one fc over [E(t); h]) cannot carry of an aux-layer head: `aux_fc` (the engines
+    would feed the final hidden state instead) and EAGLE-3.1's per-aux-layer norms (speculators' only,
+    `export/eagle3.py`)."""
+    c = head.cfg
+    return ([f"head.aux_norm=true: {layouts} have no per-aux-layer norms (EAGLE-3.1); export native"]
+            if c.aux_norm else []) + \
+        ([f"head.features=aux: {layouts} read the target's final hidden state, with no fc over its aux layers; "
+          f"export native"] if c.features == "aux" else [])
 
 
 def _eagle_check(bias_ok: bool) -> Callable[[DraftHead], list[str]]:
@@ -120,8 +118,7 @@ def _eagle_check(bias_ok: bool) -> Callable[[DraftHead], list[str]]:
         if c.input_norm:
             problems.append("input_norm=True: EAGLE-1's first decoder layer has no input_layernorm")
         return (problems + ([] if bias_ok else _no_fc_bias(head)) + _no_draft_vocab(head)
-                + _no_aux_norm(head, "the EAGLE-1 layouts (vllm-eagle, sglang-eagle)")
-                + _no_aux_features(head, "the EAGLE-1 layouts (vllm-eagle, sglang-eagle)"))
+                + _no_aux(head, "the EAGLE-1 layouts (vllm-eagle, sglang-eagle)"))
 
     return check
 
@@ -130,8 +127,7 @@ def _mtp_check(head: DraftHead) -> list[str]:
     c = head.cfg
     return [f"{flag}=False: the layout requires it (an RMSNorm weight is always present)"
             for flag in ("enorm", "hnorm", "input_norm", "final_norm") if not getattr(c, flag)] + _no_fc_bias(head) \
-        + _no_aux_norm(head, "the MTP layouts (deepseek-mtp, qwen3-next-mtp)") \
-        + _no_aux_features(head, "the MTP layouts (deepseek-mtp, qwen3-next-mtp)")
+        + _no_aux(head, "the MTP layouts (deepseek-mtp, qwen3-next-mtp)")
 
 
 def _drop_vocab(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
