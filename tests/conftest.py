@@ -99,6 +99,34 @@ def make_chat_target(out: Path, texts: list[str] | None = None, num_layers: int 
     return out
 
 
+def predictable_chat_target(out: Path):
+    """`make_chat_target` with its layers scaled down (the next token mostly follows from the last one alone) and a
+    head that predicts just that, lm_head(norm(embedding)), so its drafts are accepted often, not always (τ
+    strictly between 1 and k + 1, where a random head would accept nothing and make every τ 1).
+
+    Returns (model, tokenizer, head, path)."""
+    from mtp_train.config import HeadConfig
+    from mtp_train.data.chat import load_tokenizer
+    from mtp_train.heads import build_head
+    from mtp_train.models import load_model
+
+    path = make_chat_target(out)
+    model = load_model(path, dtype="float32", device="cpu")
+    head = build_head(HeadConfig(type="mtp", init="last_layer"), path)
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                w.mul_(0.4)
+        h = head.fc.weight.shape[0]
+        head.fc.weight.zero_()
+        head.fc.weight[:, :h] = torch.eye(h)  # the embedding through, the target's hidden state left out
+        head.enorm.weight.fill_(1.0)
+        head.norm.weight.copy_(model.state_dict()["model.norm.weight"])
+        head.layers[0].self_attn.o_proj.weight.zero_()  # the layer adds nothing to its residual
+        head.layers[0].mlp.down_proj.weight.zero_()
+    return model, load_tokenizer(path), head, path
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """All tiny families, saved once per session: name → (folder, HF model)."""

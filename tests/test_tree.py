@@ -71,6 +71,8 @@ def test_trees_are_checked():
         DraftTree.chain([], siblings=[3])
     with pytest.raises(ValueError, match="siblings"):
         DraftTree.chain([1], torch.full((1, V), 1 / V), siblings=[3])
+    with pytest.raises(ValueError, match="2 draft scores for 1 nodes"):
+        DraftTree([1], [-1], scores=[0.0, -1.0])
 
 
 def test_greedy_chain_accepts_the_matching_prefix_and_the_targets_next_token():

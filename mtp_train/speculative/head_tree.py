@@ -179,7 +179,8 @@ class TreeDrafter:
             if any(n in pool.probs for n in order):
                 probs = torch.stack([pool.probs[n] if n in pool.probs else self._one_hot(pool.tokens[n], pool)
                                      for n in order])
-            trees.append(DraftTree([pool.tokens[n] for n in order], renumber(pool.parents, order), probs))
+            trees.append(DraftTree([pool.tokens[n] for n in order], renumber(pool.parents, order), probs,
+                                   [pool.scores[n] for n in order]))
             rows.append([pool.row_of.get(n, -1) for n in order])
         return trees, rows
 

@@ -49,6 +49,8 @@ class DraftTree:
     parents: list[int]  # (N,) each node's parent node, ROOT (-1) for a child of the root; parents[i] < i
     probs: torch.Tensor | None = None  # (N, V) float32 q each node was drawn from (given its earlier siblings);
     # None when the sequence is greedy or every node deterministic (q is then one-hot at each node)
+    scores: list[float] | None = None  # (N,) each node's cumulative draft log-probability (the rerank's score, a
+    # head's tree only; what bench/tree_rules.py reads to compare node-selection rules)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -58,6 +60,8 @@ class DraftTree:
                 raise ValueError(f"node {i} has parent {p}: a parent is the root (-1) or an earlier node")
         if self.probs is not None and self.probs.shape[0] != len(self.tokens):
             raise ValueError(f"{self.probs.shape[0]} draft distributions for {len(self.tokens)} nodes")
+        if self.scores is not None and len(self.scores) != len(self.tokens):
+            raise ValueError(f"{len(self.scores)} draft scores for {len(self.tokens)} nodes")
 
     @classmethod
     def chain(cls, tokens: Sequence[int], probs: torch.Tensor | None = None,
