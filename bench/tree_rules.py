@@ -190,8 +190,12 @@ def cross_fitted(steps: Sequence[Step], key: Key, keep: int) -> float:
 
 
 def rules(steps: Sequence[Step], keeps: Sequence[int]) -> dict[str, Any]:
-    """{keep: {rule: τ}} for the rules of the module docstring, and the pool's ceiling."""
-    out: dict[str, Any] = {"steps": len(steps), "pool": round(tau(steps, lambda s: s.scores, 10 ** 6), 4)}
+    """{keep: {rule: τ}} for the rules of the module docstring, the pool's ceiling and `acceptance`: per depth,
+    P(node accepted | parent accepted) by sibling rank (0 = the parent's most likely child)."""
+    table = fit(steps, by_depth_rank)
+    out: dict[str, Any] = {"steps": len(steps), "pool": round(tau(steps, lambda s: s.scores, 10 ** 6), 4),
+                           "acceptance": {str(d): [round(table[(d, r)], 4) for r in range(8) if (d, r) in table]
+                                          for d in sorted({d for d, _ in table})}}
     for keep in keeps:
         out[str(keep)] = {"eagle2": round(tau(steps, lambda s: s.scores, keep), 4),
                           "calibrated": round(cross_fitted(steps, by_depth_decile, keep), 4),

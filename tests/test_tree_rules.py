@@ -63,6 +63,7 @@ def test_calibration_learns_which_children_are_accepted(rules):
     assert rules.cross_fitted(steps, rules.by_depth_rank, 2) == 3.0  # the other half's table says the same
     out = rules.rules(steps, [1, 2])
     assert out["steps"] == 6 and out["pool"] == 3.0 and out["2"]["eagle2"] == 1.0 and out["1"]["depth_rank"] == 2.0
+    assert out["acceptance"]["1"] == pytest.approx([0.5 / 7, 6.5 / 7], abs=1e-4)  # by rank, smoothed
 
 
 def test_recording_a_tiny_targets_tree(rules, tmp_path):
