@@ -195,19 +195,25 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def head_run_args(doc: str | None) -> argparse.ArgumentParser:
+    """The options of a run of a head on held-out prompts (this script's and bench/tree_rules.py's)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
     ap.add_argument("--head", default="runs/demo/train/heads/step-600", help="head folder (mtp-train's heads/step-N)")
     ap.add_argument("--prompts", default="demo-heldout")
     ap.add_argument("--limit", type=int, default=16, help="conversations")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--batch-size", type=int, default=8, help="τ runs' batch (τ does not depend on it)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = head_run_args(__doc__)
     ap.add_argument("--steps", default="1,2,3,4", help="tree.steps values")
     ap.add_argument("--topk", default="1,2,4", help="tree.topk values")
     ap.add_argument("--tokens", default="2,4,8,16", help="tree.tokens values (verified rows, the root counted)")
     ap.add_argument("--chains", default="1,2,3,4", help="plain chains k")
     ap.add_argument("--headline-tokens", type=int, default=8, help="best_tree / best_chain: tokens at most this")
-    ap.add_argument("--batch-size", type=int, default=8, help="τ runs' batch (τ does not depend on it)")
     ap.add_argument("--no-rows", action="store_true", help="skip the timed verify cost by rows")
     ap.add_argument("--timed", action="store_true", help="measure the speed-up of the best trees and chain")
     ap.add_argument("--timed-top", type=int, default=3, help="trees --timed measures (best τ first)")

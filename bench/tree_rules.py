@@ -27,7 +27,6 @@ The last line printed is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections import defaultdict
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tree import head_run_args, ints  # noqa: E402
 from common import report  # noqa: E402
 
 from mtp_train.cli.common import configure_from_env  # noqa: E402
@@ -51,7 +51,7 @@ from mtp_train.models import load_model  # noqa: E402
 from mtp_train.speculative.engine import SpecEngine  # noqa: E402
 from mtp_train.speculative.metrics import SpecMetrics  # noqa: E402
 from mtp_train.speculative.proposers import HeadProposer  # noqa: E402
-from mtp_train.speculative.tree import ROOT, DraftTree  # noqa: E402
+from mtp_train.speculative.tree import ROOT, DraftTree, node_depths  # noqa: E402
 from mtp_train.speculative.tree_draft import MAX_TREE_TOKENS, TreeSpec, rerank  # noqa: E402
 
 
@@ -66,10 +66,7 @@ class Step:
 
     @property
     def depths(self) -> list[int]:
-        out: list[int] = []
-        for p in self.parents:
-            out.append(out[p] + 1 if p != ROOT else 1)
-        return out
+        return node_depths(self.parents)
 
     @property
     def logq(self) -> list[float]:
@@ -203,21 +200,11 @@ def rules(steps: Sequence[Step], keeps: Sequence[int]) -> dict[str, Any]:
     return out
 
 
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/smollm2-135m-instruct")
-    ap.add_argument("--head", default="runs/demo/train/heads/step-600", help="head folder (mtp-train's heads/step-N)")
-    ap.add_argument("--prompts", default="demo-heldout")
-    ap.add_argument("--limit", type=int, default=16, help="conversations")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap = head_run_args(__doc__)
     ap.add_argument("--steps", type=int, default=3, help="the candidate tree's levels")
     ap.add_argument("--topk", type=int, default=4, help="the candidate tree's children per node")
     ap.add_argument("--keep", default="3,7,15", help="verified nodes (tokens - 1) each rule keeps")
-    ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--no-check", action="store_true", help="skip the real eagle2 tree at the largest keep <= 7")
     args = ap.parse_args(argv)
     configure_from_env()

@@ -41,6 +41,14 @@ def row_of(node: int) -> int:
     return node + 1
 
 
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """(N,) the depth of each node of a tree given by its parents (a parent before its children): 1 under the root."""
+    out: list[int] = []
+    for p in parents:
+        out.append(out[p] + 1 if p != ROOT else 1)
+    return out
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """The draft tokens of one sequence for one step, as a tree over its last token."""
@@ -77,10 +85,7 @@ class DraftTree:
     @property
     def depths(self) -> list[int]:
         """(N,) each node's depth: 1 for the root's children."""
-        out: list[int] = []
-        for p in self.parents:
-            out.append(out[p] + 1 if p != ROOT else 1)
-        return out
+        return node_depths(self.parents)
 
     @property
     def chain_length(self) -> int:

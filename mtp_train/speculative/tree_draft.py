@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp_train.speculative.tree import ROOT
+from mtp_train.speculative.tree import ROOT, node_depths
 
 MAX_TREE_TOKENS = 64  # verify rows per sequence (root included): the attention's visibility bits are 64 wide
 
@@ -141,11 +141,8 @@ def best(scores: Sequence[float], depths: Sequence[int], count: int) -> list[int
 def rerank(parents: Sequence[int], scores: Sequence[float], keep: int) -> list[int]:
     """EAGLE-2's rerank: the `keep` best nodes by cumulative score, each with all its ancestors (a node whose
     missing ancestors do not fit is passed over) → the kept nodes, sorted."""
-    depths: list[int] = []
-    for p in parents:
-        depths.append(depths[p] + 1 if p != ROOT else 1)
     kept: set[int] = set()
-    for i in best(scores, depths, len(scores)):
+    for i in best(scores, node_depths(parents), len(scores)):
         need = []
         j = i
         while j != ROOT and j not in kept:
