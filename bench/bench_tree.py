@@ -207,6 +207,15 @@ def head_run_args(doc: str | None) -> argparse.ArgumentParser:
     return ap
 
 
+def load_head_run(args: argparse.Namespace, model=None) -> tuple[Any, Any, Any, list[PromptSet], list[int]]:
+    """`head_run_args`' model (float32; `model` when already loaded), tokenizer, head, prompt sets and stop ids."""
+    model = load_model(args.model, dtype="float32") if model is None else model
+    tokenizer = load_tokenizer(args.model)
+    head = load_head(args.head, args.model, dtype=torch.float32)
+    sets = load_prompt_sets([args.prompts], args.limit)
+    return model, tokenizer, head, sets, stop_token_ids(tokenizer, model.args.eos_token_ids)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = head_run_args(__doc__)
     ap.add_argument("--steps", default="1,2,3,4", help="tree.steps values")
@@ -226,11 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_rows:
         result["rows_cost"] = rows_cost(model, [1, 2, 3, 4, 5, 6, 8, 12, 16])
         print("verify rows → cost in 1-row decode steps:", result["rows_cost"], flush=True)
-    tokenizer = load_tokenizer(args.model)
-    head = load_head(args.head, args.model, dtype=torch.float32)
-    sets = load_prompt_sets([args.prompts], args.limit)
+    model, tokenizer, head, sets, stops = load_head_run(args, model)
     convs = [c for ps in sets for c in ps.convs]
-    stops = stop_token_ids(tokenizer, model.args.eos_token_ids)
     shapes = grid_shapes(ints(args.steps), ints(args.topk), ints(args.tokens))
     print(f"{len(shapes)} tree shapes: {' '.join(s.name for s in shapes)}", flush=True)
     result.update(tree_grid(model, tokenizer, head, convs, shapes, ints(args.chains), args.max_new_tokens,

@@ -32,22 +32,19 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tree import head_run_args, ints  # noqa: E402
+from bench_tree import head_run_args, ints, load_head_run  # noqa: E402
 from common import report  # noqa: E402
 
 from mtp_train.cli.common import configure_from_env  # noqa: E402
-from mtp_train.data.chat import load_tokenizer  # noqa: E402
-from mtp_train.data.prompts import load_prompt_sets  # noqa: E402
 from mtp_train.engine.sampling import SamplingParams  # noqa: E402
-from mtp_train.engine.turns import answer, stop_token_ids  # noqa: E402
-from mtp_train.heads import load_head  # noqa: E402
-from mtp_train.models import load_model  # noqa: E402
+from mtp_train.engine.turns import answer  # noqa: E402
 from mtp_train.speculative.engine import SpecEngine  # noqa: E402
 from mtp_train.speculative.metrics import SpecMetrics  # noqa: E402
 from mtp_train.speculative.proposers import HeadProposer  # noqa: E402
@@ -64,16 +61,18 @@ class Step:
     scores: list[float]  # (N,) cumulative draft log-probability
     path: list[int]  # the accepted nodes, root to leaf
 
-    @property
+    # Derived once per step (the rules read them node by node): cached_property writes the instance's __dict__,
+    # which a frozen dataclass leaves open.
+    @cached_property
     def depths(self) -> list[int]:
         return node_depths(self.parents)
 
-    @property
+    @cached_property
     def logq(self) -> list[float]:
         """(N,) each node's own log q (its score less its parent's)."""
         return [s - (self.scores[p] if p != ROOT else 0.0) for s, p in zip(self.scores, self.parents)]
 
-    @property
+    @cached_property
     def ranks(self) -> list[int]:
         """(N,) each node's rank among its siblings by score, 0 = the parent's most likely child."""
         kids: dict[int, list[int]] = defaultdict(list)
@@ -208,11 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-check", action="store_true", help="skip the real eagle2 tree at the largest keep <= 7")
     args = ap.parse_args(argv)
     configure_from_env()
-    model = load_model(args.model, dtype="float32")
-    tokenizer = load_tokenizer(args.model)
-    head = load_head(args.head, args.model, dtype=torch.float32)
-    convs = [c for ps in load_prompt_sets([args.prompts], args.limit) for c in ps.convs]
-    stops = stop_token_ids(tokenizer, model.args.eos_token_ids)
+    model, tokenizer, head, sets, stops = load_head_run(args)
+    convs = [c for ps in sets for c in ps.convs]
     spec = pool_spec(args.steps, args.topk)
     steps, pool_tau = record(model, tokenizer, head, convs, spec, args.max_new_tokens, stops=stops,
                              batch_size=args.batch_size)

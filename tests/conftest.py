@@ -30,6 +30,15 @@ def load_script(name: str, path: Path) -> ModuleType:
     spec.loader.exec_module(mod)
     return mod
 
+
+def script_fixture(name: str, path: Path):
+    """A module-scoped fixture yielding `load_script(name, path)` and popping it from sys.modules afterwards."""
+    @pytest.fixture(scope="module")
+    def fixture():
+        yield load_script(name, path)
+        sys.modules.pop(name, None)
+    return fixture
+
 _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
 

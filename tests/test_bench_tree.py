@@ -13,22 +13,16 @@ import torch
 
 from mtp_train.data.readers import Conversation
 from mtp_train.speculative.tree_draft import TreeSpec
-from tests.conftest import TOPICS, load_script, predictable_chat_target
+from tests.conftest import TOPICS, load_script, predictable_chat_target, script_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def bench():
-    yield load_script("bench_tree", ROOT / "bench" / "bench_tree.py")
-    sys.modules.pop("bench_tree", None)
+bench = script_fixture("bench_tree", ROOT / "bench" / "bench_tree.py")
 
 
-@pytest.fixture(scope="module")
-def tree_cost():
-    yield load_script("launch_tree_cost", ROOT / "launch" / "tree_cost.py")
-    sys.modules.pop("launch_tree_cost", None)
+tree_cost = script_fixture("launch_tree_cost", ROOT / "launch" / "tree_cost.py")
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import load_script
+from tests.conftest import script_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def check():
-    yield load_script("launch_check_vllm", ROOT / "launch" / "check_vllm.py")
-    sys.modules.pop("launch_check_vllm", None)
+check = script_fixture("launch_check_vllm", ROOT / "launch" / "check_vllm.py")
 
 
-@pytest.fixture(scope="module")
-def side():
-    yield load_script("launch_vllm_side", ROOT / "launch" / "vllm_side.py")
-    sys.modules.pop("launch_vllm_side", None)
+side = script_fixture("launch_vllm_side", ROOT / "launch" / "vllm_side.py")
 
 
 def test_arguments_default_to_the_check_settings(check):

@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import load_script
+from tests.conftest import script_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def curve():
-    yield load_script("bench_curve", ROOT / "bench" / "curve.py")
-    sys.modules.pop("bench_curve", None)
+curve = script_fixture("bench_curve", ROOT / "bench" / "curve.py")
 
 
 @pytest.fixture(scope="module")

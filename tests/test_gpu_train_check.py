@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TOPICS, load_script, make_chat_target
+from tests.conftest import TOPICS, make_chat_target, script_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["it", "is", "old", "and", "very", "small", "bright", "cold", "round", "near", "far", "often", "seen"]
@@ -26,10 +25,7 @@ BUDGET_S = 1.0
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def recipe():
-    yield load_script("launch_gpu_train_check", ROOT / "launch" / "gpu_train_check.py")
-    sys.modules.pop("launch_gpu_train_check", None)
+recipe = script_fixture("launch_gpu_train_check", ROOT / "launch" / "gpu_train_check.py")
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> Path:

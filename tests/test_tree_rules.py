@@ -4,7 +4,6 @@ tree's size keeps every candidate."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,16 +11,13 @@ import pytest
 from mtp_train.data.readers import Conversation
 from mtp_train.speculative.tree import ROOT, DraftTree
 from mtp_train.speculative.tree_draft import TreeSpec
-from tests.conftest import TOPICS, load_script, predictable_chat_target
+from tests.conftest import TOPICS, predictable_chat_target, script_fixture
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def rules():
-    yield load_script("tree_rules", ROOT_DIR / "bench" / "tree_rules.py")
-    sys.modules.pop("tree_rules", None)
+rules = script_fixture("tree_rules", ROOT_DIR / "bench" / "tree_rules.py")
 
 
 def _step(rules, path, request=0):
