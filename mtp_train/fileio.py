@@ -1,8 +1,11 @@
-"""Crash-safe file writes, file hashing and output locks, shared by every stage that writes outputs.
+"""Crash-safe file writes, file hashing, output locks and links, shared by every stage that writes outputs.
 
 An output is written to `.tmp-<name>` beside its destination, fsynced and renamed into place, then
-the directory is fsynced: a crash leaves either the old file or the new one, never a torn file.
-`output_lock` keeps a second run from writing the same output at the same time.
+the directory is fsynced: a crash leaves either the old file or the new one, never a torn file. Every file written
+so gets the mode a plain `open` would give it (0666 less the umask), whatever the writer used. Nothing is written
+through a link: a `.tmp-<name>` found in the way is removed (the link, not what it points at), and a lock file
+that is a link is refused (`LinkError`). `output_lock` keeps a second run from writing the same output at the same
+time; `links_in` and `leads_outside` find what a folder holds that would lead a reader or a writer out of it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,42 @@ log = logging.getLogger(__name__)
 TMP_PREFIX = ".tmp-"  # leftovers with this prefix are from killed runs and may be deleted
 
 
+class LinkError(ValueError):
+    """A link where a run writes or reads its own files; the message names it, where it leads and what to do."""
+
+
+def umask() -> int:
+    """This process's umask, read without changing it where /proc says it (else set and restored at once)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def links_in(folder: Path) -> list[Path]:
+    """Every symbolic link under `folder` (files and folders alike; none is followed), sorted."""
+    found: list[Path] = []
+    for root, dirs, files in os.walk(folder):  # os.walk never descends into a linked folder
+        for name in dirs + files:
+            if os.path.islink(os.path.join(root, name)):
+                found.append(Path(root) / name)
+    return sorted(found)
+
+
+def leads_outside(folder: Path, path: Path) -> Path | None:
+    """Where `path` really is when that is outside `folder` (a link leading out, or a loop: the path itself);
+    None when it stays inside."""
+    try:
+        real = path.resolve(strict=False)
+        home = folder.resolve(strict=False)
+    except (OSError, RuntimeError):  # a link loop
+        return path
+    return None if real.is_relative_to(home) else real
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory so a rename inside it survives a crash (no-op where directories cannot be opened)."""
     try:
@@ -44,11 +83,15 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(TMP_PREFIX + path.name)
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()  # a killed run's leftover, or a planted link: never written through
     try:
         write(tmp)
         with tmp.open("rb+") as fh:
             fh.flush()
             os.fsync(fh.fileno())
+            # Some writers (safetensors' save_file) create 0600 files; outputs follow the umask like any other file.
+            os.fchmod(fh.fileno(), 0o666 & ~umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -106,7 +149,13 @@ def _describe(holder: dict[str, Any]) -> str:
 def _acquire(lock: Path, out: Path, command: str) -> int:
     """Open and flock `lock`; returns its descriptor, or raises OutputLockedError naming the holder."""
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if not lock.is_symlink():
+                raise
+            raise LinkError(f"{lock} is a link (to {os.readlink(lock)}): a lock file is never written through a "
+                            f"link; remove it (what it points at is left alone), or choose another `out`") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -396,7 +396,7 @@ CASES.update({
     "train-manifest-shard-links-out": (
         "train", [], _broken_pc(_link_out),
         ["{tmp}/pc/shard-r0-00001.safetensors (shards[1] of {tmp}/pc/manifest.json) is a link leading outside",
-         "{tmp}/outside/shard-r0-00001.safetensors", RESTORE]),
+         "{tmp}/outside/shard-r0-00001.safetensors", "re-run mtp-precompute on {tmp}/pc with overwrite=true"]),
     "train-manifest-shard-listed-twice": (
         "train", [], _edit_manifest(_listed_twice),
         ["'shard-r0-00001.safetensors' is listed twice (shards[1] and shards[", RESTORE]),
@@ -643,6 +643,144 @@ CASES.update({
 STARTED["train-non-finite-loss"] = {"config.yaml", "metrics.jsonl"}  # stopped at step 2: no checkpoint, no head
 
 
+# --- nothing a user already has is destroyed: an `out` holding the head itself, another head, a finished folder
+# of other settings, a run whose checkpoint marker, state or data changed, a finished evaluation
+
+
+def _trained_heads(w: World, tmp: Path) -> Path:
+    """heads/step-1 and heads/step-2 of a run folder as mtp-train saves them (other weights, same settings)."""
+    import torch
+
+    from mtp_train.config import HeadConfig
+    from mtp_train.heads import build_head, save_head
+
+    heads = tmp / "run" / "heads"
+    for step in (1, 2):
+        torch.manual_seed(step)
+        save_head(build_head(HeadConfig(type="mtp"), w.target), heads / f"step-{step}", {"step": step})
+        (heads / f"step-{step}" / "train_config.yaml").write_text(f"step: {step}\n")
+    return heads
+
+
+def _export_into_the_head(w: World, tmp: Path) -> tuple[Path, list[str]]:
+    head = Path(shutil.copytree(w.head, tmp / "head"))
+    return head, [f"head_ckpt={head}", "format=deepseek-mtp"]
+
+
+def _export_into_another_trained_head(w: World, tmp: Path) -> tuple[Path, list[str]]:
+    heads = _trained_heads(w, tmp)
+    return heads / "step-1", [f"head_ckpt={heads / 'step-2'}"]
+
+
+def _export_into_an_export_of_a_twin(w: World, tmp: Path) -> tuple[Path, list[str]]:
+    """`out` is a native export of a head with the same settings and size as the one exported, other weights."""
+    heads = _trained_heads(w, tmp)
+    out = Path(shutil.copytree(heads / "step-1", tmp / "export"))
+    (out / "train_config.yaml").unlink()
+    return out, [f"head_ckpt={heads / 'step-2'}"]
+
+
+def _rerun_pc(w: World, tmp: Path) -> tuple[Path, list[str]]:
+    """A re-run of the world's precompute into (a copy of) its finished folder."""
+    return Path(shutil.copytree(w.pc, tmp / "pc")), []
+
+
+def _set_latest(text: str) -> Callable[[Path], None]:
+    def edit(tag: Path) -> None:
+        (tag.parent / "latest").write_text(text.format(tag=tag) + "\n")
+    return edit
+
+
+def _forge_step(tag: Path) -> None:
+    """state.json edited to say step 1, its checksum recomputed (as a hostile edit would)."""
+    from mtp_train.train.checkpoint import write_checksums
+
+    state = json.loads((tag / "state.json").read_text())
+    state["client"]["step"] = 1
+    (tag / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+    write_checksums(tag)
+
+
+def _resume_on_other_data(w: World, tmp: Path) -> tuple[Path, list[str]]:
+    out, _ = _trained_run()(w, tmp)
+    other = shutil.copytree(w.pc, tmp / "other-pc")
+    return out, [f"data.dir={other}"]
+
+
+PROMPTS = ["max_new_tokens=4", "model.kv_cache_gb=0.01", "model.device=cpu"]
+
+
+def _finished_eval(w: World, tmp: Path) -> tuple[Path, list[str]]:
+    """A finished mtp-eval folder (method=none on one prompt); the re-run asks the same of it."""
+    prompts = _jsonl(tmp / "prompts.jsonl", [{"id": "p", "prompt": "Tell me about tea."}])
+    extra = [f"prompts=[{prompts}]", *PROMPTS]
+    out = tmp / "out"
+    assert run_cli("eval", _base("eval", w, out) + extra).code == 0
+    assert (out / "report.json").is_file() and (out / "config.yaml").is_file()
+    return out, extra
+
+
+CASES.update({
+    "export-out-is-the-head": ("export", [], _export_into_the_head,
+                               ["out={tmp}/head is the head being exported (head_ckpt={tmp}/head)",
+                                "would replace the head's own weights", "choose another `out`"]),
+    "export-out-is-another-trained-head": ("export", [], _export_into_another_trained_head,
+                                           ["out={tmp}/run/heads/step-1 holds a head saved by mtp-train "
+                                            "({tmp}/run/heads/step-1/train_config.yaml beside its weights)",
+                                            "choose another `out` or pass overwrite=true"]),
+    "export-into-an-export-of-another-head-with-the-same-settings": (
+        "export", [], _export_into_an_export_of_a_twin,
+        ["out={tmp}/export holds an export of another head than {tmp}/run/heads/step-2",
+         "or pass overwrite=true"]),
+    "precompute-rerun-with-an-aux-layer-the-target-lacks": (
+        "precompute", ["aux_layers=[99]"], _rerun_pc,
+        ["aux_layers=[99]: 99 is not a layer of this target (its hidden states are 0..2"]),
+    "precompute-rerun-with-other-settings": (
+        "precompute", ["hidden_dtype=float16"], _rerun_pc,
+        ["{tmp}/pc holds a finished precompute of other settings (hidden_dtype bfloat16, this run float16)",
+         "replaces it only with overwrite=true"]),
+    "train-latest-names-an-absolute-path": (
+        "train", [], _trained_run(_set_latest("/elsewhere/run/checkpoints/step-2")),
+        ["checkpoints/latest names '/elsewhere/run/checkpoints/step-2', which is not a checkpoint of this run",
+         "the marker was edited"]),
+    "train-latest-leads-up-and-out": (
+        "train", [], _trained_run(_set_latest("../../other/checkpoints/step-2")),
+        ["checkpoints/latest names '../../other/checkpoints/step-2', which is not a checkpoint of this run"]),
+    "train-resume-on-other-data": (
+        "train", [], _resume_on_other_data,
+        ["{tmp}/out/checkpoints/step-2/state.json: the interrupted run read", "this run reads {tmp}/other-pc",
+         "resuming would go on training on other data", "resume=none"]),
+    "train-state-step-forged": (
+        "train", [], _trained_run(_forge_step),
+        ["{tmp}/out/checkpoints/step-2/state.json records step 1, but its folder is step-2"]),
+    "eval-bad-value-into-a-finished-eval": ("eval", ["top_p=5"], _finished_eval, ["top_p must be in (0, 1]"]),
+    "train-missing-spec-eval-prompts": ("train", ["spec_eval.prompts=[{tmp}/nope.jsonl]"], _fresh("train"),
+                                        ["nope.jsonl", "neither a file nor a data config"]),
+})
+
+
+# --- links: nothing written through one, nothing read through one that leads out of the folder
+
+
+def _move_out_and_link(pc: Path, name: str) -> None:
+    """`pc/name` moved outside the folder (as good as it was) and linked back."""
+    (pc.parent / "outside").mkdir(exist_ok=True)
+    moved = Path(shutil.move(str(pc / name), str(pc.parent / "outside" / name)))
+    (pc / name).symlink_to(moved)
+
+
+CASES.update({
+    "train-sidecar-links-out": (
+        "train", [], _broken_pc(lambda pc, m: _move_out_and_link(pc, _shard(pc, m).with_suffix(".json").name)),
+        ["{tmp}/pc/shard-r0-00001.json (the sidecar of shard-r0-00001.safetensors) is a link leading outside "
+         "{tmp}/pc (to {tmp}/outside/shard-r0-00001.json)", "re-run mtp-precompute on {tmp}/pc with overwrite=true"]),
+    "train-manifest-links-out": (
+        "train", [], _broken_pc(lambda pc, m: _move_out_and_link(pc, "manifest.json")),
+        ["{tmp}/pc/manifest.json (the folder's manifest) is a link leading outside {tmp}/pc",
+         "with overwrite=true"]),
+})
+
+
 def _base(module: str, w: World, out: Path) -> list[str]:
     if module == "demo":  # the demo's own config: the model's path, stages' overrides as lists
         return [f"model_path={w.target}", f"out={out}"]
@@ -733,3 +871,107 @@ def test_a_lock_is_released_on_exit_and_taken_over_after_its_holder_died(tmp_pat
     with output_lock(out), pytest.raises(RuntimeError, match="boom"), output_lock(fresh):
         raise RuntimeError("boom")
     assert not (tmp_path / "fresh").exists()
+
+
+@dataclass
+class Planted:
+    module: str
+    out: Callable[[World, Path], Path]  # makes the output folder
+    link: str  # the name planted in it as a link to a file of the user's outside
+    extra: list[str]
+
+
+def _empty(w: World, tmp: Path) -> Path:
+    (tmp / "out").mkdir()
+    return tmp / "out"
+
+
+PLANTED = {
+    "precompute-lock": Planted("precompute", lambda w, tmp: _rerun_pc(w, tmp)[0], ".lock", []),
+    "precompute-tmp-config": Planted("precompute", lambda w, tmp: _rerun_pc(w, tmp)[0], ".tmp-config.yaml", []),
+    "train-tmp-config": Planted("train", _empty, ".tmp-config.yaml", []),
+    "train-lock": Planted("train", _empty, ".lock", []),
+    "eval-tmp-config": Planted("eval", _empty, ".tmp-config.yaml", []),
+    "export-tmp-model": Planted("export", _empty, ".tmp-model.safetensors", []),
+    "precompute-shard": Planted("precompute", lambda w, tmp: _rerun_pc(w, tmp)[0], "shard-r0-00001.safetensors", []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLANTED))
+def test_a_planted_link_is_refused_by_name_and_nothing_is_written_through_it(world, tmp_path, capsys, case):
+    p = PLANTED[case]
+    out = p.out(world, tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_bytes((out / p.link).read_bytes() if (out / p.link).is_file() else b"the user's own file\n")
+    (out / p.link).unlink(missing_ok=True)
+    (out / p.link).symlink_to(victim)
+    before, kept = tree(out), victim.read_bytes()
+    res = run_cli(p.module, _base(p.module, world, out) + p.extra, capsys)
+    errors = [line for line in res.err.splitlines() if line.startswith(f"mtp-{p.module}: error: ")]
+    assert res.code == 2 and len(errors) == 1, (res.code, res.err[-3000:])
+    assert f"holds a link leading outside it, {out / p.link} → {victim}" in errors[0], errors[0]
+    assert "overwrite=true" in errors[0], errors[0]
+    assert tree(out) == before and (out / p.link).is_symlink() and victim.read_bytes() == kept
+
+
+def test_overwrite_replaces_a_linked_out_shard_and_leaves_its_target_alone(world, tmp_path, capsys):
+    """The shard a training run refused as linked out of its folder is not done for a re-run with overwrite=true:
+    it is computed anew into the folder, and the file the link pointed at stays as it was."""
+    from mtp_train.precompute import PrecomputedDataset
+
+    pc = _rerun_pc(world, tmp_path)[0]
+    manifest = json.loads((pc / "manifest.json").read_text())
+    _link_out(pc, manifest)
+    shard, outside = _shard(pc, manifest), tmp_path / "outside" / _shard(pc, manifest).name
+    outside.write_bytes(b"not a shard: a re-run must neither read nor write it\n")
+    res = run_cli("precompute", _base("precompute", world, pc) + ["overwrite=true"], capsys)
+    assert res.code == 0, res.err[-3000:]
+    assert not shard.is_symlink() and shard.read_bytes() == (world.pc / shard.name).read_bytes()
+    assert outside.read_bytes() == b"not a shard: a re-run must neither read nor write it\n"
+    assert len(PrecomputedDataset(pc, verify="always")) > 0
+
+
+def test_overwrite_replaces_another_trained_head_as_a_whole(world, tmp_path, capsys):
+    """mtp-export overwrite=true into heads/step-1: the folder becomes step-2's export, nothing of step-1 left."""
+    heads = _trained_heads(world, tmp_path)
+    res = run_cli("export", _base("export", world, heads / "step-1")
+                  + [f"head_ckpt={heads / 'step-2'}", "overwrite=true"], capsys)
+    assert res.code == 0, res.err[-3000:]
+    assert sorted(p.name for p in (heads / "step-1").iterdir()) == ["config.json", "model.safetensors"]
+    assert ((heads / "step-1" / "model.safetensors").read_bytes()
+            == (heads / "step-2" / "model.safetensors").read_bytes())
+    assert sorted(p.name for p in heads.iterdir()) == ["step-1", "step-2"]  # no staging folder left
+
+
+def test_outputs_follow_the_umask(world, tmp_path):
+    """Heads, exports, shards and configs get the mode a plain open gives (0666 less the umask), not 0600."""
+    old = os.umask(0o027)
+    try:
+        res = run_cli("export", _base("export", world, tmp_path / "export") + ["format=deepseek-mtp"])
+        assert res.code == 0
+        from mtp_train.config import HeadConfig
+        from mtp_train.heads import build_head, save_head
+
+        save_head(build_head(HeadConfig(type="mtp"), world.target), tmp_path / "head")
+    finally:
+        os.umask(old)
+    files = [*(tmp_path / "export").iterdir(), *(tmp_path / "head").iterdir()]
+    assert {p.name for p in files} == {"config.json", "model.safetensors"}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(0o640) for p in files}
+
+
+def test_atomic_writes_and_locks_never_write_through_a_link(tmp_path):
+    from mtp_train.fileio import LinkError, atomic_write_text
+
+    victim = tmp_path / "victim"
+    victim.write_text("mine\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".tmp-config.yaml").symlink_to(victim)
+    atomic_write_text(out / "config.yaml", "a: 1\n")
+    assert not (out / "config.yaml").is_symlink() and (out / "config.yaml").read_text() == "a: 1\n"
+    assert victim.read_text() == "mine\n" and not (out / ".tmp-config.yaml").exists()
+    (out / ".lock").symlink_to(victim)
+    with pytest.raises(LinkError, match=r"\.lock is a link"), output_lock(out):
+        pass
+    assert victim.read_text() == "mine\n"

@@ -53,7 +53,6 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
     methods = MethodSet.load(ec, target, tokenizer, target_dir, points)  # a bad option value fails here
     out = Path(ec.out)
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
     stop_ids = stop_token_ids(tokenizer, target.args.eos_token_ids, ec.chat_template_kwargs)
     ids = {ps.name: [c.id for c in ps.convs] for ps in prompt_sets}
 
@@ -77,6 +76,8 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
     best = best_row(rows, 0.0) if pairs else None
     report = {"config": to_dict(cfg), "rows": rows, "best": best, "target": str(target_dir),
               "device": str(target.device), "dtype": str(target.dtype).replace("torch.", "")}
+    # Saved with the report it describes: a run that fails before (a value refused mid-way) leaves both as they were.
+    save_config(cfg, out / "config.yaml")
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
     write_jsonl(out / "outputs.jsonl", outputs)
     table = markdown_table(rows)

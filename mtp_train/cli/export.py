@@ -8,7 +8,9 @@
     formats: native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp | speculators | sglang-eagle3
 
 The export is loaded back and its logits compared with the trained head's before the command reports success.
-See `mtp_train.export.layouts` for each layout's tensor names.
+See `mtp_train.export.layouts` for each layout's tensor names. `out` is never the head itself; an `out` holding an
+export of another head, or a head mtp-train saved, is replaced only with `overwrite=true`, and then as a whole:
+the new export is written beside it and swapped in once it has been read back (`mtp_train.cli.outputs`).
 """
 
 from __future__ import annotations
@@ -18,45 +20,56 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mtp_train.cli.common import ensure_model, hydra_entry
-from mtp_train.cli.outputs import claims_output
+from mtp_train.cli.outputs import EXPORT, claim_output, staged_folder
 from mtp_train.config import check_config
 from mtp_train.export import describe, export_head, stitch_head, verify_round_trip, verify_stitched
 
 PROG = "mtp-export"
 
 
-@claims_output(PROG)  # refuses `out` holding another head's export, then holds its lock
 def export_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-export`; returns {"out", "format", "tensors", "max_abs_diff"}."""
     check_config(cfg, "export")
+    # Refuses `out` holding the head itself, another head's export or a trained head (unless overwrite=true),
+    # then holds its lock.
+    with claim_output(cfg.out, EXPORT, head_ckpt=cfg.head_ckpt or None, overwrite=cfg.overwrite) as claim:
+        if not claim.replaces:
+            return _export_main(cfg, cfg.out)
+        with staged_folder(cfg.out) as stage:  # the old folder goes only once the new one has been read back
+            result = _export_main(cfg, str(stage))
+        return {**result, "out": cfg.out}
+
+
+def _export_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
+    """The export of `cfg` written into `out_dir`."""
     if not cfg.head_ckpt:
         raise ValueError("head_ckpt=DIR is required (a head folder written by mtp-train)")
     if cfg.stitch:
-        return _stitch_main(cfg)
+        return _stitch_main(cfg, out_dir)
     target_dir = ensure_model(cfg.model)
-    out = export_head(cfg.head_ckpt, target_dir, cfg.format, cfg.out, verify_fingerprint=cfg.verify_fingerprint)
+    out = export_head(cfg.head_ckpt, target_dir, cfg.format, out_dir, verify_fingerprint=cfg.verify_fingerprint)
     diff = verify_round_trip(cfg.head_ckpt, out, target_dir)
     # Exact for every layout but Qwen3-Next's, whose norm weights are stored as w − 1 (one rounding at most);
     # the EAGLE-3 layouts also give the draft vocabulary back (d2t / t2d), so the draft logits match too.
     if diff > 1e-5:
         raise RuntimeError(f"{out}: the loaded export differs from the head by {diff:g}")
     info = describe(out)
-    print(f"{PROG}: {info['head']} head → {cfg.format} ({info['tensors']} tensors) in {out}; loaded back: "
+    print(f"{PROG}: {info['head']} head → {cfg.format} ({info['tensors']} tensors) in {cfg.out}; loaded back: "
           f"features within {diff:.1e}", flush=True)
     return {"out": str(out), **info, "max_abs_diff": diff}
 
 
-def _stitch_main(cfg: DictConfig) -> dict[str, Any]:
+def _stitch_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     """`stitch=TARGET_DIR`: the target's checkpoint with the head as its MTP layer, read back through
     head.init=target_mtp and compared with the head before success is reported."""
-    res = stitch_head(cfg.head_ckpt, cfg.stitch, cfg.out, cfg.format, verify_fingerprint=cfg.verify_fingerprint)
+    res = stitch_head(cfg.head_ckpt, cfg.stitch, out_dir, cfg.format, verify_fingerprint=cfg.verify_fingerprint)
     diff = verify_stitched(cfg.head_ckpt, res.out, cfg.stitch)
     if diff > 0:  # the layer's tensors are moved, never changed
         raise RuntimeError(f"{res.out}: the MTP layer read back differs from the head by {diff:g}")
     for name in res.mixed:
         print(f"{PROG}: warning: {name} (linked from the target) also holds the replaced MTP tensors; loaders that "
               "follow the index skip them, one that reads every tensor of every file would not", flush=True)
-    print(f"{PROG}: mtp head → {cfg.stitch} stitched into {res.out} ({res.new_tensors} tensors in the new shard, "
+    print(f"{PROG}: mtp head → {cfg.stitch} stitched into {cfg.out} ({res.new_tensors} tensors in the new shard, "
           f"{len(res.links)} shard(s) linked, {len(res.copied)} file(s) copied); read back exactly", flush=True)
     return {"out": str(res.out), "format": cfg.format, "stitched": cfg.stitch, "tensors": res.new_tensors,
             "links": sorted(res.links), "mixed": res.mixed, "max_abs_diff": diff}

@@ -39,7 +39,8 @@ def precompute_main(cfg: DictConfig) -> dict[str, Any]:
         group = dist.cpu_group(timedelta(hours=24))
         out = Path(pc.out)
         if info.is_main:
-            stack.enter_context(claim_output(out, PROG))  # refuses a foreign `out`, then locks it, before any write
+            # Refuses a foreign `out` (or one holding a link out of it), then locks it, before any write.
+            stack.enter_context(claim_output(out, PROG, overwrite=pc.overwrite))
             ensure_model(pc.model)  # one rank converts a missing default model; the others wait
         dist.barrier(group)
         tp_size = pc.model.tp

@@ -28,6 +28,7 @@ from mtp_train import dist
 from mtp_train.cli.common import distributed, ensure_model, has_wandb_key, hydra_entry, run_device, save_config
 from mtp_train.cli.outputs import claim_output
 from mtp_train.config import TrainConfig, bf16_enabled, check_config, typed
+from mtp_train.data.prompts import load_prompt_sets
 from mtp_train.speculative.validator import SpeculativeValidator
 from mtp_train.train.logging import resolve_wandb_mode
 from mtp_train.train.sources import source_class
@@ -46,13 +47,16 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
     tc = typed(cfg, TrainConfig)  # a wrong value type fails here, before any process group or model is touched
     source = source_class(tc.data.source)
     source.check_config(tc)  # before the target folder is looked for: an empty model.path is named as such
+    if tc.spec_eval.prompts:  # every input is read before the first step, not at the first evaluation
+        load_prompt_sets(list(tc.spec_eval.prompts), tc.spec_eval.limit)
     with distributed(tc.model) as (info, stack):
         # DeepSpeed reads LOCAL_RANK from the environment, which only launchers set (see train/deepspeed_setup.py).
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
         group = dist.cpu_group(timedelta(hours=2))  # rank 0 may fetch the default model meanwhile
         out = Path(cfg.out)
         if info.is_main:
-            stack.enter_context(claim_output(out, PROG))  # refuses a foreign `out`, then locks it, before any write
+            # Refuses a foreign `out` (or one holding a link out of it), then locks it, before any write.
+            stack.enter_context(claim_output(out, PROG, overwrite=tc.overwrite))
             source.lock(tc, out, stack, PROG)  # hybrid writes data.dir too: one run at a time there as well
             ensure_model(cfg.model)
         dist.barrier(group)

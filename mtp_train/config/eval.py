@@ -57,6 +57,7 @@ class EvalConfig:
     # flashinfer), false = eager everywhere
     verify_fingerprint: bool = True  # refuse a head trained for other target weights
     out: str = "runs/eval"  # report.json, report.md, outputs.jsonl, *.png
+    overwrite: bool = False  # remove links found in `out` that lead outside it (else refused by name)
     plots: bool = True
     progress: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

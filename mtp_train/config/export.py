@@ -17,6 +17,8 @@ class ExportConfig:
     # speculators, sglang-eagle3 (eagle3)
     format: str = "native"
     out: str = "runs/export"
+    # Replace an export of another head or a trained head in `out`, and remove links found there (else refused).
+    overwrite: bool = False
     # TARGET_DIR: write a loadable copy of that target checkpoint folder with the head as its own MTP layer
     # (format=deepseek-mtp; shards linked, not copied: mtp_train/export/stitch.py); the head is loaded against it
     stitch: str | None = None

@@ -16,6 +16,8 @@ class PrecomputeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     out: str = "runs/precompute"  # output folder (shards + manifest.json); a re-run resumes
+    # Replace a finished folder of other settings and remove links found in `out` (else refused by name).
+    overwrite: bool = False
     max_seq_len: int = 2048  # longer samples are truncated (keeping the start)
     limit: int | None = None  # use only the first N conversations
     shard_tokens: int = 131072  # tokens per shard (2·H bytes each for the hidden states)

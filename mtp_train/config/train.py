@@ -132,6 +132,7 @@ class TrainConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     spec_eval: SpecEvalConfig = field(default_factory=SpecEvalConfig)
     out: str = "runs/train"  # run folder: config.yaml, metrics.jsonl, checkpoints/, heads/, wandb/
+    overwrite: bool = False  # remove links found in `out` that lead outside it (else refused by name)
     resume: str = "auto"  # auto (the latest checkpoint under out, if any) | none | a checkpoint tag folder
     # Also resume from a checkpoint in DeepSpeed's pickle format (`*.pt`, written by earlier versions): loading it
     # unpickles it, which runs any code the file names. Only for folders whose origin you trust.

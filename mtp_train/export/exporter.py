@@ -3,7 +3,8 @@
 An export folder holds `model.safetensors` (the layout's names) and `config.json`: for `native` our own head
 config (`save_head`); for the other layouts the layout's config.json (the target's with the layout's keys, e.g.
 `architectures`, `num_nextn_predict_layers`; for EAGLE-3 one built from the head's shapes) plus an `mtp_train`
-block (head type, norms, dims, target fingerprint, format) that engines ignore and `load_export` reads back.
+block (head type, norms, dims, target fingerprint, format, the sha256 of the head's weights) that engines ignore
+and `load_export` reads back.
 
 Like a native head's, the config.json of every layout records a checksum of itself, `mtp_train.config_sha256`
 (the sha256 of the file without that key, `export_digest`), checked by `load_export`. It sits in the `mtp_train`
@@ -118,6 +119,13 @@ def read_export_meta(path: Path) -> dict[str, Any] | None:
     return meta
 
 
+def head_sha256(head_config: dict[str, Any]) -> str | None:
+    """The sha256 of a head's weights as its config.json records it: which head an export is of (a re-export into
+    the same `out` replaces only an export of the same head)."""
+    entry = (head_config.get("files") or {}).get("model.safetensors")
+    return entry.get("sha256") if isinstance(entry, dict) else None
+
+
 def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str | Path, *,
                 verify_fingerprint: bool = True) -> Path:
     """Export the head in `head_dir` (trained for the target in `target_dir`) as `fmt` into `out`."""
@@ -134,7 +142,7 @@ def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str
     config = _layout(fmt).config(head, target_cfg)
     config["mtp_train"] = {"format": fmt, "head": head.cfg.to_dict(), "dims": head_dims(head.target_args),
                            "target_fingerprint": cfg.get("target_fingerprint"), "num_params": head.num_params(),
-                           "draft_vocab_size": head.cfg.draft_vocab_size}
+                           "draft_vocab_size": head.cfg.draft_vocab_size, "head_sha256": head_sha256(cfg)}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "model.safetensors",
                  lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt", "layout": fmt}))

@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import save_file
 
 from mtp_train.config.head import HeadConfig
-from mtp_train.export.exporter import export_digest, layout_tensors
+from mtp_train.export.exporter import export_digest, head_sha256, layout_tensors
 from mtp_train.export.layouts import LayoutError
 from mtp_train.fileio import atomic_write, atomic_write_text
 from mtp_train.heads.base import DraftHead
@@ -153,7 +153,8 @@ def stitch_head(head_dir: str | Path, target_dir: str | Path, out: str | Path, f
     """`stitch` the head saved in `head_dir` (trained for the target in `target_dir`) into that target's copy."""
     meta = read_head_config(head_dir)
     head = load_head(head_dir, target_dir, verify_fingerprint=verify_fingerprint)
-    return stitch(head, target_dir, out, fmt, head_meta={"target_fingerprint": meta.get("target_fingerprint")})
+    return stitch(head, target_dir, out, fmt, head_meta={"target_fingerprint": meta.get("target_fingerprint"),
+                                                          "head_sha256": head_sha256(meta)})
 
 
 def verify_stitched(head_dir: str | Path, stitched_dir: str | Path, target_dir: str | Path, rows: int = 8) -> float:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from mtp_train.fileio import atomic_write_text
+from mtp_train.fileio import atomic_write_text, leads_outside
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -50,6 +50,22 @@ def restore_advice(directory: str | Path) -> str:
     """What to do about a manifest that does not describe its folder's shards (which are not at fault)."""
     return (f"restore this folder's own {MANIFEST_NAME}, or re-run mtp-precompute on {directory} with the settings "
             "that made it (its finished shards are kept and the manifest is written anew)")
+
+
+def link_advice(directory: str | Path) -> str:
+    """What to do about a file of a precompute folder that is a link leading outside it (a re-run without
+    `overwrite=true` refuses the link too, so the advice names it)."""
+    return (f"put the file itself in the folder, or re-run mtp-precompute on {directory} with overwrite=true (it "
+            "removes the link, leaving what it points at alone, and writes the file anew)")
+
+
+def refuse_outside(directory: Path, path: Path, what: str) -> None:
+    """Raise ManifestError when `path` (`what`, in words) is a link leading outside the precompute folder
+    `directory`: a folder is read from its own files only."""
+    real = leads_outside(directory, path)
+    if real is not None:
+        raise ManifestError(f"{path} ({what}) is a link leading outside {directory} (to {real}): a precompute "
+                            f"folder reads only its own files; {link_advice(directory)}")
 
 
 def is_val(sample_id: str, seed: int, val_fraction: float) -> bool:
@@ -210,6 +226,7 @@ class Manifest:
             else:
                 why = f"it has no {MANIFEST_NAME}: point at the folder a finished precompute run wrote"
             raise ManifestError(f"{directory} is not a finished precompute folder: {why}")
+        refuse_outside(directory, path, "the folder's manifest")
         try:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -257,8 +274,7 @@ class Manifest:
             if not real.is_relative_to(home):
                 raise ManifestError(
                     f"{directory / s.file} (shards[{i}] of {source}) is a link leading outside {directory} (to "
-                    f"{real}): a precompute folder reads only its own files; put the shard itself in the folder, "
-                    f"or {todo}"
+                    f"{real}): a precompute folder reads only its own files; {link_advice(directory)}"
                 )
             if real in reals:
                 raise ManifestError(f"{entry} is the same file as shards[{reals[real]}] ({real}): each shard is "

@@ -30,7 +30,14 @@ from mtp_train.engine.runner import prefill_hidden
 from mtp_train.models.base import CausalLM
 from mtp_train.precompute.manifest import Manifest, ShardInfo
 from mtp_train.precompute.plan import RANK_ASSIGNMENT, plan_rank, plan_runs
-from mtp_train.precompute.writer import FolderWriter, PrecomputeError, check_settings, folder_spec
+from mtp_train.precompute.writer import (
+    FolderWriter,
+    PrecomputeError,
+    check_aux_layers,
+    check_replaces,
+    check_settings,
+    folder_spec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +110,7 @@ def precompute(
     """
     check_settings(cfg)
     aux_layers = [int(j) for j in cfg.aux_layers]
+    check_aux_layers(aux_layers, model.args.num_layers)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in 0..{world - 1}")
     procs = world * tp_size
@@ -118,6 +126,10 @@ def precompute(
     group = mdist.cpu_group(barrier_timeout) if procs > 1 else None
     spec = folder_spec(model.args, model.dtype, model_dir, cfg.hidden_dtype, aux_layers)
     plans = plan_rank(rows, rank, world, cfg.shard_tokens, spec.settings)
+    every = [p for r in range(world) for p in (plans if r == rank else plan_rank(rows, r, world, cfg.shard_tokens,
+                                                                               spec.settings))]
+    # Every rank reads the same folder and refuses alike, before anything in it changes.
+    check_replaces(Path(cfg.out), spec, every, world, cfg)
     owner = rank == 0 and tp_rank == 0
     # The group's other members compute the same shards and write nothing.
     writer = FolderWriter(cfg.out, spec, plans, rank=rank, writes=tp_rank == 0, verify=cfg.verify_on_resume,
@@ -146,8 +158,6 @@ def precompute(
     mdist.barrier(group)
     manifest = None
     if owner:
-        every = [p for r in range(world)
-                 for p in (plans if r == 0 else plan_rank(rows, r, world, cfg.shard_tokens, spec.settings))]
         prov = {
             "package_version": mtp_train.__version__,
             "torch_version": torch.__version__,

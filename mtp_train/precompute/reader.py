@@ -23,7 +23,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from mtp_train.fileio import sha256_file
-from mtp_train.precompute.manifest import SPLITS, Manifest, ManifestError, ShardInfo, in_split, restore_advice
+from mtp_train.precompute.manifest import (
+    SPLITS,
+    Manifest,
+    ManifestError,
+    ShardInfo,
+    in_split,
+    refuse_outside,
+    restore_advice,
+)
 from mtp_train.precompute.quant import FP8_NAME, dequantize_fp8
 from mtp_train.precompute.shards import ShardLayout, ShardLayoutError, shard_layout, sidecar_path
 
@@ -128,6 +136,7 @@ class PrecomputedDataset(torch.utils.data.Dataset):
         shard would have the user delete good data.
         """
         side = sidecar_path(path)
+        refuse_outside(self.directory, side, f"the sidecar of {info.file}")
         try:
             d = json.loads(side.read_text())
             own_sha, own_bytes = d["sha256"], int(d["bytes"])

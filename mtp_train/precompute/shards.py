@@ -119,10 +119,11 @@ def _sidecar(plan: ShardPlan, sha256: str, size: int) -> dict[str, Any]:
 
 
 def finished_shard(out_dir: Path, plan: ShardPlan, verify: bool) -> ShardInfo | None:
-    """The shard's info if file + sidecar exist and match the plan (and the file's sha256 when verify)."""
+    """The shard's info if file + sidecar exist and match the plan (and the file's sha256 when verify). A shard or
+    sidecar that is a link is never done: the reader refuses links, so the shard is written in the folder itself."""
     path = out_dir / plan.name
     side = sidecar_path(path)
-    if not (path.is_file() and side.is_file()):
+    if path.is_symlink() or side.is_symlink() or not (path.is_file() and side.is_file()):
         return None
     try:
         d = read_json(side)

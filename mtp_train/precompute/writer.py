@@ -198,6 +198,51 @@ def assemble_manifest(out_dir: Path, plans: Sequence[ShardPlan], rows: Sequence[
     )
 
 
+def check_aux_layers(aux_layers: Sequence[int], num_layers: int, prefix: str = "") -> None:
+    """Refuse aux layers that are not hidden states of a target of `num_layers` layers (transformers'
+    `hidden_states[j]` numbering: 0 the embeddings, num_layers the last layer's output), naming the key."""
+    bad = [int(j) for j in aux_layers if not 0 <= int(j) <= num_layers]
+    if bad:
+        raise ValueError(f"{prefix}aux_layers={list(aux_layers)}: {', '.join(map(str, bad))} is not a layer of this "
+                         f"target (its hidden states are 0..{num_layers}, transformers' hidden_states numbering)")
+
+
+def _settings_changed(manifest: Manifest, spec: FolderSpec, plans: Sequence[ShardPlan], world: int,
+                      cfg: PrecomputeConfig) -> list[str]:
+    """What a finished folder's manifest says that this run would change, in words (the first differences)."""
+    was = manifest.provenance.get("settings") or {}
+    pairs = [("target weights", manifest.target.fingerprint, spec.target.fingerprint),
+             ("target dtype", manifest.target.dtype, spec.target.dtype),
+             ("hidden_dtype", manifest.hidden.dtype, spec.hidden.dtype),
+             ("aux_layers", manifest.hidden.aux_layers, spec.hidden.aux_layers),
+             ("val_fraction", manifest.split.val_fraction, cfg.val_fraction),
+             ("seed", manifest.split.seed, cfg.seed),
+             ("shard_tokens", was.get("shard_tokens", cfg.shard_tokens), cfg.shard_tokens),
+             ("ranks", was.get("world", world), world)]
+    changed = [f"{key} {old}, this run {new}" for key, old, new in pairs if old != new]
+    return changed or [f"other samples ({len(manifest.shards)} shards of {manifest.totals.samples} samples, this "
+                       f"run {len(plans)} of {sum(len(p.rows) for p in plans)}: data, limit, max_seq_len or the "
+                       "chat template)"]
+
+
+def check_replaces(out_dir: Path, spec: FolderSpec, plans: Sequence[ShardPlan], world: int,
+                   cfg: PrecomputeConfig) -> None:
+    """Refuse (PrecomputeError) to replace a finished folder that is not what this run writes (`plans`, every
+    rank's in manifest order): its manifest is read and describes other shards. A resumable folder (no manifest
+    yet, or a damaged one a re-run repairs) and a re-run of the same settings pass; `overwrite=true` replaces."""
+    if cfg.overwrite or not (out_dir / MANIFEST_NAME).is_file():
+        return
+    try:
+        manifest = Manifest.load(out_dir)
+    except ManifestError:
+        return
+    if folder_complete(out_dir, plans):
+        return
+    changed = "; ".join(_settings_changed(manifest, spec, plans, world, cfg))
+    raise PrecomputeError(f"{out_dir} holds a finished precompute of other settings ({changed}): a re-run replaces "
+                          "it only with overwrite=true; choose another `out`, or re-run with the settings that made it")
+
+
 def folder_complete(out_dir: Path, plans: Sequence[ShardPlan]) -> bool:
     """Whether `out_dir` holds the finished folder of `plans` (every rank's, in manifest order): its manifest lists
     exactly their shards, as their sidecars describe them."""

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,12 @@ def rng_file(rank: int) -> str:
 def tag_for(step: int) -> str:
     """The checkpoint tag (folder name) of optimizer step `step`."""
     return f"step-{step}"
+
+
+def tag_step(tag: str) -> int | None:
+    """The step a checkpoint tag names (`step-N`), or None for anything else (a path, a name of another kind)."""
+    match = re.fullmatch(r"step-(0|[1-9][0-9]*)", tag)
+    return int(match.group(1)) if match else None
 
 
 # --- RNG ----------------------------------------------------------------------------------------------------------
@@ -143,6 +150,10 @@ def latest_tag(ckpt_dir: str | Path) -> str | None:
     if not marker.is_file():
         return None
     tag = marker.read_text().strip()
+    if tag_step(tag) is None:  # an edited marker must not lead the resume to another run's checkpoint
+        raise CheckpointError(f"{marker} names {tag!r}, which is not a checkpoint of this run (a folder step-N in "
+                              f"{ckpt_dir}): the marker was edited; write the newest complete step-N there, point "
+                              "`resume` at a checkpoint folder, or start afresh with resume=none")
     if not (ckpt_dir / tag).is_dir():
         raise FileNotFoundError(f"{marker} names checkpoint {tag!r}, but {ckpt_dir / tag} is missing; restore it, "
                                 f"or point `resume` at another checkpoint folder under {ckpt_dir}")
@@ -281,10 +292,13 @@ def pickle_format(tag_dir: Path, trust_pickles: bool) -> bool:
 
 
 def check_resume(resume: str, out: str | Path, world: int, rank: int, *, head_type: str,
-                 trust_pickles: bool = False) -> tuple[Path, str] | None:
+                 trust_pickles: bool = False, data: tuple[str, str] | None = None) -> tuple[Path, str] | None:
     """The checkpoint `resume` names (see `resolve_resume`), checked: written by as many ranks as this run has
     (`world`), for a head of this run's type, in our format (the pickle format only with `trust_pickles`), and
-    every file as its checksums say (rank 0 checks all, other ranks their own). None for a fresh run.
+    every file as its checksums say (rank 0 checks all, other ranks their own); its state's step is the one its
+    folder names, and it read the same data as this run (`data`: this run's data source and where it reads, as
+    `DataSource.name` / `.where` say; a checkpoint of another source is judged by the source). None for a fresh
+    run.
 
     The caller lets no rank load anything before every rank has passed.
     """
@@ -301,12 +315,30 @@ def check_resume(resume: str, out: str | Path, world: int, rank: int, *, head_ty
     legacy = pickle_format(tag_dir, trust_pickles)
     verify_checkpoint(tag_dir, None if rank == 0 else [rng_file(rank)] + ([] if legacy else list(optim_files(rank))))
     if not legacy:
-        saved = (read_state(tag_dir).get("head") or {}).get("type")
+        state = read_state(tag_dir)
+        saved = (state.get("head") or {}).get("type")
         if saved != head_type:
             raise CheckpointError(f"{tag_dir / STATE} holds the state of a {saved!r} head, this run asks for "
                                   f"head.type={head_type!r}: resume with head={saved}, or start afresh with "
                                   "resume=none (or another out)")
+        client = state.get("client") or {}
+        if client.get("step") != tag_step(tag):  # resumed, it would save (and export) over other steps' files
+            raise CheckpointError(f"{tag_dir / STATE} records step {client.get('step')!r}, but its folder is {tag}: "
+                                  f"the state was edited or moved; {TODO}")
+        _check_same_data(tag_dir / STATE, client, data)
     return found
+
+
+def _check_same_data(state: Path, client: dict[str, Any], data: tuple[str, str] | None) -> None:
+    """Refuse to resume a checkpoint that read other data with the same source (`check_resume`)."""
+    was = client.get("data_where")
+    if data is None or was is None or client.get("data_source") != data[0]:
+        return
+    now = data[1]
+    if was != now and Path(was).resolve() != Path(now).resolve():
+        raise CheckpointError(f"{state}: the interrupted run read {was}, this run reads {now}: resuming would go on "
+                              f"training on other data; resume with the data it read, start afresh with "
+                              "resume=none, or choose another out")
 
 
 def load_engine_state(engine: Any, ckpt_dir: str | Path, tag: str, rank: int, world: int, *,

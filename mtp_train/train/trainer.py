@@ -168,7 +168,7 @@ class Trainer:
 
     def _check_resume(self) -> tuple[Path, str] | None:
         found = check_resume(self.cfg.resume, self.out, self.info.world, self.info.rank, head_type=self.cfg.head.type,
-                             trust_pickles=self.cfg.resume_trust_pickles)
+                             trust_pickles=self.cfg.resume_trust_pickles, data=(self.data.name, str(self.data.where)))
         dist.barrier()  # no rank loads anything before rank 0 has checked every file
         return found
 
@@ -264,6 +264,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen, "world": self.info.world,
             "micro_batch_tokens": self.cfg.train.micro_batch_tokens, "seed": self.cfg.train.seed,
             "target_fingerprint": self.target_fingerprint, "data_source": self.data.name,
+            "data_where": str(self.data.where),  # a resume on other data is refused (check_resume)
             "best": self.best.state_dict(),
         }
         tag_dir = save_engine_state(self.engine, self.out, self.step, client, self.info.rank, self.info.world,
