@@ -28,6 +28,7 @@ from mtp_train.precompute import (
     ManifestMismatchError,
     MissingShardError,
     PrecomputedDataset,
+    PrecomputeError,
     Sample,
     folder_spec,
     is_val,
@@ -227,11 +228,16 @@ def test_interrupted_run_resumes_to_identical_output(model, model_dir, samples, 
         assert (b / side).read_bytes() == (tmp_path / "a" / side).read_bytes()
     assert not list(b.glob(".tmp-*"))
 
-    # A finished folder re-run with the same settings computes nothing; other settings redo everything.
+    # A finished folder re-run with the same settings computes nothing; other settings are refused by name
+    # before anything changes, and with overwrite=true redo everything.
     calls.clear()
     again = precompute(model, samples, _cfg(b, **settings), **kw)
     assert calls == [] and _strip(again) == _strip(full)
-    precompute(model, samples, _cfg(b, aux_layers=[2], **settings), **kw)
+    before = {p.name: p.read_bytes() for p in b.iterdir()}
+    with pytest.raises(PrecomputeError, match=r"other settings \(aux_layers \[\], this run \[2\]\).*overwrite=true"):
+        precompute(model, samples, _cfg(b, aux_layers=[2], **settings), **kw)
+    assert calls == [] and {p.name: p.read_bytes() for p in b.iterdir()} == before
+    precompute(model, samples, _cfg(b, aux_layers=[2], overwrite=True, **settings), **kw)
     assert sum(calls) == full.totals.tokens
 
     # Storage: 2·H bytes of hidden state and 5 of ids + mask per token, 8 per sample offset, plus one
