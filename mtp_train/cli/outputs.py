@@ -12,7 +12,8 @@ is followed out of a run folder. `check_output` is that check, one for every com
   elsewhere): refused naming it, since a writer would write through it or a reader follow it out; `overwrite=true`
   removes the links themselves (never what they point at) before the command starts. Links that stay inside
   (W&B's `latest-run`) are left alone, and the writers never write through any link anyway (`mtp_train.fileio`).
-  A stitched export's own links to its target's shards, named by its index, are its output.
+  A stitched export's own links to its target's shards, named by its index, are its output, and the links W&B
+  makes inside its `wandb/` folder of a run (to its logs in its cache) are W&B's.
 * mtp-export: never into the head it exports; an export of another head, or a head mtp-train saved, is replaced
   only with `overwrite=true` (`Claim.replaces`: the command then writes a new folder beside and swaps it in).
   Stages check the rest once their inputs are known: mtp-precompute a finished folder of other settings
@@ -46,6 +47,8 @@ PRECOMPUTE, TRAIN, EVAL, EXPORT, DEMO = "mtp-precompute", "mtp-train", "mtp-eval
 CONFIG_KEYS = {PRECOMPUTE: "shard_tokens", TRAIN: "optim", EVAL: "prompts"}
 OVERWRITES = (PRECOMPUTE, TRAIN, EVAL, EXPORT)  # the commands that take `overwrite=true`
 TRAINED_HEAD_FILES = ("train_config.yaml", "best.json")  # beside a head mtp-train saved, never in an export
+# W&B's own folder in a run (`wandb.dir` unset): it links its logs to its cache, and nothing of ours is written there.
+WANDB_DIR = "wandb"
 
 
 class OutputError(ConfigError):
@@ -181,7 +184,8 @@ def check_output(out: str | Path, command: str, *, head_ckpt: str | Path | None 
         raise OutputError(f"out={out} holds {what}: {command} writes only into a new or empty folder or into its "
                           "own earlier output; choose another `out`")
     own = _stitched_links(out) if owner == EXPORT else set()
-    links = [p for p in links_in(out) if p not in own and leads_outside(out, p) is not None]
+    links = [p for p in links_in(out) if p not in own and WANDB_DIR not in p.relative_to(out).parts[:-1]
+             and leads_outside(out, p) is not None]
     if links and not overwrite:
         more = f" (and {len(links) - 1} more)" if len(links) > 1 else ""
         _refuse(out, command, f"a link leading outside it, {links[0]} → {os.readlink(links[0])}{more}",
