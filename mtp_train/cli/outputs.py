@@ -56,6 +56,9 @@ class OutputError(ConfigError):
 
 
 def _json(path: Path) -> dict[str, Any]:
+    """A JSON object file of the folder ({} when it is not one, or is a link: nothing is read through a link)."""
+    if path.is_symlink():
+        return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -64,7 +67,9 @@ def _json(path: Path) -> dict[str, Any]:
 
 
 def _config_owner(path: Path) -> str | None:
-    """The command whose resolved config `config.yaml` is, by the keys only it has."""
+    """The command whose resolved config `config.yaml` is, by the keys only it has (a link: nobody's)."""
+    if path.is_symlink():
+        return None
     try:
         import yaml
 
@@ -178,14 +183,14 @@ def check_output(out: str | Path, command: str, *, head_ckpt: str | Path | None 
     if not out.is_dir():
         raise OutputError(f"out={out} is a file, but {command} writes a folder there: choose another `out` "
                           "(a new or empty folder)")
+    own = _stitched_links(out)
+    links = [p for p in links_in(out) if p not in own and WANDB_DIR not in p.relative_to(out).parts[:-1]
+             and leads_outside(out, p) is not None]
     owner = output_owner(out)
     if owner is None or owner not in ("", command):
         what = f"the output of {owner}" if owner else "files that no mtp command wrote"
         raise OutputError(f"out={out} holds {what}: {command} writes only into a new or empty folder or into its "
                           "own earlier output; choose another `out`")
-    own = _stitched_links(out) if owner == EXPORT else set()
-    links = [p for p in links_in(out) if p not in own and WANDB_DIR not in p.relative_to(out).parts[:-1]
-             and leads_outside(out, p) is not None]
     if links and not overwrite:
         more = f" (and {len(links) - 1} more)" if len(links) > 1 else ""
         _refuse(out, command, f"a link leading outside it, {links[0]} → {os.readlink(links[0])}{more}",
