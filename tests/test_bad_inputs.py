@@ -755,7 +755,8 @@ CASES.update({
         ["{tmp}/out/checkpoints/step-2/state.json records step 1, but its folder is step-2"]),
     "eval-bad-value-into-a-finished-eval": ("eval", ["top_p=5"], _finished_eval, ["top_p must be in (0, 1]"]),
     "train-missing-spec-eval-prompts": ("train", ["spec_eval.prompts=[{tmp}/nope.jsonl]"], _fresh("train"),
-                                        ["nope.jsonl", "neither a file nor a data config"]),
+                                        ["spec_eval.prompts: prompts entry '{tmp}/nope.jsonl'",
+                                         "neither a file nor a data config"]),
 })
 
 

@@ -27,8 +27,9 @@ from omegaconf import DictConfig
 from mtp_train import dist
 from mtp_train.cli.common import distributed, ensure_model, has_wandb_key, hydra_entry, run_device, save_config
 from mtp_train.cli.outputs import claim_output
-from mtp_train.config import TrainConfig, bf16_enabled, check_config, typed
+from mtp_train.config import ConfigError, TrainConfig, bf16_enabled, check_config, typed
 from mtp_train.data.prompts import load_prompt_sets
+from mtp_train.data.readers import DataError
 from mtp_train.speculative.validator import SpeculativeValidator
 from mtp_train.train.logging import resolve_wandb_mode
 from mtp_train.train.sources import source_class
@@ -48,7 +49,10 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
     source = source_class(tc.data.source)
     source.check_config(tc)  # before the target folder is looked for: an empty model.path is named as such
     if tc.spec_eval.prompts:  # every input is read before the first step, not at the first evaluation
-        load_prompt_sets(list(tc.spec_eval.prompts), tc.spec_eval.limit)
+        try:
+            load_prompt_sets(list(tc.spec_eval.prompts), tc.spec_eval.limit)
+        except DataError as exc:
+            raise ConfigError(f"spec_eval.prompts: {exc}") from None
     with distributed(tc.model) as (info, stack):
         # DeepSpeed reads LOCAL_RANK from the environment, which only launchers set (see train/deepspeed_setup.py).
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
