@@ -106,7 +106,7 @@ def test_forward_equals_the_published_equations_and_names_follow_the_contract(ti
     sd = {k: t.detach() for k, t in head.state_dict().items()}
     want_x, want_logits = reference_eagle3(sd, head.frozen.embed, aux, nxt, cfg, theta)
     with torch.no_grad():
-        out = head(aux, nxt, AttentionMetadata.build([8]), logits_indices=torch.arange(8))
+        out = head(aux, nxt, AttentionMetadata.build([8]), from_target=True, logits_indices=torch.arange(8))
     torch.testing.assert_close(out.hidden, want_x, **TOL)
     torch.testing.assert_close(out.logits, want_logits, **TOL)
 
@@ -159,13 +159,13 @@ def test_eagle31_norms_follow_the_published_equations(tiny_checkpoints):
     want_x, want_logits = reference_eagle3(sd, head.frozen.embed, normed, nxt, cfg, theta)
     meta, rows = AttentionMetadata.build([8]), torch.arange(8)
     with torch.no_grad():
-        out = head(aux, nxt, meta, logits_indices=rows)
+        out = head(aux, nxt, meta, from_target=True, logits_indices=rows)
         torch.testing.assert_close(out.hidden, _rms(want_x, sd["norm.weight"], cfg.rms_norm_eps), **TOL)
         torch.testing.assert_close(out.logits, want_logits, **TOL)
         for flag in EAGLE31:  # the same weights with one flag off give another output
             other = _eagle3(tiny_checkpoints, **{**EAGLE31, flag: False})
             other.load_state_dict({k: v for k, v in sd.items() if flag != "aux_norm" or not k.startswith("aux_norm.")})
-            assert not torch.allclose(other(aux, nxt, meta).hidden, out.hidden, **TOL), flag
+            assert not torch.allclose(other(aux, nxt, meta, from_target=True).hidden, out.hidden, **TOL), flag
 
 
 @pytest.mark.parametrize(("name", "lens", "flags"), CASES, ids=["llama", "qwen3", "mistral", "llama-eagle3.1"])
@@ -179,7 +179,7 @@ def test_training_forward_equals_inference_prefill_verify_and_decode(tiny_checkp
     starts = seq_starts(lens)
     with torch.no_grad():
         last = torch.tensor(starts) + torch.tensor(lens) - 1
-        prefill = head(aux, nxt, AttentionMetadata.build(lens), logits_indices=last)
+        prefill = head(aux, nxt, AttentionMetadata.build(lens), from_target=True, logits_indices=last)
         torch.testing.assert_close(prefill.hidden, train, **TOL)
         torch.testing.assert_close(prefill.logits, head.compute_logits(train[last]), **TOL)
         kv, page_size = new_cache(head, 3), 3
@@ -191,7 +191,7 @@ def test_training_forward_equals_inference_prefill_verify_and_decode(tiny_checkp
                 kv.ensure(pages[b], t + 1)
             rows = torch.tensor([starts[b] + t for b in live])
             meta = AttentionMetadata.build([1] * len(live), [t + 1] * len(live), [pages[b] for b in live], page_size)
-            out[rows] = head(aux[rows], nxt[rows], meta, kv.layers[0]).hidden
+            out[rows] = head(aux[rows], nxt[rows], meta, kv.layers[0], from_target=True).hidden
         torch.testing.assert_close(out, train, **TOL)
 
 
@@ -228,7 +228,7 @@ def test_eagle3_feeds_its_pre_norm_output_to_the_next_step(tiny_checkpoints):
         # The output is not normed: its RMS is not the norm's; the logits read norm(x).
         rms = outs[0].pow(2).mean(-1).sqrt()
         assert not torch.allclose(rms, torch.ones_like(rms), atol=0.05)
-        logits = head(aux, packed_shift(tokens, [6], 1), meta, logits_indices=torch.arange(6)).logits
+        logits = head(aux, packed_shift(tokens, [6], 1), meta, from_target=True, logits_indices=torch.arange(6)).logits
         torch.testing.assert_close(logits, head.norm(outs[0]) @ head.lm_head.weight.T, **TOL)
 
 
@@ -284,8 +284,9 @@ def test_mtp_aux_features_change_only_the_step0_input(tiny_checkpoints):
     aux, hidden, tokens = _aux_batch(tiny_checkpoints, "llama", [1, 3], [6])
     nxt = packed_shift(tokens, [6], 1)
     with torch.no_grad():
-        # Fed an H-wide input (steps j > 0), the aux head is the plain head.
-        torch.testing.assert_close(aux_head.forward_train(hidden, nxt, [6]), base.forward_train(hidden, nxt, [6]))
+        # Fed its own H-wide output (steps j > 0), the aux head is the plain head.
+        torch.testing.assert_close(aux_head.forward_train(hidden, nxt, [6], from_target=False),
+                                   base.forward_train(hidden, nxt, [6]))
         via_fc = base.forward_train(aux_head.aux_fc(aux), nxt, [6])
         torch.testing.assert_close(aux_head.forward_train(aux, nxt, [6]), via_fc, **TOL)
 

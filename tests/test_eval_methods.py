@@ -12,9 +12,10 @@ from mtp_train.eval.methods import METHODS, MethodSet, MethodSpec, grid_methods,
 from mtp_train.eval.options import EvalPoint, expand_grid
 from mtp_train.eval.report import plot_series, vs_k_figure
 from mtp_train.eval.rows import overall_rows, result_row
+from mtp_train.head_types.chain import HeadProposer
 from mtp_train.heads import build_head
 from mtp_train.speculative.metrics import SpecMetrics
-from mtp_train.speculative.proposers import HeadProposer, NgramProposer
+from mtp_train.speculative.proposers import NgramProposer
 
 
 def _count(points: list[EvalPoint]) -> dict[str, int]:

@@ -9,8 +9,8 @@ from mtp_train.config import EvalConfig, HeadConfig, NgramConfig
 from mtp_train.config.errors import ConfigError
 from mtp_train.eval.methods import MethodSet
 from mtp_train.eval.options import expand_grid
+from mtp_train.head_types.chain import HeadProposer
 from mtp_train.heads import build_head
-from mtp_train.speculative.proposers import HeadProposer
 from mtp_train.speculative.tree_draft import TreeSpec
 
 

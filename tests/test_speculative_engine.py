@@ -8,11 +8,12 @@ import torch
 
 from mtp_train.config import HeadConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.head_types.chain import HeadProposer
 from mtp_train.heads import build_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
-from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer, NgramProposer
+from mtp_train.speculative.proposers import DraftModelProposer, NgramProposer
 from mtp_train.speculative.tree_draft import TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,7 +93,7 @@ def _assert_catch_up_state_is_a_recompute(model, head, inputs_of) -> None:
             ids = s.token_ids[:-1]  # t_0..t_{L-2}: rows 0..L-2 read (h_i, t_{i+1})
             with torch.no_grad():
                 ref = head(inputs_of(ids), torch.tensor(s.token_ids[1:]),
-                           AttentionMetadata.build([len(ids)])).hidden[-1]
+                           AttentionMetadata.build([len(ids)]), from_target=True).hidden[-1]
             torch.testing.assert_close(proposer._feat[s.seq_id], ref, rtol=1e-4, atol=1e-4)
             checked += 1
     assert checked > 10
@@ -310,7 +311,7 @@ def test_catch_up_modes_keep_or_rewrite_the_chain_rows(tiny_checkpoints, mode):
     ids = seq.token_ids[:-1]
     with torch.no_grad():
         ref = prop.head(prefill_hidden(model, [ids]).hidden, torch.tensor(seq.token_ids[1:]),
-                        AttentionMetadata.build([len(ids)])).hidden[-1]
+                        AttentionMetadata.build([len(ids)]), from_target=True).hidden[-1]
     assert torch.allclose(prop._feat[seq.seq_id], ref, rtol=1e-4, atol=1e-4) == (mode == "target")
 
 

@@ -15,11 +15,12 @@ import torch
 from mtp_train.config import HeadConfig
 from mtp_train.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, prefill_hidden
 from mtp_train.engine.kv_cache import KVCache
+from mtp_train.head_types.chain import HeadProposer
 from mtp_train.heads import build_head
 from mtp_train.layers import AttentionMetadata, cpu_kernels
 from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
-from mtp_train.speculative.proposers import HeadProposer, Proposer
+from mtp_train.speculative.proposers import Proposer
 from mtp_train.speculative.tree import ROOT, DraftTree
 from mtp_train.speculative.tree_draft import TreeSpec
 
@@ -105,7 +106,7 @@ def test_the_heads_state_after_a_tree_step_is_a_recompute(tiny_checkpoints):
             ids = s.token_ids[:-1]
             with torch.no_grad():
                 ref = head(prefill_hidden(model, [ids]).hidden, torch.tensor(s.token_ids[1:]),
-                           AttentionMetadata.build([len(ids)])).hidden[-1]
+                           AttentionMetadata.build([len(ids)]), from_target=True).hidden[-1]
             torch.testing.assert_close(proposer._feat[s.seq_id], ref, rtol=1e-4, atol=1e-4)
             checked += 1
     assert checked > 10 and eng.stats.metrics.num_branch_tokens > 0

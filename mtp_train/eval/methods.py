@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mtp_train.config import EvalConfig
+from mtp_train.config.head import head_type
 from mtp_train.data.chat import load_tokenizer, tokenizer_fingerprint
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelConfigError
-from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer, NgramProposer, Proposer
-from mtp_train.speculative.tree_draft import TreeSpec
+from mtp_train.speculative.proposers import DraftModelProposer, NgramProposer, Proposer
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +150,9 @@ def _load_draft(cfg: EvalConfig, target: CausalLM, tokenizer: Any, target_dir: P
 
 
 register(MethodSpec("none", "plain", axes=("temperature",)))
-def _build_head(head: Any, opts: Mapping[str, Any], cfg: EvalConfig) -> HeadProposer:
-    """The head's proposer for one point: its options, the `tree` axis's STEPSxTOPKxTOKENS as a TreeSpec."""
-    opts = dict(opts)
-    tree = opts.pop("tree", "none")
-    return HeadProposer(head, **opts, tree=None if tree in (None, "none") else TreeSpec.parse(tree))
+def _build_head(head: Any, opts: Mapping[str, Any], cfg: EvalConfig) -> Proposer:
+    """The head's proposer for one point: its head type's drafter (`HeadType.drafter`) with the point's options."""
+    return head_type(head.cfg.type).drafter(head, opts)
 
 
 register(MethodSpec("mtp", "mtp head", axes=("k", "draft_threshold", "catch_up", "draft_width", "tree", "temperature"),

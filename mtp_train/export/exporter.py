@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mtp_train.config.head import HeadConfig, head_spec
-from mtp_train.export.layouts import FORMATS, LAYOUTS, Layout, LayoutError
+from mtp_train.export.layouts import LAYOUTS, Layout, LayoutError, export_formats
 from mtp_train.fileio import atomic_write, atomic_write_text
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.checkpoint import (
@@ -51,7 +51,7 @@ META_KEYS = ("format", "head", "dims")  # what `load_export` needs from it
 
 def _layout(fmt: str) -> Layout:
     if fmt not in LAYOUTS:
-        raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(export_formats())}")
     return LAYOUTS[fmt]
 
 
@@ -121,8 +121,8 @@ def read_export_meta(path: Path) -> dict[str, Any] | None:
 def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str | Path, *,
                 verify_fingerprint: bool = True) -> Path:
     """Export the head in `head_dir` (trained for the target in `target_dir`) as `fmt` into `out`."""
-    if fmt not in FORMATS:
-        raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt not in export_formats():
+        raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(export_formats())}")
     cfg = read_head_config(head_dir)
     head = load_head(head_dir, target_dir, verify_fingerprint=verify_fingerprint)
     out = Path(out)
@@ -194,7 +194,8 @@ def verify_round_trip(head_dir: str | Path, export_dir: str | Path, target_dir: 
     tokens = torch.randint(0, a.args.vocab_size, (rows,), generator=g)  # (rows,)
     meta = AttentionMetadata.build([rows])
     with torch.no_grad():
-        fa, fb = a(hidden, tokens, meta).hidden, b(hidden, tokens, meta).hidden  # (rows, H) each
+        fa = a(hidden, tokens, meta, from_target=True).hidden  # (rows, H)
+        fb = b(hidden, tokens, meta, from_target=True).hidden
     return float((fa - fb).abs().max())
 
 

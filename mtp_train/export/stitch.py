@@ -167,5 +167,6 @@ def verify_stitched(head_dir: str | Path, stitched_dir: str | Path, target_dir: 
     tokens = torch.randint(0, a.args.vocab_size, (rows,), generator=g)  # (rows,)
     meta = AttentionMetadata.build([rows])
     with torch.no_grad():
-        fa, fb = a(hidden, tokens, meta).hidden, b(hidden, tokens, meta).hidden  # (rows, H) each
+        fa = a(hidden, tokens, meta, from_target=True).hidden  # (rows, H)
+        fb = b(hidden, tokens, meta, from_target=True).hidden
     return float((fa - fb).abs().max())
