@@ -315,3 +315,57 @@ def test_save_load_round_trip_keeps_aux_layers_and_lm_head(tiny_checkpoints, tmp
     aux, _, tokens = _aux_batch(tiny_checkpoints, "llama", head.aux_layers, [5])
     with torch.no_grad():
         torch.testing.assert_close(back.unroll(aux, tokens, [5], 2)[1], head.unroll(aux, tokens, [5], 2)[1], **TOL)
+
+
+# --- one aux layer: step 0 is known, not guessed from the width ----------------------------------------------------
+
+
+@pytest.mark.parametrize("type_", ["eagle3", "mtp"])
+def test_a_single_aux_layer_goes_through_the_aux_fc_in_training_and_inference(tiny_checkpoints, type_):
+    """With head.aux_layers=[j] step 0's input is H wide, like every later step's: the head must still apply its aux
+    fc there (the caller says which input it is), in the training forward, the unroll and the paged inference chain
+    alike; a later step's H-wide input never goes through it."""
+    kw = dict(draft_vocab_size=64) if type_ == "eagle3" else dict(features="aux")
+    head = build_head(HeadConfig(type=type_, aux_layers=[2], **kw), tiny_checkpoints["llama"][0], dtype="float32")
+    fc = head.fc if type_ == "eagle3" else head.aux_fc
+    assert head.input_width == head.args.hidden_size and tuple(fc.weight.shape) == (head.args.hidden_size,) * 2
+    with torch.no_grad():
+        fc.weight.copy_(torch.eye(head.args.hidden_size) * 3.0)  # far from the identity a skipped fc would be
+    aux, _, tokens = _aux_batch(tiny_checkpoints, "llama", [2], [6, 4])
+    nxt = packed_shift(tokens, [6, 4], 1)
+    with torch.no_grad():
+        step0 = head.forward_train(aux, nxt, [6, 4])
+        skipped = head.forward_train(aux, nxt, [6, 4], from_target=False)  # the same rows read as a later step's
+        through_fc = head.forward_train(3.0 * aux, nxt, [6, 4], from_target=False)
+        assert not torch.allclose(step0, skipped, **TOL)
+        torch.testing.assert_close(step0, through_fc, **TOL)
+        outs = head.unroll(aux, tokens, [6, 4], 3, attention="chain")
+        torch.testing.assert_close(outs[0], step0, **TOL)
+        assert_unroll_is_the_inference_chain(head, aux, tokens, [6, 4], outs, 2, TOL)
+
+
+def test_a_single_aux_layer_head_serves_through_its_fc_and_exports_where_a_layout_takes_it(tiny_checkpoints,
+                                                                                            tmp_path):
+    """An eagle3 head over one aux layer: the native export equals the head on step-0 rows, the serving engines'
+    EAGLE-3 layouts refuse it by name (their fc reads exactly three layers), and greedy speculative decoding with
+    it equals plain decoding (the engine catches up on that one layer through the fc)."""
+    from mtp_train.engine import LLMEngine, SamplingParams
+    from mtp_train.export import export_head, verify_round_trip
+    from mtp_train.head_types.chain import HeadProposer
+    from mtp_train.speculative.engine import SpecEngine
+
+    folder = tiny_checkpoints["llama"][0]
+    head = build_head(HeadConfig(type="eagle3", draft_vocab_size=64, aux_layers=[2]), folder, dtype="float32")
+    save_head(head, tmp_path / "head", target_fingerprint=weights_fingerprint(folder))
+    out = export_head(tmp_path / "head", folder, "native", tmp_path / "native")
+    assert verify_round_trip(tmp_path / "head", out, folder) == 0.0
+    for fmt in ("speculators", "sglang-eagle3"):
+        with pytest.raises(LayoutError, match=r"aux_layers=\[2\]: the engines read exactly 3 target layers"):
+            export_head(tmp_path / "head", folder, fmt, tmp_path / fmt)
+        assert not (tmp_path / fmt).exists()
+    model = load_model(folder, dtype="float32", backend="torch")
+    prompts = [[5, 9, 11, 3], [7, 2, 8]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = LLMEngine(model, page_size=3, num_pages=128).generate(prompts, params)
+    spec = SpecEngine(model, HeadProposer(head), 3, page_size=3, num_pages=128).generate(prompts, params)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
-from mtp_train.config import EvalConfig
+from mtp_train.config import GRID_AXES, EvalConfig
 from mtp_train.config.head import head_type
 from mtp_train.data.chat import load_tokenizer, tokenizer_fingerprint
 from mtp_train.models.base import CausalLM
@@ -150,9 +150,20 @@ def _load_draft(cfg: EvalConfig, target: CausalLM, tokenizer: Any, target_dir: P
 
 
 register(MethodSpec("none", "plain", axes=("temperature",)))
+# The default of each grid axis (EvalConfig's): an axis a head type's drafter does not take may only stay at it.
+_AXIS_DEFAULTS = {f.name: f.default for f in fields(EvalConfig) if f.name in GRID_AXES}
+
+
 def _build_head(head: Any, opts: Mapping[str, Any], cfg: EvalConfig) -> Proposer:
-    """The head's proposer for one point: its head type's drafter (`HeadType.drafter`) with the point's options."""
-    return head_type(head.cfg.type).drafter(head, opts)
+    """The head's proposer for one point: its head type's drafter (`HeadType.drafter`) with the point's options
+    that the drafter takes (`HeadType.draft_options`); another option set away from its default is refused."""
+    kind = head_type(head.cfg.type)
+    foreign = [f"{k}={v}" for k, v in opts.items() if k not in kind.draft_options and v != _AXIS_DEFAULTS.get(k)]
+    if foreign:
+        takes = ", ".join(kind.draft_options) or "none"
+        raise ValueError(f"{kind.name} heads draft with their own drafter, which takes no {', '.join(foreign)} "
+                         f"(its options: {takes})")
+    return kind.drafter(head, {k: v for k, v in opts.items() if k in kind.draft_options})
 
 
 register(MethodSpec("mtp", "mtp head", axes=("k", "draft_threshold", "catch_up", "draft_width", "tree", "temperature"),
