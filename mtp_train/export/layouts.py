@@ -43,11 +43,11 @@ from typing import Any
 import torch
 
 from mtp_train.config.head import HEAD_TYPES
+from mtp_train.config.registry import Registry
 from mtp_train.export import eagle3
 from mtp_train.heads.base import DraftHead
 from mtp_train.models.families import family_of
 from mtp_train.models.fusing import fuse, fusion_plan, unfuse
-from mtp_train.config.registry import Registry
 
 
 class LayoutError(ValueError):
