@@ -6,7 +6,7 @@ head folders, `packing.py` the packed-batch alignment, `chain_attention.py` the 
 `frozen.py` the target tensors a head reads.
 """
 
-from mtp_train.heads.base import DraftHead, HeadOutput
+from mtp_train.heads.base import ChainHead, DraftHead, HeadOutput
 from mtp_train.heads.checkpoint import load_head, read_head_config, save_head
 from mtp_train.heads.eagle1 import Eagle1Head
 from mtp_train.heads.eagle3 import Eagle3Head
@@ -16,6 +16,7 @@ from mtp_train.heads.packing import packed_shift, packed_valid, resolve_seq_lens
 from mtp_train.heads.registry import build_head, head_class, new_head
 
 __all__ = [
+    "ChainHead",
     "DraftHead",
     "Eagle1Head",
     "Eagle3Head",

@@ -1,4 +1,5 @@
-"""The draft-head interface, `DraftHead`: its two forward modes, the chained training unroll, the frozen lm_head.
+"""The draft-head interface, `DraftHead`: its two forward modes, its training unroll, the frozen lm_head; and
+`ChainHead`, the heads that draft a chain one forward per token (mtp, eagle1, eagle3) with their chained unroll.
 
 Notation: target hidden after the final norm `h_i` at position i, token `t_i`; the target's logits
 `lm_head(h_i)` predict `t_{i+1}`. A head row at position i reads `h_i` and the embedding of `t_{i+1}` (the
@@ -8,11 +9,12 @@ distribution of `t_{i+2}` through the frozen lm_head.
 One module serves both modes:
 
 * training: `forward_train` runs a packed batch of whole sequences with causal attention and no KV cache
-  (the torch backend, so autograd works); `unroll` chains it for several draft steps;
+  (the torch backend, so autograd works); `unroll` gives several steps' predictions (a `ChainHead` chains it);
 * inference: `forward` runs any engine step (prefill, decode, verify) against the head's own one-layer
   paged KV pool, which uses the same page ids as the target.
 
-Unrolled alignment (a sequence of n tokens, rows i = 0..n-1, steps j = 0..k-1):
+Unrolled alignment, every head type's (a sequence of n tokens, rows i = 0..n-1, steps j = 0..k-1); the inputs and
+attention below are a `ChainHead`'s:
 
     step j, row i   hidden in  h_i (j = 0)  or  out_{j-1}[i] (j > 0: the head's estimate of h_{i+j})
                     token in   t_{i+j+1}
@@ -330,6 +332,33 @@ class DraftHead(nn.Module, ABC):
         self._train_attn.prepare(meta)
         return self.features(hidden, next_tokens, meta, None, self._train_attn, from_target=from_target)
 
+    @abstractmethod
+    def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
+               steps: int, attention: str = "chain", chain_mode: str = "diagonal") -> list[torch.Tensor]:
+        """The head type's training unroll: `steps` predictions per row of a packed batch.
+
+        Args:
+            hidden: (T, `input_width`) the target's features h_i (or an aux head's aux layers).
+            input_ids: (T,) the sequences' own tokens t_i (not shifted).
+            seq_lens: (B,) the packed sequences' lengths.
+            steps: how many predictions per row (`loss.steps`).
+            attention, chain_mode: how a chain head's later steps attend (`loss.unroll_attention`, the chained
+                attention's mode); a head that does not chain may ignore them.
+        Returns one (T, H) tensor per step: row i of step j estimates h_{i+j+1}, whatever the head computes it from
+        (a chain of forwards, or one forward for a whole block); the loss scores every head type the same way.
+        """
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"type={c.type}, enorm={c.enorm}, hnorm={c.hnorm}, input_norm={c.input_norm}, "
+                f"final_norm={c.final_norm}, fc_bias={c.fc_bias}, features={c.features}, aux_layers={self.aux_layers}, "
+                f"aux_norm={c.aux_norm}, norm_output={c.norm_output}, draft_vocab={self.vocab_size}")
+
+
+class ChainHead(DraftHead):
+    """A head that drafts one token per forward, each step reading the previous step's output (mtp, eagle1, eagle3):
+    its training unroll is that chain (alignment and attention modes in the module docstring)."""
+
     def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
                steps: int, attention: str = "chain", chain_mode: str = "diagonal") -> list[torch.Tensor]:
         """Chain `steps` training forwards (alignment and `attention` modes in the module docstring; `chain_mode`:
@@ -353,13 +382,7 @@ class DraftHead(nn.Module, ABC):
             meta = AttentionMetadata.build(lens, device=hidden.device)
             meta.positions = meta.positions + j  # step j drafts at i + j; only the chain's mixed keys can tell
             attn.prepare(meta)
+            # step 0 reads the target's features, every later step the previous step's output
             x = self.features(x, packed_shift(input_ids, lens, j + 1), meta, None, attn, from_target=j == 0)
             outs.append(x)
         return outs
-
-    def extra_repr(self) -> str:
-        c = self.cfg
-        return (f"type={c.type}, enorm={c.enorm}, hnorm={c.hnorm}, input_norm={c.input_norm}, "
-                f"final_norm={c.final_norm}, fc_bias={c.fc_bias}, features={c.features}, aux_layers={self.aux_layers}, "
-                f"aux_norm={c.aux_norm}, norm_output={c.norm_output}, draft_vocab={self.vocab_size}")
-

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mtp_train.config import HeadConfig
-from mtp_train.heads.base import DraftHead
+from mtp_train.heads.base import ChainHead
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata
 from mtp_train.layers.linear import Linear
@@ -58,7 +58,7 @@ class Eagle3Layer(nn.Module):
         return r + self.mlp(self.post_attention_layernorm(r))
 
 
-class Eagle3Head(DraftHead):
+class Eagle3Head(ChainHead):
     """fc over the aux layers → one EAGLE-3 layer → final norm → its own lm_head over the draft vocabulary."""
 
     type_name = "eagle3"

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from mtp_train.config import HeadConfig
-from mtp_train.heads.base import DraftHead
+from mtp_train.heads.base import ChainHead
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer, read_mtp_layer
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
 from mtp_train.layers.norm import RMSNorm
@@ -34,7 +34,7 @@ from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import family_of, titles
 
 
-class MTPHead(DraftHead):
+class MTPHead(ChainHead):
     """fc over [embedding ; hidden] → one decoder layer of the target's family and shapes → optional norm."""
 
     type_name = "mtp"
