@@ -1,11 +1,10 @@
 """A training data source: the base every `data.source` (offline | online | hybrid) is a subclass of, and its registry.
 
-A source is one class registered under its `data.source` name with `@register_source` (`mtp_train.train.sources`
-holds the three and `build_source`). It owns what differs between them: the checks of its settings
-(`check_config`), the locks it takes besides the run's own (`lock`), how a resumed checkpoint's source is judged
-(`check_resume`), what a head export records about the data (`record`) and how a micro-batch gets its hidden
-states (`fill`, with `begin` / `flush` / `close` around the run). Nothing outside the sources compares the
-name.
+A source is one class registered under its `data.source` name with `@register_source` (one module of this package
+each; the package's `build_source` builds the configured one). It owns what differs between them: the checks of its
+settings (`check_config`), the locks it takes besides the run's own (`lock`), how a resumed checkpoint's source is
+judged (`check_resume`), what a head export records about the data (`record`) and how a micro-batch gets its hidden
+states (`fill`, with `begin` / `flush` / `close` around the run). Nothing outside the sources compares the name.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import Any, ClassVar
 
 from mtp_train.config import TrainConfig
 from mtp_train.config.data import SOURCES as SOURCE_NAMES
+from mtp_train.config.registry import Registry
 from mtp_train.data.sampler import LengthBucketedBatchSampler
 from mtp_train.train.data import MicroBatchStream, PackedBatch, SampleDataset
 
@@ -74,7 +74,7 @@ class DataSource:
         """Judge a checkpoint's data source (`client["data_source"]`, as `save` wrote it) before resuming from it:
         a source with another batch plan is allowed, with a warning."""
         was = str(client.get("data_source", "offline"))
-        other = SOURCES.get(was)
+        other = SOURCES.get(was) if was in SOURCES else None
         if other is None or other.plans_from_conversations != self.plans_from_conversations:
             log.warning("resuming with data.source=%s (checkpoint: %s): the batch order differs from the "
                         "interrupted run's", self.name, was)
@@ -98,7 +98,7 @@ class DataSource:
         """Called when the run ends, however it ends."""
 
 
-SOURCES: dict[str, type[DataSource]] = {}  # data.source name → class, filled by @register_source
+SOURCES: Registry[type[DataSource]] = Registry("data source")  # data.source name → class, by @register_source
 
 
 def register_source(cls: type[DataSource]) -> type[DataSource]:
@@ -106,11 +106,7 @@ def register_source(cls: type[DataSource]) -> type[DataSource]:
     if cls.name not in SOURCE_NAMES:
         raise TypeError(f"{cls.__name__}.name {cls.name!r} is not a data.source of mtp_train.config.data.SOURCES "
                         f"({', '.join(SOURCE_NAMES)})")
-    if cls.name in SOURCES:
-        raise TypeError(f"data source {cls.name!r} is registered twice ({SOURCES[cls.name].__name__}, "
-                        f"{cls.__name__})")
-    SOURCES[cls.name] = cls
-    return cls
+    return SOURCES.register(cls.name, cls)
 
 
 def online_record(cfg: TrainConfig) -> dict[str, Any]:

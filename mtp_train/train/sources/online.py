@@ -33,7 +33,7 @@ from mtp_train.models.loader import load_model
 from mtp_train.models.tensor_parallel import TPGroup, load_model_tp, tp_groups
 from mtp_train.precompute import as_stored, check_settings, in_split
 from mtp_train.train.data import MicroBatchStream, PackedBatch
-from mtp_train.train.source import DataSource, make_sampler, online_record, register_source, val_or_none
+from mtp_train.train.sources.base import DataSource, make_sampler, online_record, register_source, val_or_none
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ from mtp_train.precompute import (
     plan_shards,
 )
 from mtp_train.train.data import PackedBatch, collate_packed
-from mtp_train.train.online import OnlineSource, split_rows, token_lists
-from mtp_train.train.source import make_sampler, register_source
+from mtp_train.train.sources.base import make_sampler, register_source
+from mtp_train.train.sources.online import OnlineSource, split_rows, token_lists
 
 log = logging.getLogger(__name__)
 
