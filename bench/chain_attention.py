@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
     if not Path(args.model).is_dir():
-        sys.exit(f"bench_chain_attention: no model folder {args.model}; run `make model` or pass --model")
+        sys.exit(f"bench.chain_attention: no model folder {args.model}; run `make model` or pass --model")
     torch.manual_seed(0)
     t = sum(args.lens)
     res: dict = {"threads": torch.get_num_threads(), "lens": args.lens}

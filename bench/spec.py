@@ -21,17 +21,12 @@ from pathlib import Path
 
 import torch
 
-from bench.common import MT_BENCH, ROOT, parser, report
+from bench.common import MT_BENCH, ROOT, load_head_run, parser, report
 from mtp_train.config import EvalConfig, NgramConfig
-from mtp_train.data.chat import load_tokenizer
-from mtp_train.data.prompts import load_prompt_sets
-from mtp_train.engine.turns import stop_token_ids
 from mtp_train.eval.acceptance import evaluate
 from mtp_train.eval.methods import MethodSet
 from mtp_train.eval.options import expand_grid
 from mtp_train.eval.rows import best_row, overall_rows, result_row
-from mtp_train.heads import load_head
-from mtp_train.models import load_model
 
 
 def newest_head(root: Path = ROOT / "runs") -> Path | None:
@@ -74,11 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("no trained head found under runs/: pass --head DIR (e.g. after `make demo`)")
     prompts = args.prompts or ("mt-bench" if MT_BENCH.is_file() else "demo-heldout")
     ks = [int(k) for k in args.ks.split(",")]
-    model = load_model(args.model, dtype="float32")
-    tokenizer = load_tokenizer(args.model)
-    head = load_head(head_dir, args.model, dtype=torch.float32)
-    stops = stop_token_ids(tokenizer, model.args.eos_token_ids)
-    sets = load_prompt_sets([prompts], args.limit)
+    args.head, args.prompts = head_dir, prompts
+    model, tokenizer, head, sets, stops = load_head_run(args)
     settings = EvalConfig(method="mtp", k=ks, temperature=[0.0], max_new_tokens=args.max_new_tokens, progress=False,
                           ngram=NgramConfig(compare=False))
 

@@ -160,6 +160,7 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = parser(__doc__)
+    ap.prog = "python -m bench.curve"
     ap.add_argument("--config", default=str(CONFIG))
     ap.add_argument("--model", default=str(DEFAULT_MODEL.relative_to(ROOT)))
     ap.add_argument("--out", default="runs/curve")
