@@ -165,7 +165,7 @@ def make_precompute(model_dir: str | Path, out_dir: str | Path, data: str | Path
     return kind, str(info["name"])
 
 
-# --- a head on held-out prompts (bench.tree, bench.tree_rules) ----------------------------------------------------
+# --- a head on held-out prompts (bench.tree, bench.tree_rules, bench.spec) ---------------------------------------
 
 
 def head_run_args(doc: str | None) -> argparse.ArgumentParser:
@@ -195,7 +195,7 @@ def load_head_run(args: argparse.Namespace, model: Any = None) -> tuple[Any, Any
     return model, tokenizer, head, sets, stop_token_ids(tokenizer, model.args.eos_token_ids)
 
 
-# --- a verify forward over a cached prefix (bench.engine, bench.tree, checks.gpu.tree_cost) -----------------------
+# --- a verify forward over a cached prefix (bench.engine, bench.tree, checks.gpu.tree_cost) ----------------------
 
 
 def verify_forward(runner: Any, seqs: Sequence[Any], tokens: Sequence[int], prefix: int,
