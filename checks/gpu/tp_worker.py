@@ -1,6 +1,6 @@
-"""One rank of the GPU tensor-parallel check (launch/gpu_check.py starts it with torchrun, 2 processes, NCCL).
+"""One rank of the GPU tensor-parallel check (checks.gpu.tensor_parallel starts it with torchrun, 2 processes, NCCL).
 
-Usage: torchrun --standalone --nproc_per_node 2 launch/gpu_tp_worker.py MODEL_DIR OUT_FILE
+Usage, from the checkout's root: torchrun --standalone --nproc_per_node 2 -m checks.gpu.tp_worker MODEL_DIR OUT_FILE
 Rank 0 saves the prompts, the TP hidden states and logits to OUT_FILE.
 """
 
@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as tdist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mtp_train.engine import prefill_hidden  # noqa: E402
-from mtp_train.models.tensor_parallel import load_model_tp, tp_groups  # noqa: E402
+from mtp_train.engine import prefill_hidden
+from mtp_train.models.tensor_parallel import load_model_tp, tp_groups
 
 
 def main(model_dir: str, out_file: str) -> None:

@@ -8,33 +8,29 @@ Measures (all ratios ours / baseline, higher = ours faster, except verify_cost):
 - verify_cost: forward time for 1, 2, 4, 8, 16 new tokens on a context of 256, relative to 1
   (what a speculative verify step costs against a decode step on this machine).
 
-Usage: python bench/bench_engine.py --model models/smollm2-135m-instruct [--dtype float32]
+Usage: python -m bench.engine --model models/smollm2-135m-instruct [--dtype float32]
 Ours and transformers are timed alternately and each ratio is the median of per-round ratios.
 The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compare, report, timeit  # noqa: E402
-
-from mtp_train.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, prefill_hidden  # noqa: E402
-from mtp_train.layers import cpu_kernels  # noqa: E402
-from mtp_train.models import load_model, resolve_dtype  # noqa: E402
+from bench.common import compare, parser, report, verify_forward
+from mtp_train.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, prefill_hidden
+from mtp_train.layers import cpu_kernels
+from mtp_train.models import load_model, resolve_dtype
 
 PROMPT = "Write a short story about a robot who learns to paint. Make it warm and vivid."
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
     ap.add_argument("--dtype", default="float32", help="dtype of both implementations")
     ap.add_argument("--prefill-batch", type=int, default=4)
@@ -111,10 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     ctx = torch.randint(0, vocab, (args.verify_context,)).tolist()
     seq = Sequence.new(0, ctx)
     runner.run([seq])
-    def verify(k: int) -> None:
-        seq.token_ids.extend(ctx[:k])
-        runner.run([seq], logits="all")
-        runner.truncate(seq, len(ctx))
+
+    def verify(k: int) -> float:
+        return verify_forward(runner, [seq], ctx[:k], len(ctx))
 
     # rounds over all k, each k's cost relative to k=1 of the same round (robust to changing load)
     ks = (1, 2, 4, 8, 16)
@@ -122,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
         verify(k)
     rounds = []
     for _ in range(max(5, args.repeat)):
-        t = {k: timeit(lambda k=k: verify(k), repeat=1, warmup=0) for k in ks}
+        t = {k: verify(k) for k in ks}
         rounds.append(t)
     costs = {k: statistics.median(r[k] / r[1] for r in rounds) for k in ks}
     res["verify_cost"] = {str(k): costs[k] for k in ks}

@@ -18,43 +18,34 @@ The headline: `best_tree` is the tree (topk ≥ 2) of highest τ with tokens ≤
 the plain chain of highest τ (ties: fewer verified rows, then fewer levels); `tau_ratio` = best_tree.tau /
 best_chain.tau, the goal 1.25 (τ, not time: the gain a GPU user sees, where 8 rows cost about one).
 
-Usage: python bench/bench_tree.py [--head runs/demo/train/heads/step-600] [--limit 16] [--steps 1,2,3,4]
+Usage: python -m bench.tree [--head runs/demo/train/heads/step-600] [--limit 16] [--steps 1,2,3,4]
        [--topk 1,2,4] [--tokens 2,4,8,16] [--chains 1,2,3,4] [--max-new-tokens 96] [--no-rows] [--timed]
 The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-import time
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report  # noqa: E402
-
-from mtp_train.cli.common import configure_from_env  # noqa: E402
-from mtp_train.config import EvalConfig, NgramConfig  # noqa: E402
-from mtp_train.data.chat import load_tokenizer  # noqa: E402
-from mtp_train.data.prompts import PromptSet, load_prompt_sets  # noqa: E402
-from mtp_train.engine import ModelRunner  # noqa: E402
-from mtp_train.engine import Sequence as EngineSeq  # noqa: E402
-from mtp_train.engine.turns import stop_token_ids  # noqa: E402
-from mtp_train.eval.acceptance import evaluate  # noqa: E402
-from mtp_train.eval.methods import MethodSet  # noqa: E402
-from mtp_train.eval.options import expand_grid  # noqa: E402
-from mtp_train.eval.rows import overall_rows  # noqa: E402
-from mtp_train.heads import load_head  # noqa: E402
-from mtp_train.models import load_model  # noqa: E402
-from mtp_train.speculative.metrics import SpecMetrics, paired_tau_ratio, tau_standard_error  # noqa: E402
-from mtp_train.speculative.proposers import HeadProposer  # noqa: E402
-from mtp_train.speculative.tree_draft import TreeSpec  # noqa: E402
-from mtp_train.speculative.validator import spec_metrics  # noqa: E402
+from bench.common import head_run_args, ints, load_head_run, report, verify_forward
+from mtp_train.cli.common import configure_from_env
+from mtp_train.config import EvalConfig, NgramConfig
+from mtp_train.data.prompts import PromptSet
+from mtp_train.engine import ModelRunner
+from mtp_train.engine import Sequence as EngineSeq
+from mtp_train.eval.acceptance import evaluate
+from mtp_train.eval.methods import MethodSet
+from mtp_train.eval.options import expand_grid
+from mtp_train.eval.rows import overall_rows
+from mtp_train.models import load_model
+from mtp_train.speculative.metrics import SpecMetrics, paired_tau_ratio, tau_standard_error
+from mtp_train.speculative.proposers import HeadProposer
+from mtp_train.speculative.tree_draft import TreeSpec
+from mtp_train.speculative.validator import spec_metrics
 
 TAU_GOAL = 1.25  # best_tree.tau / best_chain.tau at tokens <= 8 (issue's goal)
 
@@ -69,13 +60,9 @@ def rows_cost(model, rows: list[int], rounds: int = 30, prefix: int = 300) -> di
     times: dict[int, list[float]] = {r: [] for r in rows}
     for i in range(rounds + 2):
         for r in rows:
-            seq.token_ids.extend((500 + j) % vocab for j in range(r))
-            t0 = time.perf_counter()
-            runner.run([seq], logits="all")
+            seconds = verify_forward(runner, [seq], [(500 + j) % vocab for j in range(r)], prefix)
             if i >= 2:  # two warm-up rounds
-                times[r].append(time.perf_counter() - t0)
-            del seq.token_ids[prefix:]
-            seq.num_cached = prefix
+                times[r].append(seconds)
     one = statistics.median(times[1])
     return {r: round(statistics.median(t) / one, 3) for r, t in times.items()}
 
@@ -189,31 +176,6 @@ def timed(model, tokenizer, head, sets: Sequence[PromptSet], trees: Sequence[str
         print(f"timed {name}: speed-up {row['speedup']:.3f} [{row.get('speedup_lo', 0):.3f}, "
               f"{row.get('speedup_hi', 0):.3f}]  tau {row['tau']:.3f}", flush=True)
     return out
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def head_run_args(doc: str | None) -> argparse.ArgumentParser:
-    """The options of a run of a head on held-out prompts (this script's and bench/tree_rules.py's)."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/smollm2-135m-instruct")
-    ap.add_argument("--head", default="runs/demo/train/heads/step-600", help="head folder (mtp-train's heads/step-N)")
-    ap.add_argument("--prompts", default="demo-heldout")
-    ap.add_argument("--limit", type=int, default=16, help="conversations")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--batch-size", type=int, default=8, help="τ runs' batch (τ does not depend on it)")
-    return ap
-
-
-def load_head_run(args: argparse.Namespace, model=None) -> tuple[Any, Any, Any, list[PromptSet], list[int]]:
-    """`head_run_args`' model (float32; `model` when already loaded), tokenizer, head, prompt sets and stop ids."""
-    model = load_model(args.model, dtype="float32") if model is None else model
-    tokenizer = load_tokenizer(args.model)
-    head = load_head(args.head, args.model, dtype=torch.float32)
-    sets = load_prompt_sets([args.prompts], args.limit)
-    return model, tokenizer, head, sets, stop_token_ids(tokenizer, model.args.eos_token_ids)
 
 
 def main(argv: list[str] | None = None) -> dict:

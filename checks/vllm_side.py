@@ -1,7 +1,7 @@
 """The vLLM half of `make check-vllm`: greedy decoding of given prompt token ids by vLLM, plain or speculative.
 
 Runs inside vLLM's own virtual environment (`.venv-vllm`, vLLM's CPU build), so it imports only vLLM,
-transformers and the standard library, never mtp_train. `launch/check_vllm.py` writes the request and reads the
+transformers and the standard library, never mtp_train. `checks/check_vllm.py` writes the request and reads the
 result; both are JSON files:
 
     request: {"model": DIR, "prompts": [[token id, ...], ...], "max_tokens": 96, "stop_token_ids": [...],
@@ -17,7 +17,7 @@ with another (our mtp-eval's batch_size=1). Greedy (temperature 0), the prompt's
 special tokens added), stop on the given ids. Spec counters are vLLM's own (`llm.get_metrics()`), cumulative over
 the process, so plain and speculative runs are separate processes.
 
-    .venv-vllm/bin/python launch/vllm_side.py --request req.json --out result.json
+    .venv-vllm/bin/python checks/vllm_side.py --request req.json --out result.json
 """
 
 from __future__ import annotations

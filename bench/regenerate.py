@@ -6,35 +6,28 @@ with at most --max-new-tokens each, in the same process run: ours through `LLMEn
 when its last sequence stops). Tokens are the useful ones: each answer up to and including its end-of-turn token.
 
 Reported: tokens/s of both, `speedup_vs_hf` (ours / transformers), and `peak_share`, our useful FLOP/s over the peak
-fp32 matmul FLOP/s measured in the same run (2048² matmul, `bench_train.peak_matmul_gflops`). Useful FLOPs, counted
+fp32 matmul FLOP/s measured in the same run (2048² matmul, `bench.common.peak_matmul_gflops`). Useful FLOPs, counted
 from the model's shapes: every generated token 2·(P_body + V·H) (the body's matmul weights and the lm_head) plus
 4·L·(n_heads·head_dim)·ctx for attention over its context; every prompt token 2·P_body plus its causal attention
 (prompts need prefilling but only their last row goes through the lm_head). Padding, recomputation and rejected
 work are not useful FLOPs, so peak_share is what the hardware did for the answers.
 
-Usage: python bench/bench_regenerate.py --model models/smollm2-135m-instruct [--prompts 64] [--batch-size 64]
+Usage: python -m bench.regenerate --model models/smollm2-135m-instruct [--prompts 64] [--batch-size 64]
 The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import peak_matmul_gflops  # noqa: E402
-from common import report  # noqa: E402
-
-from mtp_train.engine import LLMEngine, SamplingParams  # noqa: E402
-from mtp_train.models import load_model  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, parser, peak_matmul_gflops, report
+from mtp_train.engine import LLMEngine, SamplingParams
+from mtp_train.models import load_model
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -68,7 +61,7 @@ def useful(ids: list[int], stop: set[int]) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=64)

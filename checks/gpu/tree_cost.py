@@ -13,17 +13,17 @@ runner (eager, the engine's attention backend: FlashInfer's custom mask on CUDA)
 A time is the whole step as the engine pays it: its planning (for a tree, the mask built on the host and copied
 over) and the forward. A row r = 1 is the decode step every ratio is taken to (`*_vs_decode`). The rounds
 interleave every (r, kind), and the medians are kept, so drift on the machine hits all of them alike. Used by
-launch/gpu_check.py; runs on the CPU too (the torch backend's tree mask), which only the tests do.
+checks.gpu.tree_mask; runs on the CPU too (the torch backend's tree mask), which only the tests do.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 
 import torch
 
+from bench.common import verify_forward
 from mtp_train.config.device import on_cuda
 from mtp_train.engine import ModelRunner
 from mtp_train.engine import Sequence as EngineSeq
@@ -72,18 +72,10 @@ def verify_times(model, rows: Sequence[int] = ROWS, *, topk: int = 4, batch: int
         for r in rows:
             for kind in KINDS:
                 parents = trees[kind](r)
-                for s in seqs:
-                    s.token_ids.extend((500 + j) % vocab for j in range(r))
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                runner.run(seqs, logits="all", tree=None if parents is None else [parents] * batch)
-                if cuda:
-                    torch.cuda.synchronize()
+                seconds = verify_forward(runner, seqs, [(500 + j) % vocab for j in range(r)], prefix,
+                                         tree=None if parents is None else [parents] * batch, sync=cuda)
                 if i >= warmup:
-                    times[r][kind].append(time.perf_counter() - t0)
-                for s in seqs:
-                    runner.truncate(s, prefix)
+                    times[r][kind].append(seconds)
     return {r: {k: statistics.median(v) for k, v in by.items()} for r, by in times.items()}
 
 

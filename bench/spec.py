@@ -8,37 +8,25 @@ the prompts (all turns) the plain run answered, with the same max_new_tokens. `s
 step in plain decode steps (τ / speed-up, the break-even τ); `speedup_at_tau_3_by_k`: 3 / step_cost, what the same
 engine would give a head reaching the goal's τ of 3 at that k (a prediction from measured costs, not a measurement).
 
-Usage: python bench/bench_spec.py --head runs/demo/train/heads/step-N [--limit 5] [--max-new-tokens 96]
+Usage: python -m bench.spec --head runs/demo/train/heads/step-N [--limit 5] [--max-new-tokens 96]
 The head defaults to the newest export under runs/ (runs/*/heads/step-* or runs/**/heads/step-*).
 The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report  # noqa: E402
-
-from mtp_train.config import EvalConfig, NgramConfig  # noqa: E402
-from mtp_train.data.chat import load_tokenizer  # noqa: E402
-from mtp_train.data.prompts import load_prompt_sets  # noqa: E402
-from mtp_train.engine.turns import stop_token_ids  # noqa: E402
-from mtp_train.eval.acceptance import evaluate  # noqa: E402
-from mtp_train.eval.methods import MethodSet  # noqa: E402
-from mtp_train.eval.options import expand_grid  # noqa: E402
-from mtp_train.eval.rows import best_row, overall_rows, result_row  # noqa: E402
-from mtp_train.heads import load_head  # noqa: E402
-from mtp_train.models import load_model  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-MT_BENCH = ROOT.parent / "shared" / "data" / "dev" / "mt_bench_question.jsonl"
+from bench.common import MT_BENCH, ROOT, load_head_run, parser, report
+from mtp_train.config import EvalConfig, NgramConfig
+from mtp_train.eval.acceptance import evaluate
+from mtp_train.eval.methods import MethodSet
+from mtp_train.eval.options import expand_grid
+from mtp_train.eval.rows import best_row, overall_rows, result_row
 
 
 def newest_head(root: Path = ROOT / "runs") -> Path | None:
@@ -65,7 +53,7 @@ def hf_tokens_per_s(model_dir: str, prompts: list[list[int]], max_new_tokens: in
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
     ap.add_argument("--head", default=None, help="head folder (default: the newest export under runs/)")
     ap.add_argument("--prompts", default=None, help="prompt set (conf/data name or file); default mt-bench if "
@@ -81,11 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("no trained head found under runs/: pass --head DIR (e.g. after `make demo`)")
     prompts = args.prompts or ("mt-bench" if MT_BENCH.is_file() else "demo-heldout")
     ks = [int(k) for k in args.ks.split(",")]
-    model = load_model(args.model, dtype="float32")
-    tokenizer = load_tokenizer(args.model)
-    head = load_head(head_dir, args.model, dtype=torch.float32)
-    stops = stop_token_ids(tokenizer, model.args.eos_token_ids)
-    sets = load_prompt_sets([prompts], args.limit)
+    args.head, args.prompts = head_dir, prompts
+    model, tokenizer, head, sets, stops = load_head_run(args)
     settings = EvalConfig(method="mtp", k=ks, temperature=[0.0], max_new_tokens=args.max_new_tokens, progress=False,
                           ngram=NgramConfig(compare=False))
 

@@ -7,7 +7,7 @@ For each head type (eagle1, eagle3):
    `runs/demo/precompute` when `make demo` left them, else regenerated and precomputed under `--out`);
 2. exported (`mtp-export format=vllm-eagle` for eagle1, `format=speculators` for eagle3);
 3. measured by our `mtp-eval`: k = 3, batch 1, greedy, 96 new tokens, the first 16 held-out demo prompts;
-4. served by vLLM (`launch/vllm_side.py` in vLLM's own venv): plain greedy and speculative greedy (k = 3) on the
+4. served by vLLM (`checks/vllm_side.py` in vLLM's own venv): plain greedy and speculative greedy (k = 3) on the
    very prompt token ids our engine saw (rendered here with our chat template code, each later turn after our
    answer to the earlier one), one request at a time, the same max tokens and stop tokens;
 5. compared: vLLM's τ and per-position acceptance beside ours, and whether vLLM's speculative tokens equal its
@@ -31,8 +31,8 @@ precompute (~6 min); eagle3 adds its training (100 steps of a 3-step test) and i
 are not redone (training resumes; our eval and the vLLM runs are keyed by their inputs), so a re-run with
 unchanged inputs only prints.
 
-    python launch/check_vllm.py --model models/smollm2-135m-instruct --vllm-python .venv-vllm/bin/python
-    python launch/check_vllm.py --head-eagle1 runs/demo_eagle1/train/heads/step-200 --heads eagle1
+    python -m checks.check_vllm --model models/smollm2-135m-instruct --vllm-python .venv-vllm/bin/python
+    python -m checks.check_vllm --head-eagle1 runs/demo_eagle1/train/heads/step-200 --heads eagle1
 """
 
 from __future__ import annotations
@@ -355,7 +355,7 @@ def turn_ids(records: list[dict], order: list[str]) -> list[list[int]]:
     return [t["output_ids"] for cid in order for t in by_id[cid]["turns"]]
 
 
-# --- vLLM's side: launch/vllm_side.py in its venv ----------------------------------------------------------
+# --- vLLM's side: checks/vllm_side.py in its venv ----------------------------------------------------------
 
 
 def vllm_error_lines(log_text: str, most: int = 6) -> list[str]:
@@ -385,7 +385,7 @@ def run_vllm(a: argparse.Namespace, req: dict[str, Any], name: str, out: Path) -
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     print(f"check-vllm: vLLM {name} ({len(req['prompts'])} prompts; log: {log})", flush=True)
     with open(log, "w") as f:
-        rc = subprocess.call([a.vllm_python, str(ROOT / "launch" / "vllm_side.py"), "--request", str(req_path),
+        rc = subprocess.call([a.vllm_python, str(ROOT / "checks" / "vllm_side.py"), "--request", str(req_path),
                               "--out", str(result_path)], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     result = json.loads(result_path.read_text()) if result_path.is_file() else {}
     if rc != 0 or "error" in result:

@@ -1,7 +1,7 @@
-"""The learning curve's report: fits, the Markdown table, the plot (bench/curve.py writes them from curve.json).
+"""The learning curve's report: fits, the Markdown table, the plot (bench.curve.run writes them from curve.json).
 
 A point is {tokens, step, tau, pos, ...}; `results` is curve.json (heads → points by step, prompt lookup, the
-recipe and evaluation settings); the variants' table and docs/curve.json come from bench/curve_variants.py.
+recipe and evaluation settings); docs/curve.json is bench.curve.record's.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import curve_variants as cv
+from bench.curve.record import write_points_json
+from bench.curve.seeds import last_requests, seeds_markdown
+from bench.curve.variants import ordered_rows
 
 TAU_GOAL = 2.0  # the τ the fits extrapolate to
 
@@ -184,16 +186,63 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+# --- the variants' table -------------------------------------------------------------------------------------
+
+
+def _seconds(s: float | None) -> str:
+    return "–" if s is None else f"{s:.0f}"
+
+
+def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row of highest τ (the first of equals)."""
+    return max(rows, key=lambda r: r["tau"], default=None)
+
+
+def versus(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    """`row`'s τ minus `ref`'s with its paired standard error over the prompts' requests ("–" without counts)."""
+    from mtp_train.speculative.metrics import paired_tau_difference
+
+    a, b = last_requests(row), last_requests(ref or {})
+    if ref is None or row is ref or not a or not b:
+        return "–"
+    diff, se = paired_tau_difference(a, b)
+    return f"{diff:+.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+
+def variants_markdown(results: dict[str, Any]) -> str:
+    """The variants table (empty string when none is measured): one row per variant at its last point, its τ with
+    its standard error over requests, and its difference to the best row with the paired standard error."""
+    rows = ordered_rows(results)
+    if not rows:
+        return ""
+    k = int(results["eval"]["k"])
+    pos = " / ".join(f"pos{j}" for j in range(k))
+    best = best_row(rows)
+    lines = ["| variant | head | overrides (after the recipe) | training tokens | step | τ ± SE | τ − best (paired SE) "
+             f"| acceptance rate | {pos} | measured (s) |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        tau = f"{r['tau']:.3f}" + (f" ± {r['tau_se']:.3f}" if r.get("tau_se") is not None else "")
+        lines.append(f"| `{r['variant']}` | `{r['head']}` | `{' '.join(r['overrides'])}` | {r['tokens']} | "
+                     f"{r['step']} | {tau} | {versus(r, best)} | {r['acceptance_rate']:.3f} | "
+                     f"{' / '.join(f'{a:.3f}' for a in r['pos'])} | "
+                     f"{_seconds(r.get('seconds'))} |")
+    return ("\n## Variants (the recipe at the budget)\n\n"
+            "Each variant trains one head on the same folder, batches, seed and budget as the heads above, with the "
+            "recipe's overrides followed by its own (`python -m bench.curve --variants NAME,...`), and is measured at "
+            "the last point; SE is over the prompts' requests, the paired SE of a difference over the requests both "
+            "answered (greedy: the same tokens).\n\n" + "\n".join(lines) + "\n" + seeds_markdown(rows))
+
+
 def write_report(results: dict[str, Any], out: Path, doc: Path | None = None, png: Path | None = None) -> str:
     from mtp_train.fileio import atomic_write_text
 
-    text = markdown(results) + cv.variants_markdown(results)
+    text = markdown(results) + variants_markdown(results)
     atomic_write_text(out / "curve.md", text)
     plot(results, out / "curve.png")
     if doc is not None:
         doc.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(doc, text)
-        cv.write_points_json(results, doc.with_suffix(".json"))
+        write_points_json(results, doc.with_suffix(".json"))
     if png is not None:
         png.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out / "curve.png", png)

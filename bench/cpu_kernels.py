@@ -10,31 +10,26 @@ decode step. Each line: ours vs the baseline, alternately timed, median of per-r
 * rms_norm and rope_ on one decode row, against torch's composites;
 * paged attention of one decode token over 256 cached tokens in pages of 16, against gathering the pages and SDPA.
 
-Usage: python bench/bench_cpu_kernels.py [--repeat 5]. The last line printed is one JSON object.
+Usage: python -m bench.cpu_kernels [--repeat 5]. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
 import platform
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compare, report  # noqa: E402
-
-from mtp_train.layers import cpu_kernels  # noqa: E402
-from mtp_train.layers.attention import AttentionMetadata, make_attention_backend  # noqa: E402
-from mtp_train.layers.rotary import apply_rotary  # noqa: E402
+from bench.common import compare, parser, report
+from mtp_train.layers import cpu_kernels
+from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
+from mtp_train.layers.rotary import apply_rotary
 
 H, INTER, HQ, HKV, D, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
     from mtp_train.cli.common import configure_from_env

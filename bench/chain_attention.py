@@ -10,24 +10,21 @@ it): `masked` scores all (j+1)·n keys of a sequence and masks all but the causa
   `steps` chained forwards and their backward (no lm_head: the loss's cost does not depend on the mode).
 
 Ratios are masked / diagonal time, taken per alternating round (> 1 = diagonal faster). Usage:
-python bench/bench_chain_attention.py --model models/smollm2-135m-instruct [--steps 3 7] [--repeat 3].
+python -m bench.chain_attention --model models/smollm2-135m-instruct [--steps 3 7] [--repeat 3].
 The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compare, report  # noqa: E402
-
-from mtp_train.config.head import HeadConfig  # noqa: E402
-from mtp_train.heads import build_head  # noqa: E402
-from mtp_train.heads.chain_attention import ChainTrainAttention, attend_chain  # noqa: E402
+from bench.common import compare, parser, report
+from mtp_train.config.head import HeadConfig
+from mtp_train.heads import build_head
+from mtp_train.heads.chain_attention import ChainTrainAttention, attend_chain
 
 HQ, HKV, D = 9, 3, 64
 
@@ -39,14 +36,14 @@ def attention_only(lens: list[int], steps: int, mode: str, qkv: list[tuple[torch
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", default="models/smollm2-135m-instruct", help="the target folder (head shapes)")
     ap.add_argument("--lens", type=int, nargs="+", default=[700, 700, 648], help="packed sequence lengths")
     ap.add_argument("--steps", type=int, nargs="+", default=[3, 7])
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
     if not Path(args.model).is_dir():
-        sys.exit(f"bench_chain_attention: no model folder {args.model}; run `make model` or pass --model")
+        sys.exit(f"bench.chain_attention: no model folder {args.model}; run `make model` or pass --model")
     torch.manual_seed(0)
     t = sum(args.lens)
     res: dict = {"threads": torch.get_num_threads(), "lens": args.lens}

@@ -118,4 +118,4 @@ def seeds_markdown(rows: list[dict[str, Any]]) -> str:
             "A recipe's variants that differ only in `train.seed` (initialisation and batch order; none = seed 0). "
             "Two heads are compared on their requests pooled over seeds; the SE adds the prompts' paired SE and "
             "the spread of the per-seed differences, the interval uses Student's t over the seeds "
-            "(bench/curve_seeds.py).\n\n" + "\n".join(lines) + "\n")
+            "(bench/curve/seeds.py).\n\n" + "\n".join(lines) + "\n")

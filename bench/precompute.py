@@ -9,31 +9,24 @@ Prints throughput_ratio (ours tokens/s ÷ baseline's), bytes_per_token of both (
 ≤ 2·H + 8), bytes_per_token_ours_fp8 (the same samples with `hidden_dtype=float8_e4m3`; goal ≤ H + 12) and
 read_ratio (random-access samples/s of our reader ÷ torch.load of per-sample files).
 
-Usage: python bench/bench_precompute.py [--model DIR] [--data FILE] [--limit 200] [--max-seq-len 512]
+Usage: python -m bench.precompute [--model DIR] [--data FILE] [--limit 200] [--max-seq-len 512]
 The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report  # noqa: E402
-
-from mtp_train.config import DataConfig, PrecomputeConfig  # noqa: E402
-from mtp_train.data.samples import build_samples  # noqa: E402
-from mtp_train.precompute import PrecomputedDataset, precompute  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "train" / "regen_smollm2_greedy.jsonl"
+from bench.common import DEFAULT_MODEL, REGEN_DATA, parser, report
+from mtp_train.config import DataConfig, PrecomputeConfig
+from mtp_train.data.samples import build_samples
+from mtp_train.precompute import PrecomputedDataset, precompute
 
 
 def dir_bytes(path: Path) -> int:
@@ -41,9 +34,9 @@ def dir_bytes(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
-    ap.add_argument("--data", default=str(DEFAULT_DATA), help="conversations with assistant turns")
+    ap = parser(__doc__)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--data", default=str(REGEN_DATA), help="conversations with assistant turns")
     ap.add_argument("--limit", type=int, default=200)
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--reads", type=int, default=2000, help="random sample reads for the read benchmark")

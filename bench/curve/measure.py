@@ -2,7 +2,7 @@
 
 `Evaluator` loads the target, tokenizer and prompts once and measures points through the engine
 (`mtp_train.speculative.validator.spec_metrics`); `remeasure` measures again the points of a curve.json that predate
-per-request counts. bench/curve.py drives both.
+per-request counts. bench.curve.run drives both.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import curve_variants as cv
+from bench.curve.config import VARIANTS_DIR
+from bench.curve.variants import LAST_FIELDS
 
 
 class Evaluator:
@@ -69,7 +70,7 @@ def remeasure(results: dict[str, Any], out: Path, model: str, ev: Any) -> list[s
     evaluator: Evaluator | None = None
     done = []
     folders = [(h, out / h, rec) for h, rec in (results.get("heads") or {}).items()]
-    folders += [(n, out / cv.VARIANTS_DIR / n, row) for n, row in (results.get("variants") or {}).items()]
+    folders += [(n, out / VARIANTS_DIR / n, row) for n, row in (results.get("variants") or {}).items()]
     for name, run_dir, rec in folders:
         for step, point in sorted((rec.get("points") or {}).items(), key=lambda kv: int(kv[0])):
             head_dir = run_dir / HEADS_DIR / tag_for(int(step))
@@ -82,5 +83,5 @@ def remeasure(results: dict[str, Any], out: Path, model: str, ev: Any) -> list[s
             point.update({k: v for k, v in fresh.items() if k != "seconds"})
             done.append(f"{name}@{step}")
         if "variant" in rec and str(rec.get("step")) in rec.get("points", {}):
-            rec.update({k: v for k, v in rec["points"][str(rec["step"])].items() if k in cv.LAST_FIELDS})
+            rec.update({k: v for k, v in rec["points"][str(rec["step"])].items() if k in LAST_FIELDS})
     return done
