@@ -168,6 +168,14 @@ def make_precompute(model_dir: str | Path, out_dir: str | Path, data: str | Path
 # --- a head on held-out prompts (bench.tree, bench.tree_rules, bench.spec) ---------------------------------------
 
 
+def head_proposer(head: Any, **options: Any) -> Any:
+    """A fresh proposer of a trained head: its head type's drafter (`HeadType.drafter`) with these options (e.g.
+    tree=TreeSpec(3, 4, 8), draft_width=2; none = the type's defaults)."""
+    from mtp_train.config import head_type
+
+    return head_type(head.cfg.type).drafter(head, options)
+
+
 def head_run_args(doc: str | None) -> argparse.ArgumentParser:
     """The options of a run of a head on held-out prompts: model, head, prompts, limit, new tokens, batch."""
     ap = parser(doc)

@@ -32,7 +32,7 @@ import yaml
 from bench.common import ROOT, parser, report
 from mtp_train.config import HeadConfig
 from mtp_train.engine import KVCache
-from mtp_train.heads import HEAD_TYPES
+from mtp_train.heads import head_class
 from mtp_train.models.config import ModelArgs
 from mtp_train.models.families import args_from_dir, args_from_hf_config
 from mtp_train.models.loader import model_class
@@ -114,7 +114,7 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
     tp = int(model_conf(name).get("tp", 1))
     with torch.device("meta"):
         target = model_class(args)(args)
-        head = HEAD_TYPES["mtp"](HeadConfig(type="mtp"), args, None)
+        head = head_class("mtp")(HeadConfig(type="mtp"), args, None)
     p_target, p_head = count(target), count(head)
     h, v = args.hidden_size, args.vocab_size
     inter = args.intermediate_size

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.common import head_run_args, ints, load_head_run, report, verify_forward
+from bench.common import head_proposer, head_run_args, ints, load_head_run, report, verify_forward
 from mtp_train.cli.common import configure_from_env
 from mtp_train.config import EvalConfig, NgramConfig
 from mtp_train.data.prompts import PromptSet
@@ -43,7 +43,6 @@ from mtp_train.eval.options import expand_grid
 from mtp_train.eval.rows import overall_rows
 from mtp_train.models import load_model
 from mtp_train.speculative.metrics import SpecMetrics, paired_tau_ratio, tau_standard_error
-from mtp_train.speculative.proposers import HeadProposer
 from mtp_train.speculative.tree_draft import TreeSpec
 from mtp_train.speculative.validator import spec_metrics
 
@@ -104,7 +103,7 @@ def tree_grid(model, tokenizer, head, convs: Sequence, shapes: Sequence[TreeSpec
     """
     grid: dict[str, dict[str, Any]] = {}
     for spec in shapes:
-        r = _run(model, tokenizer, lambda spec=spec: HeadProposer(head, tree=spec), convs, spec.steps,
+        r = _run(model, tokenizer, lambda spec=spec: head_proposer(head, tree=spec), convs, spec.steps,
                  max_new_tokens, stops, batch_size)
         grid[spec.name] = {"steps": spec.steps, "topk": spec.topk, "tokens": spec.tokens, **tau_entry(r, spec.steps)}
         if verbose:
@@ -112,7 +111,7 @@ def tree_grid(model, tokenizer, head, convs: Sequence, shapes: Sequence[TreeSpec
                   flush=True)
     chain: dict[int, dict[str, Any]] = {}
     for k in chains:
-        r = _run(model, tokenizer, lambda: HeadProposer(head), convs, k, max_new_tokens, stops, batch_size)
+        r = _run(model, tokenizer, lambda: head_proposer(head), convs, k, max_new_tokens, stops, batch_size)
         chain[k] = {"k": k, "tokens": k + 1, **tau_entry(r, k)}
         if verbose:
             print(f"chain k={k}: tau {chain[k]['tau']:.3f}  per position {chain[k]['per_position']}", flush=True)

@@ -36,13 +36,12 @@ from typing import Any
 
 import torch
 
-from bench.common import head_run_args, ints, load_head_run, report
+from bench.common import head_proposer, head_run_args, ints, load_head_run, report
 from mtp_train.cli.common import configure_from_env
 from mtp_train.engine.sampling import SamplingParams
 from mtp_train.engine.turns import answer
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.metrics import SpecMetrics
-from mtp_train.speculative.proposers import HeadProposer
 from mtp_train.speculative.tree import ROOT, DraftTree, node_depths
 from mtp_train.speculative.tree_draft import MAX_TREE_TOKENS, TreeSpec, rerank
 
@@ -105,7 +104,7 @@ def pool_spec(steps: int, topk: int) -> TreeSpec:
 def record(model, tokenizer, head, convs: Sequence, spec: TreeSpec, max_new_tokens: int, *,
            stops: list[int] | None = None, batch_size: int = 8) -> tuple[list[Step], float]:
     """Greedy speculative decoding of `convs` with `head` drafting `spec` → every step, and τ of the run."""
-    engine = SpecEngine(model, HeadProposer(head, tree=spec), spec.steps, max_batch_size=batch_size,
+    engine = SpecEngine(model, head_proposer(head, tree=spec), spec.steps, max_batch_size=batch_size,
                         kv_cache_gb=0.25)
     metrics = _Recorder(spec.steps)
     engine.scheduler.stats.metrics = metrics  # type: ignore[attr-defined]

@@ -220,13 +220,13 @@ def unavailable(head: str) -> str | None:
     """Why this checkout cannot train/export/evaluate `head`, or None when it can."""
     if not (ROOT / "conf" / "head" / f"{head}.yaml").is_file():
         return f"no conf/head/{head}.yaml in this checkout"
-    from mtp_train.export import FORMATS
-    from mtp_train.heads import HEAD_TYPES as IMPLEMENTED
+    from mtp_train.config import HEAD_TYPES as IMPLEMENTED
+    from mtp_train.export import export_formats
 
     if head not in IMPLEMENTED:
         return f"head type {head!r} has no implementation (known: {', '.join(sorted(IMPLEMENTED))})"
-    if EXPORT_FORMAT[head] not in FORMATS:
-        return f"mtp-export has no format={EXPORT_FORMAT[head]} (known: {', '.join(FORMATS)})"
+    if EXPORT_FORMAT[head] not in export_formats():
+        return f"mtp-export has no format={EXPORT_FORMAT[head]} (known: {', '.join(export_formats())})"
     return None
 
 

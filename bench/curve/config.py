@@ -60,7 +60,7 @@ def load_config(path: str | Path = CONFIG) -> CurveConfig:
 def head_available(name: str) -> str | None:
     """None when conf/head/<name>.yaml exists and its type is implemented, else why the head is skipped."""
 
-    from mtp_train.heads import HEAD_TYPES
+    from mtp_train.config import HEAD_TYPES
 
     path = ROOT / "conf" / "head" / f"{name}.yaml"
     if not path.is_file():

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.common import head_proposer
 from bench.curve.config import VARIANTS_DIR
 from bench.curve.variants import LAST_FIELDS
 
@@ -43,13 +44,12 @@ class Evaluator:
 
     def head_point(self, head_dir: Path) -> dict[str, Any]:
         from mtp_train.heads import load_head, read_head_config
-        from mtp_train.speculative.proposers import HeadProposer
 
         head = load_head(head_dir, self.model_dir, device="cpu", dtype="float32")
         head.eval()
         extra = read_head_config(head_dir)["extra"]
         return {"step": int(extra["step"]), "tokens": int(extra["tokens_seen"]),
-                **self.measure(lambda: HeadProposer(head))}
+                **self.measure(lambda: head_proposer(head))}
 
     def ngram_point(self, n_max: int, n_min: int) -> dict[str, Any] | None:
         try:

@@ -9,7 +9,7 @@ composites of 5–7 small ops (each op costs microseconds of dispatch on a decod
 `paged_attention` attends decode / verify tokens straight over the pages
 (the torch path gathers every page of the sequence into a contiguous copy first, then runs SDPA).
 `soft_ce_` is training's: the fused soft cross-entropy's per-row work over a (C, V) logits chunk in one read.
-See bench/bench_cpu_kernels.py and bench/bench_engine.py for what they buy.
+See `python -m bench.cpu_kernels` and `python -m bench.engine` for what they buy.
 
 The kernel is plain C (AVX2 + FMA, no torch headers) and is called through ctypes, so building it
 takes about a second with the system C compiler and needs nothing from the Python environment. The

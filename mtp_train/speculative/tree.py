@@ -58,7 +58,7 @@ class DraftTree:
     probs: torch.Tensor | None = None  # (N, V) float32 q each node was drawn from (given its earlier siblings);
     # None when the sequence is greedy or every node deterministic (q is then one-hot at each node)
     scores: list[float] | None = None  # (N,) each node's cumulative draft log-probability (the rerank's score, a
-    # head's tree only; what bench/tree_rules.py reads to compare node-selection rules)
+    # head's tree only; what bench.tree_rules reads to compare node-selection rules)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):

@@ -1,7 +1,7 @@
 """The training run's speculative validation: τ of the current head by actually running speculative decoding.
 
 `head_acceptance` decodes prompts greedily through `SpecEngine` (no baseline, no timing of plain decoding): the
-validator below calls it at every evaluation, and the learning curve (bench/curve.py) at every exported point.
+validator below calls it at every evaluation, and the learning curve (bench.curve) at every exported point.
 
 At every evaluation rank 0 decodes the held-out prompts of `spec_eval` greedily with the head as drafter through
 `SpecEngine`, and reports spec/tau, spec/acceptance_rate and spec/pos{j} beside the validation loss. The target,
