@@ -2,17 +2,18 @@
 
 A head type is one plug-in, a `HeadType` registered once in `HEAD_TYPES`: its settings (`HeadTypeSpec`: norm
 defaults and which of them are fixed, the features its step 0 reads, its draft-vocabulary rule, the export
-formats that take it), its module class, its inference drafter and its validation path. The plug-ins are the
-modules of `mtp_train.head_types` (one per type), found on the registry's first read; a new head type is a new
-module there, its conf group `conf/head/<name>.yaml`, docs and tests.
+formats that take it), its module class, its inference drafter and its validation path. The plug-ins are found on
+the registry's first read through the entry points of `HEAD_TYPE_GROUP` (this package's own in
+`mtp_train/head_types/`, one module per type, listed in pyproject.toml; another installed package may add its
+own); a head type can also be registered at run time (`HEAD_TYPES.add`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any
 
 from mtp_train.config.registry import Registry
@@ -91,10 +92,23 @@ class HeadType:
         return self.spec.name
 
 
+HEAD_TYPE_GROUP = "mtp_train.head_types"  # the entry-point group a package registers its head types under
+
+
 def _discover_head_types() -> None:
-    # The plug-ins live above this floor (they need torch, the heads and the engine): importing their package
-    # registers every module of it, as target families are found. Nothing of theirs is imported here otherwise.
-    importlib.import_module("mtp_train.head_types")
+    # The plug-ins live above this floor (they need torch, the heads and the engine), in this package or in any
+    # installed package: each is an entry point of HEAD_TYPE_GROUP naming a module's HeadType (pyproject.toml).
+    found = sorted(metadata.entry_points(group=HEAD_TYPE_GROUP), key=lambda ep: ep.name)
+    if not found:
+        raise RuntimeError(f"no head types are registered (entry points {HEAD_TYPE_GROUP!r}): install the package "
+                           "(`make setup`, or `pip install -e .` in the checkout) so that its entry points exist")
+    for ep in found:
+        entry = ep.load()
+        if not isinstance(entry, HeadType) or entry.name != ep.name:
+            raise TypeError(f"entry point {ep.name} = {ep.value} ({HEAD_TYPE_GROUP}) is not a HeadType named "
+                            f"{ep.name!r}")
+        if HEAD_TYPES.registered(ep.name) is not entry:  # an installed copy and a source tree may both name it
+            HEAD_TYPES.add(entry)
 
 
 HEAD_TYPES: Registry[HeadType] = Registry("head type", discover=_discover_head_types)

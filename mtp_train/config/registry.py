@@ -60,6 +60,10 @@ class Registry(Generic[T]):
             raise TypeError(f"the {self.kind} registry names its entries explicitly: use register(name, entry)")
         return self.register(getattr(entry, self._key), entry)
 
+    def registered(self, name: str) -> T | None:
+        """The entry `name` as registered so far, without discovering (None when there is none yet)."""
+        return self._entries.get(name)
+
     def unregister(self, name: str) -> T:
         """Remove and return the entry `name` (a plug-in registered for a while, e.g. by a test)."""
         self._load()
