@@ -87,8 +87,10 @@ def qwen_windows(cfg: dict[str, Any], n: int, source: str) -> list[int | None]:
     (28 unless set) into every config.json it saves, so the two need not agree; with the switch off no layer
     slides."""
     window = window_size(cfg, source, DEFAULT_WINDOW) if cfg.get("use_sliding_window", False) else None
-    mwl = _int(cfg, "max_window_layers", QWEN_MAX_WINDOW_LAYERS, source)
-    types = layer_types(cfg, n, source) or [SLIDING if window is not None and i >= mwl else FULL for i in range(n)]
+    types = layer_types(cfg, n, source)
+    if types is None:  # max_window_layers is read only here, as transformers reads it
+        mwl = _int(cfg, "max_window_layers", QWEN_MAX_WINDOW_LAYERS, source) if window is not None else n
+        types = [SLIDING if i >= mwl else FULL for i in range(n)]
     return typed_windows(types, window)
 
 
@@ -98,52 +100,44 @@ class Switch:
 
     keys: tuple[str, ...]  # the config keys; the switch is checked when one is present and not honoured
     kind: str  # "attention" (sliding per layer), "mlp" (sparse per layer) or "rope" (RoPE per layer)
-    # (cfg, n layers, whether any layer has routed experts, resolved values, source) → per layer: True = sliding,
-    # sparse or without RoPE
-    implied: Callable[[dict[str, Any], int, bool, dict[str, Any], str], list[bool]]
+    # (cfg, n layers, whether any layer has routed experts, source) → per layer: True = sliding, sparse or without
+    # RoPE
+    implied: Callable[[dict[str, Any], int, bool, str], list[bool]]
     meaning: str  # for the message: how the key is read
 
 
-def _get(cfg: dict[str, Any], resolved: dict[str, Any], key: str, default: Any) -> Any:
-    return resolved[key] if key in resolved else cfg.get(key, default)
-
-
-def _by_types(cfg: dict[str, Any], n: int, experts: bool, resolved: dict[str, Any], source: str) -> list[bool]:
+def _by_types(cfg: dict[str, Any], n: int, experts: bool, source: str) -> list[bool]:
     types = layer_types(cfg, n, source)
     assert types is not None  # checked only when present
     return [t == SLIDING for t in types]
 
 
-def _by_max_window_layers(cfg: dict[str, Any], n: int, experts: bool, resolved: dict[str, Any],
-                          source: str) -> list[bool]:
-    on = bool(_get(cfg, resolved, "use_sliding_window", False))
-    window = window_size(cfg, source, DEFAULT_WINDOW) if on else None
-    mwl = _int({"max_window_layers": _get(cfg, resolved, "max_window_layers", QWEN_MAX_WINDOW_LAYERS)},
-               "max_window_layers", 0, source)
-    return [window is not None and i >= mwl for i in range(n)]
+def _by_max_window_layers(cfg: dict[str, Any], n: int, experts: bool, source: str) -> list[bool]:
+    return [w is not None for w in qwen_windows({k: v for k, v in cfg.items() if k != "layer_types"}, n, source)]
 
 
-def _by_sparse_step(cfg: dict[str, Any], n: int, experts: bool, resolved: dict[str, Any], source: str) -> list[bool]:
-    only = _get(cfg, resolved, "mlp_only_layers", None) or []
-    step = _int({"s": _get(cfg, resolved, "decoder_sparse_step", 1)}, "s", 1, source, least=1)
+def _by_sparse_step(cfg: dict[str, Any], n: int, experts: bool, source: str) -> list[bool]:
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list):
+        raise ModelConfigError(f"{source}: mlp_only_layers={only!r} must be a list of layer indices")
+    step = _int(cfg, "decoder_sparse_step", 1, source, least=1)
     return [experts and i not in only and (i + 1) % step == 0 for i in range(n)]
 
 
-def _by_first_dense(cfg: dict[str, Any], n: int, experts: bool, resolved: dict[str, Any], source: str) -> list[bool]:
-    k = _int({"first_k_dense_replace": _get(cfg, resolved, "first_k_dense_replace", 0)}, "first_k_dense_replace", 0,
-             source)
-    freq = _int({"moe_layer_freq": _get(cfg, resolved, "moe_layer_freq", 1)}, "moe_layer_freq", 1, source, least=1)
+def _by_first_dense(cfg: dict[str, Any], n: int, experts: bool, source: str) -> list[bool]:
+    k = _int(cfg, "first_k_dense_replace", 0, source)
+    freq = _int(cfg, "moe_layer_freq", 1, source, least=1)
     return [experts and i >= k and i % freq == 0 for i in range(n)]
 
 
-def _by_mlp_types(cfg: dict[str, Any], n: int, experts: bool, resolved: dict[str, Any], source: str) -> list[bool]:
+def _by_mlp_types(cfg: dict[str, Any], n: int, experts: bool, source: str) -> list[bool]:
     types = cfg["mlp_layer_types"]
     if not isinstance(types, list) or len(types) != n or any(t not in ("sparse", "dense") for t in types):
         raise ModelConfigError(f"{source}: mlp_layer_types must list {n} of sparse, dense; got {types!r}")
     return [t == "sparse" for t in types]
 
 
-def _by_no_rope(cfg: dict[str, Any], n: int, experts: bool, resolved: dict[str, Any], source: str) -> list[bool]:
+def _by_no_rope(cfg: dict[str, Any], n: int, experts: bool, source: str) -> list[bool]:
     flags = cfg["no_rope_layers"]
     if not isinstance(flags, list) or len(flags) != n:
         raise ModelConfigError(f"{source}: no_rope_layers must list {n} flags (1 = RoPE); got {flags!r}")
@@ -173,8 +167,7 @@ def _slid(flags: Sequence[object]) -> str:
 
 
 def check_layer_switches(cfg: dict[str, Any], source: str, title: str, windows: Sequence[int | None],
-                         sparse: Sequence[bool], honoured: Sequence[str] = (),
-                         resolved: dict[str, Any] | None = None) -> None:
+                         sparse: Sequence[bool], honoured: Sequence[str] = ()) -> None:
     """Refuse, naming the key, every per-layer switch in `cfg` that the family does not read (`honoured`) and that
     read as its own family reads it would give other layers than the family's rule.
 
@@ -184,9 +177,8 @@ def check_layer_switches(cfg: dict[str, Any], source: str, title: str, windows: 
         title: the family as transformers runs it, in messages (e.g. "transformers' Mistral").
         windows: per layer, the window the family applies (None: full attention).
         sparse: per layer, whether the family gives it the sparse MoE block.
-        honoured: the keys the family's own rule has applied (they are not checked again).
-        resolved: values the family resolved for its honoured keys, defaults included (e.g. DeepSeek-V3's
-            first_k_dense_replace of 3 when absent), read in place of cfg by the rules over the other keys.
+        honoured: the keys the family's own rule has applied (they are not checked again; a rule over another key
+            reads them from cfg, so a family whose default differs from the key's puts its value there).
     """
     n = len(windows)
     mine = {"attention": [w is not None for w in windows], "mlp": list(sparse), "rope": [False] * n}
@@ -195,7 +187,7 @@ def check_layer_switches(cfg: dict[str, Any], source: str, title: str, windows: 
         present = [k for k in switch.keys if k in cfg and k not in honoured]
         if all(cfg[k] is None for k in present):  # none present, or only nulls: the key's default
             continue
-        implied = switch.implied(cfg, n, experts, resolved or {}, source)
+        implied = switch.implied(cfg, n, experts, source)
         if implied != mine[switch.kind]:
             what = _WHAT[switch.kind]
             keys = ", ".join(f"{k}={cfg[k]!r}" for k in present)

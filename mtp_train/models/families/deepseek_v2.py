@@ -62,7 +62,6 @@ from mtp_train.models.config import ModelArgs, ModelConfigError, rope_from_confi
 from mtp_train.models.families import Family, TPRules
 from mtp_train.models.layer_switches import check_layer_switches
 
-TITLES = {"deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3", "kimi_k2": "DeepSeek-V3"}  # in messages
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "kv_lora_rank",
                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size")
 
@@ -98,8 +97,10 @@ class DeepseekV2Args(ModelArgs):
         return KVLayout(1, self.kv_lora_rank + self.qk_rope_head_dim, latent=True)
 
 
-def parse_config(cfg: dict[str, Any], source: str = "config.json") -> DeepseekV2Args:
-    """A DeepSeek-V2 config.json dict → DeepseekV2Args; `source` names it in error messages."""
+def parse_config(cfg: dict[str, Any], source: str = "config.json",
+                 title: str = "transformers' DeepSeek-V2") -> DeepseekV2Args:
+    """A DeepSeek-V2 config.json dict → DeepseekV2Args; `source` names it in error messages, `title` the model that
+    reads it (DeepSeek-V3's parser passes its own)."""
     fields = shared_fields(cfg, source, REQUIRED_KEYS)
     rope_dim = int(cfg["qk_rope_head_dim"])
     rope = rope_from_config(cfg, rope_dim, source)
@@ -121,9 +122,8 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> DeepseekV2
     if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
         raise ModelConfigError(f"{source}: first_k_dense_replace={first_dense!r} must be an integer >= 0")
     # transformers' rule: sparse from first_k_dense_replace on; DeepSeek's own code also reads moe_layer_freq
-    check_layer_switches(cfg, source, f"transformers' {TITLES.get(cfg['model_type'], 'DeepSeek')}", [None] * n,
-                         [experts > 0 and i >= first_dense for i in range(n)], honoured=("first_k_dense_replace",),
-                         resolved={"first_k_dense_replace": first_dense})
+    check_layer_switches(cfg, source, title, [None] * n,
+                         [experts > 0 and i >= first_dense for i in range(n)], honoured=("first_k_dense_replace",))
     return DeepseekV2Args(
         **fields, num_heads=int(cfg["num_attention_heads"]), num_kv_heads=1, head_dim=kv_lora + rope_dim, rope=rope,
         o_bias=attention_bias, qkv_bias=attention_bias,

@@ -50,9 +50,14 @@ from mtp_train.models.layer_switches import (
 )
 
 
-def _no_window(cfg: dict[str, Any], n: int, source: str) -> list[int | None]:
-    """Llama: full attention on every layer (transformers' Llama reads no window; a `sliding_window` is refused by
-    `_llama_window_key`)."""
+def _llama_windows(cfg: dict[str, Any], n: int, source: str) -> list[int | None]:
+    """Llama: full attention on every layer. transformers' Llama ignores a `sliding_window` where other engines and
+    the checkpoint's training may not, so anything but null is refused by name."""
+    if cfg.get("sliding_window") is not None:
+        raise ModelConfigError(
+            f"{source}: sliding_window={cfg['sliding_window']!r} in a llama config: transformers' Llama ignores it "
+            "and attends over every token; set it to null for full attention, or model_type to mistral for this "
+            "window on every layer")
     return [None] * n
 
 
@@ -63,26 +68,15 @@ def _mistral_windows(cfg: dict[str, Any], n: int, source: str) -> list[int | Non
 
 QWEN_KEYS = ("layer_types", "use_sliding_window", "max_window_layers")  # the per-layer keys Qwen2 / Qwen3 read
 
-# model_type → what differs inside the family: biases, norms, and the per-layer window rule with the keys it reads
-# (transformers' config class of the type derives the same windows; `layer_switches` has the rules)
+# model_type → what differs inside the family: biases, norms, the per-layer window rule and the per-layer keys it
+# reads (transformers' config class of the type derives the same windows; `layer_switches` has the rules), and the
+# name messages give transformers' model of the type
 VARIANTS: dict[str, dict[str, Any]] = {
-    "llama": {"windows": _no_window},
-    "mistral": {"windows": _mistral_windows},
-    "qwen2": {"qkv_bias": True, "windows": qwen_windows, "honours": QWEN_KEYS},
-    "qwen3": {"qk_norm": True, "windows": qwen_windows, "honours": QWEN_KEYS},
+    "llama": {"windows": _llama_windows, "title": "transformers' Llama"},
+    "mistral": {"windows": _mistral_windows, "title": "transformers' Mistral"},
+    "qwen2": {"qkv_bias": True, "windows": qwen_windows, "honours": QWEN_KEYS, "title": "transformers' Qwen2"},
+    "qwen3": {"qk_norm": True, "windows": qwen_windows, "honours": QWEN_KEYS, "title": "transformers' Qwen3"},
 }
-TITLES = {"llama": "transformers' Llama", "mistral": "transformers' Mistral", "qwen2": "transformers' Qwen2",
-          "qwen3": "transformers' Qwen3", "qwen3_moe": "transformers' Qwen3-MoE"}
-
-
-def _llama_window_key(cfg: dict[str, Any], source: str) -> None:
-    """A Llama config's `sliding_window`: transformers' Llama ignores it (full attention) where other engines and
-    the checkpoint's training may not, so anything but null is refused by name."""
-    if cfg.get("sliding_window") is not None:
-        raise ModelConfigError(
-            f"{source}: sliding_window={cfg['sliding_window']!r} in a llama config: transformers' Llama ignores it "
-            "and attends over every token; set it to null for full attention, or model_type to mistral for this "
-            "window on every layer")
 
 
 def parse_variant(cfg: dict[str, Any], source: str, variant: dict[str, Any]) -> ModelArgs:
@@ -111,12 +105,9 @@ def parse_variant(cfg: dict[str, Any], source: str, variant: dict[str, Any]) -> 
 
 def parse_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
     """A Llama-family config.json dict → ModelArgs; `source` names it in error messages."""
-    model_type = cfg["model_type"]
-    variant = VARIANTS[model_type]
-    if model_type == "llama":
-        _llama_window_key(cfg, source)
+    variant = VARIANTS[cfg["model_type"]]
     args = parse_variant(cfg, source, variant)
-    check_layer_switches(cfg, source, TITLES[model_type], args.windows, [False] * args.num_layers,
+    check_layer_switches(cfg, source, variant["title"], args.windows, [False] * args.num_layers,
                          honoured=variant.get("honours", ()))
     return args
 
