@@ -74,6 +74,7 @@ class ModelArgs:
         """The window of each decoder layer (None: full attention)."""
         return [self.window(i) for i in range(self.num_layers)]
 
+
 def read_config_json(path: str | Path) -> dict[str, Any]:
     """`<path>/config.json` as a dict, with clear errors for a missing folder or file and invalid JSON.
 
