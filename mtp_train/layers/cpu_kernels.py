@@ -140,7 +140,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = None
     fn = lib.mtp_rope_f32
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -277,15 +277,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def paged_attention_args(block_tables: torch.Tensor, qo_indptr: torch.Tensor, positions: torch.Tensor,
-                         max_kv: int, tree_bits: torch.Tensor | None = None) -> tuple:
+                         max_kv: int, tree_bits: torch.Tensor | None = None,
+                         tree_pos: torch.Tensor | None = None) -> tuple:
     """The per-step arguments of `paged_attention` (built once per step, shared by every layer).
 
     tree_bits: None, or (T,) int64 for a tree step (`AttentionMetadata.tree_bits`: bit i = the token sees new
-    token i of its own sequence; positions are then slots).
+    token i of its own sequence; positions are then slots). tree_pos: None, or in a tree step the (T,) positions
+    the tokens stand at (`AttentionMetadata.rope_positions`), which a sliding window counts.
     """
     bits = None if tree_bits is None else tree_bits.to(torch.int64).contiguous()
+    tpos = None if tree_bits is None or tree_pos is None else tree_pos.to(torch.int64).contiguous()
     return (block_tables.to(torch.int32).contiguous(), qo_indptr.to(torch.int32).contiguous(),
-            positions.to(torch.int64).contiguous(), int(max_kv), bits)
+            positions.to(torch.int64).contiguous(), int(max_kv), bits, tpos)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, scale: float,
@@ -294,14 +297,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
 
     q: (T, Hq, D) float32; kv_cache: (num_pages, 2, page_size, Hkv, D) float32 contiguous, already holding
     the new tokens' K/V; step_args: from `paged_attention_args` (block tables (B, max_pages), qo_indptr
-    (B+1,), positions (T,), the longest sequence's token count, tree bits or None). Token t attends causally to
-    its own sequence (within the sliding window, if any; in a tree step only to the new tokens its bits name).
+    (B+1,), positions (T,), the longest sequence's token count, tree bits or None, tree positions or None). Token t
+    attends causally to its own sequence (within the sliding window, if any, counted in tree positions in a tree
+    step; in a tree step only to the new tokens its bits name).
     sinks: None, or (Hq,) attention-sink logits (GPT-OSS), each joining its head's softmax denominator.
     Returns (T, Hq, D). Call only when `available()`.
     """
     if not kv_cache.is_contiguous():
         raise ValueError("paged_attention needs a contiguous KV pool")
-    bt, indptr, pos, max_kv, bits = step_args
+    bt, indptr, pos, max_kv, bits, tree_pos = step_args
     q = q.contiguous()
     t, hq, d = q.shape
     if sinks is not None:
@@ -316,7 +320,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
                                 sliding_window or 0, scale, scores.data_ptr(), max_kv, out.data_ptr(),
                                 torch.get_num_threads() if _threads_ok else 1,
                                 None if bits is None else bits.data_ptr(),
-                                None if sinks is None else sinks.data_ptr())
+                                None if sinks is None else sinks.data_ptr(),
+                                None if tree_pos is None else tree_pos.data_ptr())
     return out
 
 
