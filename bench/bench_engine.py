@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import compare, report, timeit  # noqa: E402
 
-from mtp_train.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, prefill_hidden  # noqa: E402
+from mtp_train.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, StepRows, prefill_hidden  # noqa: E402
 from mtp_train.layers import cpu_kernels  # noqa: E402
 from mtp_train.models import load_model, resolve_dtype  # noqa: E402
 
@@ -111,10 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
     ctx = torch.randint(0, vocab, (args.verify_context,)).tolist()
     seq = Sequence.new(0, ctx)
     runner.run([seq])
-    def verify(k: int) -> None:
-        seq.token_ids.extend(ctx[:k])
-        runner.run([seq], logits="all")
-        runner.truncate(seq, len(ctx))
+    runner.kv.ensure(seq.pages, len(ctx) + 16)  # the verify rows' slots, k up to 16
+
+    def verify(k: int) -> None:  # k rows over the cached context; the sequence stays as it is
+        runner.forward(StepRows([ctx[:k]], [len(ctx)], [seq.pages]), logits="all")
 
     # rounds over all k, each k's cost relative to k=1 of the same round (robust to changing load)
     ks = (1, 2, 4, 8, 16)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from mtp_train.config.device import on_cuda
-from mtp_train.engine import ModelRunner
+from mtp_train.engine import ModelRunner, StepRows
 from mtp_train.engine import Sequence as EngineSeq
 
 ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # verify rows per sequence, the root included
@@ -65,6 +65,8 @@ def verify_times(model, rows: Sequence[int] = ROWS, *, topk: int = 4, batch: int
     seqs = [EngineSeq.new(b, [(7 * i + 13 * b) % vocab for i in range(prefix)], device=model.device)
             for b in range(batch)]
     runner.run(seqs, logits="last")
+    for s in seqs:
+        runner.kv.ensure(s.pages, prefix + max(rows))  # the verify rows' slots
     cuda = on_cuda(model.device)
     trees = {"chain": lambda r: None, "chain_mask": chain_parents, "tree": lambda r: tree_parents(r, topk)}
     times: dict[int, dict[str, list[float]]] = {r: {k: [] for k in KINDS} for r in rows}
@@ -72,18 +74,16 @@ def verify_times(model, rows: Sequence[int] = ROWS, *, topk: int = 4, batch: int
         for r in rows:
             for kind in KINDS:
                 parents = trees[kind](r)
-                for s in seqs:
-                    s.token_ids.extend((500 + j) % vocab for j in range(r))
+                step = StepRows([[(500 + j) % vocab for j in range(r)]] * batch, [prefix] * batch,
+                                [s.pages for s in seqs], None if parents is None else [parents] * batch)
                 if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                runner.run(seqs, logits="all", tree=None if parents is None else [parents] * batch)
+                runner.forward(step, logits="all")  # r rows over the cached prefix; the sequences stay as they are
                 if cuda:
                     torch.cuda.synchronize()
                 if i >= warmup:
                     times[r][kind].append(time.perf_counter() - t0)
-                for s in seqs:
-                    runner.truncate(s, prefix)
     return {r: {k: statistics.median(v) for k, v in by.items()} for r, by in times.items()}
 
 

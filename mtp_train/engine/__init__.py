@@ -2,7 +2,7 @@
 
 from mtp_train.engine.kv_cache import BlockAllocator, KVCache, OutOfPagesError
 from mtp_train.engine.llm import GenerationOutput, GenerationStats, LLMEngine
-from mtp_train.engine.runner import ModelRunner, prefill_hidden
+from mtp_train.engine.runner import ModelRunner, StepRows, prefill_hidden
 from mtp_train.engine.sampling import SamplingBatch, SamplingParams, filtered_probs, sample
 from mtp_train.engine.sequence import SeqStatus, Sequence
 
@@ -18,6 +18,7 @@ __all__ = [
     "SamplingParams",
     "SeqStatus",
     "Sequence",
+    "StepRows",
     "filtered_probs",
     "prefill_hidden",
     "sample",
