@@ -67,6 +67,11 @@ class Scheduler:
         """Tokens of KV a sequence may ever occupy; its pages are reserved at admission."""
         return seq.max_len + self.extra_tokens
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + max_new_tokens) `add` takes: the pool's tokens less a step's extra rows."""
+        return self.kv.num_pages * self.kv.page_size - self.extra_tokens
+
     def hold(self, num_pages: int) -> None:
         """Keep pages out of every engine's admission for good (e.g. a CUDA-graph step's scratch pages)."""
         self.kv.reserved += num_pages
