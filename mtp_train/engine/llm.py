@@ -63,7 +63,8 @@ class GenerationOutput:
 class Step(ABC):
     """What an engine runs over the batch its scheduler picked: the one thing engines differ by.
 
-    extra_tokens: KV rows a step may hold beyond a sequence's longest length (reserved at admission).
+    extra_tokens: KV rows a step may hold beyond a sequence's tokens: reserved at admission beyond its longest
+    length, and in its pages before each step (`Scheduler.schedule`).
     """
 
     extra_tokens: int = 0
