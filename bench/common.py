@@ -208,26 +208,26 @@ def load_head_run(args: argparse.Namespace, model: Any = None) -> tuple[Any, Any
 
 def verify_forward(runner: Any, seqs: Sequence[Any], tokens: Sequence[int], prefix: int,
                    tree: list[list[int]] | None = None, sync: bool = False) -> float:
-    """Seconds of one target forward over `tokens` as new rows of every sequence, each holding `prefix` cached
-    tokens; the sequences are put back to their prefix afterwards (tokens and cache), ready for the next one.
+    """Seconds of one target forward over `tokens` as new rows of every sequence after its `prefix` cached tokens
+    (`StepRows`: the sequences are read, never changed, so the next call starts from the same prefix).
 
     Args:
         runner: the `ModelRunner` whose cache holds the prefixes.
-        seqs: engine `Sequence`s of `prefix` cached tokens each.
+        seqs: engine `Sequence`s of `prefix` cached tokens each, with pages for `prefix + len(tokens)` slots.
         tokens: (r,) the new rows' token ids, the same for every sequence.
-        prefix: the cached length the sequences return to.
+        prefix: the cached length the rows follow.
         tree: per sequence the rows' parents (a tree step) or None (the rows causal, a chain).
         sync: synchronise CUDA around the forward (asynchronous devices), so the time is the step's.
     """
+    from mtp_train.engine import StepRows
+
     for s in seqs:
-        s.token_ids.extend(tokens)
+        runner.kv.ensure(s.pages, prefix + len(tokens))
+    rows = StepRows([list(tokens) for _ in seqs], [prefix] * len(seqs), [list(s.pages) for s in seqs], tree)
     if sync:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    runner.run(list(seqs), logits="all", tree=tree)
+    runner.forward(rows, logits="all")
     if sync:
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    for s in seqs:
-        runner.truncate(s, prefix)
-    return seconds
+    return time.perf_counter() - t0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mtp_train.config import HeadConfig
-from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.engine import LLMEngine, SamplingParams, SeqStatus, prefill_hidden
 from mtp_train.head_types.chain import HeadProposer
 from mtp_train.heads import build_head
 from mtp_train.layers import AttentionMetadata
@@ -343,6 +343,55 @@ def test_first_draft_siblings_keep_greedy_output_and_save_missed_steps(tiny_chec
     assert m.num_branch_accepted > 0 and m.num_branch_tokens == 23 * m.num_drafts
     assert m.per_position[0] > chain.stats.metrics.per_position[0]
     assert m.mean_acceptance_length > chain.stats.metrics.mean_acceptance_length
+    assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages and eng.runner.kv.reserved == 0
+
+
+def _state(s):
+    """What a step could change of a sequence: its tokens, its cache count and its pages."""
+    return list(s.token_ids), s.num_cached, list(s.pages)
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "self", "head", "tree"])
+def test_only_the_scheduler_changes_a_sequence(tiny_checkpoints, drafter):
+    """Stepping the engine as `LLMEngine.step` does (schedule → run → postprocess): every forward of the target,
+    the verify included, sees the sequences as `schedule` left them, and the step's run leaves them so (no drafts
+    appended and taken back, no cache count moved); the scheduler's postprocess alone appends the step's tokens
+    and leaves every running sequence with all but its newest token cached. The output stays plain greedy's."""
+    model = load_model(tiny_checkpoints["llama"][0])
+    prompts = PROMPTS + [[9, 8, 7, 6] * 5]  # a looping prompt: drafts accepted from the first step
+    ref = _greedy(model, prompts)
+    proposers = {"ngram": lambda: NgramProposer(), "self": lambda: DraftModelProposer(model),  # all accepted
+                 "head": lambda: HeadProposer(_head(tiny_checkpoints)),
+                 "tree": lambda: HeadProposer(_head(tiny_checkpoints), draft_width=24)}
+    eng = (LLMEngine(model, page_size=3, num_pages=256) if drafter == "none" else
+           SpecEngine(model, proposers[drafter](), 3, page_size=3, num_pages=256))
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True)) for p in prompts]
+    scheduled: dict[int, tuple] = {}
+    forwards = []
+
+    def unchanged(module, args) -> None:
+        forwards.append({i: _state(s) for s in seqs if (i := s.seq_id) in scheduled} == scheduled)
+
+    hook = model.register_forward_pre_hook(unchanged)
+    try:
+        while eng.has_unfinished():
+            batch, prefill = eng.scheduler.schedule()
+            scheduled = {s.seq_id: _state(s) for s in batch}
+            assert all(s.num_cached == (0 if prefill else len(s) - 1) for s in batch)
+            tokens = eng.stepper.run(batch, prefill, eng.stats)
+            assert {s.seq_id: _state(s) for s in batch} == scheduled
+            eng.scheduler.postprocess(batch, tokens)
+            for s, new in zip(batch, tokens):
+                appended = s.token_ids[len(scheduled[s.seq_id][0]):]
+                assert appended == new or (s.status is SeqStatus.FINISHED and appended == new[:len(appended)])
+                assert s.num_cached == (len(s) - 1 if s.status is SeqStatus.RUNNING else 0)
+            eng.stepper.postprocess(batch, eng.stats)
+    finally:
+        hook.remove()
+    assert forwards and all(forwards)
+    assert [s.output_ids for s in seqs] == ref
+    if drafter not in ("none", "head"):  # (an untrained head's chain is rarely right)
+        assert eng.stats.metrics.num_accepted > 0
     assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages and eng.runner.kv.reserved == 0
 
 

@@ -192,8 +192,8 @@ class RandomTrees(Proposer):
 
     def update(self, seqs, old_lens, trees, paths, target_hidden) -> None:
         assert self.kv is not None
-        for s, n, path in zip(seqs, old_lens, paths):  # after the commit: the pruned branches' pages came back
-            assert s.num_cached == n + len(path) and len(s.pages) == self.kv.pages_for(s.num_cached)
+        for s, n, path in zip(seqs, old_lens, paths):  # after postprocess: t_{L-1} and the path cached, the bonus not
+            assert s.num_cached == n + len(path) == len(s) - 1
 
     def release(self, seq: Sequence) -> None:
         pass
