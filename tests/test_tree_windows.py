@@ -14,6 +14,7 @@ import torch
 
 from mtp_train.config import HeadConfig
 from mtp_train.engine import LLMEngine, SamplingParams
+from mtp_train.head_types.chain import HeadProposer
 from mtp_train.heads import build_head
 from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionMetadata
@@ -21,7 +22,6 @@ from mtp_train.layers.attention.masks import causal_mask
 from mtp_train.layers.attention.torch_backend import TorchBackend
 from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
-from mtp_train.speculative.proposers import HeadProposer
 from mtp_train.speculative.tree_draft import TreeSpec
 from tests.conftest import make_tiny_checkpoint
 from tests.test_tree_engine import RandomTrees
