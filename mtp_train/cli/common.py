@@ -206,7 +206,7 @@ def run_command(prog: str, fn: Callable[[DictConfig], Any], cfg: DictConfig | No
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         where = str(exc) if isinstance(exc, Interrupted) and str(exc) else \
-            "before it finished; re-run the same command to go on (what it finished is kept)"
+            "before it finished; re-run the same command to do it again"
         print(f"{prog}: interrupted {where}", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
     except USER_ERRORS as exc:

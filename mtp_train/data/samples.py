@@ -111,7 +111,7 @@ def dropped_summary(info: Mapping[str, Any]) -> str:
     if dups:
         shown = ", ".join(repr(d) for d in info.get("duplicate_id_examples") or [])
         rows = "; ".join(info.get("duplicate_id_rows") or [])
-        parts.append(f"{dups} duplicate id(s) kept under new ids id#2, id#3, ... (e.g. {shown}"
+        parts.append(f"{dups} duplicate id(s) kept under new ids id#2, id#3, ... that no other row has (e.g. {shown}"
                      + (f": {rows}" if rows else "") + ")")
     return "; ".join(parts)
 
@@ -131,8 +131,6 @@ def build_samples(tokenizer: Any, cfg: PrecomputeConfig) -> tuple[list[Sample], 
                     "; ".join(tok_stats.template_error_examples))
     ids, repeated, renamed = _unique_ids([t.id or f"sample-{i}" for i, t in enumerate(tokenized)],
                                          [t.where for t in tokenized])
-    if renamed:
-        log.info("renamed %d repeated conversation id(s): %s", len(renamed), "; ".join(renamed[:EXAMPLES]))
     samples = [Sample(i, t.input_ids, t.loss_mask) for i, t in zip(ids, tokenized)]
     if not samples:
         raise ValueError(
