@@ -296,10 +296,11 @@ def test_ctrl_c_in_precompute_says_where_it_stopped_and_a_re_run_finishes_exactl
 def test_ctrl_c_in_training_says_where_it_stopped_and_a_re_run_resumes_exactly(world, tmp_path, reference):
     run = tmp_path / "run"
     args = [f"model.path={world.target}", f"data.dir={world.pc}", f"out={run}", *TRAIN, "train.save_every=1"]
-    stopped = _cli("train", args, interrupt_at="state.json")  # while the first checkpoint is written
+    stopped = _cli("train", args, interrupt_at="step-2/state.json")  # while the second checkpoint is written
     lines = _lines(stopped, "mtp-train: interrupted ")
     assert stopped.returncode == 130 and len(lines) == 1, stopped.stderr[-3000:]
-    assert "at step 1 of 2; re-run the same command to resume from" in lines[0], lines[0]
+    assert f"at step 2 of 2; re-run the same command to resume from its last checkpoint, {run}/checkpoints/step-1" \
+        in lines[0], lines[0]
     assert "KeyboardInterrupt" not in stopped.stderr
     assert _cli("train", args).returncode == 0
     head = "heads/step-2/model.safetensors"

@@ -370,10 +370,9 @@ class Trainer:
             return {"step": self.step, "out": str(self.out), "head_dir": str(self.head_dir) if self.head_dir else None,
                     "train_seconds": train_seconds, "stopped_by": stopped_by, **self.last_train, **self.last_eval}
         except KeyboardInterrupt:
-            last = (f"its last checkpoint, {self.out / CKPT_DIR / tag_for(self._saved_step)}" if self._saved_step > 0
-                    else f"step 0 (no checkpoint was saved yet in {self.out})")
-            raise Interrupted(f"at step {self.step} of {c.max_steps}; re-run the same command to resume from "
-                              f"{last}") from None
+            then = (f"resume from its last checkpoint, {self.out / CKPT_DIR / tag_for(self._saved_step)}"
+                    if self._saved_step > 0 else f"start again (no checkpoint was saved yet in {self.out})")
+            raise Interrupted(f"at step {self.step} of {c.max_steps}; re-run the same command to {then}") from None
         finally:
             self.data.close()
             self.logger.finish()
