@@ -118,17 +118,21 @@ class DiskFullError(OSError):
             import resource
 
             limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-            shown = "unlimited" if limit == resource.RLIM_INFINITY else _bytes(limit)
-            msg = (f"writing {path.name} into {folder} needs {need}, over this process's file size limit "
-                   f"(ulimit -f: {shown}); raise the limit, {then}")
+            if limit == resource.RLIM_INFINITY:  # no limit of ours: the file system's largest file (FAT's 4 GiB)
+                msg = (f"writing {path.name} into {folder} needs {need}, more than the file system there takes in "
+                       f"one file; choose an `out` on another file system, {then}")
+            else:
+                msg = (f"writing {path.name} into {folder} needs {need}, over this process's file size limit "
+                       f"(ulimit -f: {_bytes(limit)}); raise the limit, {then}")
         else:
             try:
                 free = f"{_bytes(shutil.disk_usage(folder).free)} free"
             except OSError:
                 free = "free space unknown"
-            what = "the disk quota" if code == errno.EDQUOT else "no space left on the device"
-            msg = (f"{what} of {folder} ({free}): writing {path.name} needs {need}; free some space there (or "
-                   f"choose another `out`), {then}")
+            what = (f"the disk quota is used up at {folder}" if code == errno.EDQUOT else
+                    f"no space left on the device of {folder} ({free})")
+            msg = (f"{what}: writing {path.name} needs {need}; free some space there (or choose another `out`), "
+                   f"{then}")
         super().__init__(code, msg)
         self.folder, self.path, self.size = folder, path, size
 

@@ -225,7 +225,7 @@ def run_command(prog: str, fn: Callable[[DictConfig], Any], cfg: DictConfig | No
         if disk_errno(exc) is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         where = f" writing {exc.filename}" if exc.filename else ""
-        _fail(prog, f"{exc.strerror}{where}; free some space there (or raise the file size limit, ulimit -f), then "
+        _fail(prog, f"{exc.strerror}{where}; free some space (or raise the file size limit, ulimit -f), then "
                     f"re-run the same command: it goes on from what was finished")
 
 
