@@ -2,7 +2,8 @@
 
 The schemas are in struct mode, but Hydra's `+key=value` adds a key to any config, and a typo without the `+`
 fails inside Hydra with a hint that suggests the `+` form. Both are caught here, naming the nearest valid key:
-`check_overrides` looks at the command line before Hydra composes it, `check_config` at the composed config.
+`check_overrides` looks at the command line before Hydra composes it (an argument Hydra's lexer rejects is named
+with the quoting that reads back as its value: `parse_overrides`), `check_config` at the composed config.
 `typed` turns a composed config into its schema's dataclass, once, in the CLI.
 """
 
@@ -177,7 +178,8 @@ def _shell(arg: str) -> str:
     """`arg` as one shell word: in double quotes, or in bash's $'...' when it holds a line break or control
     character (so that the hint stays on one line)."""
     if not arg.isprintable():
-        return "$'" + arg.encode("unicode_escape").decode("ascii").replace("'", "\\'") + "'"
+        named = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\", "'": "\\'"}
+        return "$'" + "".join(named.get(c, c if c.isprintable() else f"\\u{ord(c):04x}") for c in arg) + "'"
     return '"' + re.sub(r'(["$`\\])', r"\\\1", arg) + '"'
 
 
