@@ -22,7 +22,7 @@ from mtp_train.config.checks import (
 from mtp_train.config.data import SOURCES, DataConfig, OnlineDataConfig, TrainDataConfig
 from mtp_train.config.demo import DemoConfig
 from mtp_train.config.device import bf16_enabled, device_kind, rank_device, resolve_device
-from mtp_train.config.errors import ConfigError
+from mtp_train.config.errors import ConfigError, Interrupted
 from mtp_train.config.eval import GRID_AXES, EvalConfig, NgramConfig
 from mtp_train.config.export import ExportConfig
 from mtp_train.config.head import HEAD_TYPES, INITS, HeadConfig, HeadType, HeadTypeSpec, head_spec, head_type
@@ -44,7 +44,7 @@ __all__ = [
     "CE_IMPLS", "CONF_DIR", "GRID_AXES", "HEAD_TYPES", "INITS", "LOWER_BOUNDS", "SCHEMAS", "SOURCES",
     "UNROLL_ATTENTION",
     "ConfigError", "DataConfig", "DeepSpeedConfig", "DemoConfig", "EvalConfig", "ExportConfig", "HeadConfig",
-    "HeadType", "HeadTypeSpec",
+    "HeadType", "HeadTypeSpec", "Interrupted",
     "LoopConfig", "LossConfig", "ModelConfig", "NgramConfig", "OnlineDataConfig", "OptimConfig", "PrecomputeConfig",
     "RegenerateConfig", "SpecEvalConfig", "TrainConfig", "TrainDataConfig", "WandbConfig", "bf16_enabled",
     "check_config", "check_overrides", "device_kind", "head_spec", "head_type", "is_schema_key", "rank_device",

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from mtp_train.config.head import HeadConfig, head_spec
 from mtp_train.export.layouts import LAYOUTS, Layout, LayoutError, export_formats
-from mtp_train.fileio import atomic_write, atomic_write_text
+from mtp_train.fileio import atomic_write, atomic_write_text, tensor_bytes
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.checkpoint import (
     CONFIG_DIGEST,
@@ -137,7 +137,8 @@ def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str
                            "draft_vocab_size": head.cfg.draft_vocab_size}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "model.safetensors",
-                 lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt", "layout": fmt}))
+                 lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt", "layout": fmt}),
+                 size=tensor_bytes(tensors))
     config["mtp_train"]["files"] = file_checksums(out, ["model.safetensors"])  # `load_export` checks them
     config["mtp_train"][CONFIG_DIGEST] = export_digest(config)  # and config.json itself
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")

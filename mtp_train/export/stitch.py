@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from mtp_train.config.head import HeadConfig
 from mtp_train.export.exporter import export_digest, layout_tensors
 from mtp_train.export.layouts import LayoutError
-from mtp_train.fileio import atomic_write, atomic_write_text
+from mtp_train.fileio import atomic_write, atomic_write_text, tensor_bytes
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.checkpoint import CONFIG_DIGEST, file_checksums, head_dims, load_head, read_head_config
 from mtp_train.heads.registry import build_head
@@ -110,7 +110,8 @@ def stitch(head: DraftHead, target_dir: str | Path, out: str | Path, fmt: str = 
     out.mkdir(parents=True, exist_ok=True)
     result = StitchResult(out=out, new_tensors=len(tensors))
     atomic_write(out / NEW_SHARD, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt",
-                                                                                      "layout": fmt}))
+                                                                                      "layout": fmt}),
+                 size=tensor_bytes(tensors))
     old = set(files.values()) - set(weight_map.values())  # target shards holding only the replaced layer
     for f in sorted(set(weight_map.values())):
         _link(out / link_of[f], f.resolve())

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from mtp_train.config.head import HeadConfig
-from mtp_train.fileio import atomic_write, atomic_write_text, sha256_file
+from mtp_train.fileio import atomic_write, atomic_write_text, sha256_file, tensor_bytes
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.registry import new_head
@@ -85,7 +85,8 @@ def save_head(head: DraftHead, out_dir: str | Path, extra_config: dict[str, Any]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
-    atomic_write(out / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    atomic_write(out / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
+                 size=tensor_bytes(state))
     config = {
         "format": HEAD_FORMAT,
         "format_version": HEAD_FORMAT_VERSION,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtp_train.config import RegenerateConfig
+from mtp_train.config import Interrupted, RegenerateConfig
 from mtp_train.data.chat import ChatTemplateError
 from mtp_train.data.readers import Conversation
 from mtp_train.engine.generator import Generator
@@ -113,8 +113,13 @@ def regenerate(conversations: Sequence[Conversation], generator: Generator, toke
                 dialogues.append(d)
 
     with RecordWriter(part_path(out, rank), fsync_every) as writer:
-        _answer(dialogues, generator, tokenizer, cfg, stop, stats, progress,
-                lambda d: writer.write(_record(d, provenance)))
+        try:
+            _answer(dialogues, generator, tokenizer, cfg, stop, stats, progress,
+                    lambda d: writer.write(_record(d, provenance)))
+        except KeyboardInterrupt:
+            raise Interrupted(f"after {writer.count} of {len(dialogues)} answers were written to "
+                              f"{part_path(out, rank)}; re-run the same command to answer the rest (the answers "
+                              f"written are kept)") from None
         stats.written = writer.count
 
     barrier()
