@@ -117,6 +117,11 @@ def test_report_labels_and_plot_series_keep_draft_width_1_and_2_apart():
     assert {r["draft_width"] for r in series["mtp head width=2"]} == {2}
     assert [r["speedup"] for r in series["mtp head width=2"]] == [pytest.approx(2.0)] * 2
     fig = vs_k_figure(rows)
-    for ax in fig.axes:  # τ and speed-up: one line per width (the dashed break-even line has no label)
-        assert [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")] == list(series)
+    for ax in fig.axes:  # τ and speed-up: one entry per width (the step costs and the break-even line unlabelled)
+        assert ax.get_legend_handles_labels()[1] == list(series)
+        assert all(float(t).is_integer() for t in ax.get_xticks())  # k on whole numbers
+    tau_ax, speed_ax = fig.axes
+    costs = [ln for ln in tau_ax.get_lines() if ln.get_label() == "_cost"]
+    assert len(costs) == 2 and list(costs[0].get_ydata()) == [r["step_cost"] for r in series["mtp head width=1"]]
+    assert len(speed_ax.containers) == 2  # each speed-up series drawn with its interval as error bars
     fig.clf()
