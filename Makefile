@@ -38,58 +38,58 @@ chat: model
 	$(VENV)/bin/mtp-chat --model $(MODEL_DIR)
 
 lint: setup
-	$(VENV)/bin/ruff check mtp_train tests bench
+	$(VENV)/bin/ruff check mtp_train tests bench checks
 
 bench-engine: model
-	$(PY) bench/bench_engine.py --model $(MODEL_DIR)
+	$(PY) -m bench.engine --model $(MODEL_DIR)
 
 bench-kernels: setup
-	$(PY) bench/bench_cpu_kernels.py
+	$(PY) -m bench.cpu_kernels
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
 
 bench-precompute: model
-	$(PY) bench/bench_precompute.py --model $(MODEL_DIR)
+	$(PY) -m bench.precompute --model $(MODEL_DIR)
 
 bench-train: model
-	$(PY) bench/bench_train.py --model $(MODEL_DIR)
+	$(PY) -m bench.train --model $(MODEL_DIR)
 
 # The chained training attention (training-time test): its diagonal mode against the masked one, 3 and 7 steps.
 bench-chain: model
-	$(PY) bench/bench_chain_attention.py --model $(MODEL_DIR)
+	$(PY) -m bench.chain_attention --model $(MODEL_DIR)
 
 # Self-distillation throughput: our batched greedy decoding vs transformers' batched generate, and the peak share.
 bench-regenerate: model
-	$(PY) bench/bench_regenerate.py --model $(MODEL_DIR) $(BENCH_REGENERATE_ARGS)
+	$(PY) -m bench.regenerate --model $(MODEL_DIR) $(BENCH_REGENERATE_ARGS)
 
 # GPU memory per rank (precompute, training) and disk per million tokens at the shipped configs (no GPU needed).
 bench-memory: setup
-	$(PY) bench/memory_plan.py $(BENCH_MEMORY_ARGS)
+	$(PY) -m bench.memory_plan $(BENCH_MEMORY_ARGS)
 
 # Speculative decoding with a trained head of any type (HEAD=dir; default: the newest under runs/, e.g. after
 # `make demo`), e.g. `make bench-spec HEAD=runs/eagle3/heads/step-400`.
 bench-spec: model
-	$(PY) bench/bench_spec.py --model $(MODEL_DIR) $(if $(HEAD),--head $(HEAD)) $(BENCH_SPEC_ARGS)
+	$(PY) -m bench.spec --model $(MODEL_DIR) $(if $(HEAD),--head $(HEAD)) $(BENCH_SPEC_ARGS)
 
 # A head's tau over the dynamic-tree grid (steps x topk x tokens) beside its chains, the verify cost by rows, and the
 # timed speed-up (with its interval) of the best trees and chain, e.g.
 # `make bench-tree HEAD=runs/demo/train/heads/step-600 BENCH_TREE_ARGS="--limit 8"`.
 BENCH_TREE_ARGS ?=
 bench-tree: model
-	$(PY) bench/bench_tree.py --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-600) --timed \
+	$(PY) -m bench.tree --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-600) --timed \
 		$(BENCH_TREE_ARGS)
 
 # The norm ablation (mtp vs eagle1) at the CPU-sized default; e.g. `make ablation ABLATION_ARGS="--steps 2000"`.
 ablation: model
-	$(PY) bench/ablation_norms.py --model $(MODEL_DIR) $(ABLATION_ARGS)
+	$(PY) -m bench.ablation_norms --model $(MODEL_DIR) $(ABLATION_ARGS)
 
 # The learning curve (conf/experiment/curve.yaml): τ of mtp and eagle1 against training tokens, beside prompt lookup;
 # resumes when re-run; e.g. `make curve CURVE_ARGS="--max-tokens 1048576 --out runs/curve_1m"`.
 # Recipe variants (conf/experiment/curve.yaml `variants:`), each measured at the budget:
 # `make curve CURVE_ARGS="--variants all"` or `CURVE_ARGS="--variants mtp-soft_ce-s1,mtp-lk_hybrid-s1"`.
 curve: model
-	$(PY) bench/curve.py --model $(MODEL_DIR) --record docs/curve.json $(CURVE_ARGS)
+	$(PY) -m bench.curve --model $(MODEL_DIR) --record docs/curve.json $(CURVE_ARGS)
 
 # A real serving engine beside ours: vLLM's CPU build (its own venv, ~3.4 GB) serves our exported heads; the check
 # compares its greedy text and acceptance with mtp-eval's on the same prompt ids. Not part of `make test` (size).
@@ -111,5 +111,5 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 check-vllm: model $(VLLM_STAMP)
-	$(PY) launch/check_vllm.py --model $(MODEL_DIR) --vllm-python $(VLLM_VENV)/bin/python \
+	$(PY) -m checks.check_vllm --model $(MODEL_DIR) --vllm-python $(VLLM_VENV)/bin/python \
 		$(if $(HEAD_EAGLE1),--head-eagle1 $(HEAD_EAGLE1)) $(if $(HEAD_EAGLE3),--head-eagle3 $(HEAD_EAGLE3)) $(CHECK_VLLM_ARGS)

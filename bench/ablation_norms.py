@@ -3,33 +3,28 @@
 Both heads train with the `+experiment=ablation_norms` recipe (conf/experiment/ablation_norms.yaml: budget,
 schedule, loss.steps=2, seed, evaluation) on the same precompute folder, one after the other in this process,
 into `<out>/mtp` and `<out>/eagle1`. The folder is `--data-dir` when given, else a small one made in a temp dir
-as bench/bench_train.py makes it (regenerated SmolLM2 conversations when present, random tokens otherwise).
+as bench/train.py makes it (regenerated SmolLM2 conversations when present, random tokens otherwise).
 
 Then each run's `metrics.jsonl` (one JSON object per logged step; the evaluation rows carry
 eval/step{j}/{loss,top1,...}) is read back and a side-by-side Markdown table is printed: per eval step and
 unrolled draft step j, the val loss and top-1 of both heads. It is also written to `<out>/ablation.md`, with a
 JSON summary in `<out>/ablation.json`.
 
-Usage: python bench/ablation_norms.py [--data-dir DIR] [--out runs/ablation_norms] [--steps N] [key=value ...]
+Usage: python -m bench.ablation_norms [--data-dir DIR] [--out runs/ablation_norms] [--steps N] [key=value ...]
 --steps N sets train.max_steps=N and scales train.eval_every to keep the recipe's number of evaluations.
 The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import DEFAULT_DATA, DEFAULT_MODEL, compose_train, make_precompute  # noqa: E402
-from common import report  # noqa: E402
+from bench.common import DEFAULT_MODEL, REGEN_DATA, ROOT, compose_train, make_precompute, parser, report
 
-ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = "ablation_norms"
 HEADS = ("mtp", "eagle1")
 
@@ -94,10 +89,10 @@ def run_ablation(data_dir: Path, data_name: str | None, out: Path, model: str, e
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--data-dir", default=None, help="precompute folder of the target (made here when omitted)")
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--data", default=str(DEFAULT_DATA), help="conversations for the folder made here")
+    ap.add_argument("--data", default=str(REGEN_DATA), help="conversations for the folder made here")
     ap.add_argument("--limit", type=int, default=16, help="conversations for the folder made here")
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--out", default=str(ROOT / "runs" / "ablation_norms"))

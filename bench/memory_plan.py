@@ -21,30 +21,23 @@ KV cache (inference, speculative decoding): bytes per cached token in bf16 of th
     KV heads under `model.tp`) and of the `mtp` head's one-layer pool (`KVCache.bytes_per_token` of each layout):
     2·Hkv·D per layer for the Llama family, one latent row of kv_lora_rank + qk_rope_head_dim for DeepSeek-V2's MLA.
 
-Usage: python bench/memory_plan.py [--world 8] [--micro-batch-tokens N] [--gpu-gib 79.6]   (last line: one JSON object)
+Usage: python -m bench.memory_plan [--world 8] [--micro-batch-tokens N] [--gpu-gib 79.6]   (last line: one JSON object)
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report  # noqa: E402
-
+from bench.common import ROOT, parser, report
 from mtp_train.config import HeadConfig
-from mtp_train.engine import KVCache  # noqa: E402
-from mtp_train.heads import HEAD_TYPES  # noqa: E402
-from mtp_train.models.config import ModelArgs  # noqa: E402
-from mtp_train.models.families import args_from_dir, args_from_hf_config  # noqa: E402
-from mtp_train.models.loader import model_class  # noqa: E402
-from mtp_train.models.tensor_parallel import local_args  # noqa: E402
+from mtp_train.engine import KVCache
+from mtp_train.heads import head_class
+from mtp_train.models.config import ModelArgs
+from mtp_train.models.families import args_from_dir, args_from_hf_config
+from mtp_train.models.loader import model_class
+from mtp_train.models.tensor_parallel import local_args
 
-ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
 # Public config.json values (Hugging Face model cards), used when the folder is not on this machine.
@@ -121,7 +114,7 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
     tp = int(model_conf(name).get("tp", 1))
     with torch.device("meta"):
         target = model_class(args)(args)
-        head = HEAD_TYPES["mtp"](HeadConfig(type="mtp"), args, None)
+        head = head_class("mtp")(HeadConfig(type="mtp"), args, None)
     p_target, p_head = count(target), count(head)
     h, v = args.hidden_size, args.vocab_size
     inter = args.intermediate_size
@@ -163,7 +156,7 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--world", type=int, default=8, help="training ranks (ZeRO-2 shards optimizer state over them)")
     pre = yaml.safe_load((ROOT / "conf" / "precompute.yaml").read_text())
     train = yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())

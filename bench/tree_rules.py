@@ -20,7 +20,7 @@ badly" and "the head's candidates hold too little":
    estimates the smaller tree's τ rather than replaying it: `--check` also runs the real `eagle2` tree at the largest
    keep ≤ 7 for comparison).
 
-Usage: python bench/tree_rules.py [--head runs/demo/train/heads/step-600] [--steps 3] [--topk 4] [--keep 3,7,15]
+Usage: python -m bench.tree_rules [--head runs/demo/train/heads/step-600] [--steps 3] [--topk 4] [--keep 3,7,15]
        [--limit 16] [--max-new-tokens 96] [--no-check]
 The last line printed is one JSON object.
 """
@@ -28,28 +28,22 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import math
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tree import head_run_args, ints, load_head_run  # noqa: E402
-from common import report  # noqa: E402
-
-from mtp_train.cli.common import configure_from_env  # noqa: E402
-from mtp_train.engine.sampling import SamplingParams  # noqa: E402
-from mtp_train.engine.turns import answer  # noqa: E402
-from mtp_train.speculative.engine import SpecEngine  # noqa: E402
-from mtp_train.speculative.metrics import SpecMetrics  # noqa: E402
-from mtp_train.speculative.proposers import HeadProposer  # noqa: E402
-from mtp_train.speculative.tree import ROOT, DraftTree, node_depths  # noqa: E402
-from mtp_train.speculative.tree_draft import MAX_TREE_TOKENS, TreeSpec, rerank  # noqa: E402
+from bench.common import head_proposer, head_run_args, ints, load_head_run, report
+from mtp_train.cli.common import configure_from_env
+from mtp_train.engine.sampling import SamplingParams
+from mtp_train.engine.turns import answer
+from mtp_train.speculative.engine import SpecEngine
+from mtp_train.speculative.metrics import SpecMetrics
+from mtp_train.speculative.tree import ROOT, DraftTree, node_depths
+from mtp_train.speculative.tree_draft import MAX_TREE_TOKENS, TreeSpec, rerank
 
 
 @dataclass(frozen=True)
@@ -110,7 +104,7 @@ def pool_spec(steps: int, topk: int) -> TreeSpec:
 def record(model, tokenizer, head, convs: Sequence, spec: TreeSpec, max_new_tokens: int, *,
            stops: list[int] | None = None, batch_size: int = 8) -> tuple[list[Step], float]:
     """Greedy speculative decoding of `convs` with `head` drafting `spec` → every step, and τ of the run."""
-    engine = SpecEngine(model, HeadProposer(head, tree=spec), spec.steps, max_batch_size=batch_size,
+    engine = SpecEngine(model, head_proposer(head, tree=spec), spec.steps, max_batch_size=batch_size,
                         kv_cache_gb=0.25)
     metrics = _Recorder(spec.steps)
     engine.scheduler.stats.metrics = metrics  # type: ignore[attr-defined]

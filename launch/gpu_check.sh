@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# FlashInfer vs torch attention parity (prefill, decode, verify) and tokens/s on a CUDA machine.
+# The GPU check (checks/gpu/: FlashInfer vs torch attention parity, speculative decoding, CUDA graphs, MLA, tree
+# mask cost, chain attention, tensor parallelism) and tokens/s on a CUDA machine, every group in one run.
 # Prints PASS/FAIL per check; exits non-zero if any check fails. Finishes in a few minutes on one H100/H200
 # (the first FlashInfer use JIT-compiles its kernels).
 #   bash launch/gpu_check.sh [--model models/smollm2-135m-instruct]
@@ -13,4 +14,4 @@ if ! "$PY" -c "import flashinfer" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; 
   export PYTHONPATH=/tmp/mtp-gpu-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-exec "$PY" launch/gpu_check.py "$@"
+exec "$PY" -m checks.gpu "$@"  # every group of checks/gpu/ in one run

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU head-training recipe: an eagle3 and an mtp head trained online on the default model for --budget-s seconds
 # each (default 240), then mtp-eval at k = 1..6 against plain decoding (greedy, bf16, FlashInfer when importable);
-# one JSON line per head. Fits in ten minutes on one H100/H200, start-up included (launch/gpu_train_check.py).
-#   bash launch/gpu_train_check.sh [--budget-s 240] [--results DIR] [any launch/gpu_train_check.py option]
+# one JSON line per head. Fits in ten minutes on one H100/H200, start-up included (checks/gpu_train_check.py).
+#   bash launch/gpu_train_check.sh [--budget-s 240] [--results DIR] [any checks/gpu_train_check.py option]
 # On a GPU node without a package index or ../shared, first run launch/gpu_train_prepare.sh where there is one,
 # then copy the checkout with .gpu/send1 and .gpu/send2 to the node (its header, and docs/air-gapped.md). This script
 # then, before the recipe:
@@ -41,4 +41,4 @@ if ! "$PY" -c "import hydra, omegaconf, deepspeed, gguf" >/dev/null 2>&1 && [ ${
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}  # FlashInfer's first-use JIT compilation
-exec "$PY" launch/gpu_train_check.py "$@"
+exec "$PY" -m checks.gpu_train_check "$@"

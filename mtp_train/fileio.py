@@ -11,11 +11,14 @@ time; `links_in` and `leads_outside` find what a folder holds that would lead a 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import socket
 import sys
 import time
@@ -78,8 +81,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
-    """Create `path` atomically: `write(tmp)` fills `.tmp-<name>`, which is fsynced and renamed into place."""
+def atomic_write(path: str | Path, write: Callable[[Path], None], size: int | None = None) -> None:
+    """Create `path` atomically: `write(tmp)` fills `.tmp-<name>`, which is fsynced and renamed into place.
+
+    size: the bytes the file will take, when known; a write that finds no room (disk full, quota, file size
+    limit) raises DiskFullError naming the folder and these bytes (else the bytes written when it failed).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(TMP_PREFIX + path.name)
@@ -93,16 +100,92 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
             # Some writers (safetensors' save_file) create 0600 files; outputs follow the umask like any other file.
             os.fchmod(fh.fileno(), 0o666 & ~umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
+        written = _size_or_zero(tmp)
         with contextlib.suppress(OSError):
             tmp.unlink()
+        code = disk_errno(exc)
+        if code is not None:
+            raise DiskFullError(code, path, size, written) from exc
         raise
     fsync_dir(path.parent)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """`atomic_write` of a UTF-8 text."""
-    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), size=len(text.encode("utf-8")))
+
+
+# --- writes that find no room -----------------------------------------------------------------------------------
+
+# A write that found no room: no space left on the device, the disk quota used up, the file size limit reached.
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_errno(exc: BaseException) -> int | None:
+    """The errno behind `exc` when it is a write that found no room (NO_ROOM_ERRNOS), else None: an OSError's own,
+    or the `(os error N)` with which Rust's I/O errors (safetensors' writer) end their message."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if isinstance(e, OSError) and e.errno in NO_ROOM_ERRNOS:
+            return e.errno
+    match = re.search(r"\(os error (\d+)\)", str(exc))
+    return int(match.group(1)) if match and int(match.group(1)) in NO_ROOM_ERRNOS else None
+
+
+def _size_or_zero(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _bytes(n: int) -> str:
+    """`n` bytes for a reader: "1.5 GiB (1610612736 bytes)"."""
+    size, unit = float(n), "bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{n} bytes" if unit == "bytes" else f"{size:.1f} {unit} ({n} bytes)"
+
+
+class DiskFullError(OSError):
+    """A write found no room (see NO_ROOM_ERRNOS); the message names the folder, the file, the bytes it needs and
+    what to do. The file it was writing is left as it was (the temporary is removed): a re-run resumes."""
+
+    def __init__(self, code: int, path: Path, size: int | None, written: int = 0) -> None:
+        folder = path.parent
+        need = f"{_bytes(size)}" if size else f"more than the {_bytes(written)} written when it failed"
+        then = "then re-run the same command: it goes on from what was finished"
+        if code == errno.EFBIG:
+            import resource
+
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            if limit == resource.RLIM_INFINITY:  # no limit of ours: the file system's largest file (FAT's 4 GiB)
+                msg = (f"writing {path.name} into {folder} needs {need}, more than the file system there takes in "
+                       f"one file; choose an `out` on another file system, {then}")
+            else:
+                msg = (f"writing {path.name} into {folder} needs {need}, over this process's file size limit "
+                       f"(ulimit -f: {_bytes(limit)}); raise the limit, {then}")
+        else:
+            try:
+                free = f"{_bytes(shutil.disk_usage(folder).free)} free"
+            except OSError:
+                free = "free space unknown"
+            what = (f"the disk quota is used up at {folder}" if code == errno.EDQUOT else
+                    f"no space left on the device of {folder} ({free})")
+            msg = (f"{what}: writing {path.name} needs {need}; free some space there (or choose another `out`), "
+                   f"{then}")
+        super().__init__(code, msg)
+        self.folder, self.path, self.size = folder, path, size
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """The bytes of a dict of tensors' data (what a safetensors file of them needs, less its small header)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:

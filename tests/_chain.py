@@ -41,10 +41,11 @@ def assert_unroll_is_the_inference_chain(head: DraftHead, inputs: torch.Tensor, 
             pages: list[int] = []
             kv.ensure(pages, i + 1)
             meta = AttentionMetadata.build([i + 1], [i + 1], [pages], page_size)
-            x = head(h[: i + 1], t[1: i + 2], meta, kv.layers[0]).hidden[-1:]  # catch-up on target states
+            # catch-up on target states
+            x = head(h[: i + 1], t[1: i + 2], meta, kv.layers[0], from_target=True).hidden[-1:]
             torch.testing.assert_close(x[0], outs[0][start + i], **tol)
             for j in range(1, min(steps, n - 1 - i)):
                 kv.ensure(pages, i + j + 1)
                 meta = AttentionMetadata.build([1], [i + j + 1], [pages], page_size)
-                x = head(x, t[i + j + 1: i + j + 2], meta, kv.layers[0]).hidden
+                x = head(x, t[i + j + 1: i + j + 2], meta, kv.layers[0], from_target=False).hidden
                 torch.testing.assert_close(x[0], outs[j][start + i], **tol, msg=f"seq {b} row {i} step {j}")

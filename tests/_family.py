@@ -12,9 +12,10 @@ import torch
 
 from mtp_train.config import LossConfig, PrecomputeConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.head_types.chain import HeadProposer
 from mtp_train.precompute import PrecomputedDataset, Sample, precompute
 from mtp_train.speculative.engine import SpecEngine
-from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer
+from mtp_train.speculative.proposers import DraftModelProposer
 from mtp_train.train.losses import unrolled_loss
 
 

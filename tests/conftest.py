@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -20,24 +17,6 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TOPICS = ["the moon", "bread", "rivers", "chess", "owls", "glass", "tea", "maps"]
 
-
-def load_script(name: str, path: Path) -> ModuleType:
-    """A script of bench/ or launch/ (not a package) imported as module `name`; it stays in sys.modules, where its
-    dataclasses look their module up, until the caller pops it."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def script_fixture(name: str, path: Path):
-    """A module-scoped fixture yielding `load_script(name, path)` and popping it from sys.modules afterwards."""
-    @pytest.fixture(scope="module")
-    def fixture():
-        yield load_script(name, path)
-        sys.modules.pop(name, None)
-    return fixture
 
 _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)

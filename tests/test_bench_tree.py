@@ -1,28 +1,23 @@
-"""bench/bench_tree.py on a tiny chat target and a random head: the grid's shapes, τ per shape beside the plain
+"""bench/tree.py on a tiny chat target and a random head: the grid's shapes, τ per shape beside the plain
 chains (a chain-shaped tree has its chain's τ), the headline's best_tree / best_chain, the JSON; and
-launch/tree_cost.py's shapes and table (the GPU check's claim (c) section) on the CPU. No timing is asserted."""
+checks/gpu/tree_cost.py's shapes and table (the GPU check's claim (c) section) on the CPU. No timing is asserted."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench import tree as bench_tree
+from checks.gpu import tree_cost
+from checks.gpu.common import Checks
+from checks.gpu.tree_mask import tree_mask_cost
 from mtp_train.data.readers import Conversation
 from mtp_train.speculative.tree_draft import TreeSpec
-from tests.conftest import TOPICS, load_script, predictable_chat_target, script_fixture
+from tests.conftest import TOPICS, predictable_chat_target
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-bench = script_fixture("bench_tree", ROOT / "bench" / "bench_tree.py")
-
-
-tree_cost = script_fixture("launch_tree_cost", ROOT / "launch" / "tree_cost.py")
 
 
 @pytest.fixture(scope="module")
@@ -35,35 +30,35 @@ def _convs(n: int) -> list[Conversation]:
                          "test", i + 1) for i in range(n)]
 
 
-def test_the_grid_keeps_shapes_that_exist_and_verify_every_level(bench):
-    names = [s.name for s in bench.grid_shapes([1, 2, 3, 4], [1, 2, 4], [2, 4, 8, 16])]
+def test_the_grid_keeps_shapes_that_exist_and_verify_every_level():
+    names = [s.name for s in bench_tree.grid_shapes([1, 2, 3, 4], [1, 2, 4], [2, 4, 8, 16])]
     assert names == ["1x1x2", "1x2x2", "1x4x2", "1x4x4", "2x2x4", "2x4x4", "2x4x8", "2x4x16", "3x1x4", "3x2x4",
                      "3x2x8", "3x4x4", "3x4x8", "3x4x16", "4x2x8", "4x4x8", "4x4x16"]
     # topk 1 leaves the chains only; tokens - 1 < steps (levels never verified) and more nodes than drafted are out
-    assert [s.name for s in bench.grid_shapes([2, 3], [1], [3, 4, 8])] == ["2x1x3", "3x1x4"]
-    assert bench.grid_shapes([4], [2], [4]) == [] and bench.grid_shapes([1], [2], [4]) == []
-    assert all(isinstance(s, TreeSpec) for s in bench.grid_shapes([2], [2], [4]))
+    assert [s.name for s in bench_tree.grid_shapes([2, 3], [1], [3, 4, 8])] == ["2x1x3", "3x1x4"]
+    assert bench_tree.grid_shapes([4], [2], [4]) == [] and bench_tree.grid_shapes([1], [2], [4]) == []
+    assert all(isinstance(s, TreeSpec) for s in bench_tree.grid_shapes([2], [2], [4]))
 
 
-def test_best_tree_and_chain_by_tau_at_the_headline_tokens(bench):
+def test_best_tree_and_chain_by_tau_at_the_headline_tokens():
     result = {"grid": {"2x2x4": {"steps": 2, "topk": 2, "tokens": 4, "tau": 1.5},
                        "3x2x8": {"steps": 3, "topk": 2, "tokens": 8, "tau": 1.5},  # a tie: fewer rows win
                        "3x4x16": {"steps": 3, "topk": 4, "tokens": 16, "tau": 2.5},  # over the headline's 8 rows
                        "3x1x4": {"steps": 3, "topk": 1, "tokens": 4, "tau": 1.9}},  # a chain, not a tree
               "chains": {1: {"k": 1, "tokens": 2, "tau": 1.2}, 2: {"k": 2, "tokens": 3, "tau": 1.2}}}
-    h = bench.headline(result, 8)
+    h = bench_tree.headline(result, 8)
     assert h["best_tree"]["shape"] == "2x2x4" and h["best_chain"]["k"] == 1
     assert h["tau_ratio"] == pytest.approx(1.25) and h["goal_met"] is True
-    assert bench.headline(result, 16)["best_tree"]["shape"] == "3x4x16"
-    assert bench.timed_shapes(result, 2, 8) == ["2x2x4", "3x2x8"]
-    none = bench.headline({"grid": {}, "chains": result["chains"]})
+    assert bench_tree.headline(result, 16)["best_tree"]["shape"] == "3x4x16"
+    assert bench_tree.timed_shapes(result, 2, 8) == ["2x2x4", "3x2x8"]
+    none = bench_tree.headline({"grid": {}, "chains": result["chains"]})
     assert none["best_tree"] is None and none["tau_ratio"] is None and none["goal_met"] is None
 
 
-def test_tree_grid_on_a_tiny_target(bench, target):
+def test_tree_grid_on_a_tiny_target(target):
     model, tok, head, _ = target
     shapes = [TreeSpec.chain(2), TreeSpec(2, 2, 4)]
-    out = bench.tree_grid(model, tok, head, _convs(3), shapes, [2], 12, batch_size=2, verbose=False)
+    out = bench_tree.tree_grid(model, tok, head, _convs(3), shapes, [2], 12, batch_size=2, verbose=False)
     assert set(out["grid"]) == {"2x1x3", "2x2x4"} and set(out["chains"]) == {2}
     for name, g in out["grid"].items():
         assert (g["steps"], g["topk"], g["tokens"]) == tuple(map(int, name.split("x")))
@@ -71,7 +66,7 @@ def test_tree_grid_on_a_tiny_target(bench, target):
     assert 1.0 < out["chains"][2]["tau"] < 3.0 and 0 < out["chains"][2]["per_position"][1] < 1
     # the chain through the tree code accepts exactly what the plain chain does (greedy, deterministic)
     assert out["grid"]["2x1x3"]["tau"] == out["chains"][2]["tau"] and out["chain_agrees"] is True
-    out.update(bench.headline(out, 8))
+    out.update(bench_tree.headline(out, 8))
     assert out["best_tree"]["shape"] == "2x2x4" and out["best_chain"]["k"] == 2
     assert out["tau_ratio"] == pytest.approx(out["best_tree"]["tau"] / out["chains"][2]["tau"], abs=1e-4)
     assert out["tau_ratio_se"] >= 0 and out["chains"][2]["tau_se"] > 0  # over the 3 conversations' requests
@@ -81,7 +76,7 @@ def test_tree_grid_on_a_tiny_target(bench, target):
     assert line["chains"]["2"]["tau"] == out["chains"][2]["tau"]
 
 
-def test_tree_cost_shapes(tree_cost):
+def test_tree_cost_shapes():
     assert tree_cost.chain_parents(4) == [-1, 0, 1, 2]
     assert tree_cost.tree_parents(1) == [-1]
     assert tree_cost.tree_parents(7, topk=2) == [-1, 0, 0, 1, 1, 2, 2]
@@ -91,7 +86,7 @@ def test_tree_cost_shapes(tree_cost):
         tree_cost.tree_parents(0)
 
 
-def test_tree_cost_table_on_the_cpu(tree_cost, target):
+def test_tree_cost_table_on_the_cpu(target):
     model = target[0]
     times = tree_cost.verify_times(model, (1, 4, 9), batch=2, prefix=20, rounds=1, warmup=0)
     assert set(times) == {1, 4, 9} and all(set(t) == set(tree_cost.KINDS) for t in times.values())
@@ -105,8 +100,8 @@ def test_tree_cost_table_on_the_cpu(tree_cost, target):
         tree_cost.verify_times(model, (65,))
 
 
-def test_the_cli_prints_the_grid_and_headline_as_its_last_line(bench, target, tmp_path, capsys):
-    """`bench_tree.py` end to end on the tiny target: a 2-shape grid, one chain, no rows timing, and --timed's
+def test_the_cli_prints_the_grid_and_headline_as_its_last_line(target, tmp_path, capsys):
+    """`python -m bench.tree` end to end on the tiny target: a 2-shape grid, one chain, no rows timing, and --timed's
     interleaved speed-up of the best tree and chain (its values are not asserted, only that they are reported)."""
     from mtp_train.heads.checkpoint import save_head
 
@@ -118,7 +113,7 @@ def test_the_cli_prints_the_grid_and_headline_as_its_last_line(bench, target, tm
     args = ["--model", str(model_dir), "--head", str(tmp_path / "head"), "--prompts", str(prompts), "--limit", "2",
             "--steps", "2", "--topk", "1,2", "--tokens", "3,4", "--chains", "2", "--max-new-tokens", "6",
             "--batch-size", "2", "--no-rows", "--timed", "--timed-top", "1"]
-    result = bench.main(args)
+    result = bench_tree.main(args)
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(line["grid"]) == {"2x1x3", "2x2x3", "2x2x4"} and set(line["chains"]) == {"2"}
     assert line["best_tree"]["shape"] in ("2x2x3", "2x2x4") and line["best_chain"]["k"] == 2
@@ -129,18 +124,14 @@ def test_the_cli_prints_the_grid_and_headline_as_its_last_line(bench, target, tm
     assert "requests" not in json.dumps(line)  # the per-request counts pair entries, they are not printed
 
 
-def test_the_gpu_checks_tree_mask_section_runs_on_the_cpu(target, monkeypatch, capsys):
-    """launch/gpu_check.py's claim (c) section as a dry run on the CPU (torch backend, one round): its check that a
+def test_the_gpu_checks_tree_mask_section_runs_on_the_cpu(target, capsys):
+    """checks.gpu's claim (c) group as a dry run on the CPU (torch backend, float32, one round): its check that a
     chain passed as a tree mask gives the causal chain's logits passes, and both tables come out."""
-    gpu_check = load_script("launch_gpu_check", ROOT / "launch" / "gpu_check.py")
-    try:
-        monkeypatch.setattr(gpu_check, "DT", torch.float32)
-        gpu_check.tree_mask_cost("tiny", target[3], device="cpu", backend="torch", rounds=1)
-        assert [(name, ok) for name, ok, _ in gpu_check.RESULTS] == [
-            ("tiny tree mask: a chain as a tree mask = the causal chain (16 and 64 rows)", True)]
-        lines = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines()
-                 if x.startswith("TREE_COST ")]
-        assert [t["batch"] for t in lines] == [1, 8]
-        assert [r["rows"] for r in lines[0]["table"]] == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
-    finally:
-        sys.modules.pop("launch_gpu_check", None)
+    check = Checks()
+    tree_mask_cost(check, "tiny", target[3], device="cpu", backend="torch", rounds=1, dtype=torch.float32)
+    assert [(name, ok) for name, ok, _ in check.results] == [
+        ("tiny tree mask: a chain as a tree mask = the causal chain (16 and 64 rows)", True)]
+    lines = [json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines()
+             if x.startswith("TREE_COST ")]
+    assert [t["batch"] for t in lines] == [1, 8]
+    assert [r["rows"] for r in lines[0]["table"]] == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]

@@ -4,16 +4,13 @@ one extra key) gives `masked`'s attention over all (j+1)·n keys, forward and ba
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from checks.gpu.chain_attention import chain_attention_check
+from checks.gpu.common import Checks
 from mtp_train.heads.chain_attention import ChainTrainAttention, attend_chain
-from tests.conftest import load_script
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _unroll(mode: str, qkv: list[tuple[torch.Tensor, ...]], lens: list[int], window: int | None) -> list[torch.Tensor]:
@@ -48,17 +45,14 @@ def test_an_unknown_mode_is_refused_by_name():
 
 
 def test_the_gpu_checks_chain_attention_section_runs_on_the_cpu(capsys):
-    """launch/gpu_check.py's chain-attention section as a dry run on the CPU (float32, small shapes, one round): the
-    modes agree, and its record line carries both modes' times per shape."""
-    gpu_check = load_script("launch_gpu_check", ROOT / "launch" / "gpu_check.py")
-    try:
-        gpu_check.chain_attention_check(device="cpu", dtype=torch.float32, lens=(9, 4), steps=3,
-                                        shapes=(("tiny", 4, 2, 8),), rounds=1)
-        assert [(name, ok) for name, ok, _ in gpu_check.RESULTS] == [
-            ("chain attention tiny (4/2 heads of 8), 3 steps: diagonal = masked", True)]
-        line = next(json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines()
-                    if x.startswith("CHAIN_ATTENTION "))
-        assert line["steps"] == 3 and line["lens"] == [9, 4]
-        assert {"masked_ms", "diagonal_ms", "masked_over_diagonal"} <= set(line["tiny"])
-    finally:
-        sys.modules.pop("launch_gpu_check", None)
+    """checks.gpu's chain-attention group as a dry run on the CPU (float32, small shapes, one round): the modes
+    agree, and its record line carries both modes' times per shape."""
+    check = Checks()
+    chain_attention_check(check, device="cpu", dtype=torch.float32, lens=(9, 4), steps=3,
+                          shapes=(("tiny", 4, 2, 8),), rounds=1)
+    assert [(name, ok) for name, ok, _ in check.results] == [
+        ("chain attention tiny (4/2 heads of 8), 3 steps: diagonal = masked", True)]
+    line = next(json.loads(x.split(" ", 1)[1]) for x in capsys.readouterr().out.splitlines()
+                if x.startswith("CHAIN_ATTENTION "))
+    assert line["steps"] == 3 and line["lens"] == [9, 4]
+    assert {"masked_ms", "diagonal_ms", "masked_over_diagonal"} <= set(line["tiny"])

@@ -1,4 +1,4 @@
-"""launch/check_vllm.py and launch/vllm_side.py without vLLM: arguments, the comparison and verdict, the final JSON
+"""checks/check_vllm.py and checks/vllm_side.py without vLLM: arguments, the comparison and verdict, the final JSON
 line and exit code, vLLM's metric counters, and that the vLLM side imports nothing of the project."""
 
 from __future__ import annotations
@@ -11,18 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import script_fixture
+from checks import check_vllm as check
+from checks import vllm_side as side
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-check = script_fixture("launch_check_vllm", ROOT / "launch" / "check_vllm.py")
-
-
-side = script_fixture("launch_vllm_side", ROOT / "launch" / "vllm_side.py")
-
-
-def test_arguments_default_to_the_check_settings(check):
+def test_arguments_default_to_the_check_settings():
     a = check.parse_args([])
     assert a.heads == ["eagle1", "eagle3"]
     assert (a.k, a.max_new_tokens, a.limit, a.prompts, a.tolerance) == (3, 96, 16, "demo-heldout", 0.05)
@@ -32,12 +27,12 @@ def test_arguments_default_to_the_check_settings(check):
 
 
 @pytest.mark.parametrize("argv", [["--heads", "mtp"], ["--heads", ","], ["--k", "0"], ["--tolerance", "-1"]])
-def test_bad_arguments_are_refused(check, argv):
+def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit):
         check.parse_args(argv)
 
 
-def test_a_final_stop_token_is_not_a_difference(check):
+def test_a_final_stop_token_is_not_a_difference():
     assert check.trim_stop([5, 6, 2], [2]) == [5, 6]
     assert check.trim_stop([5, 2, 6], [2]) == [5, 2, 6]
     assert check.count_equal([[1, 2, 7], [1, 3]], [[1, 2], [1, 4]], [7]) == 1
@@ -57,7 +52,7 @@ def _ids(spec_last: list[int]) -> dict:
     return {"ours_plain": plain, "ours_spec": plain, "vllm_plain": plain, "vllm_spec": [plain[0], spec_last]}
 
 
-def test_verdict_passes_on_equal_ids_and_close_tau(check):
+def test_verdict_passes_on_equal_ids_and_close_tau():
     r = check.verdict(OURS, _vllm(1.52), _ids([4, 5, 0]), stop_ids=[0], tolerance=0.05)
     assert r["status"] == "pass" and r["texts_equal"] is True and "reason" not in r
     assert (r["tau_ours"], r["tau_vllm"]) == (1.5, 1.52)
@@ -65,26 +60,26 @@ def test_verdict_passes_on_equal_ids_and_close_tau(check):
     assert r["per_position_vllm"] == [0.41, 0.09] and r["drafts_vllm"] == 101
 
 
-def test_verdict_fails_on_different_ids(check):
+def test_verdict_fails_on_different_ids():
     r = check.verdict(OURS, _vllm(1.5), _ids([4, 6]), stop_ids=[0], tolerance=0.05)
     assert r["status"] == "fail" and r["texts_equal"] is False
     assert r["turns_spec_eq_plain_vllm"] == 1 and r["turns_vllm_spec_eq_ours"] == 1
     assert "1 of 2 turns" in r["reason"]
 
 
-def test_verdict_fails_on_tau_beyond_the_tolerance(check):
+def test_verdict_fails_on_tau_beyond_the_tolerance():
     assert check.verdict(OURS, _vllm(1.574), _ids([4, 5]), [0], 0.05)["status"] == "pass"  # 4.9%
     r = check.verdict(OURS, _vllm(1.6), _ids([4, 5]), [0], 0.05)  # 6.7%
     assert r["status"] == "fail" and r["texts_equal"] is True and "6.7%" in r["reason"]
 
 
-def test_exit_code_counts_checked_heads_only(check):
+def test_exit_code_counts_checked_heads_only():
     assert check.exit_code({"eagle1": {"status": "pass"}, "eagle3": {"status": "skipped", "reason": "x"}}) == 0
     assert check.exit_code({"eagle1": {"status": "pass"}, "eagle3": {"status": "fail"}}) == 1
     assert check.exit_code({"eagle1": {"status": "error", "stage": "vllm eagle", "error": "boom"}}) == 1
 
 
-def test_the_last_line_is_one_json_object_of_every_head(check, monkeypatch, capsys):
+def test_the_last_line_is_one_json_object_of_every_head(monkeypatch, capsys):
     entries = {"eagle1": check.verdict(OURS, _vllm(1.5), _ids([4, 5]), [0], 0.05),
                "eagle3": {"status": "skipped", "reason": "no conf/head/eagle3.yaml in this checkout"}}
     monkeypatch.setattr(check, "check_head", lambda side, head: entries[head])
@@ -98,19 +93,19 @@ def test_the_last_line_is_one_json_object_of_every_head(check, monkeypatch, caps
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["eagle1"]["status"] == "error"
 
 
-def test_a_missing_vllm_venv_is_reported(check, tmp_path, capsys):
+def test_a_missing_vllm_venv_is_reported(tmp_path, capsys):
     assert check.main(["--vllm-python", str(tmp_path / "none" / "python")]) == 2
     assert "not found" in capsys.readouterr().err
 
 
-def test_head_types_this_checkout_lacks_are_skipped_with_the_reason(check, monkeypatch, tmp_path):
+def test_head_types_this_checkout_lacks_are_skipped_with_the_reason(monkeypatch, tmp_path):
     monkeypatch.setattr(check, "ROOT", tmp_path)
     assert check.unavailable("eagle3") == "no conf/head/eagle3.yaml in this checkout"
     assert check.check_head(SimpleNamespace(a=None), "eagle3") == {
         "status": "skipped", "reason": "no conf/head/eagle3.yaml in this checkout"}
 
 
-def test_aux_layers_and_manifests(check, monkeypatch, tmp_path):
+def test_aux_layers_and_manifests(monkeypatch, tmp_path):
     monkeypatch.setattr(check, "ROOT", tmp_path)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
@@ -121,14 +116,14 @@ def test_aux_layers_and_manifests(check, monkeypatch, tmp_path):
     assert check.manifest_aux(Path("pc")) == []
 
 
-def test_vllm_error_lines_keep_the_cause(check):
+def test_vllm_error_lines_keep_the_cause():
     log = "INFO starting\nERROR ... EngineCore failed\nValueError: eagle3 is not supported on CPU\nINFO x\n" \
           "RuntimeError: Engine core initialization failed\nValueError: eagle3 is not supported on CPU\n"
     assert check.vllm_error_lines(log) == ["ERROR ... EngineCore failed", "ValueError: eagle3 is not supported on CPU",
                                            "RuntimeError: Engine core initialization failed"]
 
 
-def test_spec_counters_from_vllm_metrics(side):
+def test_spec_counters_from_vllm_metrics():
     metrics = [SimpleNamespace(name="vllm:num_requests_running", value=0),
                SimpleNamespace(name=side.DRAFTS, value=10), SimpleNamespace(name=side.DRAFT_TOKENS, value=30),
                SimpleNamespace(name=side.ACCEPTED, value=9), SimpleNamespace(name=side.ACCEPTED, value=3),
@@ -141,7 +136,7 @@ def test_spec_counters_from_vllm_metrics(side):
     assert side.spec_counts([SimpleNamespace(name="vllm:num_requests_running", value=0)]) is None
 
 
-def test_engine_arguments(side):
+def test_engine_arguments():
     req = {"model": "m", "prompts": [[1]], "max_tokens": 4, "stop_token_ids": [2], "speculative": None}
     kw = side.engine_kwargs(req)
     assert kw["max_num_seqs"] == 1 and kw["dtype"] == "float32" and kw["enforce_eager"] is True
@@ -153,7 +148,7 @@ def test_engine_arguments(side):
 
 
 def test_the_vllm_side_imports_only_vllm_transformers_and_the_standard_library():
-    tree = ast.parse((ROOT / "launch" / "vllm_side.py").read_text())
+    tree = ast.parse((ROOT / "checks" / "vllm_side.py").read_text())
     roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "vllm" in roots

@@ -22,7 +22,7 @@ from mtp_train.config import (
     resolve_device,
     typed,
 )
-from mtp_train.config.head import FEATURES, HEAD_SPECS, NORM_FLAGS, HeadConfig, HeadTypeSpec, head_spec
+from mtp_train.config.head import FEATURES, HEAD_TYPES, NORM_FLAGS, HeadConfig, HeadTypeSpec, head_spec
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -91,7 +91,7 @@ def test_eval_grid_axes_are_lists_of_their_kind():
         EvalConfig(temperature=[])
 
 
-@pytest.mark.parametrize("name", list(HEAD_SPECS))
+@pytest.mark.parametrize("name", list(HEAD_TYPES))
 def test_each_head_type_spec_drives_its_config(name):
     """A HeadConfig takes every default from its type's spec, and refuses what the spec fixes."""
     spec = head_spec(name)
@@ -116,7 +116,7 @@ def test_each_head_type_spec_drives_its_config(name):
 
 
 def test_an_unknown_head_type_or_a_malformed_spec_is_refused():
-    with pytest.raises(ValueError, match="unknown head type 'medusa'; choose one of mtp, eagle1, eagle3"):
+    with pytest.raises(ValueError, match="unknown head type 'medusa'; choose one of eagle1, eagle3, mtp"):
         HeadConfig(type="medusa")
     with pytest.raises(ValueError, match="norms must set exactly"):
         HeadTypeSpec("half", "norms missing", {"enorm": True})

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
 import sys
 from contextlib import nullcontext
 
@@ -93,7 +95,9 @@ def test_build_is_cached_and_atomic(tmp_path):
     assert first.parent == tmp_path and first.exists()
     mtime = first.stat().st_mtime_ns
     assert cpu_kernels.build_library(cc, tmp_path) == first and first.stat().st_mtime_ns == mtime  # reused
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+    # no temporary left behind: the library, its build record and the build lock
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, cpu_kernels.record_path(first).name,
+                                                                ".build.lock"])
 
 
 def test_a_failed_build_names_the_source(tmp_path):
@@ -104,7 +108,7 @@ def test_a_failed_build_names_the_source(tmp_path):
     bad.write_text("int broken( {\n")
     with pytest.raises(RuntimeError, match="bad.c"):
         cpu_kernels.build_library(cc, tmp_path / "out", source=bad)
-    assert not list((tmp_path / "out").iterdir())
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [".build.lock"]  # no library, no record
 
 
 def test_switched_off_falls_back_to_torch_paths(kernel_settings):
@@ -256,3 +260,114 @@ def test_soft_ce_equals_torch(v, threads):
     torch.testing.assert_close(zz, ref_dz)
     if v > 3:
         assert {0, 1, 2} <= set(rank.tolist())  # a test that can tell top-1 from top-3
+
+
+# --- only the library built here is ever loaded -------------------------------------------------------------------
+
+PLANTED_C = """
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen("%s", "w");
+    if (f) { fputs("ran", f); fclose(f); }
+}
+int mtp_gemv_f32(void) { return 0; }
+"""
+
+
+def _library_name(tmp_path) -> str:
+    """The name the kernels' build takes in any folder (the hash of source and flags)."""
+    cc = cpu_kernels.find_compiler()
+    return cpu_kernels.build_library(cc, tmp_path / "probe").name
+
+
+def _plant(tmp_path, at) -> tuple:
+    """A shared object at `at` whose constructor would create a marker file when loaded; (marker, its bytes)."""
+    marker = tmp_path / "planted-ran"
+    src = tmp_path / "planted.c"
+    src.write_text(PLANTED_C % marker)
+    res = subprocess.run([cpu_kernels.find_compiler(), "-shared", "-fPIC", str(src), "-o", str(at)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return marker, at.read_bytes()
+
+
+def _kernels_work() -> None:
+    x, w = torch.randn(2, 40), torch.randn(7, 40)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "kernel" in r.getMessage()]
+
+
+@needs_kernels
+@pytest.mark.parametrize("record", ["none", "of-the-real-build"])
+def test_a_planted_library_is_never_loaded_but_rebuilt(tmp_path, kernel_settings, caplog, record):
+    """A shared object put under the library's name (with no build record, or beside the record of the real build)
+    is not loaded: its constructor never runs; it is rebuilt, with one warning naming it, and the kernels work."""
+    name = _library_name(tmp_path)
+    cache = tmp_path / "kernels"
+    cache.mkdir(mode=0o700)
+    if record == "of-the-real-build":
+        real = cpu_kernels.build_library(cpu_kernels.find_compiler(), cache)
+        assert real.name == name
+    lib = cache / name
+    marker, planted = _plant(tmp_path, lib)
+    kernel_settings(KernelSettings(cache_dir=cache))
+    with caplog.at_level(logging.INFO, logger=cpu_kernels.__name__):
+        assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+    assert not marker.exists()  # the planted constructor never ran
+    assert lib.read_bytes() != planted and cpu_kernels.verify_library(lib, cpu_kernels.SOURCE.read_bytes()) == ""
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and f"not loading {lib}" in warnings[0] and "rebuilding it" in warnings[0], warnings
+    _kernels_work()
+
+
+@needs_kernels
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_corrupt_library_is_rebuilt_and_the_kernels_work(tmp_path, kernel_settings, caplog, damage):
+    cache = tmp_path / "kernels"
+    lib = cpu_kernels.build_library(cpu_kernels.find_compiler(), cache)
+    good = lib.read_bytes()
+    bad = good[: len(good) // 3] if damage == "truncated" else good[:-64] + bytes(b ^ 0xFF for b in good[-64:])
+    lib.write_bytes(bad)
+    assert "sha256" in cpu_kernels.verify_library(lib, cpu_kernels.SOURCE.read_bytes())
+    kernel_settings(KernelSettings(cache_dir=cache))
+    with caplog.at_level(logging.INFO, logger=cpu_kernels.__name__):
+        assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+    assert lib.read_bytes() == good  # the same build again
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and f"not loading {lib}" in warnings[0] and "sha256" in warnings[0], warnings
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+    _kernels_work()
+
+
+@needs_kernels
+def test_a_folder_others_can_write_is_not_used(tmp_path, kernel_settings, caplog):
+    """In a folder writable by others nothing is loaded (a library and its record could be anyone's): the kernels
+    stay off with one warning naming the folder and the fix; the planted library's constructor never runs."""
+    cache = tmp_path / "shared"
+    cache.mkdir()
+    cache.chmod(0o777)
+    marker, _ = _plant(tmp_path, cache / _library_name(tmp_path))
+    kernel_settings(KernelSettings(cache_dir=cache))
+    with caplog.at_level(logging.INFO, logger=cpu_kernels.__name__):
+        assert not cpu_kernels.available()
+    assert not marker.exists()
+    assert "writable by others" in cpu_kernels.unavailable_reason() and f"chmod go-w {cache}" in \
+        cpu_kernels.unavailable_reason()
+    assert len(_warnings(caplog)) == 1
+
+
+@needs_kernels
+def test_a_link_to_a_private_folder_is_followed(tmp_path, kernel_settings):
+    """A kernel folder that is a link leads to its target, which is checked (and used) like the folder itself."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    lib = cpu_kernels.build_library(cpu_kernels.find_compiler(), link)
+    assert lib.parent == real.resolve() and lib.is_file()
+    real.chmod(0o775)
+    with pytest.raises(cpu_kernels.KernelDirError, match=f"{link} \\(a link to {real.resolve()}\\) is writable"):
+        cpu_kernels.build_library(cpu_kernels.find_compiler(), link)

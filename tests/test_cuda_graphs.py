@@ -13,10 +13,11 @@ import torch
 from mtp_train.config import HeadConfig
 from mtp_train.engine import LLMEngine, SamplingParams
 from mtp_train.engine.cuda_graphs import StepGraphs, batch_buckets
+from mtp_train.head_types.chain import HeadProposer
 from mtp_train.heads import build_head
 from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
-from mtp_train.speculative.proposers import HeadProposer, NgramProposer
+from mtp_train.speculative.proposers import NgramProposer
 from tests._gpu import needs_flashinfer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,44 +1,38 @@
-"""bench/curve.py without training: the token points, the batch plan, the step hook's pruning, the report
+"""bench/curve without training: the token points, the batch plan, the step hook's pruning, the report
 (table, fits, plot, JSON) on synthetic points, and the recipe composing for every head."""
 
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import script_fixture
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-curve = script_fixture("bench_curve", ROOT / "bench" / "curve.py")
-
-
-@pytest.fixture(scope="module")
-def report(curve):
-    """bench/curve_report.py (on sys.path once curve.py is loaded): the fits, table and plot."""
-    import curve_report
-
-    return curve_report
+from bench.common import compose, compose_train
+from bench.curve import config as cc
+from bench.curve import data as cd
+from bench.curve import plan as cp
+from bench.curve import record as crec
+from bench.curve import report
+from bench.curve import run as crun
+from bench.curve import seeds as cs
+from bench.curve import variants as cv
 
 
-def test_token_points_double_up_to_the_budget(curve):
-    assert curve.log_spaced(16384, 524288) == [16384, 32768, 65536, 131072, 262144, 524288]
-    assert curve.log_spaced(1000, 5000) == [1000, 2000, 4000, 5000]  # the budget is always the last point
-    assert curve.log_spaced(16384, 8192) == [8192]
+def test_token_points_double_up_to_the_budget():
+    assert cp.log_spaced(16384, 524288) == [16384, 32768, 65536, 131072, 262144, 524288]
+    assert cp.log_spaced(1000, 5000) == [1000, 2000, 4000, 5000]  # the budget is always the last point
+    assert cp.log_spaced(16384, 8192) == [8192]
     with pytest.raises(ValueError):
-        curve.log_spaced(0, 10)
+        cp.log_spaced(0, 10)
 
 
-def test_steps_for_tokens_replays_the_batch_plan(curve):
+def test_steps_for_tokens_replays_the_batch_plan():
     # 10 samples of 100 tokens, 200-token batches: 5 batches (200 tokens) per epoch, then the next epoch.
-    plan = curve.steps_for_tokens([100] * 10, 200, 1, 0, [200, 1000, 1500])
+    plan = cp.steps_for_tokens([100] * 10, 200, 1, 0, [200, 1000, 1500])
     assert plan == [(1, 200), (5, 1000), (8, 1600)]
-    assert curve.steps_for_tokens([100] * 10, 200, 2, 0, [1000]) == [(3, 1200)]  # two micro-batches a step
+    assert cp.steps_for_tokens([100] * 10, 200, 2, 0, [1000]) == [(3, 1200)]  # two micro-batches a step
     # Uneven lengths: the tokens at each step are what the trainer's sampler hands out, in its order.
     from mtp_train.data.sampler import LengthBucketedBatchSampler
 
@@ -48,11 +42,11 @@ def test_steps_for_tokens_replays_the_batch_plan(curve):
     cumulative = []
     for batch in sampler:
         cumulative.append((cumulative[-1] if cumulative else 0) + sum(lengths[i] for i in batch))
-    step, tokens = curve.steps_for_tokens(lengths, 512, 1, 3, [cumulative[2]])[0]
+    step, tokens = cp.steps_for_tokens(lengths, 512, 1, 3, [cumulative[2]])[0]
     assert (step, tokens) == (3, cumulative[2])
 
 
-def test_point_saver_keeps_the_points_and_the_newest_checkpoint(curve, tmp_path):
+def test_point_saver_keeps_the_points_and_the_newest_checkpoint(tmp_path):
     from mtp_train.train.checkpoint import mark_latest, tag_for
 
     saved = []
@@ -65,7 +59,7 @@ def test_point_saver_keeps_the_points_and_the_newest_checkpoint(curve, tmp_path)
         saved.append(step)
 
     trainer = SimpleNamespace(out=tmp_path, info=SimpleNamespace(is_main=True, world=1), step=0, save=save)
-    hook = curve.PointSaver([3, 7], every=4)
+    hook = cp.PointSaver([3, 7], every=4)
     for step in range(1, 10):
         trainer.step = step
         hook(trainer, step, {})
@@ -83,7 +77,7 @@ def _synthetic() -> dict:
                                  "pos": [t - 1, (t - 1) / 2, (t - 1) / 4], "seconds": 1.0}
                 for i, t in enumerate(taus)}
 
-    return {"command": "python bench/curve.py", "data": "synthetic", "data_dir": "/x", "recipe": ["loss.steps=1"],
+    return {"command": "python -m bench.curve", "data": "synthetic", "data_dir": "/x", "recipe": ["loss.steps=1"],
             "budget_tokens": 131072, "max_steps": 80, "points": [16384, 32768, 65536, 131072],
             "eval": {"prompts": ["demo-heldout"], "limit": 32, "k": 3, "max_new_tokens": 96, "batch_size": 8},
             "skipped": {"eagle3": "head type 'eagle3' has no implementation yet"},
@@ -94,7 +88,7 @@ def _synthetic() -> dict:
                       "seconds": 1.0}}
 
 
-def test_fits_and_crossings(report):
+def test_fits_and_crossings():
     s = report.summarize(_synthetic())
     assert s["pair"]["heads"] == ["mtp", "eagle1"] and s["pair"]["crossings"] == 1
     assert s["pair"]["last_diff"] == pytest.approx(0.07)
@@ -107,11 +101,11 @@ def test_fits_and_crossings(report):
     assert math.isclose(report.tokens_for_tau((a, b), 1.5), 2**10)
 
 
-def test_report_table_plot_and_json(curve, report, tmp_path):
+def test_report_table_plot_and_json(tmp_path):
     results = _synthetic()
     out = tmp_path / "run"
     out.mkdir()
-    curve.save_results(results, out)
+    crun.save_results(results, out)
     assert json.loads((out / "curve.json").read_text())["heads"]["mtp"]["points"]["80"]["tau"] == 1.35
     text = report.write_report(results, out, doc=tmp_path / "docs" / "curve.md", png=tmp_path / "docs" / "curve.png")
     assert "| 16k (16384) | 10 | 1.100 | 0.100 / 0.050 / 0.025 | 1.120 |" in text
@@ -125,55 +119,51 @@ def test_report_table_plot_and_json(curve, report, tmp_path):
     assert "prompt lookup" not in report.markdown_table(results)
 
 
-def test_the_recipe_composes_for_every_head_and_unknown_heads_are_skipped(curve, tmp_path):
-    from bench_train import compose_train  # on sys.path once curve.py is loaded
-    from common import compose
+def test_the_recipe_composes_for_every_head_and_unknown_heads_are_skipped(tmp_path):
 
-    cfg = curve.load_config()
+    cfg = cc.load_config()
     assert cfg.tokens.first < cfg.tokens.last and cfg.eval.k == 3
-    heads = [h for h in cfg.heads if curve.head_available(h) is None]
+    heads = [h for h in cfg.heads if cc.head_available(h) is None]
     assert {"mtp", "eagle1"} <= set(heads)
     for head in heads:
-        c = compose_train(curve.train_overrides(cfg, head, tmp_path / "pc", "shared-regen", tmp_path,
+        c = compose_train(crun.train_overrides(cfg, head, tmp_path / "pc", "shared-regen", tmp_path,
                                                 "models/smollm2-135m-instruct", 123, []))
         assert c.head.type == head and c.head.draft_vocab_size == 8192 and c.train.max_steps == 123
         assert c.resume == "auto" and list(c.spec_eval.prompts) == [] and c.out == str(tmp_path / head)
         assert c.train.save_every == 0 and c.wandb.mode == "disabled"
     pc = compose("precompute", ["data=shared-regen", *cfg.precompute])
     assert pc.max_seq_len == 768 and pc.data.name == "shared-regen"
-    assert curve.head_available("mtp_typo") == "no conf/head/mtp_typo.yaml"
+    assert cc.head_available("mtp_typo") == "no conf/head/mtp_typo.yaml"
     with pytest.raises(Exception, match="hedas"):
         from omegaconf import OmegaConf
 
-        OmegaConf.merge(OmegaConf.structured(curve.CurveConfig), OmegaConf.create({"hedas": []}))
+        OmegaConf.merge(OmegaConf.structured(cc.CurveConfig), OmegaConf.create({"hedas": []}))
 
 
-def test_eagle3_trains_on_a_folder_with_its_layers(curve, tmp_path):
+def test_eagle3_trains_on_a_folder_with_its_layers(tmp_path):
     """eagle3 reads three target layers; mtp and eagle1 the final state only; a given folder must hold them."""
     from mtp_train.config.head import default_aux_layers
 
-    assert curve.head_available("eagle3") is None  # `# @package _global_`: its `head:` block is found
-    assert curve.head_aux_layers("eagle3", 30) == default_aux_layers(30) == [2, 15, 27]
-    assert curve.head_aux_layers("mtp", 30) == [] and curve.head_aux_layers("eagle1", 30) == []
+    assert cc.head_available("eagle3") is None  # `# @package _global_`: its `head:` block is found
+    assert cc.head_aux_layers("eagle3", 30) == default_aux_layers(30) == [2, 15, 27]
+    assert cc.head_aux_layers("mtp", 30) == [] and cc.head_aux_layers("eagle1", 30) == []
     (tmp_path / "manifest.json").write_text(json.dumps({"hidden": {"kind": "final_norm", "aux_layers": []}}))
-    curve.check_folder(tmp_path, [])
+    cd.check_folder(tmp_path, [])
     with pytest.raises(SystemExit, match=r"aux_layers \[\].*reads \[2, 15, 27\]"):
-        curve.check_folder(tmp_path, [2, 15, 27])
+        cd.check_folder(tmp_path, [2, 15, 27])
 
 
-# --- recipe variants (bench/curve_variants.py) ----------------------------------------------------------------------
+# --- recipe variants (bench/curve/variants.py)  ----------------------------------------------------------------------
 
 
-def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(curve, tmp_path):
+def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(tmp_path):
     """The issue's list, most informative first; each variant's overrides come after the curve's (so its
     loss.steps wins over the shared loss.steps=1) and the composed config passes the trainer's checks."""
-    import curve_variants as cv  # on sys.path once curve.py is loaded
-    from bench_train import compose_train
 
     from mtp_train.config import TrainConfig, typed
 
-    cfg = curve.load_config()
-    variants = cv.parse_variants(cfg.variants)
+    cfg = cc.load_config()
+    variants = cc.parse_variants(cfg.variants)
     names = [v.name for v in variants]
     assert names[:6] == ["mtp-soft_ce-s1", "mtp-lk_hybrid-s1", "mtp-tv-s1", "mtp-nla-s1", "mtp-soft_ce-s3",
                          "mtp-lk_hybrid-s3"]
@@ -197,11 +187,11 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
                      "eagle1-soft_ce-s3-dpace-seed1", "mtp-aux-s3-dpace", "mtp-aux-s3-dpace-seed1"]
     assert "loss.steps=1" in cfg.train
     for v in variants:
-        assert curve.head_available(v.head) is None
-        run_dir = tmp_path / cv.VARIANTS_DIR / v.name
-        shared = curve.train_overrides(cfg, v.head, tmp_path / "pc", "shared-regen", tmp_path,
+        assert cc.head_available(v.head) is None
+        run_dir = tmp_path / cc.VARIANTS_DIR / v.name
+        shared = crun.train_overrides(cfg, v.head, tmp_path / "pc", "shared-regen", tmp_path,
                                        "models/smollm2-135m-instruct", 299, ["train.log_every=5"])
-        ov = cv.variant_overrides(shared, v, run_dir)
+        ov = cc.variant_overrides(shared, v, run_dir)
         assert ov[:len(shared)] == shared and ov[-1] == f"out={run_dir}"  # the shared recipe first, untouched
         own = dict(o.split("=", 1) for o in v.overrides)
         c = typed(compose_train(ov), TrainConfig)
@@ -220,29 +210,27 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(cu
                       "eagle3-s3-seed2": 3}
 
 
-def test_variant_selection_and_files(curve, tmp_path):
-    import curve_variants as cv
+def test_variant_selection_and_files(tmp_path):
 
-    variants = cv.parse_variants({"b": {"head": "eagle1", "overrides": ["loss.kind=tv"]}, "a": {"head": "mtp"}})
+    variants = cc.parse_variants({"b": {"head": "eagle1", "overrides": ["loss.kind=tv"]}, "a": {"head": "mtp"}})
     assert [(v.name, v.head, v.overrides) for v in variants] == [("b", "eagle1", ("loss.kind=tv",)),
                                                                   ("a", "mtp", ())]
-    assert [v.name for v in cv.select(variants, "all")] == ["b", "a"]
-    assert [v.name for v in cv.select(variants, "a,b,a")] == ["a", "b"]  # the given order, once each
+    assert [v.name for v in cc.select(variants, "all")] == ["b", "a"]
+    assert [v.name for v in cc.select(variants, "a,b,a")] == ["a", "b"]  # the given order, once each
     with pytest.raises(SystemExit, match="unknown variant.*c.*known: b, a"):
-        cv.select(variants, "a,c")
+        cc.select(variants, "a,c")
     with pytest.raises(SystemExit, match="key=value"):
-        cv.parse_variants({"x": {"head": "mtp", "overrides": ["loss.kind"]}})
+        cc.parse_variants({"x": {"head": "mtp", "overrides": ["loss.kind"]}})
     with pytest.raises(SystemExit, match="folder name"):
-        cv.parse_variants({"../x": {"head": "mtp"}})
+        cc.parse_variants({"../x": {"head": "mtp"}})
     (tmp_path / "v.yaml").write_text("variants:\n  s3: {head: mtp, overrides: [loss.steps=3]}\n")
-    assert cv.load_variants_file(tmp_path / "v.yaml") == [cv.Variant("s3", "mtp", ("loss.steps=3",))]
+    assert cc.load_variants_file(tmp_path / "v.yaml") == [cc.Variant("s3", "mtp", ("loss.steps=3",))]
     (tmp_path / "w.yaml").write_text("s1: {head: eagle1}\n")  # the mapping itself at the top level
-    assert cv.load_variants_file(tmp_path / "w.yaml") == [cv.Variant("s1", "eagle1", ())]
+    assert cc.load_variants_file(tmp_path / "w.yaml") == [cc.Variant("s1", "eagle1", ())]
 
 
-def test_run_variants_skips_finished_ones_and_resumes_training(curve):
+def test_run_variants_skips_finished_ones_and_resumes_training():
     """The loop's bookkeeping on curve.json's `variants` (training and measuring stand in as recorders)."""
-    import curve_variants as cv
 
     plan = [(10, 16000), (20, 32000), (40, 64000)]
     calls: list[tuple] = []
@@ -262,8 +250,8 @@ def test_run_variants_skips_finished_ones_and_resumes_training(curve):
         return cv.run_variants(results, variants, plan, ["loss.steps=1"], full_curve, train, measure,
                                lambda: None, lambda v, step: (v.name, step) in folders)
 
-    a, b = cv.Variant("a", "mtp", ("loss.kind=tv",)), cv.Variant("b", "mtp", ("loss.steps=3",))
-    results: dict = {"command": "python bench/curve.py --variants a,b"}
+    a, b = cc.Variant("a", "mtp", ("loss.kind=tv",)), cc.Variant("b", "mtp", ("loss.steps=3",))
+    results: dict = {"command": "python -m bench.curve --variants a,b"}
     run(results, [a, b])
     assert calls == [("train", "a", (40,)), ("measure", "a", 40), ("train", "b", (40,)), ("measure", "b", 40)]
     row = results["variants"]["a"]
@@ -281,11 +269,11 @@ def test_run_variants_skips_finished_ones_and_resumes_training(curve):
     calls.clear()
     # A changed definition is refused (its folder holds the old one's heads and checkpoint), by name.
     with pytest.raises(SystemExit, match="variant a is not what curve.json measured"):
-        run(results, [cv.Variant("a", "mtp", ("loss.kind=nla",))])
+        run(results, [cc.Variant("a", "mtp", ("loss.kind=nla",))])
     # --full-curve after a last-point-only run: the earlier exports do not exist, and resuming cannot make them.
     with pytest.raises(SystemExit, match=r"without exports at steps \[10, 20\]"):
         run(results, [a], full_curve=True)
-    c = cv.Variant("c", "eagle3", ("loss.steps=7",))
+    c = cc.Variant("c", "eagle3", ("loss.steps=7",))
     run(results, [c], full_curve=True)  # every point exported and measured, the last one's fields on the row
     assert calls == [("train", "c", (10, 20, 40)), ("measure", "c", 10), ("measure", "c", 20), ("measure", "c", 40)]
     assert sorted(results["variants"]["c"]["points"], key=int) == ["10", "20", "40"]
@@ -294,15 +282,14 @@ def test_run_variants_skips_finished_ones_and_resumes_training(curve):
     calls.clear()
     halves = [(20, 16000), (40, 32000), (80, 64000)]
     plan.extend(halves[2:])  # measure() looks a step's tokens up in `plan`
-    d = cv.Variant("d", "mtp", ("train.micro_batch_tokens=1024",))
+    d = cc.Variant("d", "mtp", ("train.micro_batch_tokens=1024",))
     cv.run_variants(results, [a, d], plan[:3], ["loss.steps=1"], False, train, measure, lambda: None,
                     lambda v, step: (v.name, step) in folders, plan_of=lambda v: halves if v is d else plan[:3])
     assert calls == [("train", "d", (80,)), ("measure", "d", 80)]
     assert (results["variants"]["d"]["step"], results["variants"]["d"]["tokens"]) == (80, 64000)
 
 
-def test_variants_table_and_points_json(report, tmp_path):
-    import curve_variants as cv
+def test_variants_table_and_points_json(tmp_path):
 
     results = _synthetic()
     pos = [0.4, 0.1, 0.02]
@@ -332,7 +319,7 @@ def test_variants_table_and_points_json(report, tmp_path):
     for name, key in (("mtp-tv-s1", "tv"), ("mtp-nla-s1", "nla")):
         results["variants"][name]["points"]["80"]["requests"] = reqs[key]
         results["variants"][name]["tau_se"] = 0.05
-    table = cv.variants_markdown(results)
+    table = report.variants_markdown(results)
     assert "| 1.420 ± 0.050 | – |" in table  # the best row itself
     from mtp_train.speculative.metrics import paired_tau_difference
 
@@ -342,17 +329,17 @@ def test_variants_table_and_points_json(report, tmp_path):
     mb = {"step": 160, "tokens": 131500, "tau": 1.5, "acceptance_rate": 0.2, "pos": pos, "seconds": 90.0}
     results["variants"]["mtp-mb1024"] = {"variant": "mtp-mb1024", "head": "mtp", "overrides": [
         "train.micro_batch_tokens=1024"], "points": {"160": mb}, **mb}
-    assert (cv.points_json(results)["best_tau_512k"], cv.points_json(results)["best_variant"]) == (1.5, "mtp-mb1024")
+    best = crec.points_json(results)
+    assert (best["best_tau_512k"], best["best_variant"]) == (1.5, "mtp-mb1024")
     del results["variants"]
-    assert cv.variants_markdown(results) == ""  # no variants measured: the report is the heads' alone
-    assert cv.points_json(results)["best_variant"] == "curve"  # then the best head of the curve itself
+    assert report.variants_markdown(results) == ""  # no variants measured: the report is the heads' alone
+    assert crec.points_json(results)["best_variant"] == "curve"  # then the best head of the curve itself
 
 
-def test_a_committed_record_seeds_a_fresh_run(curve, tmp_path):
+def test_a_committed_record_seeds_a_fresh_run(tmp_path):
     """docs/curve.json round-trips: a fresh checkout's curve.json takes its rows, heads and prompt lookup as
     measured (run_variants then skips them), keeps its own rows first, and refuses a seeded row whose definition
     changed."""
-    import curve_variants as cv
 
     results = _synthetic()
     pos = [0.4, 0.1, 0.02]
@@ -362,24 +349,24 @@ def test_a_committed_record_seeds_a_fresh_run(curve, tmp_path):
     results["variants"] = {"mtp-tv-s1": {"variant": "mtp-tv-s1", "head": "mtp", "overrides": ["loss.kind=tv"],
                                          "recipe": ["loss.steps=1"], "points": {"80": point}, **point}}
     results["variant_order"] = ["mtp-tv-s1"]
-    record = json.loads(json.dumps(cv.points_json(results)))
+    record = json.loads(json.dumps(crec.points_json(results)))
     fresh: dict = {"variants": {"mtp-nla-s1": {"variant": "mtp-nla-s1", "head": "mtp", "overrides": ["loss.kind=nla"],
                                                "recipe": ["loss.steps=1"], "points": {"80": point}, **point}},
                    "variant_order": ["mtp-nla-s1"]}
-    taken = cv.seed(fresh, record)
+    taken = crec.seed(fresh, record)
     assert taken == ["mtp-tv-s1", "mtp (curve)", "eagle1 (curve)", "prompt lookup"]
     assert fresh["variant_order"] == ["mtp-nla-s1", "mtp-tv-s1"] and fresh["max_steps"] == 80
     assert fresh["heads"]["mtp"]["points"]["80"]["tau"] == 1.35
-    assert cv.seed(fresh, record) == []  # nothing new the second time
+    assert crec.seed(fresh, record) == []  # nothing new the second time
     calls = []
-    cv.run_variants(fresh, [cv.Variant("mtp-tv-s1", "mtp", ("loss.kind=tv",))], [(80, 131072)], ["loss.steps=1"],
+    cv.run_variants(fresh, [cc.Variant("mtp-tv-s1", "mtp", ("loss.kind=tv",))], [(80, 131072)], ["loss.steps=1"],
                     False, lambda v, s: calls.append(v) or {}, lambda v, s: calls.append(v) or {}, lambda: None,
                     lambda v, s: False)
     assert calls == []  # the seeded row counts as measured
     with pytest.raises(SystemExit, match="variant mtp-tv-s1 is not what curve.json measured"):
-        cv.run_variants(fresh, [cv.Variant("mtp-tv-s1", "mtp", ("loss.kind=nla",))], [(80, 131072)],
+        cv.run_variants(fresh, [cc.Variant("mtp-tv-s1", "mtp", ("loss.kind=nla",))], [(80, 131072)],
                         ["loss.steps=1"], False, lambda v, s: {}, lambda v, s: {}, lambda: None, lambda v, s: False)
-    again = cv.points_json(fresh)
+    again = crec.points_json(fresh)
     assert set(again["variants"]) == {"mtp-nla-s1", "mtp-tv-s1"} and again["best_tau_512k"] == 1.42
 
 
@@ -391,9 +378,7 @@ def _seed_row(head: str, overrides: list[str], requests: dict[str, list[int]]) -
             "points": {"80": {"step": 80, "tokens": 131072, "tau": tau, "pos": [0.3], "requests": requests}}}
 
 
-def test_seeds_group_by_recipe_and_two_heads_compare_with_an_interval(report):
-    import curve_seeds as cs
-    import curve_variants as cv
+def test_seeds_group_by_recipe_and_two_heads_compare_with_an_interval():
 
     assert cs.recipe_and_seed(["loss.steps=1", "train.seed=2", "loss.kind=tv"]) == (
         ("loss.kind=tv", "loss.steps=1"), 2)
@@ -425,5 +410,5 @@ def test_seeds_group_by_recipe_and_two_heads_compare_with_an_interval(report):
              for head, seeds in (("mtp", (1, 2)), ("eagle1", (3, 4))) for s in seeds]
     assert len(cs.multi_seed_groups(apart)) == 2 and cs.comparisons(apart) == []
     results = {"eval": {"k": 3}, "max_steps": 80, "variants": {r["variant"]: r for r in rows}}
-    assert cv.points_json(results)["seed_comparisons"][0]["head_b"] == "eagle1"
-    assert "## Seeds" in cv.variants_markdown(results)
+    assert crec.points_json(results)["seed_comparisons"][0]["head_b"] == "eagle1"
+    assert "## Seeds" in report.variants_markdown(results)

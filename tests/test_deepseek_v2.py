@@ -96,9 +96,9 @@ def test_mtp_head_with_a_deepseek_block_trains_drafts_and_exports(checkpoints, t
     from safetensors import safe_open
 
     from mtp_train.export import export_head, load_export
+    from mtp_train.head_types.chain import HeadProposer
     from mtp_train.heads import load_head, packed_shift, save_head
     from mtp_train.layers import AttentionMetadata
-    from mtp_train.speculative.proposers import HeadProposer
 
     path, _ = checkpoints["lite"]
     model = load_model(path, dtype="float32", backend="torch")
@@ -112,7 +112,7 @@ def test_mtp_head_with_a_deepseek_block_trains_drafts_and_exports(checkpoints, t
     nxt = packed_shift(tokens, lens, 1)
     train = head.forward_train(hidden, nxt, lens)
     with torch.no_grad():
-        inf = head(hidden, nxt, AttentionMetadata.build(lens)).hidden
+        inf = head(hidden, nxt, AttentionMetadata.build(lens), from_target=True).hidden
     torch.testing.assert_close(inf, train, rtol=1e-5, atol=1e-5)
     # speculative decoding with it reproduces plain greedy decoding
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -133,7 +133,8 @@ def test_mtp_head_with_a_deepseek_block_trains_drafts_and_exports(checkpoints, t
     back, again = load_export(out, path), load_head(tmp_path / "head", path)
     meta = AttentionMetadata.build(lens)
     with torch.no_grad():
-        torch.testing.assert_close(back(hidden, nxt, meta).hidden, again(hidden, nxt, meta).hidden,
+        torch.testing.assert_close(back(hidden, nxt, meta, from_target=True).hidden,
+                                   again(hidden, nxt, meta, from_target=True).hidden,
                                    rtol=1e-5, atol=1e-6)
 
 
@@ -150,7 +151,7 @@ def test_mla_backend_selection_on_cpu(checkpoints):
 
 def test_target_and_head_pools_hold_only_the_latent_rows(checkpoints):
     from mtp_train.engine import ModelRunner
-    from mtp_train.speculative.proposers import HeadProposer
+    from mtp_train.head_types.chain import HeadProposer
 
     path, _ = checkpoints["lite"]
     model = load_model(path, dtype="float32", backend="torch")

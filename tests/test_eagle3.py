@@ -106,7 +106,7 @@ def test_forward_equals_the_published_equations_and_names_follow_the_contract(ti
     sd = {k: t.detach() for k, t in head.state_dict().items()}
     want_x, want_logits = reference_eagle3(sd, head.frozen.embed, aux, nxt, cfg, theta)
     with torch.no_grad():
-        out = head(aux, nxt, AttentionMetadata.build([8]), logits_indices=torch.arange(8))
+        out = head(aux, nxt, AttentionMetadata.build([8]), from_target=True, logits_indices=torch.arange(8))
     torch.testing.assert_close(out.hidden, want_x, **TOL)
     torch.testing.assert_close(out.logits, want_logits, **TOL)
 
@@ -159,13 +159,13 @@ def test_eagle31_norms_follow_the_published_equations(tiny_checkpoints):
     want_x, want_logits = reference_eagle3(sd, head.frozen.embed, normed, nxt, cfg, theta)
     meta, rows = AttentionMetadata.build([8]), torch.arange(8)
     with torch.no_grad():
-        out = head(aux, nxt, meta, logits_indices=rows)
+        out = head(aux, nxt, meta, from_target=True, logits_indices=rows)
         torch.testing.assert_close(out.hidden, _rms(want_x, sd["norm.weight"], cfg.rms_norm_eps), **TOL)
         torch.testing.assert_close(out.logits, want_logits, **TOL)
         for flag in EAGLE31:  # the same weights with one flag off give another output
             other = _eagle3(tiny_checkpoints, **{**EAGLE31, flag: False})
             other.load_state_dict({k: v for k, v in sd.items() if flag != "aux_norm" or not k.startswith("aux_norm.")})
-            assert not torch.allclose(other(aux, nxt, meta).hidden, out.hidden, **TOL), flag
+            assert not torch.allclose(other(aux, nxt, meta, from_target=True).hidden, out.hidden, **TOL), flag
 
 
 @pytest.mark.parametrize(("name", "lens", "flags"), CASES, ids=["llama", "qwen3", "mistral", "llama-eagle3.1"])
@@ -179,7 +179,7 @@ def test_training_forward_equals_inference_prefill_verify_and_decode(tiny_checkp
     starts = seq_starts(lens)
     with torch.no_grad():
         last = torch.tensor(starts) + torch.tensor(lens) - 1
-        prefill = head(aux, nxt, AttentionMetadata.build(lens), logits_indices=last)
+        prefill = head(aux, nxt, AttentionMetadata.build(lens), from_target=True, logits_indices=last)
         torch.testing.assert_close(prefill.hidden, train, **TOL)
         torch.testing.assert_close(prefill.logits, head.compute_logits(train[last]), **TOL)
         kv, page_size = new_cache(head, 3), 3
@@ -191,7 +191,7 @@ def test_training_forward_equals_inference_prefill_verify_and_decode(tiny_checkp
                 kv.ensure(pages[b], t + 1)
             rows = torch.tensor([starts[b] + t for b in live])
             meta = AttentionMetadata.build([1] * len(live), [t + 1] * len(live), [pages[b] for b in live], page_size)
-            out[rows] = head(aux[rows], nxt[rows], meta, kv.layers[0]).hidden
+            out[rows] = head(aux[rows], nxt[rows], meta, kv.layers[0], from_target=True).hidden
         torch.testing.assert_close(out, train, **TOL)
 
 
@@ -228,7 +228,7 @@ def test_eagle3_feeds_its_pre_norm_output_to_the_next_step(tiny_checkpoints):
         # The output is not normed: its RMS is not the norm's; the logits read norm(x).
         rms = outs[0].pow(2).mean(-1).sqrt()
         assert not torch.allclose(rms, torch.ones_like(rms), atol=0.05)
-        logits = head(aux, packed_shift(tokens, [6], 1), meta, logits_indices=torch.arange(6)).logits
+        logits = head(aux, packed_shift(tokens, [6], 1), meta, from_target=True, logits_indices=torch.arange(6)).logits
         torch.testing.assert_close(logits, head.norm(outs[0]) @ head.lm_head.weight.T, **TOL)
 
 
@@ -284,8 +284,9 @@ def test_mtp_aux_features_change_only_the_step0_input(tiny_checkpoints):
     aux, hidden, tokens = _aux_batch(tiny_checkpoints, "llama", [1, 3], [6])
     nxt = packed_shift(tokens, [6], 1)
     with torch.no_grad():
-        # Fed an H-wide input (steps j > 0), the aux head is the plain head.
-        torch.testing.assert_close(aux_head.forward_train(hidden, nxt, [6]), base.forward_train(hidden, nxt, [6]))
+        # Fed its own H-wide output (steps j > 0), the aux head is the plain head.
+        torch.testing.assert_close(aux_head.forward_train(hidden, nxt, [6], from_target=False),
+                                   base.forward_train(hidden, nxt, [6]))
         via_fc = base.forward_train(aux_head.aux_fc(aux), nxt, [6])
         torch.testing.assert_close(aux_head.forward_train(aux, nxt, [6]), via_fc, **TOL)
 
@@ -314,3 +315,57 @@ def test_save_load_round_trip_keeps_aux_layers_and_lm_head(tiny_checkpoints, tmp
     aux, _, tokens = _aux_batch(tiny_checkpoints, "llama", head.aux_layers, [5])
     with torch.no_grad():
         torch.testing.assert_close(back.unroll(aux, tokens, [5], 2)[1], head.unroll(aux, tokens, [5], 2)[1], **TOL)
+
+
+# --- one aux layer: step 0 is known, not guessed from the width ----------------------------------------------------
+
+
+@pytest.mark.parametrize("type_", ["eagle3", "mtp"])
+def test_a_single_aux_layer_goes_through_the_aux_fc_in_training_and_inference(tiny_checkpoints, type_):
+    """With head.aux_layers=[j] step 0's input is H wide, like every later step's: the head must still apply its aux
+    fc there (the caller says which input it is), in the training forward, the unroll and the paged inference chain
+    alike; a later step's H-wide input never goes through it."""
+    kw = dict(draft_vocab_size=64) if type_ == "eagle3" else dict(features="aux")
+    head = build_head(HeadConfig(type=type_, aux_layers=[2], **kw), tiny_checkpoints["llama"][0], dtype="float32")
+    fc = head.fc if type_ == "eagle3" else head.aux_fc
+    assert head.input_width == head.args.hidden_size and tuple(fc.weight.shape) == (head.args.hidden_size,) * 2
+    with torch.no_grad():
+        fc.weight.copy_(torch.eye(head.args.hidden_size) * 3.0)  # far from the identity a skipped fc would be
+    aux, _, tokens = _aux_batch(tiny_checkpoints, "llama", [2], [6, 4])
+    nxt = packed_shift(tokens, [6, 4], 1)
+    with torch.no_grad():
+        step0 = head.forward_train(aux, nxt, [6, 4])
+        skipped = head.forward_train(aux, nxt, [6, 4], from_target=False)  # the same rows read as a later step's
+        through_fc = head.forward_train(3.0 * aux, nxt, [6, 4], from_target=False)
+        assert not torch.allclose(step0, skipped, **TOL)
+        torch.testing.assert_close(step0, through_fc, **TOL)
+        outs = head.unroll(aux, tokens, [6, 4], 3, attention="chain")
+        torch.testing.assert_close(outs[0], step0, **TOL)
+        assert_unroll_is_the_inference_chain(head, aux, tokens, [6, 4], outs, 2, TOL)
+
+
+def test_a_single_aux_layer_head_serves_through_its_fc_and_exports_where_a_layout_takes_it(tiny_checkpoints,
+                                                                                            tmp_path):
+    """An eagle3 head over one aux layer: the native export equals the head on step-0 rows, the serving engines'
+    EAGLE-3 layouts refuse it by name (their fc reads exactly three layers), and greedy speculative decoding with
+    it equals plain decoding (the engine catches up on that one layer through the fc)."""
+    from mtp_train.engine import LLMEngine, SamplingParams
+    from mtp_train.export import export_head, verify_round_trip
+    from mtp_train.head_types.chain import HeadProposer
+    from mtp_train.speculative.engine import SpecEngine
+
+    folder = tiny_checkpoints["llama"][0]
+    head = build_head(HeadConfig(type="eagle3", draft_vocab_size=64, aux_layers=[2]), folder, dtype="float32")
+    save_head(head, tmp_path / "head", target_fingerprint=weights_fingerprint(folder))
+    out = export_head(tmp_path / "head", folder, "native", tmp_path / "native")
+    assert verify_round_trip(tmp_path / "head", out, folder) == 0.0
+    for fmt in ("speculators", "sglang-eagle3"):
+        with pytest.raises(LayoutError, match=r"aux_layers=\[2\]: the engines read exactly 3 target layers"):
+            export_head(tmp_path / "head", folder, fmt, tmp_path / fmt)
+        assert not (tmp_path / fmt).exists()
+    model = load_model(folder, dtype="float32", backend="torch")
+    prompts = [[5, 9, 11, 3], [7, 2, 8]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = LLMEngine(model, page_size=3, num_pages=128).generate(prompts, params)
+    spec = SpecEngine(model, HeadProposer(head), 3, page_size=3, num_pages=128).generate(prompts, params)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]

@@ -131,7 +131,7 @@ def test_eval_names_an_unknown_prompt_set(default_model_dir, tmp_path):
 def test_eval_refuses_an_unknown_method_naming_the_registered_ones(default_model_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mtp_train.cli.eval", f"model.path={default_model_dir}",
                            "method=medusa", f"out={tmp_path / 'eval'}"], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 2 and "'medusa' is unknown; choose one of none, mtp, draft, ngram" in proc.stderr
+    assert proc.returncode == 2 and "unknown eval method 'medusa'; choose one of none, mtp, draft, ngram" in proc.stderr
 
 
 def test_eval_prompt_lookup_alone(default_model_dir, tmp_path):

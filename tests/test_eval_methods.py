@@ -8,13 +8,14 @@ import pytest
 
 from mtp_train.config import EvalConfig, HeadConfig, NgramConfig
 from mtp_train.eval.acceptance import RunResult
-from mtp_train.eval.methods import METHODS, MethodSet, MethodSpec, grid_methods, method_spec, register
+from mtp_train.eval.methods import METHODS, K, MethodSet, MethodSpec, grid_methods, method_spec, register
 from mtp_train.eval.options import EvalPoint, expand_grid
 from mtp_train.eval.report import plot_series, vs_k_figure
 from mtp_train.eval.rows import overall_rows, result_row
+from mtp_train.head_types.chain import HeadProposer
 from mtp_train.heads import build_head
 from mtp_train.speculative.metrics import SpecMetrics
-from mtp_train.speculative.proposers import HeadProposer, NgramProposer
+from mtp_train.speculative.proposers import NgramProposer
 
 
 def _count(points: list[EvalPoint]) -> dict[str, int]:
@@ -26,12 +27,12 @@ def _count(points: list[EvalPoint]) -> dict[str, int]:
 
 def test_the_four_methods_are_registered_and_an_unknown_one_is_refused_naming_them():
     assert list(METHODS) == ["none", "mtp", "draft", "ngram"]
-    with pytest.raises(ValueError, match="'medusa' is unknown; choose one of none, mtp, draft, ngram"):
+    with pytest.raises(ValueError, match="unknown eval method 'medusa'; choose one of none, mtp, draft, ngram"):
         method_spec("medusa")
     with pytest.raises(ValueError, match="choose one of none, mtp, draft, ngram"):
         expand_grid(EvalConfig(method="medusa"))  # the grid refuses it before anything loads
     with pytest.raises(ValueError, match="registered twice"):
-        register(MethodSpec("ngram", "again", axes=("k",)))
+        register(MethodSpec("ngram", "again", axes=(K,)))
     assert list(METHODS) == ["none", "mtp", "draft", "ngram"]
 
 
@@ -45,7 +46,7 @@ def test_axes_that_do_not_apply_to_a_method_do_not_multiply_its_runs():
         points = expand_grid(EvalConfig(method=method, k=[1, 2], draft_width=[1, 2, 3], catch_up=["target", "own"],
                                         ngram=NgramConfig(compare=False)))
         assert _count(points) == {"none": 1, method: 2}
-        assert all(p.options == {} and p.draft_width is None for p in points)
+        assert all(p.options == {} and p.value("draft_width") is None for p in points)
     # the head: every axis of it, prompt lookup beside it at every k (ngram.compare), the baseline once
     cfg = EvalConfig(k=[1, 2, 3], draft_width=[1, 2], catch_up=["target", "own"], temperature=[0, 1])
     points = expand_grid(cfg)
@@ -82,11 +83,11 @@ def test_each_method_builds_its_own_proposer(tiny_checkpoints):
                      "prompt lookup": "NgramProposer"}
     for p, b in built.items():
         if isinstance(b, HeadProposer):
-            assert b.draft_width == p.draft_width and b.head is head
+            assert b.draft_width == p.value("draft_width") and b.head is head
         if isinstance(b, NgramProposer):
             assert (b.n_max, b.n_min) == (4, 2)
     with pytest.raises(ValueError, match="draft_width"):
-        methods.proposer(EvalPoint("mtp", k=2, draft_threshold=0.0, catch_up="target", draft_width=0))
+        methods.proposer(EvalPoint.of("mtp", k=2, draft_threshold=0.0, catch_up="target", draft_width=0))
     with pytest.raises(ValueError, match="head_ckpt"):
         MethodSet.load(cfg, None, None, tiny_checkpoints["llama"][0])  # type: ignore[arg-type]
 
@@ -105,7 +106,7 @@ def _run(point: EvalPoint, tau_steps: list[int], seconds: float) -> RunResult:
 def test_report_labels_and_plot_series_keep_draft_width_1_and_2_apart():
     points = expand_grid(EvalConfig(k=[1, 2], draft_width=[1, 2], ngram=NgramConfig(compare=False)))
     base = _run(points[0], [], 1.0)
-    pairs = [(_run(p, [1, p.draft_width - 1], 1.0 / p.draft_width), base) for p in points[1:]]
+    pairs = [(_run(p, [1, p.value("draft_width") - 1], 1.0 / p.value("draft_width")), base) for p in points[1:]]
     rows = [result_row(r, b) for r, b in pairs] + overall_rows(pairs)
     over = [r for r in rows if r["dataset"] == "overall"]
     assert len(over) == 4 and len({r["label"] for r in over}) == 4
@@ -116,6 +117,11 @@ def test_report_labels_and_plot_series_keep_draft_width_1_and_2_apart():
     assert {r["draft_width"] for r in series["mtp head width=2"]} == {2}
     assert [r["speedup"] for r in series["mtp head width=2"]] == [pytest.approx(2.0)] * 2
     fig = vs_k_figure(rows)
-    for ax in fig.axes:  # τ and speed-up: one line per width (the dashed break-even line has no label)
-        assert [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")] == list(series)
+    for ax in fig.axes:  # τ and speed-up: one entry per width (the step costs and the break-even line unlabelled)
+        assert ax.get_legend_handles_labels()[1] == list(series)
+        assert all(float(t).is_integer() for t in ax.get_xticks())  # k on whole numbers
+    tau_ax, speed_ax = fig.axes
+    costs = [ln for ln in tau_ax.get_lines() if ln.get_label() == "_cost"]
+    assert len(costs) == 2 and list(costs[0].get_ydata()) == [r["step_cost"] for r in series["mtp head width=1"]]
+    assert len(speed_ax.containers) == 2  # each speed-up series drawn with its interval as error bars
     fig.clf()

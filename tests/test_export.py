@@ -9,8 +9,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mtp_train.config import HEAD_SPECS, HeadConfig
-from mtp_train.export import FORMATS, LAYOUTS, LayoutError, export_head, load_export, verify_round_trip
+from mtp_train.config import HEAD_TYPES, HeadConfig
+from mtp_train.export import (
+    LAYOUTS,
+    LayoutError,
+    export_formats,
+    export_head,
+    load_export,
+    unmatched_formats,
+    verify_round_trip,
+)
 from mtp_train.heads import build_head, load_head, save_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import ModelConfigError
@@ -38,7 +46,7 @@ def _features_and_logits(head, rows=9):
     hidden = torch.randn(rows, head.args.hidden_size, generator=g)
     tokens = torch.randint(0, head.args.vocab_size, (rows,), generator=g)
     with torch.no_grad():
-        out = head(hidden, tokens, AttentionMetadata.build([4, 5]), logits_indices=torch.arange(rows))
+        out = head(hidden, tokens, AttentionMetadata.build([4, 5]), from_target=True, logits_indices=torch.arange(rows))
     return out.hidden, out.logits
 
 
@@ -157,15 +165,17 @@ def test_eagle3_export_round_trip_gives_identical_features_and_logits(tmp_path, 
     hidden = torch.randn(9, 3 * a.args.hidden_size, generator=g)  # the three aux layers, concatenated
     tokens = torch.randint(0, a.args.vocab_size, (9,), generator=g)
     with torch.no_grad():
-        x, y = (h(hidden, tokens, AttentionMetadata.build([4, 5]), logits_indices=torch.arange(9)) for h in (a, b))
+        x, y = (h(hidden, tokens, AttentionMetadata.build([4, 5]), from_target=True, logits_indices=torch.arange(9))
+                for h in (a, b))
     torch.testing.assert_close(y.hidden, x.hidden, **TOL)
     torch.testing.assert_close(y.logits, x.logits, **TOL)
 
 
 def test_each_format_is_named_by_the_specs_of_the_head_types_it_takes():
-    assert {f for spec in HEAD_SPECS.values() for f in spec.formats} == set(FORMATS)
+    assert unmatched_formats() == ([], [])
+    assert {f for t in HEAD_TYPES.values() for f in t.spec.formats} == set(export_formats())
     for fmt, layout in LAYOUTS.items():
-        assert layout.head_types == tuple(n for n, s in HEAD_SPECS.items() if fmt in s.formats) != ()
+        assert layout.head_types == tuple(n for n, t in HEAD_TYPES.items() if fmt in t.spec.formats) != ()
 
 
 def test_round_trip_check_reads_an_aux_mtp_head_through_its_aux_fc(tiny_checkpoints, tmp_path):

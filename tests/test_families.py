@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mtp_train.config import HeadConfig
-from mtp_train.heads import HEAD_TYPES, read_decoder_layer
+from mtp_train.config import HEAD_TYPES, HeadConfig
+from mtp_train.heads import head_class, read_decoder_layer
 from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.models import CausalLM, ModelConfigError, load_model
 from mtp_train.models.families import (
@@ -167,7 +167,7 @@ def test_loader_and_layer_reader_read_a_checkpoint_through_the_family(family, na
 def test_a_heads_block_and_rope_are_the_targets(family, name):
     model = _random_model(TINY[family][name])
     fam, args = family_of(model.args), model.args
-    head = HEAD_TYPES["mtp"](HeadConfig(type="mtp"), args, None)
+    head = head_class("mtp")(HeadConfig(type="mtp"), args, None)
     # the dense layer 0 of the target and the head's block have the same tensors (init_from_target copies them);
     # GPT-OSS has no dense layer, and its head's block leaves out the sinks (tests/test_gpt_oss.py checks it)
     if family != "gpt_oss":
@@ -179,10 +179,10 @@ def test_a_heads_block_and_rope_are_the_targets(family, name):
     refused = [t for t in HEAD_TYPES if fam.head_types is not None and t not in fam.head_types]
     for t in refused:
         with pytest.raises(ModelConfigError, match=f"a {fam.title} target takes"):
-            HEAD_TYPES[t](HeadConfig(type=t, draft_vocab_size=64), args, None)  # otherwise valid
+            head_class(t)(HeadConfig(type=t, draft_vocab_size=64), args, None)  # otherwise valid
     if not fam.head_moe:
         with pytest.raises(ValueError, match="head.moe=true needs a"):
-            HEAD_TYPES["mtp"](HeadConfig(type="mtp", moe=True), args, None)
+            head_class("mtp")(HeadConfig(type="mtp", moe=True), args, None)
 
 
 @pytest.mark.parametrize("family,name", CASES)

@@ -346,32 +346,38 @@ def test_plumbing_against_documented_semantics(fake_flashinfer, heads, window):
             assert plan.get("causal", True) is True
 
 
-def _tree_case(backend, device, dtype, gen, hq=8, hkv=2):
-    """A tree step (`set_tree`) of two sequences through `backend` against the fp32 torch reference."""
+def _tree_case(backend, device, dtype, gen, hq=8, hkv=2, window=None):
+    """A tree step (`set_tree`) of two sequences through `backend` against the fp32 torch reference (whose window
+    counts the tree's positions: tests/test_tree_windows.py)."""
     qo, kv = [5, 3], [12, 20]
     meta = AttentionMetadata.build(qo, kv, _block_tables(kv, gen), PAGE_SIZE, device=device)
     meta.set_tree([[-1, 0, 1, 0, 0], [-1, 0, 0]])  # a chain of 2 with two siblings; two siblings alone
     q, k, v = _qkv(meta.num_tokens, hq, hkv, dtype, device, gen)
     cache = torch.randn(NUM_PAGES, 2, PAGE_SIZE, hkv, HEAD_DIM, generator=gen).to(device, dtype)
-    want, _ = _reference(q, k, v, cache, meta, hq, hkv)
+    want, _ = _reference(q, k, v, cache, meta, hq, hkv, window)
     backend.prepare(meta)
     got = backend.forward(q, k, v, cache, meta)
     tol = TOL.get(dtype, 2e-2)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     # and the tree changed something: the same step as plain chains attends differently
     chain = AttentionMetadata.build(qo, kv, meta.block_tables.tolist(), PAGE_SIZE, device=device)
-    plain, _ = _reference(q, k, v, cache, chain, hq, hkv)
+    plain, _ = _reference(q, k, v, cache, chain, hq, hkv, window)
     assert not torch.allclose(plain, want, atol=tol, rtol=tol)
 
 
-def test_tree_step_plans_a_custom_mask(fake_flashinfer):
-    _tree_case(fake_flashinfer(8, 2, HEAD_DIM, device="cpu"), "cpu", torch.bfloat16, torch.Generator().manual_seed(9))
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "window3"])
+def test_tree_step_plans_a_custom_mask(fake_flashinfer, window):
+    backend = fake_flashinfer(8, 2, HEAD_DIM, window, device="cpu")
+    _tree_case(backend, "cpu", torch.bfloat16, torch.Generator().manual_seed(9), window=window)
+    plan = backend._wrappers["paged"].plans[-1]
+    assert plan["custom"] is not None and plan["window_left"] == -1  # the window is in the mask, by tree position
 
 
 @gpu
 @pytest.mark.gpu
-def test_tree_step_matches_torch():
-    _tree_case(_fi_backend(8, 2), "cuda", torch.bfloat16, torch.Generator().manual_seed(9))
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "window3"])
+def test_tree_step_matches_torch(window):
+    _tree_case(_fi_backend(8, 2, window), "cuda", torch.bfloat16, torch.Generator().manual_seed(9), window=window)
 
 
 def test_one_plan_per_step_and_replan_when_interleaved(fake_flashinfer):

@@ -1,4 +1,4 @@
-"""launch/gpu_train_check.py on CPU: the whole recipe (online training of both heads by the clock, mtp-eval at
+"""checks/gpu_train_check.py on CPU: the whole recipe (online training of both heads by the clock, mtp-eval at
 k = 1..6 against plain decoding, one JSON line per head) on a tiny random chat target, in seconds.
 
 The target is a random 7-layer Llama (room for EAGLE-3's default aux layers [2, 3, 4]) with a small byte-level BPE
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TOPICS, make_chat_target, script_fixture
+from checks import gpu_train_check as recipe
+from tests.conftest import TOPICS, make_chat_target
 
-ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["it", "is", "old", "and", "very", "small", "bright", "cold", "round", "near", "far", "often", "seen"]
 KEYS = {"head", "device", "dtype", "backend", "budget_s", "tokens_seen", "samples_seen", "steps", "train_seconds",
         "train_wall_s", "stopped_by", "train_loss", "eval_top1", "tau", "speedup", "exact_match",
@@ -23,9 +23,6 @@ KEYS = {"head", "device", "dtype", "backend", "budget_s", "tokens_seen", "sample
 BUDGET_S = 1.0
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-recipe = script_fixture("launch_gpu_train_check", ROOT / "launch" / "gpu_train_check.py")
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -54,7 +51,7 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
             "convs": _write_jsonl(root / "convs.jsonl", convs), "single": single, "two": two, "root": root}
 
 
-def test_arguments_and_overrides(recipe, tmp_path):
+def test_arguments_and_overrides(tmp_path):
     a = recipe.parse_args([])
     assert a.heads == ["eagle3", "mtp"] and a.budget_s == 240 and a.k == [1, 2, 3, 4, 5, 6]
     assert a.device == "auto" and a.backend == "auto" and a.jobs is None
@@ -71,7 +68,7 @@ def test_arguments_and_overrides(recipe, tmp_path):
     assert recipe.hydra_value("it's") == "'it\\'s'"
 
 
-def test_the_recipe_trains_both_heads_by_the_clock_and_evaluates_them(recipe, inputs, capsys):
+def test_the_recipe_trains_both_heads_by_the_clock_and_evaluates_them(inputs, capsys):
     out, results = inputs["root"] / "out", inputs["root"] / "results"
     rc = recipe.main(["--device", "cpu", "--budget-s", str(BUDGET_S), "--model", str(inputs["target"]),
                       "--data", str(inputs["convs"]), "--prompts", str(inputs["single"]), str(inputs["two"]),

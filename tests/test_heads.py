@@ -9,10 +9,9 @@ import torch
 
 import mtp_train.heads.frozen as frozen_mod
 from mtp_train.config import HeadConfig
-from mtp_train.config.head import HEAD_SPECS
+from mtp_train.config.head import HEAD_TYPES, HeadType
 from mtp_train.engine import prefill_hidden
 from mtp_train.heads import (
-    HEAD_TYPES,
     DraftHead,
     FrozenTargetParts,
     MTPHead,
@@ -23,7 +22,7 @@ from mtp_train.heads import (
     read_head_config,
     save_head,
 )
-from mtp_train.heads.registry import head_class, register_head
+from mtp_train.heads.registry import head_class
 from mtp_train.layers import AttentionMetadata
 from mtp_train.layers.attention import KVLayout
 from mtp_train.models import ModelConfigError, load_model
@@ -202,13 +201,13 @@ def _prefill_through_pages(head, hidden, tokens, lens, split: int, page_size: in
     rows = torch.tensor([starts[b] + i for b, n in enumerate(first) for i in range(n)])
     out = torch.empty_like(hidden)
     meta = AttentionMetadata.build(first, first, pages, page_size)
-    out[rows] = head(hidden[rows], tokens[rows], meta, kv.layers[0]).hidden
+    out[rows] = head(hidden[rows], tokens[rows], meta, kv.layers[0], from_target=True).hidden
     rest = [n - f for n, f in zip(lens, first)]
     for b, n in enumerate(lens):
         kv.ensure(pages[b], n)
     rows = torch.tensor([starts[b] + first[b] + i for b, n in enumerate(rest) for i in range(n)])
     meta = AttentionMetadata.build(rest, lens, pages, page_size)
-    out[rows] = head(hidden[rows], tokens[rows], meta, kv.layers[0]).hidden
+    out[rows] = head(hidden[rows], tokens[rows], meta, kv.layers[0], from_target=True).hidden
     return out
 
 
@@ -224,7 +223,7 @@ def _decode_through_pages(head, hidden, tokens, lens, page_size: int = 3) -> tor
             kv.ensure(pages[b], t + 1)
         rows = torch.tensor([starts[b] + t for b in live])
         meta = AttentionMetadata.build([1] * len(live), [t + 1] * len(live), [pages[b] for b in live], page_size)
-        out[rows] = head(hidden[rows], tokens[rows], meta, kv.layers[0]).hidden
+        out[rows] = head(hidden[rows], tokens[rows], meta, kv.layers[0], from_target=True).hidden
     return out
 
 
@@ -241,7 +240,7 @@ def test_training_forward_equals_inference_prefill_verify_and_paged_decode(tiny_
     assert train.requires_grad
     with torch.no_grad():
         last = torch.tensor(seq_starts(lens)) + torch.tensor(lens) - 1
-        prefill = head(hidden, nxt, AttentionMetadata.build(lens), logits_indices=last)
+        prefill = head(hidden, nxt, AttentionMetadata.build(lens), from_target=True, logits_indices=last)
         torch.testing.assert_close(prefill.hidden, train, **TOL)
         torch.testing.assert_close(prefill.logits, head.compute_logits(train[last]), **TOL)
         torch.testing.assert_close(_prefill_through_pages(head, hidden, nxt, lens, split=3), train, **TOL)
@@ -270,15 +269,16 @@ def test_unroll_feeds_own_output_and_shifts_tokens_one_more_per_step(tiny_checkp
     calls = []
     features = type(head).features
 
-    def spy(self, x, token_ids, meta, kv_cache, attn):
-        calls.append((x, token_ids.tolist(), meta.positions.tolist()))
-        return features(self, x, token_ids, meta, kv_cache, attn)
+    def spy(self, x, token_ids, meta, kv_cache, attn, *, from_target):
+        calls.append((x, token_ids.tolist(), meta.positions.tolist(), from_target))
+        return features(self, x, token_ids, meta, kv_cache, attn, from_target=from_target)
 
     monkeypatch.setattr(type(head), "features", spy)
     outs = head.unroll(hidden, tokens, lens, steps=3, attention=attention)
     assert [c[1] for c in calls] == [[11, 12, 13, 0, 21, 22, 0], [12, 13, 0, 0, 22, 0, 0], [13, 0, 0, 0, 0, 0, 0]]
     assert [c[2] for c in calls] == [[0, 1, 2, 3, 0, 1, 2], [1, 2, 3, 4, 1, 2, 3], [2, 3, 4, 5, 2, 3, 4]]
     assert calls[0][0] is hidden and calls[1][0] is outs[0] and calls[2][0] is outs[1]
+    assert [c[3] for c in calls] == [True, False, False]  # the caller says which step reads the target
     monkeypatch.undo()
     # Step 0 is the plain training forward; in causal mode every step is one (RoPE is relative).
     torch.testing.assert_close(outs[0], head.forward_train(hidden, packed_shift(tokens, lens, 1), lens), **TOL)
@@ -338,8 +338,8 @@ def test_save_load_round_trip(tiny_checkpoints, tmp_path, type_):
     hidden, tokens = _batch(tiny_checkpoints, "qwen3")
     nxt = packed_shift(tokens, LENS, 1)
     with torch.no_grad():
-        a = head(hidden, nxt, AttentionMetadata.build(LENS), logits_indices=torch.arange(4))
-        b = loaded(hidden, nxt, AttentionMetadata.build(LENS), logits_indices=torch.arange(4))
+        a = head(hidden, nxt, AttentionMetadata.build(LENS), from_target=True, logits_indices=torch.arange(4))
+        b = loaded(hidden, nxt, AttentionMetadata.build(LENS), from_target=True, logits_indices=torch.arange(4))
     torch.testing.assert_close(b.hidden, a.hidden, rtol=0, atol=0)
     torch.testing.assert_close(b.logits, a.logits, rtol=0, atol=0)
     assert load_head(tmp_path / "h", path, dtype="bfloat16").fc.weight.dtype == torch.bfloat16
@@ -402,17 +402,14 @@ def test_flipped_or_truncated_weights_and_a_damaged_config_are_refused_by_file(t
         load_head(tmp_path / "h", llama)
 
 
-def test_every_head_spec_has_one_registered_class():
-    """The spec registry (settings) and the class registry (torch) know the same head types."""
-    assert set(HEAD_TYPES) == set(HEAD_SPECS)
-    assert all(cls.type_name == name for name, cls in HEAD_TYPES.items())
-
-    class Medusa(MTPHead):
-        type_name = "medusa"
-
-    with pytest.raises(TypeError, match="'medusa' has no HeadTypeSpec"):
-        register_head(Medusa)
-    with pytest.raises(TypeError, match="'mtp' is registered twice"):
-        register_head(MTPHead)
-    with pytest.raises(ValueError, match="head type 'medusa' has no implementation"):
+def test_every_head_type_is_one_registered_plug_in():
+    """Each head type is one registered object: its spec's name is its own, its class says the same name, a second
+    registration under a known name is refused, and an unknown name is answered with the known ones."""
+    assert set(HEAD_TYPES) >= {"mtp", "eagle1", "eagle3"}
+    for name, t in HEAD_TYPES.items():
+        assert t.name == name and head_class(name).type_name == name and head_class(name) is t.module
+    with pytest.raises(ValueError, match="head type 'mtp' is registered twice"):
+        HEAD_TYPES.add(HeadType(HEAD_TYPES["mtp"].spec, MTPHead, HEAD_TYPES["mtp"].drafter,
+                                HEAD_TYPES["mtp"].inference_path))
+    with pytest.raises(ValueError, match="unknown head type 'medusa'; choose one of .*mtp"):
         head_class("medusa")

@@ -549,3 +549,31 @@ def test_dpace_trains_a_three_step_head(tiny_batch):
     for j in range(3):
         assert m[f"step{j}/top1"] > first[f"step{j}/top1"], j
         assert m[f"step{j}/pos_weight"] > first[f"step{j}/pos_weight"], j  # more confidence, more weight
+
+
+@pytest.mark.parametrize("kind", ["soft_ce", "rkl", "jsd", "tv", "nla", "lk_hybrid", "argmax_ce"])
+def test_every_loss_kind_is_one_registered_token_loss_whose_two_paths_agree(kind):
+    """One interface for every kind: `chunk_sums` (differentiable, the checkpoint path) and `chunk_grad` (the fused
+    path: soft CE's closed form, natively on fp32 CPU; autograd for the others) give the same sums, and the closed
+    form's gradient equals autograd's through `chunk_sums`; soft CE's rows equal its registered row loss."""
+    from mtp_train.config.loss import LOSS_KINDS
+    from mtp_train.train.divergences import TOKEN_LOSSES, TokenLoss, register_loss, token_loss
+
+    assert tuple(TOKEN_LOSSES) == LOSS_KINDS
+    g = torch.Generator().manual_seed(3)
+    z, t = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g) * 2
+    rw = torch.rand(5, generator=g)
+    loss = token_loss(kind)
+    zg = z.clone().requires_grad_()
+    sums = loss.chunk_sums(zg, t, rw)
+    (want,) = torch.autograd.grad(sums[0], zg)
+    got_sums, dz = loss.chunk_grad(z.clone(), t.clone(), rw)  # the native kernel may work in place
+    for a, b in zip(got_sums, sums):
+        torch.testing.assert_close(a.float(), b.detach().float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dz, want, rtol=1e-5, atol=1e-6)
+    generic = TokenLoss(kind, loss.rows)  # the kind's row losses alone, through autograd
+    torch.testing.assert_close(generic.chunk_sums(z, t, rw)[0], sums[0].detach(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=f"loss kind '{kind}' is registered twice"):
+        register_loss(TokenLoss(kind, loss.rows))
+    with pytest.raises(TypeError, match="'kl' is not a loss.kind"):
+        register_loss(TokenLoss("kl", loss.rows))

@@ -25,13 +25,13 @@ from mtp_train.config import ConfigError, DataConfig, RegenerateConfig, register
 from mtp_train.data.chat import render
 from mtp_train.data.readers import Conversation, read_conversations
 from mtp_train.engine import LLMEngine, SamplingParams
+from mtp_train.engine.generator import EngineGenerator
 from mtp_train.engine.turns import stop_token_ids
 from mtp_train.models import load_model
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.regenerate import (
     RegenerateError,
     consolidate,
-    make_provenance,
     part_path,
     plan_order,
     regenerate,
@@ -130,9 +130,8 @@ def _run(tiny, convs, out, *, engine=None, settings=None, **kw):
     engine = engine or engine_
     settings = settings or RegenerateConfig(max_new_tokens=6)
     stop = stop_token_ids(tok, engine.model.args.eos_token_ids)
-    prov = make_provenance(target_name="tiny", target_path=folder, weights_fingerprint=weights_fingerprint(folder),
-                           tokenizer=tok, cfg=settings, stop_ids=stop)
-    return regenerate(convs, engine, tok, out, settings, provenance=prov, stop_ids=stop, **kw)
+    generator = EngineGenerator(engine, name="tiny", path=folder, weights_fingerprint=weights_fingerprint(folder))
+    return regenerate(convs, generator, tok, out, settings, stop_ids=stop, **kw)
 
 
 # --------------------------------------------------------------------------------------------- real SmolLM2

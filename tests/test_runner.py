@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp_train.engine import ModelRunner, Sequence, prefill_hidden
+from mtp_train.engine import ModelRunner, Sequence, StepRows, prefill_hidden
 from mtp_train.models import load_model
 from mtp_train.speculative.tree import DraftTree, layout
 
@@ -61,22 +61,24 @@ def test_verify_k_tokens_equals_k_decode_steps(model, k):
     torch.testing.assert_close(verify, torch.stack(steps, 1), rtol=1e-4, atol=1e-4)
 
 
-def test_mixed_lengths_verify_and_truncate(model):
-    """Sequences with different numbers of new tokens in one step; rolling back rejected tokens."""
+def test_rows_of_mixed_lengths_over_a_cached_prefix_change_no_sequence(model):
+    """Sequences with different numbers of new rows in one step (`StepRows`); rows run again over the same cached
+    prefix take the place of rejected ones, with nothing to roll back; `forward` changes no sequence."""
     runner = ModelRunner.create(model, num_pages=32, page_size=2)
     s1, s2 = Sequence.new(0, [1, 2, 3, 4, 5]), Sequence.new(1, [7, 8])
-    runner.run([s1, s2])
-    s1.token_ids += [9, 10, 11]
-    s2.token_ids += [12]
-    out = runner.run([s1, s2], logits="all")
-    torch.testing.assert_close(out.logits[2], _full_logits(model, s1.token_ids), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out.logits[3], _full_logits(model, s2.token_ids), rtol=1e-4, atol=1e-4)
-    # reject the last two tokens of s1, feed another one: cache must hold only the kept prefix
-    runner.truncate(s1, 6)
-    assert s1.num_cached == 6 and len(s1.pages) == 3
-    s1.token_ids.append(42)
-    out = runner.run([s1])
-    torch.testing.assert_close(out.logits[0], _full_logits(model, s1.token_ids), rtol=1e-4, atol=1e-4)
+    runner.run([s1, s2])  # the prompts cached, by hand
+    for s in (s1, s2):
+        runner.kv.ensure(s.pages, len(s) + 3)
+    before = [(list(s.token_ids), s.num_cached, list(s.pages)) for s in (s1, s2)]
+    out = runner.forward(StepRows([[9, 10, 11], [12]], [5, 2], [s1.pages, s2.pages]), logits="all")
+    assert [(list(s.token_ids), s.num_cached, list(s.pages)) for s in (s1, s2)] == before
+    torch.testing.assert_close(out.logits[2], _full_logits(model, [1, 2, 3, 4, 5, 9, 10, 11]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.logits[3], _full_logits(model, [7, 8, 12]), rtol=1e-4, atol=1e-4)
+    # 9 kept, 10 and 11 rejected: the next rows start after 9, over the slots they wrote
+    out = runner.forward(StepRows([[42]], [6], [s1.pages]))
+    torch.testing.assert_close(out.logits[0], _full_logits(model, [1, 2, 3, 4, 5, 9, 42]), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="needs 5 pages"):  # the pages must hold the rows
+        runner.forward(StepRows([[1, 2, 3]], [7], [s1.pages[:4]]))
     runner.free(s1)
     runner.free(s2)
     assert runner.kv.allocator.num_free == 32

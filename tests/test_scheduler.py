@@ -20,10 +20,7 @@ def _seq(i: int, prompt_len: int, new: int) -> Sequence:
 
 
 def _run_step(sched: Scheduler, batch: list[Sequence], token: int = 7) -> list[Sequence]:
-    """What an engine's step does to the pages: the batch's tokens get cached, then one token each is emitted."""
-    for s in batch:
-        sched.kv.ensure(s.pages, len(s))
-        s.num_cached = len(s)
+    """A plain step after `schedule`: it changes no sequence and emits one token each; postprocess appends it."""
     return sched.postprocess(batch, [[token]] * len(batch))
 
 
@@ -83,6 +80,26 @@ def test_extra_rows_are_reserved_with_the_sequence():
     sched.add(seq)
     sched.schedule()
     assert kv.reserved == 4
+
+
+def test_the_scheduler_grows_the_pages_and_counts_the_cache():
+    """`schedule` gives each sequence of the batch pages for its tokens and the step's extra rows (within its
+    reservation); `postprocess` appends the step's tokens and counts all but the newest cached, however many the
+    step emitted."""
+    kv = _pool(16)
+    sched = Scheduler(kv, max_batch_size=4, max_batch_tokens=100, extra_tokens=5)
+    seq = _seq(0, 6, 7)  # 13 tokens + 5 rows: 5 pages reserved
+    sched.add(seq)
+    batch, prefill = sched.schedule()
+    assert prefill and seq.num_cached == 0 and len(seq.pages) == 3 == kv.pages_for(6 + 5)
+    assert sched.postprocess(batch, [[7]]) == [] and (len(seq), seq.num_cached) == (7, 6)
+    batch, _ = sched.schedule()
+    assert len(seq.pages) == kv.pages_for(7 + 5)
+    assert sched.postprocess(batch, [[8, 9, 10]]) == [] and (len(seq), seq.num_cached) == (10, 9)  # a verify step
+    batch, _ = sched.schedule()
+    assert len(seq.pages) == kv.pages_for(10 + 5) <= kv.reserved == 5
+    with pytest.raises(ValueError, match="emitted no token"):
+        sched.postprocess(batch, [[]])
 
 
 def test_two_schedulers_on_one_pool_admit_against_one_count():

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from mtp_train.config import HeadConfig
-from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.engine import LLMEngine, SamplingParams, SeqStatus, prefill_hidden
+from mtp_train.head_types.chain import HeadProposer
 from mtp_train.heads import build_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
-from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer, NgramProposer
+from mtp_train.speculative.proposers import DraftModelProposer, NgramProposer
 from mtp_train.speculative.tree_draft import TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,7 +93,7 @@ def _assert_catch_up_state_is_a_recompute(model, head, inputs_of) -> None:
             ids = s.token_ids[:-1]  # t_0..t_{L-2}: rows 0..L-2 read (h_i, t_{i+1})
             with torch.no_grad():
                 ref = head(inputs_of(ids), torch.tensor(s.token_ids[1:]),
-                           AttentionMetadata.build([len(ids)])).hidden[-1]
+                           AttentionMetadata.build([len(ids)]), from_target=True).hidden[-1]
             torch.testing.assert_close(proposer._feat[s.seq_id], ref, rtol=1e-4, atol=1e-4)
             checked += 1
     assert checked > 10
@@ -310,7 +311,7 @@ def test_catch_up_modes_keep_or_rewrite_the_chain_rows(tiny_checkpoints, mode):
     ids = seq.token_ids[:-1]
     with torch.no_grad():
         ref = prop.head(prefill_hidden(model, [ids]).hidden, torch.tensor(seq.token_ids[1:]),
-                        AttentionMetadata.build([len(ids)])).hidden[-1]
+                        AttentionMetadata.build([len(ids)]), from_target=True).hidden[-1]
     assert torch.allclose(prop._feat[seq.seq_id], ref, rtol=1e-4, atol=1e-4) == (mode == "target")
 
 
@@ -345,10 +346,57 @@ def test_first_draft_siblings_keep_greedy_output_and_save_missed_steps(tiny_chec
     assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages and eng.runner.kv.reserved == 0
 
 
-def test_wide_trees_need_tree_attention_and_a_sane_width(tiny_checkpoints):
-    head = _head(tiny_checkpoints, "mistral")
-    with pytest.raises(ValueError, match="tree"):  # a sliding window counts slots, not depths
-        SpecEngine(load_model(tiny_checkpoints["mistral"][0]), HeadProposer(head, draft_width=2), 2, num_pages=64)
+def _state(s):
+    """What a step could change of a sequence: its tokens, its cache count and its pages."""
+    return list(s.token_ids), s.num_cached, list(s.pages)
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "self", "head", "tree"])
+def test_only_the_scheduler_changes_a_sequence(tiny_checkpoints, drafter):
+    """Stepping the engine as `LLMEngine.step` does (schedule → run → postprocess): every forward of the target,
+    the verify included, sees the sequences as `schedule` left them, and the step's run leaves them so (no drafts
+    appended and taken back, no cache count moved); the scheduler's postprocess alone appends the step's tokens
+    and leaves every running sequence with all but its newest token cached. The output stays plain greedy's."""
+    model = load_model(tiny_checkpoints["llama"][0])
+    prompts = PROMPTS + [[9, 8, 7, 6] * 5]  # a looping prompt: drafts accepted from the first step
+    ref = _greedy(model, prompts)
+    proposers = {"ngram": lambda: NgramProposer(), "self": lambda: DraftModelProposer(model),  # all accepted
+                 "head": lambda: HeadProposer(_head(tiny_checkpoints)),
+                 "tree": lambda: HeadProposer(_head(tiny_checkpoints), draft_width=24)}
+    eng = (LLMEngine(model, page_size=3, num_pages=256) if drafter == "none" else
+           SpecEngine(model, proposers[drafter](), 3, page_size=3, num_pages=256))
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True)) for p in prompts]
+    scheduled: dict[int, tuple] = {}
+    forwards = []
+
+    def unchanged(module, args) -> None:
+        forwards.append({i: _state(s) for s in seqs if (i := s.seq_id) in scheduled} == scheduled)
+
+    hook = model.register_forward_pre_hook(unchanged)
+    try:
+        while eng.has_unfinished():
+            batch, prefill = eng.scheduler.schedule()
+            scheduled = {s.seq_id: _state(s) for s in batch}
+            assert all(s.num_cached == (0 if prefill else len(s) - 1) for s in batch)
+            tokens = eng.stepper.run(batch, prefill, eng.stats)
+            assert {s.seq_id: _state(s) for s in batch} == scheduled
+            eng.scheduler.postprocess(batch, tokens)
+            for s, new in zip(batch, tokens):
+                appended = s.token_ids[len(scheduled[s.seq_id][0]):]
+                assert appended == new or (s.status is SeqStatus.FINISHED and appended == new[:len(appended)])
+                assert s.num_cached == (len(s) - 1 if s.status is SeqStatus.RUNNING else 0)
+            eng.stepper.postprocess(batch, eng.stats)
+    finally:
+        hook.remove()
+    assert forwards and all(forwards)
+    assert [s.output_ids for s in seqs] == ref
+    if drafter not in ("none", "head"):  # (an untrained head's chain is rarely right)
+        assert eng.stats.metrics.num_accepted > 0
+    assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages and eng.runner.kv.reserved == 0
+
+
+def test_wide_trees_need_a_sane_width(tiny_checkpoints):
+    head = _head(tiny_checkpoints, "mistral")  # a sliding window: trees run there too (tests/test_tree_windows.py)
     for bad in (0, 33):
         with pytest.raises(ValueError, match="draft_width"):
             HeadProposer(head, draft_width=bad)

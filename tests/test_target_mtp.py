@@ -239,7 +239,7 @@ def test_initialised_head_equals_a_reference_forward_of_the_mtp_layer(target, la
     with torch.no_grad():
         f = head.forward_train(hidden, nxt, lens)
         logits = head.compute_logits(f)
-        out = head(hidden, nxt, AttentionMetadata.build(lens), logits_indices=torch.arange(len(ids)))
+        out = head(hidden, nxt, AttentionMetadata.build(lens), from_target=True, logits_indices=torch.arange(len(ids)))
     torch.testing.assert_close(f, want_f, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, want_l, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.hidden, want_f, rtol=1e-5, atol=1e-5)  # the inference forward agrees
@@ -373,8 +373,8 @@ def test_fine_tuned_mtp_layer_stitched_back_drafts_losslessly(target, tmp_path):
     folder serves as target and head at once, and speculative decoding with them equals plain greedy decoding."""
     from mtp_train.config import LossConfig
     from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+    from mtp_train.head_types.chain import HeadProposer
     from mtp_train.speculative.engine import SpecEngine
-    from mtp_train.speculative.proposers import HeadProposer
     from mtp_train.train.losses import unrolled_loss
 
     path, _ = target["sharded"]

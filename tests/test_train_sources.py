@@ -179,7 +179,7 @@ def test_online_samples_split_and_order_are_a_one_rank_precomputes(chat, tmp_pat
     """The conversation → sample path is precompute's: same ids, tokens, masks, split and order."""
     pc = _precompute(chat, tmp_path / "pc")
     from mtp_train.config import TrainConfig, typed
-    from mtp_train.train.online import split_rows
+    from mtp_train.train.sources.online import split_rows
 
     tc = typed(_compose("train", _train_overrides(chat, tmp_path / "x", "online")), TrainConfig)
     rows, info = load_rows(load_tokenizer(chat.target), tc.precompute_config(), vocab_size=10**6)
@@ -276,7 +276,7 @@ def test_hybrid_killed_in_either_phase_resumes_to_the_uninterrupted_run(chat, hy
     assert (pc / "manifest.json").exists() == (phase == "epoch1")
     if phase == "epoch0":
         (pc / ".tmp-shard-r0-00001.safetensors").write_bytes(b"torn")  # a write the kill interrupted
-    with caplog.at_level(logging.INFO, logger="mtp_train.train.hybrid"):
+    with caplog.at_level(logging.INFO, logger="mtp_train.train.sources.hybrid"):
         _train(chat, out, "hybrid", f"data.dir={pc}", *HYBRID)  # resume=auto
     # epoch 0: the samples of the open shard computed before the checkpoint were lost with the process: replayed
     assert ("recomputed 1 micro-batch(es)" in caplog.text) == (phase == "epoch0"), caplog.text
@@ -337,8 +337,8 @@ def test_two_ranks_with_a_tensor_parallel_target_write_one_folder(chat, hybrid_r
 
 def test_sources_are_registered_by_name_and_an_unknown_one_is_refused():
     from mtp_train.config.data import SOURCES as NAMES
-    from mtp_train.train.source import DataSource, register_source
     from mtp_train.train.sources import SOURCES, source_class
+    from mtp_train.train.sources.base import DataSource, register_source
 
     assert sorted(SOURCES) == sorted(NAMES) and all(cls.name == name for name, cls in SOURCES.items())
     assert [n for n, cls in SOURCES.items() if cls.writes_folder] == ["hybrid"]
@@ -356,7 +356,7 @@ def test_sources_are_registered_by_name_and_an_unknown_one_is_refused():
     class Again(DataSource):
         name = "online"
 
-    with pytest.raises(TypeError, match="registered twice"):
+    with pytest.raises(ValueError, match="data source 'online' is registered twice"):
         register_source(Again)
     assert source_class("online").__name__ == "OnlineSource" and "streaming" not in SOURCES
 

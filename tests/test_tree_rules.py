@@ -4,23 +4,18 @@ tree's size keeps every candidate."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from bench import tree_rules as rules
 from mtp_train.data.readers import Conversation
 from mtp_train.speculative.tree import ROOT, DraftTree
 from mtp_train.speculative.tree_draft import TreeSpec
-from tests.conftest import TOPICS, predictable_chat_target, script_fixture
+from tests.conftest import TOPICS, predictable_chat_target
 
-ROOT_DIR = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-rules = script_fixture("tree_rules", ROOT_DIR / "bench" / "tree_rules.py")
-
-
-def _step(rules, path, request=0):
+def _step(path, request=0):
     """Root → a (q 0.6) → c (0.9 of a), root → b (q 0.3) → d (0.5 of b): scores are cumulative log q."""
     import math
     lq = [math.log(0.6), math.log(0.3), math.log(0.9), math.log(0.5)]
@@ -29,14 +24,14 @@ def _step(rules, path, request=0):
     return rules.Step(request, parents, scores, path)
 
 
-def test_a_step_knows_its_depths_ranks_and_own_q(rules):
-    s = _step(rules, [0, 2])
+def test_a_step_knows_its_depths_ranks_and_own_q():
+    s = _step([0, 2])
     assert s.depths == [1, 1, 2, 2] and s.ranks == [0, 1, 0, 0]
     assert s.logq == pytest.approx([-0.5108, -1.2040, -0.1054, -0.6931], abs=1e-4)
 
 
-def test_kept_nodes_accept_the_paths_prefix_they_hold(rules):
-    s = _step(rules, [1, 3])  # the target took b, then d
+def test_kept_nodes_accept_the_paths_prefix_they_hold():
+    s = _step([1, 3])  # the target took b, then d
     assert rules.accepted(s, {0, 1, 2, 3}) == 2 and rules.accepted(s, {0, 2}) == 0
     assert rules.accepted(s, {1}) == 1
     # EAGLE-2's rerank by score keeps a (0.6), c (0.54), b (0.3), then d (0.15): 1 node accepted from 3 kept
@@ -45,13 +40,13 @@ def test_kept_nodes_accept_the_paths_prefix_they_hold(rules):
     assert rules.tau(steps, lambda x: x.scores, 3) == 2.0  # b joins
     assert rules.tau(steps, lambda x: x.scores, 4) == 3.0
     # the pool (everything kept) is the ceiling of every rule
-    both = [s, _step(rules, [0, 2], request=1)]
+    both = [s, _step([0, 2], request=1)]
     assert rules.tau(both, lambda x: x.scores, 10 ** 6) == 3.0
 
 
-def test_calibration_learns_which_children_are_accepted(rules):
+def test_calibration_learns_which_children_are_accepted():
     """When the target always takes the second child, the measured table ranks it first, where q does not."""
-    steps = [_step(rules, [1, 3], request=r) for r in range(6)]
+    steps = [_step([1, 3], request=r) for r in range(6)]
     table = rules.fit(steps, rules.by_depth_rank)
     assert table[(1, 1)] > 0.9 > 0.1 > table[(1, 0)]
     assert rules.tau(steps, rules.calibrated(table, rules.by_depth_rank), 2) == 3.0
@@ -62,7 +57,7 @@ def test_calibration_learns_which_children_are_accepted(rules):
     assert out["acceptance"]["1"] == pytest.approx([0.5 / 7, 6.5 / 7], abs=1e-4)  # by rank, smoothed
 
 
-def test_recording_a_tiny_targets_tree(rules, tmp_path):
+def test_recording_a_tiny_targets_tree(tmp_path):
     model, tok, head, _ = predictable_chat_target(tmp_path / "target")
     convs = [Conversation(f"c{i}", [{"role": "user", "content": f"Tell me about {TOPICS[i]}."}], "test", i + 1)
              for i in range(3)]

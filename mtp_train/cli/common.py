@@ -34,12 +34,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mtp_train import dist
-from mtp_train.config import CONF_DIR, ModelConfig, check_config, check_overrides, rank_device, register_configs
+from mtp_train.config import (
+    CONF_DIR,
+    Interrupted,
+    ModelConfig,
+    check_config,
+    check_overrides,
+    rank_device,
+    register_configs,
+)
 from mtp_train.data.chat import ChatTemplateError, load_tokenizer
 from mtp_train.data.readers import DataError
 from mtp_train.dist import DistInfo, Launch
 from mtp_train.fetch import REGISTRY, ModelFetchError, fetch_model
-from mtp_train.fileio import OutputLockedError, atomic_write_text
+from mtp_train.fileio import DiskFullError, OutputLockedError, atomic_write_text, disk_errno
 from mtp_train.layers import cpu_kernels
 from mtp_train.models.config import ModelConfigError
 from mtp_train.precompute.reader import ShardError
@@ -56,9 +64,10 @@ log = logging.getLogger(__name__)
 # subclass it); the RuntimeErrors listed carry messages that name the file and what to do.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ModelConfigError, ModelFetchError, DataError, ChatTemplateError, FileNotFoundError, ValueError,
-    ShardError, PrecomputeError, CheckpointError, OutputLockedError,
+    ShardError, PrecomputeError, CheckpointError, OutputLockedError, DiskFullError,
 )
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 # The native CPU kernels' environment (see `kernel_settings_from_env`).
 ENV_CPU_KERNELS = "MTP_TRAIN_CPU_KERNELS"
@@ -182,10 +191,24 @@ def load_target(model_cfg: ModelConfig | DictConfig, device: torch.device | str,
     return model, tokenizer, path
 
 
+def _fail(prog: str, msg: str) -> None:
+    print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
 def run_command(prog: str, fn: Callable[[DictConfig], Any], cfg: DictConfig | None) -> Any:
-    """Call `fn(cfg)`; a user error (see USER_ERRORS) becomes `prog: error: <message>` on stderr and exit code 2."""
+    """Call `fn(cfg)`; a user error (see USER_ERRORS, and a write that found no room) becomes
+    `prog: error: <message>` on stderr and exit code 2; SIGINT becomes `prog: interrupted <where and how to go on>`
+    and exit code 130 (the stage says where it stopped by raising `Interrupted`)."""
     try:
         return fn(cfg)
+    except KeyboardInterrupt as exc:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        where = str(exc) if isinstance(exc, Interrupted) and str(exc) else \
+            "before it finished; re-run the same command to do it again"
+        print(f"{prog}: interrupted {where}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
     except USER_ERRORS as exc:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -196,8 +219,14 @@ def run_command(prog: str, fn: Callable[[DictConfig], Any], cfg: DictConfig | No
             # the error itself ("mtp_train....CorruptShardError: <message>").
             last = msg.rstrip().splitlines()[-1]
             msg = last.split(": ", 1)[1] if ": " in last else last
-        print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USER_ERROR)
+        _fail(prog, msg)
+    except OSError as exc:
+        # A write outside `atomic_write` (an appended log line) that found no room: no bytes count to give.
+        if disk_errno(exc) is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        where = f" writing {exc.filename}" if exc.filename else ""
+        _fail(prog, f"{exc.strerror}{where}; free some space (or raise the file size limit, ulimit -f), then "
+                    f"re-run the same command: it goes on from what was finished")
 
 
 def command_line_overrides(argv: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from mtp_train import dist
 from mtp_train.cli.common import distributed, ensure_model, hydra_entry, load_target, run_device, save_config
 from mtp_train.config import RegenerateConfig, check_config, typed
 from mtp_train.data.readers import read_conversations
+from mtp_train.engine.generator import EngineGenerator
 from mtp_train.engine.llm import LLMEngine
 from mtp_train.engine.turns import stop_token_ids
 from mtp_train.fileio import output_lock
@@ -31,7 +32,6 @@ from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.regenerate import (
     RegenerateError,
     RegenerateStats,
-    make_provenance,
     regenerate,
     request_params,
     scan_records,
@@ -74,11 +74,10 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
         model, tokenizer, model_path = load_target(rc.model, run_device(rc.model, info))
         engine = LLMEngine(model, page_size=rc.model.page_size, kv_cache_gb=rc.model.kv_cache_gb,
                            max_batch_size=rc.max_batch_size)
+        generator = EngineGenerator(engine, name=rc.model.name, path=model_path,
+                                    weights_fingerprint=weights_fingerprint(model_path))
         stop_ids = stop_token_ids(tokenizer, model.args.eos_token_ids, rc.chat_template_kwargs)
-        provenance = make_provenance(target_name=rc.model.name, target_path=model_path,
-                                     weights_fingerprint=weights_fingerprint(model_path), tokenizer=tokenizer,
-                                     cfg=rc, stop_ids=stop_ids)
-        stats = regenerate(convs, engine, tokenizer, out, rc, provenance=provenance, stop_ids=stop_ids,
+        stats = regenerate(convs, generator, tokenizer, out, rc, stop_ids=stop_ids,
                            rank=info.rank, world=info.world, barrier=wait, progress=rc.progress and info.is_main,
                            on_start=lambda: save_config(cfg, config_path(out)))
         total = _gather(stats, group)

@@ -22,10 +22,10 @@ from mtp_train.config.checks import (
 from mtp_train.config.data import SOURCES, DataConfig, OnlineDataConfig, TrainDataConfig
 from mtp_train.config.demo import DemoConfig
 from mtp_train.config.device import bf16_enabled, device_kind, rank_device, resolve_device
-from mtp_train.config.errors import ConfigError
+from mtp_train.config.errors import ConfigError, Interrupted
 from mtp_train.config.eval import GRID_AXES, EvalConfig, NgramConfig
 from mtp_train.config.export import ExportConfig
-from mtp_train.config.head import HEAD_SPECS, INITS, HeadConfig, HeadTypeSpec, head_spec
+from mtp_train.config.head import HEAD_TYPES, INITS, HeadConfig, HeadType, HeadTypeSpec, head_spec, head_type
 from mtp_train.config.loss import CE_IMPLS, UNROLL_ATTENTION, LossConfig
 from mtp_train.config.model import ModelConfig
 from mtp_train.config.precompute import PrecomputeConfig
@@ -41,12 +41,13 @@ from mtp_train.config.train import (
 )
 
 __all__ = [
-    "CE_IMPLS", "CONF_DIR", "GRID_AXES", "HEAD_SPECS", "INITS", "LOWER_BOUNDS", "SCHEMAS", "SOURCES",
+    "CE_IMPLS", "CONF_DIR", "GRID_AXES", "HEAD_TYPES", "INITS", "LOWER_BOUNDS", "SCHEMAS", "SOURCES",
     "UNROLL_ATTENTION",
     "ConfigError", "DataConfig", "DeepSpeedConfig", "DemoConfig", "EvalConfig", "ExportConfig", "HeadConfig",
-    "HeadTypeSpec",
+    "HeadType", "HeadTypeSpec", "Interrupted",
     "LoopConfig", "LossConfig", "ModelConfig", "NgramConfig", "OnlineDataConfig", "OptimConfig", "PrecomputeConfig",
     "RegenerateConfig", "SpecEvalConfig", "TrainConfig", "TrainDataConfig", "WandbConfig", "bf16_enabled",
-    "check_config", "check_overrides", "device_kind", "head_spec", "is_schema_key", "rank_device", "register_configs",
+    "check_config", "check_overrides", "device_kind", "head_spec", "head_type", "is_schema_key", "rank_device",
+    "register_configs",
     "resolve_device", "schema_keys", "typed", "unknown_key_error",
 ]

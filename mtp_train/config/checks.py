@@ -2,7 +2,8 @@
 
 The schemas are in struct mode, but Hydra's `+key=value` adds a key to any config, and a typo without the `+`
 fails inside Hydra with a hint that suggests the `+` form. Both are caught here, naming the nearest valid key:
-`check_overrides` looks at the command line before Hydra composes it, `check_config` at the composed config.
+`check_overrides` looks at the command line before Hydra composes it (an argument Hydra's lexer rejects is named
+with the quoting that reads back as its value: `parse_overrides`), `check_config` at the composed config.
 `typed` turns a composed config into its schema's dataclass, once, in the CLI.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -166,17 +168,84 @@ def check_config(cfg: Any, name: str) -> Any:
     return cfg
 
 
+def _quoted(value: str) -> str:
+    """`value` as one quoted Hydra string: in single quotes, a quote inside it escaped (and the backslashes right
+    before a quote or at the end doubled, the only ones Hydra reads as escapes)."""
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value) + "'"
+
+
+def _shell(arg: str) -> str:
+    """`arg` as one shell word: in double quotes, or in bash's $'...' when it holds a line break or control
+    character (so that the hint stays on one line)."""
+    if not arg.isprintable():
+        named = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\\": "\\\\", "'": "\\'"}
+        return "$'" + "".join(named.get(c, c if c.isprintable() else f"\\u{ord(c):04x}") for c in arg) + "'"
+    return '"' + re.sub(r'(["$`\\])', r"\\\1", arg) + '"'
+
+
+def _reads_back(parser: Any, arg: str, value: str) -> bool:
+    """Whether Hydra reads `arg` as a setting whose value is the string `value`."""
+    from hydra.errors import OverrideParseException
+
+    try:
+        return parser.parse_overrides([arg])[0].value() == value
+    except OverrideParseException:
+        return False
+
+
+def _how_to_write(parser: Any, args: list[str], k: int) -> str:
+    """What to do about argument `k`, which Hydra's lexer rejects."""
+    arg = args[k]
+    key, eq, value = arg.partition("=")
+    if not eq:
+        if k > 0 and "=" in args[k - 1]:
+            # `out=my dir` unquoted: the shell made two arguments of it.
+            prev_key, _, prev_value = args[k - 1].partition("=")
+            joined = f"{prev_key}={_quoted(prev_value + ' ' + arg)}"
+            if _reads_back(parser, joined, prev_value + " " + arg):
+                return (f"a setting is key=value; if it is the rest of {args[k - 1]!r} after a space, quote the "
+                        f"whole value: {_shell(joined)}")
+        return "a setting is key=value"
+    fixed = f"{key}={_quoted(value)}"
+    hint = (f"quote the value: {_shell(fixed)}" if _reads_back(parser, fixed, value) else
+            "quote the value in single quotes, a quote inside it written \\'")
+    if value.lstrip().startswith("[") and not value.rstrip().endswith("]"):
+        hint = f"close the list with ], or, if [ is part of the value, {hint}"
+    return hint
+
+
+def parse_overrides(overrides: list[str]) -> list[Any]:
+    """Hydra's parse of each command-line override; an argument its lexer rejects (or one holding bytes that are not
+    UTF-8) is a ConfigError naming the argument and how to write it instead, never Hydra's traceback."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    parsed = []
+    for k, arg in enumerate(overrides):
+        at = next((i for i, c in enumerate(arg) if "\udc80" <= c <= "\udcff"), None)
+        if at is not None:  # the command line decodes bytes that are not UTF-8 to lone surrogates
+            raise ConfigError(f"argument {arg!r} holds a byte that is not UTF-8 (\\x{ord(arg[at]) - 0xDC00:02x} at "
+                              f"character {at}): settings are text; rename the file or folder to a UTF-8 name "
+                              f"(or link it under one) and pass that")
+        try:
+            parsed.extend(parser.parse_overrides([arg]))
+        except OverrideParseException as exc:
+            why = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+            raise ConfigError(f"argument {arg!r} is not a setting Hydra can read ({why[:120]}): "
+                              f"{_how_to_write(parser, overrides, k)}") from None
+    return parsed
+
+
 def check_overrides(overrides: list[str], name: str) -> None:
     """Refuse command-line overrides naming a key or a config-group choice that command `name` does not have.
 
     Run before Hydra composes: Hydra's own error for a typo suggests adding the key with `+`, which would only
     make the typo silent. Overrides of Hydra's own settings (`hydra.*`, `hydra/...`) are left to Hydra.
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     schema = SCHEMAS[name]
     conf = Path(CONF_DIR)
-    for o in OverridesParser.create().parse_overrides(overrides):
+    for o in parse_overrides(overrides):
         key = o.key_or_group
         if o.is_delete() or o.package or key.startswith("hydra") or "/" in key:
             continue

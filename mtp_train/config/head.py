@@ -1,16 +1,22 @@
 """Which draft head to train, with which norms and input features (`conf/head/*.yaml`); saved with every head.
 
-Each head type is one `HeadTypeSpec` in `HEAD_SPECS`: its norm defaults and which of them are fixed, the
-features its step 0 reads, its draft-vocabulary rule and the export formats that take it. This is the plain-data
-half of the type; its class (`mtp_train.heads.registry`) and its exporters (`mtp_train.export.layouts`) are
-registered under the same name, and each side checks that the other knows the name.
+A head type is one plug-in, a `HeadType` registered once in `HEAD_TYPES`: its settings (`HeadTypeSpec`: norm
+defaults and which of them are fixed, the features its step 0 reads, its draft-vocabulary rule, the export
+formats that take it), its module class, its inference drafter and its validation path. The plug-ins are found on
+the registry's first read through the entry points of `HEAD_TYPE_GROUP` (this package's own in
+`mtp_train/head_types/`, one module per type, listed in pyproject.toml; another installed package may add its
+own); a head type can also be registered at run time (`HEAD_TYPES.add`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any
+
+from mtp_train.config.registry import Registry
 
 # How a new head's weights start: random | the target's last decoder layer | the target's own MTP layer
 # (DeepSeek-V3 / Kimi-K2 checkpoints' `model.layers.{L}.*`, fine-tuned in place: heads/mtp.py)
@@ -54,27 +60,73 @@ class HeadTypeSpec:
         return (max(1, num_aux_layers) if features == "aux" else 1) * hidden_size
 
 
-_ALL_ON = dict.fromkeys(NORM_FLAGS, True)
-HEAD_SPECS: dict[str, HeadTypeSpec] = {s.name: s for s in (
-    # target_mtp: the checkpoint's MTP layer is this type's shape exactly (see `target_mtp_problems`)
-    HeadTypeSpec("mtp", "RMSNorm-restored, DeepSeek-V3 MTP shape", _ALL_ON,
-                 formats=("native", "deepseek-mtp", "qwen3-next-mtp"), inits=INITS),
-    HeadTypeSpec("eagle1", "the original EAGLE head: the mtp structure with every norm off",
-                 dict.fromkeys(NORM_FLAGS, False), formats=("native", "vllm-eagle", "sglang-eagle"),
-                 inits=("scratch", "last_layer")),
-    # enorm = the layer's input_layernorm on the embedding, hnorm = its hidden_norm, final_norm = `norm`.
-    HeadTypeSpec("eagle3", "EAGLE-3: aux target layers in, its own lm_head over a draft vocabulary", _ALL_ON,
-                 fixed_norms=NORM_FLAGS, features="aux", fixed_features=True, draft_vocab_required=True,
-                 formats=("native", "speculators", "sglang-eagle3"), feeds_pre_norm=True),
-)}
+@dataclass(frozen=True)
+class HeadType:
+    """One head type as a plug-in: everything that differs between head types, registered once (`HEAD_TYPES`).
+
+    Its module under `mtp_train.head_types` builds it; everything else asks the registry, never compares the type's
+    name. The parts are plain callables and classes, so this floor needs none of their imports.
+
+    Args:
+        spec: its settings (norm defaults, features, draft vocabulary, export formats, inits).
+        module: its `DraftHead` subclass (`mtp_train.heads.base`); the class's `unroll` is its training unroll: the
+            input each step reads and the target row it is scored against (row i of step j predicts h_{i+j+1}).
+        drafter: `(head, options) -> Proposer`, the head's proposer for speculative decoding with the options of one
+            eval grid point (`draft_threshold`, `draft_width`, `tree`, ...; {} = the defaults): a chain, a tree, or
+            anything else that returns `DraftTree`s.
+        inference_path: `(head, inputs (T, W), input_ids (T,), seq_lens, steps) -> [(T, H)] * steps`, the training
+            validation through the head's inference path: row i of step j is what drafting from position i gives
+            at its (j+1)-th draft (compared with `unroll`'s rows by the tests).
+        draft_options: the eval grid axes its drafter takes (besides `k` and `temperature`, which every drafter
+            takes); a grid point's other axes are not its own.
+    """
+
+    spec: HeadTypeSpec
+    module: type
+    drafter: Callable[[Any, Mapping[str, Any]], Any]
+    inference_path: Callable[..., list[Any]]
+    draft_options: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+HEAD_TYPE_GROUP = "mtp_train.head_types"  # the entry-point group a package registers its head types under
+
+
+def _discover_head_types() -> None:
+    # The plug-ins live above this floor (they need torch, the heads and the engine), in this package or in any
+    # installed package: each is an entry point of HEAD_TYPE_GROUP naming a module's HeadType (pyproject.toml).
+    found = sorted(metadata.entry_points(group=HEAD_TYPE_GROUP), key=lambda ep: ep.name)
+    if not found:
+        raise RuntimeError(f"no head types are registered (entry points {HEAD_TYPE_GROUP!r}): install the package "
+                           "(`make setup`, or `pip install -e .` in the checkout) so that its entry points exist")
+    for ep in found:
+        entry = ep.load()
+        if not isinstance(entry, HeadType) or entry.name != ep.name:
+            raise TypeError(f"entry point {ep.name} = {ep.value} ({HEAD_TYPE_GROUP}) is not a HeadType named "
+                            f"{ep.name!r}")
+        if HEAD_TYPES.registered(ep.name) is not entry:  # an installed copy and a source tree may both name it
+            HEAD_TYPES.add(entry)
+
+
+HEAD_TYPES: Registry[HeadType] = Registry("head type", discover=_discover_head_types)
+
+
+def head_type(name: str) -> HeadType:
+    """The registered head type `name`; ValueError naming the known types otherwise."""
+    return HEAD_TYPES.get(name)
 
 
 def head_spec(name: str) -> HeadTypeSpec:
-    """The spec of head type `name`; ValueError naming the known types otherwise."""
-    spec = HEAD_SPECS.get(name)
-    if spec is None:
-        raise ValueError(f"unknown head type {name!r}; choose one of {', '.join(HEAD_SPECS)}")
-    return spec
+    """The settings spec of head type `name`; ValueError naming the known types otherwise."""
+    return HEAD_TYPES.get(name).spec
+
+
+def head_types_taking(accepts: Callable[[HeadTypeSpec], bool]) -> list[str]:
+    """The names of the registered head types whose spec `accepts` (for messages)."""
+    return [name for name, t in HEAD_TYPES.items() if accepts(t.spec)]
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -86,7 +138,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
 class HeadConfig:
     """Which head, with which norms. A norm left as None takes the default of the type (mtp: on, eagle1: off)."""
 
-    type: str = "mtp"  # a HEAD_SPECS name: mtp (RMSNorm-restored, DeepSeek-V3 MTP) | eagle1 (EAGLE) | eagle3 (EAGLE-3)
+    type: str = "mtp"  # a HEAD_TYPES name: mtp (RMSNorm-restored, DeepSeek-V3 MTP) | eagle1 (EAGLE) | eagle3 (EAGLE-3)
     enorm: bool | None = None  # RMSNorm on the token embedding before the fc; null = the type's default
     hnorm: bool | None = None  # RMSNorm on the input hidden state before the fc; null = the type's default
     input_norm: bool | None = None  # the decoder layer's input_layernorm; null = the type's default
@@ -121,7 +173,7 @@ class HeadConfig:
         if self.init not in INITS:
             raise ValueError(f"unknown head init {self.init!r}; choose one of {', '.join(INITS)}")
         if self.init not in spec.inits:
-            takes = [name for name, s in HEAD_SPECS.items() if self.init in s.inits]
+            takes = head_types_taking(lambda s: self.init in s.inits)
             raise ValueError(f"head.init={self.init} takes {'/'.join(takes)} heads; {self.type} heads start "
                              f"from {' | '.join(spec.inits)}")
         if self.features is not None and self.features not in FEATURES:

@@ -31,8 +31,8 @@ from mtp_train.data.spans import PROBES as PROBES
 from mtp_train.data.spans import ChatTemplateError as ChatTemplateError
 from mtp_train.data.spans import Messages as Messages
 from mtp_train.data.spans import assistant_char_spans as assistant_char_spans
+from mtp_train.data.spans import check_template, require_template
 from mtp_train.data.spans import render as render
-from mtp_train.data.spans import require_template
 
 TEMPLATE_ERROR = "template_error"  # the bad-row reason of a conversation that the chat template cannot render
 EXAMPLES_KEPT = 3  # file:line examples kept for the drop summary
@@ -46,6 +46,7 @@ class TokenizedSample:
     loss_mask: list[int]
     truncated: bool = False  # cut to `max_seq_len`
     id: str | None = None  # the conversation's id, when tokenized from a `Conversation`
+    where: str | None = None  # "file:line" of that conversation, named when its id is a repeat
 
     @property
     def num_loss_tokens(self) -> int:
@@ -129,8 +130,12 @@ def _as_messages(conv: Messages | Conversation) -> tuple[Messages, str | None]:
     return conv, None
 
 
-def _finish(ids: list[int], mask: list[int], conv_id: str | None,
-            max_seq_len: int | None) -> tuple[TokenizedSample | None, str]:
+def _where(conv: Messages | Conversation) -> str | None:
+    return f"{conv.source}:{conv.line}" if isinstance(conv, Conversation) else None
+
+
+def _finish(ids: list[int], mask: list[int], conv_id: str | None, max_seq_len: int | None,
+            where: str | None = None) -> tuple[TokenizedSample | None, str]:
     """Truncate; (sample or None, outcome) with outcome "kept", "no_assistant" or "truncated_away"."""
     if not any(mask):
         return None, "no_assistant"
@@ -140,7 +145,7 @@ def _finish(ids: list[int], mask: list[int], conv_id: str | None,
         ids, mask = ids[:max_seq_len], mask[:max_seq_len]
         if not any(mask):
             return None, "truncated_away"
-    return TokenizedSample(ids, mask, truncated, conv_id), "kept"
+    return TokenizedSample(ids, mask, truncated, conv_id, where), "kept"
 
 
 def _check_max_seq_len(max_seq_len: int | None) -> None:
@@ -161,7 +166,7 @@ def tokenize_conversation(tokenizer: Any, messages: Messages | Conversation, max
     if isinstance(encoded, ChatTemplateError):
         raise encoded
     ids, mask, _ = encoded
-    return _finish(ids, mask, conv_id, max_seq_len)[0]
+    return _finish(ids, mask, conv_id, max_seq_len, _where(messages))[0]
 
 
 def tokenize_conversations(tokenizer: Any, convs: Iterable[Messages | Conversation], max_seq_len: int | None = None,
@@ -175,7 +180,7 @@ def tokenize_conversations(tokenizer: Any, convs: Iterable[Messages | Conversati
     ChatTemplateError.
     """
     _check_max_seq_len(max_seq_len)
-    require_template(tokenizer)
+    check_template(tokenizer)  # a template that does not parse is its file's fault, not the first row's
     stats = TokenizeStats()
     samples = []
     it = iter(convs)
@@ -194,7 +199,7 @@ def tokenize_conversations(tokenizer: Any, convs: Iterable[Messages | Conversati
                 continue
             ids, mask, method = result
             stats.diff_method += method == "diff"
-            sample, outcome = _finish(ids, mask, conv_id, max_seq_len)
+            sample, outcome = _finish(ids, mask, conv_id, max_seq_len, _where(conv))
             if sample is None:
                 if outcome == "no_assistant":
                     stats.dropped_no_assistant += 1

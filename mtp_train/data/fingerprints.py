@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mtp_train.data.spans import check_template
 from mtp_train.models.config import ModelConfigError
 
 
@@ -51,12 +52,46 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
+TOKENIZER_JSON_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "chat_template.json")
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "spiece.model")  # what a tokenizer.json can be built from
+
+
+def _why_not_loaded(path: Path) -> str | None:
+    """The file to blame when a model folder's tokenizer cannot be loaded: a JSON file that does not parse, or a
+    missing tokenizer.json with nothing to build one from (None when neither is the case)."""
+    for name in TOKENIZER_JSON_FILES:
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            json.loads(f.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            return f"{f}: not UTF-8 text (byte {e.start}); restore the file from the model's repository"
+        except json.JSONDecodeError as e:
+            return (f"{f}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; restore the file from the "
+                    f"model's repository")
+    if not (path / "tokenizer.json").is_file() and not any((path / n).is_file() for n in SLOW_TOKENIZER_FILES):
+        return (f"{path / 'tokenizer.json'} is missing (and there is no {' / '.join(SLOW_TOKENIZER_FILES)} to build "
+                f"it from); copy the target's tokenizer.json beside its weights")
+    return None
+
+
 def load_tokenizer(path: str | Path) -> Any:
-    """The Hugging Face tokenizer of a model folder, with a clear error when the folder has none."""
+    """The Hugging Face tokenizer of a model folder, with its chat template checked; an error names the file to
+    blame when the folder has none, one of its files is damaged or missing, or the template does not parse."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise ModelConfigError(f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
                                f"commands that render chats need the target's tokenizer beside its weights")
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many types here; the folder's files say which one is to blame
+        why = _why_not_loaded(path)
+        if why is None:
+            raise
+        raise ModelConfigError(why) from exc
+    if getattr(tokenizer, "chat_template", None) is not None:
+        check_template(tokenizer)
+    return tokenizer

@@ -24,6 +24,8 @@ from mtp_train.data.readers import read_conversations
 
 log = logging.getLogger(__name__)
 
+EXAMPLES = 5  # renamed ids named in the manifest and the summary
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -64,19 +66,33 @@ def to_rows(samples: Sequence[Sample], vocab_size: int) -> list[Row]:
     return rows
 
 
-def _unique_ids(ids: list[str]) -> tuple[list[str], list[str]]:
-    """Make conversation ids unique (two sources may both have an id "1"): repeats get "#2", "#3", ...
+def _unique_ids(ids: list[str], wheres: Sequence[str | None]) -> tuple[list[str], list[str], list[str]]:
+    """Make conversation ids unique (two sources may both have an id "1"): a repeat gets the first of "#2", "#3",
+    ... that no conversation of the data has as its id and no earlier repeat took (ids `x`, `x`, `x#2` become `x`,
+    `x#3`, `x#2`).
 
-    Returns the ids and the ones that were repeated (each once, in order of first repeat).
+    Returns the ids, the ones that were repeated (each once, in order of first repeat), and for each renamed
+    conversation "file:line: 'x' kept as 'x#3'" (`wheres` are the conversations' file:line, or None).
     """
+    taken = set(ids)
     seen: Counter[str] = Counter()
-    out, repeated = [], []
-    for i in ids:
+    out, repeated, renamed = [], [], []
+    for i, where in zip(ids, wheres):
         seen[i] += 1
-        out.append(i if seen[i] == 1 else f"{i}#{seen[i]}")
+        if seen[i] == 1:
+            out.append(i)
+            continue
         if seen[i] == 2:
             repeated.append(i)
-    return out, repeated
+        k = seen[i]
+        while f"{i}#{k}" in taken:
+            k += 1
+        seen[i] = k  # the next repeat of i starts after the number this one took
+        new = f"{i}#{k}"
+        taken.add(new)
+        out.append(new)
+        renamed.append(f"{where or 'row ' + str(len(out))}: {i!r} kept as {new!r}")
+    return out, repeated, renamed
 
 
 def dropped_summary(info: Mapping[str, Any]) -> str:
@@ -94,7 +110,9 @@ def dropped_summary(info: Mapping[str, Any]) -> str:
     dups = int(info.get("duplicate_ids") or 0)
     if dups:
         shown = ", ".join(repr(d) for d in info.get("duplicate_id_examples") or [])
-        parts.append(f"{dups} duplicate id(s) kept under new ids id#2, id#3, ... (e.g. {shown})")
+        rows = "; ".join(info.get("duplicate_id_rows") or [])
+        parts.append(f"{dups} duplicate id(s) kept under new ids id#2, id#3, ... that no other row has (e.g. {shown}"
+                     + (f": {rows}" if rows else "") + ")")
     return "; ".join(parts)
 
 
@@ -111,7 +129,8 @@ def build_samples(tokenizer: Any, cfg: PrecomputeConfig) -> tuple[list[Sample], 
     if tok_stats.dropped_template_error:
         log.warning("skipped %d conversation(s) the chat template failed on: %s", tok_stats.dropped_template_error,
                     "; ".join(tok_stats.template_error_examples))
-    ids, repeated = _unique_ids([t.id or f"sample-{i}" for i, t in enumerate(tokenized)])
+    ids, repeated, renamed = _unique_ids([t.id or f"sample-{i}" for i, t in enumerate(tokenized)],
+                                         [t.where for t in tokenized])
     samples = [Sample(i, t.input_ids, t.loss_mask) for i, t in zip(ids, tokenized)]
     if not samples:
         raise ValueError(
@@ -136,7 +155,8 @@ def build_samples(tokenizer: Any, cfg: PrecomputeConfig) -> tuple[list[Sample], 
         "dropped_truncated": tok_stats.dropped_truncated,
         "dropped_template_error": tok_stats.dropped_template_error,
         "duplicate_ids": len(repeated),  # ids met more than once (renamed id#2, id#3, ...)
-        "duplicate_id_examples": repeated[:5],
+        "duplicate_id_examples": repeated[:EXAMPLES],
+        "duplicate_id_rows": renamed[:EXAMPLES],  # "file:line: 'x' kept as 'x#2'" of the first renamed rows
     }
     return samples, info
 

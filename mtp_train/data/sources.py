@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,13 @@ def _dataset_rows(path: Path) -> Iterator[tuple[str, int, Any]]:
         splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
     else:
         builder = DATASETS_SUFFIXES[path.suffix]
-        splits = [(None, datasets.load_dataset(builder, data_files=str(path), split="train"))]
+        try:
+            splits = [(None, datasets.load_dataset(builder, data_files=str(path), split="train"))]
+        except Exception as exc:  # pyarrow's and datasets' many error types all mean: not a readable file
+            cause = exc.__cause__ or exc
+            detail = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else type(cause).__name__
+            raise DataError(str(path), None, f"not a readable {path.suffix[1:]} file",
+                            f"{detail.rstrip('.')}; check or re-export the file") from exc
     for split, ds in splits:
         source = str(path) if split is None else f"{path}[{split}]"
         for row, record in enumerate(ds, start=1):
@@ -108,6 +115,19 @@ def _dataset_rows(path: Path) -> Iterator[tuple[str, int, Any]]:
 def _is_saved_dataset(path: Path) -> bool:
     """A folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`."""
     return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _check_kind(path: Path) -> None:
+    """Refuse what is neither a regular file nor a folder (a FIFO, a device such as /dev/null, a socket), naming
+    it: data is read more than once (a re-run, the split), which a stream cannot give."""
+    mode = path.stat().st_mode
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
+            "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise DataError(str(path), None, "not a regular file",
+                    f"it is {kind}; data.paths takes files ({', '.join((*JSON_SUFFIXES, *DATASETS_SUFFIXES))}), "
+                    f"folders of them, globs or saved datasets: write the data to a file and pass that")
 
 
 def resolve_paths(paths: PathLike | Iterable[PathLike]) -> list[Path]:
@@ -131,6 +151,7 @@ def resolve_paths(paths: PathLike | Iterable[PathLike]) -> list[Path]:
         else:
             out.append(path)
     for path in out:
+        _check_kind(path)
         if path.is_file() and path.suffix not in (*JSON_SUFFIXES, *DATASETS_SUFFIXES):
             raise DataError(str(path), None, "unsupported file type",
                             f"expected one of {', '.join((*JSON_SUFFIXES, *DATASETS_SUFFIXES))}")

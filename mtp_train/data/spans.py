@@ -31,6 +31,7 @@ that fail the linear method's checks.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 Messages = Sequence[Mapping[str, str]]
@@ -56,6 +57,39 @@ def require_template(tokenizer: Any) -> None:
     if getattr(tokenizer, "chat_template", None) is None:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ChatTemplateError(f"tokenizer {name!r} has no chat template; set `tokenizer.chat_template` to one")
+
+
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")  # where a folder keeps it
+
+
+def template_source(tokenizer: Any) -> str:
+    """The file a tokenizer's chat template was read from (the first of TEMPLATE_FILES in its folder), or a
+    description of it when it was not read from a folder."""
+    folder = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    for name in TEMPLATE_FILES:
+        if str(folder) and (folder / name).is_file():
+            return str(folder / name)
+    return "the tokenizer's chat template"
+
+
+def check_template(tokenizer: Any, source: str | None = None) -> None:
+    """Raise ChatTemplateError naming the template's file (`source`, by default `template_source`) when the
+    template does not parse: a syntax error is the template's fault, never one data row's."""
+    import jinja2
+
+    require_template(tokenizer)
+    template = tokenizer.chat_template
+    for name in sorted(template) if isinstance(template, dict) else [None]:
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                          **({"chat_template": name} if name else {}))
+        except jinja2.TemplateSyntaxError as exc:
+            which = f" {name!r}" if name else ""
+            raise ChatTemplateError(
+                f"{source or template_source(tokenizer)}: the chat template{which} does not parse: {exc.message} "
+                f"at line {exc.lineno} of the template; fix the template there") from None
+        except Exception:  # noqa: BLE001 - a template may refuse this one message; only syntax is checked here
+            pass
 
 
 def render(tokenizer: Any, messages: Messages, add_generation_prompt: bool = False,

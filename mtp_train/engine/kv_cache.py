@@ -59,7 +59,7 @@ class KVCache:
     """The page pool of one model plus its allocator.
 
     A sequence owns a list of page ids; `ensure` grows it to hold a number of tokens and
-    `truncate` shrinks it (e.g. after rejected speculative tokens).
+    `truncate` shrinks it (to nothing when a sequence finishes).
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, layout: KVLayout,

@@ -3,7 +3,8 @@
 One `LLMEngine.step` is one forward and reads schedule → run → postprocess: the `Scheduler` picks the batch (newly
 admitted prompts, else every running sequence) and reserves their pages, the engine's `Step` runs it and says which
 tokens each sequence emits, and the scheduler appends them, finishing sequences at a stop token or max_new_tokens
-(their pages free at once, and the next step admits whoever waits). Engines differ by their `Step` alone: plain
+(their pages free at once, and the next step admits whoever waits). A step reads its batch and changes no sequence:
+the scheduler is the one place a sequence changes. Engines differ by their `Step` alone: plain
 decoding (`DecodeStep`: one token per sequence) here, speculative decoding in `mtp_train.speculative.engine`.
 """
 
@@ -21,7 +22,7 @@ import torch
 from mtp_train.config.device import on_cuda
 from mtp_train.engine.cuda_graphs import supports_graphs
 from mtp_train.engine.kv_cache import KVCache
-from mtp_train.engine.runner import ModelRunner
+from mtp_train.engine.runner import ModelRunner, StepRows
 from mtp_train.engine.sampling import SamplingBatch, SamplingParams, sample
 from mtp_train.engine.scheduler import GenerationStats, Scheduler
 from mtp_train.engine.sequence import Sequence
@@ -62,7 +63,8 @@ class GenerationOutput:
 class Step(ABC):
     """What an engine runs over the batch its scheduler picked: the one thing engines differ by.
 
-    extra_tokens: KV rows a step may hold beyond a sequence's longest length (reserved at admission).
+    extra_tokens: KV rows a step may hold beyond a sequence's tokens: reserved at admission beyond its longest
+    length, and in its pages before each step (`Scheduler.schedule`).
     """
 
     extra_tokens: int = 0
@@ -87,7 +89,12 @@ class Step(ABC):
 
     @abstractmethod
     def run(self, batch: list[Sequence], prefill: bool, stats: GenerationStats) -> list[list[int]]:
-        """Forward the batch (prompts when prefill, else running sequences) → the tokens each one emits."""
+        """Forward the batch (prompts when prefill, else running sequences) → the tokens each one emits (one or
+        more each).
+
+        Reads the sequences and changes none of them (the scheduler's postprocess appends the tokens); leaves K/V
+        in their pages for every token before the last one emitted, within the slots `schedule` grew the pages to.
+        """
 
     def postprocess(self, batch: list[Sequence], stats: GenerationStats) -> None:
         """After the scheduler appended the tokens: sequences still running go on, the others finished."""
@@ -98,7 +105,7 @@ class DecodeStep(Step):
     """Plain decoding: one sampled token per sequence and forward."""
 
     def run(self, batch: list[Sequence], prefill: bool, stats: GenerationStats) -> list[list[int]]:
-        out = self.runner.run(batch, logits="last")
+        out = self.runner.forward(StepRows.uncached(batch), logits="last")
         tokens = sample(out.logits, SamplingBatch([s.params for s in batch], [s.generator for s in batch]))
         return [[t] for t in tokens.tolist()]
 

@@ -1,8 +1,15 @@
-"""Model runner: turns a list of sequences into one packed forward over the paged KV cache."""
+"""Model runner: one packed forward over the paged KV cache, of the rows a step names (`StepRows`).
+
+The runner reads its input and writes K/V into the pages it is given; it changes no `Sequence`. An engine's step
+builds the rows (`StepRows.uncached` for a prefill or decode step, `VerifyRows.step_rows` for a speculative verify
+step) and the scheduler alone changes a sequence: `schedule` grows its pages, `postprocess` appends the tokens a
+step emitted and counts its cache (`mtp_train.engine.scheduler`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -13,12 +20,61 @@ from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.models.base import CausalLM, ForwardOutput
 
 
-class ModelRunner:
-    """Runs `model` over the uncached tokens of a batch of sequences.
+@dataclass(frozen=True)
+class StepRows:
+    """The rows of one packed forward: per sequence its new tokens, the slots they take and its pages.
 
-    One call is one step of any kind: a prompt prefill (all tokens uncached), a decode step (one
-    uncached token per sequence) or a verify step (several). Pages are grown as needed and each
-    sequence's `num_cached` advances by the tokens it fed.
+    Sequence b's q_b tokens take slots starts[b] .. starts[b]+q_b-1 of its pages (slot j: page pages[b][j //
+    page_size], offset j % page_size) and attend to the slots before them (its cached prefix) and, causally or
+    along `tree`, to each other; a token is rotated to its slot, or in a tree to starts[b] + its depth.
+    """
+
+    tokens: list[list[int]]  # (B,) each (q_b,) token ids, in slot order
+    starts: list[int]  # (B,) the slot of each sequence's first row (the length of its cached prefix)
+    pages: list[list[int]]  # (B,) each sequence's page ids, enough for starts[b] + q_b slots
+    tree: list[list[int]] | None = None  # (B,) each (q_b,) a row's parent among its sequence's rows, -1 for the
+    # first (`AttentionMetadata.set_tree`); None: causal
+
+    def __post_init__(self) -> None:
+        if not len(self.tokens) == len(self.starts) == len(self.pages):
+            raise ValueError(f"rows of {len(self.tokens)} sequences with {len(self.starts)} starts and "
+                             f"{len(self.pages)} page lists")
+        if any(not t for t in self.tokens):
+            raise ValueError("every sequence of a step needs at least one row")
+
+    @classmethod
+    def uncached(cls, seqs: Seq[Sequence], tree: Seq[Seq[int]] | None = None) -> StepRows:
+        """The uncached tokens of each sequence (a prompt prefill, a decode step): read, never changed.
+
+        tree: None (causal), or per sequence the parent of each uncached token.
+        """
+        return cls([s.token_ids[s.num_cached:] for s in seqs], [s.num_cached for s in seqs],
+                   [list(s.pages) for s in seqs], None if tree is None else [list(p) for p in tree])
+
+    @property
+    def qo_lens(self) -> list[int]:
+        """(B,) rows per sequence."""
+        return [len(t) for t in self.tokens]
+
+    @property
+    def kv_lens(self) -> list[int]:
+        """(B,) slots each sequence attends over after the step: its prefix and its rows."""
+        return [s + len(t) for s, t in zip(self.starts, self.tokens)]
+
+    def metadata(self, page_size: int, device: torch.device | str) -> AttentionMetadata:
+        """The step's attention metadata (page tables, slots, positions; the tree's visibility and depths)."""
+        meta = AttentionMetadata.build(self.qo_lens, self.kv_lens, self.pages, page_size, device)
+        if self.tree is not None:
+            meta.set_tree(self.tree)
+        return meta
+
+
+class ModelRunner:
+    """Runs `model` over the rows of one step (`forward`): a prompt prefill, a decode step (one row per sequence)
+    or a verify step (several, a chain or a tree).
+
+    `run`, `free`: for code that drives sequences by hand, without a scheduler (tests, benchmarks, GPU checks);
+    the engines never call them.
     """
 
     def __init__(self, model: CausalLM, kv_cache: KVCache) -> None:
@@ -53,15 +109,15 @@ class ModelRunner:
                                                   max_batch=max_batch, dtype=self.model.dtype, capture=capture,
                                                   device=self.device, pool=pool)
 
-    def _graphed(self, seqs: Seq[Sequence], logits: str, hidden_layers: Seq[int]) -> StepGraphs | None:
-        """The captured steps that can run this step (every sequence q uncached tokens), or None (eager)."""
-        if not self.graphs or logits == "none":
+    def _graphed(self, rows: StepRows, logits: str, hidden_layers: Seq[int]) -> StepGraphs | None:
+        """The captured steps that can run this step (every sequence q causal rows), or None (eager)."""
+        if not self.graphs or logits == "none" or rows.tree is not None:
             return None
-        q = seqs[0].num_uncached
+        q = len(rows.tokens[0])
         graphs = self.graphs.get((q, tuple(hidden_layers)))
-        if graphs is None or len(seqs) > graphs.max_batch or (logits == "last" and q != 1):
+        if graphs is None or len(rows.tokens) > graphs.max_batch or (logits == "last" and q != 1):
             return None
-        if any(s.num_uncached != q for s in seqs):
+        if any(len(t) != q for t in rows.tokens):
             return None
         return graphs
 
@@ -71,36 +127,20 @@ class ModelRunner:
         """Build a runner with its own page pool (`kv_pool`)."""
         return cls(model, kv_pool(model, num_pages, page_size, kv_cache_gb))
 
-    def build_metadata(self, seqs: Seq[Sequence]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Grow pages and pack the uncached tokens: returns input_ids (T,) and the step's metadata."""
-        qo_lens, kv_lens, tokens = [], [], []
-        for s in seqs:
-            n = s.num_uncached
-            if n < 1:
-                raise ValueError(f"sequence {s.seq_id} has no uncached token to run")
-            self.kv.ensure(s.pages, len(s))
-            qo_lens.append(n)
-            kv_lens.append(len(s))
-            tokens.extend(s.token_ids[s.num_cached:])
-        meta = AttentionMetadata.build(qo_lens, kv_lens, [s.pages for s in seqs], self.kv.page_size, self.device)
-        return torch.tensor(tokens, dtype=torch.long, device=self.device), meta
-
     @torch.inference_mode()
-    def run(self, seqs: Seq[Sequence], logits: str = "last", hidden_layers: Seq[int] = (),
-            tree: Seq[Seq[int]] | None = None) -> ForwardOutput:
-        """Forward the uncached tokens of `seqs`.
+    def forward(self, rows: StepRows, logits: str = "last", hidden_layers: Seq[int] = ()) -> ForwardOutput:
+        """Forward the rows of one step, writing their K/V into their slots (the pages must hold them).
 
-        logits: "last" → (B, V) at each sequence's last token; "all" → (T, V) at every new token;
-        "none" → no lm_head. Returned hidden is (T, H) over all new tokens, packed in `seqs` order.
-        tree: None, or per sequence the parent of each uncached token (`AttentionMetadata.set_tree`): the tokens
-        are then a tree in slot order (candidates verified side by side), and the step runs eagerly.
+        logits: "last" → (B, V) at each sequence's last row; "all" → (T, V) at every row; "none" → no lm_head.
+        Returned hidden is (T, H) over all rows, packed in order. A causal step of q rows per sequence replays
+        CUDA graphs when they are enabled for q (`enable_graphs`); a tree step runs eagerly.
         """
-        graphs = None if tree is not None else self._graphed(seqs, logits, hidden_layers)
-        if graphs is not None:
-            return self._run_graphed(graphs, seqs, hidden_layers)
-        input_ids, meta = self.build_metadata(seqs)
-        if tree is not None:
-            meta.set_tree(tree)
+        graphs = self._graphed(rows, logits, hidden_layers)
+        if graphs is not None:  # every row's logits, as logits="all" (for q = 1 the same as "last")
+            out = graphs.run([t for ts in rows.tokens for t in ts], rows.kv_lens, rows.pages)
+            logits_all, hidden, *layers = out
+            return ForwardOutput(hidden=hidden, layers=dict(zip(hidden_layers, layers)), logits=logits_all)
+        meta = rows.metadata(self.kv.page_size, self.device)
         if logits == "last":
             idx = meta.qo_indptr[1:].long() - 1
         elif logits == "all":
@@ -109,29 +149,26 @@ class ModelRunner:
             idx = None
         else:
             raise ValueError(f"logits must be last|all|none, got {logits!r}")
-        out = self.model(input_ids, meta, self.kv.layers, logits_indices=idx, hidden_layers=hidden_layers)
+        input_ids = torch.tensor([t for ts in rows.tokens for t in ts], dtype=torch.long, device=self.device)
+        return self.model(input_ids, meta, self.kv.layers, logits_indices=idx, hidden_layers=hidden_layers)
+
+    def run(self, seqs: Seq[Sequence], logits: str = "last", hidden_layers: Seq[int] = (),
+            tree: Seq[Seq[int]] | None = None) -> ForwardOutput:
+        """Drive sequences by hand: grow their pages, forward their uncached tokens (`forward`), count them cached.
+
+        tree: None, or per sequence the parent of each uncached token (`StepRows.tree`).
+        """
+        for s in seqs:
+            if s.num_uncached < 1:
+                raise ValueError(f"sequence {s.seq_id} has no uncached token to run")
+            self.kv.ensure(s.pages, len(s))
+        out = self.forward(StepRows.uncached(seqs, tree), logits, hidden_layers)
         for s in seqs:
             s.num_cached = len(s)
         return out
 
-    def _run_graphed(self, graphs: StepGraphs, seqs: Seq[Sequence], hidden_layers: Seq[int]) -> ForwardOutput:
-        """A decode / verify step through the captured graphs: every new token's logits, as logits="all"."""
-        for s in seqs:
-            self.kv.ensure(s.pages, len(s))
-        tokens = [t for s in seqs for t in s.token_ids[s.num_cached:]]
-        logits, hidden, *layers = graphs.run(tokens, [len(s) for s in seqs], [s.pages for s in seqs])
-        for s in seqs:
-            s.num_cached = len(s)
-        return ForwardOutput(hidden=hidden, layers=dict(zip(hidden_layers, layers)), logits=logits)
-
-    def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Drop tokens (and their cache entries) beyond num_tokens, e.g. rejected draft tokens."""
-        del seq.token_ids[num_tokens:]
-        seq.num_cached = min(seq.num_cached, num_tokens)
-        self.kv.truncate(seq.pages, num_tokens)
-
     def free(self, seq: Sequence) -> None:
-        """Give a finished sequence's pages back to the pool."""
+        """Give a sequence driven by hand its pages back to the pool."""
         self.kv.truncate(seq.pages, 0)
         seq.num_cached = 0
 

@@ -3,8 +3,10 @@
 An engine step reads schedule → run → postprocess. `Scheduler.schedule` admits waiting requests while the batch has
 room and the page pool can promise each its longest length (`reserve_tokens`: prompt + max_new_tokens, plus the rows
 a step may hold beyond it, e.g. a speculative step's draft tree): an admission step prefills the admitted prompts,
-any other step runs every running sequence. `Scheduler.postprocess` appends what the step produced under the stop /
-length rules and finishes sequences, whose pages and reservation come back at once.
+any other step runs every running sequence; the batch's pages grow to hold what the step may write. The step reads
+the sequences and changes none of them. `Scheduler.postprocess` appends what the step produced under the stop /
+length rules, counts the step's K/V as cached and finishes sequences, whose pages and reservation come back at once:
+the scheduler is the one place a `Sequence` changes.
 
 Reservations are counted in the pool (`KVCache.reserved`), not here, so engines sharing one pool (an evaluation's
 baseline and methods) admit against one count. Every admitted sequence is promised its pages for its whole life, so
@@ -65,6 +67,11 @@ class Scheduler:
         """Tokens of KV a sequence may ever occupy; its pages are reserved at admission."""
         return seq.max_len + self.extra_tokens
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + max_new_tokens) `add` takes: the pool's tokens less a step's extra rows."""
+        return self.kv.num_pages * self.kv.page_size - self.extra_tokens
+
     def hold(self, num_pages: int) -> None:
         """Keep pages out of every engine's admission for good (e.g. a CUDA-graph step's scratch pages)."""
         self.kv.reserved += num_pages
@@ -85,16 +92,21 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """The batch of the next step and whether it is a prefill: newly admitted prompts, else every running
-        sequence (empty when nothing runs)."""
+        sequence (empty when nothing runs). Each one's pages hold its tokens and extra_tokens slots after them,
+        all a step may write (within its reservation: a running sequence is shorter than its longest length)."""
         admitted = self._admit()
         if admitted:
             self.running.extend(admitted)
             self.stats.prefill_steps += 1
             self.stats.prompt_tokens += sum(len(s) for s in admitted)
-            return admitted, True
-        if self.running:
-            self.stats.decode_steps += 1
-        return self.running, False
+            batch, prefill = admitted, True
+        else:
+            if self.running:
+                self.stats.decode_steps += 1
+            batch, prefill = self.running, False
+        for s in batch:
+            self.kv.ensure(s.pages, len(s) + self.extra_tokens)
+        return batch, prefill
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
@@ -115,8 +127,20 @@ class Scheduler:
         return admitted
 
     def postprocess(self, batch: Seq[Sequence], tokens: Seq[Seq[int]]) -> list[Sequence]:
-        """Append each sequence's new tokens (tokens: (B,) each 1 or more) and return those that finished."""
-        finished = [s for s, new in zip(batch, tokens, strict=True) if self._emit(s, new)]
+        """Append each sequence's new tokens (tokens: (B,) each 1 or more) and return those that finished.
+
+        A step leaves K/V in a sequence's pages for all its tokens before the last one it emitted (a decode step:
+        the token it fed; a verify step: the last token and the accepted drafts), so a sequence that goes on has
+        every token but its newest cached.
+        """
+        finished = []
+        for s, new in zip(batch, tokens, strict=True):
+            if not new:
+                raise ValueError(f"a step emitted no token for sequence {s.seq_id}")
+            if self._emit(s, new):
+                finished.append(s)
+            else:
+                s.num_cached = len(s) - 1
         if finished:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return finished

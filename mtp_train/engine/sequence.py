@@ -18,7 +18,11 @@ class SeqStatus(enum.Enum):
 
 @dataclass
 class Sequence:
-    """Tokens of one request. The first `num_cached` tokens have their K/V in `pages`."""
+    """Tokens of one request. The first `num_cached` tokens have their K/V in `pages`.
+
+    Within an engine only its `Scheduler` changes a sequence (admission, pages, emitted tokens, the cache count);
+    steps and the runner read it.
+    """
 
     seq_id: int
     token_ids: list[int]

@@ -1,9 +1,9 @@
-"""The methods `mtp-eval` can run, one registered spec each: plain decoding (`none`), a trained head (`mtp`), a
-small draft model (`draft`) and prompt lookup (`ngram`).
+"""The methods `mtp-eval` can run, one registered spec each: plain decoding (`none`), a trained head (`mtp`), a small
+draft model (`draft`) and prompt lookup (`ngram`).
 
-A spec names the grid axes that apply to the method (`mtp_train.config.eval.GRID_AXES`; temperature applies to
-all), how to load what all its proposers share (the head, the draft model) and how to build a fresh proposer from
-that and one grid point's options. A new method is one `register(MethodSpec(...))`; the grid
+A spec owns the grid axes that apply to the method (`Axis`: an `mtp-eval` key of `GRID_AXES` and how labels show it;
+temperature applies to all), how to load what all its proposers share (the head, the draft model) and how to build a
+fresh proposer from that and one grid point's options. A new method is one `register(MethodSpec(...))`; the grid
 (`mtp_train.eval.options.expand_grid`), the runs and the report take it from here.
 """
 
@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
-from mtp_train.config import EvalConfig
+from mtp_train.config import GRID_AXES, EvalConfig
+from mtp_train.config.head import head_type
+from mtp_train.config.registry import Registry
 from mtp_train.data.chat import load_tokenizer, tokenizer_fingerprint
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelConfigError
-from mtp_train.speculative.proposers import DraftModelProposer, HeadProposer, NgramProposer, Proposer
-from mtp_train.speculative.tree_draft import TreeSpec
+from mtp_train.speculative.proposers import DraftModelProposer, NgramProposer, Proposer
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +36,55 @@ def _load_nothing(cfg: EvalConfig, target: CausalLM, tokenizer: Any, target_dir:
 
 
 @dataclass(frozen=True)
-class MethodSpec:
-    """One method of `mtp-eval`: its name in the config, how reports show it, its grid axes and its proposers."""
+class Axis:
+    """A grid axis a method owns: the `mtp-eval` key whose value or list it takes (`GRID_AXES`), and how a label
+    shows one value of it."""
 
-    name: str  # the value of `method=` and of the rows' "method"
-    display: str  # how labels, plots and summaries name it
-    axes: tuple[str, ...]  # the grid axes that multiply its runs (GRID_AXES names); the others are not its own
-    build: Builder | None = None  # None: plain decoding, the baseline every other method is measured against
+    name: str
+    label: str  # a format of the value, e.g. "thr={:g}"
+
+    def __post_init__(self) -> None:
+        if self.name not in GRID_AXES:
+            raise ValueError(f"grid axis {self.name!r} is not an mtp-eval key of GRID_AXES ({', '.join(GRID_AXES)})")
+
+
+K = Axis("k", "k={}")  # every drafter's
+TEMPERATURE = Axis("temperature", "T={:g}")  # every method's, the baseline's too
+# A point's options passed through as they are; `Rule` may adjust a point's values (a tree drafts its own depth).
+Rule = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _as_is(values: dict[str, Any]) -> dict[str, Any]:
+    return values
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method of `mtp-eval`: its name in the config, how reports show it, its grid axes and its proposers.
+
+    Args:
+        name: the value of `method=` and of the rows' "method".
+        display: how labels, plots and summaries name it.
+        axes: the grid axes it owns, in label order: they multiply its runs, their values are its points' options
+            (besides k and temperature); the grid's other keys are not its own.
+        build: (what `load` gave, a point's options, config) → a fresh proposer; None for plain decoding, the
+            baseline every other method is measured against.
+        load: what all its proposers share, loaded once per evaluation.
+        lookup_beside: prompt lookup runs beside it on the same prompts when `ngram.compare` is on.
+        rule: the method's own adjustment of one point's axis values (e.g. a tree's depth sets k).
+    """
+
+    name: str
+    display: str
+    axes: tuple[Axis, ...]
+    build: Builder | None = None
     load: Loader = _load_nothing
-    lookup_beside: bool = False  # prompt lookup runs beside it on the same prompts when `ngram.compare` is on
+    lookup_beside: bool = False
+    rule: Rule = _as_is
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.axes)
 
     @property
     def plain(self) -> bool:
@@ -61,24 +102,18 @@ class GridPoint(Protocol):
     def options(self) -> dict[str, Any]: ...
 
 
-METHODS: dict[str, MethodSpec] = {}
+METHODS: Registry[MethodSpec] = Registry("eval method")
 LOOKUP = "ngram"  # the floor a trained drafter has to clear: its figures join every other row (`attach_ngram`)
 
 
 def register(spec: MethodSpec) -> MethodSpec:
     """Add a method to the registry (a name registered twice is a mistake, not an override)."""
-    if spec.name in METHODS:
-        raise ValueError(f"method {spec.name!r} is registered twice")
-    METHODS[spec.name] = spec
-    return spec
+    return METHODS.add(spec)
 
 
 def method_spec(name: str) -> MethodSpec:
     """The registered spec of `name`; an unknown name is refused with the valid ones."""
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise ValueError(f"method {name!r} is unknown; choose one of {', '.join(METHODS)}") from None
+    return METHODS.get(name)
 
 
 def grid_methods(cfg: EvalConfig) -> list[MethodSpec]:
@@ -149,17 +184,34 @@ def _load_draft(cfg: EvalConfig, target: CausalLM, tokenizer: Any, target_dir: P
     return draft
 
 
-register(MethodSpec("none", "plain", axes=("temperature",)))
-def _build_head(head: Any, opts: Mapping[str, Any], cfg: EvalConfig) -> HeadProposer:
-    """The head's proposer for one point: its options, the `tree` axis's STEPSxTOPKxTOKENS as a TreeSpec."""
-    opts = dict(opts)
-    tree = opts.pop("tree", "none")
-    return HeadProposer(head, **opts, tree=None if tree in (None, "none") else TreeSpec.parse(tree))
+def _tree_rule(values: dict[str, Any]) -> dict[str, Any]:
+    """A tree drafts its own depth: its point runs at k = its steps, once, whatever the draft widths."""
+    if values.get("tree", "none") == "none":
+        return values
+    return {**values, "k": int(values["tree"].split("x")[0]), "draft_width": 1}
 
 
-register(MethodSpec("mtp", "mtp head", axes=("k", "draft_threshold", "catch_up", "draft_width", "tree", "temperature"),
-                    build=_build_head, load=_load_head, lookup_beside=True))
-register(MethodSpec("draft", "draft model", axes=("k", "temperature"),
+register(MethodSpec("none", "plain", axes=(TEMPERATURE,)))
+# The default of each grid axis (EvalConfig's): an axis a head type's drafter does not take may only stay at it.
+_AXIS_DEFAULTS = {f.name: f.default for f in fields(EvalConfig) if f.name in GRID_AXES}
+
+
+def _build_head(head: Any, opts: Mapping[str, Any], cfg: EvalConfig) -> Proposer:
+    """The head's proposer for one point: its head type's drafter (`HeadType.drafter`) with the point's options
+    that the drafter takes (`HeadType.draft_options`); another option set away from its default is refused."""
+    kind = head_type(head.cfg.type)
+    foreign = [f"{k}={v}" for k, v in opts.items() if k not in kind.draft_options and v != _AXIS_DEFAULTS.get(k)]
+    if foreign:
+        takes = ", ".join(kind.draft_options) or "none"
+        raise ValueError(f"{kind.name} heads draft with their own drafter, which takes no {', '.join(foreign)} "
+                         f"(its options: {takes})")
+    return kind.drafter(head, {k: v for k, v in opts.items() if k in kind.draft_options})
+
+
+register(MethodSpec("mtp", "mtp head", axes=(K, Axis("draft_threshold", "thr={:g}"), Axis("catch_up", "catch-up={}"),
+                                              Axis("draft_width", "width={}"), Axis("tree", "tree={}"), TEMPERATURE),
+                    build=_build_head, load=_load_head, lookup_beside=True, rule=_tree_rule))
+register(MethodSpec("draft", "draft model", axes=(K, TEMPERATURE),
                     build=lambda model, opts, cfg: DraftModelProposer(model), load=_load_draft, lookup_beside=True))
-register(MethodSpec("ngram", "prompt lookup", axes=("k", "temperature"),
+register(MethodSpec("ngram", "prompt lookup", axes=(K, TEMPERATURE),
                     build=lambda _, opts, cfg: NgramProposer(n_max=cfg.ngram.n_max, n_min=cfg.ngram.n_min)))

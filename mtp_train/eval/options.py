@@ -1,8 +1,9 @@
 """The grid of an evaluation, expanded once: one `EvalPoint` per run, each labelled by the axes that vary.
 
 `expand_grid(cfg)` multiplies, per method of the evaluation (`mtp_train.eval.methods.grid_methods`), only the axes
-that apply to it: `none` gets one point per temperature whatever k is, prompt lookup one per (k, temperature), the
-head one per (k, threshold, catch-up, width, tree, temperature), a tree's points at k = its steps only. A point's
+the method owns (`MethodSpec.axes`): `none` gets one point per temperature whatever k is, prompt lookup one per
+(k, temperature), the head one per (k, threshold, catch-up, width, tree, temperature), a tree's points at k = its
+steps only (the head method's rule). A point's
 `label` names its method and every axis that takes more than one value in the grid (`mtp head k=3 tree=3x4x8`), so
 two runs of one grid never share a label; report rows, plot series and the console all use it.
 """
@@ -13,28 +14,28 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtp_train.config import GRID_AXES, EvalConfig
+from mtp_train.config import EvalConfig
 from mtp_train.eval.methods import MethodSpec, grid_methods, method_spec
 
-# How a label shows each axis, in GRID_AXES order.
-AXIS_FORMATS = {"k": "k={}", "draft_threshold": "thr={:g}", "catch_up": "catch-up={}", "draft_width": "width={}",
-                "tree": "tree={}", "temperature": "T={:g}"}
 PLOT_X = "k"  # the x axis of the τ / speed-up plot: a series is a label without it
 
 
 @dataclass(frozen=True)
 class EvalPoint:
-    """One run of the grid: a method and the value of each axis that applies to it (None where it does not; k is
-    0 for plain decoding, as its rows have always said)."""
+    """One run of the grid: a method, k (0 for plain decoding, as its rows have always said), the temperature and
+    the values of the method's own other axes (`opts`, in its axes' order)."""
 
     method: str
     k: int = 0
     temperature: float = 0.0
-    draft_threshold: float | None = None
-    catch_up: str | None = None
-    draft_width: int | None = None
-    tree: str | None = None  # mtp: "none" (a chain, or draft_width's tree) or a dynamic tree STEPSxTOPKxTOKENS
+    opts: tuple[tuple[str, Any], ...] = ()  # (axis, value) of the method's axes other than k and temperature
     varies: frozenset[str] = field(default=frozenset(), compare=False)  # the grid's axes with more than one value
+
+    @classmethod
+    def of(cls, method: str, k: int = 0, temperature: float = 0.0, varies: frozenset[str] = frozenset(),
+           **options: Any) -> EvalPoint:
+        """A point from keyword options, e.g. `EvalPoint.of("mtp", k=2, draft_width=2, ...)`."""
+        return cls(method, k, temperature, tuple(options.items()), varies)
 
     @property
     def spec(self) -> MethodSpec:
@@ -43,14 +44,21 @@ class EvalPoint:
     @property
     def options(self) -> dict[str, Any]:
         """The method's own settings beyond k and temperature, e.g. {"draft_threshold": 0.0, "catch_up": "target",
-        "draft_width": 2} for `mtp` (what its proposer is built with, and columns of its rows); {} for the others."""
-        return {a: getattr(self, a) for a in self.spec.axes if a not in ("k", "temperature")}
+        "draft_width": 2, "tree": "none"} for `mtp` (what its proposer is built with, and columns of its rows); {}
+        for the methods without other axes."""
+        return dict(self.opts)
+
+    def value(self, axis: str) -> Any:
+        """The point's value on `axis` (k, temperature or one of its options); None where the axis is not its own."""
+        if axis in ("k", "temperature"):
+            return getattr(self, axis)
+        return self.options.get(axis)
 
     def label_without(self, *axes: str) -> str:
         """The label leaving out `axes` (e.g. the plot's x axis)."""
         parts = [self.spec.display]
-        parts += [AXIS_FORMATS[a].format(getattr(self, a)) for a in GRID_AXES
-                  if a in self.varies and a in self.spec.axes and a not in axes]
+        parts += [a.label.format(self.value(a.name)) for a in self.spec.axes
+                  if a.name in self.varies and a.name not in axes]
         return " ".join(parts)
 
     @property
@@ -71,19 +79,19 @@ class EvalPoint:
 
 def expand_grid(cfg: EvalConfig) -> list[EvalPoint]:
     """Every run of `cfg`'s grid (unknown method or bad axis values refused here, before anything loads): the
-    plain baseline per temperature first, then per method its own axes multiplied, k innermost."""
+    plain baseline per temperature first, then per method its own axes multiplied, k innermost, each point as the
+    method's rule leaves it (a tree at k = its steps), once."""
     values: list[tuple[MethodSpec, dict[str, Any]]] = []
     for spec in grid_methods(cfg):
-        axes = [a for a in GRID_AXES if a in spec.axes]
-        axes = [a for a in axes if a != "k"] + [a for a in axes if a == "k"]  # k innermost: a series runs together
+        axes = [a for a in spec.axis_names if a != "k"] + [a for a in spec.axis_names if a == "k"]  # k innermost
         for combo in itertools.product(*(cfg.grid(a) for a in axes)):
-            v = dict(zip(axes, combo))
-            if v.get("tree", "none") != "none":  # a tree drafts its own depth: one point per tree, at k = steps
-                v["k"] = int(v["tree"].split("x")[0])
-                if "draft_width" in v:  # the tree sets its own widths: one point, not one per draft_width
-                    v["draft_width"] = 1
-                if (spec, v) in values:
-                    continue
-            values.append((spec, v))
-    varies = frozenset(a for a in GRID_AXES if len({v[a] for _, v in values if a in v}) > 1)
-    return [EvalPoint(spec.name, varies=varies, **v) for spec, v in values]
+            v = spec.rule(dict(zip(axes, combo)))
+            if (spec, v) not in values:
+                values.append((spec, v))
+    names = {a for spec, _ in values for a in spec.axis_names}
+    varies = frozenset(a for a in names if len({v[a] for _, v in values if a in v}) > 1)
+    points = []
+    for spec, v in values:
+        opts = tuple((a, v[a]) for a in spec.axis_names if a not in ("k", "temperature"))
+        points.append(EvalPoint(spec.name, v.get("k", 0), v.get("temperature", 0.0), opts, varies))
+    return points

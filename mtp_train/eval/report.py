@@ -9,12 +9,23 @@ from typing import Any
 
 from mtp_train.engine.turns import answer_text
 from mtp_train.eval.acceptance import RunResult
+from mtp_train.eval.methods import method_spec
 from mtp_train.fileio import atomic_write, atomic_write_text
 
-COLUMNS = ("dataset", "method", "k", "draft_threshold", "catch_up", "draft_width", "tree", "temperature", "tau",
-           "mean_draft_len", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup", "speedup_lo",
-           "speedup_hi", "step_cost", "tau_ngram",
-           "speedup_ngram", "exact_match")
+# The table's columns around the methods' own option columns (each method's axes beyond k and temperature).
+LEADING = ("dataset", "method", "k")
+TRAILING = ("temperature", "tau", "mean_draft_len", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s",
+            "speedup", "speedup_lo", "speedup_hi", "step_cost", "tau_ngram", "speedup_ngram", "exact_match")
+
+
+def columns(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """The table's columns: the leading ones, every option axis of the rows' methods (in their order), the rest."""
+    options: list[str] = []
+    for r in rows:
+        for a in method_spec(r["method"]).axis_names:
+            if a not in ("k", "temperature") and a not in options:
+                options.append(a)
+    return (*LEADING, *options, *TRAILING)
 
 
 def _cell(v: Any) -> str:
@@ -31,9 +42,10 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
     step_cost: one speculative step in plain decode steps (τ / speed-up), i.e. the τ at which the method breaks even.
     """
-    head = "| " + " | ".join(COLUMNS) + " |\n|" + "|".join("---" if c in ("dataset", "method") else "---:"
-                                                          for c in COLUMNS) + "|"
-    lines = [head] + ["| " + " | ".join(_cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    cols = columns(rows)
+    head = "| " + " | ".join(cols) + " |\n|" + "|".join("---" if c in ("dataset", "method") else "---:"
+                                                       for c in cols) + "|"
+    lines = [head] + ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -79,12 +91,13 @@ def plot_series(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str
 
 
 def per_position_figure(rows: Sequence[Mapping[str, Any]]) -> Any:
-    """Acceptance by draft position, one line per grid point (its label)."""
+    """Acceptance by draft position (integer ticks), one line per grid point (its label)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in sorted(overall_rows_of(rows), key=lambda r: (r["series"], r["k"])):
         pos = r["per_position"]
         ax.plot(range(1, len(pos) + 1), pos, marker="o", label=r["label"])
+    _integer_ticks(ax)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (share of steps reaching it)")
     ax.set_ylim(0, 1)
@@ -95,22 +108,40 @@ def per_position_figure(rows: Sequence[Mapping[str, Any]]) -> Any:
 
 
 def vs_k_figure(rows: Sequence[Mapping[str, Any]]) -> Any:
-    """τ (left) and speed-up over plain decoding (right) against k, one line per series (`plot_series`)."""
+    """Against k (integer ticks), one line per series (`plot_series`): τ with the step cost beside it (the τ a
+    method needs to break even: a point above its cost pays), and the speed-up over plain decoding with its 95%
+    interval as error bars (`speedup_lo` / `speedup_hi`, where the report has them)."""
     plt = _pyplot()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9.5, 3.8))
     for label, rs in plot_series(rows).items():
-        a1.plot([r["k"] for r in rs], [r["tau"] for r in rs], marker="o", label=label)
-        a2.plot([r["k"] for r in rs], [r["speedup"] for r in rs], marker="o", label=label)
+        ks = [r["k"] for r in rs]
+        (line,) = a1.plot(ks, [r["tau"] for r in rs], marker="o", label=label)
+        if all(r.get("step_cost") is not None for r in rs):
+            a1.plot(ks, [r["step_cost"] for r in rs], marker="x", ls=":", color=line.get_color(), label="_cost")
+        sp = [r["speedup"] for r in rs]
+        if all(r.get("speedup_lo") is not None and r.get("speedup_hi") is not None for r in rs):
+            err = [[s - r["speedup_lo"] for s, r in zip(sp, rs)], [r["speedup_hi"] - s for s, r in zip(sp, rs)]]
+            a2.errorbar(ks, sp, yerr=err, marker="o", capsize=3, label=label)
+        else:
+            a2.plot(ks, sp, marker="o", label=label)
     a1.set_xlabel("k")
-    a1.set_ylabel("mean acceptance length τ")
+    a1.set_ylabel("τ (o) and step cost (x, dotted)")
     a2.set_xlabel("k")
-    a2.set_ylabel("speed-up vs none")
+    a2.set_ylabel("speed-up vs none [95%]")
     a2.axhline(1.0, color="grey", lw=0.8, ls="--")
     for a in (a1, a2):
+        _integer_ticks(a)
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def _integer_ticks(ax: Any) -> None:
+    """Ticks on whole numbers only on the x axis (k, a draft position): never k = 1.2."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _pyplot() -> Any:

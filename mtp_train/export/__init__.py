@@ -9,9 +9,9 @@ from mtp_train.export.exporter import (
     load_export,
     verify_round_trip,
 )
-from mtp_train.export.layouts import FORMATS, LAYOUTS, LayoutError
+from mtp_train.export.layouts import LAYOUTS, LayoutError, export_formats, unmatched_formats
 from mtp_train.export.stitch import STITCH_FORMATS, StitchResult, stitch, stitch_head, verify_stitched
 
-__all__ = ["FORMATS", "LAYOUTS", "STITCH_FORMATS", "LayoutError", "StitchResult", "check_fits", "describe",
-           "export_head", "layout_tensors", "load_export", "stitch", "stitch_head", "verify_round_trip",
-           "verify_stitched"]
+__all__ = ["LAYOUTS", "STITCH_FORMATS", "LayoutError", "StitchResult", "check_fits", "describe",
+           "export_formats", "export_head", "layout_tensors", "load_export", "stitch", "stitch_head",
+           "unmatched_formats", "verify_round_trip", "verify_stitched"]

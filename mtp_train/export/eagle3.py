@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mtp_train.config.head import HEAD_SPECS, head_spec
+from mtp_train.config.head import head_spec, head_types_taking
 from mtp_train.models.config import ModelArgs
 from mtp_train.models.families import family_of
 from mtp_train.models.fusing import Fusing, fuse, parts_plan, unfuse
@@ -121,7 +121,7 @@ def _common_problems(spec: Eagle3Spec, fmt: str) -> list[str]:
     a = spec.args
     problems = []
     if fmt not in head_spec(spec.head_type).formats:  # the head type's spec names the formats that take it
-        takes = "/".join(name for name, s in HEAD_SPECS.items() if fmt in s.formats)
+        takes = "/".join(head_types_taking(lambda s: fmt in s.formats))
         problems.append(f"head type {spec.head_type!r}: the EAGLE-3 layouts take {takes} heads")
     if spec.draft_vocab_size <= 0:
         problems.append("draft_vocab_size=0: the layout's lm_head is over a draft vocabulary (d2t / t2d); "

@@ -25,8 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mtp_train.config.head import HeadConfig, head_spec
-from mtp_train.export.layouts import FORMATS, LAYOUTS, Layout, LayoutError
-from mtp_train.fileio import atomic_write, atomic_write_text
+from mtp_train.export.layouts import LAYOUTS, Layout, LayoutError, export_formats
+from mtp_train.fileio import atomic_write, atomic_write_text, tensor_bytes
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.checkpoint import (
     CONFIG_DIGEST,
@@ -52,7 +52,7 @@ META_KEYS = ("format", "head", "dims")  # what `load_export` needs from it
 
 def _layout(fmt: str) -> Layout:
     if fmt not in LAYOUTS:
-        raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(export_formats())}")
     return LAYOUTS[fmt]
 
 
@@ -129,8 +129,8 @@ def head_sha256(head_config: dict[str, Any]) -> str | None:
 def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str | Path, *,
                 verify_fingerprint: bool = True) -> Path:
     """Export the head in `head_dir` (trained for the target in `target_dir`) as `fmt` into `out`."""
-    if fmt not in FORMATS:
-        raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt not in export_formats():
+        raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(export_formats())}")
     cfg = read_head_config(head_dir)
     head = load_head(head_dir, target_dir, verify_fingerprint=verify_fingerprint)
     out = Path(out)
@@ -145,7 +145,8 @@ def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str
                            "draft_vocab_size": head.cfg.draft_vocab_size, "head_sha256": head_sha256(cfg)}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "model.safetensors",
-                 lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt", "layout": fmt}))
+                 lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt", "layout": fmt}),
+                 size=tensor_bytes(tensors))
     config["mtp_train"]["files"] = file_checksums(out, ["model.safetensors"])  # `load_export` checks them
     config["mtp_train"][CONFIG_DIGEST] = export_digest(config)  # and config.json itself
     atomic_write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -202,7 +203,8 @@ def verify_round_trip(head_dir: str | Path, export_dir: str | Path, target_dir: 
     tokens = torch.randint(0, a.args.vocab_size, (rows,), generator=g)  # (rows,)
     meta = AttentionMetadata.build([rows])
     with torch.no_grad():
-        fa, fb = a(hidden, tokens, meta).hidden, b(hidden, tokens, meta).hidden  # (rows, H) each
+        fa = a(hidden, tokens, meta, from_target=True).hidden  # (rows, H)
+        fb = b(hidden, tokens, meta, from_target=True).hidden
     return float((fa - fb).abs().max())
 
 

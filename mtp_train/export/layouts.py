@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from mtp_train.config.head import HEAD_SPECS
+from mtp_train.config.head import HEAD_TYPES
+from mtp_train.config.registry import Registry
 from mtp_train.export import eagle3
 from mtp_train.heads.base import DraftHead
 from mtp_train.models.families import family_of
@@ -84,8 +85,8 @@ class Layout:
 
     @property
     def head_types(self) -> tuple[str, ...]:
-        """The head types whose spec (`HEAD_SPECS`) names this format."""
-        return tuple(name for name, spec in HEAD_SPECS.items() if self.name in spec.formats)
+        """The head types whose spec (`HEAD_TYPES`) names this format."""
+        return tuple(name for name, t in HEAD_TYPES.items() if self.name in t.spec.formats)
 
 
 def _no_draft_vocab(head: DraftHead) -> list[str]:
@@ -258,22 +259,31 @@ def _eagle3_layout(name: str, check: Callable[[eagle3.Eagle3Spec], list[str]], t
                   lambda head, target: config(eagle3.Eagle3Spec.of(head), target), keeps_draft_vocab=True)
 
 
-LAYOUTS: dict[str, Layout] = {
-    "vllm-eagle": Layout("vllm-eagle", _eagle_check(bias_ok=False), _eagle_to("", bias=False),
-                         _eagle_from(""), _eagle_config("LlamaForCausalLM")),
-    "sglang-eagle": Layout("sglang-eagle", _eagle_check(bias_ok=True), _eagle_to("", bias=True),
-                           _eagle_from(""), _eagle_config("LlamaForCausalLMEagle")),
-    "deepseek-mtp": Layout("deepseek-mtp", _mtp_check, _ds_to, _ds_from, _ds_config, needs_frozen=True),
-    "qwen3-next-mtp": Layout("qwen3-next-mtp", _mtp_check, _qn_to, _qn_from, _qn_config, exact=False),
-    "speculators": _eagle3_layout("speculators", eagle3.speculators_problems, eagle3.to_speculators,
-                                  eagle3.from_speculators, eagle3.speculators_config),
-    "sglang-eagle3": _eagle3_layout("sglang-eagle3", eagle3.sglang_problems, eagle3.to_sglang, eagle3.from_sglang,
-                                    eagle3.sglang_config),
-}
-FORMATS = ("native", *LAYOUTS)
-# Each head type's spec names its formats, and each layout must be taken by some head type: checked at import,
-# so that a new spec or layout cannot name the other side wrongly.
-_named = {f for spec in HEAD_SPECS.values() for f in spec.formats}
-if _named != set(FORMATS):
-    raise TypeError(f"HEAD_SPECS name formats {sorted(_named - set(FORMATS))} without a layout, and layouts "
-                    f"{sorted(set(FORMATS) - _named)} no head type takes")
+# Export formats by name. A head type's spec names the formats that take it (`HeadTypeSpec.formats`); a plug-in
+# that brings a new layout registers it here (`LAYOUTS.add(Layout(...))`). `unmatched_formats` is the cross-check.
+LAYOUTS: Registry[Layout] = Registry("export format")
+for _layout_entry in (
+    Layout("vllm-eagle", _eagle_check(bias_ok=False), _eagle_to("", bias=False), _eagle_from(""),
+           _eagle_config("LlamaForCausalLM")),
+    Layout("sglang-eagle", _eagle_check(bias_ok=True), _eagle_to("", bias=True), _eagle_from(""),
+           _eagle_config("LlamaForCausalLMEagle")),
+    Layout("deepseek-mtp", _mtp_check, _ds_to, _ds_from, _ds_config, needs_frozen=True),
+    Layout("qwen3-next-mtp", _mtp_check, _qn_to, _qn_from, _qn_config, exact=False),
+    _eagle3_layout("speculators", eagle3.speculators_problems, eagle3.to_speculators, eagle3.from_speculators,
+                   eagle3.speculators_config),
+    _eagle3_layout("sglang-eagle3", eagle3.sglang_problems, eagle3.to_sglang, eagle3.from_sglang,
+                   eagle3.sglang_config),
+):
+    LAYOUTS.add(_layout_entry)
+
+
+def export_formats() -> tuple[str, ...]:
+    """Every `mtp-export format=` value: native and each registered layout."""
+    return ("native", *LAYOUTS.names())
+
+
+def unmatched_formats() -> tuple[list[str], list[str]]:
+    """(formats some head type names without a layout, layouts no head type takes): both empty when the head
+    types' specs and the layouts agree (a test checks it)."""
+    named = {f for t in HEAD_TYPES.values() for f in t.spec.formats}
+    return sorted(named - set(export_formats())), sorted(set(export_formats()) - named)

@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from mtp_train.config.head import HeadConfig
 from mtp_train.export.exporter import export_digest, head_sha256, layout_tensors
 from mtp_train.export.layouts import LayoutError
-from mtp_train.fileio import atomic_write, atomic_write_text
+from mtp_train.fileio import atomic_write, atomic_write_text, tensor_bytes
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.checkpoint import CONFIG_DIGEST, file_checksums, head_dims, load_head, read_head_config
 from mtp_train.heads.registry import build_head
@@ -110,7 +110,8 @@ def stitch(head: DraftHead, target_dir: str | Path, out: str | Path, fmt: str = 
     out.mkdir(parents=True, exist_ok=True)
     result = StitchResult(out=out, new_tensors=len(tensors))
     atomic_write(out / NEW_SHARD, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt",
-                                                                                      "layout": fmt}))
+                                                                                      "layout": fmt}),
+                 size=tensor_bytes(tensors))
     old = set(files.values()) - set(weight_map.values())  # target shards holding only the replaced layer
     for f in sorted(set(weight_map.values())):
         _link(out / link_of[f], f.resolve())
@@ -168,5 +169,6 @@ def verify_stitched(head_dir: str | Path, stitched_dir: str | Path, target_dir: 
     tokens = torch.randint(0, a.args.vocab_size, (rows,), generator=g)  # (rows,)
     meta = AttentionMetadata.build([rows])
     with torch.no_grad():
-        fa, fb = a(hidden, tokens, meta).hidden, b(hidden, tokens, meta).hidden  # (rows, H) each
+        fa = a(hidden, tokens, meta, from_target=True).hidden  # (rows, H)
+        fb = b(hidden, tokens, meta, from_target=True).hidden
     return float((fa - fb).abs().max())

@@ -1,21 +1,22 @@
 """Draft heads over a frozen target: one module each, used by training (packed, autograd) and inference (paged KV).
 
-Heads sit on the same floor as `models/`: they import `layers/` and `models/` only. `base.py` is the interface,
-`registry.py` the head types, `checkpoint.py` the head folders, `packing.py` the packed-batch alignment,
-`chain_attention.py` the chained training attention, `frozen.py` the target tensors a head reads.
+Heads sit above `models/`: they import `layers/`, `models/` and `config/` only. `base.py` is the interface,
+`registry.py` builds a head of a registered type (the plug-ins are `mtp_train.head_types`), `checkpoint.py` the
+head folders, `packing.py` the packed-batch alignment, `chain_attention.py` the chained training attention,
+`frozen.py` the target tensors a head reads.
 """
 
-from mtp_train.heads.base import DraftHead, HeadOutput
+from mtp_train.heads.base import ChainHead, DraftHead, HeadOutput
 from mtp_train.heads.checkpoint import load_head, read_head_config, save_head
 from mtp_train.heads.eagle1 import Eagle1Head
 from mtp_train.heads.eagle3 import Eagle3Head
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer
 from mtp_train.heads.mtp import MTPHead
 from mtp_train.heads.packing import packed_shift, packed_valid, resolve_seq_lens
-from mtp_train.heads.registry import HEAD_TYPES, build_head
+from mtp_train.heads.registry import build_head, head_class, new_head
 
 __all__ = [
-    "HEAD_TYPES",
+    "ChainHead",
     "DraftHead",
     "Eagle1Head",
     "Eagle3Head",
@@ -23,7 +24,9 @@ __all__ = [
     "HeadOutput",
     "MTPHead",
     "build_head",
+    "head_class",
     "load_head",
+    "new_head",
     "packed_shift",
     "packed_valid",
     "read_decoder_layer",

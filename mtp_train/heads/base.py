@@ -1,4 +1,5 @@
-"""The draft-head interface, `DraftHead`: its two forward modes, the chained training unroll, the frozen lm_head.
+"""The draft-head interface, `DraftHead`: its two forward modes, its training unroll, the frozen lm_head; and
+`ChainHead`, the heads that draft a chain one forward per token (mtp, eagle1, eagle3) with their chained unroll.
 
 Notation: target hidden after the final norm `h_i` at position i, token `t_i`; the target's logits
 `lm_head(h_i)` predict `t_{i+1}`. A head row at position i reads `h_i` and the embedding of `t_{i+1}` (the
@@ -8,11 +9,12 @@ distribution of `t_{i+2}` through the frozen lm_head.
 One module serves both modes:
 
 * training: `forward_train` runs a packed batch of whole sequences with causal attention and no KV cache
-  (the torch backend, so autograd works); `unroll` chains it for several draft steps;
+  (the torch backend, so autograd works); `unroll` gives several steps' predictions (a `ChainHead` chains it);
 * inference: `forward` runs any engine step (prefill, decode, verify) against the head's own one-layer
   paged KV pool, which uses the same page ids as the target.
 
-Unrolled alignment (a sequence of n tokens, rows i = 0..n-1, steps j = 0..k-1):
+Unrolled alignment, every head type's (a sequence of n tokens, rows i = 0..n-1, steps j = 0..k-1); the inputs and
+attention below are a `ChainHead`'s:
 
     step j, row i   hidden in  h_i (j = 0)  or  out_{j-1}[i] (j > 0: the head's estimate of h_{i+j})
                     token in   t_{i+j+1}
@@ -78,7 +80,7 @@ class DraftHead(nn.Module, ABC):
     `state_dict()`, `.to()` and any training engine see only the head's own weights.
     """
 
-    type_name: ClassVar[str] = "base"  # a HEAD_SPECS name (`mtp_train.config.head`): the type's settings
+    type_name: ClassVar[str] = "base"  # its HEAD_TYPES name (`mtp_train.config.head`): the type's settings
     num_kv_layers: ClassVar[int] = 1  # layers in the head's own paged KV pool
 
     def __init__(self, cfg: HeadConfig, target_args: ModelArgs, frozen: FrozenTargetParts | None = None,
@@ -123,14 +125,19 @@ class DraftHead(nn.Module, ABC):
 
     @abstractmethod
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend) -> torch.Tensor:
+                 kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend, *,
+                 from_target: bool) -> torch.Tensor:
         """The head's output feature for every row.
 
-        hidden: (T, H) input features (h_i, or the previous step's output), or (T, k·H) aux features at step 0
-        (an aux head tells them apart by width, as vLLM's EAGLE-3 does); token_ids: (T,) the token that
-        follows each row (t_{i+1}); meta: the step's metadata, already prepared for `attn` (an MLABackend for a
-        DeepSeek block); kv_cache: the head's one-layer pool (num_pages, 2, page_size, Hkv, D), or (num_pages,
-        page_size, C + R) latent rows for a DeepSeek block, written at the step's slots, or None.
+        Args:
+            hidden: (T, `input_width`) the target's features when `from_target` (h_i, or an aux head's k aux
+                layers concatenated), else (T, H) the head's own previous output (a chained draft step).
+            token_ids: (T,) the token that follows each row (t_{i+1}).
+            meta: the step's metadata, already prepared for `attn` (an MLABackend for a DeepSeek block).
+            kv_cache: the head's one-layer pool (num_pages, 2, page_size, Hkv, D), or (num_pages, page_size, C + R)
+                latent rows for a DeepSeek block, written at the step's slots, or None.
+            from_target: the caller's word on which input this is (never guessed from the width: one aux layer
+                is H wide too, and still goes through the aux fc).
         Returns (T, H): the estimate of h_{i+1}.
         """
 
@@ -213,6 +220,15 @@ class DraftHead(nn.Module, ABC):
         """Width of step 0's input rows: k·H for k aux layers, else H (the spec's rule)."""
         return self.spec.input_width(self.cfg.features, len(self.aux_layers), self.args.hidden_size)
 
+    def check_input(self, hidden: torch.Tensor, from_target: bool) -> None:
+        """Refuse rows of the wrong width for their kind: (T, input_width) from the target, (T, H) from the head."""
+        width = self.input_width if from_target else self.args.hidden_size
+        if hidden.dim() != 2 or hidden.shape[-1] != width:
+            kind = (f"the target's {'aux layers ' + str(self.aux_layers) if self.aux_layers else 'final hidden'}"
+                    if from_target else "the head's own output")
+            raise ValueError(f"the {self.type_name} head reads {kind} as (T, {width}) rows, got "
+                             f"{tuple(hidden.shape)}")
+
     @property
     def vocab_size(self) -> int:
         """Size of the head's output distribution: draft_vocab_size, or the target's vocabulary."""
@@ -274,38 +290,74 @@ class DraftHead(nn.Module, ABC):
         return family_of(self.args).attention(self.args, name, device, dtype)
 
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor | None = None, *, logits_indices: torch.Tensor | None = None) -> HeadOutput:
+                kv_cache: torch.Tensor | None = None, *, from_target: bool,
+                logits_indices: torch.Tensor | None = None) -> HeadOutput:
         """Inference: one engine step over the head's paged KV pool.
 
-        hidden: (T, H) target hidden states h_i of the step's rows, (T, k·H) their aux layers for an aux head
-        (`input_width`), or (T, H) the head's own output for chained draft steps; token_ids: (T,) the token
-        after each row, t_{i+1}; meta: the step's metadata (the rows' positions i, and the same page ids as the
-        target); kv_cache: the head's one-layer pool (num_pages, 2, page_size, Hkv, D), or (num_pages, page_size,
-        C + R) latent rows for a DeepSeek block (see `kv_shape`), or None for a cache-free prefill;
-        logits_indices: (N,) rows whose logits are wanted. Returns (hidden (T, H), logits (N, V) or None).
+        Args:
+            hidden: (T, `input_width`) the target's features of the step's rows (h_i, or an aux head's aux layers)
+                when `from_target` (a prefill, a catch-up), else (T, H) the head's own output (a chained draft step).
+            token_ids: (T,) the token after each row, t_{i+1}.
+            meta: the step's metadata (the rows' positions i, and the same page ids as the target).
+            kv_cache: the head's one-layer pool (num_pages, 2, page_size, Hkv, D), or (num_pages, page_size, C + R)
+                latent rows for a DeepSeek block (see `kv_shape`), or None for a cache-free prefill.
+            from_target: which of the two inputs `hidden` is (the caller knows; see `features`).
+            logits_indices: (N,) rows whose logits are wanted.
+        Returns (hidden (T, H), logits (N, V) or None).
         """
         if hidden.shape[0] != token_ids.shape[0]:
             raise ValueError(f"{hidden.shape[0]} hidden rows but {token_ids.shape[0]} tokens")
+        self.check_input(hidden, from_target)
         attn = self.attention_backend(hidden.device)
         attn.prepare(meta)
-        out = self.features(hidden, token_ids, meta, kv_cache, attn)
+        out = self.features(hidden, token_ids, meta, kv_cache, attn, from_target=from_target)
         logits = None if logits_indices is None else self.compute_logits(out[logits_indices])
         return HeadOutput(out, logits)
 
     def forward_train(self, hidden: torch.Tensor, next_tokens: torch.Tensor,
                       seq_lens: Sequence[int] | torch.Tensor | None = None, *,
-                      cu_seqlens: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+                      cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+                      from_target: bool = True) -> torch.Tensor:
         """Training: a packed batch of whole sequences, causal attention within each, no KV cache.
 
-        hidden: (T, H) input features; next_tokens: (T,) t_{i+1} per row (see `packed_shift`); seq_lens: (B,)
-        or cu_seqlens: (B+1,). Positions restart at 0 in every sequence. Returns (T, H), differentiable.
+        hidden: (T, `input_width`) the target's features (or, with from_target=False, (T, H) the head's own output);
+        next_tokens: (T,) t_{i+1} per row (see `packed_shift`); seq_lens: (B,) or cu_seqlens: (B+1,). Positions
+        restart at 0 in every sequence. Returns (T, H), differentiable.
         """
         if hidden.shape[0] != next_tokens.shape[0]:
             raise ValueError(f"{hidden.shape[0]} hidden rows but {next_tokens.shape[0]} tokens")
+        self.check_input(hidden, from_target)
         lens = resolve_seq_lens(hidden.shape[0], seq_lens, cu_seqlens)
         meta = AttentionMetadata.build(lens, device=hidden.device)
         self._train_attn.prepare(meta)
-        return self.features(hidden, next_tokens, meta, None, self._train_attn)
+        return self.features(hidden, next_tokens, meta, None, self._train_attn, from_target=from_target)
+
+    @abstractmethod
+    def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
+               steps: int, attention: str = "chain", chain_mode: str = "diagonal") -> list[torch.Tensor]:
+        """The head type's training unroll: `steps` predictions per row of a packed batch.
+
+        Args:
+            hidden: (T, `input_width`) the target's features h_i (or an aux head's aux layers).
+            input_ids: (T,) the sequences' own tokens t_i (not shifted).
+            seq_lens: (B,) the packed sequences' lengths.
+            steps: how many predictions per row (`loss.steps`).
+            attention, chain_mode: how a chain head's later steps attend (`loss.unroll_attention`, the chained
+                attention's mode); a head that does not chain may ignore them.
+        Returns one (T, H) tensor per step: row i of step j estimates h_{i+j+1}, whatever the head computes it from
+        (a chain of forwards, or one forward for a whole block); the loss scores every head type the same way.
+        """
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"type={c.type}, enorm={c.enorm}, hnorm={c.hnorm}, input_norm={c.input_norm}, "
+                f"final_norm={c.final_norm}, fc_bias={c.fc_bias}, features={c.features}, aux_layers={self.aux_layers}, "
+                f"aux_norm={c.aux_norm}, norm_output={c.norm_output}, draft_vocab={self.vocab_size}")
+
+
+class ChainHead(DraftHead):
+    """A head that drafts one token per forward, each step reading the previous step's output (mtp, eagle1, eagle3):
+    its training unroll is that chain (alignment and attention modes in the module docstring)."""
 
     def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
                steps: int, attention: str = "chain", chain_mode: str = "diagonal") -> list[torch.Tensor]:
@@ -321,6 +373,7 @@ class DraftHead(nn.Module, ABC):
             raise ValueError(f"steps must be >= 1, got {steps}")
         if attention not in UNROLL_ATTENTION:
             raise ValueError(f"unknown unroll attention {attention!r}; choose one of {', '.join(UNROLL_ATTENTION)}")
+        self.check_input(hidden, True)
         lens = resolve_seq_lens(hidden.shape[0], seq_lens)
         attn = chain_attention(self.args, chain_mode) if attention == "chain" else self._train_attn
         outs: list[torch.Tensor] = []
@@ -329,13 +382,7 @@ class DraftHead(nn.Module, ABC):
             meta = AttentionMetadata.build(lens, device=hidden.device)
             meta.positions = meta.positions + j  # step j drafts at i + j; only the chain's mixed keys can tell
             attn.prepare(meta)
-            x = self.features(x, packed_shift(input_ids, lens, j + 1), meta, None, attn)
+            # step 0 reads the target's features, every later step the previous step's output
+            x = self.features(x, packed_shift(input_ids, lens, j + 1), meta, None, attn, from_target=j == 0)
             outs.append(x)
         return outs
-
-    def extra_repr(self) -> str:
-        c = self.cfg
-        return (f"type={c.type}, enorm={c.enorm}, hnorm={c.hnorm}, input_norm={c.input_norm}, "
-                f"final_norm={c.final_norm}, fc_bias={c.fc_bias}, features={c.features}, aux_layers={self.aux_layers}, "
-                f"aux_norm={c.aux_norm}, norm_output={c.norm_output}, draft_vocab={self.vocab_size}")
-

@@ -33,7 +33,7 @@ class ChainTrainAttention(AttentionBackend):
     step-0 keys as one causal (n, n) block and the chain's own keys as j dot products per row (its keys of steps
     1..j at the same row: the only ones it may see), so a step costs about one causal attention whatever j is.
     `masked` concatenates all (j+1)·n keys of the sequence and masks all but those: a step costs j+1 of them,
-    and a 7-step test ~4x its attention (`bench/bench_chain_attention.py` times the two; a test checks they agree).
+    and a 7-step test ~4x its attention (`python -m bench.chain_attention` times the two; a test checks they agree).
     """
 
     name = "chain-train"

@@ -12,10 +12,8 @@ EAGLE expects an fc bias). Any norm can still be switched back on, one flag at a
 from __future__ import annotations
 
 from mtp_train.heads.mtp import MTPHead
-from mtp_train.heads.registry import register_head
 
 
-@register_head
 class Eagle1Head(MTPHead):
     """EAGLE-1: the MTP structure with enorm, hnorm, the layer's input norm and the final norm off by default."""
 

@@ -27,9 +27,8 @@ import torch
 from torch import nn
 
 from mtp_train.config import HeadConfig
-from mtp_train.heads.base import DraftHead
+from mtp_train.heads.base import ChainHead
 from mtp_train.heads.frozen import FrozenTargetParts
-from mtp_train.heads.registry import register_head
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata
 from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
@@ -59,8 +58,7 @@ class Eagle3Layer(nn.Module):
         return r + self.mlp(self.post_attention_layernorm(r))
 
 
-@register_head
-class Eagle3Head(DraftHead):
+class Eagle3Head(ChainHead):
     """fc over the aux layers → one EAGLE-3 layer → final norm → its own lm_head over the draft vocabulary."""
 
     type_name = "eagle3"
@@ -95,13 +93,13 @@ class Eagle3Head(DraftHead):
         return self.lm_head.weight
 
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: torch.Tensor | None, attn: AttentionBackend) -> torch.Tensor:
-        """(T, 3H) aux features (step 0) or (T, H) the previous output + (T,) next tokens → (T, H) the output
+                 kv_cache: torch.Tensor | None, attn: AttentionBackend, *, from_target: bool) -> torch.Tensor:
+        """(T, k·H) aux features (from the target) or (T, H) the previous output + (T,) next tokens → (T, H) the output
         feature: the layer output before the final norm, or after it with head.norm_output (EAGLE-3.1)."""
         e = self.embed(token_ids)  # (T, H)
         g = hidden.to(e.dtype)
-        if g.shape[-1] != e.shape[-1]:
-            g = self.fc(self.aux_input(g))  # step 0: (T, 3H) → (T, H), each layer's slice normed with aux_norm
+        if from_target:
+            g = self.fc(self.aux_input(g))  # the target's k aux layers: (T, k·H) → (T, H), sliced norms with aux_norm
         cos, sin = self.rope(meta.rotary_positions, g.dtype)  # a tree step rotates to depths
         x = self.layers[0](e, g, cos, sin, attn, kv_cache, meta)
         return self.norm(x) if self.cfg.norm_output else x

@@ -26,17 +26,15 @@ import torch
 from torch import nn
 
 from mtp_train.config import HeadConfig
-from mtp_train.heads.base import DraftHead
+from mtp_train.heads.base import ChainHead
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer, read_mtp_layer
-from mtp_train.heads.registry import register_head
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import family_of, titles
 
 
-@register_head
-class MTPHead(DraftHead):
+class MTPHead(ChainHead):
     """fc over [embedding ; hidden] → one decoder layer of the target's family and shapes → optional norm."""
 
     type_name = "mtp"
@@ -60,12 +58,14 @@ class MTPHead(DraftHead):
         self.norm = RMSNorm(h, eps) if c.final_norm else None
 
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend) -> torch.Tensor:
-        """(T, H) hidden + (T,) next tokens → (T, H) predicted next hidden (see DraftHead.features)."""
+                 kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend, *,
+                 from_target: bool) -> torch.Tensor:
+        """(T, H) hidden (or (T, k·H) aux features from the target) + (T,) next tokens → (T, H) predicted next
+        hidden (see DraftHead.features)."""
         e = self.embed(token_ids)  # (T, H)
         h = hidden.to(e.dtype)  # stored features are bf16; the head may train in fp32
-        if self.aux_fc is not None and h.shape[-1] != e.shape[-1]:
-            h = self.aux_fc(self.aux_input(h))  # step 0 of an aux head: (T, k·H) → (T, H) (aux_norm first)
+        if self.aux_fc is not None and from_target:
+            h = self.aux_fc(self.aux_input(h))  # an aux head's target input: (T, k·H) → (T, H) (aux_norm first)
         if self.enorm is not None:
             e = self.enorm(e)
         if self.hnorm is not None:

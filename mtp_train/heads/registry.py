@@ -1,9 +1,8 @@
-"""Head types: the class of each `HEAD_SPECS` entry, and building a new head for a target.
+"""Building a head: the class of a head type, and a new head for a target.
 
-A head type is one spec in `mtp_train.config.head.HEAD_SPECS` (its settings: norm defaults, fixed norms, features,
-draft-vocabulary rule, export formats) plus one class here, registered under the spec's name with
-`@register_head`. `build_head` makes a head from a `HeadConfig` whose `type` names it (the frozen embedding /
-lm_head read from the target folder); `head_class` is the one look-up of a type's class.
+A head type is one plug-in registered in `mtp_train.config.head.HEAD_TYPES` (`mtp_train.head_types`); its module
+class is `HeadType.module`. `build_head` makes a head from a `HeadConfig` whose `type` names it (the frozen
+embedding / lm_head read from the target folder); `head_class` is the one look-up of a type's class.
 """
 
 from __future__ import annotations
@@ -12,32 +11,20 @@ from pathlib import Path
 
 import torch
 
-from mtp_train.config.head import HEAD_SPECS, HeadConfig
+from mtp_train.config.head import HeadConfig
+from mtp_train.config.head import head_type as _head_type
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.models.config import ModelArgs
 from mtp_train.models.loader import resolve_dtype
 
-HEAD_TYPES: dict[str, type[DraftHead]] = {}  # spec name → class, filled by the head modules' @register_head
-
-
-def register_head(cls: type[DraftHead]) -> type[DraftHead]:
-    """Class decorator: make `cls` the class of the head type `cls.type_name`, which must have a spec."""
-    if cls.type_name not in HEAD_SPECS:
-        raise TypeError(f"{cls.__name__}.type_name {cls.type_name!r} has no HeadTypeSpec in "
-                        f"mtp_train.config.head.HEAD_SPECS (known: {', '.join(HEAD_SPECS)})")
-    if cls.type_name in HEAD_TYPES:
-        raise TypeError(f"head type {cls.type_name!r} is registered twice ({HEAD_TYPES[cls.type_name].__name__}, "
-                        f"{cls.__name__})")
-    HEAD_TYPES[cls.type_name] = cls
-    return cls
-
 
 def head_class(head_type: str) -> type[DraftHead]:
-    """The class of head type `head_type`; ValueError naming the implemented types otherwise."""
-    cls = HEAD_TYPES.get(head_type)
-    if cls is None:
-        raise ValueError(f"head type {head_type!r} has no implementation; known: {', '.join(HEAD_TYPES)}")
+    """The module class of head type `head_type` (its plug-in's `HeadType.module`); ValueError naming the known
+    types otherwise."""
+    cls = _head_type(head_type).module
+    if not (isinstance(cls, type) and issubclass(cls, DraftHead)):
+        raise TypeError(f"head type {head_type!r}: its module {cls!r} is not a DraftHead subclass")
     return cls
 
 

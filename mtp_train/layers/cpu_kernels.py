@@ -9,12 +9,21 @@ composites of 5–7 small ops (each op costs microseconds of dispatch on a decod
 `paged_attention` attends decode / verify tokens straight over the pages
 (the torch path gathers every page of the sequence into a contiguous copy first, then runs SDPA).
 `soft_ce_` is training's: the fused soft cross-entropy's per-row work over a (C, V) logits chunk in one read.
-See bench/bench_cpu_kernels.py and bench/bench_engine.py for what they buy.
+See `python -m bench.cpu_kernels` and `python -m bench.engine` for what they buy.
 
 The kernel is plain C (AVX2 + FMA, no torch headers) and is called through ctypes, so building it
 takes about a second with the system C compiler and needs nothing from the Python environment. The
 library goes to the settings' cache folder (`KernelSettings.cache_dir`, by default `~/.cache/mtp_train/kernels`),
 named by a hash of its source and flags, written atomically, so concurrent processes share one build.
+
+Loading a shared object runs its code, so a library is loaded only when it is the one built here: each build
+records beside it (`mtp_cpu_kernels_<tag>.json`, written atomically) the sha256 and size of the `.so`, the hash of
+its source and the compiler flags, and `build_library` checks the file against that record before it is handed to
+`ctypes.CDLL`. A library that does not match (planted, corrupt, truncated, a link, or one without a record) is never
+loaded: it is rebuilt under a fresh temporary name and renamed over it, with one warning naming the file. The
+record guards against a damaged or swapped file; what keeps other users from planting one (record and all) is the
+folder: it must be a directory owned by this user and writable by nobody else (a link to such a directory is
+followed), else nothing in it is loaded or written and the kernels stay off with a warning saying how to fix it.
 This module reads no environment: `configure` sets the settings (the commands call it once, from the
 environment variables `mtp_train.cli.common.kernel_settings_from_env` documents); a program that never calls it
 gets the kernels, built into the default folder with the first C compiler found. Where they cannot be used (not
@@ -25,11 +34,14 @@ paths; the reason is logged once.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -41,6 +53,7 @@ from pathlib import Path
 import torch
 
 from mtp_train.config.device import on_cpu
+from mtp_train.fileio import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -91,24 +104,132 @@ def find_compiler(preferred: str | None = None) -> str | None:
     return None
 
 
-def build_library(cc: str, cache_dir: Path, source: Path = SOURCE) -> Path:
-    """Compile `source` into `cache_dir` (atomic rename; an existing build is reused) and return its path."""
-    src = source.read_bytes()
-    tag = hashlib.sha256(src + " ".join(CFLAGS + LIBS).encode()).hexdigest()[:16]
-    out = cache_dir / f"mtp_cpu_kernels_{tag}.so"
-    if out.exists():
-        return out
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+class KernelDirError(RuntimeError):
+    """The kernel cache folder is not private to this user (others could plant a library there)."""
+
+
+RECORD_FORMAT = "mtp_train.cpu_kernels/1"  # the build record beside each library
+
+
+def _build_tag(src: bytes) -> str:
+    """The hash naming a build: its source and flags."""
+    return hashlib.sha256(src + " ".join(CFLAGS + LIBS).encode()).hexdigest()[:16]
+
+
+def _private_dir(cache_dir: Path) -> Path:
+    """`cache_dir` (created 0700 when missing) resolved through links; KernelDirError unless it is a directory
+    owned by this user that nobody else may write to, the only kind where a library found is one of ours."""
+    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    real = cache_dir.resolve()
+    st = os.stat(real)
+    shown = f"{cache_dir}" + (f" (a link to {real})" if real != cache_dir.absolute() else "")
+    if not stat.S_ISDIR(st.st_mode):
+        raise KernelDirError(f"the kernel folder {shown} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise KernelDirError(f"the kernel folder {shown} belongs to uid {st.st_uid}, not to this user "
+                             f"({os.geteuid()}): a library there could be anyone's; point MTP_TRAIN_KERNEL_DIR at a "
+                             f"folder of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise KernelDirError(f"the kernel folder {shown} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): "
+                             f"a library there could be anyone's; run `chmod go-w {real}` or point "
+                             f"MTP_TRAIN_KERNEL_DIR at a folder of your own")
+    return real
+
+
+def record_path(library: Path) -> Path:
+    """The build record of `library`: `<name>.json` beside it."""
+    return library.with_suffix(".json")
+
+
+def _file_sha256(path: Path) -> tuple[str, int]:
+    """(hex sha256, size) of a regular file read without following a link at its name."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        h, size = hashlib.sha256(), 0
+        while block := os.read(fd, 1 << 20):
+            h.update(block)
+            size += len(block)
+        return h.hexdigest(), size
+    finally:
+        os.close(fd)
+
+
+def _expected_record(src: bytes, library: Path) -> dict:
+    """What a record of a build of `src` says apart from the library's own digest."""
+    return {"format": RECORD_FORMAT, "file": library.name, "source_sha256": hashlib.sha256(src).hexdigest(),
+            "cflags": list(CFLAGS), "libs": list(LIBS)}
+
+
+def verify_library(library: Path, src: bytes) -> str:
+    """Why `library` is not the build of `src` recorded beside it ('' when it is: then it may be loaded)."""
+    try:
+        st = os.lstat(library)
+    except FileNotFoundError:
+        return "missing"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file (a link or other)"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not by this user"
+    rec_path = record_path(library)
+    try:
+        if not stat.S_ISREG(os.lstat(rec_path).st_mode):
+            return f"its build record {rec_path.name} is not a regular file"
+        record = json.loads(rec_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"no build record {rec_path.name} beside it"
+    except (OSError, ValueError) as exc:
+        return f"its build record {rec_path.name} is unreadable ({exc})"
+    if not isinstance(record, dict) or {k: record.get(k) for k in _expected_record(src, library)} != \
+            _expected_record(src, library):
+        return f"its build record {rec_path.name} is of another build"
+    digest, size = _file_sha256(library)
+    if size != record.get("bytes") or digest != record.get("sha256"):
+        return f"sha256 {digest[:16]}… of {size} bytes, its build record says {str(record.get('sha256'))[:16]}… " \
+               f"of {record.get('bytes')} bytes"
+    return ""
+
+
+def _compile(cc: str, source: Path, src: bytes, out: Path) -> None:
+    """Build `source` into a fresh temporary name beside `out`, record it, then rename both into place."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         res = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, *LIBS], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source}:\n{res.stderr.strip()[-2000:]}")
+        digest, size = _file_sha256(Path(tmp))
+        record = {**_expected_record(src, out), "sha256": digest, "bytes": size, "compiler": cc}
+        # The record first: a reader between the two renames sees a library that does not match it and rebuilds,
+        # never an unrecorded library accepted.
+        atomic_write_text(record_path(out), json.dumps(record, indent=1) + "\n")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def build_library(cc: str, cache_dir: Path, source: Path = SOURCE) -> Path:
+    """The verified library of `source` in `cache_dir` (see the module docstring): an existing build is reused
+    when it matches its record, anything else there under its name is rebuilt (atomically); its path.
+
+    Raises KernelDirError for a folder others can write to, RuntimeError for a failed build."""
+    src = source.read_bytes()
+    folder = _private_dir(Path(cache_dir))
+    out = folder / f"mtp_cpu_kernels_{_build_tag(src)}.so"
+    # One check-and-build at a time per folder: a second process waits, then finds the build made.
+    lock_fd = os.open(folder / ".build.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        why = verify_library(out, src)
+        if why:
+            if why != "missing":
+                log.warning("native CPU kernels: not loading %s (%s); rebuilding it", out, why)
+            _compile(cc, source, src, out)
+            why = verify_library(out, src)
+            if why:
+                raise RuntimeError(f"the kernel library just built at {out} does not verify: {why}")
+    finally:
+        os.close(lock_fd)
     return out
 
 
@@ -140,7 +261,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = None
     fn = lib.mtp_rope_f32
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -277,15 +398,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def paged_attention_args(block_tables: torch.Tensor, qo_indptr: torch.Tensor, positions: torch.Tensor,
-                         max_kv: int, tree_bits: torch.Tensor | None = None) -> tuple:
+                         max_kv: int, tree_bits: torch.Tensor | None = None,
+                         tree_pos: torch.Tensor | None = None) -> tuple:
     """The per-step arguments of `paged_attention` (built once per step, shared by every layer).
 
     tree_bits: None, or (T,) int64 for a tree step (`AttentionMetadata.tree_bits`: bit i = the token sees new
-    token i of its own sequence; positions are then slots).
+    token i of its own sequence; positions are then slots). tree_pos: None, or in a tree step the (T,) positions
+    the tokens stand at (`AttentionMetadata.rope_positions`), which a sliding window counts.
     """
     bits = None if tree_bits is None else tree_bits.to(torch.int64).contiguous()
+    tpos = None if tree_bits is None or tree_pos is None else tree_pos.to(torch.int64).contiguous()
     return (block_tables.to(torch.int32).contiguous(), qo_indptr.to(torch.int32).contiguous(),
-            positions.to(torch.int64).contiguous(), int(max_kv), bits)
+            positions.to(torch.int64).contiguous(), int(max_kv), bits, tpos)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, scale: float,
@@ -294,14 +418,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
 
     q: (T, Hq, D) float32; kv_cache: (num_pages, 2, page_size, Hkv, D) float32 contiguous, already holding
     the new tokens' K/V; step_args: from `paged_attention_args` (block tables (B, max_pages), qo_indptr
-    (B+1,), positions (T,), the longest sequence's token count, tree bits or None). Token t attends causally to
-    its own sequence (within the sliding window, if any; in a tree step only to the new tokens its bits name).
+    (B+1,), positions (T,), the longest sequence's token count, tree bits or None, tree positions or None). Token t
+    attends causally to its own sequence (within the sliding window, if any, counted in tree positions in a tree
+    step; in a tree step only to the new tokens its bits name).
     sinks: None, or (Hq,) attention-sink logits (GPT-OSS), each joining its head's softmax denominator.
     Returns (T, Hq, D). Call only when `available()`.
     """
     if not kv_cache.is_contiguous():
         raise ValueError("paged_attention needs a contiguous KV pool")
-    bt, indptr, pos, max_kv, bits = step_args
+    bt, indptr, pos, max_kv, bits, tree_pos = step_args
     q = q.contiguous()
     t, hq, d = q.shape
     if sinks is not None:
@@ -316,7 +441,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
                                 sliding_window or 0, scale, scores.data_ptr(), max_kv, out.data_ptr(),
                                 torch.get_num_threads() if _threads_ok else 1,
                                 None if bits is None else bits.data_ptr(),
-                                None if sinks is None else sinks.data_ptr())
+                                None if sinks is None else sinks.data_ptr(),
+                                None if tree_pos is None else tree_pos.data_ptr())
     return out
 
 

@@ -1,8 +1,8 @@
 """A Linear layer with faster CPU paths for the few-row products of decode and verify steps.
 
 On CPU, a fp32 `F.linear` over 1–128 rows is far from the memory bandwidth it could reach (its GEMM
-packs the weight on every call). Measured on a 2-core AVX2 machine (bench/bench_cpu_kernels.py: 30 layers'
-worth of SmolLM2 weights per round, so that nothing stays in cache; bench/bench_engine.py shows the effect on
+packs the weight on every call). Measured on a 2-core AVX2 machine (bench.cpu_kernels: 30 layers'
+worth of SmolLM2 weights per round, so that nothing stays in cache; bench.engine shows the effect on
 decode):
 
 * 1–16 rows (decode, verify): the native kernel of `cpu_kernels` streams the weight once, ~1.9× MKL's

@@ -48,7 +48,12 @@ class ModelArgs:
     o_bias: bool = False  # Llama `attention_bias` also puts a bias on o_proj
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    sliding_window: int | None = None  # Mistral-style local attention window (tokens, incl. itself)
+    # the attention window (tokens, the query included) of every layer when `layer_windows` is empty, and of a draft
+    # head's block; None: full attention
+    sliding_window: int | None = None
+    # per layer, when the layers' windows differ (Qwen2/Qwen3 from max_window_layers on, GPT-OSS's layer_types): the
+    # window or None; empty when every layer has `sliding_window`
+    layer_windows: list[int | None] = field(default_factory=list)
     hidden_act: str = "silu"
     torch_dtype: str | None = None  # the checkpoint's dtype name, e.g. "bfloat16"
     bos_token_id: int | None = None
@@ -59,6 +64,16 @@ class ModelArgs:
     def kv_layout(self) -> KVLayout:
         """What a layer's KV pool holds per token: K and V of Hkv heads of D."""
         return KVLayout(self.num_kv_heads, self.head_dim)
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of decoder layer `layer` (0-based), None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    @property
+    def windows(self) -> list[int | None]:
+        """The window of each decoder layer (None: full attention)."""
+        return [self.window(i) for i in range(self.num_layers)]
+
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
     """`<path>/config.json` as a dict, with clear errors for a missing folder or file and invalid JSON.

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 import mtp_train
 from mtp_train import dist as mdist
-from mtp_train.config import PrecomputeConfig
+from mtp_train.config import Interrupted, PrecomputeConfig
 from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
 from mtp_train.data.samples import Sample, build_samples, to_rows
 from mtp_train.engine.runner import prefill_hidden
@@ -152,6 +152,11 @@ def precompute(
                     writer.record([r.id for r in batch], [int(r.ids.size) for r in batch], out.hidden, aux)
                     bar.update(sum(int(r.ids.size) for r in batch))
             writer.finish()
+    except KeyboardInterrupt:
+        writer.close()  # the shard in flight is finished: the re-run keeps it
+        raise Interrupted(f"after {len(writer.done)} of {len(plans)} shards{'' if world == 1 else f' of rank {rank}'} "
+                          f"were written to {cfg.out}; re-run the same command to go on from there (finished shards "
+                          f"are kept)") from None
     finally:
         writer.close()
 

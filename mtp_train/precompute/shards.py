@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mtp_train.fileio import atomic_write, sha256_file
+from mtp_train.fileio import atomic_write, sha256_file, tensor_bytes
 from mtp_train.precompute.manifest import FORMAT_VERSION, ShardInfo, read_json, write_json
 from mtp_train.precompute.plan import ShardPlan
 from mtp_train.precompute.quant import FP8_NAME
@@ -179,7 +179,7 @@ def write_shard(out_dir: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor]
         with tmp.open("wb") as fh:
             digest.append(write_safetensors(fh, tensors, meta))
 
-    atomic_write(path, write)
+    atomic_write(path, write, size=tensor_bytes(tensors))
     side = _sidecar(plan, digest[0], path.stat().st_size)
     write_json(sidecar_path(path), side)
     return ShardInfo.from_dict(side)

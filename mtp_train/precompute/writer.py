@@ -5,7 +5,7 @@ temporaries and keeps the shards a previous run finished (their sidecars match t
 target's rows of any samples, in any grouping, and stores each in its shard; a shard whose every sample is in
 goes to a writer thread that writes it and its sidecar atomically (`mtp_train.precompute.shards`) while the
 target computes on; `finish` waits for the last write, and rank 0's `write_manifest` assembles `manifest.json`
-from the sidecars, last. `mtp-precompute` (`pipeline.precompute`) and hybrid training (`mtp_train.train.hybrid`)
+from the sidecars, last. `mtp-precompute` (`pipeline.precompute`) and hybrid training (`mtp_train.train.sources.hybrid`)
 both write their folders with it, so they write one format.
 """
 

@@ -1,4 +1,4 @@
-"""Self-distillation: answer the user turns of conversations with the target, through the engine's batched generation.
+"""Self-distillation: answer the user turns of conversations with the target, through a `Generator`.
 
 Draft heads learn best from the target's own distribution, so the assistant turns of a data set are replaced by
 the target's answers, turn by turn (`mtp_train.engine.turns`: answer t is generated after the model's own answers
@@ -24,10 +24,14 @@ record).
 Seeds (`sampling`): every request gets its own seed from (seed, conversation id, sample index, turn), so that the
 text does not depend on batching, on the rank split or on what an earlier run already did.
 
+Generator (`mtp_train.engine.generator`): the stage asks it for answers (token ids and finish reasons per request of
+a turn), for its limits (context, KV pages), its counters and its provenance (recorded as `provenance.target`), and
+reads nothing else of it; `EngineGenerator` is our engine behind that interface.
+
 Counters, and why a record was not produced (a prompt too long for `max_prompt_tokens`, the KV pool or the context,
 an empty answer, a template error, a repeated id): `stats`. The settings are `mtp_train.config.RegenerateConfig`;
-`stage.regenerate` is what `mtp-regenerate` runs. The stage sits on the floor above the engine it drives; `data/`
-below supplies the readers and chat rendering.
+`stage.regenerate` is what `mtp-regenerate` runs. The stage sits on the floor above the engine; `data/` below
+supplies the readers and chat rendering.
 """
 
 from mtp_train.regenerate.provenance import PROVENANCE_VOLATILE, flatten, make_provenance, provenance_differences

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from mtp_train import __version__
@@ -14,12 +13,13 @@ from mtp_train.data.chat import chat_template_fingerprint, tokenizer_fingerprint
 PROVENANCE_VOLATILE = ("created_at", "package_version", "target.path", "target.name")  # may differ on resume
 
 
-def make_provenance(*, target_name: str, target_path: str | Path, weights_fingerprint: str, tokenizer: Any,
-                    cfg: RegenerateConfig, stop_ids: Sequence[int]) -> dict[str, Any]:
-    """The provenance of a run's records (the weights fingerprint is computed by the caller): target, tokenizer
-    and chat template fingerprints, `cfg.chat_template_kwargs`, `cfg.sampling()` and the stop ids."""
+def make_provenance(*, target: Mapping[str, Any], tokenizer: Any, cfg: RegenerateConfig,
+                    stop_ids: Sequence[int]) -> dict[str, Any]:
+    """The provenance of a run's records: the generator's own (`Generator.provenance`, as `target`: for our engine
+    the target's name, path and weights fingerprint), tokenizer and chat template fingerprints,
+    `cfg.chat_template_kwargs`, `cfg.sampling()` and the stop ids."""
     return {
-        "target": {"name": target_name, "path": str(target_path), "weights_fingerprint": weights_fingerprint},
+        "target": dict(target),
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "chat_template_fingerprint": chat_template_fingerprint(tokenizer),
         "chat_template_kwargs": dict(cfg.chat_template_kwargs),

@@ -1,4 +1,8 @@
-"""The stage driver: every rank answers its share of the conversations, rank 0 merges the records into `out`."""
+"""The stage driver: every rank answers its share of the conversations, rank 0 merges the records into `out`.
+
+Answers come from a `Generator` (`mtp_train.engine.generator`): the stage reads its limits (to skip what it would
+refuse), its counters and its provenance, and nothing else of whoever generates.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtp_train.config import RegenerateConfig
+from mtp_train.config import Interrupted, RegenerateConfig
 from mtp_train.data.chat import ChatTemplateError
 from mtp_train.data.readers import Conversation
-from mtp_train.engine.turns import Dialogue, Generate, OnFinish, answer_turns, stop_token_ids
+from mtp_train.engine.generator import Generator
+from mtp_train.engine.turns import Dialogue, Generate, OnFinish, answer_turns
+from mtp_train.regenerate.provenance import make_provenance
 from mtp_train.regenerate.records import RecordWriter, consolidate, part_path, plan_order, record_id, scan_records
 from mtp_train.regenerate.sampling import request_params, request_seed
 from mtp_train.regenerate.stats import (
@@ -28,7 +34,7 @@ from mtp_train.regenerate.stats import (
 )
 
 if TYPE_CHECKING:
-    from mtp_train.engine.llm import GenerationOutput, LLMEngine
+    from mtp_train.engine.llm import GenerationOutput
     from mtp_train.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,24 +49,35 @@ class _Sample:
     rid: str
 
 
-def regenerate(conversations: Sequence[Conversation], engine: LLMEngine, tokenizer: Any, out: str | Path,
-               cfg: RegenerateConfig, *, provenance: Mapping[str, Any], stop_ids: Sequence[int] | None = None,
-               rank: int = 0, world: int = 1, barrier: Callable[[], None] = lambda: None, progress: bool = False,
-               fsync_every: int = 64, on_start: Callable[[], None] | None = None) -> RegenerateStats:
-    """Answer the user turns of `conversations` with `engine` and write/merge the records into `out`.
+def regenerate(conversations: Sequence[Conversation], generator: Generator, tokenizer: Any, out: str | Path,
+               cfg: RegenerateConfig, *, stop_ids: Sequence[int], rank: int = 0, world: int = 1,
+               barrier: Callable[[], None] = lambda: None, progress: bool = False, fsync_every: int = 64,
+               on_start: Callable[[], None] | None = None) -> RegenerateStats:
+    """Answer the user turns of `conversations` with `generator` and write/merge the records into `out`.
 
-    `cfg` gives the sampling (n, temperature, top_k, top_p, max_new_tokens, seed), max_prompt_tokens and the
-    chat template's kwargs; its other fields (model, data, out, ...) are the caller's. Every rank passes the same
-    `conversations` (all of them, in order) and takes its share r, r + world, ...; `barrier` waits for all ranks
-    (a no-op for one). `stop_ids` default to `stop_token_ids(tokenizer, model eos, cfg.chat_template_kwargs)`.
-    `progress` shows a bar per turn (rank 0's choice). `on_start` runs on rank 0 once an existing output has been
-    merged and found compatible, before anything is generated (the place to save the run's config beside `out`:
-    a refused resume must not overwrite it). On return `out` holds every finished record, in conversation order,
-    on every rank. The counters are this rank's; `records` (the merged total) is set on rank 0.
+    Args:
+        conversations: every conversation, in order (each rank passes all of them and takes its share r,
+            r + world, ...).
+        generator: who answers (`EngineGenerator` over our engine); its provenance goes into every record, as
+            `provenance.target`.
+        tokenizer: the target's tokenizer, whose chat template renders the prompts.
+        out: the output file (messages JSONL).
+        cfg: the sampling (n, temperature, top_k, top_p, max_new_tokens, seed), max_prompt_tokens and the chat
+            template's kwargs; its other fields (model, data, out, ...) are the caller's.
+        stop_ids: what ends an answer (`engine.turns.stop_token_ids`: the model's EOS ids, the tokenizer's EOS and
+            the template's end-of-turn token).
+        rank, world: this rank and the number of ranks; barrier: waits for all ranks (a no-op for one).
+        progress: a bar per turn (rank 0's choice).
+        fsync_every: records between fsyncs of the part file.
+        on_start: runs on rank 0 once an existing output has been merged and found compatible, before anything is
+            generated (the place to save the run's config beside `out`: a refused resume must not overwrite it).
+
+    On return `out` holds every finished record, in conversation order, on every rank. The counters are this
+    rank's; `records` (the merged total) is set on rank 0.
     """
     out = Path(out)
-    stop = (list(stop_ids) if stop_ids is not None
-            else stop_token_ids(tokenizer, engine.model.args.eos_token_ids, cfg.chat_template_kwargs))
+    stop = list(stop_ids)
+    provenance = make_provenance(target=generator.provenance(), tokenizer=tokenizer, cfg=cfg, stop_ids=stop)
     order = plan_order(conversations, cfg.n)
     stats = RegenerateStats()
 
@@ -96,8 +113,13 @@ def regenerate(conversations: Sequence[Conversation], engine: LLMEngine, tokeniz
                 dialogues.append(d)
 
     with RecordWriter(part_path(out, rank), fsync_every) as writer:
-        _answer(dialogues, engine, tokenizer, cfg, stop, stats, progress,
-                lambda d: writer.write(_record(d, provenance)))
+        try:
+            _answer(dialogues, generator, tokenizer, cfg, stop, stats, progress,
+                    lambda d: writer.write(_record(d, provenance)))
+        except KeyboardInterrupt:
+            raise Interrupted(f"after {writer.count} of {len(dialogues)} answers were written to "
+                              f"{part_path(out, rank)}; re-run the same command to answer the rest (the answers "
+                              f"written are kept)") from None
         stats.written = writer.count
 
     barrier()
@@ -115,20 +137,20 @@ def _record(d: Dialogue, provenance: Mapping[str, Any]) -> dict[str, Any]:
             "finish_reasons": list(d.finish_reasons), "gen_tokens": list(d.gen_tokens), "provenance": dict(provenance)}
 
 
-def _answer(dialogues: list[Dialogue], engine: LLMEngine, tokenizer: Any, cfg: RegenerateConfig,
+def _answer(dialogues: list[Dialogue], generator: Generator, tokenizer: Any, cfg: RegenerateConfig,
             stop_ids: list[int], stats: RegenerateStats, progress: bool, write: Callable[[Dialogue], None]) -> None:
-    """Turn by turn through `answer_turns`; a record the engine cannot take, or an empty answer, is skipped and
+    """Turn by turn through `answer_turns`; a record the generator cannot take, or an empty answer, is skipped and
     counted; finished dialogues are written at once."""
-    kv, max_len = engine.runner.kv, engine.model.args.max_position_embeddings
+    limits = generator.limits
     template_errors = 0
 
     def admit(d: Dialogue, ids: list[int]) -> bool:
         total = len(ids) + cfg.max_new_tokens
         if len(ids) > cfg.max_prompt_tokens:
             reason = PROMPT_TOO_LONG
-        elif kv.pages_for(total) > kv.num_pages:  # the engine would refuse it (OutOfPagesError) mid-batch
-            reason = EXCEEDS_KV_CACHE
-        elif total > max_len:
+        elif limits.max_request_tokens is not None and total > limits.max_request_tokens:
+            reason = EXCEEDS_KV_CACHE  # the generator would refuse it mid-batch
+        elif total > limits.max_context:
             reason = EXCEEDS_CONTEXT
         else:
             stats.requests += 1
@@ -155,38 +177,40 @@ def _answer(dialogues: list[Dialogue], engine: LLMEngine, tokenizer: Any, cfg: R
         return request_params(cfg, seed, stop_ids)
 
     num_turns = max((len(d.users) for d in dialogues), default=0)
-    before = (engine.stats.prompt_tokens, engine.stats.generated_tokens, engine.stats.seconds)
-    answer_turns(dialogues, _generate(engine, num_turns, progress), tokenizer, params,
+    before = generator.stats()
+    answer_turns(dialogues, _generate(generator, num_turns, progress), tokenizer, params,
                  template_kwargs=cfg.chat_template_kwargs, admit=admit, on_template_error=template_error,
                  on_answer=keep, on_done=write)
-    stats.prompt_tokens += engine.stats.prompt_tokens - before[0]
-    stats.generated_tokens += engine.stats.generated_tokens - before[1]
-    stats.seconds += engine.stats.seconds - before[2]
+    after = generator.stats()
+    stats.prompt_tokens += after.prompt_tokens - before.prompt_tokens
+    stats.generated_tokens += after.generated_tokens - before.generated_tokens
+    stats.seconds += after.seconds - before.seconds
 
 
-def _generate(engine: LLMEngine, num_turns: int, progress: bool) -> Generate:
-    """`engine.generate` for `answer_turns`, with a progress bar per turn (`turn t/T`, requests, tokens/s)."""
+def _generate(generator: Generator, num_turns: int, progress: bool) -> Generate:
+    """`generator.generate` for `answer_turns`, with a progress bar per turn (`turn t/T`, requests, tokens/s)."""
     turns = itertools.count(1)
 
     def generate(prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  on_finish: OnFinish) -> None:
         turn = next(turns)  # answer_turns calls once per turn
+        assert isinstance(params, list), "regeneration seeds every request itself"
         if not progress:
-            engine.generate(prompts, params, on_finish=on_finish, progress=False)
+            generator.generate(prompts, params, on_finish=on_finish)
             return
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(prompts), desc=f"turn {turn}/{num_turns}", unit="req", dynamic_ncols=True)
-        generated, t0 = engine.stats.generated_tokens, time.perf_counter()
+        generated, t0 = generator.stats().generated_tokens, time.perf_counter()
 
         def finished(i: int, res: GenerationOutput) -> None:
             on_finish(i, res)
             bar.update(1)
-            rate = (engine.stats.generated_tokens - generated) / max(time.perf_counter() - t0, 1e-9)
+            rate = (generator.stats().generated_tokens - generated) / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(tok_s=f"{rate:.1f}")
 
         try:
-            engine.generate(prompts, params, on_finish=finished, progress=False)
+            generator.generate(prompts, params, on_finish=finished)
         finally:
             bar.close()
 

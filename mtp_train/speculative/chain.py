@@ -38,7 +38,8 @@ def inference_chain(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tens
                     steps: int, kv_slots: int = CHAIN_KV_SLOTS) -> list[torch.Tensor]:
     """The head's draft features for every position and step, through its inference `forward` and paged cache.
 
-    hidden: (T, H) target hidden h_i of packed sequences; input_ids: (T,) tokens t_i; seq_lens: (B,).
+    hidden: (T, `head.input_width`) the target's features at i (h_i, or an aux head's aux layers) of packed
+    sequences; input_ids: (T,) tokens t_i; seq_lens: (B,).
     Step 0 is one engine-style prefill over the target's hidden states (tokens t_{i+1}), which also fills the
     head's KV cache, one page (page_size 1) per row. Step j > 0 continues a chain from every row i at once:
     chain i reads the prefix pages of rows 0..i of its sequence and its own pages of steps 1..j, feeds its
@@ -54,7 +55,7 @@ def inference_chain(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tens
     starts = np.cumsum([0] + lens[:-1]).tolist()
     # Page r holds row r's step-0 entry; page total·j + r holds chain r's step-j entry.
     meta = AttentionMetadata.build(lens, lens, [list(range(s, s + n)) for s, n in zip(starts, lens)], 1, device)
-    x = head(hidden, packed_shift(input_ids, lens, 1), meta, cache.layers[0]).hidden  # (T, H)
+    x = head(hidden, packed_shift(input_ids, lens, 1), meta, cache.layers[0], from_target=True).hidden  # (T, H)
     outs = [x]
     rows = [(s, i) for s, n in zip(starts, lens) for i in range(n)]  # (sequence start, index within) per row
     for j in range(1, steps):
@@ -66,7 +67,7 @@ def inference_chain(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tens
                       for r in part]
             meta = AttentionMetadata.build([1] * len(part), [kv_lens[r] for r in part], tables, 1, device)
             sl = slice(part.start, part.stop)
-            nxt[sl] = head(x[sl], tokens[sl], meta, cache.layers[0]).hidden
+            nxt[sl] = head(x[sl], tokens[sl], meta, cache.layers[0], from_target=False).hidden
         x = nxt
         outs.append(x)
     return outs

@@ -9,20 +9,25 @@ step, for all running sequences at once (`SpeculativeStep._speculate`):
              tokens (greedy or sampled from its distribution q; a dynamic chain or prompt lookup may draft fewer,
              even none), or a head's tree (`tree_draft.TreeSpec`: EAGLE-2's dynamic tree, a static one, or
              `draft_width` candidates at the first position)
-    verify   `tree.layout` puts [t_{L-1}, nodes..] into rows; the target runs them in one forward (each row
-             seeing its ancestors) → a distribution p per row, and the hidden states the proposer reads
+    verify   `tree.layout` puts [t_{L-1}, nodes..] into rows (`VerifyRows`: tokens, positions, slots L-1..); the
+             runner takes them as its input (`VerifyRows.step_rows`), the sequences untouched, and the target runs
+             them in one forward (each row seeing its ancestors) → a distribution p per row, and the hidden states
+             the proposer reads
     accept   `tree.accept`: greedy, the longest path matching the target's argmax; sampled, the Leviathan/Chen
              rule over a chain, multi-candidate rejection sampling over a tree → the accepted path and the
              target's token after it
     commit   the path's K/V move to its positions (`KVCache.copy_token`, for a path off the first slots), the
-             rest of the tree leaves the cache and the token list, the scheduler appends the emitted tokens, and
-             the proposer catches up along the path for the sequences that go on
+             rest of the tree stays beyond the cached length, where later steps write over it; the scheduler's
+             postprocess appends the emitted tokens and counts t_{L-1} and the path cached, and the proposer
+             catches up along the path for the sequences that go on
 
 so every sequence advances by its own 1..k+1 tokens per target forward. The forwards return the target layers
 the proposer names (`Proposer.hidden_layers`, e.g. an EAGLE-3 head's aux layers), concatenated, in place of the
 final hidden it otherwise reads. Pages are reserved for prompt + max_new_tokens + 1 + the largest tree (or the
-head's tree rows, when more), so a step never runs out of pages. Greedy speculative output equals plain greedy
-output token for token (up to floating-point near-ties between the verify and decode kernels).
+head's tree rows, when more), and the scheduler grows a sequence's pages to its length + that span before each
+step, so a step never runs out of pages. Nothing here changes a `Sequence`: the scheduler alone does. Greedy
+speculative output equals plain greedy output token for token (up to floating-point near-ties between the verify
+and decode kernels).
 """
 
 from __future__ import annotations
@@ -36,15 +41,13 @@ import torch
 from mtp_train.config.device import on_cuda
 from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.llm import GenerationStats, LLMEngine, Step
-from mtp_train.engine.runner import ModelRunner
+from mtp_train.engine.runner import ModelRunner, StepRows
 from mtp_train.engine.sampling import SamplingBatch, sample
 from mtp_train.engine.sequence import SeqStatus, Sequence
 from mtp_train.models.base import CausalLM, ForwardOutput
 from mtp_train.speculative.metrics import SpecMetrics
 from mtp_train.speculative.proposers import Proposer
 from mtp_train.speculative.tree import DraftTree, accept, layout
-
-METHODS = ("none", "mtp", "draft", "ngram")
 
 
 @dataclass
@@ -131,7 +134,7 @@ class SpeculativeStep(Step):
 
     def _prefill(self, seqs: list[Sequence], stats: SpecStats) -> list[list[int]]:
         t0 = self._sync()
-        out = self.runner.run(seqs, logits="last", hidden_layers=self.proposer.hidden_layers)
+        out = self.runner.forward(StepRows.uncached(seqs), logits="last", hidden_layers=self.proposer.hidden_layers)
         first = sample(out.logits, SamplingBatch([s.params for s in seqs], [s.generator for s in seqs])).tolist()
         self._pending = _CatchUp(list(self._features(out).split([len(s) for s in seqs])))
         stats.prefill_seconds += self._sync() - t0
@@ -140,31 +143,25 @@ class SpeculativeStep(Step):
     def _speculate(self, seqs: list[Sequence], stats: SpecStats) -> list[list[int]]:
         kv = self.runner.kv
         lens = [len(s) for s in seqs]
-        for s in seqs:
-            kv.ensure(s.pages, len(s) - 1 + self.span)  # the proposer writes into pages the verify then fills
-
+        # The scheduler grew every sequence's pages to len + span: the proposer writes into slots the verify fills.
         t0 = self._sync()
         trees = self.proposer.propose(seqs, self.k)  # draft
         self._check(trees)
         t1 = self._sync()
-        rows = layout(trees, [s.token_ids[-1] for s in seqs], lens)  # verify
-        for s, toks in zip(seqs, rows.tokens):
-            s.token_ids.extend(toks[1:])  # row 0 is the last token, already there
-        out = self.runner.run(seqs, logits="all", hidden_layers=self.proposer.hidden_layers, tree=rows.tree)
+        rows = layout(trees, [s.token_ids[-1] for s in seqs], lens)  # verify: t_{L-1} (uncached) and the nodes
+        out = self.runner.forward(rows.step_rows([s.pages for s in seqs]), logits="all",
+                                  hidden_layers=self.proposer.hidden_layers)
         accepted = accept(trees, out.logits, SamplingBatch([s.params for s in seqs], [s.generator for s in seqs]),
                           fused=self.fused)  # accept
         t2 = self._sync()
 
         hidden = self._features(out).split(rows.rows)  # commit
-        for b, (s, n_tok, a) in enumerate(zip(seqs, lens, accepted)):
+        for b, (s, a) in enumerate(zip(seqs, accepted)):
             stats.metrics.record(trees[b], a.path, s.seq_id)
+            # The target's cache keeps t_{L-1} and the accepted path at their positions (the scheduler counts them
+            # cached as it appends the tokens under its stop / length rules); the rest of the tree lies beyond.
             for src, dst in rows.moves(b, a.path):
                 kv.copy_token(s.pages, src, dst)
-            # The target's cache keeps t_{L-1} and the accepted path; the tokens come back through the scheduler
-            # (stop / length rules), and the new token stays uncached.
-            del s.token_ids[n_tok:]
-            s.num_cached = n_tok + len(a.path)
-            kv.truncate(s.pages, s.num_cached)
         self._pending = _CatchUp([h[rows.path_rows(a.path)] for h, a in zip(hidden, accepted)], lens, trees,
                                  [a.path for a in accepted])
         stats.draft_seconds += t1 - t0

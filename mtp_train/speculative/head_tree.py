@@ -136,7 +136,8 @@ class TreeDrafter:
                                        self.kv.page_size, dev)
         meta.set_tree(parents)
         out = self.head(torch.stack(hidden).to(dev), torch.tensor(tokens, dtype=torch.long, device=dev), meta,
-                        self.kv.layers[0], logits_indices=torch.tensor(want, dtype=torch.long, device=dev))
+                        self.kv.layers[0], from_target=False,  # every row reads a head output
+                        logits_indices=torch.tensor(want, dtype=torch.long, device=dev))
         assert out.logits is not None
         logits: list[torch.Tensor | None] = [None] * len(seqs)
         rows = out.hidden.split(qo)

@@ -15,6 +15,9 @@ Language Models with Dynamic Draft Trees"); the functions below take them all.
     commit   (the engine) `VerifyRows.moves` are the K/V copies that put a path's nodes at their positions — none
              for a path along the first nodes, e.g. an accepted chain prefix
 
+`VerifyRows.step_rows` is the runner's input (`StepRows`): the rows are built here, explicitly, and the sequences
+are never extended with drafts (gpt-fast's `speculative_decode` builds its verify input the same way).
+
 The greedy rule follows, from the root, the child whose token is the target's argmax while there is one: the output
 equals plain greedy decoding. The sampled rule is Leviathan/Chen's over a chain (`acceptance.accept_stochastic`,
 batched, FlashInfer's fused kernel on CUDA) and multi-candidate rejection sampling over a tree with siblings
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtp_train.engine.runner import StepRows
 from mtp_train.engine.sampling import SamplingBatch, filtered_probs
 from mtp_train.speculative.acceptance import accept_stochastic, accept_stochastic_flashinfer, accept_tree_stochastic
 
@@ -58,7 +62,7 @@ class DraftTree:
     probs: torch.Tensor | None = None  # (N, V) float32 q each node was drawn from (given its earlier siblings);
     # None when the sequence is greedy or every node deterministic (q is then one-hot at each node)
     scores: list[float] | None = None  # (N,) each node's cumulative draft log-probability (the rerank's score, a
-    # head's tree only; what bench/tree_rules.py reads to compare node-selection rules)
+    # head's tree only; what bench.tree_rules reads to compare node-selection rules)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -138,6 +142,11 @@ class VerifyRows:
         path is the first nodes, so that indexing a sequence's rows with it copies nothing."""
         rows = [0, *map(row_of, path)]
         return slice(0, len(rows)) if rows[-1] == len(path) else rows
+
+    def step_rows(self, pages: Sequence[Sequence[int]]) -> StepRows:
+        """The runner's input for these rows, the sequences' pages (B,) given: row r of sequence b in slot
+        slots[b][r], rotated to positions[b][r] (the tree's visibility when `tree` is set)."""
+        return StepRows(self.tokens, [s[0] for s in self.slots], [list(p) for p in pages], self.tree)
 
     def moves(self, b: int, path: Sequence[int]) -> list[tuple[int, int]]:
         """(source slot, destination slot) K/V copies that leave sequence b's accepted path at its positions, in an

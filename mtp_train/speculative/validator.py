@@ -1,7 +1,7 @@
 """The training run's speculative validation: τ of the current head by actually running speculative decoding.
 
 `head_acceptance` decodes prompts greedily through `SpecEngine` (no baseline, no timing of plain decoding): the
-validator below calls it at every evaluation, and the learning curve (bench/curve.py) at every exported point.
+validator below calls it at every evaluation, and the learning curve (bench.curve) at every exported point.
 
 At every evaluation rank 0 decodes the held-out prompts of `spec_eval` greedily with the head as drafter through
 `SpecEngine`, and reports spec/tau, spec/acceptance_rate and spec/pos{j} beside the validation loss. The target,
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mtp_train.config import ModelConfig, SpecEvalConfig
+from mtp_train.config import ModelConfig, SpecEvalConfig, head_type
 from mtp_train.data.chat import load_tokenizer
 from mtp_train.data.prompts import load_prompt_sets
 from mtp_train.data.readers import Conversation
@@ -28,7 +28,7 @@ from mtp_train.models.base import CausalLM
 from mtp_train.models.loader import load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.metrics import SpecMetrics, tau_standard_error
-from mtp_train.speculative.proposers import HeadProposer, Proposer
+from mtp_train.speculative.proposers import Proposer
 
 
 @torch.inference_mode()
@@ -86,7 +86,8 @@ class SpeculativeValidator:
         model, tokenizer, convs, stops = self._load()
         was_training = head.training
         try:
-            return head_acceptance(model, tokenizer, lambda: HeadProposer(head), convs, self.cfg.k,
+            drafter = head_type(head.cfg.type).drafter  # the head type's own proposer, at its default options
+            return head_acceptance(model, tokenizer, lambda: drafter(head, {}), convs, self.cfg.k,
                                    self.cfg.max_new_tokens, page_size=self.model_cfg.page_size,
                                    batch_size=self.cfg.batch_size, stop_token_ids=stops)
         finally:

@@ -14,6 +14,11 @@ that a token drafted from q is accepted against p (Leviathan et al. 2023, the ex
     argmax_ce  −log q[argmax p]           hard cross-entropy on the target's greedy token: what greedy acceptance
                (draft argmax = target argmax) rewards, and nothing of the rest of p
 
+Each kind is one registered `TokenLoss` (`TOKEN_LOSSES`): its row losses, and how `chunked_token_loss` reduces a
+chunk with them, differentiably (`chunk_sums`, the checkpoint path) or with the gradient computed in the forward
+(`chunk_grad`, the fused path). A kind without closed forms gets both from its row losses and autograd; soft CE
+brings its own (logsumexp − Σ p·z, and d/dz = softmax(z) − p, natively on fp32 CPU).
+
 All arithmetic runs in the logits' dtype (float32 at least, see `losses._logits`); log-probabilities come from
 log_softmax, so no log of an underflowed zero appears (m's log is a logaddexp of the two).
 """
@@ -22,12 +27,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from mtp_train.config.loss import LOSS_KINDS
+from mtp_train.config.registry import Registry
+from mtp_train.layers import cpu_kernels
 
 LK_HYBRID_RATE = 3.0  # λ = exp(−rate · α), the LK paper's adaptive blend
+TOPK = 3  # the second accuracy reported: target argmax within the head's top-3
 NLA_FLOOR = 1e-6  # α is clamped here before the log: a head with no overlap at all still gets a finite gradient
 
 
@@ -68,19 +77,123 @@ def _argmax_ce(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
     return -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)
 
 
-ROW_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "soft_ce": _soft_ce, "rkl": _rkl, "jsd": _jsd, "tv": _tv, "nla": _nla, "lk_hybrid": _lk_hybrid,
-    "argmax_ce": _argmax_ce,
-}
-assert tuple(ROW_LOSSES) == LOSS_KINDS, "every configurable loss kind has its row loss"
+def weighted_sum(rows: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor:
+    """Σ rows (C,), each times its row_weight when given."""
+    return rows.sum() if row_weight is None else (rows * row_weight.to(rows.dtype)).sum()
+
+
+def accuracy_counts(z: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose head argmax / top-TOPK of z (C, V) contains the target's argmax `best` (C,) (counts, no grad)."""
+    with torch.no_grad():
+        top = z.topk(min(TOPK, z.shape[-1]), dim=-1).indices  # (C, k)
+        return (top[:, 0] == best).sum(), (top == best[:, None]).any(-1).sum()
+
+
+def alpha_sum(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Σ over rows of α = Σ_v min(softmax(z), p): the acceptance a draft sampled from the head would get (no grad)."""
+    with torch.no_grad():
+        return torch.minimum(z.softmax(-1), p).sum()
+
+
+# What one chunk of a token loss gives: (Σ rows' loss (each times its row weight), top-1 count, top-TOPK count, Σ α)
+ChunkSums = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """One `loss.kind`: its row losses, and how a chunk of logits is reduced with them (two ways).
+
+    Args:
+        name: the `loss.kind` value (one of `mtp_train.config.loss.LOSS_KINDS`).
+        rows: (log q, log p) (C, V) each → (C,) row losses, differentiable in log q.
+        chunk: (z, t, row_weight) → `ChunkSums`, differentiable in z (the `checkpoint` path); None = from `rows`.
+        grad: (z, t, row_weight) → (`ChunkSums`, d Σ / d z (C, V)) without autograd (the `fused` path: z may be
+            overwritten by its gradient and t used as scratch); None = autograd over `chunk` for the one chunk.
+    """
+
+    name: str
+    rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    chunk: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], ChunkSums] | None = None
+    grad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[ChunkSums, torch.Tensor]] | None = None
+
+    def chunk_sums(self, z: torch.Tensor, t: torch.Tensor, row_weight: torch.Tensor | None) -> ChunkSums:
+        """The chunk's sums, differentiable in the head logits z (C, V); t (C, V) the target's logits."""
+        if self.chunk is not None:
+            return self.chunk(z, t, row_weight)
+        rows, alpha = row_loss(self.name, z, t)
+        top1, topk = accuracy_counts(z, t.argmax(-1))
+        return weighted_sum(rows, row_weight), top1, topk, alpha.sum()
+
+    def chunk_grad(self, z: torch.Tensor, t: torch.Tensor,
+                   row_weight: torch.Tensor | None) -> tuple[ChunkSums, torch.Tensor]:
+        """The chunk's sums (no grad) and d(Σ loss)/dz (C, V): the kind's closed form when it has one, else autograd
+        over this one chunk."""
+        if self.grad is not None:
+            return self.grad(z, t, row_weight)
+        with torch.enable_grad():
+            zg = z.detach().requires_grad_()
+            rows, a_rows = row_loss(self.name, zg, t)
+            (dz,) = torch.autograd.grad(weighted_sum(rows, row_weight), zg)
+        top1, topk = accuracy_counts(z, t.argmax(-1))
+        return (weighted_sum(rows.detach(), row_weight), top1, topk, a_rows.sum()), dz
+
+
+def _soft_ce_chunk(z: torch.Tensor, t: torch.Tensor, row_weight: torch.Tensor | None) -> ChunkSums:
+    # -Σ p·log_softmax(z) = logsumexp(z) - Σ p·z  (Σ p = 1): no (C, V) log-softmax tensor is kept
+    with torch.no_grad():
+        p = t.softmax(-1)
+    ce = weighted_sum(torch.logsumexp(z, -1) - (p * z).sum(-1), row_weight)
+    top1, topk = accuracy_counts(z, p.argmax(-1))
+    return ce, top1, topk, alpha_sum(z, p)
+
+
+def _soft_ce_grad(z: torch.Tensor, t: torch.Tensor, row_weight: torch.Tensor | None) -> tuple[ChunkSums, torch.Tensor]:
+    """Soft CE's d/dz written out, softmax(z) − p: in one native pass per row on fp32 CPU (z becomes the gradient in
+    place), else in torch."""
+    if cpu_kernels.serves(z, t):
+        alpha = alpha_sum(z, t.softmax(-1))  # before the kernel turns z into d CE / d z
+        # One pass per row in native code: CE, argmax, rank, and d CE / d z = softmax(z) - p over z.
+        ce_rows, _, rank = cpu_kernels.soft_ce_(z, t)
+        sums = (weighted_sum(ce_rows, row_weight), (rank == 0).sum(), (rank < min(TOPK, z.shape[-1])).sum(), alpha)
+        return sums, z if row_weight is None else z.mul_(row_weight[:, None])
+    p = t.softmax(-1)
+    lse = torch.logsumexp(z, -1)  # (C,)
+    ce = weighted_sum(lse - (p * z).sum(-1), row_weight)
+    alpha = alpha_sum(z, p)
+    top1, topk = accuracy_counts(z, p.argmax(-1))
+    dz = (z - lse[:, None]).exp_().sub_(p)  # d CE / d z = softmax(z) - p
+    if row_weight is not None:
+        dz.mul_(row_weight[:, None])
+    return (ce, top1, topk, alpha), dz
+
+
+TOKEN_LOSSES: Registry[TokenLoss] = Registry("loss kind")
+
+
+def register_loss(loss: TokenLoss) -> TokenLoss:
+    """Add a token loss; its name must be a `loss.kind` the config accepts (`LOSS_KINDS`)."""
+    if loss.name not in LOSS_KINDS:
+        raise TypeError(f"token loss {loss.name!r} is not a loss.kind of mtp_train.config.loss.LOSS_KINDS "
+                        f"({', '.join(LOSS_KINDS)})")
+    return TOKEN_LOSSES.add(loss)
+
+
+for _loss in (TokenLoss("soft_ce", _soft_ce, chunk=_soft_ce_chunk, grad=_soft_ce_grad), TokenLoss("rkl", _rkl),
+              TokenLoss("jsd", _jsd), TokenLoss("tv", _tv), TokenLoss("nla", _nla), TokenLoss("lk_hybrid", _lk_hybrid),
+              TokenLoss("argmax_ce", _argmax_ce)):
+    register_loss(_loss)
+
+
+def token_loss(kind: str) -> TokenLoss:
+    """The registered token loss `kind`; ValueError naming the known kinds otherwise."""
+    return TOKEN_LOSSES.get(kind)
 
 
 def row_loss(kind: str, z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row losses (C,) (differentiable in z) and α (C,) (no grad) of head logits z and target logits t, (C, V)."""
-    if kind not in ROW_LOSSES:
-        raise ValueError(f"unknown loss kind {kind!r}; choose one of {', '.join(LOSS_KINDS)}")
+    loss = token_loss(kind)
     log_q, log_p = z.log_softmax(-1), t.detach().log_softmax(-1)
-    rows = ROW_LOSSES[kind](log_q, log_p)
+    rows = loss.rows(log_q, log_p)
     with torch.no_grad():
         alpha = acceptance(log_q.detach(), log_p)
     return rows, alpha

@@ -113,7 +113,7 @@ def decode(node: Any, tensors: dict[str, torch.Tensor], loss_scaler: Any = None)
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """`tensors` as a safetensors file, atomically."""
     data = save(tensors)
-    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    atomic_write(path, lambda tmp: tmp.write_bytes(data), size=len(data))
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -1,8 +1,9 @@
-"""Validation loss and top-k of a head, measured through its inference path (`speculative.chain.inference_chain`).
+"""Validation loss and top-k of a head, measured through its inference path (its head type's `inference_path`).
 
-Step 0 is the engine-style prefill of the val sequences over the target's hidden states, and step j > 0 drafts
-from every position at once, one decode step per chain over the head's paged KV cache. Step j's top-1 is the share
-of positions where a chain started there drafts the target's own next token at its (j+1)-th draft.
+For the chain head types (`speculative.chain.inference_chain`) step 0 is the engine-style prefill of the val
+sequences over the target's hidden states, and step j > 0 drafts from every position at once, one decode step per
+chain over the head's paged KV cache. Step j's top-1 is the share of positions where a chain started there drafts
+the target's own next token at its (j+1)-th draft.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as tdist
 
-from mtp_train.config import LossConfig
+from mtp_train.config import LossConfig, head_type
 from mtp_train.heads import DraftHead
-from mtp_train.speculative.chain import inference_chain
 from mtp_train.train.data import PackedBatch
 from mtp_train.train.losses import head_inputs, in_draft_vocab, step_loss
 
@@ -24,7 +24,7 @@ SUMMED = ("feat_loss", "tok_loss", "top1", "top3", "alpha", "num_tokens")  # per
 @torch.no_grad()
 def evaluate(head: DraftHead, batches: Iterable[PackedBatch], loss_cfg: LossConfig, device: torch.device,
              world: int = 1, aux_columns: torch.Tensor | None = None) -> dict[str, float]:
-    """Loss and top-1 / top-3 per draft step on `batches`, with the head's inference path (`inference_chain`).
+    """Loss and top-1 / top-3 per draft step on `batches`, with the head's inference path (`HeadType.inference_path`).
 
     aux_columns: the columns of the batches' aux_hidden an aux head reads (`train.data.aux_columns`; None = all).
 
@@ -35,11 +35,12 @@ def evaluate(head: DraftHead, batches: Iterable[PackedBatch], loss_cfg: LossConf
     was_training = head.training
     head.eval()
     steps = loss_cfg.steps
+    inference_path = head_type(head.cfg.type).inference_path  # e.g. the chain drafted from every position
     sums = torch.zeros(steps, len(SUMMED), dtype=torch.float64, device=device)  # SUMMED's values per step
     for batch in batches:
         b = batch.to(device, non_blocking=True)
         x = head_inputs(head, b.hidden, b.head_aux(aux_columns))  # step 0's input: final hidden or aux features
-        preds = inference_chain(head, x, b.input_ids, b.seq_lens, steps)
+        preds = inference_path(head, x, b.input_ids, b.seq_lens, steps)
         in_vocab = in_draft_vocab(head, b.hidden, loss_cfg.chunk_size) if loss_cfg.mask_out_of_draft else None
         for j, pred in enumerate(preds):
             # num_tokens=1: the metrics come back as plain sums over the batch's counted rows.

@@ -37,14 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mtp_train.config.loss import CE_IMPLS, LOSS_KINDS, LossConfig
+from mtp_train.config.loss import CE_IMPLS, LossConfig
 from mtp_train.heads import DraftHead, packed_shift, resolve_seq_lens
-from mtp_train.layers import cpu_kernels
-from mtp_train.train.divergences import row_loss
+from mtp_train.train.divergences import ChunkSums, token_loss, weighted_sum
 from mtp_train.train.position_weights import dpace_weights, target_argmax_probability
-
-TOPK = 3  # the second accuracy reported: target argmax within the head's top-3
-
 
 # --- alignment --------------------------------------------------------------------------------------------------
 
@@ -101,54 +97,18 @@ def _logits(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
     return z, t
 
 
-def _chunk_logits(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
-                  target_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(C, H), (C, H), (V, H) head side, (V, H) target side → head logits z (C, V), target probs p (C, V) (no
-    grad), target argmax. Softmax statistics in the logits' dtype (see `_logits`)."""
-    z, t = _logits(pred, target, weight, target_weight)
-    with torch.no_grad():
-        p = t.softmax(-1)
-    return z, p, p.argmax(-1)
-
-
-def _accuracy(z: torch.Tensor, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows whose head argmax / top-k contains the target's argmax `best` (counts, no grad)."""
-    with torch.no_grad():
-        top = z.topk(min(TOPK, z.shape[-1]), dim=-1).indices  # (C, k)
-        return (top[:, 0] == best).sum(), (top == best[:, None]).any(-1).sum()
-
-
-def _alpha(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Σ over rows of α = Σ_v min(softmax(z), p): the acceptance a draft sampled from the head would get (no grad)."""
-    with torch.no_grad():
-        return torch.minimum(z.softmax(-1), p).sum()
-
-
-def _weighted_sum(rows: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor:
-    return rows.sum() if row_weight is None else (rows * row_weight.to(rows.dtype)).sum()
-
-
 def _ce_chunk(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, target_weight: torch.Tensor,
-              kind: str = "soft_ce", row_weight: torch.Tensor | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              kind: str = "soft_ce", row_weight: torch.Tensor | None = None) -> ChunkSums:
     """The token loss summed over one chunk's rows (each times its row_weight, when given), top-1 / top-k counts
-    and Σ α (unweighted)."""
-    if kind != "soft_ce":
-        z, t = _logits(pred, target, weight, target_weight)
-        rows, alpha = row_loss(kind, z, t)
-        top1, topk = _accuracy(z, t.argmax(-1))
-        return _weighted_sum(rows, row_weight), top1, topk, alpha.sum()
-    z, p, best = _chunk_logits(pred, target, weight, target_weight)
-    # -Σ p·log_softmax(z) = logsumexp(z) - Σ p·z  (Σ p = 1): no (C, V) log-softmax tensor is kept
-    ce = _weighted_sum(torch.logsumexp(z, -1) - (p * z).sum(-1), row_weight)
-    top1, topk = _accuracy(z, best)
-    return ce, top1, topk, _alpha(z, p)
+    and Σ α (unweighted): the kind's `chunk_sums` over this chunk's logits."""
+    z, t = _logits(pred, target, weight, target_weight)
+    return token_loss(kind).chunk_sums(z, t, row_weight)
 
 
 class _FusedTokenLoss(torch.autograd.Function):
     """The token loss over all rows; d/d pred (and d/d weight when it trains) is computed chunk by chunk in the
-    forward, so only (N, H) (and (V, H)) is kept. Soft CE's d/dz is written out (softmax(z) − p, natively on fp32
-    CPU); the other kinds take d/dz of their row losses from autograd over the one chunk."""
+    forward, so only (N, H) (and (V, H)) is kept. d/dz comes from the kind's `chunk_grad`: written out where the kind
+    has a closed form (soft CE: softmax(z) − p, natively on fp32 CPU), else autograd over the one chunk."""
 
     @staticmethod
     def forward(ctx, pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
@@ -161,39 +121,16 @@ class _FusedTokenLoss(torch.autograd.Function):
         topk = torch.zeros_like(top1)
         grad = torch.empty_like(pred) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[2] else None
+        loss = token_loss(kind)
         for s in range(0, pred.shape[0], chunk_size):
             chunk = pred[s:s + chunk_size]
             rw = None if row_weight is None else row_weight[s:s + chunk_size].to(acc)
             z, t = _logits(chunk, target[s:s + chunk_size], weight, target_weight)
-            if kind != "soft_ce":
-                with torch.enable_grad():
-                    zg = z.detach().requires_grad_()
-                    rows, a_rows = row_loss(kind, zg, t)
-                    (dz,) = torch.autograd.grad(_weighted_sum(rows, rw), zg)
-                ce += _weighted_sum(rows.detach(), rw)
-                alpha += a_rows.sum()
-                a, b = _accuracy(z, t.argmax(-1))
-                top1 += a
-                topk += b
-            elif cpu_kernels.serves(z, t):
-                alpha += _alpha(z, t.softmax(-1))  # before the kernel turns z into d CE / d z
-                # One pass per row in native code: CE, argmax, rank, and d CE / d z = softmax(z) - p over z.
-                ce_rows, _, rank = cpu_kernels.soft_ce_(z, t)
-                ce += _weighted_sum(ce_rows, rw)
-                top1 += (rank == 0).sum()
-                topk += (rank < min(TOPK, z.shape[-1])).sum()
-                dz = z if rw is None else z.mul_(rw[:, None])
-            else:
-                p = t.softmax(-1)
-                lse = torch.logsumexp(z, -1)  # (C,)
-                ce += _weighted_sum(lse - (p * z).sum(-1), rw)
-                alpha += _alpha(z, p)
-                a, b = _accuracy(z, p.argmax(-1))
-                top1 += a
-                topk += b
-                dz = (z - lse[:, None]).exp_().sub_(p)  # d CE / d z = softmax(z) - p
-                if rw is not None:
-                    dz.mul_(rw[:, None])
+            (c, a, b, al), dz = loss.chunk_grad(z, t, rw)  # soft CE: its closed form (native on fp32 CPU)
+            ce += c
+            top1 += a
+            topk += b
+            alpha += al
             # then through the linear: (C, V) @ (V, H), and (V, C) @ (C, H)
             if grad is not None:
                 if dz.dtype == weight.dtype == pred.dtype:
@@ -243,8 +180,7 @@ def chunked_token_loss(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.
     n = pred.shape[0]
     w = lm_head.detach() if pred_head is None else pred_head
     grad = torch.is_grad_enabled() and (pred.requires_grad or w.requires_grad)
-    if kind not in LOSS_KINDS:
-        raise ValueError(f"unknown loss kind {kind!r}; choose one of {', '.join(LOSS_KINDS)}")
+    token_loss(kind)  # an unknown kind is refused here, naming the known ones
     if impl == "fused" and grad:
         return _FusedTokenLoss.apply(pred, target.detach(), w, lm_head.detach(), chunk_size, kind,
                                      None if row_weight is None else row_weight.detach())
@@ -292,7 +228,7 @@ def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, 
     denom = denom.clamp_min(1.0)  # a batch without counted rows gives a zero (still differentiable) loss
     acc = torch.promote_types(pred.dtype, torch.float32)  # bf16 features are compared in float32
     rw = None if row_weight is None else row_weight.detach()[idx]
-    feat = _weighted_sum(F.smooth_l1_loss(p.to(acc), t.to(acc), reduction="none", beta=smooth_l1_beta).mean(-1), rw)
+    feat = weighted_sum(F.smooth_l1_loss(p.to(acc), t.to(acc), reduction="none", beta=smooth_l1_beta).mean(-1), rw)
     ce, top1, top3, alpha = chunked_token_loss(p, t, lm_head, chunk_size, impl, pred_head, kind, rw)
     feat_loss, tok_loss = feat / denom, ce / denom
     loss = w_feat * feat_loss + w_tok * tok_loss

@@ -42,7 +42,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from mtp_train import dist
-from mtp_train.config import TrainConfig, bf16_enabled
+from mtp_train.config import Interrupted, TrainConfig, bf16_enabled
 from mtp_train.dist import DistInfo
 from mtp_train.heads import DraftHead, FrozenTargetParts, build_head
 from mtp_train.train.best import BestTracker, check_keep_best, sync_best
@@ -370,6 +370,10 @@ class Trainer:
             self.logger.summary(self.last_eval)
             return {"step": self.step, "out": str(self.out), "head_dir": str(self.head_dir) if self.head_dir else None,
                     "train_seconds": train_seconds, "stopped_by": stopped_by, **self.last_train, **self.last_eval}
+        except KeyboardInterrupt:
+            then = (f"resume from its last checkpoint, {self.out / CKPT_DIR / tag_for(self._saved_step)}"
+                    if self._saved_step > 0 else f"start again (no checkpoint was saved yet in {self.out})")
+            raise Interrupted(f"at step {self.step} of {c.max_steps}; re-run the same command to {then}") from None
         finally:
             self.data.close()
             self.logger.finish()

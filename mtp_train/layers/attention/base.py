@@ -67,9 +67,9 @@ class AttentionBackend(ABC):
 
     @property
     def tree_steps(self) -> bool:
-        """Whether a step may verify a tree of new tokens per sequence (`AttentionMetadata.set_tree`): not with a
-        sliding window, which counts slots where a tree needs depths."""
-        return self.sliding_window is None
+        """Whether a step may verify a tree of new tokens per sequence (`AttentionMetadata.set_tree`); a sliding
+        window then counts the tokens' tree positions (`AttentionMetadata.rope_positions`), not their slots."""
+        return True
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> None:

@@ -164,11 +164,15 @@ class FlashInferBackend(AttentionBackend):
         if meta.tree_bits is not None:
             # A tree step: each sequence's (Q, kv_len) visibility, flattened in batch order (FlashInfer packs it).
             # One copy of positions and bits to the host (not one sync per sequence); offsets from the host lengths.
-            pos, bits = meta.positions.cpu(), meta.tree_bits.cpu()
+            # The window goes into the mask, counted in tree positions; FlashInfer's own window_left would count
+            # slots (a query at kv_len - Q + i), so it is off for this plan.
+            pos, bits, at = meta.positions.cpu(), meta.tree_bits.cpu(), meta.rotary_positions.cpu()
             starts = qo_indptr.tolist()
-            mask = torch.cat([causal_mask(pos[lo:lo + q], kv, None, bits[lo:lo + q]).reshape(-1)
+            mask = torch.cat([causal_mask(pos[lo:lo + q], kv, self.sliding_window, bits[lo:lo + q],
+                                          at[lo:lo + q]).reshape(-1)
                               for lo, q, kv in zip(starts, meta.qo_lens, meta.kv_lens)]).to(self.device)
-            return _StepPlan("paged", (qo_indptr, *paged), dict(common, causal=False, custom_mask=mask))
+            return _StepPlan("paged", (qo_indptr, *paged), dict(common, causal=False, custom_mask=mask,
+                                                                window_left=-1))
         return _StepPlan("paged", (qo_indptr, *paged), dict(common, causal=True))
 
     # ---------------------------------------------------------------------------------------------

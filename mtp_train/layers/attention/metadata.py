@@ -46,8 +46,9 @@ class AttentionMetadata:
     kv_indices: torch.Tensor | None = None  # (sum pages,) int32 page ids of all sequences, concatenated
     kv_last_page_len: torch.Tensor | None = None  # (B,) int32 tokens used in each sequence's last page
     # A tree step (`set_tree`): the new tokens of a sequence are a tree laid out in slot order, so `positions`
-    # stay their slots (where K/V go, what causality counts) while RoPE takes each token's depth.
-    rope_positions: torch.Tensor | None = None  # (T,) int64 position each new token is rotated to
+    # stay their slots (where K/V go, what causality counts) while RoPE and a sliding window take each token's
+    # position in its branch (the cached prefix, then its depth).
+    rope_positions: torch.Tensor | None = None  # (T,) int64 position each new token stands at (rotated to)
     tree_bits: torch.Tensor | None = None  # (T,) int64 bit i = the token sees new token i of its own sequence
     # Filled by the backend's `prepare` (e.g. masks, planned kernels), shared by all layers of the step.
     backend_state: dict[str, Any] = field(default_factory=dict)

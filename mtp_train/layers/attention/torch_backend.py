@@ -58,19 +58,19 @@ class TorchBackend(AttentionBackend):
         st["page_ids"] = meta.block_tables.reshape(-1).long()
         # CPU inference: the native kernel reads the pages in place (see forward)
         st["native"] = on_cpu(meta.positions.device) and cpu_kernels.available()
-        if meta.tree_bits is not None and self.sliding_window is not None:
-            raise ValueError("a tree step counts a sliding window in slots, not depths; "
-                             "verify one chain per sequence for a model with a sliding window")
+        # a tree step's window counts the tokens' tree positions (their depths), not the slots they sit in
+        tree_pos = meta.rope_positions if meta.tree_bits is not None else None
         if st["native"]:
             st["native_args"] = cpu_kernels.paged_attention_args(meta.block_tables, meta.qo_indptr, meta.positions,
-                                                                 max(meta.kv_lens), meta.tree_bits)
+                                                                 max(meta.kv_lens), meta.tree_bits, tree_pos)
         q = meta.qo_lens[0]
         if all(n == q for n in meta.qo_lens):
             # Batched path: queries (B, Q), keys padded to S = max_pages * page_size.
             s = meta.block_tables.shape[1] * meta.page_size
             q_pos = meta.positions.view(meta.batch_size, q)
             bits = None if meta.tree_bits is None else meta.tree_bits.view(meta.batch_size, q)
-            st["mask"] = causal_mask(q_pos, s, self.sliding_window, bits)[:, None]  # (B, 1, Q, S)
+            at = None if tree_pos is None else tree_pos.view(meta.batch_size, q)
+            st["mask"] = causal_mask(q_pos, s, self.sliding_window, bits, at)[:, None]  # (B, 1, Q, S)
             st["uniform"] = True
         else:
             st["uniform"] = False
@@ -133,7 +133,8 @@ class TorchBackend(AttentionBackend):
             lo = int(meta.qo_indptr[i])
             q_pos = meta.positions[lo: lo + n]
             bits = None if meta.tree_bits is None else meta.tree_bits[lo: lo + n]
-            mask = causal_mask(q_pos, kv_len, self.sliding_window, bits)[None]  # (1, Q, S)
+            at = None if bits is None else meta.rotary_positions[lo: lo + n]
+            mask = causal_mask(q_pos, kv_len, self.sliding_window, bits, at)[None]  # (1, Q, S)
             outs.append(self._sdpa(q[None, lo: lo + n], keys[i: i + 1, :kv_len], values[i: i + 1, :kv_len],
                                    mask[:, None], causal=False, sinks=sinks)[0])
         return torch.cat(outs, 0)

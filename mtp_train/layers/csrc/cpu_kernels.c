@@ -157,12 +157,15 @@ static inline __m256 exp8(__m256 x) {
  * bit i of tree_bits[t] is set; cached tokens before the step stay visible. Hidden slots get no weight at all.
  * sinks: NULL, or (Hq,) learned logits (GPT-OSS attention sinks): head h's sink joins the softmax denominator
  * as one more score that has no value, so the weights of the real keys sum to less than 1.
+ * tree_pos: NULL, or with tree_bits the (T,) position each new token stands at in its sequence (its tree depth
+ * after the cached prefix), which a window counts: token t then sees cached slots j > tree_pos[t] - window and the
+ * new tokens its bits name whose own tree_pos is > tree_pos[t] - window.
  */
 void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, const float *cache, int ps,
                              const int *block_tables, int max_pages, const int *qo_indptr, int B,
                              const int64_t *positions, int window, float scale, float *scores, long max_kv,
                              float *out, int num_threads, const int64_t *tree_bits,
-                             const float *sinks) {
+                             const float *sinks, const int64_t *tree_pos) {
     int group = Hq / Hkv;
     long tok_stride = (long)Hkv * D;          /* between tokens of a page */
     long page_stride = 2L * ps * tok_stride;  /* between pages; V starts ps * tok_stride after K */
@@ -176,8 +179,14 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, cons
         long pos = positions[t];
         long s0 = positions[qo_indptr[b]];  /* the step's first new slot of this sequence (tree steps) */
         int64_t bits = tree_bits ? tree_bits[t] : 0;
-#define HIDDEN(j) (tree_bits && (j) >= s0 && !(((uint64_t)bits >> ((j) - s0)) & 1u))  /* j - s0 <= 63 */
-        long lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+        /* the window counts positions: a slot in the cache, a tree position among a tree step's new tokens */
+        long wpos = (tree_bits && tree_pos) ? tree_pos[t] : pos;
+        long wlo = (window > 0 && wpos - window + 1 > 0) ? wpos - window + 1 : 0;
+        const int64_t *new_pos = (tree_bits && tree_pos && window > 0) ? tree_pos + qo_indptr[b] : NULL;
+#define HIDDEN(j) (tree_bits && (j) >= s0 && (!(((uint64_t)bits >> ((j) - s0)) & 1u) \
+                   || (new_pos && new_pos[(j) - s0] < wlo)))  /* j - s0 <= 63 */
+        /* a tree's new tokens sit in slots from s0 on whatever their positions: they are read from s0 at the latest */
+        long lo = new_pos && wlo > s0 ? s0 : wlo;
         long n = pos - lo + 1;
         const float *qt = q + (size_t)t * Hq * D;
         float *st = scores + (size_t)t * Hq * max_kv;  /* head h's scores at st[h * max_kv + (j - lo)] */

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtp_train.config.registry import Registry
 from mtp_train.layers.attention import AttentionBackend, MLABackend
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.base import CausalLM, rotate_half_rope
@@ -92,29 +93,33 @@ class Family:
     tp: TPRules | None = None
 
 
-_REGISTRY: dict[str, Family] = {}  # model_type → family, filled on the first look-up
+def _discover() -> None:
+    # Every module of this package is a family: import each, register its FAMILY by name and by model_type.
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        family = getattr(module, "FAMILY", None)
+        if not isinstance(family, Family):
+            raise TypeError(f"{module.__name__} defines no FAMILY = Family(...); every module of "
+                            f"{__name__} is a target family")
+        for t in family.model_types:
+            if t in _BY_TYPE:
+                raise TypeError(f"model_type {t!r} is claimed by families {_BY_TYPE[t].name} and {family.name}")
+        FAMILIES.add(family)
+        _BY_TYPE.update(dict.fromkeys(family.model_types, family))
+
+
+FAMILIES: Registry[Family] = Registry("target family", discover=_discover)  # by name, filled on the first look-up
+_BY_TYPE: dict[str, Family] = {}  # model_type → family, filled with FAMILIES
 
 
 def _registry() -> dict[str, Family]:
-    if not _REGISTRY:
-        found: dict[str, Family] = {}
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-            module = importlib.import_module(f"{__name__}.{info.name}")
-            family = getattr(module, "FAMILY", None)
-            if not isinstance(family, Family):
-                raise TypeError(f"{module.__name__} defines no FAMILY = Family(...); every module of "
-                                f"{__name__} is a target family")
-            for t in family.model_types:
-                if t in found:
-                    raise TypeError(f"model_type {t!r} is claimed by families {found[t].name} and {family.name}")
-                found[t] = family
-        _REGISTRY.update(found)
-    return _REGISTRY
+    FAMILIES.names()  # discovers the plug-ins on the first call
+    return _BY_TYPE
 
 
 def families() -> list[Family]:
     """Every registered family, once each, in module-name order."""
-    return list({f.name: f for f in _registry().values()}.values())
+    return FAMILIES.values()
 
 
 def supported_model_types() -> list[str]:

@@ -60,6 +60,7 @@ from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError, rope_from_config, shared_fields
 from mtp_train.models.families import Family, TPRules
+from mtp_train.models.layer_switches import check_layer_switches
 
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "kv_lora_rank",
                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size")
@@ -96,8 +97,10 @@ class DeepseekV2Args(ModelArgs):
         return KVLayout(1, self.kv_lora_rank + self.qk_rope_head_dim, latent=True)
 
 
-def parse_config(cfg: dict[str, Any], source: str = "config.json") -> DeepseekV2Args:
-    """A DeepSeek-V2 config.json dict → DeepseekV2Args; `source` names it in error messages."""
+def parse_config(cfg: dict[str, Any], source: str = "config.json",
+                 title: str = "transformers' DeepSeek-V2") -> DeepseekV2Args:
+    """A DeepSeek-V2 config.json dict → DeepseekV2Args; `source` names it in error messages, `title` the model that
+    reads it (DeepSeek-V3's parser passes its own)."""
     fields = shared_fields(cfg, source, REQUIRED_KEYS)
     rope_dim = int(cfg["qk_rope_head_dim"])
     rope = rope_from_config(cfg, rope_dim, source)
@@ -114,6 +117,13 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> DeepseekV2
     kv_lora = int(cfg["kv_lora_rank"])
     q_lora = cfg.get("q_lora_rank")
     attention_bias = bool(cfg.get("attention_bias", False))
+    n, experts = fields["num_layers"], int(cfg.get("n_routed_experts") or 0)
+    first_dense = cfg.get("first_k_dense_replace", 0)
+    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
+        raise ModelConfigError(f"{source}: first_k_dense_replace={first_dense!r} must be an integer >= 0")
+    # transformers' rule: sparse from first_k_dense_replace on; DeepSeek's own code also reads moe_layer_freq
+    check_layer_switches(cfg, source, title, [None] * n,
+                         [experts > 0 and i >= first_dense for i in range(n)], honoured=("first_k_dense_replace",))
     return DeepseekV2Args(
         **fields, num_heads=int(cfg["num_attention_heads"]), num_kv_heads=1, head_dim=kv_lora + rope_dim, rope=rope,
         o_bias=attention_bias, qkv_bias=attention_bias,
@@ -123,7 +133,7 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> DeepseekV2
         n_routed_experts=int(cfg.get("n_routed_experts") or 0),
         n_shared_experts=int(cfg.get("n_shared_experts") or 0),
         num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 1),
-        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0), topk_method=topk,
+        first_k_dense_replace=first_dense, topk_method=topk,
         n_group=cfg.get("n_group"), topk_group=cfg.get("topk_group"),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
         softmax_scale=scale,

@@ -89,7 +89,9 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> DeepseekV3
             raise ModelConfigError(f"{source}: {key}={cfg[key]!r} is not supported by the DeepSeek-V3 family "
                                    f"(only {wanted!r})")
     # V2's parser reads the attention, RoPE and expert shapes; its topk_method names V2's softmax routings
-    v2 = parse_v2({**cfg, "topk_method": "greedy"}, source)
+    # DeepseekV3Config's first_k_dense_replace is 3 when absent (V2's is 0)
+    v2 = parse_v2({**cfg, "topk_method": "greedy", "first_k_dense_replace": cfg.get("first_k_dense_replace", 3)},
+                  source, "transformers' DeepSeek-V3")
     experts, k = v2.n_routed_experts, v2.num_experts_per_tok
     if experts < 1 or cfg.get("moe_intermediate_size") is None:
         raise ModelConfigError(f"{source}: a deepseek_v3 config needs n_routed_experts > 0 and moe_intermediate_size")

@@ -27,37 +27,38 @@ MoE by tensor, one all-reduce per block (`TP`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
+from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, LayerWindowAttention, make_attention_backend
 from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError, rope_from_config, shared_fields
 from mtp_train.models.families import Family, TPRules, llama
 from mtp_train.models.families.qwen3_moe import grouped_experts
+from mtp_train.models.layer_switches import FULL, SLIDING, check_layer_switches, layer_types, typed_windows, window_size
 
-LAYER_TYPES = ("sliding_attention", "full_attention")
+LAYER_TYPES = (SLIDING, FULL)  # transformers' default alternates them, sliding first
+DEFAULT_WINDOW = 128  # GptOssConfig's sliding_window when absent
 
 
 @dataclass
 class GptOssArgs(ModelArgs):
     """GPT-OSS arguments: per-layer windows, the sinks, and the MoE's shape and activation.
 
-    `sliding_window` (the model-wide field) stays None: the windows are per layer (`layer_windows`), and what reads
-    the model-wide field (a draft head's block, the chained training attention) sees full attention, as it is.
+    `sliding_window` (the model-wide field) stays None and `layer_windows` always lists every layer's window, even
+    when they are all the same: what reads the model-wide field (a draft head's block, the chained training
+    attention) sees full attention, as it is.
     """
 
     num_experts: int = 0  # routed experts E per layer
     num_experts_per_tok: int = 1  # experts k each token is routed to
-    layer_windows: list[int | None] = field(default_factory=list)  # per layer: sliding window (tokens) or None
     swiglu_alpha: float = 1.702  # sigmoid gain of the experts' clamped SwiGLU
     swiglu_limit: float = 7.0  # clamp of the gate (above) and of up (both sides)
 
@@ -79,14 +80,11 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> GptOssArgs
     n = fields["num_layers"]
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or fields["hidden_size"] // heads)
-    # transformers' default: sliding first, then alternating
-    types = cfg.get("layer_types") or [LAYER_TYPES[i % 2] for i in range(n)]
-    bad = sorted({t for t in types if t not in LAYER_TYPES})
-    if bad or len(types) != n:
-        raise ModelConfigError(f"{source}: layer_types must list {n} of {', '.join(LAYER_TYPES)}; got {types}")
-    window = cfg.get("sliding_window")
-    if "sliding_attention" in types and not (isinstance(window, int) and window >= 1):
-        raise ModelConfigError(f"{source}: sliding_window={window!r} must be a positive integer for the "
+    # transformers' default: sliding first, then alternating; GptOssConfig's window when absent is 128
+    types = layer_types(cfg, n, source) or [LAYER_TYPES[i % 2] for i in range(n)]
+    window = window_size(cfg, source, DEFAULT_WINDOW)
+    if SLIDING in types and window is None:
+        raise ModelConfigError(f"{source}: sliding_window=None must be a positive integer for the "
                                "sliding_attention layers")
     experts = cfg.get("num_local_experts", cfg.get("num_experts"))
     if not experts:
@@ -95,6 +93,8 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> GptOssArgs
     if not 1 <= k <= int(experts):
         raise ModelConfigError(f"{source}: num_experts_per_tok={k} must be in 1..num_local_experts ({experts})")
     bias = bool(cfg.get("attention_bias", True))
+    windows = typed_windows(types, window)
+    check_layer_switches(cfg, source, "transformers' GPT-OSS", windows, [True] * n, honoured=("layer_types",))
     return GptOssArgs(
         **fields,
         num_heads=heads,
@@ -105,92 +105,23 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> GptOssArgs
         o_bias=bias,
         num_experts=int(experts),
         num_experts_per_tok=k,
-        layer_windows=[int(window) if t == "sliding_attention" else None for t in types],
+        layer_windows=windows,
         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
     )
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# attention: one backend per window, sinks per layer
-
-_STATE_KEY = "gpt_oss.windows"
-
-
-class LayerWindowAttention(AttentionBackend):
-    """One inner backend per distinct window (None = full attention), each preparing its own copy of the metadata.
-
-    The inner backends build their step state (masks, native-kernel arguments) from their own window, so each
-    gets a copy of the step's metadata with a private `backend_state`, prepared on the window's first layer of
-    the step. `forward` is full attention without sinks (what a draft head's block calls); `attend` takes a
-    layer's window and sinks.
-    """
-
-    def __init__(self, make: Callable[[int | None], AttentionBackend], windows: set[int | None]) -> None:
-        self.inner = {w: make(w) for w in sorted(windows | {None}, key=lambda w: -1 if w is None else w)}
-        full = self.inner[None]
-        super().__init__(full.num_q_heads, full.num_kv_heads, full.head_dim, None)
-        self.name = full.name
-
-    @property
-    def tree_steps(self) -> bool:
-        return all(b.tree_steps for b in self.inner.values())
-
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Start the step: each window's metadata copy is made and prepared on its first layer."""
-        meta.backend_state[_STATE_KEY] = {}
-
-    def _meta(self, meta: AttentionMetadata, window: int | None) -> AttentionMetadata:
-        subs = meta.backend_state.get(_STATE_KEY)
-        if subs is None:
-            raise RuntimeError("LayerWindowAttention.forward called before prepare(meta) for this step")
-        sub = subs.get(window)
-        if sub is None:
-            sub = subs[window] = dataclasses.replace(meta, backend_state={})
-            self.inner[window].prepare(sub)
-        return sub
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-               meta: AttentionMetadata, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
-        """q: (T, Hq, D); k, v: (T, Hkv, D); window: the layer's (None = full); sinks: (Hq,) or None → (T, Hq, D)."""
-        inner, sub = self.inner[window], self._meta(meta, window)
-        if sinks is None:
-            return inner.forward(q, k, v, kv_cache, sub)
-        return inner.forward(q, k, v, kv_cache, sub, sinks=sinks)  # type: ignore[call-arg]  # torch backend
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
-        return self.attend(q, k, v, kv_cache, meta, None, None)
-
-
-class _LayerView:
-    """What `llama.Attention.forward` calls as its backend: `attend` with one layer's window and sinks."""
-
-    def __init__(self, attn: LayerWindowAttention, window: int | None, sinks: torch.Tensor | None) -> None:
-        self.attn, self.window, self.sinks = attn, window, sinks
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.attn.attend(q, k, v, kv_cache, meta, self.window, self.sinks)
+# attention: the layer's window and its sinks
 
 
 class Attention(llama.Attention):
-    """Llama attention (fused q/k/v with bias, o bias, rotate-half RoPE) with a window and optional sinks."""
+    """Llama attention (fused q/k/v with bias, o bias, rotate-half RoPE, the layer's window) with optional sinks."""
 
-    def __init__(self, args: GptOssArgs, window: int | None, sinks: bool) -> None:
-        super().__init__(args)
-        self.window = window
-        self.sinks = nn.Parameter(torch.zeros(args.num_heads)) if sinks else None  # (Hq,) logits
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
-        """x: (T, H) → (T, H)."""
-        if self.window is None and self.sinks is None:
-            return super().forward(x, cos, sin, attn, kv_cache, meta)  # any backend runs plain full attention
-        if not isinstance(attn, LayerWindowAttention):
-            raise ValueError(f"a GPT-OSS layer with a window or sinks needs the family's backend, got {attn.name}")
-        view = _LayerView(attn, self.window, self.sinks)  # what llama's forward calls `attn.forward` on
-        return super().forward(x, cos, sin, view, kv_cache, meta)  # type: ignore[arg-type]
+    def __init__(self, args: GptOssArgs, layer: int | None, sinks: bool) -> None:
+        super().__init__(args, layer)
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(args.num_heads))  # (Hq,) logits
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,12 +210,13 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm GPT-OSS block (the target's: a window or not, sinks, MoE; a head's: full, no sinks, dense or MoE)."""
+    """Pre-norm GPT-OSS block (the target's layer `layer`: its window, sinks, MoE; a head's, layer None: full, no
+    sinks, dense or MoE)."""
 
-    def __init__(self, args: GptOssArgs, window: int | None, sinks: bool, moe: bool, input_norm: bool = True) -> None:
+    def __init__(self, args: GptOssArgs, layer: int | None, sinks: bool, moe: bool, input_norm: bool = True) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps) if input_norm else None
-        self.self_attn = Attention(args, window, sinks)
+        self.self_attn = Attention(args, layer, sinks)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp: nn.Module = MoE(args) if moe else DenseMLP(args)
 
@@ -302,7 +234,7 @@ class GptOssBackbone(nn.Module):
     def __init__(self, args: GptOssArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, w, sinks=True, moe=True) for w in args.layer_windows)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, sinks=True, moe=True) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -333,7 +265,7 @@ def attention(args: GptOssArgs, backend: str, device: torch.device | str,
 
 def head_block(args: GptOssArgs, input_norm: bool, moe: bool) -> DecoderLayer:
     """A draft head's layer: full attention without sinks, a dense clamped-SwiGLU MLP or with `moe` the target's MoE."""
-    return DecoderLayer(args, window=None, sinks=False, moe=moe, input_norm=input_norm)
+    return DecoderLayer(args, None, sinks=False, moe=moe, input_norm=input_norm)
 
 
 # Attention by heads (fused q/k/v as for Llama, the sinks with their heads), the MoE by tensor: every expert's

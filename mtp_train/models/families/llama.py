@@ -1,8 +1,12 @@
 """The Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3): config parsing, the model, its family entry.
 
-The args are `ModelArgs` itself; what differs inside the family (Qwen2's q/k/v bias, Qwen3's q/k norms, the
-Qwen sliding-window switch) is the `VARIANTS` table. q/k/v and gate/up projections are fused into one matmul
-each (`FUSINGS`); a draft head's block is the target's `DecoderLayer`, optionally without its input norm.
+The args are `ModelArgs` itself; what differs inside the family (Qwen2's q/k/v bias, Qwen3's q/k norms, which
+layers slide a window) is the `VARIANTS` table. Windows are per layer as transformers derives them: none for
+Llama, `sliding_window` on every layer for Mistral, and for Qwen2 / Qwen3 with `use_sliding_window` the layers
+from `max_window_layers` on (or those `layer_types` names); per-layer keys a type does not read are refused by
+name (`models/layer_switches.py`). Layers of different windows run on a `LayerWindowAttention`. q/k/v and
+gate/up projections are fused into one matmul each (`FUSINGS`); a draft head's block is the target's
+`DecoderLayer`, optionally without its input norm, with the model-wide window.
 
 Tensor parallelism (`TP`, Megatron-style, see models/tensor_parallel.py):
 
@@ -24,36 +28,67 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_train.layers import cpu_kernels
-from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
+from mtp_train.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerWindowAttention,
+    make_attention_backend,
+)
 from mtp_train.layers.linear import Linear, padded_t, takes_small_m
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import apply_rotary
 from mtp_train.models.base import CausalLM
-from mtp_train.models.config import ModelArgs, rope_from_config, shared_fields
+from mtp_train.models.config import ModelArgs, ModelConfigError, rope_from_config, shared_fields
 from mtp_train.models.families import Family, TPRules
 from mtp_train.models.fusing import Fusing
+from mtp_train.models.layer_switches import (
+    DEFAULT_WINDOW,
+    check_layer_switches,
+    qwen_windows,
+    window_size,
+    windows_everywhere,
+)
 
-# model_type → what differs inside the family
+
+def _llama_windows(cfg: dict[str, Any], n: int, source: str) -> list[int | None]:
+    """Llama: full attention on every layer. transformers' Llama ignores a `sliding_window` where other engines and
+    the checkpoint's training may not, so anything but null is refused by name."""
+    if cfg.get("sliding_window") is not None:
+        raise ModelConfigError(
+            f"{source}: sliding_window={cfg['sliding_window']!r} in a llama config: transformers' Llama ignores it "
+            "and attends over every token; set it to null for full attention, or model_type to mistral for this "
+            "window on every layer")
+    return [None] * n
+
+
+def _mistral_windows(cfg: dict[str, Any], n: int, source: str) -> list[int | None]:
+    """Mistral: `sliding_window` (MistralConfig's 4096 when absent, none when null) on every layer."""
+    return windows_everywhere(n, window_size(cfg, source, DEFAULT_WINDOW))
+
+
+QWEN_KEYS = ("layer_types", "use_sliding_window", "max_window_layers")  # the per-layer keys Qwen2 / Qwen3 read
+
+# model_type → what differs inside the family: biases, norms, the per-layer window rule and the per-layer keys it
+# reads (transformers' config class of the type derives the same windows; `layer_switches` has the rules), and the
+# name messages give transformers' model of the type
 VARIANTS: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "mistral": {},
-    # Qwen configs carry a sliding-window size that is only used when `use_sliding_window` switches it on
-    "qwen2": {"qkv_bias": True, "window_switch": True},
-    "qwen3": {"qk_norm": True, "window_switch": True},
+    "llama": {"windows": _llama_windows, "title": "transformers' Llama"},
+    "mistral": {"windows": _mistral_windows, "title": "transformers' Mistral"},
+    "qwen2": {"qkv_bias": True, "windows": qwen_windows, "honours": QWEN_KEYS, "title": "transformers' Qwen2"},
+    "qwen3": {"qk_norm": True, "windows": qwen_windows, "honours": QWEN_KEYS, "title": "transformers' Qwen3"},
 }
 
 
-def parse_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
-    """A Llama-family config.json dict → ModelArgs; `source` names it in error messages."""
+def parse_variant(cfg: dict[str, Any], source: str, variant: dict[str, Any]) -> ModelArgs:
+    """A Llama-family config.json dict → ModelArgs under `variant` (a `VARIANTS` entry), the per-layer windows
+    applied but not yet audited (`check_layer_switches`); `source` names the file in error messages."""
     fields = shared_fields(cfg, source)
-    variant = VARIANTS[cfg["model_type"]]
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or fields["hidden_size"] // heads)
     rope = rope_from_config(cfg, head_dim, source)
     attention_bias = bool(cfg.get("attention_bias", False))
-    sliding = cfg.get("sliding_window")
-    if variant.get("window_switch") and not cfg.get("use_sliding_window", False):
-        sliding = None
+    windows = variant["windows"](cfg, fields["num_layers"], source)
+    uniform = len(set(windows)) <= 1  # one window (or none) everywhere: one plain backend, the head's block alike
     return ModelArgs(
         **fields,
         num_heads=heads,
@@ -63,13 +98,32 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
         qkv_bias=variant.get("qkv_bias", False) or attention_bias,
         o_bias=attention_bias,
         qk_norm=variant.get("qk_norm", False),
-        sliding_window=int(sliding) if sliding else None,
+        sliding_window=windows[0] if uniform and windows else None,
+        layer_windows=[] if uniform else windows,
     )
 
 
+def parse_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
+    """A Llama-family config.json dict → ModelArgs; `source` names it in error messages."""
+    variant = VARIANTS[cfg["model_type"]]
+    args = parse_variant(cfg, source, variant)
+    check_layer_switches(cfg, source, variant["title"], args.windows, [False] * args.num_layers,
+                         honoured=variant.get("honours", ()))
+    return args
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """Self-attention of one layer: fused q/k/v, optional q/k norms, RoPE, its window, o_proj.
+
+    `layer` is the decoder layer's index, whose window (`ModelArgs.window`) the layer attends with; None (a draft
+    head's block) takes the model-wide `sliding_window`. A model whose layers' windows differ runs on a
+    `LayerWindowAttention`, which each layer asks for its own window; any other backend must have the layer's.
+    """
+
+    def __init__(self, args: ModelArgs, layer: int | None = None) -> None:
         super().__init__()
+        self.window = args.sliding_window if layer is None else args.window(layer)
+        self.sinks: torch.Tensor | None = None  # (Hq,) attention-sink logits of a family that has them (GPT-OSS)
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
@@ -97,8 +151,20 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attn.forward(q, k, v, kv_cache, meta)  # (T, Hq, D)
+        out = self.attend(attn, q, k, v, kv_cache, meta)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.q_size))
+
+    def attend(self, attn: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """q: (T, Hq, D); k, v: (T, Hkv, D) → (T, Hq, D) through `attn` with this layer's window and sinks."""
+        if isinstance(attn, LayerWindowAttention):
+            return attn.attend(q, k, v, kv_cache, meta, self.window, self.sinks)
+        if attn.sliding_window != self.window or self.sinks is not None:
+            # a backend of one window for a layer of another would attend over other tokens without a word
+            raise ValueError(f"a layer with window {self.window} (sinks: {self.sinks is not None}) cannot run on "
+                             f"the {attn.name} backend of window {attn.sliding_window}; it needs its family's "
+                             "per-layer backend (LayerWindowAttention)")
+        return attn.forward(q, k, v, kv_cache, meta)
 
 
 class MLP(nn.Module):
@@ -123,12 +189,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder block; `input_layernorm` can be dropped (the original EAGLE head does)."""
+    """Pre-norm decoder block; `input_layernorm` can be dropped (the original EAGLE head does); `layer`: its index in
+    the target (its window), None for a draft head's block."""
 
-    def __init__(self, args: ModelArgs, input_norm: bool = True) -> None:
+    def __init__(self, args: ModelArgs, input_norm: bool = True, layer: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps) if input_norm else None
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
@@ -146,7 +213,7 @@ class LlamaBackbone(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, layer=i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -159,9 +226,15 @@ class LlamaForCausalLM(CausalLM):
 
 def attention(args: ModelArgs, backend: str, device: torch.device | str,
               dtype: torch.dtype | None) -> AttentionBackend:
-    """The backend `backend` (auto | torch | flashinfer) for Hq query heads over Hkv K/V heads of D."""
-    return make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim, args.sliding_window,
-                                  device=device)
+    """The backend `backend` (auto | torch | flashinfer) for Hq query heads over Hkv K/V heads of D: one of the
+    model's window, or with per-layer windows (`args.layer_windows`) one per distinct window behind a
+    `LayerWindowAttention`."""
+    def make(window: int | None) -> AttentionBackend:
+        return make_attention_backend(backend, args.num_heads, args.num_kv_heads, args.head_dim, window, device=device)
+
+    if args.layer_windows:
+        return LayerWindowAttention(make, set(args.layer_windows))
+    return make(args.sliding_window)
 
 
 def head_block(args: ModelArgs, input_norm: bool, moe: bool) -> DecoderLayer:

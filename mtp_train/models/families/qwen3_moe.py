@@ -39,9 +39,9 @@ from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import Family, TPRules
-from mtp_train.models.families.llama import FUSINGS, MLP, Attention, attention
+from mtp_train.models.families.llama import FUSINGS, MLP, Attention, attention, parse_variant
 from mtp_train.models.families.llama import TP as LLAMA_TP
-from mtp_train.models.families.llama import parse_config as parse_llama
+from mtp_train.models.layer_switches import DEFAULT_WINDOW, check_layer_switches, window_size, windows_everywhere
 
 
 @dataclass
@@ -61,24 +61,41 @@ class Qwen3MoeArgs(ModelArgs):
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
 
+def _windows(cfg: dict[str, Any], n: int, source: str) -> list[int | None]:
+    """transformers' Qwen3-MoE: with `use_sliding_window` on, `sliding_window` (4096 when absent) on every layer
+    (unlike dense Qwen3 it reads no `max_window_layers` or `layer_types`: those are refused when they disagree)."""
+    return windows_everywhere(n, window_size(cfg, source, DEFAULT_WINDOW) if cfg.get("use_sliding_window") else None)
+
+
+VARIANT = {"qk_norm": True, "windows": _windows}  # Qwen3's attention, this family's window rule
+
+
 def parse_config(cfg: dict[str, Any], source: str = "config.json") -> Qwen3MoeArgs:
     """A qwen3_moe config.json dict → Qwen3MoeArgs; `source` names it in error messages."""
-    dense = parse_llama({**cfg, "model_type": "qwen3"}, source)
+    dense = parse_variant(cfg, source, VARIANT)
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 saves the latter
     if not experts or not cfg.get("moe_intermediate_size"):
         raise ModelConfigError(f"{source}: a qwen3_moe config needs num_experts and moe_intermediate_size")
     k = int(cfg.get("num_experts_per_tok", 1))
     if not 1 <= k <= int(experts):
         raise ModelConfigError(f"{source}: num_experts_per_tok={k} must be in 1..num_experts ({experts})")
-    step = int(cfg.get("decoder_sparse_step", 1))
-    if step < 1:
-        raise ModelConfigError(f"{source}: decoder_sparse_step={step} must be >= 1")
+    step = cfg.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ModelConfigError(f"{source}: decoder_sparse_step={step!r} must be an integer >= 1")
+    only = cfg.get("mlp_only_layers") or []
+    n = dense.num_layers
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n
+                                         for i in only):
+        raise ModelConfigError(f"{source}: mlp_only_layers={only!r} must list layer indices in 0..{n - 1}")
     fields = {f: getattr(dense, f) for f in ModelArgs.__dataclass_fields__}
     fields.update(model_type=cfg["model_type"], raw=dict(cfg))
-    return Qwen3MoeArgs(**fields, num_experts=int(experts), num_experts_per_tok=k,
+    args = Qwen3MoeArgs(**fields, num_experts=int(experts), num_experts_per_tok=k,
                         moe_intermediate_size=int(cfg["moe_intermediate_size"]),
                         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), decoder_sparse_step=step,
-                        mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []])
+                        mlp_only_layers=list(only))
+    check_layer_switches(cfg, source, "transformers' Qwen3-MoE", args.windows, [args.is_sparse(i) for i in range(n)],
+                         honoured=("use_sliding_window", "mlp_only_layers", "decoder_sparse_step"))
+    return args
 
 
 class Expert(nn.Module):

@@ -1,0 +1,20 @@
+"""Benchmarks and experiments on this machine, each a module run from the checkout's root as `python -m bench.<name>`
+(or through its `make` target); each prints one JSON object as its last line.
+
+    engine           our engine against transformers: prefill, decode, verify cost       make bench-engine
+    cpu_kernels      each native CPU kernel against the torch operators it replaces     make bench-kernels
+    precompute       stage one against per-sample HF forwards and torch.save files      make bench-precompute
+    train            training throughput and MFU of the mtp head                         make bench-train
+    chain_attention  the chained training attention: diagonal against masked             make bench-chain
+    regenerate       batched greedy decoding against transformers' batched generate     make bench-regenerate
+    spec             speculative decoding with a trained head against plain decoding    make bench-spec
+    tree             a head's τ over the dynamic-tree grid beside its chains             make bench-tree
+    tree_rules       EAGLE-2's choice of a tree's nodes against other rules              python -m bench.tree_rules
+    memory_plan      GPU memory per rank and disk per million tokens                     make bench-memory
+    ablation_norms   the RMSNorm-restored mtp head against eagle1                        make ablation
+    curve/           τ of each head type against its training tokens (a package)         make curve
+
+common.py holds what they share (paths, the parser, timing, the report, config composition, a small precompute
+folder, a head run on held-out prompts, a verify forward over a cached prefix). docs/benchmarks.md says what each
+measures and how to read it.
+"""

@@ -1,0 +1,121 @@
+"""The native CPU kernels against the torch operators they replace, one kernel at a time.
+
+Shapes are SmolLM2-135M's (hidden 576, MLP 1536, 9 query / 3 KV heads of 64), and every gemv round runs 30 layers'
+worth of distinct weights (q|k|v, o, gate|up, down: 425 MB in fp32) so that nothing stays in cache, as in a real
+decode step. Each line: ours vs the baseline, alternately timed, median of per-round ratios (> 1 = ours faster).
+
+* gemv, M = 1, 2, 4, 8, 16 rows: against `F.linear` (what transformers runs), against MKL's pre-packed one-row GEMM
+  (M = 1) and against `(W @ xᵀ)ᵀ` (M > 1), the paths `Linear` takes without the kernels; plus the lm_head
+  (49152 × 576) at M = 1;
+* rms_norm and rope_ on one decode row, against torch's composites;
+* paged attention of one decode token over 256 cached tokens in pages of 16, against gathering the pages and SDPA.
+
+Usage: python -m bench.cpu_kernels [--repeat 5]. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import compare, parser, report
+from mtp_train.layers import cpu_kernels
+from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
+from mtp_train.layers.rotary import apply_rotary
+
+H, INTER, HQ, HKV, D, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = parser(__doc__)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args(argv)
+    from mtp_train.cli.common import configure_from_env
+
+    configure_from_env()  # MTP_TRAIN_CPU_KERNELS, MTP_TRAIN_KERNEL_DIR, CC, as the commands read them
+    if not cpu_kernels.available():
+        print(f"native CPU kernels unavailable here: {cpu_kernels.unavailable_reason()}")
+        report({"available": False, "reason": cpu_kernels.unavailable_reason()})
+        return {}
+    torch.manual_seed(0)
+    res: dict = {"threads": torch.get_num_threads(), "machine": platform.machine()}
+
+    shapes = [((HQ + 2 * HKV) * D, H), (H, HQ * D), (2 * INTER, H), (H, INTER)]
+    weights = [torch.randn(n, k) for _ in range(LAYERS) for n, k in shapes]
+    mb = sum(w.numel() * 4 for w in weights) / 2**20
+    packed = ([torch.ops.mkl._mkl_reorder_linear_weight(w, 1) for w in weights]
+              if torch.backends.mkl.is_available() else None)
+    with torch.inference_mode():
+        for m in (1, 2, 4, 8, 16):
+            xs = {k: torch.randn(m, k) for k in (H, INTER, HQ * D)}
+
+            def ours(xs=xs) -> None:
+                for w in weights:
+                    cpu_kernels.gemv(xs[w.shape[1]], w)
+
+            def f_linear(xs=xs) -> None:
+                for w in weights:
+                    F.linear(xs[w.shape[1]], w)
+
+            def torch_fast(xs=xs, m=m) -> None:  # what Linear runs without the kernels
+                for i, w in enumerate(weights):
+                    x = xs[w.shape[1]]
+                    if m == 1 and packed is not None:
+                        torch.ops.mkl._mkl_linear(x, packed[i], w, None, 1)
+                    else:
+                        torch.mm(w, x.t()).t().contiguous()
+
+            t_ours, t_lin, r_lin = compare(ours, f_linear, repeat=args.repeat)
+            _, _, r_fast = compare(ours, torch_fast, repeat=args.repeat)
+            res[f"gemv_m{m}_vs_f_linear"] = r_lin
+            res[f"gemv_m{m}_vs_torch_fast_path"] = r_fast
+            res[f"gemv_m{m}_gb_s"] = mb / 1024 / t_ours
+            print(f"gemv M={m:2d}, {mb:.0f} MB of weights: {mb / 1024 / t_ours:.1f} GB/s; {r_lin:.2f}x F.linear "
+                  f"({mb / 1024 / t_lin:.1f} GB/s), {r_fast:.2f}x Linear's torch path", flush=True)
+
+        lm_head, x = torch.randn(VOCAB, H), torch.randn(1, H)
+        _, _, r = compare(lambda: cpu_kernels.gemv(x, lm_head), lambda: F.linear(x, lm_head), repeat=args.repeat)
+        res["gemv_lm_head_vs_f_linear"] = r
+        print(f"lm_head 49152x576, one row: {r:.2f}x F.linear", flush=True)
+
+        row, w = torch.randn(1, H), torch.rand(H) + 0.5
+        _, _, r = compare(lambda: cpu_kernels.rms_norm(row, w, 1e-5),
+                          lambda: w * (row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + 1e-5)),
+                          repeat=args.repeat * 200)
+        res["rms_norm_vs_torch"] = r
+        print(f"rms_norm, one row: {r:.2f}x torch's composite", flush=True)
+
+        qkv = torch.randn(1, (HQ + 2 * HKV) * D)
+        ang = torch.randn(1, 1, D // 2)
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+        def torch_rope() -> None:
+            q, k, _ = qkv.split([HQ * D, HKV * D, HKV * D], -1)
+            apply_rotary(q.view(1, HQ, D), cos, sin), apply_rotary(k.view(1, HKV, D), cos, sin)
+
+        _, _, r = compare(lambda: cpu_kernels.rope_(qkv, HQ + HKV, D, cos, sin), torch_rope,
+                          repeat=args.repeat * 200)
+        res["rope_vs_torch"] = r
+        print(f"rope_, one row (q and k): {r:.2f}x torch's apply_rotary", flush=True)
+
+        backend = make_attention_backend("torch", HQ, HKV, D)
+        cache = torch.randn(64, 2, 16, HKV, D)
+        q, k, v = torch.randn(1, HQ, D), torch.randn(1, HKV, D), torch.randn(1, HKV, D)
+        metas = []
+        for native in (True, False):
+            meta = AttentionMetadata.build([1], [256], [list(range(3, 19))], 16)
+            backend.prepare(meta)
+            meta.backend_state["native"] = native
+            metas.append(meta)
+        _, _, r = compare(lambda: backend.forward(q, k, v, cache, metas[0]),
+                          lambda: backend.forward(q, k, v, cache, metas[1]), repeat=args.repeat * 50)
+        res["paged_attention_vs_gather_sdpa"] = r
+        print(f"paged attention, one token over 256 cached: {r:.2f}x gather + SDPA", flush=True)
+    report(res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

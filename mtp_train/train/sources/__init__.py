@@ -1,0 +1,50 @@
+"""Where training's target hidden states come from (`data.source`): a precompute folder, the target itself, or both.
+
+Every source is a `DataSource` (`base.py`) registered under its name in `SOURCES`, one module of this package each,
+and yields the same kind of micro-batches through the same path (`mtp_train.train.data`): a dataset of samples, the
+length-bucketed batch plan of `make_sampler`, a resumable `MicroBatchStream`. They differ in where a batch's hidden
+states come from, which `DataSource.fill` settles just before the head's step, and in their own checks, locks and
+state:
+
+* offline (`offline.OfflineSource`): `PrecomputedDataset` over `data.dir`; the batches carry their hidden states.
+* online (`online.OnlineSource`): the conversations of `data.paths`, and the target computes each
+  batch's hidden states.
+* hybrid (`hybrid.HybridSource`): online in epoch 0, recording every batch's hidden states into
+  `data.dir` as a precompute folder (precompute's `FolderWriter`); from epoch 1 on, each batch's rows are read
+  from that folder by sample id.
+
+`source_class(name)` is the one look-up of a name; `build_source` builds the configured one once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp_train import dist
+from mtp_train.config import ConfigError, TrainConfig
+from mtp_train.config.data import SOURCES as SOURCE_NAMES
+from mtp_train.dist import DistInfo
+from mtp_train.train.sources.base import SOURCES, DataSource, register_source
+from mtp_train.train.sources.hybrid import HybridSource
+from mtp_train.train.sources.offline import OfflineSource
+from mtp_train.train.sources.online import OnlineSource
+
+
+def source_class(name: str) -> type[DataSource]:
+    """The class of `data.source=name`; ConfigError naming the key and the registered sources otherwise."""
+    if name not in SOURCES:
+        names = [n for n in SOURCE_NAMES if n in SOURCES] + [n for n in SOURCES if n not in SOURCE_NAMES]
+        raise ConfigError(f"data.source={name!r}: choose one of {' | '.join(names)}")
+    return SOURCES.get(name)
+
+
+def build_source(cfg: TrainConfig, info: DistInfo, device: torch.device) -> DataSource:
+    """The source `data.source` names, set up and checked (on every rank at once)."""
+    source = source_class(cfg.data.source)(cfg, info, device)
+    # Every rank has read the data (and, hybrid, checked data.dir) before anything is written.
+    dist.barrier()
+    return source
+
+
+__all__ = ["SOURCES", "DataSource", "HybridSource", "OfflineSource", "OnlineSource", "build_source",
+           "register_source", "source_class"]
