@@ -2,6 +2,7 @@
 
     mtp-precompute model=smollm2-135m data.paths=[convs.jsonl] out=runs/precompute max_seq_len=2048 limit=1000
     mtp-precompute data=shared-regen out=runs/pc aux_layers=[2,15,27]
+    mtp-precompute backend=vllm vllm_python=.venv-vllm/bin/python out=runs/pc aux_layers=[2,15,27]
     torchrun --nproc_per_node 8 -m mtp_train.cli.precompute model=llama3.1-8b data.paths=[...] out=/data/pc
     torchrun --nproc_per_node 8 -m mtp_train.cli.precompute model=llama3.1-70b model.tp=8 data.paths=[...] out=...
 
@@ -14,6 +15,7 @@ the data has been read and tokenized, so a run refused over its inputs leaves th
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,11 +23,21 @@ from typing import Any
 from omegaconf import DictConfig
 
 from mtp_train import dist
-from mtp_train.cli.common import distributed, ensure_model, hydra_entry, load_target, run_device, save_config, to_dict
+from mtp_train.cli.common import (
+    distributed,
+    ensure_model,
+    hydra_entry,
+    launch_env,
+    load_target,
+    run_device,
+    save_config,
+    to_dict,
+)
 from mtp_train.cli.outputs import claim_output
 from mtp_train.config import PrecomputeConfig, check_config, typed
 from mtp_train.data.samples import dropped_summary
 from mtp_train.precompute.pipeline import run_precompute
+from mtp_train.precompute.vllm_backend import BACKENDS, precompute_vllm
 
 log = logging.getLogger(__name__)
 PROG = "mtp-precompute"
@@ -35,6 +47,10 @@ def precompute_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-precompute` with a composed config; returns the manifest's totals (on every rank)."""
     check_config(cfg, "precompute")
     pc = typed(cfg, PrecomputeConfig)  # a wrong value type fails here, before any process group or model
+    if pc.backend == "vllm":
+        return capture_main(cfg, pc)
+    if pc.backend != "engine":
+        raise ValueError(f"backend={pc.backend!r}: choose one of {', '.join(BACKENDS)}")
     with distributed(pc.model) as (info, stack):
         group = dist.cpu_group(timedelta(hours=24))
         out = Path(pc.out)
@@ -70,6 +86,23 @@ def precompute_main(cfg: DictConfig) -> dict[str, Any]:
         if dropped:
             print(f"{PROG}: {dropped} (recorded under `data` in the manifest)", flush=True)
         return result
+
+
+def capture_main(cfg: DictConfig, pc: PrecomputeConfig) -> dict[str, Any]:
+    """`backend=vllm`: one process drives a vLLM engine it launches (`mtp_train.precompute.vllm_backend`)."""
+    if launch_env().world > 1:
+        raise ValueError("backend=vllm runs in one process (vLLM spreads the work itself: vllm.tensor_parallel_size); "
+                         "start it without torchrun")
+    out = Path(pc.out)
+    with claim_output(out, PROG, overwrite=pc.overwrite):
+        ensure_model(pc.model)
+        manifest = precompute_vllm(pc, environ=dict(os.environ), config_dict=to_dict(cfg),
+                                   on_start=lambda: save_config(cfg, out / "config.yaml"))
+    t = manifest.totals
+    print(f"{PROG}: {t.samples} samples, {t.tokens} tokens ({t.loss_tokens} assistant) captured by vLLM in "
+          f"{len(manifest.shards)} shards, {t.bytes / 2**20:.1f} MiB → {out}/manifest.json", flush=True)
+    return {"out": str(out), "samples": t.samples, "tokens": t.tokens, "loss_tokens": t.loss_tokens,
+            "bytes": t.bytes, "shards": len(manifest.shards), "world": 1}
 
 
 main = hydra_entry(PROG, "precompute", precompute_main)

@@ -10,6 +10,21 @@ from mtp_train.config.model import ModelConfig
 
 
 @dataclass
+class VllmCaptureConfig:
+    """`backend=vllm`: the vLLM engine mtp-precompute launches to capture the hidden states."""
+
+    # The connector's capture folder (one file per conversation, removed once its shard is written); null: <out>/capture
+    spool_dir: str | None = None
+    max_num_seqs: int = 16  # requests vLLM runs at once
+    max_num_batched_tokens: int | None = None  # tokens per vLLM step (null: vLLM's default)
+    enforce_eager: bool = True  # no torch.compile or CUDA graphs (the CPU build needs it; quicker to start)
+    tensor_parallel_size: int = 1  # GPUs per vLLM engine
+    gpu_memory_utilization: float | None = None  # GPU share vLLM takes (null: vLLM's default)
+    cpu_kvcache_gb: int = 2  # CPU build: VLLM_CPU_KVCACHE_SPACE when the environment does not set it
+    engine_args: dict[str, Any] = field(default_factory=dict)  # further vllm.LLM keyword arguments
+
+
+@dataclass
 class PrecomputeConfig:
     """`mtp-precompute`: conversations → target hidden states as sharded safetensors."""
 
@@ -31,3 +46,6 @@ class PrecomputeConfig:
     verify_on_resume: bool = True  # re-hash finished shards before skipping them
     progress: bool = True  # progress bar on rank 0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
+    backend: str = "engine"  # engine (ours, in this process) | vllm (captured inside vLLM: docs/stages.md)
+    vllm_python: str = ".venv-vllm/bin/python"  # backend=vllm: the python of vLLM's environment
+    vllm: VllmCaptureConfig = field(default_factory=VllmCaptureConfig)  # backend=vllm: its engine settings

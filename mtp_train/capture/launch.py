@@ -1,0 +1,104 @@
+"""Our side of the vLLM process: its environment, the capture modules it imports, its request, its end.
+
+vLLM runs in its own environment (`vllm_python`), in a child process, so our package need not be installed there
+and its dependencies never meet vLLM's. The child's PYTHONPATH is a temporary folder holding a copy of only the
+modules vLLM's side imports (`CHILD_MODULES`), so a `vllm_python` that cannot import the rest of our package still
+loads the connector, and nothing of our environment (a site-packages folder) shadows vLLM's torch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import mtp_train
+
+PACKAGE_DIR = Path(mtp_train.__file__).parent
+# What vLLM's processes import of ours: the package's (empty) inits and the capture modules the connector uses.
+CHILD_MODULES = ("__init__.py", "capture/__init__.py", "capture/book.py", "capture/spool.py",
+                 "capture/vllm_connector.py", "capture/vllm_run.py")
+RUN_MODULE = "mtp_train.capture.vllm_run"
+
+
+class CaptureError(RuntimeError):
+    """vLLM could not capture (not installed, cannot serve the model, failed midway); the message says which."""
+
+
+def stage_modules(dest: Path) -> Path:
+    """Copy `CHILD_MODULES` under dest/mtp_train; returns dest (the child's PYTHONPATH)."""
+    for rel in CHILD_MODULES:
+        target = dest / "mtp_train" / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(PACKAGE_DIR / rel, target)
+    return dest
+
+
+def child_env(environ: Mapping[str, str], pythonpath: Path, cpu_kvcache_gb: int) -> dict[str, str]:
+    """The vLLM process's environment: the caller's, with PYTHONPATH replaced by the staged modules (nothing of
+    our environment) and VLLM_CPU_KVCACHE_SPACE set unless the caller set it (the CPU build's cache size)."""
+    env = {k: v for k, v in environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(pythonpath)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gb))
+    return env
+
+
+def check_python(python: str | Path) -> Path:
+    """vLLM's python as an absolute path (a venv's python is a link: not resolved); CaptureError when missing."""
+    path = Path(python).absolute()
+    if not path.is_file():
+        raise CaptureError(f"vllm_python={python}: no such file; install vLLM in its own environment (`make "
+                           "vllm-venv` creates .venv-vllm) or point vllm_python at its python")
+    return path
+
+
+@dataclass
+class VllmProcess:
+    """The running vLLM side: its process, request / result files and log."""
+
+    proc: subprocess.Popen[bytes]
+    result_path: Path
+    log_path: Path
+    model: str
+    log_file: IO[bytes]
+
+    def result(self) -> dict[str, Any]:
+        """The child's result once it has exited (an error dict when it wrote none)."""
+        try:
+            return json.loads(self.result_path.read_text())
+        except (OSError, ValueError):
+            return {"error": f"vLLM exited with code {self.proc.returncode} and no result", "stage": "run"}
+
+    def error(self) -> CaptureError:
+        """The one-line error of a child that failed, naming its log."""
+        r = self.result()
+        first = str(r.get("error", "")).strip().splitlines()[0] if r.get("error") else "no error reported"
+        if r.get("stage") == "load":
+            return CaptureError(f"vLLM cannot serve {self.model}: {first} (its log: {self.log_path})")
+        return CaptureError(f"vLLM failed while capturing: {first} (its log: {self.log_path})")
+
+    def stop(self) -> None:
+        """End the child if it still runs (a refused or interrupted run), then close its log."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+
+
+def start(python: Path, request: dict[str, Any], workdir: Path, env: Mapping[str, str], log_path: Path) -> VllmProcess:
+    """Write `request` (the `vllm_run` format) to workdir and start vLLM's side on it, its output to log_path."""
+    req_path, result_path = workdir / "request.json", workdir / "result.json"
+    req_path.write_text(json.dumps(request))
+    result_path.unlink(missing_ok=True)
+    log_file = open(log_path, "wb")  # noqa: SIM115 - closed by VllmProcess.stop
+    proc = subprocess.Popen([str(python), "-m", RUN_MODULE, "--request", str(req_path), "--out", str(result_path)],
+                            env=dict(env), stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir)
+    return VllmProcess(proc, result_path, log_path, str(request["model"]), log_file)

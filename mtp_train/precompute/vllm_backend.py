@@ -1,0 +1,264 @@
+"""`mtp-precompute backend=vllm`: stage one with the hidden states captured inside vLLM.
+
+Our side renders the conversations and their loss masks exactly as `backend=engine` does (`build_samples`: same
+ids, masks, plans and shard names), opens the folder with the same `FolderWriter` and asks vLLM only for the
+hidden states: it launches vLLM in its own environment (`mtp_train.capture.launch`) over the prompt token ids of
+the conversations not yet in a finished shard (the whole conversation, prefill only, max_tokens=1), with our
+connector (`mtp_train.capture.vllm_connector`) writing one capture file per conversation. The driver turns them,
+shard by shard in plan order, into rows while vLLM runs on (a conversation's file is deleted once its shard is on
+disk), then stops vLLM and writes the manifest.
+
+Why files between the two: the connector runs inside vLLM's engine processes, in vLLM's environment, where our
+package is not installed; the shard plans, masks and the writer are ours. A capture file is whole or absent
+(renamed into place), so a run killed anywhere resumes: finished shards are kept, the captures already on disk
+are used, and vLLM is asked only for the rest.
+
+Layers (`mtp_train.capture.layers`): vLLM's aux id L is the last layer's output before the final norm; the
+shard's `hidden` (and aux layer L) is the target's own final RMSNorm applied to it here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import subprocess
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+import mtp_train
+from mtp_train.capture import launch
+from mtp_train.capture.layers import LayerMap, layer_map
+from mtp_train.capture.spool import PREFIX, SUFFIX, Captured, file_name, read_capture, remove_torn
+from mtp_train.config import Interrupted
+from mtp_train.config.precompute import PrecomputeConfig
+from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
+from mtp_train.data.fingerprints import load_tokenizer
+from mtp_train.data.samples import Row, build_samples, to_rows
+from mtp_train.layers.norm import RMSNorm
+from mtp_train.models.config import ModelArgs
+from mtp_train.models.families import args_from_dir
+from mtp_train.models.loader import CheckpointReader, checkpoint_files, resolve_dtype
+from mtp_train.precompute.manifest import Manifest, ShardInfo
+from mtp_train.precompute.plan import RANK_ASSIGNMENT, plan_rank
+from mtp_train.precompute.writer import (
+    FolderWriter,
+    PrecomputeError,
+    check_aux_layers,
+    check_replaces,
+    check_settings,
+    dtype_name,
+    folder_spec,
+)
+
+log = logging.getLogger(__name__)
+BACKENDS = ("engine", "vllm")
+NORM_WEIGHT = "model.norm.weight"
+POLL_S = 0.5  # how often the driver looks for the next capture while vLLM runs
+
+
+def final_norm(model_dir: Path, args: ModelArgs, dtype: torch.dtype) -> RMSNorm:
+    """The target's final RMSNorm (weight `model.norm.weight`, eps from its config), in `dtype`, as ours runs it."""
+    files = checkpoint_files(model_dir)
+    if NORM_WEIGHT not in files:
+        raise PrecomputeError(f"{model_dir} has no {NORM_WEIGHT}: backend=vllm applies the target's final norm to "
+                              "vLLM's last layer itself and needs it")
+    with CheckpointReader({NORM_WEIGHT: files[NORM_WEIGHT]}) as reader:
+        weight = reader.read(NORM_WEIGHT, dtype)
+    norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm
+
+
+def capture_tag(settings: dict[str, Any], vllm_ids: tuple[int, ...]) -> str:
+    """What a capture file must have been made with to be used (the shards' settings and vLLM's layer ids)."""
+    return hashlib.sha256(json.dumps([settings, list(vllm_ids)], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def rows_of(cap: Captured, row: Row, lmap: LayerMap, norm: Callable[[torch.Tensor], torch.Tensor],
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A capture as the shard's rows: hidden (n, H) and aux (n, k·H) or None, in the capture's dtype.
+
+    Refuses (PrecomputeError) a capture of other token ids (the first differing position named) or other layers.
+    """
+    ids = cap.token_ids.tolist()
+    want = row.ids.tolist()
+    if ids != want:
+        at = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
+        raise PrecomputeError(f"sample {row.id!r}: vLLM ran other token ids than our rendering ({len(ids)} vs "
+                              f"{len(want)} tokens, first difference at position {at})")
+    if list(cap.layer_ids) != list(lmap.vllm_ids) or cap.hidden_states.shape[:2] != (len(want), len(lmap.vllm_ids)):
+        raise PrecomputeError(f"sample {row.id!r}: captured layers {cap.layer_ids} of shape "
+                              f"{tuple(cap.hidden_states.shape)}, expected {list(lmap.vllm_ids)}")
+    states = cap.hidden_states  # (n, len(vllm_ids), H)
+    normed = norm(states[:, lmap.hidden[0]])  # (n, H): the final norm over vLLM's last layer
+
+    def pick(index: int, apply_norm: bool) -> torch.Tensor:
+        return normed if apply_norm else states[:, index]
+
+    aux = torch.cat([pick(i, n) for i, n in lmap.aux], dim=-1) if lmap.aux else None  # (n, k*H)
+    return normed, aux
+
+
+def usable(path: Path, tag: str, row: Row) -> bool:
+    """Whether a capture file on disk is this run's (its tag and token count; the ids are checked when read)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            n = f.get_slice("token_ids").get_shape()[0]
+    except Exception:  # noqa: BLE001 - unreadable: captured again
+        return False
+    return meta.get("tag") == tag and meta.get("sample_id") == row.id and n == row.ids.size
+
+
+def check_writable(folder: Path) -> None:
+    """Create the capture folder and write a probe in it; a one-line PrecomputeError when that fails."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise PrecomputeError(f"the capture folder {folder} is not writable ({e.strerror or e}): vLLM's connector "
+                              "writes there; choose vllm.spool_dir=<a writable folder>") from None
+
+
+def vllm_request(cfg: PrecomputeConfig, model_dir: Path, dtype: torch.dtype, lmap: LayerMap, spool: Path,
+                 tag: str, rows: list[Row]) -> dict[str, Any]:
+    """The `vllm_run` request for `rows`."""
+    v = cfg.vllm
+    engine: dict[str, Any] = {"enforce_eager": v.enforce_eager, "max_num_seqs": v.max_num_seqs,
+                              "tensor_parallel_size": v.tensor_parallel_size}
+    if v.max_num_batched_tokens is not None:
+        engine["max_num_batched_tokens"] = v.max_num_batched_tokens
+    if v.gpu_memory_utilization is not None:
+        engine["gpu_memory_utilization"] = v.gpu_memory_utilization
+    engine.update(v.engine_args)
+    return {"model": str(model_dir.resolve()), "dtype": dtype_name(dtype), "layer_ids": list(lmap.vllm_ids),
+            "max_model_len": max(int(r.ids.size) for r in rows) + 1, "spool_dir": str(spool.resolve()),
+            "tag": tag, "engine": engine,
+            "prompts": [{"id": r.id, "token_ids": r.ids.tolist()} for r in rows]}
+
+
+def wait_for(path: Path, proc: launch.VllmProcess | None, sample_id: str) -> Path:
+    """Wait until vLLM's connector has written `path` (whole: files are renamed into place); raises CaptureError
+    when vLLM ended without it."""
+    while not path.is_file():
+        if proc is None:
+            raise launch.CaptureError(f"no capture of sample {sample_id!r} in {path.parent} and vLLM is not running")
+        try:
+            proc.proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            continue
+        if path.is_file():
+            break
+        if proc.proc.returncode != 0:
+            raise proc.error()
+        raise launch.CaptureError(f"vLLM finished without capturing sample {sample_id!r} (its log: {proc.log_path})")
+    return path
+
+
+def precompute_vllm(cfg: PrecomputeConfig, *, environ: Mapping[str, str], config_dict: dict[str, Any],
+                    on_start: Callable[[], None] | None = None) -> Manifest:
+    """Run stage one through vLLM as `cfg` says (one process; module docstring); returns the manifest. vLLM's
+    failures (not installed, a model it cannot serve, a crash) are PrecomputeErrors naming its log.
+
+    Args:
+        cfg: the command's settings (model.path, data, out, aux_layers, hidden_dtype, shard_tokens, vllm_python,
+            vllm.*).
+        environ: the environment vLLM's process starts from (its PYTHONPATH is replaced, see `launch.child_env`).
+        config_dict: the resolved config, recorded in the manifest's provenance.
+        on_start: called once the data is read and the settings checked, before anything in `cfg.out` changes.
+    """
+    try:
+        return capture_stage(cfg, environ, config_dict, on_start)
+    except launch.CaptureError as e:
+        raise PrecomputeError(str(e)) from None
+
+
+def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict: dict[str, Any],
+                  on_start: Callable[[], None] | None) -> Manifest:
+    """`precompute_vllm`'s work, raising CaptureError for vLLM's failures."""
+    check_settings(cfg)
+    python = launch.check_python(cfg.vllm_python)
+    model_dir = Path(cfg.model.path)
+    args = args_from_dir(model_dir)
+    aux_layers = [int(j) for j in cfg.aux_layers]
+    check_aux_layers(aux_layers, args.num_layers)
+    lmap = layer_map(aux_layers, args.num_layers)
+    dtype = resolve_dtype(cfg.model.dtype, args)
+    tokenizer = load_tokenizer(model_dir)
+    samples, info = build_samples(tokenizer, cfg)
+    rows = to_rows(samples, args.vocab_size)
+    if not rows:
+        raise ValueError("no samples to precompute")
+    out = Path(cfg.out)
+    spool = Path(cfg.vllm.spool_dir) if cfg.vllm.spool_dir else out / "capture"
+    spec = folder_spec(args, dtype, model_dir, cfg.hidden_dtype, aux_layers)
+    plans = plan_rank(rows, 0, 1, cfg.shard_tokens, spec.settings)
+    check_replaces(out, spec, plans, 1, cfg)
+    norm = final_norm(model_dir, args, dtype)
+    tag = capture_tag(spec.settings, lmap.vllm_ids)
+    by_name = {p.name: p for p in plans}
+
+    def drop_captures(shard: ShardInfo, skipped: bool) -> None:
+        for r in by_name[shard.file].rows:  # on disk in a shard: its captures are not needed any more
+            (spool / file_name(r.id)).unlink(missing_ok=True)
+
+    writer = FolderWriter(out, spec, plans, rank=0, verify=cfg.verify_on_resume, on_shard=drop_captures)
+    proc: launch.VllmProcess | None = None
+    try:
+        writer.begin(owner=True, on_start=on_start)
+        check_writable(spool)
+        remove_torn(spool)
+        todo = [r for p in writer.todo for r in p.rows]
+        missing = [r for r in todo if not usable(spool / file_name(r.id), tag, r)]
+        log.info("precompute through vLLM: %d of %d shards to write, %d conversations to capture (%d captured "
+                 "before)", len(writer.todo), len(plans), len(missing), len(todo) - len(missing))
+        if missing:
+            with tempfile.TemporaryDirectory(prefix="mtp-capture-") as tmp:
+                env = launch.child_env(environ, launch.stage_modules(Path(tmp)), cfg.vllm.cpu_kvcache_gb)
+                proc = launch.start(python, vllm_request(cfg, model_dir, dtype, lmap, spool, tag, missing),
+                                    Path(tmp), env, out / "vllm-capture.log")
+                convert(writer, spool, lmap, norm, proc)
+                proc.proc.wait()
+                if proc.proc.returncode != 0:
+                    raise proc.error()
+        else:
+            convert(writer, spool, lmap, norm, None)
+        writer.finish()
+    except KeyboardInterrupt:
+        raise Interrupted(f"after {len(writer.done)} of {len(plans)} shards were written to {out}; re-run the same "
+                          f"command to go on from there (finished shards and captures in {spool} are kept)") from None
+    finally:
+        if proc is not None:
+            proc.stop()
+        writer.close()
+    remove_torn(spool)
+    leftovers = [p for p in spool.glob(f"{PREFIX}*{SUFFIX}")]
+    if not leftovers and cfg.vllm.spool_dir is None:
+        spool.rmdir()  # ours, and empty
+    prov = {"package_version": mtp_train.__version__, "torch_version": torch.__version__,
+            "settings": {"world": 1, "tp": 1, "shard_tokens": cfg.shard_tokens, "batch_tokens": cfg.batch_tokens,
+                         "rank_assignment": RANK_ASSIGNMENT, "backend": "vllm", "vllm_layer_ids": list(lmap.vllm_ids)},
+            "package": "mtp_train", "version": mtp_train.__version__, "config": config_dict}
+    return writer.write_manifest(plans, rows, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+                                 chat_template_fingerprint=chat_template_fingerprint(tokenizer), data_info=info,
+                                 val_fraction=cfg.val_fraction, seed=cfg.seed, provenance=prov)
+
+
+def convert(writer: FolderWriter, spool: Path, lmap: LayerMap, norm: Callable[[torch.Tensor], torch.Tensor],
+            proc: launch.VllmProcess | None) -> None:
+    """Record every conversation of the writer's unfinished shards from its capture file, in plan order (waiting
+    for vLLM to write it when `proc` runs); a shard goes to disk as soon as its last conversation is in."""
+    for plan in writer.todo:
+        for row in plan.rows:
+            cap = read_capture(wait_for(spool / file_name(row.id), proc, row.id))
+            with torch.inference_mode():
+                hidden, aux = rows_of(cap, row, lmap, norm)
+            writer.record([row.id], [int(row.ids.size)], hidden, aux)
