@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-spec bench-tree bench-memory bench-regenerate ablation curve check-vllm clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-spec bench-tree bench-memory bench-regenerate ablation curve check-vllm vllm-venv check-vllm-capture clean
 
 setup: $(STAMP)
 
@@ -113,3 +113,11 @@ $(VLLM_STAMP):
 check-vllm: model $(VLLM_STAMP)
 	$(PY) -m checks.check_vllm --model $(MODEL_DIR) --vllm-python $(VLLM_VENV)/bin/python \
 		$(if $(HEAD_EAGLE1),--head-eagle1 $(HEAD_EAGLE1)) $(if $(HEAD_EAGLE3),--head-eagle3 $(HEAD_EAGLE3)) $(CHECK_VLLM_ARGS)
+
+# vLLM's venv alone (mtp-precompute backend=vllm runs vLLM from it: vllm_python=.venv-vllm/bin/python).
+vllm-venv: $(VLLM_STAMP)
+
+# Stage one captured inside vLLM (mtp-precompute backend=vllm, our KV connector) against our own precompute of the
+# same few conversations, fp32 both: identical ids / masks, every stored layer within a relative error of 1e-3.
+check-vllm-capture: model $(VLLM_STAMP)
+	$(PY) -m checks.check_vllm_capture --model $(MODEL_DIR) --vllm-python $(VLLM_VENV)/bin/python $(CHECK_CAPTURE_ARGS)

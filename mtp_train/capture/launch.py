@@ -61,6 +61,7 @@ class VllmProcess:
     """The running vLLM side: its process, request / result files and log."""
 
     proc: subprocess.Popen[bytes]
+    python: Path
     result_path: Path
     log_path: Path
     model: str
@@ -77,6 +78,9 @@ class VllmProcess:
         """The one-line error of a child that failed, naming its log."""
         r = self.result()
         first = str(r.get("error", "")).strip().splitlines()[0] if r.get("error") else "no error reported"
+        if r.get("stage") == "import":
+            return CaptureError(f"{self.python} cannot import vLLM: {first}; vllm_python must be the python of "
+                                "vLLM's environment")
         if r.get("stage") == "load":
             return CaptureError(f"vLLM cannot serve {self.model}: {first} (its log: {self.log_path})")
         return CaptureError(f"vLLM failed while capturing: {first} (its log: {self.log_path})")
@@ -101,4 +105,4 @@ def start(python: Path, request: dict[str, Any], workdir: Path, env: Mapping[str
     log_file = open(log_path, "wb")  # noqa: SIM115 - closed by VllmProcess.stop
     proc = subprocess.Popen([str(python), "-m", RUN_MODULE, "--request", str(req_path), "--out", str(result_path)],
                             env=dict(env), stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir)
-    return VllmProcess(proc, result_path, log_path, str(request["model"]), log_file)
+    return VllmProcess(proc, python, result_path, log_path, str(request["model"]), log_file)

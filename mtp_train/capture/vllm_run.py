@@ -6,7 +6,7 @@ Runs in vLLM's own environment, with our checkout on PYTHONPATH so that vLLM can
     request: {"model": DIR, "dtype": "float32", "max_model_len": 2048, "layer_ids": [2, 15, 30],
               "spool_dir": FOLDER, "tag": TAG, "engine": {vllm.LLM keyword arguments: enforce_eager, max_num_seqs, ...},
               "prompts": [{"id": SAMPLE_ID, "token_ids": [...]}, ...]}
-    result:  {"vllm_version", "requests"} or {"error": "<exception>", "stage": "load" | "run"} (exit code 2)
+    result:  {"vllm_version", "requests"} or {"error": "<exception>", "stage": "import" | "load" | "run"} (exit code 2)
 
 Every prompt is one request of max_tokens=1 (a prefill; the one sampled token is dropped), named by its sample id
 in `kv_transfer_params`; the connector writes `spool_dir/req-<hash>.safetensors` for each.
@@ -57,7 +57,9 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
         import vllm
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
-
+    except Exception as e:  # noqa: BLE001 - not vLLM's environment
+        return {"error": f"{type(e).__name__}: {e}", "stage": "import", "traceback": traceback.format_exc()}
+    try:
         llm = LLM(**engine_args(req))
     except Exception as e:  # noqa: BLE001 - any failure to load is reported as such
         return {"error": f"{type(e).__name__}: {e}", "stage": "load", "traceback": traceback.format_exc()}

@@ -1,0 +1,225 @@
+"""Stage one through vLLM without vLLM: the layer numbering, the connector's request bookkeeping, capture files,
+and the driver turning capture files into the very shards our engine writes (resume and errors included).
+
+The capture files here are written from our own engine in vLLM's numbering (aux id i < L: the residual stream
+before layer i; id L: the last layer's output before the final norm), exactly what the connector stores.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mtp_train.capture import launch
+from mtp_train.capture.book import RequestBook, Save, slots
+from mtp_train.capture.layers import layer_map
+from mtp_train.capture.spool import file_name, read_capture, remove_torn, write_capture
+from mtp_train.config import PrecomputeConfig
+from mtp_train.config.data import DataConfig
+from mtp_train.config.model import ModelConfig
+from mtp_train.data.chat import load_tokenizer
+from mtp_train.data.samples import build_samples, to_rows
+from mtp_train.engine import prefill_hidden
+from mtp_train.models import load_model
+from mtp_train.precompute import PrecomputeError, folder_spec
+from mtp_train.precompute.pipeline import run_precompute
+from mtp_train.precompute.vllm_backend import capture_tag, precompute_vllm, usable
+from tests.conftest import make_chat_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LAYERS = 3
+AUX = [2, 0, 3]  # out of order, the embeddings, and L (after the final norm)
+
+
+# --- layer numbering ------------------------------------------------------------------------------------------
+
+
+def test_layer_map_asks_vllm_for_sorted_ids_and_normalises_its_last_layer():
+    m = layer_map([27, 2, 30, 0, 15], 30)
+    assert m.vllm_ids == (0, 2, 15, 27, 30)  # vLLM returns its aux states sorted
+    assert m.hidden == (4, True)
+    assert m.aux == ((3, False), (1, False), (4, True), (0, False), (2, False))
+    assert layer_map([], 30).vllm_ids == (30,)  # the shard's `hidden` always needs id L
+    with pytest.raises(ValueError, match="31"):
+        layer_map([31], 30)
+
+
+# --- request bookkeeping --------------------------------------------------------------------------------------
+
+
+def test_book_names_captures_by_sample_and_hands_each_save_over_once():
+    book = RequestBook()
+    book.admit("r1", {"sample_id": "conv/1"})
+    book.admit("r2", None)  # no sample id: the request id names it
+    assert book.finish("r0", [1, 2], [5]) is None  # never scheduled: nothing computed, nothing held
+    assert book.finish("r2", [7], [3]) == Save("r2", "r2", [7], [3])
+    assert book.finish("r1", [4, 5, 6], [9, 2]) == Save("r1", "conv/1", [4, 5, 6], [9, 2])
+    assert [s.req_id for s in book.take()] == ["r2", "r1"]
+    assert book.take() == [] and book.samples == {}
+
+
+def test_slots_follow_the_block_table():
+    assert slots([7, 2], 4, 6) == [28, 29, 30, 31, 8, 9]
+    assert slots([3], 16, 0) == []
+    with pytest.raises(ValueError, match="do not fit"):
+        slots([1], 4, 5)
+
+
+# --- capture files --------------------------------------------------------------------------------------------
+
+
+def test_capture_file_round_trip_and_torn_temporaries(tmp_path):
+    states = torch.randn(5, 2, 8)
+    path = write_capture(tmp_path, "a/b c", torch.arange(5), states, [0, 3], tag="t1")
+    assert path.name == file_name("a/b c") and file_name("a/b c") != file_name("a/b d")
+    cap = read_capture(path)
+    assert cap.sample_id == "a/b c" and cap.layer_ids == [0, 3]
+    assert torch.equal(cap.hidden_states, states) and cap.token_ids.tolist() == list(range(5))
+    (tmp_path / ".tmp-1-x.safetensors").write_bytes(b"torn")
+    remove_torn(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+# --- the driver over capture files ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return make_chat_target(tmp_path_factory.mktemp("capture") / "target", num_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def convs(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("convs") / "convs.jsonl"
+    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me about topic {i}."},
+                                         {"role": "assistant", "content": "Here is a fact about it." * (1 + i % 3)}]}
+            for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cfg(target: Path, convs: Path, out: Path, **kw) -> PrecomputeConfig:
+    return PrecomputeConfig(model=ModelConfig(path=str(target), dtype="float32", fetch=None),
+                            data=DataConfig(paths=[str(convs)]), out=str(out), aux_layers=list(AUX),
+                            hidden_dtype="float32", shard_tokens=120, val_fraction=0.0, progress=False, **kw)
+
+
+def _capture_like_vllm(cfg: PrecomputeConfig, spool: Path, ids: set[str] | None = None) -> None:
+    """Write the capture files the connector would write for cfg's conversations (those in `ids`), from our engine."""
+    model = load_model(cfg.model.path, dtype="float32", backend="torch")
+    rows = to_rows(build_samples(load_tokenizer(cfg.model.path), cfg)[0], model.args.vocab_size)
+    vllm_ids = layer_map(AUX, LAYERS).vllm_ids
+    spec = folder_spec(model.args, torch.float32, cfg.model.path, "float32", AUX)
+    last: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_hook(lambda mod, args, out: last.append(args[0]))
+    try:
+        for r in rows:
+            if ids is not None and r.id not in ids:
+                continue
+            out = prefill_hidden(model, [r.ids.tolist()], hidden_layers=[i for i in vllm_ids if i < LAYERS])
+            by_id = {**out.layers, LAYERS: last.pop()}  # vLLM's id L: before the final norm
+            states = torch.stack([by_id[i] for i in vllm_ids], dim=1)  # (n, k, H)
+            write_capture(spool, r.id, torch.from_numpy(r.ids), states, list(vllm_ids),
+                          tag=capture_tag(spec.settings, vllm_ids))
+    finally:
+        hook.remove()
+
+
+def _tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    out = {}
+    for s in manifest["shards"]:
+        with safe_open(str(folder / s["file"]), "pt") as f:
+            out[s["file"]] = {k: f.get_tensor(k) for k in f.keys()} | {"ids": f.metadata()["sample_ids"]}
+    return out
+
+
+def _same_shards(a: Path, b: Path) -> None:
+    ta, tb = _tensors(a), _tensors(b)
+    assert list(ta) == list(tb) and len(ta) > 1
+    for name in ta:
+        assert ta[name]["ids"] == tb[name]["ids"]
+        for key in ("input_ids", "loss_mask", "offsets"):
+            assert torch.equal(ta[name][key], tb[name][key]), (name, key)
+        for key in ("hidden", "aux_hidden"):
+            torch.testing.assert_close(tb[name][key], ta[name][key], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def engine_folder(target, convs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("engine")
+    cfg = _cfg(target, convs, out)
+    model = load_model(target, dtype="float32", backend="torch")
+    run_precompute(model, load_tokenizer(target), target, cfg, rank=0, world=1, tp_rank=0, tp_size=1,
+                   config_dict={})
+    return out
+
+
+def test_captures_become_the_shards_our_engine_writes_and_a_rerun_resumes(target, convs, engine_folder, tmp_path):
+    spool, out = tmp_path / "spool", tmp_path / "vllm"
+    cfg = _cfg(target, convs, out, backend="vllm", vllm_python=sys.executable)
+    cfg.vllm.spool_dir = str(spool)
+    _capture_like_vllm(cfg, spool)
+    precompute_vllm(cfg, environ={}, config_dict={})  # every capture is there: vLLM is not started
+    _same_shards(engine_folder, out)
+    assert not list(spool.glob("req-*"))  # a conversation's capture goes once its shard is on disk
+
+    # Lose the second shard (and the manifest): a re-run keeps the first, captures only the second's conversations.
+    manifest = json.loads((out / "manifest.json").read_text())
+    first, second = (out / s["file"] for s in manifest["shards"][:2])
+    kept = first.stat().st_mtime_ns
+    second.unlink()
+    (out / "manifest.json").unlink()
+    with safe_open(str(engine_folder / second.name), "pt") as f:
+        lost = set(json.loads(f.metadata()["sample_ids"]))
+    _capture_like_vllm(cfg, spool, lost)
+    precompute_vllm(cfg, environ={}, config_dict={})
+    _same_shards(engine_folder, out)
+    assert first.stat().st_mtime_ns == kept
+
+
+def test_a_capture_of_other_settings_is_not_used(target, convs, tmp_path):
+    cfg = _cfg(target, convs, tmp_path / "out")
+    tok = load_tokenizer(target)
+    row = to_rows(build_samples(tok, cfg)[0], len(tok))[0]
+    path = write_capture(tmp_path, row.id, torch.from_numpy(row.ids), torch.zeros(row.ids.size, 1, 4), [3], tag="a")
+    assert usable(path, "a", row)
+    assert not usable(path, "b", row)  # other layers, weights or storage
+    short = to_rows(build_samples(tok, cfg)[0], len(tok))[1]
+    assert not usable(path, "a", short)  # another conversation's
+
+
+def test_missing_captures_start_vllm_and_its_failures_are_one_line(target, convs, tmp_path):
+    cfg = _cfg(target, convs, tmp_path / "out", backend="vllm", vllm_python=str(tmp_path / "none" / "python"))
+    with pytest.raises(PrecomputeError, match=r"vllm_python=.*no such file"):
+        precompute_vllm(cfg, environ={}, config_dict={})
+    # This environment's python has no vLLM: the child reports that, and the run says so.
+    cfg.vllm_python = sys.executable
+    with pytest.raises(PrecomputeError, match="cannot import vLLM") as e:
+        precompute_vllm(cfg, environ={"PATH": "/usr/bin:/bin"}, config_dict={})
+    assert "\n" not in str(e.value)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cfg.vllm.spool_dir = str(blocker / "capture")
+    with pytest.raises(PrecomputeError, match="capture folder .* is not writable"):
+        precompute_vllm(cfg, environ={}, config_dict={})
+
+
+def test_the_vllm_process_sees_only_the_capture_modules(tmp_path):
+    root = launch.stage_modules(tmp_path)
+    staged = sorted(str(p.relative_to(root / "mtp_train")) for p in (root / "mtp_train").rglob("*.py"))
+    assert staged == sorted(launch.CHILD_MODULES)
+    env = launch.child_env({"PYTHONPATH": "/elsewhere", "HOME": "/h"}, root, 3)
+    assert env == {"PYTHONPATH": str(root), "HOME": "/h", "VLLM_CPU_KVCACHE_SPACE": "3"}
+    assert launch.child_env({"VLLM_CPU_KVCACHE_SPACE": "8"}, root, 3)["VLLM_CPU_KVCACHE_SPACE"] == "8"
+    # The modules vLLM imports import nothing else of ours (it runs where our package is not installed).
+    for rel in launch.CHILD_MODULES:
+        text = (root / "mtp_train" / rel).read_text()
+        ours = {line.split()[1] for line in text.splitlines() if line.startswith(("from mtp_train", "import mtp_train"))}
+        assert ours <= {"mtp_train.capture.book", "mtp_train.capture.spool"}, rel
