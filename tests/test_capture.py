@@ -136,7 +136,7 @@ def _tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for s in manifest["shards"]:
         with safe_open(str(folder / s["file"]), "pt") as f:
-            out[s["file"]] = {k: f.get_tensor(k) for k in f.keys()} | {"ids": f.metadata()["sample_ids"]}
+            out[s["file"]] = {k: f.get_tensor(k) for k in f.keys()} | {"ids": f.metadata()["sample_ids"]}  # noqa: SIM118
     return out
 
 
@@ -221,5 +221,6 @@ def test_the_vllm_process_sees_only_the_capture_modules(tmp_path):
     # The modules vLLM imports import nothing else of ours (it runs where our package is not installed).
     for rel in launch.CHILD_MODULES:
         text = (root / "mtp_train" / rel).read_text()
-        ours = {line.split()[1] for line in text.splitlines() if line.startswith(("from mtp_train", "import mtp_train"))}
+        ours = {line.split()[1] for line in text.splitlines()
+                if line.startswith(("from mtp_train", "import mtp_train"))}
         assert ours <= {"mtp_train.capture.book", "mtp_train.capture.spool"}, rel
