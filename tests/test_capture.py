@@ -18,6 +18,7 @@ from safetensors import safe_open
 from mtp_train.capture import launch
 from mtp_train.capture.book import RequestBook, Save, slots
 from mtp_train.capture.layers import layer_map
+from mtp_train.capture.saver import CaptureSaver
 from mtp_train.capture.spool import file_name, read_capture, remove_torn, write_capture
 from mtp_train.config import PrecomputeConfig
 from mtp_train.config.data import DataConfig
@@ -28,7 +29,7 @@ from mtp_train.engine import prefill_hidden
 from mtp_train.models import load_model
 from mtp_train.precompute import PrecomputeError, folder_spec
 from mtp_train.precompute.pipeline import run_precompute
-from mtp_train.precompute.vllm_backend import capture_tag, precompute_vllm, usable
+from mtp_train.precompute.vllm_backend import capture_tag, precompute_vllm, rows_of, usable
 from tests.conftest import make_chat_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -84,6 +85,48 @@ def test_capture_file_round_trip_and_torn_temporaries(tmp_path):
     (tmp_path / ".tmp-1-x.safetensors").write_bytes(b"torn")
     remove_torn(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+# --- reading a request out of the capture cache ---------------------------------------------------------------
+
+
+def _cache_and_saves(device: str) -> tuple[torch.Tensor, list[Save], list[torch.Tensor]]:
+    """A (blocks, k, block_size, H) cache holding two requests in scattered blocks, and each one's (n, k, H) rows."""
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(6, 2, 4, 3, generator=g)
+    saves = [Save("r1", "s1", [5, 6, 7, 8, 9], [4, 1]), Save("r2", "s2", [1, 2, 3], [2])]
+    rows = [torch.stack([cache[4, :, t] if t < 4 else cache[1, :, t - 4] for t in range(5)]),
+            torch.stack([cache[2, :, t] for t in range(3)])]
+    return cache.to(device), saves, rows
+
+
+def _check_saved(folder: Path, saves: list[Save], rows: list[torch.Tensor]) -> None:
+    for save, want in zip(saves, rows):
+        cap = read_capture(folder / file_name(save.sample_id))
+        assert cap.token_ids.tolist() == save.token_ids and cap.layer_ids == [3, 7]
+        assert torch.equal(cap.hidden_states, want)
+
+
+def test_saver_on_cpu_writes_each_request_at_once(tmp_path):
+    cache, saves, rows = _cache_and_saves("cpu")
+    saver = CaptureSaver(tmp_path, [3, 7], "t", block_size=4)
+    with pytest.raises(ValueError, match="expected"):
+        saver.bind(cache[:, :1])  # one state per token where two were asked for
+    saver.bind(cache)
+    assert all(saver.save(s) for s in saves)  # written: the blocks may be freed now
+    assert saver.poll() == set()
+    _check_saved(tmp_path, saves, rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_saver_on_cuda_copies_without_blocking_then_writes(tmp_path):
+    cache, saves, rows = _cache_and_saves("cuda")
+    saver = CaptureSaver(tmp_path, [3, 7], "t", block_size=4)
+    saver.bind(cache)
+    assert not any(saver.save(s) for s in saves)  # in flight: reported by poll
+    saver.close()  # the writer threads waited for the copies' events
+    assert saver.poll() == {"r1", "r2"}
+    _check_saved(tmp_path, saves, rows)
 
 
 # --- the driver over capture files ----------------------------------------------------------------------------
@@ -193,6 +236,12 @@ def test_a_capture_of_other_settings_is_not_used(target, convs, tmp_path):
     assert not usable(path, "b", row)  # other layers, weights or storage
     short = to_rows(build_samples(tok, cfg)[0], len(tok))[1]
     assert not usable(path, "a", short)  # another conversation's
+    # Other token ids than our rendering (a server-side template, say) are refused with the first differing position.
+    ids = torch.from_numpy(row.ids).clone()
+    ids[2] += 1
+    cap = read_capture(write_capture(tmp_path, row.id, ids, torch.zeros(row.ids.size, 1, 4), [LAYERS], tag="a"))
+    with pytest.raises(PrecomputeError, match="first difference at position 2"):
+        rows_of(cap, row, layer_map([], LAYERS), lambda x: x)
 
 
 def test_missing_captures_start_vllm_and_its_failures_are_one_line(target, convs, tmp_path):
@@ -223,4 +272,4 @@ def test_the_vllm_process_sees_only_the_capture_modules(tmp_path):
         text = (root / "mtp_train" / rel).read_text()
         ours = {line.split()[1] for line in text.splitlines()
                 if line.startswith(("from mtp_train", "import mtp_train"))}
-        assert ours <= {"mtp_train.capture.book", "mtp_train.capture.spool"}, rel
+        assert ours <= {"mtp_train.capture.book", "mtp_train.capture.saver", "mtp_train.capture.spool"}, rel

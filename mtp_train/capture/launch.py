@@ -9,7 +9,9 @@ loads the connector, and nothing of our environment (a site-packages folder) sha
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ import mtp_train
 
 PACKAGE_DIR = Path(mtp_train.__file__).parent
 # What vLLM's processes import of ours: the package's (empty) inits and the capture modules the connector uses.
-CHILD_MODULES = ("__init__.py", "capture/__init__.py", "capture/book.py", "capture/spool.py",
+CHILD_MODULES = ("__init__.py", "capture/__init__.py", "capture/book.py", "capture/saver.py", "capture/spool.py",
                  "capture/vllm_connector.py", "capture/vllm_run.py")
 RUN_MODULE = "mtp_train.capture.vllm_run"
 
@@ -86,13 +88,14 @@ class VllmProcess:
         return CaptureError(f"vLLM failed while capturing: {first} (its log: {self.log_path})")
 
     def stop(self) -> None:
-        """End the child if it still runs (a refused or interrupted run), then close its log."""
+        """End the child and the engine processes it spawned (its own process group) if it still runs (a refused
+        or interrupted run), then close its log."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.log_file.close()
 
@@ -103,6 +106,9 @@ def start(python: Path, request: dict[str, Any], workdir: Path, env: Mapping[str
     req_path.write_text(json.dumps(request))
     result_path.unlink(missing_ok=True)
     log_file = open(log_path, "wb")  # noqa: SIM115 - closed by VllmProcess.stop
+    # A session of its own: stopping it reaches vLLM's engine processes too, and a Ctrl-C meant for the driver
+    # reaches only the driver, which then stops it.
     proc = subprocess.Popen([str(python), "-m", RUN_MODULE, "--request", str(req_path), "--out", str(result_path)],
-                            env=dict(env), stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir)
+                            env=dict(env), stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir,
+                            start_new_session=True)
     return VllmProcess(proc, python, result_path, log_path, str(request["model"]), log_file)

@@ -13,10 +13,10 @@ len(eagle_aux_hidden_state_layer_ids)). This connector, loaded by vLLM with
 then writes `spool.write_capture` files that `mtp_train.precompute.vllm_backend` turns into shards. A request
 names its capture by `kv_transfer_params={"sample_id": ...}` (in SamplingParams.extra_args).
 
-On the CPU the read and the write happen in `get_finished`, synchronously (no pinned memory, no events), and the
-blocks are released in the same step. On a GPU the engine is not blocked: the rows are gathered on a side stream
-into pinned host memory, the blocks are released once that copy's event has completed (polled, never waited on),
-and a writer thread waits for the event and writes the file. Only tensor-parallel rank 0 writes.
+The reading and writing is `saver.CaptureSaver`'s: on the CPU synchronously in `get_finished` (no pinned memory,
+no events), the blocks released in the same step; on a GPU without blocking the engine (a side-stream copy into
+pinned memory, the blocks released once its event has completed, the file written by a thread). Only
+tensor-parallel rank 0 writes.
 
 Imports vLLM, torch and the capture modules only (it runs inside vLLM's processes, where the rest of our package
 is not installed).
@@ -24,8 +24,6 @@ is not installed).
 
 from __future__ import annotations
 
-import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,16 +38,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-from mtp_train.capture.book import RequestBook, Save, slots
-from mtp_train.capture.spool import file_name, write_capture
+from mtp_train.capture.book import RequestBook, Save
+from mtp_train.capture.saver import CaptureSaver
+from mtp_train.capture.spool import file_name
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,13 +90,8 @@ class MtpCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = (vllm_config.cache_config.block_size if kv_cache_config is None
                            else kv_cache_config.kv_cache_groups[self.group].kv_cache_spec.block_size)
         self.book = RequestBook()  # scheduler side
-        # Worker side (register_kv_caches):
-        self.cache: torch.Tensor | None = None  # (num_blocks, k, block_size, H)
+        self.saver = CaptureSaver(self.folder, self.layer_ids, self.tag, self.block_size)  # worker side
         self.writes = True  # tensor-parallel rank 0 only
-        self._stream: Any = None  # GPU: the side stream of the device-to-host copies
-        self._copies: dict[str, Any] = {}  # GPU: req id → the event of its copy
-        self._files: dict[str, Future[Path]] = {}  # GPU: req id → its file write
-        self._pool: ThreadPoolExecutor | None = None
 
     # --- worker side ---------------------------------------------------------------------------------------
 
@@ -110,12 +102,7 @@ class MtpCaptureConnector(KVConnectorBase_V1, SupportsHMA):
         names = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
         if len(names) != 1:
             raise ValueError(f"expected one cache-only hidden-states layer, found {names}")
-        self.cache = kv_caches[names[0]]
-        if self.cache.dim() != 4 or self.cache.shape[2] != self.block_size:
-            raise ValueError(f"hidden-states cache of shape {tuple(self.cache.shape)}: expected "
-                             f"(blocks, {len(self.layer_ids)}, {self.block_size}, hidden)")
-        if self.cache.is_cuda:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mtp-capture")
+        self.saver.bind(kv_caches[names[0]])
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         pass  # store-only
@@ -129,72 +116,28 @@ class MtpCaptureConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         pass
 
-    def rows(self, save: Save) -> torch.Tensor:
-        """The request's (n, k, H) states, gathered from the cache on its device."""
-        assert self.cache is not None
-        s = torch.tensor(slots(save.block_ids, self.block_size, len(save.token_ids)), dtype=torch.long)
-        if self.cache.is_cuda:
-            s = s.pin_memory().to(self.cache.device, non_blocking=True)
-        return self.cache[s // self.block_size, :, s % self.block_size]  # (n, k, H)
-
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Save the requests this step's metadata names; report those whose blocks may be freed."""
         done: set[str] = set()
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         for save in meta.saves if isinstance(meta, CaptureMetadata) else []:
-            if not self.writes:
+            # Other tensor-parallel ranks report nothing: one report frees the blocks (get_finished_count).
+            if self.writes and self.saver.save(save):
                 done.add(save.req_id)
-            elif self.cache is not None and self.cache.is_cuda:
-                self._copy_async(save)
-            else:
-                write_capture(self.folder, save.sample_id, torch.tensor(save.token_ids), self.rows(save).clone(),
-                              self.layer_ids, self.tag)
-                done.add(save.req_id)
-        for req_id, event in list(self._copies.items()):
-            if event.query():  # the copy left the cache: its blocks may be reused
-                del self._copies[req_id]
-                done.add(req_id)
-        for req_id, fut in list(self._files.items()):
-            if fut.done():
-                del self._files[req_id]
-                if fut.exception() is not None:
-                    log.error("capture of request %s was not written: %r", req_id, fut.exception())
+        done |= self.saver.poll()
         return done or None, None
 
-    def _copy_async(self, save: Save) -> None:
-        """GPU: gather on a side stream into pinned memory; a writer thread waits for the copy, then writes."""
-        assert self.cache is not None and self._pool is not None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.cache.device)
-        ready = torch.cuda.Event()
-        ready.record()  # the forward that filled the cache, on the current stream
-        self._stream.wait_event(ready)
-        with torch.cuda.stream(self._stream):
-            states = self.rows(save)
-            host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
-            host.copy_(states, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self._stream)
-        self._copies[save.req_id] = copied
-
-        def write() -> Path:
-            copied.synchronize()
-            return write_capture(self.folder, save.sample_id, torch.tensor(save.token_ids), host, self.layer_ids,
-                                 self.tag)
-
-        self._files[save.req_id] = self._pool.submit(write)
-
     def get_finished_count(self) -> int:
-        return 1  # only tensor-parallel rank 0's report counts (the others report at once)
+        return 1  # only tensor-parallel rank 0 saves, so its report alone frees a request's blocks
 
     def shutdown(self) -> None:
         """Finish the writes in flight."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self.saver.close()
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return "LBNHC"  # (blocks, heads = layers, block positions, hidden): a token's states side by side
+        # What vLLM's own hidden-states connector asks for; CaptureSaver.bind checks the shape the cache gets.
+        return "LBNHC"
 
     # --- scheduler side ------------------------------------------------------------------------------------
 
