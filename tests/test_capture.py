@@ -8,6 +8,7 @@ before layer i; id L: the last layer's output before the final norm), exactly wh
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -273,3 +274,14 @@ def test_the_vllm_process_sees_only_the_capture_modules(tmp_path):
         ours = {line.split()[1] for line in text.splitlines()
                 if line.startswith(("from mtp_train", "import mtp_train"))}
         assert ours <= {"mtp_train.capture.book", "mtp_train.capture.saver", "mtp_train.capture.spool"}, rel
+
+
+def test_command_line_backend_errors_are_one_line(target, convs, tmp_path):
+    base = [sys.executable, "-m", "mtp_train.cli.precompute", f"out={tmp_path / 'x'}", f"model.path={target}",
+            "model.fetch=null", f"data.paths=[{convs}]"]
+    for extra, said in ((["backend=vllm", f"vllm_python={tmp_path / 'none'}"], "vllm_python="),
+                        (["backend=vlm"], "backend='vlm'")):
+        r = subprocess.run(base + extra, capture_output=True, text=True)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "x").exists()  # refused before anything was written

@@ -37,7 +37,7 @@ from mtp_train.cli.outputs import claim_output
 from mtp_train.config import PrecomputeConfig, check_config, typed
 from mtp_train.data.samples import dropped_summary
 from mtp_train.precompute.pipeline import run_precompute
-from mtp_train.precompute.vllm_backend import BACKENDS, precompute_vllm
+from mtp_train.precompute.vllm_backend import BACKENDS, check_vllm_python, precompute_vllm
 
 log = logging.getLogger(__name__)
 PROG = "mtp-precompute"
@@ -94,6 +94,7 @@ def capture_main(cfg: DictConfig, pc: PrecomputeConfig) -> dict[str, Any]:
         raise ValueError("backend=vllm runs in one process (vLLM spreads the work itself: vllm.tensor_parallel_size); "
                          "start it without torchrun")
     out = Path(pc.out)
+    check_vllm_python(pc.vllm_python)  # before `out` is made: a missing venv leaves nothing behind
     with claim_output(out, PROG, overwrite=pc.overwrite):
         ensure_model(pc.model)
         manifest = precompute_vllm(pc, environ=dict(os.environ), config_dict=to_dict(cfg),

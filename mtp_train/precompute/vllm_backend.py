@@ -76,6 +76,14 @@ def final_norm(model_dir: Path, args: ModelArgs, dtype: torch.dtype) -> RMSNorm:
     return norm
 
 
+def check_vllm_python(python: str | Path) -> Path:
+    """vLLM's python (`launch.check_python`), a PrecomputeError when it is missing: checked before `out` is made."""
+    try:
+        return launch.check_python(python)
+    except launch.CaptureError as e:
+        raise PrecomputeError(str(e)) from None
+
+
 def capture_tag(settings: dict[str, Any], vllm_ids: tuple[int, ...]) -> str:
     """What a capture file must have been made with to be used (the shards' settings and vLLM's layer ids)."""
     return hashlib.sha256(json.dumps([settings, list(vllm_ids)], sort_keys=True).encode()).hexdigest()[:16]
