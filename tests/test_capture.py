@@ -285,3 +285,20 @@ def test_command_line_backend_errors_are_one_line(target, convs, tmp_path):
         assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
         assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+def test_vllm_side_takes_prompts_in_chunks_with_our_connector(tmp_path):
+    from mtp_train.capture import vllm_run
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"s{i}", "token_ids": [i]}) + "\n" for i in range(5)) + "\n")
+    assert [[p["id"] for p in c] for c in vllm_run.chunks(path, 2)] == [["s0", "s1"], ["s2", "s3"], ["s4"]]
+    args = vllm_run.engine_args({"model": "m", "max_model_len": 9, "layer_ids": [2, 30], "spool_dir": "d",
+                                 "tag": "t", "engine": {"max_num_seqs": 3}})
+    assert args["enable_prefix_caching"] is False  # a cached prefix would never reach the capture cache
+    assert args["speculative_config"]["method"] == "extract_hidden_states"
+    assert args["speculative_config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30]
+    kv = args["kv_transfer_config"]
+    assert (kv["kv_connector"], kv["kv_connector_module_path"]) == ("MtpCaptureConnector",
+                                                                    "mtp_train.capture.vllm_connector")
+    assert kv["kv_connector_extra_config"] == {"spool_dir": "d", "tag": "t"} and args["max_num_seqs"] == 3

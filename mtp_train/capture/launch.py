@@ -13,7 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -100,10 +100,24 @@ class VllmProcess:
         self.log_file.close()
 
 
-def start(python: Path, request: dict[str, Any], workdir: Path, env: Mapping[str, str], log_path: Path) -> VllmProcess:
-    """Write `request` (the `vllm_run` format) to workdir and start vLLM's side on it, its output to log_path."""
-    req_path, result_path = workdir / "request.json", workdir / "result.json"
-    req_path.write_text(json.dumps(request))
+def start(python: Path, request: dict[str, Any], prompts: Iterable[dict[str, Any]], workdir: Path,
+          env: Mapping[str, str], log_path: Path) -> VllmProcess:
+    """Write `request` and `prompts` (the `vllm_run` formats) to workdir and start vLLM's side on them, its output
+    to log_path.
+
+    Args:
+        python: vLLM's python.
+        request: the settings (`vllm_run`'s request without "prompts").
+        prompts: {"id", "token_ids"} per conversation, in the order vLLM should take them.
+        workdir: a private folder for the request files (the child's working directory).
+        env: the child's environment (`child_env`).
+        log_path: the child's stdout and stderr.
+    """
+    req_path, prompts_path, result_path = workdir / "request.json", workdir / "prompts.jsonl", workdir / "result.json"
+    with open(prompts_path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps(p) + "\n")
+    req_path.write_text(json.dumps({**request, "prompts": str(prompts_path)}))
     result_path.unlink(missing_ok=True)
     log_file = open(log_path, "wb")  # noqa: SIM115 - closed by VllmProcess.stop
     # A session of its own: stopping it reaches vLLM's engine processes too, and a Ctrl-C meant for the driver

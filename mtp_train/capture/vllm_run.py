@@ -5,11 +5,13 @@ Runs in vLLM's own environment, with our checkout on PYTHONPATH so that vLLM can
 
     request: {"model": DIR, "dtype": "float32", "max_model_len": 2048, "layer_ids": [2, 15, 30],
               "spool_dir": FOLDER, "tag": TAG, "engine": {vllm.LLM keyword arguments: enforce_eager, max_num_seqs, ...},
-              "prompts": [{"id": SAMPLE_ID, "token_ids": [...]}, ...]}
+              "prompts": PROMPTS_JSONL, "chunk": 4096}
+    prompts: one JSON object a line, {"id": SAMPLE_ID, "token_ids": [...]}
     result:  {"vllm_version", "requests"} or {"error": "<exception>", "stage": "import" | "load" | "run"} (exit code 2)
 
 Every prompt is one request of max_tokens=1 (a prefill; the one sampled token is dropped), named by its sample id
-in `kv_transfer_params`; the connector writes `spool_dir/req-<hash>.safetensors` for each.
+in `kv_transfer_params`; the connector writes `spool_dir/req-<hash>.safetensors` for each. Prompts are read and
+handed to vLLM `chunk` at a time, in file order, so a million conversations never sit in memory at once.
 
     python -m mtp_train.capture.vllm_run --request req.json --out result.json
 """
@@ -20,6 +22,7 @@ import argparse
 import json
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,6 @@ def engine_args(req: dict[str, Any]) -> dict[str, Any]:
         "model": req["model"],
         "dtype": req.get("dtype", "auto"),
         "max_model_len": req["max_model_len"],
-        "skip_tokenizer_init": False,
         "enable_prefix_caching": False,
         "speculative_config": {
             "method": "extract_hidden_states",
@@ -63,14 +65,31 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
         llm = LLM(**engine_args(req))
     except Exception as e:  # noqa: BLE001 - any failure to load is reported as such
         return {"error": f"{type(e).__name__}: {e}", "stage": "load", "traceback": traceback.format_exc()}
+    done = 0
     try:
-        prompts = [TokensPrompt(prompt_token_ids=list(p["token_ids"])) for p in req["prompts"]]
-        params = [SamplingParams(max_tokens=1, temperature=0.0,
-                                 extra_args={"kv_transfer_params": {"sample_id": p["id"]}}) for p in req["prompts"]]
-        llm.generate(prompts, params, use_tqdm=False)
+        for chunk in chunks(Path(req["prompts"]), int(req.get("chunk", 4096))):
+            prompts = [TokensPrompt(prompt_token_ids=list(p["token_ids"])) for p in chunk]
+            params = [SamplingParams(max_tokens=1, temperature=0.0,
+                                     extra_args={"kv_transfer_params": {"sample_id": p["id"]}}) for p in chunk]
+            llm.generate(prompts, params, use_tqdm=False)
+            done += len(chunk)
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}", "stage": "run", "traceback": traceback.format_exc()}
-    return {"vllm_version": vllm.__version__, "requests": len(prompts)}
+    return {"vllm_version": vllm.__version__, "requests": done}
+
+
+def chunks(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
+    """The prompts of a JSONL file, `size` at a time."""
+    batch: list[dict[str, Any]] = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                batch.append(json.loads(line))
+            if len(batch) == size:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
 
 
 def main(argv: list[str] | None = None) -> int:

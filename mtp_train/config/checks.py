@@ -55,6 +55,8 @@ LOWER_BOUNDS: dict[str, tuple[float, str]] = {
     "spec_eval.batch_size": (1, _POSITIVE),
     "data.online.max_seq_len": (1, _POSITIVE), "data.online.shard_tokens": (1, _POSITIVE),
     "data.online.limit": (1, "null (everything) or a positive integer"),
+    "vllm.max_num_seqs": (1, _POSITIVE), "vllm.max_num_batched_tokens": (1, "null (vLLM's default) or positive"),
+    "vllm.tensor_parallel_size": (1, _POSITIVE), "vllm.cpu_kvcache_gb": (1, _POSITIVE),
 }
 
 

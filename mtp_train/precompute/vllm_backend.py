@@ -138,7 +138,7 @@ def check_writable(folder: Path) -> None:
 
 def vllm_request(cfg: PrecomputeConfig, model_dir: Path, dtype: torch.dtype, lmap: LayerMap, spool: Path,
                  tag: str, rows: list[Row]) -> dict[str, Any]:
-    """The `vllm_run` request for `rows`."""
+    """The `vllm_run` request (without its prompts) for `rows`."""
     v = cfg.vllm
     engine: dict[str, Any] = {"enforce_eager": v.enforce_eager, "max_num_seqs": v.max_num_seqs,
                               "tensor_parallel_size": v.tensor_parallel_size}
@@ -149,8 +149,7 @@ def vllm_request(cfg: PrecomputeConfig, model_dir: Path, dtype: torch.dtype, lma
     engine.update(v.engine_args)
     return {"model": str(model_dir.resolve()), "dtype": dtype_name(dtype), "layer_ids": list(lmap.vllm_ids),
             "max_model_len": max(int(r.ids.size) for r in rows) + 1, "spool_dir": str(spool.resolve()),
-            "tag": tag, "engine": engine,
-            "prompts": [{"id": r.id, "token_ids": r.ids.tolist()} for r in rows]}
+            "tag": tag, "engine": engine}
 
 
 def wait_for(path: Path, proc: launch.VllmProcess | None, sample_id: str) -> Path:
@@ -231,7 +230,8 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
         if missing:
             with tempfile.TemporaryDirectory(prefix="mtp-capture-") as tmp:
                 env = launch.child_env(environ, launch.stage_modules(Path(tmp)), cfg.vllm.cpu_kvcache_gb)
-                proc = launch.start(python, vllm_request(cfg, model_dir, dtype, lmap, spool, tag, missing),
+                prompts = ({"id": r.id, "token_ids": r.ids.tolist()} for r in missing)
+                proc = launch.start(python, vllm_request(cfg, model_dir, dtype, lmap, spool, tag, missing), prompts,
                                     Path(tmp), env, out / "vllm-capture.log")
                 convert(writer, spool, lmap, norm, proc)
                 proc.proc.wait()
