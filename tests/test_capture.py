@@ -302,3 +302,27 @@ def test_vllm_side_takes_prompts_in_chunks_with_our_connector(tmp_path):
     assert (kv["kv_connector"], kv["kv_connector_module_path"]) == ("MtpCaptureConnector",
                                                                     "mtp_train.capture.vllm_connector")
     assert kv["kv_connector_extra_config"] == {"spool_dir": "d", "tag": "t"} and args["max_num_seqs"] == 3
+
+
+def test_check_vllm_capture_flags_a_shifted_layer_and_a_changed_mask(engine_folder, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from checks.check_vllm_capture import compare
+
+    assert compare(engine_folder, engine_folder, AUX)["errors"] == {"hidden": 0.0, "aux 2": 0.0, "aux 0": 0.0,
+                                                                     "aux 3": 0.0}
+    other = tmp_path / "other"
+    shutil.copytree(engine_folder, other)
+    name = json.loads((other / "manifest.json").read_text())["shards"][0]["file"]
+    tensors = load_file(other / name)
+    with safe_open(str(other / name), "pt") as f:
+        meta = f.metadata()
+    h = tensors["hidden"].shape[1]
+    tensors["aux_hidden"][:, :h] = tensors["aux_hidden"][:, h:2 * h]  # aux 2 holds aux 0's states
+    tensors["loss_mask"][0] ^= 1
+    save_file(tensors, other / name, metadata=meta)
+    found = compare(engine_folder, other, AUX)
+    assert found["errors"]["aux 2"] > 0.1 and found["errors"]["aux 0"] == 0.0
+    assert found["same"]["loss_mask"] is False and found["same"]["input_ids"] is True
