@@ -261,6 +261,16 @@ def test_missing_captures_start_vllm_and_its_failures_are_one_line(target, convs
         precompute_vllm(cfg, environ={}, config_dict={})
 
 
+def test_vllm_errors_are_said_in_their_informative_line():
+    pydantic = ("ValidationError: 1 validation error for ModelConfig\n  Value error, Model architectures ['NoSuch'] "
+                "are not supported for now. Supported architectures: dict_keys(['A', 'B']) [type=value_error]\n"
+                "    For further information visit https://errors.pydantic.dev")
+    assert launch.error_line(pydantic) == "Model architectures ['NoSuch'] are not supported for now."
+    assert launch.error_line("RuntimeError: out of memory\nmore") == "RuntimeError: out of memory"
+    assert launch.error_line("x" * 300).endswith("…") and len(launch.error_line("x" * 300)) == 240
+    assert launch.error_line("") == ""
+
+
 def test_the_vllm_process_sees_only_the_capture_modules(tmp_path):
     root = launch.stage_modules(tmp_path)
     staged = sorted(str(p.relative_to(root / "mtp_train")) for p in (root / "mtp_train").rglob("*.py"))

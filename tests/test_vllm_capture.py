@@ -50,3 +50,23 @@ def test_vllm_capture_matches_our_engine(default_model_dir, tmp_path):
             assert torch.equal(a.get_tensor(key), b.get_tensor(key))
         for key in ("hidden", "aux_hidden"):
             torch.testing.assert_close(b.get_tensor(key), a.get_tensor(key), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM venv at {VLLM_PYTHON} (make vllm-venv, or VLLM_PYTHON)")
+def test_a_model_vllm_cannot_serve_is_one_line(tmp_path):
+    from mtp_train.precompute import PrecomputeError
+    from tests.conftest import make_chat_target
+
+    target = make_chat_target(tmp_path / "target", num_layers=2)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    convs = tmp_path / "convs.jsonl"
+    convs.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "Tell me about owls."},
+                                                         {"role": "assistant", "content": "Owls fly."}]}) + "\n")
+    cfg = PrecomputeConfig(model=ModelConfig(path=str(target), dtype="float32", fetch=None),
+                           data=DataConfig(paths=[str(convs)]), out=str(tmp_path / "out"), backend="vllm",
+                           vllm_python=str(VLLM_PYTHON), progress=False)
+    with pytest.raises(PrecomputeError, match=r"vLLM cannot serve .*NoSuchForCausalLM.* are not supported") as e:
+        precompute_vllm(cfg, environ=dict(os.environ), config_dict={})
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400

@@ -58,6 +58,20 @@ def check_python(python: str | Path) -> Path:
     return path
 
 
+def error_line(text: str, most: int = 240) -> str:
+    """The informative line of an exception's text: for pydantic's "N validation error(s) for X" the error under it
+    (vLLM validates its settings with pydantic), without the long lists and type details it appends; at most
+    `most` characters."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[1] if "validation error" in lines[0] and len(lines) > 1 else lines[0]
+    line = line.removeprefix("Value error, ")
+    for tail in (" Supported architectures:", " [type="):
+        line = line.split(tail)[0]
+    return line if len(line) <= most else line[:most - 1] + "…"
+
+
 @dataclass
 class VllmProcess:
     """The running vLLM side: its process, request / result files and log."""
@@ -79,7 +93,7 @@ class VllmProcess:
     def error(self) -> CaptureError:
         """The one-line error of a child that failed, naming its log."""
         r = self.result()
-        first = str(r.get("error", "")).strip().splitlines()[0] if r.get("error") else "no error reported"
+        first = error_line(str(r.get("error", ""))) or "no error reported"
         if r.get("stage") == "import":
             return CaptureError(f"{self.python} cannot import vLLM: {first}; vllm_python must be the python of "
                                 "vLLM's environment")

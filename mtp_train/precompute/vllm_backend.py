@@ -19,6 +19,7 @@ shard's `hidden` (and aux layer L) is the target's own final RMSNorm applied to 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -218,7 +219,6 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
             (spool / file_name(r.id)).unlink(missing_ok=True)
 
     writer = FolderWriter(out, spec, plans, rank=0, verify=cfg.verify_on_resume, on_shard=drop_captures)
-    proc: launch.VllmProcess | None = None
     try:
         writer.begin(owner=True, on_start=on_start)
         check_writable(spool)
@@ -233,10 +233,12 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
                 prompts = ({"id": r.id, "token_ids": r.ids.tolist()} for r in missing)
                 proc = launch.start(python, vllm_request(cfg, model_dir, dtype, lmap, spool, tag, missing), prompts,
                                     Path(tmp), env, out / "vllm-capture.log")
-                convert(writer, spool, lmap, norm, proc)
-                proc.proc.wait()
-                if proc.proc.returncode != 0:
-                    raise proc.error()
+                try:
+                    convert(writer, spool, lmap, norm, proc)
+                    if proc.proc.wait() != 0:
+                        raise proc.error()
+                finally:
+                    proc.stop()  # a refused or interrupted run stops vLLM (and its engine processes) here
         else:
             convert(writer, spool, lmap, norm, None)
         writer.finish()
@@ -244,13 +246,15 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
         raise Interrupted(f"after {len(writer.done)} of {len(plans)} shards were written to {out}; re-run the same "
                           f"command to go on from there (finished shards and captures in {spool} are kept)") from None
     finally:
-        if proc is not None:
-            proc.stop()
         writer.close()
     remove_torn(spool)
-    leftovers = [p for p in spool.glob(f"{PREFIX}*{SUFFIX}")]
-    if not leftovers and cfg.vllm.spool_dir is None:
-        spool.rmdir()  # ours, and empty
+    if cfg.vllm.spool_dir is None:
+        # The folder is ours and every shard is written: what is left are captures of conversations no longer in
+        # the data (an earlier run's).
+        for stale in spool.glob(f"{PREFIX}*{SUFFIX}"):
+            stale.unlink()
+        with contextlib.suppress(OSError):
+            spool.rmdir()
     prov = {"package_version": mtp_train.__version__, "torch_version": torch.__version__,
             "settings": {"world": 1, "tp": 1, "shard_tokens": cfg.shard_tokens, "batch_tokens": cfg.batch_tokens,
                          "rank_assignment": RANK_ASSIGNMENT, "backend": "vllm", "vllm_layer_ids": list(lmap.vllm_ids)},
