@@ -106,8 +106,8 @@ class CompletionRequest(_Request):
     def one_prompt(self) -> str | list[int] | None:
         """The request's one prompt, or None when it holds a batch (or nothing)."""
         p = self.prompt
-        if isinstance(p, str):
-            return p
+        if isinstance(p, str) or p == []:
+            return p  # an empty list is an empty prompt, refused as such
         if p and all(isinstance(t, int) for t in p):
             return list(p)  # type: ignore[arg-type]
         if isinstance(p, list) and len(p) == 1:
