@@ -57,6 +57,29 @@ def app_server(app) -> Iterator[str]:
         thread.join(timeout=30)
 
 
+def served_app(model, tokenizer, path, engine=None, start: bool = True, chat_template: str | None = None):
+    """(app, worker) serving `model` as "tiny" (plain decoding unless `engine` is given; the worker started unless
+    `start` is False). chat_template: serve with another template than the tokenizer's (a server that disagrees)."""
+    import copy
+
+    from mtp_train.engine import LLMEngine
+    from mtp_train.engine.turns import stop_token_ids
+    from mtp_train.serve import EngineWorker, ServedModel, build_app
+
+    engine = engine or LLMEngine(model, kv_cache_gb=0.01)
+    worker = EngineWorker(engine, vocab_size=model.args.vocab_size)
+    if chat_template is not None:
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.chat_template = chat_template
+    served = ServedModel(model_id="tiny", root=str(path), tokenizer=tokenizer,
+                         max_context=model.args.max_position_embeddings,
+                         max_request_tokens=engine.scheduler.max_request_tokens,
+                         stop_ids=stop_token_ids(tokenizer, model.args.eos_token_ids))
+    if start:
+        worker.start()
+    return build_app(worker, served), worker
+
+
 def start_serve(model_dir: Path, port: int, *extra: str, log: Path | None = None) -> subprocess.Popen:
     """`mtp-serve` on `model_dir` (fp32, CPU) as a process of its own."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),

@@ -17,8 +17,7 @@ import pytest
 from mtp_train.engine import LLMEngine, SamplingParams
 from mtp_train.engine.llm import GenerationOutput
 from mtp_train.engine.turns import answer_text, prompt_ids, stop_token_ids
-from mtp_train.serve import EngineWorker, ServedModel, build_app
-from tests._serve import app_server
+from tests._serve import app_server, served_app
 from tests.conftest import make_chat_target, predictable_chat_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,18 +32,6 @@ def target(tmp_path_factory):
     path = make_chat_target(tmp_path_factory.mktemp("serve") / "tiny")
     model = load_model(path, dtype="float32", device="cpu")
     return model, load_tokenizer(path), path
-
-
-def served_app(model, tokenizer, path, engine=None, start=True):
-    engine = engine or LLMEngine(model, kv_cache_gb=0.01)
-    worker = EngineWorker(engine, vocab_size=model.args.vocab_size)
-    served = ServedModel(model_id="tiny", root=str(path), tokenizer=tokenizer,
-                         max_context=model.args.max_position_embeddings,
-                         max_request_tokens=engine.scheduler.max_request_tokens,
-                         stop_ids=stop_token_ids(tokenizer, model.args.eos_token_ids))
-    if start:
-        worker.start()
-    return build_app(worker, served), worker
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ from mtp_train.layers import cpu_kernels
 from mtp_train.models.config import ModelConfigError
 from mtp_train.precompute.reader import ShardError
 from mtp_train.precompute.writer import PrecomputeError
+from mtp_train.remote.http import RemoteError
 from mtp_train.train.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 # subclass it); the RuntimeErrors listed carry messages that name the file and what to do.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ModelConfigError, ModelFetchError, DataError, ChatTemplateError, FileNotFoundError, ValueError,
-    ShardError, PrecomputeError, CheckpointError, OutputLockedError,
+    ShardError, PrecomputeError, CheckpointError, OutputLockedError, RemoteError,
 )
 EXIT_USER_ERROR = 2
 
