@@ -6,6 +6,7 @@ token, and an unreachable endpoint or a model not served is one clear line."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -167,3 +168,38 @@ def test_a_server_killed_and_restarted_mid_run_loses_and_duplicates_nothing(targ
     assert done_at_kill < len(convs)  # killed mid-run
     assert gen.retried >= 1  # the client saw the server go
     assert records(out) == want
+
+
+def test_a_client_killed_mid_run_resumes_without_losing_or_duplicating(target, tmp_path):
+    from mtp_train.config import DataConfig
+    from mtp_train.data.readers import read_conversations
+
+    model, tok, path = target
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in conversations(12)))
+    convs, _ = read_conversations(DataConfig(paths=[str(data)]))
+    want = engine_records(model, tok, path, convs, RegenerateConfig(max_new_tokens=48, progress=False),
+                          tmp_path / "engine.jsonl")
+    out = tmp_path / "remote.jsonl"
+    app, worker = served_app(model, tok, path)
+    with app_server(app) as url:
+        cmd = [sys.executable, "-m", "mtp_train.cli.regenerate", "generator=openai", f"endpoints=[{url}]",
+               "concurrency=1", f"model.path={path}", "model.fetch=null", f"data.paths=[{data}]",
+               "max_new_tokens=48", "progress=false", f"out={out}"]
+        client = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        part = part_path(out, 0)
+        deadline = time.monotonic() + 300
+        while not (part.exists() and part.read_text().count("\n") >= 1):
+            assert time.monotonic() < deadline and client.poll() is None, "the client ended before a record"
+            time.sleep(0.01)
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+        done = part.read_text().count("\n")
+        assert done < len(convs)  # killed mid-run
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    worker.stop()
+    assert records(out) == want
+    # the resumed run kept what the killed one wrote (a torn last line, if any, answered again)
+    kept = int(re.search(r"\((\d+) already there, (\d+) written now\)", r.stdout).group(1))
+    assert done - 1 <= kept <= done and f"{len(want)} records in the output" in r.stdout

@@ -218,3 +218,24 @@ def test_a_head_shows_its_acceptance_in_usage_and_metrics(tmp_path):
     rate = [line for line in metrics.splitlines() if line.startswith("mtp_serve_spec_acceptance_rate")]
     assert rate and 0.0 < float(rate[0].split()[-1]) <= 1.0
     assert "mtp_serve_spec_accepted_tokens_total" in metrics
+
+
+def test_the_command_serves_a_head_checkpoint(target, tmp_path):
+    from mtp_train.cli.serve import build_server
+    from mtp_train.config import HeadConfig, ModelConfig, ServeConfig
+    from mtp_train.heads import build_head, save_head
+
+    model, tok, path = target
+    save_head(build_head(HeadConfig(type="mtp"), path), tmp_path / "head")
+    sc = ServeConfig(model=ModelConfig(name="tiny", path=str(path), dtype="float32", device="cpu", fetch=None,
+                                       kv_cache_gb=0.01), head_ckpt=str(tmp_path / "head"), k=2)
+    app, worker = build_server(sc)
+    worker.start()
+    with app_server(app) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 10,
+                                                            "temperature": 0, "return_token_ids": True}).json()
+        metrics = httpx.get(f"{url}/metrics").text
+    worker.stop()
+    assert r["choices"][0]["token_ids"] == greedy(model, tok, r["prompt_token_ids"], 10).output_ids
+    assert r["usage"]["speculative"]["verify_steps"] >= 1
+    assert "mtp_serve_spec_draft_tokens_total" in metrics
