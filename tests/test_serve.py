@@ -239,3 +239,18 @@ def test_the_command_serves_a_head_checkpoint(target, tmp_path):
     assert r["choices"][0]["token_ids"] == greedy(model, tok, r["prompt_token_ids"], 10).output_ids
     assert r["usage"]["speculative"]["verify_steps"] >= 1
     assert "mtp_serve_spec_draft_tokens_total" in metrics
+
+
+@pytest.mark.parametrize(("stop", "want"), [([], "café au lait"), (["au l"], "café "), (["é"], "caf")])
+def test_streamed_text_holds_back_half_characters_and_stop_strings(target, stop, want):
+    from mtp_train.serve.text import TextStream
+
+    _, tok, _ = target
+    ids = tok("café au lait", add_special_tokens=False)["input_ids"]
+    # byte-level pieces: some prefix of the ids ends in half of "é"
+    assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))
+    stream = TextStream(tok, stop)
+    deltas = [stream.add([t]) for t in ids]
+    deltas.append(stream.add([], final=True))
+    assert "".join(deltas) == want and stream.stopped == bool(stop)
+    assert not any(d.endswith("\ufffd") for d in deltas)

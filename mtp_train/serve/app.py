@@ -147,12 +147,12 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
         refused request raises BadRequest before anything is yielded; a request left early is aborted."""
         req = worker.submit(prompt, params)
         text = TextStream(served.tokenizer, stop, [] if params.ignore_eos else params.stop_token_ids or [])
-        done = False
+        done = refused = False
         try:
             while True:
                 event = await req.events.get()
                 if isinstance(event, Failed):
-                    done = True
+                    done = refused = True
                     raise BadRequest(event.message, event.status)
                 if isinstance(event, Tokens):
                     delta = text.add(event.ids)
@@ -169,8 +169,9 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
         finally:
             if not done:  # the client went away: free the engine's pages
                 worker.abort(req)
-            counters.prompt_tokens += len(prompt)
-            counters.completion_tokens += req.sent
+            if not refused:
+                counters.prompt_tokens += len(prompt)
+                counters.completion_tokens += req.sent
 
     def usage(prompt: list[int], completion: int, fin: Finished | None) -> dict[str, Any]:
         u: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": completion,
@@ -254,7 +255,13 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
                         choice["prompt_token_ids"] = prompt
                 first_chunk = False
                 yield sse({**head, "choices": [choice]})
-                item = await first_event(gen)
+                try:
+                    item = await first_event(gen)
+                except BadRequest as exc:  # after the 200: the error goes into the stream, as vLLM sends it
+                    counters.count(path, exc.status)
+                    yield sse({"error": {"message": str(exc), "type": "InternalServerError", "param": None,
+                                         "code": exc.status}})
+                    break
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(prompt, completion, fin)})
             yield "data: [DONE]\n\n"
