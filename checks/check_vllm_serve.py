@@ -34,7 +34,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of vLLM's venv")
     p.add_argument("--data", default="demo-heldout", help="conf/data name of the conversations")
-    p.add_argument("--limit", type=int, default=6, help="conversations")
+    p.add_argument("--limit", type=int, default=8, help="conversations (the 7th of demo-heldout has two turns)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--out", default="runs/check-vllm-serve")
     return p.parse_args(argv)
