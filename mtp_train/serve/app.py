@@ -182,8 +182,9 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
                                 "mean_acceptance_length": (1 + acc / steps) if steps else None}
         return u
 
-    async def first_event(gen: AsyncIterator[Any]) -> Any:
-        """The first item, so that a refusal becomes a 4xx before a stream's 200 is sent."""
+    async def next_item(gen: AsyncIterator[Any]) -> Any:
+        """The next item of `run`, None at its end (the first is awaited before a stream's 200 is sent, so that a
+        refusal is a 4xx)."""
         try:
             return await gen.__anext__()
         except StopAsyncIteration:
@@ -192,13 +193,16 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def answer(path: str, req: ChatCompletionRequest | CompletionRequest, prompt: list[int], chat: bool):
+    async def answer(path: str, req: ChatCompletionRequest | CompletionRequest, prompt: list[int],
+                     chat: bool) -> JSONResponse | StreamingResponse:
+        """A request's response: the whole answer as JSON, or a stream of chunks (OpenAI's shapes, vLLM's token
+        id fields)."""
         params = sampling(req, prompt)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         ids_wanted = bool(req.return_token_ids)
         gen = run(path, prompt, params, req.stop_strings())
-        first = await first_event(gen)
+        first = await next_item(gen)
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
                 "model": served.model_id}
 
@@ -209,7 +213,7 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
                 text.append(item[0])
                 ids.extend(item[1])
                 reason, fin = item[2], item[3] or fin
-                item = await first_event(gen)
+                item = await next_item(gen)
             body = "".join(text)
             choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
             if chat:
@@ -228,6 +232,13 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
             return JSONResponse(out)
 
         async def stream() -> AsyncIterator[str]:
+            try:
+                async for chunk in chunks():
+                    yield chunk
+            finally:  # the client may have gone: close `run` now, which aborts the request
+                await gen.aclose()
+
+        async def chunks() -> AsyncIterator[str]:
             completion = 0
             first_chunk = True
             item = first
@@ -256,7 +267,7 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
                 first_chunk = False
                 yield sse({**head, "choices": [choice]})
                 try:
-                    item = await first_event(gen)
+                    item = await next_item(gen)
                 except BadRequest as exc:  # after the 200: the error goes into the stream, as vLLM sends it
                     counters.count(path, exc.status)
                     yield sse({"error": {"message": str(exc), "type": "InternalServerError", "param": None,
