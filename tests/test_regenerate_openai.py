@@ -203,3 +203,13 @@ def test_a_client_killed_mid_run_resumes_without_losing_or_duplicating(target, t
     # the resumed run kept what the killed one wrote (a torn last line, if any, answered again)
     kept = int(re.search(r"\((\d+) already there, (\d+) written now\)", r.stdout).group(1))
     assert done - 1 <= kept <= done and f"{len(want)} records in the output" in r.stdout
+
+
+def test_the_generator_setting_is_checked():
+    from mtp_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="generator=openai needs endpoints"):
+        RegenerateConfig(generator="openai")
+    with pytest.raises(ConfigError, match="choose one of engine, openai"):
+        RegenerateConfig(generator="vllm")
+    assert RegenerateConfig(generator="openai", endpoints=["http://127.0.0.1:8000"]).generator == "openai"
