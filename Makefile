@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-spec bench-step bench-tree bench-memory bench-regenerate ablation curve check-vllm clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-spec bench-step bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve clean
 
 setup: $(STAMP)
 
@@ -118,3 +118,8 @@ $(VLLM_STAMP):
 check-vllm: model $(VLLM_STAMP)
 	$(PY) -m checks.check_vllm --model $(MODEL_DIR) --vllm-python $(VLLM_VENV)/bin/python \
 		$(if $(HEAD_EAGLE1),--head-eagle1 $(HEAD_EAGLE1)) $(if $(HEAD_EAGLE3),--head-eagle3 $(HEAD_EAGLE3)) $(CHECK_VLLM_ARGS)
+
+# Regeneration through a real `vllm serve` (vLLM's CPU build, the venv above): `mtp-regenerate generator=openai`
+# against it, compared record by record with our engine's greedy answers (float32 both). Not part of `make test`.
+check-vllm-serve: model $(VLLM_STAMP)
+	$(PY) -m checks.check_vllm_serve --model $(MODEL_DIR) --vllm-python $(VLLM_VENV)/bin/python $(CHECK_VLLM_SERVE_ARGS)
