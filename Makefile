@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-spec bench-tree bench-memory bench-regenerate ablation curve check-vllm vllm-venv check-vllm-capture clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-spec bench-step bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture clean
 
 setup: $(STAMP)
 
@@ -76,6 +76,11 @@ bench-spec: model
 # timed speed-up (with its interval) of the best trees and chain, e.g.
 # `make bench-tree HEAD=runs/demo/train/heads/step-600 BENCH_TREE_ARGS="--limit 8"`.
 BENCH_TREE_ARGS ?=
+# Where a speculative step goes, part by part, against a plain decode step (HEAD=dir for a trained head, else an
+# untrained one: the costs are the same), e.g. `make bench-step HEAD=runs/demo/train/heads/step-600`.
+bench-step: model
+	$(PY) -m bench.step --model $(MODEL_DIR) $(if $(HEAD),--head $(HEAD)) $(BENCH_STEP_ARGS)
+
 bench-tree: model
 	$(PY) -m bench.tree --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-600) --timed \
 		$(BENCH_TREE_ARGS)
@@ -113,6 +118,11 @@ $(VLLM_STAMP):
 check-vllm: model $(VLLM_STAMP)
 	$(PY) -m checks.check_vllm --model $(MODEL_DIR) --vllm-python $(VLLM_VENV)/bin/python \
 		$(if $(HEAD_EAGLE1),--head-eagle1 $(HEAD_EAGLE1)) $(if $(HEAD_EAGLE3),--head-eagle3 $(HEAD_EAGLE3)) $(CHECK_VLLM_ARGS)
+
+# Regeneration through a real `vllm serve` (vLLM's CPU build, the venv above): `mtp-regenerate generator=openai`
+# against it, compared record by record with our engine's greedy answers (float32 both). Not part of `make test`.
+check-vllm-serve: model $(VLLM_STAMP)
+	$(PY) -m checks.check_vllm_serve --model $(MODEL_DIR) --vllm-python $(VLLM_VENV)/bin/python $(CHECK_VLLM_SERVE_ARGS)
 
 # vLLM's venv alone (mtp-precompute backend=vllm runs vLLM from it: vllm_python=.venv-vllm/bin/python).
 vllm-venv: $(VLLM_STAMP)

@@ -122,3 +122,21 @@ def test_two_schedulers_on_one_pool_admit_against_one_count():
     while b.has_unfinished():
         _run_step(b, b.schedule()[0])
     assert kv.reserved == 2 and kv.allocator.num_free == kv.num_pages
+
+
+def test_abort_finishes_a_waiting_or_running_request_and_returns_its_pages():
+    kv = _pool(6)
+    sched = Scheduler(kv, max_batch_size=4, max_batch_tokens=100)
+    a, b = _seq(0, 6, 6), _seq(1, 6, 6)  # 3 pages each: the pool holds both
+    c = _seq(2, 6, 6)
+    for s in (a, b, c):
+        sched.add(s)
+    batch, _ = sched.schedule()
+    assert batch == [a, b] and kv.reserved == 6 and list(sched.waiting) == [c]
+    _run_step(sched, batch)
+    assert sched.abort(a) and a.status is SeqStatus.FINISHED and a.finish_reason == "abort"
+    assert kv.reserved == 3 and not a.pages and sched.running == [b]
+    assert sched.abort(c) and c.finish_reason == "abort" and not sched.waiting
+    assert not sched.abort(a)  # already finished
+    batch, _ = sched.schedule()
+    assert batch == [b]  # the aborted ones never run again

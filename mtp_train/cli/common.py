@@ -52,6 +52,7 @@ from mtp_train.layers import cpu_kernels
 from mtp_train.models.config import ModelConfigError
 from mtp_train.precompute.reader import ShardError
 from mtp_train.precompute.writer import PrecomputeError
+from mtp_train.remote.http import RemoteError
 from mtp_train.train.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 # subclass it); the RuntimeErrors listed carry messages that name the file and what to do.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ModelConfigError, ModelFetchError, DataError, ChatTemplateError, FileNotFoundError, ValueError,
-    ShardError, PrecomputeError, CheckpointError, OutputLockedError, DiskFullError,
+    ShardError, PrecomputeError, CheckpointError, OutputLockedError, DiskFullError, RemoteError,
 )
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C

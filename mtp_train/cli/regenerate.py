@@ -3,6 +3,7 @@
     mtp-regenerate model=smollm2-135m data=demo out=runs/regenerate/demo.jsonl max_new_tokens=512
     mtp-regenerate data.paths=[prompts.jsonl] n=4 temperature=0.8 top_p=0.95 seed=1 out=runs/regenerate/x.jsonl
     torchrun --nproc_per_node 8 -m mtp_train.cli.regenerate model=llama3.1-8b data=shared-mix ...
+    mtp-regenerate generator=openai endpoints=[http://gpu1:8000,http://gpu2:8000] concurrency=64 data=shared-mix ...
 
 Writes messages JSONL at `out` (one record per conversation and sample, with provenance), `<out>.config.yaml`
 with the resolved config, and prints a summary. A re-run with the same settings resumes. Rank 0 holds
@@ -23,8 +24,9 @@ from omegaconf import DictConfig
 from mtp_train import dist
 from mtp_train.cli.common import distributed, ensure_model, hydra_entry, load_target, run_device, save_config
 from mtp_train.config import RegenerateConfig, check_config, typed
+from mtp_train.data.chat import load_tokenizer
 from mtp_train.data.readers import read_conversations
-from mtp_train.engine.generator import EngineGenerator
+from mtp_train.engine.generator import EngineGenerator, Generator
 from mtp_train.engine.llm import LLMEngine
 from mtp_train.engine.turns import stop_token_ids
 from mtp_train.fileio import output_lock
@@ -71,12 +73,15 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
             stack.enter_context(output_lock(out, folder=False, command=PROG))  # before `out` is touched
             ensure_model(rc.model)  # one rank converts a missing default model; the others wait
         wait()
-        model, tokenizer, model_path = load_target(rc.model, run_device(rc.model, info))
-        engine = LLMEngine(model, page_size=rc.model.page_size, kv_cache_gb=rc.model.kv_cache_gb,
-                           max_batch_size=rc.max_batch_size)
-        generator = EngineGenerator(engine, name=rc.model.name, path=model_path,
-                                    weights_fingerprint=weights_fingerprint(model_path))
-        stop_ids = stop_token_ids(tokenizer, model.args.eos_token_ids, rc.chat_template_kwargs)
+        if rc.generator == "openai":
+            generator, tokenizer, stop_ids = _remote_generator(rc, convs, info.is_main)
+        else:
+            model, tokenizer, model_path = load_target(rc.model, run_device(rc.model, info))
+            engine = LLMEngine(model, page_size=rc.model.page_size, kv_cache_gb=rc.model.kv_cache_gb,
+                               max_batch_size=rc.max_batch_size)
+            generator = EngineGenerator(engine, name=rc.model.name, path=model_path,
+                                        weights_fingerprint=weights_fingerprint(model_path))
+            stop_ids = stop_token_ids(tokenizer, model.args.eos_token_ids, rc.chat_template_kwargs)
         stats = regenerate(convs, generator, tokenizer, out, rc, stop_ids=stop_ids,
                            rank=info.rank, world=info.world, barrier=wait, progress=rc.progress and info.is_main,
                            on_start=lambda: save_config(cfg, config_path(out)))
@@ -88,6 +93,24 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
                 print(f"{PROG}: data: {read_stats.summary()}", flush=True)
             print(f"{PROG}: {total.summary()}\n{PROG}: wrote {out} (config: {config_path(out)})", flush=True)
         return result
+
+
+def _remote_generator(rc: RegenerateConfig, convs: list[Any], is_main: bool) -> tuple[Generator, Any, list[int]]:
+    """(generator, tokenizer, stop ids) of `generator=openai`: the endpoints asked what they serve, and their chat
+    template checked against ours on a few rows, before anything is generated. The tokenizer (and the stop ids)
+    come from `model.path`: prompts go to the servers as our own rendering's token ids."""
+    from mtp_train.models.families import args_from_dir
+    from mtp_train.remote import OpenAIGenerator
+
+    path = Path(rc.model.path)
+    tokenizer = load_tokenizer(path)
+    stop_ids = stop_token_ids(tokenizer, args_from_dir(path).eos_token_ids, rc.chat_template_kwargs)
+    generator = OpenAIGenerator.connect(rc.endpoints, model=rc.served_model, concurrency=rc.concurrency,
+                                        timeout=rc.timeout, retries=rc.retries, backoff=rc.backoff)
+    if rc.template_check_rows and is_main:
+        rows = generator.check_template(convs, tokenizer, rc.chat_template_kwargs, rc.template_check_rows)
+        log.info("%d rows rendered alike by %s and by us", rows, ", ".join(generator.endpoints))
+    return generator, tokenizer, stop_ids
 
 
 def _gather(stats: RegenerateStats, group: Any) -> RegenerateStats:

@@ -2,7 +2,7 @@
 
 This floor imports nothing else of the project (and neither torch nor Hydra at import time). One module per
 concern: `model`, `data`, `head`, `loss`, one per stage (`precompute`, `regenerate`, `train`, `eval`, `export`,
-`demo`), `device` (the one resolver of a device name), `checks` (unknown keys, ranges, `typed`), `store`
+`demo`, `serve`), `device` (the one resolver of a device name), `checks` (unknown keys, ranges, `typed`), `store`
 (Hydra's ConfigStore). Every command's Hydra config is validated against these schemas (`<command>_schema`), so
 a misspelt key fails at start-up with the key's name; the CLI converts the composed config to its dataclass once
 (`typed`) and library functions take the dataclasses.
@@ -29,7 +29,8 @@ from mtp_train.config.head import HEAD_TYPES, INITS, HeadConfig, HeadType, HeadT
 from mtp_train.config.loss import CE_IMPLS, UNROLL_ATTENTION, LossConfig
 from mtp_train.config.model import ModelConfig
 from mtp_train.config.precompute import PrecomputeConfig
-from mtp_train.config.regenerate import RegenerateConfig
+from mtp_train.config.regenerate import GENERATORS, RegenerateConfig
+from mtp_train.config.serve import ServeConfig
 from mtp_train.config.store import register_configs
 from mtp_train.config.train import (
     DeepSpeedConfig,
@@ -41,12 +42,13 @@ from mtp_train.config.train import (
 )
 
 __all__ = [
-    "CE_IMPLS", "CONF_DIR", "GRID_AXES", "HEAD_TYPES", "INITS", "LOWER_BOUNDS", "SCHEMAS", "SOURCES",
+    "CE_IMPLS", "CONF_DIR", "GENERATORS", "GRID_AXES", "HEAD_TYPES", "INITS", "LOWER_BOUNDS", "SCHEMAS", "SOURCES",
     "UNROLL_ATTENTION",
     "ConfigError", "DataConfig", "DeepSpeedConfig", "DemoConfig", "EvalConfig", "ExportConfig", "HeadConfig",
     "HeadType", "HeadTypeSpec", "Interrupted",
     "LoopConfig", "LossConfig", "ModelConfig", "NgramConfig", "OnlineDataConfig", "OptimConfig", "PrecomputeConfig",
-    "RegenerateConfig", "SpecEvalConfig", "TrainConfig", "TrainDataConfig", "WandbConfig", "bf16_enabled",
+    "RegenerateConfig", "ServeConfig", "SpecEvalConfig", "TrainConfig", "TrainDataConfig", "WandbConfig",
+    "bf16_enabled",
     "check_config", "check_overrides", "device_kind", "head_spec", "head_type", "is_schema_key", "rank_device",
     "register_configs",
     "resolve_device", "schema_keys", "typed", "unknown_key_error",

@@ -23,6 +23,7 @@ from mtp_train.config.eval import EvalConfig
 from mtp_train.config.export import ExportConfig
 from mtp_train.config.precompute import PrecomputeConfig
 from mtp_train.config.regenerate import RegenerateConfig
+from mtp_train.config.serve import ServeConfig
 from mtp_train.config.train import TrainConfig
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the YAML tree (an editable install's checkout)
@@ -34,6 +35,7 @@ SCHEMAS: dict[str, type] = {
     "train": TrainConfig,
     "eval": EvalConfig,
     "export": ExportConfig,
+    "serve": ServeConfig,
 }
 
 # Lower bounds of numeric settings: key → (smallest value, what the key must be). Keys a command does not have
@@ -43,7 +45,9 @@ LOWER_BOUNDS: dict[str, tuple[float, str]] = {
     "limit": (1, "null (everything) or a positive integer"),
     "max_seq_len": (1, _POSITIVE), "shard_tokens": (1, _POSITIVE), "batch_tokens": (1, _POSITIVE),
     "n": (1, _POSITIVE), "max_new_tokens": (1, _POSITIVE), "max_batch_size": (1, _POSITIVE),
-    "max_prompt_tokens": (1, _POSITIVE), "batch_size": (1, _POSITIVE), "top_k": (0, "0 (off) or more"),
+    "max_prompt_tokens": (1, _POSITIVE), "concurrency": (1, _POSITIVE), "retries": (0, "0 (no retry) or more"),
+    "timeout": (0.001, "a positive number of seconds"), "template_check_rows": (0, "0 (no check) or more"),
+    "batch_size": (1, _POSITIVE), "top_k": (0, "0 (off) or more"),
     "model.page_size": (1, _POSITIVE), "model.tp": (1, _POSITIVE),
     "train.max_steps": (1, "a positive integer (the optimizer steps of the whole run)"),
     "train.max_seconds": (0, "0 (no wall-clock limit) or more seconds"),

@@ -9,6 +9,7 @@ from mtp_train.config.data import DataConfig
 from mtp_train.config.errors import ConfigError
 from mtp_train.config.model import ModelConfig
 
+GENERATORS = ("engine", "openai")  # who answers: our engine in this process | OpenAI-compatible servers
 SAMPLING_KEYS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "seed")  # recorded in the provenance
 
 
@@ -30,8 +31,23 @@ class RegenerateConfig:
     max_prompt_tokens: int = 4096  # longer prompts are skipped and counted
     progress: bool = True  # progress bar on rank 0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    generator: str = "engine"  # engine (our engine, here) | openai (OpenAI-compatible servers at `endpoints`)
+    endpoints: list[str] = field(default_factory=list)  # generator=openai: base URLs (http://host:port), or a router
+    served_model: str | None = None  # generator=openai: the model id to ask for; None: the one model served
+    concurrency: int = 8  # generator=openai: requests in flight per endpoint
+    timeout: float = 600.0  # generator=openai: seconds one request may take before it is retried
+    retries: int = 8  # generator=openai: retries of a request (429, 5xx, timeout, dropped connection) before failing
+    backoff: float = 1.0  # generator=openai: seconds before the first retry, doubled per retry (at most 60)
+    template_check_rows: int = 3  # generator=openai: rows whose prompt token ids each server must render like us
 
     def __post_init__(self) -> None:
+        if self.generator not in GENERATORS:
+            raise ConfigError(f"generator={self.generator!r}: choose one of {', '.join(GENERATORS)}")
+        if self.generator == "openai" and not self.endpoints:
+            raise ConfigError("generator=openai needs endpoints=[http://host:port,...] (OpenAI-compatible servers "
+                              "or a router in front of them)")
+        if self.backoff < 0:
+            raise ConfigError(f"backoff must be >= 0 seconds, got {self.backoff}")
         if self.n < 1:
             raise ConfigError(f"n must be >= 1, got {self.n}")
         if self.n > 1 and self.temperature == 0:

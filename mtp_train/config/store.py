@@ -9,6 +9,7 @@ from mtp_train.config.head import HeadConfig
 from mtp_train.config.model import ModelConfig
 from mtp_train.config.precompute import PrecomputeConfig
 from mtp_train.config.regenerate import RegenerateConfig
+from mtp_train.config.serve import ServeConfig
 from mtp_train.config.train import DeepSpeedConfig, TrainConfig
 
 
@@ -19,6 +20,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="precompute_schema", node=PrecomputeConfig)
     cs.store(name="regenerate_schema", node=RegenerateConfig)
+    cs.store(name="serve_schema", node=ServeConfig)
     cs.store(name="eval_schema", node=EvalConfig)
     cs.store(name="export_schema", node=ExportConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)

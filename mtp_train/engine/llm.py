@@ -25,7 +25,7 @@ from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.runner import ModelRunner, StepRows
 from mtp_train.engine.sampling import SamplingBatch, SamplingParams, sample
 from mtp_train.engine.scheduler import GenerationStats, Scheduler
-from mtp_train.engine.sequence import Sequence
+from mtp_train.engine.sequence import SeqStatus, Sequence
 from mtp_train.models.base import CausalLM
 
 __all__ = ["DecodeStep", "GenerationOutput", "GenerationStats", "LLMEngine", "Step", "graphs_wanted"]
@@ -100,6 +100,10 @@ class Step(ABC):
         """After the scheduler appended the tokens: sequences still running go on, the others finished."""
         return None
 
+    def release(self, seq: Sequence) -> None:
+        """A running sequence was aborted between steps (`LLMEngine.abort`): forget whatever the step keeps of it."""
+        return None
+
 
 class DecodeStep(Step):
     """Plain decoding: one sampled token per sequence and forward."""
@@ -170,6 +174,16 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def abort(self, seq: Sequence) -> bool:
+        """Finish a request between steps (finish reason "abort"): its pages come back and the step forgets it.
+        False when it had already finished."""
+        running = seq.status is SeqStatus.RUNNING
+        if not self.scheduler.abort(seq):
+            return False
+        if running:
+            self.stepper.release(seq)
+        return True
 
     def step(self) -> list[Sequence]:
         """One forward: schedule → run → postprocess. Returns the sequences that finished in it."""

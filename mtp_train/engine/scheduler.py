@@ -162,6 +162,20 @@ class Scheduler:
                 return True
         return False
 
+    def abort(self, seq: Sequence) -> bool:
+        """Finish a waiting or running request now (finish reason "abort"), between steps: a server's client went
+        away or its stop string appeared. Its pages and reservation come back at once. False when it had already
+        finished."""
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+            return True
+        if seq.status is SeqStatus.RUNNING:
+            self._finish(seq, "abort")
+            self.running = [s for s in self.running if s is not seq]
+            return True
+        return False
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         """The sequence's pages go back to the pool, and its reservation with them."""
         seq.status = SeqStatus.FINISHED

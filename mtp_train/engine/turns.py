@@ -72,6 +72,15 @@ def stop_token_ids(tokenizer: Any, model_eos_ids: Sequence[int],
     return ids
 
 
+def prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+               template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """The prompt of one request (the module's rule): `messages` rendered by the chat template with the generation
+    prompt, tokenized without extra special tokens. What a server answering chat requests feeds the model, and
+    what its prompt token ids are compared with."""
+    text = render(tokenizer, [dict(m) for m in messages], add_generation_prompt=True, template_kwargs=template_kwargs)
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
 def answer_text(tokenizer: Any, output: GenerationOutput) -> str:
     """The text of one answer (the module's rule): without the stop token it ended on, everything else as
     generated (special tokens kept, spaces not cleaned up)."""

@@ -168,6 +168,9 @@ class SpeculativeStep(Step):
         stats.verify_seconds += t2 - t1
         return [a.tokens for a in accepted]
 
+    def release(self, seq: Sequence) -> None:
+        self.proposer.release(seq)
+
     def _check(self, trees: list[DraftTree]) -> None:
         if any(len(t) > self.max_nodes or max(t.depths, default=0) > self.k for t in trees):
             raise ValueError(f"proposer {self.proposer.name} drafted a tree of {max(map(len, trees))} nodes with "

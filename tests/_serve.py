@@ -1,0 +1,91 @@
+"""Running `mtp-serve` for tests: the app on uvicorn in a thread of the test's process, or the command as a process
+of its own (to be killed); both on a free localhost port, ready when `/health` answers (polled, with a bound)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+READY_TIMEOUT = 120.0  # seconds a server may take to load its model and listen
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = READY_TIMEOUT) -> None:
+    """Poll `url`/health until it answers 200; fail when the process died or the bound passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)  # a poll interval, not a synchronisation: readiness is what ends the loop
+    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def app_server(app) -> Iterator[str]:
+    """Serve a FastAPI app on uvicorn in a thread; yield its base URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def served_app(model, tokenizer, path, engine=None, start: bool = True, chat_template: str | None = None):
+    """(app, worker) serving `model` as "tiny" (plain decoding unless `engine` is given; the worker started unless
+    `start` is False). chat_template: serve with another template than the tokenizer's (a server that disagrees)."""
+    import copy
+
+    from mtp_train.engine import LLMEngine
+    from mtp_train.engine.turns import stop_token_ids
+    from mtp_train.serve import EngineWorker, ServedModel, build_app
+
+    engine = engine or LLMEngine(model, kv_cache_gb=0.01)
+    worker = EngineWorker(engine, vocab_size=model.args.vocab_size)
+    if chat_template is not None:
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.chat_template = chat_template
+    served = ServedModel(model_id="tiny", root=str(path), tokenizer=tokenizer,
+                         max_context=model.args.max_position_embeddings,
+                         max_request_tokens=engine.scheduler.max_request_tokens,
+                         stop_ids=stop_token_ids(tokenizer, model.args.eos_token_ids))
+    if start:
+        worker.start()
+    return build_app(worker, served), worker
+
+
+def start_serve(model_dir: Path, port: int, *extra: str, log: Path | None = None) -> subprocess.Popen:
+    """`mtp-serve` on `model_dir` (fp32, CPU) as a process of its own."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                          os.environ.get("PYTHONPATH", "")])}
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (the process owns it)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mtp_train.cli.serve", f"model.path={model_dir}", "model.name=tiny",
+         "model.fetch=null", "model.dtype=float32", "model.device=cpu", "model.kv_cache_gb=0.01",
+         f"port={port}", *extra], stdout=out, stderr=out, env=env)
