@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
            "requests_per_s": args.requests / wall, "client_cpu_ms_per_request": 1000 * cpu / args.requests,
            "client_requests_per_cpu_s": args.requests / cpu if cpu > 0 else None, "client_cpu_share": cpu / wall}
     print(f"{res['requests_per_s']:.1f} requests/s; the client: {res['client_cpu_ms_per_request']:.2f} ms CPU per "
-          f"request ({res['client_requests_per_cpu_s']:.0f} requests per CPU second), busy {res['client_cpu_share']:.0%}"
-          " of the wall time", flush=True)
+          f"request ({res['client_requests_per_cpu_s']:.0f} requests per CPU second), busy "
+          f"{res['client_cpu_share']:.0%} of the wall time", flush=True)
     report(res)
     return res
 
