@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-spec bench-step bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-spec bench-step bench-remote bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture clean
 
 setup: $(STAMP)
 
@@ -76,6 +76,10 @@ bench-spec: model
 # timed speed-up (with its interval) of the best trees and chain, e.g.
 # `make bench-tree HEAD=runs/demo/train/heads/step-600 BENCH_TREE_ARGS="--limit 8"`.
 BENCH_TREE_ARGS ?=
+# The regeneration client's own CPU per request against a local mtp-serve (is it ever a fleet's bottleneck?).
+bench-remote: model
+	$(PY) -m bench.remote --model $(MODEL_DIR) $(BENCH_REMOTE_ARGS)
+
 # Where a speculative step goes, part by part, against a plain decode step (HEAD=dir for a trained head, else an
 # untrained one: the costs are the same), e.g. `make bench-step HEAD=runs/demo/train/heads/step-600`.
 bench-step: model
