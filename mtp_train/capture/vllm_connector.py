@@ -9,9 +9,10 @@ len(eagle_aux_hidden_state_layer_ids)). This connector, loaded by vLLM with
                         "kv_role": "kv_producer",
                         "kv_connector_extra_config": {"spool_dir": FOLDER, "tag": TAG}}
 
-(the capture modules on PYTHONPATH: `mtp_train.capture.launch` stages a copy of just them), keeps a finished request's blocks until its states are read out of that cache,
-then writes `spool.write_capture` files that `mtp_train.precompute.vllm_backend` turns into shards. A request
-names its capture by `kv_transfer_params={"sample_id": ...}` (in SamplingParams.extra_args).
+(the capture modules on PYTHONPATH: `mtp_train.capture.launch` stages a copy of just them), keeps a finished
+request's blocks until its states are read out of that cache, then writes `spool.write_capture` files that
+`mtp_train.precompute.vllm_backend` turns into shards. A request names its capture by
+`kv_transfer_params={"sample_id": ...}` (in SamplingParams.extra_args).
 
 The reading and writing is `saver.CaptureSaver`'s: on the CPU synchronously in `get_finished` (no pinned memory,
 no events), the blocks released in the same step; on a GPU without blocking the engine (a side-stream copy into
