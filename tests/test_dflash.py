@@ -1,0 +1,242 @@
+"""The dflash block drafter: its block attention against a reference built position by position, its training unroll
+(anchors only counted, every loss kind, the loss falls), its drafter (the paged context cache equals the unroll,
+greedy speculative decoding equals plain greedy for several B, a sampled run) and its settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig
+from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.head_types.dflash import HEAD_TYPE, BlockProposer
+from mtp_train.heads import build_head
+from mtp_train.heads.block_attention import BlockLayout, packed_block_attention
+from mtp_train.heads.dflash import DFlashHead, default_block_layers
+from mtp_train.models import load_model
+from mtp_train.speculative.engine import SpecEngine
+from mtp_train.train.divergences import TOKEN_LOSSES
+from mtp_train.train.losses import step_token_counts, unrolled_loss
+from tests.test_speculative_engine import _marginal_of_second_token
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+if "dflash" not in HEAD_TYPES:  # a checkout whose installed entry points predate the type (pip install -e . adds it)
+    HEAD_TYPES.add(HEAD_TYPE)
+
+PROMPTS = [[3, 17, 42], [5, 9, 11, 200, 7, 1, 8], list(range(20, 33)), [250] * 2 + list(range(40, 58))]
+
+
+def _head(path, block_size=4, layers=1, seed=0, **kw) -> DFlashHead:
+    torch.manual_seed(seed)
+    head = build_head(HeadConfig(type="dflash", block_size=block_size, layers=layers, **kw), path, dtype="float32")
+    assert isinstance(head, DFlashHead)
+    return head
+
+
+def _reference_attention(q, k_blk, v_blk, k_ctx, v_ctx, seq_of_anchor, anchor_pos, seq_of_ctx, pos_of_ctx):
+    """Dense attention over every context row and every block row of the batch, the mask built one (query, key)
+    pair at a time from the rule: the same sequence's context before the anchor, and the query's own block."""
+    a, b, hq, d = q.shape
+    hkv = k_blk.shape[2]
+    keys = torch.cat([k_ctx, k_blk.reshape(a * b, hkv, d)])
+    vals = torch.cat([v_ctx, v_blk.reshape(a * b, hkv, d)])
+    n = k_ctx.shape[0]
+    mask = torch.zeros(a * b, n + a * b, dtype=torch.bool)
+    for qa in range(a):
+        for qs in range(b):
+            r = qa * b + qs
+            for c in range(n):
+                mask[r, c] = bool(seq_of_ctx[c] == seq_of_anchor[qa] and pos_of_ctx[c] < anchor_pos[qa])
+            for ka in range(a):
+                for ks in range(b):
+                    mask[r, n + ka * b + ks] = ka == qa
+    g = hq // hkv
+    out = torch.empty(a * b, hq, d)
+    for h in range(hq):
+        s = (q.reshape(a * b, hq, d)[:, h] @ keys[:, h // g].T) * d ** -0.5
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
+        out[:, h] = p @ vals[:, h // g]
+    return out.view(a, b, hq, d)
+
+
+def test_block_attention_equals_a_mask_built_position_by_position():
+    torch.manual_seed(0)
+    lens, b, hq, hkv, d = [5, 1, 7], 3, 4, 2, 8
+    starts = [0, 5, 6]
+    anchors = [(0, 1), (0, 4), (2, 1), (2, 3), (2, 6)]  # (sequence, anchor position); sequence 1 has none
+    a = len(anchors)
+    q = torch.randn(a, b, hq, d)
+    k_blk, v_blk = torch.randn(a, b, hkv, d), torch.randn(a, b, hkv, d)
+    k_ctx, v_ctx = torch.randn(sum(lens), hkv, d), torch.randn(sum(lens), hkv, d)
+    layout = BlockLayout(((0, 2, 0, 5), (2, 5, 6, 13)), torch.tensor([p for _, p in anchors]))
+    got = packed_block_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout)
+    seq_of_ctx = [s for s, n in enumerate(lens) for _ in range(n)]
+    pos_of_ctx = [i - starts[s] for i, s in enumerate(seq_of_ctx)]
+    ref = _reference_attention(q, k_blk, v_blk, k_ctx, v_ctx, [s for s, _ in anchors], [p for _, p in anchors],
+                               seq_of_ctx, pos_of_ctx)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # chunked over anchors (a small score budget) gives the same
+    import mtp_train.heads.block_attention as ba
+    budget, ba.SCORE_BUDGET = ba.SCORE_BUDGET, 1
+    try:
+        torch.testing.assert_close(packed_block_attention(q, k_blk, v_blk, k_ctx, v_ctx, layout), got)
+    finally:
+        ba.SCORE_BUDGET = budget
+
+
+def test_settings_defaults_and_refusals(tiny_checkpoints):
+    assert default_block_layers(30) == [2, 9, 15, 21, 28]  # z-lab's layers 1..L-3, +1 for hidden_states
+    assert default_block_layers(3) == [1, 2]  # a small target: fewer distinct layers
+    head = _head(tiny_checkpoints["llama"][0])
+    assert head.aux_layers == [1, 2] and head.mask_token_id == head.args.vocab_size - 1
+    assert head.kv_shape[0] == 1
+    with pytest.raises(ValueError, match="only a block drafter"):
+        HeadConfig(type="mtp", block_size=4)
+    with pytest.raises(ValueError, match="block_size >= 2"):
+        HeadConfig(type="dflash", block_size=1)
+    with pytest.raises(ValueError, match="aux layers only"):
+        HeadConfig(type="dflash", features="final")
+    with pytest.raises(ValueError, match="not a token of the target"):
+        _head(tiny_checkpoints["llama"][0], mask_token_id=10_000)
+    with pytest.raises(ValueError, match="loss.steps=4"):
+        head.unroll(torch.randn(5, head.input_width), torch.arange(5), [5], 4)
+
+
+def _batch(head, path, seqs):
+    model = load_model(path, dtype="float32")
+    out = prefill_hidden(model, seqs, hidden_layers=head.aux_layers)
+    aux = torch.cat([out.layers[j] for j in head.aux_layers], -1)
+    return out.hidden, aux, torch.tensor([t for s in seqs for t in s]), [len(s) for s in seqs]
+
+
+def test_unroll_counts_only_its_anchors_and_every_loss_kind_trains(tiny_checkpoints):
+    path = tiny_checkpoints["qwen3"][0]
+    head = _head(path, block_size=4, max_anchors=6)
+    hidden, aux, ids, lens = _batch(head, path, [PROMPTS[2], PROMPTS[3]])
+    mask = torch.ones_like(ids)
+    mask[:4] = 0
+    rows = head.loss_rows(ids, mask, lens)
+    assert int(rows.sum()) == 6 and torch.equal(rows, head.loss_rows(ids, mask, lens))  # the batch picks them
+    eligible = torch.zeros_like(rows)
+    eligible[3:12] = eligible[13:32] = True  # a = i+1 in the loss positions, within its sequence
+    assert bool((rows <= eligible).all())
+    cfg = LossConfig(steps=3, w_feat=0.0, w_tok=1.0)
+    loss, m = unrolled_loss(head, hidden, ids, mask, lens, cfg, aux_hidden=aux)
+    counts = step_token_counts(mask, lens, 3, rows)
+    assert [float(m[f"step{j}/num_tokens"]) for j in range(3)] == counts.tolist()
+    # the block of a row is its own: predicting more rows leaves an anchor's block unchanged
+    preds = head.unroll(aux, ids, lens, 3, rows=rows)
+    full = head.unroll(aux, ids, lens, 3)
+    for p, f in zip(preds, full):
+        torch.testing.assert_close(p[rows], f[rows])
+        assert bool((p[~rows] == 0).all())
+    for kind in TOKEN_LOSSES.names():
+        for weights in ("decay", "dpace"):
+            c = LossConfig(steps=3, w_feat=0.0, w_tok=1.0, kind=kind, position_weights=weights)
+            loss, _ = unrolled_loss(head, hidden, ids, mask, lens, c, aux_hidden=aux)
+            head.zero_grad()
+            loss.backward()
+            assert torch.isfinite(loss) and head.fc.weight.grad.abs().sum() > 0, (kind, weights)
+
+
+def _greedy(model, prompts, n=24, page_size=3):
+    out = LLMEngine(model, page_size=page_size, num_pages=256).generate(
+        prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    return [o.output_ids for o in out]
+
+
+def _trained(path, block_size, layers=1, steps=80):
+    """A dflash head trained briefly on the target's own greedy continuations (so its drafts are often right)."""
+    model = load_model(path, dtype="float32")
+    head = _head(path, block_size=block_size, layers=layers)
+    seqs = [p + o for p, o in zip(PROMPTS, _greedy(model, PROMPTS, n=40))]
+    hidden, aux, ids, lens = _batch(head, path, seqs)
+    cfg = LossConfig(steps=block_size - 1, w_feat=0.0, w_tok=1.0, kind="argmax_ce")  # near-uniform targets
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss, _ = unrolled_loss(head, hidden, ids, torch.ones_like(ids), lens, cfg, aux_hidden=aux)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return model, head.eval(), losses
+
+
+@pytest.mark.parametrize(("name", "block_size", "layers"), [("llama", 2, 1), ("llama", 4, 2), ("qwen3", 8, 1)])
+def test_greedy_block_drafts_equal_plain_greedy(tiny_checkpoints, name, block_size, layers):
+    path = tiny_checkpoints[name][0]
+    model, head, losses = _trained(path, block_size, layers)
+    assert losses[-1] < 0.7 * losses[0]  # the loss falls
+    ref = _greedy(model, PROMPTS)
+    for k in (1, block_size - 1, block_size + 2):
+        proposer = BlockProposer(head)
+        eng = SpecEngine(model, proposer, k, page_size=3, num_pages=256)
+        out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+        assert [o.output_ids for o in out] == ref
+        m = eng.stats.metrics
+        assert m.num_draft_tokens <= min(k, block_size - 1) * m.num_drafts
+        assert proposer.forwards == eng.stats.verify_steps  # one block forward per step
+        assert m.mean_acceptance_length > 1.0  # drafts were accepted: the cache grew by several rows at once
+        assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages
+
+
+def test_the_context_cache_equals_the_unroll_after_decoding(tiny_checkpoints):
+    """After a speculative run, the block the drafter would draft next equals the unroll's block at that anchor
+    computed from the whole sequence's target features: the cache holds exactly the accepted positions' K/V."""
+    path = tiny_checkpoints["qwen3"][0]
+    model, head, _ = _trained(path, 4, layers=2, steps=40)
+    proposer = BlockProposer(head)
+    eng = SpecEngine(model, proposer, 3, page_size=3, num_pages=256)
+    params = SamplingParams(max_new_tokens=15, ignore_eos=True)
+    seqs = [eng.add_request(p, params) for p in PROMPTS[:2]]
+    for _ in range(4):
+        eng.step()
+    running = [s for s in seqs if s in eng.running]
+    assert running
+    got = proposer.block_features(running)
+    for s, g in zip(running, got):
+        ids = list(s.token_ids)
+        _, aux, t, lens = _batch(head, path, [ids])
+        want = head.unroll(aux, t, lens, 3)
+        i = len(ids) - 2  # anchor L-1 is row L-2
+        for j in range(3):
+            torch.testing.assert_close(g[j + 1], want[j][i], rtol=1e-4, atol=1e-4)
+
+
+def test_sampled_block_drafts_follow_the_target_distribution(tiny_checkpoints):
+    """Chi-square, as for the chain heads (`test_speculative_engine`): the second generated token of many seeded
+    requests, the first one through speculative acceptance of the block's sampled drafts, follows the target."""
+    model = load_model(tiny_checkpoints["llama"][0])
+    prompt, temp, n = [3, 17, 42, 7], 0.7, 3000
+    expected_p = _marginal_of_second_token(model, prompt, temp)
+    eng = SpecEngine(model, BlockProposer(_head(tiny_checkpoints["llama"][0], block_size=4)), 3, page_size=4,
+                     num_pages=4096, max_batch_size=256)
+    outs = eng.generate([prompt] * n, SamplingParams(temperature=temp, max_new_tokens=2, ignore_eos=True, seed=1234))
+    assert eng.stats.metrics.num_draft_tokens > 0 and eng.stats.metrics.num_accepted > 0
+    counts = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=model.args.vocab_size).double()
+    exp = expected_p.double() * n
+    big = exp >= 5
+    obs_b, exp_b = counts[big], exp[big]
+    if (~big).any():  # the small bins merged into one
+        obs_b, exp_b = torch.cat([obs_b, counts[~big].sum()[None]]), torch.cat([exp_b, exp[~big].sum()[None]])
+    chi2 = float(((obs_b - exp_b) ** 2 / exp_b).sum())
+    dof = obs_b.numel() - 1
+    limit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3  # 99.9% quantile (Wilson–Hilferty)
+    assert chi2 < limit, (chi2, limit, dof)
+
+
+def test_draft_threshold_shortens_the_block(tiny_checkpoints):
+    path = tiny_checkpoints["llama"][0]
+    model, head, _ = _trained(path, 4, steps=40)
+    seqs = [p + o for p, o in zip(PROMPTS, _greedy(model, PROMPTS, n=16))]
+    _, aux, ids, lens = _batch(head, path, seqs)
+    with torch.no_grad():  # a threshold at the median confidence of the blocks' slots
+        conf = torch.cat([torch.softmax(head.compute_logits(p), -1).amax(-1) for p in head.unroll(aux, ids, lens, 3)])
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    sure = SpecEngine(model, BlockProposer(head, draft_threshold=float(conf.median())), 3, page_size=3,
+                      num_pages=256)
+    assert [o.output_ids for o in sure.generate(PROMPTS, params)] == [s[len(p):] for p, s in zip(PROMPTS, seqs)]
+    m = sure.stats.metrics
+    assert 0 < m.num_draft_tokens < 3 * m.num_drafts
