@@ -4,10 +4,18 @@ greedy speculative decoding equals plain greedy for several B, a sampled run) an
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
-from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig
+from mtp_train.cli.common import CONF_DIR
+from mtp_train.cli.eval import eval_main
+from mtp_train.cli.precompute import precompute_main
+from mtp_train.cli.train import train_main
+from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig, register_configs
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.head_types.dflash import HEAD_TYPE, BlockProposer
 from mtp_train.heads import build_head
@@ -17,12 +25,24 @@ from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.train.divergences import TOKEN_LOSSES
 from mtp_train.train.losses import step_token_counts, unrolled_loss
+from tests.conftest import TOPICS, make_chat_target, metrics_by_step
 from tests.test_speculative_engine import _marginal_of_second_token
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 if "dflash" not in HEAD_TYPES:  # a checkout whose installed entry points predate the type (pip install -e . adds it)
     HEAD_TYPES.add(HEAD_TYPE)
+
+def _cfg(name: str, overrides: list[str]):
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
 
 PROMPTS = [[3, 17, 42], [5, 9, 11, 200, 7, 1, 8], list(range(20, 33)), [250] * 2 + list(range(40, 58))]
 
@@ -240,3 +260,40 @@ def test_draft_threshold_shortens_the_block(tiny_checkpoints):
     assert [o.output_ids for o in sure.generate(PROMPTS, params)] == [s[len(p):] for p, s in zip(PROMPTS, seqs)]
     m = sure.stats.metrics
     assert 0 < m.num_draft_tokens < 3 * m.num_drafts
+
+
+def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
+    """`mtp-precompute` (its aux layers) → `mtp-train head=dflash` (the loss falls; validated through its inference
+    path and its drafter) → `mtp-eval` drafts blocks whose greedy answers equal plain decoding."""
+    target = make_chat_target(tmp_path / "target")
+    convs = _jsonl(tmp_path / "convs.jsonl", [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me about {t}."},
+                                     {"role": "assistant", "content": f"Here is a fact about {t}. " * 3}]}
+        for i, t in enumerate(TOPICS * 2)])
+    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"id": t, "prompt": f"Tell me about {t}."} for t in TOPICS[:3]])
+    precompute_main(_cfg("precompute", [f"model.path={target}", "model.device=cpu", f"data.paths=[{convs}]",
+                                        f"out={tmp_path / 'pc'}", "max_seq_len=64", "progress=false",
+                                        "val_fraction=0.25", "aux_layers=[1,2]"]))
+    train_main(_cfg("train", [
+        f"model.path={target}", "model.device=cpu", "model.backend=torch", f"data.dir={tmp_path / 'pc'}",
+        f"out={tmp_path / 'run'}", "wandb.mode=disabled", "train.progress=false", "train.max_steps=20",
+        "train.micro_batch_tokens=256", "train.eval_every=10", "train.eval_batches=2", "train.save_every=0",
+        "optim.lr=3e-2", "optim.warmup_steps=1", "head=dflash", "head.block_size=4", "loss.steps=3",
+        "loss.kind=argmax_ce", "train.log_every=1", f"spec_eval.prompts=[{prompts}]", "spec_eval.k=3",
+        "spec_eval.max_new_tokens=8"]))
+    history = metrics_by_step(tmp_path / "run")
+    losses = [m["train/loss"] for _, m in sorted(history.items()) if "train/loss" in m]
+    assert len(losses) == 20 and sum(losses[-3:]) < 0.98 * sum(losses[:3]), losses  # (a random target: its greedy
+    # token is learnable, its near-uniform distribution is not, hence the hard CE here)
+    evals = [m for m in history.values() if "eval/step2/top1" in m]
+    assert evals and all(1.0 <= m["spec/tau"] <= 4.0 for m in evals), history
+    head = tmp_path / "run" / "heads" / "step-20"
+    assert json.loads((head / "config.json").read_text())["head"]["block_size"] == 4
+
+    base = [f"model.path={target}", "model.device=cpu", f"head_ckpt={head}", f"prompts=[{prompts}]",
+            "max_new_tokens=16", "progress=false", "warmup=false", "plots=false", "ngram.compare=false"]
+    report = eval_main(_cfg("eval", [*base, "k=3", f"out={tmp_path / 'eval'}"]))
+    rows = [r for r in report["rows"] if r["method"] == "mtp"]
+    assert rows and all(r["exact_match"] == 1.0 and 1.0 <= r["tau"] <= 4.0 for r in rows)
+    with pytest.raises(ValueError, match="dflash heads draft with their own drafter, which takes no draft_width=2"):
+        eval_main(_cfg("eval", [*base, "k=3", "draft_width=2", f"out={tmp_path / 'eval-width'}"]))
