@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from safetensors import safe_open
 
 from mtp_train.cli.common import CONF_DIR
 from mtp_train.cli.eval import eval_main
@@ -17,8 +18,9 @@ from mtp_train.cli.precompute import precompute_main
 from mtp_train.cli.train import train_main
 from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig, register_configs
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
 from mtp_train.head_types.dflash import HEAD_TYPE, BlockProposer
-from mtp_train.heads import build_head
+from mtp_train.heads import build_head, save_head
 from mtp_train.heads.block_attention import BlockLayout, packed_block_attention
 from mtp_train.heads.dflash import DFlashHead, default_block_layers
 from mtp_train.models import load_model
@@ -297,3 +299,41 @@ def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
     assert rows and all(r["exact_match"] == 1.0 and 1.0 <= r["tau"] <= 4.0 for r in rows)
     with pytest.raises(ValueError, match="dflash heads draft with their own drafter, which takes no draft_width=2"):
         eval_main(_cfg("eval", [*base, "k=3", "draft_width=2", f"out={tmp_path / 'eval-width'}"]))
+
+
+@pytest.mark.parametrize("fmt", ["native", "dflash"])
+def test_export_round_trip_gives_identical_blocks(tiny_checkpoints, tmp_path, fmt):
+    """The z-lab layout keeps our names; read back, the head drafts the same blocks (verify_round_trip: 0), and a
+    changed weight shows in the check."""
+    target = tiny_checkpoints["qwen3"][0]
+    head = _head(target, block_size=4, layers=2, mask_token_id=7)
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            p.add_(torch.randn_like(p) * (0.2 if n.endswith("norm.weight") else 0.02))
+    head_dir = save_head(head, tmp_path / "head")
+    out = export_head(head_dir, target, fmt, tmp_path / fmt)
+    assert verify_round_trip(head_dir, out, target) == 0.0
+    back = load_export(out, target)
+    assert back.cfg.aux_layers == head.cfg.aux_layers and back.mask_token_id == 7 and back.block_size == 4
+    with torch.no_grad():
+        head.layers[1].self_attn.k_norm.weight.mul_(1.5)  # a context-K/V-only weight
+    assert verify_round_trip(save_head(head, tmp_path / "other"), out, target) > 1e-4
+
+
+def test_the_zlab_layout_names_and_config(tiny_checkpoints, tmp_path):
+    target = tiny_checkpoints["llama"][0]
+    head = _head(target, block_size=6, layers=2)
+    out = export_head(save_head(head, tmp_path / "head"), target, "dflash", tmp_path / "df")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["num_hidden_layers"] == 2 and cfg["num_target_layers"] == 3
+    assert cfg["dflash_config"] == {"block_size": 6, "mask_token_id": 255, "target_layer_ids": [0, 1]}
+    assert [j - 1 for j in head.aux_layers] == cfg["dflash_config"]["target_layer_ids"]  # hidden_states[j] = id+1
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
+            "layers.0.self_attn.k_proj.weight", "layers.1.mlp.gate_proj.weight",
+            "layers.0.post_attention_layernorm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n for n in names)  # the target's are shared
+    with pytest.raises(LayoutError, match="hidden_states\\[1..3\\]"):
+        export_head(save_head(_head(target, aux_layers=[0, 2]), tmp_path / "h0"), target, "dflash", tmp_path / "x")

@@ -183,6 +183,10 @@ class DFlashHead(DraftHead):
         out[:, 0] = first
         return out
 
+    def probe_features(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """(T, k·H), (T,) one sequence → (T, (B-1)·H) the block of every anchor, its slots side by side."""
+        return torch.cat(self.unroll(hidden, token_ids, [hidden.shape[0]], self.block_size - 1), dim=-1)
+
     # -- training --
 
     def loss_rows(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
