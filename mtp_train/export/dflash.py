@@ -51,9 +51,10 @@ def problems(head: DraftHead) -> list[str]:
         out.append("head.aux_norm=true: the z-lab layout has no per-aux-layer norms before fc; export native")
     if c.draft_vocab_size:
         out.append("head.draft_vocab_size > 0: this layout is written over the whole vocabulary; export native")
-    bad = [j for j in c.aux_layers if not 1 <= j <= a.num_layers]
-    if bad:
-        out.append(f"aux_layers {bad}: the layout names decoder layers' outputs, hidden_states[1..{a.num_layers}]")
+    bad = [j for j in c.aux_layers if not 1 <= j <= a.num_layers - 1]
+    if bad:  # vLLM captures the stream entering a decoder layer: the output of one that another layer follows
+        out.append(f"aux_layers {bad}: vLLM reads the outputs of decoder layers that another layer follows, "
+                   f"hidden_states[1..{a.num_layers - 1}]")
     if family_of(a).name != "llama":
         out.append(f"target model_type {a.model_type!r}: vLLM's DFlash reads Llama-family targets' aux layers")
     return out
