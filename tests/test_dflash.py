@@ -11,6 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from mtp_train.cli.common import CONF_DIR
 from mtp_train.cli.eval import eval_main
@@ -19,11 +20,12 @@ from mtp_train.cli.train import train_main
 from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig, register_configs
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
+from mtp_train.export.importer import import_dflash
 from mtp_train.head_types.dflash import HEAD_TYPE, BlockProposer
 from mtp_train.heads import build_head, save_head
 from mtp_train.heads.block_attention import BlockLayout, packed_block_attention
 from mtp_train.heads.dflash import DFlashHead, default_block_layers
-from mtp_train.models import load_model
+from mtp_train.models import ModelConfigError, load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.train.divergences import TOKEN_LOSSES
 from mtp_train.train.losses import step_token_counts, unrolled_loss
@@ -337,3 +339,32 @@ def test_the_zlab_layout_names_and_config(tiny_checkpoints, tmp_path):
     assert not any("embed" in n or "lm_head" in n for n in names)  # the target's are shared
     with pytest.raises(LayoutError, match="hidden_states\\[1..2\\]"):
         export_head(save_head(_head(target, aux_layers=[0, 2]), tmp_path / "h0"), target, "dflash", tmp_path / "x")
+
+
+def test_a_zlab_folder_is_imported_into_a_native_head(tiny_checkpoints, tmp_path):
+    """A DFlash drafter in z-lab's layout (no block of ours in its config.json, an embedding of its own that the
+    head does not read) becomes our head with the same blocks; one for other shapes is refused by name."""
+    target = tiny_checkpoints["qwen3"][0]
+    head = _head(target, block_size=5, layers=2, mask_token_id=9)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    head_dir = save_head(head, tmp_path / "head")
+    out = export_head(head_dir, target, "dflash", tmp_path / "zlab")
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["mtp_train"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["embed_tokens.weight"] = torch.zeros(head.args.vocab_size, head.args.hidden_size)
+    save_file(tensors, str(out / "model.safetensors"))
+    got = import_dflash(out, target, dtype=torch.float32)
+    assert (got.cfg.layers, got.block_size, got.mask_token_id, got.aux_layers) == (2, 5, 9, head.aux_layers)
+    x = torch.randn(6, head.input_width)
+    ids = torch.randint(0, head.args.vocab_size, (6,))
+    with torch.no_grad():
+        torch.testing.assert_close(got.probe_features(x, ids), head.eval().probe_features(x, ids))
+    assert verify_round_trip(head_dir, save_head(got, tmp_path / "native"), target) == 0.0
+    cfg["hidden_size"] = 2 * cfg["hidden_size"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match="other shapes than the target"):
+        import_dflash(out, target)
