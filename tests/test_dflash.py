@@ -21,12 +21,13 @@ from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig, register_config
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
 from mtp_train.export.importer import import_dflash
-from mtp_train.head_types.dflash import HEAD_TYPE, BlockProposer
+from mtp_train.head_types.dflash import HEAD_TYPE, BlockProposer, block_tree
 from mtp_train.heads import build_head, save_head
 from mtp_train.heads.block_attention import BlockLayout, packed_block_attention
 from mtp_train.heads.dflash import DFlashHead, default_block_layers
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.speculative.engine import SpecEngine
+from mtp_train.speculative.tree_draft import TreeSpec
 from mtp_train.train.divergences import TOKEN_LOSSES
 from mtp_train.train.losses import step_token_counts, unrolled_loss
 from tests.conftest import TOPICS, make_chat_target, metrics_by_step
@@ -368,3 +369,32 @@ def test_a_zlab_folder_is_imported_into_a_native_head(tiny_checkpoints, tmp_path
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelConfigError, match="other shapes than the target"):
         import_dflash(out, target)
+
+
+def test_a_tree_from_the_slots_top_k():
+    """Slot d's top tokens are every depth-d node's children; nodes ranked by their path's summed log q."""
+    lp = torch.log_softmax(torch.tensor([[3.0, 2.0, 0.0, -1.0], [0.0, 2.5, 2.0, -1.0]]), -1)
+    t = block_tree(lp, TreeSpec(2, 2, 5))  # 4 nodes of the 2 + 4 drafted
+    assert t.tokens[:2] == [0, 1] and t.parents[:2] == [-1, 0]  # the best path first: slot 1's top, slot 2's top
+    assert sorted(zip(t.parents, t.tokens)) == sorted([(-1, 0), (0, 1), (0, 2), (-1, 1)])
+    path = [lp[0, 0] + lp[1, 1], lp[0, 0] + lp[1, 2], lp[0, 1]]
+    assert sorted(t.scores, reverse=True)[1:] == pytest.approx(sorted(map(float, path), reverse=True))
+    s = block_tree(lp, TreeSpec(choices=((0,), (1,), (0, 0))))
+    assert (s.tokens, s.parents) == ([0, 1, 1], [-1, -1, 0])
+
+
+@pytest.mark.parametrize("tree", [TreeSpec(3, 2, 6), TreeSpec(choices=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))])
+def test_greedy_block_trees_equal_plain_greedy(tiny_checkpoints, tree):
+    path = tiny_checkpoints["llama"][0]
+    model, head, _ = _trained(path, 4, steps=40)
+    ref = _greedy(model, PROMPTS)
+    chain = SpecEngine(model, BlockProposer(head), 3, page_size=3, num_pages=256)
+    chain.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    eng = SpecEngine(model, BlockProposer(head, tree=tree), 3, page_size=3, num_pages=256)
+    out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert [o.output_ids for o in out] == ref
+    m = eng.stats.metrics
+    assert m.num_draft_tokens > 3 * m.num_drafts  # more nodes than a chain's
+    assert m.mean_acceptance_length >= chain.stats.metrics.mean_acceptance_length  # its best path is the chain
+    with pytest.raises(ValueError, match="at most block_size - 1 = 3 deep"):
+        BlockProposer(head, tree=TreeSpec(4, 2, 6))

@@ -6,7 +6,7 @@ target's page ids): `prefill` writes the prompt's positions from the target's au
 positions after each verify, so the pool grows with accepted tokens only. `propose` runs the block
 [t_{L-1}, mask × (B-1)] at positions L-1..L+B-2 over the context 0..L-2 and returns a chain of min(k, B-1) drafts
 (each slot's own distribution: the slots are drafted in parallel), cut where a slot's top-1 probability falls
-under `draft_threshold`.
+under `draft_threshold`; or, with `tree` (greedy sequences), a tree from the slots' top-k (`block_tree`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,44 @@ from mtp_train.engine.sequence import Sequence
 from mtp_train.heads.block_attention import BlockLayout
 from mtp_train.heads.dflash import DFlashHead, default_block_layers
 from mtp_train.speculative.proposers import Drafts, Proposer
-from mtp_train.speculative.tree import DraftTree
+from mtp_train.speculative.tree import ROOT, DraftTree
+from mtp_train.speculative.tree_draft import TreeSpec, best, expand, preorder, renumber, rerank, static_parents
 
-BLOCK_OPTIONS = ("draft_threshold",)  # the eval grid axes the block drafter takes
+BLOCK_OPTIONS = ("draft_threshold", "tree")  # the eval grid axes the block drafter takes
+
+
+def block_tree(logprobs: torch.Tensor, spec: TreeSpec) -> DraftTree:
+    """A draft tree from one block's slots: logprobs (steps, Vd), row d the log q of slot d+1 (the slots are
+    drafted in parallel, so a depth-d node's children are slot d+1's top tokens whatever the node).
+
+    Dynamic (EAGLE-2's shape, `tree_draft`): each level expands the frontier's `topk` best nodes by `topk` children,
+    a node's score is the sum of its path's log q; the best `tokens - 1` nodes, each with its ancestors, are kept.
+    Static (vLLM's choices): the path (r_1, .., r_d) is the rank-r_d token of slot d. Token ids are head columns.
+    """
+    if spec.choices is not None:
+        parents, ranks = static_parents(spec.choices)
+        depth = [len(c) for c in spec.choices]
+        top = logprobs.float().topk(spec.topk, dim=-1)
+        toks = [int(top.indices[d - 1, r]) for d, r in zip(depth, ranks)]
+        scores = [0.0] * len(toks)
+        for i, (p, d, r) in enumerate(zip(parents, depth, ranks)):
+            scores[i] = (scores[p] if p != ROOT else 0.0) + float(top.values[d - 1, r])
+        return DraftTree(toks, parents, None, scores)
+    parents, toks, scores = [], [], []
+    frontier = [(ROOT, 0.0)]
+    for d in range(spec.steps):
+        kids = expand(logprobs[d:d + 1].expand(len(frontier), -1), [sc for _, sc in frontier],
+                      [spec.topk] * len(frontier))
+        new = []
+        for (f, _), children in zip(frontier, kids):
+            for t, sc in children:
+                parents.append(f)
+                toks.append(t)
+                scores.append(sc)
+                new.append(len(toks) - 1)
+        frontier = [(new[i], scores[new[i]]) for i in best([scores[n] for n in new], [d] * len(new), spec.topk)]
+    order = preorder(parents, scores, rerank(parents, scores, spec.tokens - 1))
+    return DraftTree([toks[i] for i in order], renumber(parents, order), None, [scores[i] for i in order])
 
 
 class BlockProposer(Proposer):
@@ -33,9 +68,13 @@ class BlockProposer(Proposer):
 
     name = "dflash"
 
-    def __init__(self, head: DFlashHead, draft_threshold: float = 0.0) -> None:
+    def __init__(self, head: DFlashHead, draft_threshold: float = 0.0, tree: TreeSpec | None = None) -> None:
         if not 0.0 <= draft_threshold < 1.0:
             raise ValueError(f"draft_threshold must lie in [0, 1), got {draft_threshold}")
+        if tree is not None and (draft_threshold > 0.0 or tree.steps > head.block_size - 1):
+            raise ValueError(f"a block tree keeps its shape (no draft_threshold) and is at most block_size - 1 = "
+                             f"{head.block_size - 1} deep; got {tree.name} with draft_threshold={draft_threshold}")
+        self.tree = None if tree is None or tree.is_chain else tree
         self.head = head.eval()
         self.hidden_layers = tuple(head.aux_layers)  # the engine passes the target's aux layers, concatenated
         self.draft_threshold = draft_threshold
@@ -43,7 +82,16 @@ class BlockProposer(Proposer):
         self.forwards = 0  # block forwards so far (one per drafting step)
 
     def max_nodes(self, k: int) -> int:
+        if self.tree is not None:
+            if k != self.tree.steps:
+                raise ValueError(f"the tree {self.tree.name} drafts {self.tree.steps} levels; run the engine with "
+                                 f"k={self.tree.steps}, not {k}")
+            return self.tree.tokens - 1
         return min(k, self.head.block_size - 1)
+
+    @property
+    def drafts_trees(self) -> bool:
+        return self.tree is not None
 
     def bind(self, target_kv: KVCache) -> None:
         layers, layout = self.head.kv_shape
@@ -104,18 +152,27 @@ class BlockProposer(Proposer):
     def propose(self, seqs: Seq[Sequence], k: int) -> list[DraftTree]:
         n = min(k, self.head.block_size - 1)
         feats = self.block_features(seqs)  # (S, B, H)
+        trees: dict[int, DraftTree] = {}
+        if self.tree is not None:  # greedy sequences draft the tree; a sampled one its chain of sampled slots
+            for b, s in enumerate(seqs):
+                if s.params.greedy:
+                    lp = torch.log_softmax(self.head.compute_logits(feats[b, 1:n + 1]).float(), -1)
+                    t = block_tree(lp, self.tree)
+                    trees[b] = DraftTree(self.head.to_target_ids(torch.tensor(t.tokens)).tolist(), t.parents,
+                                         None, t.scores)
         drafts = Drafts(seqs, self.head.draft_vocab, self.head.args.vocab_size)
-        rows = list(range(len(seqs)))  # sequences whose chain goes on
+        rows = [b for b in range(len(seqs)) if b not in trees]  # sequences whose chain goes on
         for j in range(n):
+            if not rows:
+                break
             logits = self.head.compute_logits(feats[rows, j + 1])  # slot j+1 drafts d_{j+1}
             if self.draft_threshold > 0.0:
                 keep = (torch.softmax(logits.float(), -1).amax(-1) >= self.draft_threshold).tolist()
                 rows = [r for r, ok in zip(rows, keep) if ok]
                 logits = logits[[i for i, ok in enumerate(keep) if ok]]
-                if not rows:
-                    break
-            drafts.add(logits, rows)
-        return drafts.trees()
+            if rows:
+                drafts.add(logits, rows)
+        return [trees.get(b, t) for b, t in enumerate(drafts.trees())]
 
     def release(self, seq: Sequence) -> None:
         pass  # the pool's pages are the sequence's, freed by the target's allocator
@@ -123,10 +180,14 @@ class BlockProposer(Proposer):
 
 def block_drafter(head: DFlashHead, options: Mapping[str, Any]) -> BlockProposer:
     """The dflash type's `HeadType.drafter`: a fresh `BlockProposer` for one eval grid point (BLOCK_OPTIONS)."""
-    unknown = sorted(set(options) - set(BLOCK_OPTIONS))
+    opts = dict(options)
+    unknown = sorted(set(opts) - set(BLOCK_OPTIONS))
     if unknown:
         raise ValueError(f"the dflash head's block drafter takes {', '.join(BLOCK_OPTIONS)}; not {', '.join(unknown)}")
-    return BlockProposer(head, **dict(options))
+    tree = opts.pop("tree", None)
+    if isinstance(tree, str):
+        tree = None if tree == "none" else TreeSpec.parse(tree)
+    return BlockProposer(head, **opts, tree=tree)
 
 
 @torch.no_grad()
