@@ -22,15 +22,18 @@ from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
 from mtp_train.export.importer import import_dflash
 from mtp_train.head_types.dflash import HEAD_TYPE, BlockProposer, block_tree
-from mtp_train.heads import build_head, save_head
+from mtp_train.heads import FrozenTargetParts, build_head, new_head, save_head
 from mtp_train.heads.block_attention import BlockLayout, packed_block_attention
 from mtp_train.heads.dflash import DFlashHead, default_block_layers
 from mtp_train.models import ModelConfigError, load_model
+from mtp_train.models.families import args_from_hf_config
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.tree_draft import TreeSpec
 from mtp_train.train.divergences import TOKEN_LOSSES
 from mtp_train.train.losses import step_token_counts, unrolled_loss
 from tests.conftest import TOPICS, make_chat_target, metrics_by_step
+from tests.test_families import CASES as FAMILY_CASES
+from tests.test_families import TINY as FAMILY_CONFIGS
 from tests.test_speculative_engine import _marginal_of_second_token
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -398,3 +401,22 @@ def test_greedy_block_trees_equal_plain_greedy(tiny_checkpoints, tree):
     assert m.mean_acceptance_length >= chain.stats.metrics.mean_acceptance_length  # its best path is the chain
     with pytest.raises(ValueError, match="at most block_size - 1 = 3 deep"):
         BlockProposer(head, tree=TreeSpec(4, 2, 6))
+
+
+@pytest.mark.parametrize(("family", "name"), FAMILY_CASES, ids=[f"{f}-{n}" for f, n in FAMILY_CASES])
+def test_every_family_builds_a_dflash_head_or_refuses_it_by_name(family, name):
+    """Llama-family targets (sliding windows, q/k/v biases, q/k norms, MoE, attention sinks) take the head and its
+    block runs; DeepSeek (MLA) targets refuse it, naming the head types they take."""
+    args = args_from_hf_config(FAMILY_CONFIGS[family][name])
+    cfg = HeadConfig(type="dflash", block_size=3, aux_layers=[1, 2])
+    if family.startswith("deepseek"):
+        with pytest.raises(ModelConfigError, match="takes an mtp head"):
+            new_head(cfg, args)
+        return
+    torch.manual_seed(0)
+    frozen = FrozenTargetParts(torch.randn(args.vocab_size, args.hidden_size),
+                               torch.randn(args.vocab_size, args.hidden_size), args)
+    head = new_head(cfg, args, frozen)
+    x, ids = torch.randn(9, head.input_width), torch.randint(0, args.vocab_size, (9,))
+    outs = head.unroll(x, ids, [4, 5], 2)
+    assert len(outs) == 2 and all(o.shape == (9, args.hidden_size) and torch.isfinite(o).all() for o in outs)
