@@ -1,11 +1,13 @@
-"""`make check-vllm`: our exported EAGLE heads served by a real vLLM, compared with our own engine.
+"""`make check-vllm`: our exported EAGLE and DFlash heads served by a real vLLM, compared with our own engine.
 
-For each head type (eagle1, eagle3):
+For each head type (eagle1, eagle3, dflash):
 
 1. the head: a given folder (`--head-eagle1 DIR`, a head written by mtp-train) or a small one trained here on the
    default model with the demo recipe (the conversations of `runs/demo/regenerated.jsonl` and the hidden states of
    `runs/demo/precompute` when `make demo` left them, else regenerated and precomputed under `--out`);
-2. exported (`mtp-export format=vllm-eagle` for eagle1, `format=speculators` for eagle3);
+2. exported (`mtp-export format=vllm-eagle` for eagle1, `format=speculators` for eagle3, `format=dflash` for
+   dflash: vLLM's `method=dflash` drafts with a block of 1 + k queries, so the dflash head is trained with
+   block_size k + 1 and reads the aux layers the precompute folder stores);
 3. measured by our `mtp-eval`: k = 3, batch 1, greedy, 96 new tokens, the first 16 held-out demo prompts;
 4. served by vLLM (`checks/vllm_side.py` in vLLM's own venv): plain greedy and speculative greedy (k = 3) on the
    very prompt token ids our engine saw (rendered here with our chat template code, each later turn after our
@@ -48,10 +50,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAD_TYPES = ("eagle1", "eagle3")
-EXPORT_FORMAT = {"eagle1": "vllm-eagle", "eagle3": "speculators"}
-VLLM_METHOD = {"eagle1": "eagle", "eagle3": "eagle3"}
-DRAFT_VOCAB = {"eagle1": 8192, "eagle3": 8192}  # the demo recipe's: ~6x cheaper lm_head in training
+HEAD_TYPES = ("eagle1", "eagle3", "dflash")
+EXPORT_FORMAT = {"eagle1": "vllm-eagle", "eagle3": "speculators", "dflash": "dflash"}
+VLLM_METHOD = {"eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash"}
+# the demo recipe's: ~6x cheaper lm_head in training; the z-lab DFlash layout drafts over the whole vocabulary
+DRAFT_VOCAB = {"eagle1": 8192, "eagle3": 8192, "dflash": 0}
 DEMO_CONVERSATIONS = Path("runs/demo/regenerated.jsonl")
 DEMO_PRECOMPUTE = Path("runs/demo/precompute")
 # The demo's training recipe (conf/demo.yaml) with the head swapped; spec_eval off (mtp-eval measures afterwards).
@@ -61,9 +64,11 @@ TRAIN_RECIPE = ("loss.w_tok=1.0", "loss.ce_impl=fused", "optim.lr=1.0e-3", "opti
 # Per head on top: eagle1 with one step (the check is of the export, not of the recipe: a third of conf/head/
 # eagle1.yaml's 3-step cost); EAGLE-3's loss (conf/head/eagle3.yaml: no feature loss, out-of-draft mask) with a
 # 3-step training-time test (k = 3 drafts; EAGLE-3's 7 would cost 7x a step here) over half the steps.
+# dflash: conf/head/dflash.yaml's recipe (token loss, D-PACE) with a block of k + 1 (`block_recipe`).
 HEAD_RECIPE = {"eagle1": ("loss.steps=1", "loss.position_weights=decay"),
-               "eagle3": ("loss.w_feat=0", "loss.steps=3", "loss.mask_out_of_draft=true")}
-STEP_SHARE = {"eagle1": 1.0, "eagle3": 0.5}
+               "eagle3": ("loss.w_feat=0", "loss.steps=3", "loss.mask_out_of_draft=true"),
+               "dflash": ()}
+STEP_SHARE = {"eagle1": 1.0, "eagle3": 0.5, "dflash": 0.5}
 
 
 class StepError(RuntimeError):
@@ -75,7 +80,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="models/smollm2-135m-instruct", help="the target folder")
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of vLLM's venv")
     p.add_argument("--out", default="runs/check_vllm", help="work folder (heads, exports, evals, vLLM results)")
-    p.add_argument("--heads", default="eagle1,eagle3", help="comma-separated head types to check")
+    p.add_argument("--heads", default="eagle1,eagle3,dflash", help="comma-separated head types to check")
     for t in HEAD_TYPES:
         p.add_argument(f"--head-{t}", default=None, help=f"a trained {t} head folder (default: train one)")
     p.add_argument("--conversations", default=None,
@@ -210,6 +215,12 @@ def aux_layers(model: Path) -> list[int]:
     return [2, n // 2, n - 3]
 
 
+def block_recipe(k: int, aux: Sequence[int]) -> tuple[str, ...]:
+    """A dflash head vLLM drafts for exactly as trained: a block of k + 1 (vLLM's bonus token and k mask queries)
+    over the precompute folder's aux layers."""
+    return (f"head.block_size={k + 1}", f"loss.steps={k}", f"head.aux_layers=[{','.join(map(str, aux))}]")
+
+
 def manifest_aux(folder: Path) -> list[int] | None:
     """The aux layers a precompute folder stores ([] for none), or None when it is not a finished precompute."""
     m = ROOT / folder / "manifest.json"
@@ -249,11 +260,12 @@ class OurSide:
         return path
 
     def precompute(self, head: str) -> Path:
-        """eagle1: the given or demo folder, else ours; eagle3: one that stores aux layers (ours stores them)."""
+        """eagle1: the given or demo folder, else ours; eagle3: one that stores three aux layers (ours stores them);
+        dflash: one that stores aux layers (it reads them all)."""
         candidates = [Path(self.a.precompute)] if self.a.precompute else [DEMO_PRECOMPUTE]
         for c in candidates:
             aux = manifest_aux(c)
-            if aux is not None and (head != "eagle3" or len(aux) == 3):
+            if aux is not None and (head == "eagle1" or (len(aux) == 3 if head == "eagle3" else bool(aux))):
                 return c
         path = self.out / "precompute"
         if manifest_aux(path) is None:  # the demo's precompute stage, plus EAGLE-3's layers (serves both heads)
@@ -272,10 +284,12 @@ class OurSide:
         steps = max(1, round(self.a.steps * STEP_SHARE[head]))
         head_dir = train / "heads" / f"step-{steps}"
         if not (ROOT / head_dir / "config.json").is_file():
+            folder = self.precompute(head)
+            block = block_recipe(self.a.k, manifest_aux(folder) or []) if head == "dflash" else ()
             run_command(f"{head} train", "train",
-                        [f"model.path={self.model}", "data=demo-regen", f"data.dir={self.precompute(head)}",
+                        [f"model.path={self.model}", "data=demo-regen", f"data.dir={folder}",
                          f"out={train}", "resume=auto", f"head={head}", f"head.draft_vocab_size={DRAFT_VOCAB[head]}",
-                         f"train.max_steps={steps}", *TRAIN_RECIPE, *HEAD_RECIPE[head]],
+                         f"train.max_steps={steps}", *TRAIN_RECIPE, *HEAD_RECIPE[head], *block],
                         self.out / "logs" / f"{head}_train.log")
         return head_dir
 

@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_arguments_default_to_the_check_settings():
     a = check.parse_args([])
-    assert a.heads == ["eagle1", "eagle3"]
+    assert a.heads == ["eagle1", "eagle3", "dflash"]
     assert (a.k, a.max_new_tokens, a.limit, a.prompts, a.tolerance) == (3, 96, 16, "demo-heldout", 0.05)
-    assert a.head_eagle1 is None and a.head_eagle3 is None
+    assert a.head_eagle1 is None and a.head_eagle3 is None and a.head_dflash is None
     a = check.parse_args(["--heads", "eagle1", "--head-eagle1", "h/step-9", "--k", "2"])
     assert a.heads == ["eagle1"] and a.head_eagle1 == "h/step-9" and a.k == 2
 
@@ -81,7 +81,8 @@ def test_exit_code_counts_checked_heads_only():
 
 def test_the_last_line_is_one_json_object_of_every_head(monkeypatch, capsys):
     entries = {"eagle1": check.verdict(OURS, _vllm(1.5), _ids([4, 5]), [0], 0.05),
-               "eagle3": {"status": "skipped", "reason": "no conf/head/eagle3.yaml in this checkout"}}
+               "eagle3": {"status": "skipped", "reason": "no conf/head/eagle3.yaml in this checkout"},
+               "dflash": {"status": "skipped", "reason": "no conf/head/dflash.yaml in this checkout"}}
     monkeypatch.setattr(check, "check_head", lambda side, head: entries[head])
     assert check.main(["--vllm-python", sys.executable]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -153,3 +154,10 @@ def test_the_vllm_side_imports_only_vllm_transformers_and_the_standard_library()
     roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "vllm" in roots
     assert roots - {"vllm", "transformers", "__future__"} <= set(sys.stdlib_module_names)
+
+
+def test_a_dflash_head_is_trained_with_the_block_vllm_drafts():
+    """vLLM's method=dflash queries the bonus token and k masks: the head's block is k + 1, over the folder's aux
+    layers."""
+    assert check.block_recipe(3, [2, 15, 27]) == ("head.block_size=4", "loss.steps=3", "head.aux_layers=[2,15,27]")
+    assert check.EXPORT_FORMAT["dflash"] == "dflash" and check.VLLM_METHOD["dflash"] == "dflash"

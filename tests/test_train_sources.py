@@ -160,11 +160,17 @@ def _assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 # --- online equals offline ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("head", ["mtp", "eagle3"])
+HEAD_ARGS = {  # loss.steps=2 stays the command line's (a head group's recipe comes first)
+    "mtp": ["head=mtp"],
+    "eagle3": ["head=eagle3", "head.draft_vocab_size=64", f"head.aux_layers=[{','.join(map(str, AUX))}]"],
+    "dflash": ["head=dflash", "head.block_size=3", f"head.aux_layers=[{','.join(map(str, AUX))}]"],
+}
+
+
+@pytest.mark.parametrize("head", ["mtp", "eagle3", "dflash"])
 def test_online_training_equals_offline_on_the_same_conversations(chat, tmp_path, head):
-    head_args = ["head=mtp"] if head == "mtp" else ["head=eagle3", "head.draft_vocab_size=64",
-                                                     f"head.aux_layers=[{','.join(map(str, AUX))}]"]
-    pc = _precompute(chat, tmp_path / "pc", *(["aux_layers=[0,1,2]"] if head == "eagle3" else []))
+    head_args = HEAD_ARGS[head]
+    pc = _precompute(chat, tmp_path / "pc", *(["aux_layers=[0,1,2]"] if head != "mtp" else []))
     offline = _train(chat, tmp_path / "offline", "offline", f"data.dir={pc}", *head_args)
     online = _train(chat, tmp_path / "online", "online", f"data.dir={tmp_path / 'never'}", *head_args)
     _assert_same_training(_metrics(tmp_path / "offline"), _metrics(tmp_path / "online"), exact=False)
@@ -260,6 +266,17 @@ def test_hybrid_writes_a_precompute_folder_and_trains_as_online(chat, hybrid_run
     # ... and mtp-train data.source=offline trains on it.
     result = _train(chat, tmp_path / "offline", "offline", f"data.dir={folder}", "train.max_steps=2")
     assert result["step"] == 2 and result["eval/num_tokens"] > 0
+
+
+def test_a_block_drafter_trains_from_hybrid_and_its_folder_holds_its_aux_layers(chat, tmp_path):
+    """data.source=hybrid with head=dflash writes the aux layers the head reads (the folder is finished with epoch
+    0, inside step 6), and offline training reads them."""
+    head = HEAD_ARGS["dflash"]
+    result = _train(chat, tmp_path / "run", "hybrid", f"data.dir={tmp_path / 'pc'}", *HYBRID, *head)
+    assert result["step"] == STEPS and result["eval/num_tokens"] > 0
+    assert Manifest.load(tmp_path / "pc").hidden.aux_layers == AUX
+    again = _train(chat, tmp_path / "offline", "offline", f"data.dir={tmp_path / 'pc'}", *head, "train.max_steps=2")
+    assert again["step"] == 2 and again["eval/num_tokens"] > 0
 
 
 @pytest.mark.parametrize("phase", ["epoch0", "epoch1"])

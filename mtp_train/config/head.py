@@ -46,6 +46,12 @@ class HeadTypeSpec:
     # the output the lm_head reads.
     feeds_pre_norm: bool = False
     inits: tuple[str, ...] = ("scratch",)  # the HeadConfig.init values this type takes (INITS)
+    # A block drafter (dflash): `head.layers` draft layers draft `head.block_size` tokens per forward from a
+    # block [last token, mask_token_id × (B-1)]; the block settings are refused for the other types.
+    block: bool = False
+    # (target layers) → the default aux_layers (hidden_states numbering) when head.aux_layers is []; None =
+    # EAGLE-3's low / mid / high (`default_aux_layers`).
+    aux_default: Callable[[int], list[int]] | None = None
 
     def __post_init__(self) -> None:
         if set(self.norms) != set(NORM_FLAGS):
@@ -165,6 +171,13 @@ class HeadConfig:
     # EAGLE-3.1 (speculators' `norm_output`): the next draft step reads the final-normed output instead of the
     # pre-norm one. Only for a type that feeds the pre-norm output (eagle3).
     norm_output: bool = False
+    # Block drafters only (dflash, `HeadTypeSpec.block`; the defaults below for every other type):
+    layers: int = 1  # draft decoder layers of the block drafter (dflash: 1 or more, Qwen3-shaped)
+    block_size: int = 8  # B: the block [last token, mask × (B-1)] drafted in one forward (B-1 drafts)
+    # The token id of the block's mask slots (its frozen target embedding); null = the target's last vocabulary id
+    # (a padding or reserved row of Qwen3 / Llama-3, never emitted in text; docs/training.md names it per target).
+    mask_token_id: int | None = None
+    max_anchors: int = 512  # training: most blocks (anchors, sampled among loss positions) per packed micro-batch
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 0:
@@ -199,11 +212,28 @@ class HeadConfig:
             raise ValueError(f"head.norm_output=true: {self.type} heads already feed the next step the output their "
                              "lm_head reads; only a head that feeds its pre-norm output (eagle3) takes it")
 
+        self._check_block(spec)
         if self.init == "target_mtp":
             problems = target_mtp_problems(self)
             if problems:
                 raise ValueError("head.init=target_mtp copies the target's MTP layer (enorm, hnorm, eh_proj without "
                                  "bias, the block, shared_head.norm) and has no place for: " + "; ".join(problems))
+
+    def _check_block(self, spec: HeadTypeSpec) -> None:
+        """The block settings: in range for a block drafter, left at their defaults by every other type."""
+        if not spec.block:
+            set_ = [f"head.{k}={getattr(self, k)}" for k, v in BLOCK_DEFAULTS.items() if getattr(self, k) != v]
+            if set_:
+                takes = head_types_taking(lambda s: s.block)
+                raise ValueError(f"{', '.join(set_)}: only a block drafter ({'/'.join(takes) or 'none registered'}) "
+                                 f"takes block settings; {self.type} heads draft one token per forward")
+            return
+        if self.layers < 1 or self.block_size < 2 or self.max_anchors < 1:
+            raise ValueError(f"a {self.type} head needs head.layers >= 1, head.block_size >= 2 (one draft per mask "
+                             f"slot) and head.max_anchors >= 1; got {self.layers}, {self.block_size}, "
+                             f"{self.max_anchors}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError(f"head.mask_token_id must be a token id >= 0 (or null), got {self.mask_token_id}")
 
     @property
     def spec(self) -> HeadTypeSpec:
@@ -222,7 +252,8 @@ class HeadConfig:
                                   **{k: v if getattr(self, k) is None else getattr(self, k)
                                      for k, v in defaults.items()})
         if num_layers is not None and out.features == "aux":
-            layers = out.aux_layers or default_aux_layers(num_layers)
+            default = self.spec.aux_default or default_aux_layers
+            layers = out.aux_layers or default(num_layers)
             bad = [j for j in layers if not 0 <= j <= num_layers]
             if bad or len(set(layers)) != len(layers):
                 raise ValueError(f"aux layers {layers} do not fit a target of {num_layers} layers (distinct, in "
@@ -232,6 +263,9 @@ class HeadConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self.resolved())
+
+
+BLOCK_DEFAULTS = {"layers": 1, "block_size": 8, "mask_token_id": None, "max_anchors": 512}  # HeadConfig's
 
 
 def target_mtp_problems(cfg: HeadConfig) -> list[str]:

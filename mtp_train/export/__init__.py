@@ -1,5 +1,6 @@
-"""Head exports for serving engines: native, vLLM/SGLang EAGLE-1 and EAGLE-3 (speculators), DeepSeek-V3 MTP and
-Qwen3-Next MTP layouts; a DeepSeek-V3 MTP head stitched back into its target's checkpoint (`stitch`)."""
+"""Head exports for serving engines: native, vLLM/SGLang EAGLE-1 and EAGLE-3 (speculators), DeepSeek-V3 MTP,
+Qwen3-Next MTP and z-lab DFlash layouts; a DeepSeek-V3 MTP head stitched back into its target's checkpoint
+(`stitch`); a DFlash drafter trained elsewhere read into our head (`importer`)."""
 
 from mtp_train.export.exporter import (
     check_fits,

@@ -41,7 +41,6 @@ from mtp_train.heads.checkpoint import (
 )
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.registry import new_head
-from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.models.config import ModelConfigError
 from mtp_train.models.families import args_from_dir
 
@@ -195,16 +194,15 @@ def load_export(export_dir: str | Path, target_dir: str | Path, device: str | to
 def verify_round_trip(head_dir: str | Path, export_dir: str | Path, target_dir: str | Path, rows: int = 8) -> float:
     """Max |Δ| between the trained head's and the loaded export's output features on random inputs (0.0 =
     identical): `rows` random step-0 rows of the head's input width (k·H for an aux head, whatever its type) and
-    random tokens, one prefill step each, no cache."""
+    random tokens, one prefill step each (a block drafter: every row's block; `DraftHead.probe_features`), no
+    cache."""
     a = load_head(head_dir, target_dir, verify_fingerprint=False)
     b = load_export(export_dir, target_dir, dtype=a.dtype)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(rows, a.input_width, generator=g, dtype=a.dtype)  # (rows, k·H) or (rows, H)
     tokens = torch.randint(0, a.args.vocab_size, (rows,), generator=g)  # (rows,)
-    meta = AttentionMetadata.build([rows])
-    with torch.no_grad():
-        fa = a(hidden, tokens, meta, from_target=True).hidden  # (rows, H)
-        fb = b(hidden, tokens, meta, from_target=True).hidden
+    with torch.no_grad():  # (rows, H) for a chain head, a block drafter's blocks side by side
+        fa, fb = a.probe_features(hidden, tokens), b.probe_features(hidden, tokens)
     return float((fa - fb).abs().max())
 
 

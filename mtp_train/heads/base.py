@@ -332,6 +332,20 @@ class DraftHead(nn.Module, ABC):
         self._train_attn.prepare(meta)
         return self.features(hidden, next_tokens, meta, None, self._train_attn, from_target=from_target)
 
+    def probe_features(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """The head's output features over the rows of one sequence without a cache, (T, `input_width`) and (T,)
+        → (T, ·): what an export's round trip compares (`export.exporter.verify_round_trip`); a chain head's
+        inference prefill."""
+        return self(hidden, token_ids, AttentionMetadata.build([hidden.shape[0]], device=hidden.device),
+                    from_target=True).hidden
+
+    def loss_rows(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                  seq_lens: Sequence[int] | torch.Tensor) -> torch.Tensor | None:
+        """(T,) bool, the only rows `unroll` predicts and the loss counts (a block drafter's anchors), or None: every
+        row. A head that returns rows gets them as `unroll(..., rows=...)`; they must depend on the batch alone
+        (the trainer counts them before the loss, `train.losses.step_token_counts`)."""
+        return None
+
     @abstractmethod
     def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
                steps: int, attention: str = "chain", chain_mode: str = "diagonal") -> list[torch.Tensor]:

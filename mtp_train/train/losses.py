@@ -60,10 +60,14 @@ def step_targets(hidden: torch.Tensor, loss_mask: torch.Tensor, seq_lens: Sequen
     return target, counted
 
 
-def step_token_counts(loss_mask: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor, steps: int) -> torch.Tensor:
-    """(steps,) float counted rows per step: all-reduce (sum) it over ranks and pass it as `num_tokens`."""
+def step_token_counts(loss_mask: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor, steps: int,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(steps,) float counted rows per step: all-reduce (sum) it over ranks and pass it as `num_tokens`.
+
+    rows: (T,) bool, the head's `loss_rows` (only those rows count), or None."""
     mask = loss_mask.to(torch.bool)
-    return torch.stack([packed_shift(mask, seq_lens, j + 1, fill=False).sum() for j in range(steps)]).float()
+    counted = [packed_shift(mask, seq_lens, j + 1, fill=False) for j in range(steps)]
+    return torch.stack([(c if rows is None else c & rows.to(c.device)).sum() for c in counted]).float()
 
 
 def uniform_noise(x: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -260,9 +264,13 @@ def in_draft_vocab(head: DraftHead, hidden: torch.Tensor, chunk_size: int = 1024
 
 
 def _counted_rows(hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int], step: int,
-                  in_vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step `step`'s target rows (T, H), its counted rows (T,) bool (in_vocab applied) and the count before it."""
+                  in_vocab: torch.Tensor | None, rows: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step `step`'s target rows (T, H), its counted rows (T,) bool (the head's `loss_rows` and in_vocab applied)
+    and the count before in_vocab."""
     target, counted = step_targets(hidden, loss_mask, lens, step)
+    if rows is not None:
+        counted = counted & rows
     n_all = counted.sum().float()
     if in_vocab is not None:
         counted = counted & packed_shift(in_vocab, lens, step + 1, fill=False)
@@ -270,14 +278,15 @@ def _counted_rows(hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int]
 
 
 def row_weights(head: DraftHead, preds: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torch.Tensor,
-                lens: list[int], cfg: LossConfig, in_vocab: torch.Tensor | None) -> list[torch.Tensor | None]:
+                lens: list[int], cfg: LossConfig, in_vocab: torch.Tensor | None,
+                rows: torch.Tensor | None = None) -> list[torch.Tensor | None]:
     """Per step, the (T,) row weights of `cfg.position_weights` (None for `decay`, whose weights are per step):
     D-PACE's from one no-grad lm_head pass per step over the head's predictions."""
     if cfg.position_weights != "dpace":
         return [None] * len(preds)
     conf, masks = [], []
     for j, pred in enumerate(preds):
-        target, counted, _ = _counted_rows(hidden, loss_mask, lens, j, in_vocab)
+        target, counted, _ = _counted_rows(hidden, loss_mask, lens, j, in_vocab, rows)
         conf.append(target_argmax_probability(head.logit_input(pred).detach(), target, head.draft_lm_head().detach(),
                                               head.lm_head_weight(), cfg.chunk_size))
         masks.append(counted)
@@ -287,14 +296,14 @@ def row_weights(head: DraftHead, preds: list[torch.Tensor], hidden: torch.Tensor
 def step_loss(head: DraftHead, out: torch.Tensor, hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int],
               step: int, cfg: LossConfig, num_tokens: float | torch.Tensor | None,
               in_vocab: torch.Tensor | None = None, row_weight: torch.Tensor | None = None,
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`draft_loss` of draft step `step` of a head: out (T, H) its output, hidden (T, H) the target's final hidden.
 
     The head's lm_head reads `head.logit_input(out)` through `head.draft_lm_head()`; the target's distribution
     comes from its own lm_head rows of the draft vocabulary. in_vocab (T,) (see `in_draft_vocab`): rows whose
-    target position is out of the draft vocabulary are not counted.
+    target position is out of the draft vocabulary are not counted; rows (T,): the head's `loss_rows`, or None.
     """
-    target, counted, n_all = _counted_rows(hidden, loss_mask, lens, step, in_vocab)
+    target, counted, n_all = _counted_rows(hidden, loss_mask, lens, step, in_vocab, rows)
     if in_vocab is not None:
         num_tokens = n_all if num_tokens is None else num_tokens
     loss, m = draft_loss(head.logit_input(out), target, counted, head.lm_head_weight(), num_tokens, w_feat=cfg.w_feat,
@@ -341,13 +350,14 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
     if head.training and cfg.noise_std > 0:
         x = uniform_noise(x, cfg.noise_std, generator)
     in_vocab = in_draft_vocab(head, hidden, cfg.chunk_size) if cfg.mask_out_of_draft else None
-    preds = head.unroll(x, input_ids, lens, cfg.steps, cfg.unroll_attention)
-    rows_w = row_weights(head, preds, hidden, loss_mask, lens, cfg, in_vocab)
+    rows = head.loss_rows(input_ids, loss_mask, lens)  # a block drafter's anchors; None: every row
+    preds = head.unroll(x, input_ids, lens, cfg.steps, cfg.unroll_attention, **({} if rows is None else {"rows": rows}))
+    rows_w = row_weights(head, preds, hidden, loss_mask, lens, cfg, in_vocab, rows)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     metrics: dict[str, torch.Tensor] = {}
     for j, (pred, w) in enumerate(zip(preds, cfg.weights())):
         loss_j, m = step_loss(head, pred, hidden, loss_mask, lens, j, cfg,
-                              None if num_tokens is None else num_tokens[j], in_vocab, rows_w[j])
+                              None if num_tokens is None else num_tokens[j], in_vocab, rows_w[j], rows)
         total = total + w * loss_j
         metrics.update({f"step{j}/{k}": v for k, v in m.items()})
     metrics.update({k: metrics[f"step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "alpha",

@@ -206,7 +206,9 @@ class Trainer:
         c = self.cfg
         steps, world = self.loss_cfg.steps, self.info.world
         micro = [self.stream.next() for _ in range(c.train.grad_accum)]
-        counts = sum(step_token_counts(b.loss_mask, b.seq_lens, steps) for b in micro)  # (steps,)
+        # (steps,); a block drafter counts its anchors only (`DraftHead.loss_rows`)
+        counts = sum(step_token_counts(b.loss_mask, b.seq_lens, steps,
+                                       self.head.loss_rows(b.input_ids, b.loss_mask, b.seq_lens)) for b in micro)
         counts = self._all_reduce(counts.to(self.device))
         lr = float(self.engine.get_lr()[0])  # the rate this step uses (the schedule moves after the update)
         self.engine.train()

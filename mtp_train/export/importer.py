@@ -1,0 +1,90 @@
+"""Reading a DFlash drafter trained elsewhere (z-lab's layout, as vLLM loads it) into one of our heads, so that it
+can be evaluated (`mtp-eval`), exported again or fine-tuned (`mtp-train` from the saved head).
+
+The folder holds `config.json` (`architectures: ["DFlashDraftModel"]`, `dflash_config: {block_size,
+mask_token_id, target_layer_ids}`, the draft layers' Qwen3 fields) and `model.safetensors` (or shards listed by
+`model.safetensors.index.json`) with the tensors `export/dflash.py` names; an `embed_tokens` or `lm_head` in it is
+not read (the head shares the target's, as vLLM does when they are absent). Its shapes are checked against the
+target's: a draft for another target is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from mtp_train.config.head import HeadConfig
+from mtp_train.export import dflash
+from mtp_train.heads.base import DraftHead
+from mtp_train.heads.frozen import FrozenTargetParts
+from mtp_train.heads.registry import new_head
+from mtp_train.models.config import ModelConfigError
+from mtp_train.models.families import args_from_dir
+
+_SHARED = ("embed_tokens.", "lm_head.", "model.embed_tokens.")  # the target's, never the draft's own here
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt", device="cpu") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys() if not k.startswith(_SHARED)})  # noqa: SIM118
+    return out
+
+
+def dflash_head_config(cfg: dict[str, Any]) -> HeadConfig:
+    """A z-lab DFlash config.json → our HeadConfig (aux_layers = target_layer_ids + 1, `export/dflash.py`)."""
+    sub = cfg.get("dflash_config") or {}
+    ids = sub.get("target_layer_ids")
+    block = sub.get("block_size", cfg.get("block_size"))
+    if not ids or block is None or sub.get("mask_token_id") is None:
+        raise ModelConfigError("not a DFlash drafter's config.json: dflash_config needs target_layer_ids, "
+                               "block_size (or a top-level block_size) and mask_token_id")
+    return HeadConfig(type="dflash", layers=int(cfg["num_hidden_layers"]), block_size=int(block),
+                      mask_token_id=int(sub["mask_token_id"]), aux_layers=dflash.aux_layers_of(ids))
+
+
+def import_dflash(folder: str | Path, target_dir: str | Path, device: str | torch.device = "cpu",
+                  dtype: torch.dtype | None = None) -> DraftHead:
+    """The DFlash drafter in `folder` (module docstring) as our dflash head for the target in `target_dir`."""
+    folder = Path(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    if dflash.ARCH not in (cfg.get("architectures") or []):
+        raise ModelConfigError(f"{folder}/config.json: architectures {cfg.get('architectures')} is not "
+                               f"[{dflash.ARCH!r}] (z-lab's DFlash layout)")
+    sliding = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    if sliding or (cfg.get("dflash_config") or {}).get("use_swa") or cfg.get("attention_bias"):
+        raise ModelConfigError(f"{folder}: draft layers with sliding windows or attention bias; ours are full "
+                               "attention without bias")
+    args = args_from_dir(target_dir)
+    theirs = {k: cfg.get(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                      "intermediate_size")}
+    ours = {"hidden_size": args.hidden_size, "num_attention_heads": args.num_heads,
+            "num_key_value_heads": args.num_kv_heads, "head_dim": args.head_dim,
+            "intermediate_size": args.intermediate_size}
+    off = {k: (theirs[k], v) for k, v in ours.items() if theirs[k] is not None and theirs[k] != v}
+    if off:
+        raise ModelConfigError(f"{folder}: a DFlash drafter of other shapes than the target {target_dir} "
+                               f"(draft, target): {off}")
+    frozen = FrozenTargetParts.from_pretrained(target_dir, device=device)
+    head = new_head(dflash_head_config(cfg), args, frozen)
+    tensors = _tensors(folder)
+    state = dflash.from_layout(tensors, head)
+    own = head.state_dict()
+    problems = [f"{k}: missing" for k in sorted(own.keys() - state.keys())]
+    problems += [f"{k}: not a tensor of the layout" for k in sorted(state.keys() - own.keys())]
+    problems += [f"{k}: shape {tuple(state[k].shape)}, expected {tuple(own[k].shape)}"
+                 for k in sorted(own.keys() & state.keys()) if state[k].shape != own[k].shape]
+    if problems:
+        raise ModelConfigError(f"{folder} is not a DFlash drafter for this target:\n  " + "\n  ".join(problems))
+    dt = dtype or next(iter(state.values())).dtype
+    head.load_state_dict({k: v.to(dt) for k, v in state.items()})
+    head.attach(frozen.to(device=device, dtype=dt))
+    return head.to(device=device, dtype=dt).eval()
