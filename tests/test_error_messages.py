@@ -286,7 +286,7 @@ def test_ctrl_c_in_precompute_says_where_it_stopped_and_a_re_run_finishes_exactl
     out = tmp_path / "pc"
     stopped = _cli("precompute", precompute_args(world, out), interrupt_at="shard-r0-00002.safetensors")
     lines = _lines(stopped, "mtp-precompute: interrupted ")
-    assert stopped.returncode == 130 and len(lines) == 1, stopped.stderr[-3000:]
+    assert stopped.returncode == 2 and len(lines) == 1, stopped.stderr[-3000:]
     assert f"of 6 shards were written to {out}; re-run the same command to go on from there" in lines[0], lines[0]
     assert "KeyboardInterrupt" not in stopped.stderr and not (out / "manifest.json").exists()
     assert _cli("precompute", precompute_args(world, out)).returncode == 0
@@ -298,7 +298,7 @@ def test_ctrl_c_in_training_says_where_it_stopped_and_a_re_run_resumes_exactly(w
     args = [f"model.path={world.target}", f"data.dir={world.pc}", f"out={run}", *TRAIN, "train.save_every=1"]
     stopped = _cli("train", args, interrupt_at="step-2/state.json")  # while the second checkpoint is written
     lines = _lines(stopped, "mtp-train: interrupted ")
-    assert stopped.returncode == 130 and len(lines) == 1, stopped.stderr[-3000:]
+    assert stopped.returncode == 2 and len(lines) == 1, stopped.stderr[-3000:]
     assert f"at step 2 of 2; re-run the same command to resume from its last checkpoint, {run}/checkpoints/step-1" \
         in lines[0], lines[0]
     assert "KeyboardInterrupt" not in stopped.stderr

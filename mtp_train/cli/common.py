@@ -68,7 +68,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ShardError, PrecomputeError, CheckpointError, OutputLockedError, DiskFullError, RemoteError,
 )
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+EXIT_INTERRUPTED = 2  # Ctrl-C ends a command as every other stop does: one line, exit 2 (non-zero: scripts stop)
 
 # The native CPU kernels' environment (see `kernel_settings_from_env`).
 ENV_CPU_KERNELS = "MTP_TRAIN_CPU_KERNELS"
@@ -200,7 +200,7 @@ def _fail(prog: str, msg: str) -> None:
 def run_command(prog: str, fn: Callable[[DictConfig], Any], cfg: DictConfig | None) -> Any:
     """Call `fn(cfg)`; a user error (see USER_ERRORS, and a write that found no room) becomes
     `prog: error: <message>` on stderr and exit code 2; SIGINT becomes `prog: interrupted <where and how to go on>`
-    and exit code 130 (the stage says where it stopped by raising `Interrupted`)."""
+    and exit code 2 (the stage says where it stopped by raising `Interrupted`)."""
     try:
         return fn(cfg)
     except KeyboardInterrupt as exc:
