@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from mtp_train.cli.common import CONF_DIR
 from mtp_train.cli.eval import eval_main
+from mtp_train.cli.export import export_main
 from mtp_train.cli.precompute import precompute_main
 from mtp_train.cli.train import train_main
 from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig, register_configs
@@ -375,6 +376,26 @@ def test_a_zlab_folder_is_imported_into_a_native_head(tiny_checkpoints, tmp_path
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelConfigError, match="other shapes than the target"):
         import_dflash(out, target)
+
+
+def test_mtp_export_in_reverse_imports_a_zlab_folder_as_a_native_head(tmp_path):
+    """`mtp-export import_from=dflash head_ckpt=<z-lab folder>`: the drafter becomes a native head (loaded back
+    exactly, then evaluated like any head); a layout other than native for the result is refused by key."""
+    target = make_chat_target(tmp_path / "target")
+    head = _head(target, block_size=4, mask_token_id=1, aux_layers=[1])
+    head_dir = save_head(head, tmp_path / "head")
+    zlab = export_head(head_dir, target, "dflash", tmp_path / "zlab")
+    cfg = json.loads((zlab / "config.json").read_text())
+    del cfg["mtp_train"]  # a folder written elsewhere: z-lab's fields only
+    (zlab / "config.json").write_text(json.dumps(cfg))
+    base = [f"model.path={target}", "model.device=cpu", f"head_ckpt={zlab}", "import_from=dflash"]
+    res = export_main(_cfg("export", [*base, f"out={tmp_path / 'imported'}"]))
+    assert res["max_abs_diff"] == 0.0
+    assert verify_round_trip(head_dir, tmp_path / "imported", target) == 0.0  # the same blocks as the original
+    saved = json.loads((tmp_path / "imported" / "config.json").read_text())
+    assert saved["head"]["type"] == "dflash" and saved["extra"]["imported_from"] == str(zlab)
+    with pytest.raises(ValueError, match="import_from=dflash writes a native head: drop format=dflash"):
+        export_main(_cfg("export", [*base, "format=dflash", f"out={tmp_path / 'again'}"]))
 
 
 def test_a_tree_from_the_slots_top_k():

@@ -5,6 +5,8 @@
     mtp-export head_ckpt=runs/eagle3/heads/step-1000 format=speculators out=runs/export/eagle3  # eagle3 heads
     mtp-export head_ckpt=runs/ds3/heads/step-1000 format=deepseek-mtp stitch=models/deepseek-v3 out=runs/ds3-mtp
         # the target's checkpoint folder with the fine-tuned head as its MTP layer (shards linked, not copied)
+    mtp-export import_from=dflash head_ckpt=downloads/dflash-drafter out=runs/imported  # the command in reverse:
+        # a DFlash drafter trained elsewhere (z-lab's layout) as a native head for mtp-eval and mtp-train
     formats: native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp | speculators | sglang-eagle3
 
 The export is loaded back and its logits compared with the trained head's before the command reports success.
@@ -22,6 +24,7 @@ from omegaconf import DictConfig
 from mtp_train.cli.common import ensure_model, hydra_entry
 from mtp_train.cli.outputs import EXPORT, claim_output, staged_folder
 from mtp_train.config import check_config
+from mtp_train.config.export import check_import
 from mtp_train.export import describe, export_head, stitch_head, verify_round_trip, verify_stitched
 
 PROG = "mtp-export"
@@ -30,9 +33,12 @@ PROG = "mtp-export"
 def export_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-export`; returns {"out", "format", "tensors", "max_abs_diff"}."""
     check_config(cfg, "export")
+    check_import(cfg.get("import_from"), cfg.format, cfg.get("stitch"))
     # Refuses `out` holding the head itself, another head's export or a trained head (unless overwrite=true),
     # then holds its lock.
-    with claim_output(cfg.out, EXPORT, head_ckpt=cfg.head_ckpt or None, overwrite=cfg.overwrite) as claim:
+    # An imported folder is not one of our heads: an earlier export in `out` is replaced only with overwrite=true.
+    head = None if cfg.get("import_from") else (cfg.head_ckpt or None)
+    with claim_output(cfg.out, EXPORT, head_ckpt=head, overwrite=cfg.overwrite) as claim:
         if not claim.replaces:
             return _export_main(cfg, cfg.out)
         with staged_folder(cfg.out) as stage:  # the old folder goes only once the new one has been read back
@@ -46,6 +52,8 @@ def _export_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
         raise ValueError("head_ckpt=DIR is required (a head folder written by mtp-train)")
     if cfg.stitch:
         return _stitch_main(cfg, out_dir)
+    if cfg.get("import_from"):
+        return _import_main(cfg, out_dir)
     target_dir = ensure_model(cfg.model)
     out = export_head(cfg.head_ckpt, target_dir, cfg.format, out_dir, verify_fingerprint=cfg.verify_fingerprint)
     diff = verify_round_trip(cfg.head_ckpt, out, target_dir)
@@ -57,6 +65,33 @@ def _export_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     print(f"{PROG}: {info['head']} head → {cfg.format} ({info['tensors']} tensors) in {cfg.out}; loaded back: "
           f"features within {diff:.1e}", flush=True)
     return {"out": str(out), **info, "max_abs_diff": diff}
+
+
+def _import_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
+    """`import_from=dflash`: the drafter in head_ckpt (z-lab's layout) as a native head in `out_dir`, loaded back and
+    compared with the drafter read from the folder before success is reported."""
+    import torch
+
+    from mtp_train.export.importer import import_dflash
+    from mtp_train.heads import load_head, save_head
+    from mtp_train.models.fingerprint import weights_fingerprint
+
+    target_dir = ensure_model(cfg.model)
+    head = import_dflash(cfg.head_ckpt, target_dir, dtype=torch.float32)
+    save_head(head, out_dir, extra_config={"imported_from": str(cfg.head_ckpt), "layout": cfg.import_from},
+              target_fingerprint=weights_fingerprint(target_dir))
+    back = load_head(out_dir, target_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(8, head.input_width, generator=g)
+    tokens = torch.randint(0, head.args.vocab_size, (8,), generator=g)
+    with torch.no_grad():
+        diff = float((head.probe_features(hidden, tokens) - back.probe_features(hidden, tokens)).abs().max())
+    if diff > 0:
+        raise RuntimeError(f"{out_dir}: the saved head differs from the drafter read from {cfg.head_ckpt} by {diff:g}")
+    print(f"{PROG}: {cfg.import_from} drafter {cfg.head_ckpt} → native {head.cfg.type} head in {cfg.out} "
+          f"({head.num_params() / 1e6:.2f}M parameters, block {head.cfg.block_size}, aux layers {head.aux_layers}); "
+          "loaded back exactly", flush=True)
+    return {"out": cfg.out, "format": "native", "imported_from": cfg.import_from, "max_abs_diff": diff}
 
 
 def _stitch_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from mtp_train.config.model import ModelConfig
 
+IMPORT_LAYOUTS = ("dflash",)  # the layouts `mtp-export import_from=` reads back into one of our heads
+
 
 @dataclass
 class ExportConfig:
@@ -23,3 +25,23 @@ class ExportConfig:
     # (format=deepseek-mtp; shards linked, not copied: mtp_train/export/stitch.py); the head is loaded against it
     stitch: str | None = None
     verify_fingerprint: bool = True  # refuse a head trained for other target weights
+    # The command in reverse: dflash = head_ckpt is a DFlash drafter in z-lab's layout (trained elsewhere, as vLLM
+    # loads it), read into our dflash head and written as a native head (format=native) that mtp-eval evaluates
+    # and mtp-train fine-tunes; null = head_ckpt is one of our heads
+    import_from: str | None = None
+
+    def __post_init__(self) -> None:
+        check_import(self.import_from, self.format, self.stitch)
+
+
+def check_import(import_from: str | None, fmt: str, stitch: str | None) -> None:
+    """Refuse, by key, an `import_from` that is unknown or combined with a layout or a stitch."""
+    if import_from is None:
+        return
+    if import_from not in IMPORT_LAYOUTS:
+        raise ValueError(f"import_from={import_from!r}: choose one of {', '.join(IMPORT_LAYOUTS)} (or null)")
+    if fmt != "native":
+        raise ValueError(f"import_from={import_from} writes a native head: drop format={fmt} (export the native "
+                         "head afterwards if another layout is wanted)")
+    if stitch:
+        raise ValueError("import_from and stitch do not go together: import first, then stitch the native head")
