@@ -17,8 +17,8 @@ come from hooks around the parts (a few µs each), so read the shares, not the l
 
 Usage: python -m bench.step --model models/smollm2-135m-instruct [--head runs/demo/train/heads/step-600]
        [--limit 4] [--max-new-tokens 64] [--ks 1,2,3,4]
-Without --head an untrained mtp head (the target's last layer) drafts: its acceptance is low, its costs are a
-trained head's. Measure on a quiet machine: one competing process changes every figure. The last line printed is
+Without --head an untrained mtp head (the target's last layer, the demo's 8k draft vocabulary) drafts: its
+acceptance is low, its costs are the demo head's. Measure on a quiet machine: one competing process changes every figure. The last line printed is
 one JSON object.
 """
 
@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = load_model(args.model, dtype="float32")
     tokenizer = load_tokenizer(args.model)
     head = (load_head(args.head, args.model, dtype=torch.float32) if args.head else
-            build_head(HeadConfig(type="mtp", init="last_layer"), args.model, dtype="float32"))
+            build_head(HeadConfig(type="mtp", init="last_layer", draft_vocab_size=8192), args.model,
+                       dtype="float32"))
     convs = [c for s in load_prompt_sets([args.prompts], args.limit) for c in s.convs]
     texts = [render(tokenizer, [next(m for m in c.messages if m["role"] == "user")], add_generation_prompt=True)
              for c in convs]
