@@ -18,8 +18,8 @@ come from hooks around the parts (a few µs each), so read the shares, not the l
 Usage: python -m bench.step --model models/smollm2-135m-instruct [--head runs/demo/train/heads/step-600]
        [--limit 4] [--max-new-tokens 64] [--ks 1,2,3,4]
 Without --head an untrained mtp head (the target's last layer, the demo's 8k draft vocabulary) drafts: its
-acceptance is low, its costs are the demo head's. Measure on a quiet machine: one competing process changes every figure. The last line printed is
-one JSON object.
+acceptance is low, its costs are the demo head's. Measure on a quiet machine: one competing process changes every
+figure. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
