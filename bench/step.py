@@ -12,8 +12,9 @@ lookup), batch-1 greedy generation of the same prompts, every step broken down i
 - python: the rest of `engine.step()` between those parts.
 
 Each part is printed in ms per step and as a ratio to the plain step's total, beside `step_cost` (a speculative
-step in plain decode steps) and the floor: the same forward over one row (the plain step's forward). Timings
-come from hooks around the parts (a few µs each), so read the shares, not the last decimal.
+step in plain decode steps) and the floor: the same forward over one row (the plain step's forward). Every prompt
+runs through every row in turn, so that a drift of the machine's speed falls on all rows alike. Timings come from
+hooks around the parts (a few µs each, the same for every row), so read the shares, not the last decimal.
 
 Usage: python -m bench.step --model models/smollm2-135m-instruct [--head runs/demo/train/heads/step-600]
        [--limit 4] [--max-new-tokens 64] [--ks 1,2,3,4]
@@ -41,7 +42,7 @@ STEP_PARTS = ("schedule", "draft", "layout", "forward", "accept", "kv_commit", "
 
 
 class Timers:
-    """Seconds per named part, accumulated over the steps of one run; `part(name)` times a block, re-entrantly
+    """Seconds per named part, accumulated over the steps of one engine; `part(name)` times a block, re-entrantly
     (a part inside another counts for both: the forward's parts are also inside `forward`)."""
 
     def __init__(self) -> None:
@@ -55,113 +56,108 @@ class Timers:
         finally:
             self.seconds[name] += time.perf_counter() - t0
 
-    def wrap(self, owner: Any, attr: str, name: str) -> None:
-        """Time every call of `owner.attr` (a bound method or a module-level function) as `name`."""
-        fn = getattr(owner, attr)
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with self.part(name):
-                return fn(*args, **kwargs)
+class Active:
+    """The timers of the engine stepping now: the model, its attention backend and the step module are shared by
+    every engine of the run, so their hooks (installed once) add to whichever engine is active."""
 
-        setattr(owner, attr, timed)
+    timers = Timers()
+
+    @classmethod
+    def part(cls, name: str) -> Any:
+        return cls.timers.part(name)
 
 
-def _time_modules(model: torch.nn.Module, timers: Timers) -> list[Any]:
-    """Forward hooks timing the target's projections, norms and lm_head by kind; returns the hook handles."""
+def _wrap(owner: Any, attr: str, name: str, timers: Timers | None = None) -> None:
+    """Time every call of `owner.attr` as `name`, into `timers` (an engine's own object) or the active engine's."""
+    fn = getattr(owner, attr)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        with (timers.part(name) if timers is not None else Active.part(name)):
+            return fn(*args, **kwargs)
+
+    setattr(owner, attr, timed)
+
+
+def instrument_shared(model: torch.nn.Module) -> None:
+    """Once per run: hooks on the target's projections, norms and lm_head by kind, its attention backend, and the
+    step's own `layout`, `accept` and plain decoding's `sample`, all adding to the active engine's timers."""
+    import mtp_train.engine.llm as llm
+    import mtp_train.speculative.engine as spec_engine
     from mtp_train.layers.norm import RMSNorm
 
-    handles, starts = [], {}
+    starts: dict[int, float] = {}
 
-    def pre(kind: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            starts[id(module)] = time.perf_counter()
-        return hook
+    def pre(module: torch.nn.Module, args: Any) -> None:
+        starts[id(module)] = time.perf_counter()
 
-    def post(kind: str) -> Callable[..., None]:
+    def post(kind: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-            timers.seconds[kind] += time.perf_counter() - starts.pop(id(module))
+            Active.timers.seconds[kind] += time.perf_counter() - starts.pop(id(module))
         return hook
 
     lm_head = getattr(model, "lm_head", None)
     for module in model.modules():
-        if module is lm_head:
-            kind = "lm_head"
-        elif isinstance(module, torch.nn.Linear):
-            kind = "linear"
-        elif isinstance(module, RMSNorm):
-            kind = "norm"
-        else:
-            continue
-        handles += [module.register_forward_pre_hook(pre(kind)), module.register_forward_hook(post(kind))]
-    return handles
+        kind = ("lm_head" if module is lm_head else "linear" if isinstance(module, torch.nn.Linear) else
+                "norm" if isinstance(module, RMSNorm) else None)
+        if kind is not None:
+            module.register_forward_pre_hook(pre)
+            module.register_forward_hook(post(kind))
+    _wrap(model.attn, "forward", "attention")
+    _wrap(model.attn, "prepare", "attention")
+    _wrap(spec_engine, "layout", "layout")
+    _wrap(spec_engine, "accept", "accept")
+    _wrap(llm, "sample", "accept")
 
 
 def instrument(engine: LLMEngine) -> Timers:
-    """Timers around every part of `engine`'s steps (see the module docstring); the engine runs as before."""
-    import mtp_train.speculative.engine as spec_engine
-
+    """Timers around the engine's own parts (scheduler, runner, KV commit, proposer); the shared ones add to them
+    while it is `Active`."""
     timers = Timers()
-    _time_modules(engine.model, timers)
-    attn = engine.model.attn
-    timers.wrap(attn, "forward", "attention")
-    timers.wrap(attn, "prepare", "attention")
-    timers.wrap(engine.scheduler, "schedule", "schedule")
-    timers.wrap(engine.scheduler, "postprocess", "postprocess")
-    timers.wrap(engine.runner, "forward", "forward")
-    timers.wrap(engine.runner.kv, "copy_token", "kv_commit")
+    _wrap(engine.scheduler, "schedule", "schedule", timers)
+    _wrap(engine.scheduler, "postprocess", "postprocess", timers)
+    _wrap(engine.runner, "forward", "forward", timers)
+    _wrap(engine.runner.kv, "copy_token", "kv_commit", timers)
     proposer = getattr(engine.stepper, "proposer", None)
     if proposer is not None:
-        timers.wrap(proposer, "propose", "draft")
-        timers.wrap(proposer, "update", "head_update")
-        # the step module's own names: layout and accept are looked up there at call time
-        for name, part in (("layout", "layout"), ("accept", "accept")):
-            if not hasattr(spec_engine, f"_bench_{name}"):
-                setattr(spec_engine, f"_bench_{name}", getattr(spec_engine, name))
-            original = getattr(spec_engine, f"_bench_{name}")
-            setattr(spec_engine, name, _timed(timers, part, original))
-    else:
-        import mtp_train.engine.llm as llm
-
-        if not hasattr(llm, "_bench_sample"):
-            llm._bench_sample = llm.sample  # type: ignore[attr-defined]
-        llm.sample = _timed(timers, "accept", llm._bench_sample)  # type: ignore[attr-defined]
+        _wrap(proposer, "propose", "draft", timers)
+        _wrap(proposer, "update", "head_update", timers)
     return timers
 
 
-def _timed(timers: Timers, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        with timers.part(part):
-            return fn(*args, **kwargs)
-    return timed
+class Row:
+    """One row of the table: an engine, its timers and its step counts (the prefill steps left out)."""
 
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine, self.timers = engine, instrument(engine)
+        self.prefill: dict[str, float] = defaultdict(float)
+        self.total, self.steps, self.tokens = 0.0, 0, 0
 
-def run_steps(engine: LLMEngine, prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
-    """Generate each prompt alone (batch 1), timing every decode / speculative step (the prefill steps left out);
-    returns ms per step for each part, `total`, `steps` and `tokens_per_step`."""
-    timers = instrument(engine)
-    prefill: dict[str, float] = defaultdict(float)
-    total, steps, tokens = 0.0, 0, 0
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    for prompt in prompts:
-        seq = engine.add_request(prompt, params)
-        before = dict(timers.seconds)
-        engine.step()  # the prefill: its parts are taken out again below
-        for k, v in timers.seconds.items():
-            prefill[k] += v - before.get(k, 0.0)
-        while engine.has_unfinished():
+    def run(self, prompt: list[int], max_new_tokens: int) -> None:
+        """Generate `prompt` alone (batch 1), timing each step after its prefill."""
+        Active.timers = self.timers
+        seq = self.engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+        before = dict(self.timers.seconds)
+        self.engine.step()  # the prefill: its parts are taken out again in `ms`
+        for k, v in self.timers.seconds.items():
+            self.prefill[k] += v - before.get(k, 0.0)
+        while self.engine.has_unfinished():
             n0 = len(seq)
             t0 = time.perf_counter()
-            engine.step()
-            total += time.perf_counter() - t0
-            steps += 1
-            tokens += len(seq) - n0
-    out: dict[str, float] = {k: 1000 * (v - prefill[k]) / steps for k, v in timers.seconds.items()}
-    out["total"] = 1000 * total / steps
-    out["other"] = max(0.0, out.get("forward", 0.0) - sum(out.get(k, 0.0) for k in FORWARD_PARTS if k != "other"))
-    out["python"] = max(0.0, out["total"] - sum(out.get(k, 0.0) for k in STEP_PARTS if k != "python"))
-    out["steps"] = steps
-    out["tokens_per_step"] = tokens / steps
-    return out
+            self.engine.step()
+            self.total += time.perf_counter() - t0
+            self.steps += 1
+            self.tokens += len(seq) - n0
+
+    def ms(self) -> dict[str, float]:
+        """ms per step for each part, `total`, `steps` and `tokens_per_step`."""
+        out = {k: 1000 * (v - self.prefill[k]) / self.steps for k, v in self.timers.seconds.items()}
+        out["total"] = 1000 * self.total / self.steps
+        out["other"] = max(0.0, out.get("forward", 0.0) - sum(out.get(k, 0.0) for k in FORWARD_PARTS if k != "other"))
+        out["python"] = max(0.0, out["total"] - sum(out.get(k, 0.0) for k in STEP_PARTS if k != "python"))
+        out["steps"] = self.steps
+        out["tokens_per_step"] = self.tokens / self.steps
+        return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -210,7 +206,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     with torch.inference_mode():
         LLMEngine(model, page_size=16, num_pages=64).generate(prompts[:1], SamplingParams(max_new_tokens=8))  # warm
-        results = {name: run_steps(make(), prompts, args.max_new_tokens) for name, make in configs.items()}
+        instrument_shared(model)
+        rows = {name: Row(make()) for name, make in configs.items()}
+        # Every prompt through every row in turn: a drift of the machine's speed falls on all rows alike.
+        for prompt in prompts:
+            for row in rows.values():
+                row.run(prompt, args.max_new_tokens)
+        results = {name: row.ms() for name, row in rows.items()}
     plain = results["plain"]["total"]
     floor = results["plain"].get("forward", plain)
     cols = [*STEP_PARTS[:3], *FORWARD_PARTS, *STEP_PARTS[4:]]
