@@ -19,34 +19,11 @@ from __future__ import annotations
 
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
 
 from bench.common import ROOT, parser, report
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mtp-serve exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)  # a poll interval: readiness ends the loop
-    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
 
 
 def _cpu_seconds() -> float:
@@ -64,8 +41,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from mtp_train.engine.sampling import SamplingParams
     from mtp_train.remote.generator import OpenAIGenerator
+    from mtp_train.remote.http import free_port, wait_ready
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     server = subprocess.Popen([sys.executable, "-m", "mtp_train.cli.serve", f"model.path={args.model}",
@@ -73,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
                                f"max_batch_size={args.concurrency}"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        _wait_ready(url, server)
+        wait_ready(url, server, timeout=300.0, every=0.1, name="mtp-serve")
         gen = OpenAIGenerator.connect([url], concurrency=args.concurrency, timeout=600.0)
         prompts = [[(7 * i + j) % 1000 + 100 for j in range(args.prompt_tokens)] for i in range(args.requests)]
         params = [SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True, seed=i)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from mtp_train.remote.http import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 900.0  # seconds vLLM's CPU build may take to load and warm up
@@ -38,28 +39,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--out", default="runs/check-vllm-serve")
     return p.parse_args(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1.0)  # polling a server that loads for minutes
-    raise TimeoutError(f"vllm serve not ready after {timeout:.0f} s")
 
 
 def regenerate(out: Path, a: argparse.Namespace, *extra: str) -> None:
@@ -116,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "--host", "127.0.0.1", "--generation-config", "vllm", "--seed", "0"],
                                 env=env, stdout=f, stderr=subprocess.STDOUT)
     try:
-        wait_ready(url, proc, READY_TIMEOUT)
+        wait_ready(url, proc, READY_TIMEOUT, every=1.0, name="vllm serve")  # it loads for minutes
         print(f"check-vllm-serve: vllm serve ready in {time.perf_counter() - t0:.0f} s", flush=True)
         regenerate(out / "vllm.jsonl", a, "generator=openai", f"endpoints=[{url}]", "concurrency=4", "retries=2")
     except (RuntimeError, TimeoutError) as exc:

@@ -5,38 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+from mtp_train.remote.http import free_port
+from mtp_train.remote.http import wait_ready as _wait_ready
 
 READY_TIMEOUT = 120.0  # seconds a server may take to load its model and listen
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = READY_TIMEOUT) -> None:
-    """Poll `url`/health until it answers 200; fail when the process died or the bound passed."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)  # a poll interval, not a synchronisation: readiness is what ends the loop
-    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+    """`mtp_train.remote.http.wait_ready` with the tests' bound."""
+    _wait_ready(url, proc, timeout)
 
 
 @contextlib.contextmanager
