@@ -147,3 +147,21 @@ def metrics_by_step(out: Path) -> dict[int, dict[str, Any]]:
         row = json.loads(line)
         rows.setdefault(row["step"], {}).update(row)
     return rows
+
+
+def compose_config(name: str, overrides: list[str]) -> Any:
+    """The composed Hydra config of command `name` (conf/<name>.yaml) with `overrides`, as the command composes it."""
+    from hydra import compose, initialize_config_dir
+
+    from mtp_train.cli.common import CONF_DIR
+    from mtp_train.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """`rows` as a JSON-lines file at `path`; returns the path."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

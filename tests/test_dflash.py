@@ -5,20 +5,17 @@ greedy speculative decoding equals plain greedy for several B, a sampled run) an
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mtp_train.cli.common import CONF_DIR
 from mtp_train.cli.eval import eval_main
 from mtp_train.cli.export import export_main
 from mtp_train.cli.precompute import precompute_main
 from mtp_train.cli.train import train_main
-from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig, register_configs
+from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
 from mtp_train.export.importer import import_dflash
@@ -32,7 +29,7 @@ from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.tree_draft import TreeSpec
 from mtp_train.train.divergences import TOKEN_LOSSES
 from mtp_train.train.losses import step_token_counts, unrolled_loss
-from tests.conftest import TOPICS, make_chat_target, metrics_by_step
+from tests.conftest import TOPICS, compose_config, make_chat_target, metrics_by_step, write_jsonl
 from tests.test_families import CASES as FAMILY_CASES
 from tests.test_families import TINY as FAMILY_CONFIGS
 from tests.test_speculative_engine import _marginal_of_second_token
@@ -42,15 +39,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 if "dflash" not in HEAD_TYPES:  # a checkout whose installed entry points predate the type (pip install -e . adds it)
     HEAD_TYPES.add(HEAD_TYPE)
 
-def _cfg(name: str, overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(name, overrides=overrides)
+_cfg = compose_config
 
 
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+_jsonl = write_jsonl
 
 
 PROMPTS = [[3, 17, 42], [5, 9, 11, 200, 7, 1, 8], list(range(20, 33)), [250] * 2 + list(range(40, 58))]

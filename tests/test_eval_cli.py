@@ -9,24 +9,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from mtp_train.cli.eval import eval_main
 from mtp_train.cli.precompute import precompute_main
 from mtp_train.cli.train import train_main
-from mtp_train.config import CONF_DIR, HeadConfig, register_configs
+from mtp_train.config import HeadConfig
 from mtp_train.heads import build_head, save_head
+from tests.conftest import compose_config
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 HELDOUT = ROOT / "data" / "demo_heldout.jsonl"
 
 
-def _cfg(name, overrides):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(name, overrides=overrides)
+_cfg = compose_config
 
 
 @pytest.fixture(scope="module")

@@ -12,19 +12,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from torch import nn
 
-from mtp_train.cli.common import CONF_DIR
 from mtp_train.cli.eval import eval_main
 from mtp_train.cli.precompute import precompute_main
 from mtp_train.cli.train import train_main
-from mtp_train.config import HEAD_TYPES, HeadConfig, HeadType, HeadTypeSpec, register_configs
+from mtp_train.config import HEAD_TYPES, HeadConfig, HeadType, HeadTypeSpec
 from mtp_train.config.head import NORM_FLAGS
 from mtp_train.engine import KVCache, LLMEngine, SamplingParams, Sequence
 from mtp_train.heads import DraftHead, build_head, packed_shift, resolve_seq_lens
@@ -34,7 +31,7 @@ from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.proposers import Drafts, Proposer
 from mtp_train.speculative.tree import DraftTree
-from tests.conftest import TOPICS, make_chat_target, metrics_by_step
+from tests.conftest import TOPICS, compose_config, make_chat_target, metrics_by_step, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,15 +128,10 @@ def pair_type() -> Iterator[HeadType]:
     HEAD_TYPES.unregister("pair")
 
 
-def _cfg(name: str, overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(name, overrides=overrides)
+_cfg = compose_config
 
 
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+_jsonl = write_jsonl
 
 
 def test_a_registered_head_type_is_built_and_asked_for_its_parts(pair_type, tmp_path):
