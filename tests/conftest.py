@@ -165,3 +165,14 @@ def write_jsonl(path: Path, rows: list) -> Path:
     """`rows` as a JSON-lines file at `path`; returns the path."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def topic_conversations(folder: Path) -> tuple[Path, Path]:
+    """(conversations, prompts) JSONL files in `folder`: two one-turn chats per TOPICS entry, and a prompt set of
+    the first three topics (what a tiny `make_chat_target` trains and is evaluated on)."""
+    convs = write_jsonl(folder / "convs.jsonl", [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me about {t}."},
+                                     {"role": "assistant", "content": f"Here is a fact about {t}. " * 3}]}
+        for i, t in enumerate(TOPICS * 2)])
+    prompts = write_jsonl(folder / "prompts.jsonl", [{"id": t, "prompt": f"Tell me about {t}."} for t in TOPICS[:3]])
+    return convs, prompts

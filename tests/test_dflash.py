@@ -29,10 +29,10 @@ from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.tree_draft import TreeSpec
 from mtp_train.train.divergences import TOKEN_LOSSES
 from mtp_train.train.losses import step_token_counts, unrolled_loss
-from tests.conftest import TOPICS, compose_config, make_chat_target, metrics_by_step, write_jsonl
+from tests.conftest import compose_config, make_chat_target, metrics_by_step, topic_conversations
 from tests.test_families import CASES as FAMILY_CASES
 from tests.test_families import TINY as FAMILY_CONFIGS
-from tests.test_speculative_engine import _marginal_of_second_token
+from tests.test_speculative_engine import _marginal_of_second_token, assert_second_tokens_follow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,7 +42,6 @@ if "dflash" not in HEAD_TYPES:  # a checkout whose installed entry points predat
 _cfg = compose_config
 
 
-_jsonl = write_jsonl
 
 
 PROMPTS = [[3, 17, 42], [5, 9, 11, 200, 7, 1, 8], list(range(20, 33)), [250] * 2 + list(range(40, 58))]
@@ -236,16 +235,7 @@ def test_sampled_block_drafts_follow_the_target_distribution(tiny_checkpoints):
                      num_pages=4096, max_batch_size=256)
     outs = eng.generate([prompt] * n, SamplingParams(temperature=temp, max_new_tokens=2, ignore_eos=True, seed=1234))
     assert eng.stats.metrics.num_draft_tokens > 0 and eng.stats.metrics.num_accepted > 0
-    counts = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=model.args.vocab_size).double()
-    exp = expected_p.double() * n
-    big = exp >= 5
-    obs_b, exp_b = counts[big], exp[big]
-    if (~big).any():  # the small bins merged into one
-        obs_b, exp_b = torch.cat([obs_b, counts[~big].sum()[None]]), torch.cat([exp_b, exp[~big].sum()[None]])
-    chi2 = float(((obs_b - exp_b) ** 2 / exp_b).sum())
-    dof = obs_b.numel() - 1
-    limit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3  # 99.9% quantile (Wilson–Hilferty)
-    assert chi2 < limit, (chi2, limit, dof)
+    assert_second_tokens_follow(outs, expected_p)
 
 
 def test_draft_threshold_shortens_the_block(tiny_checkpoints):
@@ -267,11 +257,7 @@ def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
     """`mtp-precompute` (its aux layers) → `mtp-train head=dflash` (the loss falls; validated through its inference
     path and its drafter) → `mtp-eval` drafts blocks whose greedy answers equal plain decoding."""
     target = make_chat_target(tmp_path / "target")
-    convs = _jsonl(tmp_path / "convs.jsonl", [
-        {"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me about {t}."},
-                                     {"role": "assistant", "content": f"Here is a fact about {t}. " * 3}]}
-        for i, t in enumerate(TOPICS * 2)])
-    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"id": t, "prompt": f"Tell me about {t}."} for t in TOPICS[:3]])
+    convs, prompts = topic_conversations(tmp_path)
     precompute_main(_cfg("precompute", [f"model.path={target}", "model.device=cpu", f"data.paths=[{convs}]",
                                         f"out={tmp_path / 'pc'}", "max_seq_len=64", "progress=false",
                                         "val_fraction=0.25", "aux_layers=[1,2]"]))

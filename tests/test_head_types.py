@@ -31,7 +31,7 @@ from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.proposers import Drafts, Proposer
 from mtp_train.speculative.tree import DraftTree
-from tests.conftest import TOPICS, compose_config, make_chat_target, metrics_by_step, write_jsonl
+from tests.conftest import compose_config, make_chat_target, metrics_by_step, topic_conversations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,7 +131,6 @@ def pair_type() -> Iterator[HeadType]:
 _cfg = compose_config
 
 
-_jsonl = write_jsonl
 
 
 def test_a_registered_head_type_is_built_and_asked_for_its_parts(pair_type, tmp_path):
@@ -149,11 +148,7 @@ def test_a_head_type_from_outside_trains_drafts_in_eval_and_decodes_exactly(pair
     through its own inference path and its drafter) → `mtp-eval` drafts two tokens per forward, and every greedy
     answer equals plain decoding; an eval option its drafter does not take is refused by name."""
     target = make_chat_target(tmp_path / "target")
-    convs = _jsonl(tmp_path / "convs.jsonl", [
-        {"id": f"c{i}", "messages": [{"role": "user", "content": f"Tell me about {t}."},
-                                     {"role": "assistant", "content": f"Here is a fact about {t}. " * 3}]}
-        for i, t in enumerate(TOPICS * 2)])
-    prompts = _jsonl(tmp_path / "prompts.jsonl", [{"id": t, "prompt": f"Tell me about {t}."} for t in TOPICS[:3]])
+    convs, prompts = topic_conversations(tmp_path)
     precompute_main(_cfg("precompute", [f"model.path={target}", "model.device=cpu", f"data.paths=[{convs}]",
                                         f"out={tmp_path / 'pc'}", "max_seq_len=64", "progress=false",
                                         "val_fraction=0.25"]))
