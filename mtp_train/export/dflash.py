@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mtp_train.export.eagle3 import with_target_fields
 from mtp_train.models.families import family_of
 
 if TYPE_CHECKING:
     from mtp_train.heads.base import DraftHead
 
 ARCH = "DFlashDraftModel"  # z-lab's class; vLLM maps it to DFlashQwen3ForCausalLM
-_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
 def target_layer_ids(aux_layers: list[int] | tuple[int, ...]) -> list[int]:
@@ -83,9 +83,4 @@ def config(head: DraftHead, target: dict[str, Any]) -> dict[str, Any]:
         "dflash_config": {"block_size": c.block_size, "mask_token_id": mask,
                           "target_layer_ids": target_layer_ids(c.aux_layers)},
     }
-    rope = {k: target[k] for k in _ROPE_KEYS if target.get(k) is not None}
-    cfg.update(rope or {"rope_theta": a.rope.theta})
-    for key in ("torch_dtype", "bos_token_id", "eos_token_id"):
-        if target.get(key) is not None:
-            cfg[key] = target[key]
-    return cfg
+    return with_target_fields(cfg, target, a.rope.theta)

@@ -249,6 +249,17 @@ from_sglang = _from("midlayer.", zero_o_bias=False)
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
+def with_target_fields(cfg: dict[str, Any], target: dict[str, Any], rope_theta: float) -> dict[str, Any]:
+    """`cfg` (a draft's config.json) with what it takes from the target's config.json as it is: the RoPE keys (or
+    `rope_theta` alone when the target names none), torch_dtype and the bos / eos token ids."""
+    rope = {k: target[k] for k in _ROPE_KEYS if target.get(k) is not None}
+    cfg.update(rope or {"rope_theta": rope_theta})
+    for key in ("torch_dtype", "bos_token_id", "eos_token_id"):
+        if target.get(key) is not None:
+            cfg[key] = target[key]
+    return cfg
+
+
 def llama_layer_config(spec: Eagle3Spec, target: dict[str, Any]) -> dict[str, Any]:
     """The one draft layer as a transformers LlamaConfig dict: the target's shapes, rope and context length,
     vocab_size = the TARGET vocabulary (the engines map draft logits back into it), untied."""
@@ -260,12 +271,7 @@ def llama_layer_config(spec: Eagle3Spec, target: dict[str, Any]) -> dict[str, An
         "vocab_size": a.vocab_size, "max_position_embeddings": a.max_position_embeddings,
         "attention_bias": a.qkv_bias or a.o_bias, "mlp_bias": a.mlp_bias, "tie_word_embeddings": False,
     }
-    rope = {k: target[k] for k in _ROPE_KEYS if target.get(k) is not None}
-    cfg.update(rope or {"rope_theta": a.rope.theta})
-    for key in ("torch_dtype", "bos_token_id", "eos_token_id"):
-        if target.get(key) is not None:
-            cfg[key] = target[key]
-    return cfg
+    return with_target_fields(cfg, target, a.rope.theta)
 
 
 def speculators_config(spec: Eagle3Spec, target: dict[str, Any]) -> dict[str, Any]:
