@@ -72,6 +72,7 @@ def _import_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     compared with the drafter read from the folder before success is reported."""
     import torch
 
+    from mtp_train.export.exporter import probe_difference
     from mtp_train.export.importer import import_dflash
     from mtp_train.heads import load_head, save_head
     from mtp_train.models.fingerprint import weights_fingerprint
@@ -80,12 +81,7 @@ def _import_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     head = import_dflash(cfg.head_ckpt, target_dir, dtype=torch.float32)
     save_head(head, out_dir, extra_config={"imported_from": str(cfg.head_ckpt), "layout": cfg.import_from},
               target_fingerprint=weights_fingerprint(target_dir))
-    back = load_head(out_dir, target_dir, dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(8, head.input_width, generator=g)
-    tokens = torch.randint(0, head.args.vocab_size, (8,), generator=g)
-    with torch.no_grad():
-        diff = float((head.probe_features(hidden, tokens) - back.probe_features(hidden, tokens)).abs().max())
+    diff = probe_difference(head, load_head(out_dir, target_dir, dtype=torch.float32))
     if diff > 0:
         raise RuntimeError(f"{out_dir}: the saved head differs from the drafter read from {cfg.head_ckpt} by {diff:g}")
     print(f"{PROG}: {cfg.import_from} drafter {cfg.head_ckpt} → native {head.cfg.type} head in {cfg.out} "

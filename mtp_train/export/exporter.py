@@ -197,7 +197,12 @@ def verify_round_trip(head_dir: str | Path, export_dir: str | Path, target_dir: 
     random tokens, one prefill step each (a block drafter: every row's block; `DraftHead.probe_features`), no
     cache."""
     a = load_head(head_dir, target_dir, verify_fingerprint=False)
-    b = load_export(export_dir, target_dir, dtype=a.dtype)
+    return probe_difference(a, load_export(export_dir, target_dir, dtype=a.dtype), rows)
+
+
+def probe_difference(a: DraftHead, b: DraftHead, rows: int = 8) -> float:
+    """Max |Δ| between two heads' output features (`DraftHead.probe_features`) on the same `rows` random step-0
+    rows of a's input width and random tokens (seeded: every call probes the same inputs)."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(rows, a.input_width, generator=g, dtype=a.dtype)  # (rows, k·H) or (rows, H)
     tokens = torch.randint(0, a.args.vocab_size, (rows,), generator=g)  # (rows,)
