@@ -10,12 +10,19 @@ decode step. Each line: ours vs the baseline, alternately timed, median of per-r
 * rms_norm and rope_ on one decode row, against torch's composites;
 * paged attention of one decode token over 256 cached tokens in pages of 16, against gathering the pages and SDPA.
 
-Usage: python -m bench.cpu_kernels [--repeat 5]. The last line printed is one JSON object.
+With `--baseline-source FILE.c` (e.g. an earlier `git show REV:mtp_train/layers/csrc/cpu_kernels.c`) that source is
+compiled with the same flags and its gemv timed alternately against ours at every M (`gemv_m{M}_vs_baseline_source`):
+how a change to the kernel is measured, in one process.
+
+Usage: python -m bench.cpu_kernels [--repeat 5] [--baseline-source FILE.c]. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
+import os
 import platform
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +38,7 @@ H, INTER, HQ, HKV, D, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
 def main(argv: list[str] | None = None) -> dict:
     ap = parser(__doc__)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--baseline-source", default=None, help="another kernel source whose gemv ours is timed against")
     args = ap.parse_args(argv)
     from mtp_train.cli.common import configure_from_env
 
@@ -47,8 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     mb = sum(w.numel() * 4 for w in weights) / 2**20
     packed = ([torch.ops.mkl._mkl_reorder_linear_weight(w, 1) for w in weights]
               if torch.backends.mkl.is_available() else None)
+    other = _baseline_gemv(args.baseline_source) if args.baseline_source else None
     with torch.inference_mode():
-        for m in (1, 2, 4, 8, 16):
+        for m in (1, 2, 3, 4, 5, 8, 16):
             xs = {k: torch.randn(m, k) for k in (H, INTER, HQ * D)}
 
             def ours(xs=xs) -> None:
@@ -72,6 +81,11 @@ def main(argv: list[str] | None = None) -> dict:
             res[f"gemv_m{m}_vs_f_linear"] = r_lin
             res[f"gemv_m{m}_vs_torch_fast_path"] = r_fast
             res[f"gemv_m{m}_gb_s"] = mb / 1024 / t_ours
+            if other is not None:
+                _, _, r_src = compare(ours, lambda xs=xs: [other(xs[w.shape[1]], w) for w in weights],
+                                      repeat=args.repeat)
+                res[f"gemv_m{m}_vs_baseline_source"] = r_src
+                print(f"gemv M={m:2d}: {r_src:.2f}x the baseline source's", flush=True)
             print(f"gemv M={m:2d}, {mb:.0f} MB of weights: {mb / 1024 / t_ours:.1f} GB/s; {r_lin:.2f}x F.linear "
                   f"({mb / 1024 / t_lin:.1f} GB/s), {r_fast:.2f}x Linear's torch path", flush=True)
 
@@ -115,6 +129,31 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"paged attention, one token over 256 cached: {r:.2f}x gather + SDPA", flush=True)
     report(res)
     return res
+
+
+def _baseline_gemv(source: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The gemv of another kernel source, built with our flags into a temporary library: (x (M, K), w (N, K)) → y."""
+    import ctypes
+    import subprocess
+    import tempfile
+
+    lib_path = Path(tempfile.mkdtemp()) / "baseline.so"
+    subprocess.run([os.environ.get("CC", "cc"), *cpu_kernels.CFLAGS, source, "-o", str(lib_path),
+                    *cpu_kernels.LIBS], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    fn = lib.mtp_gemv_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    threads = torch.get_num_threads()
+
+    def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        n = w.shape[0]
+        y = torch.empty(m, n)
+        fn(x.data_ptr(), x.stride(0), w.data_ptr(), None, y.data_ptr(), n, m, n, k, threads)
+        return y
+
+    return gemv
 
 
 if __name__ == "__main__":
