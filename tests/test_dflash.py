@@ -374,6 +374,13 @@ def test_mtp_export_in_reverse_imports_a_zlab_folder_as_a_native_head(tmp_path):
     assert saved["head"]["type"] == "dflash" and saved["extra"]["imported_from"] == str(zlab)
     with pytest.raises(ValueError, match="import_from=dflash writes a native head: drop format=dflash"):
         export_main(_cfg("export", [*base, "format=dflash", f"out={tmp_path / 'again'}"]))
+    (zlab / "model.safetensors").unlink()
+    with pytest.raises(ModelConfigError, match=r"zlab: no model.safetensors: a DFlash drafter's folder holds"):
+        export_main(_cfg("export", [*base, f"out={tmp_path / 'no-weights'}"]))
+    (zlab / "config.json").unlink()
+    with pytest.raises(ModelConfigError, match=r"zlab/config.json does not exist: head_ckpt is a DFlash drafter"):
+        export_main(_cfg("export", [*base, f"out={tmp_path / 'no-config'}"]))
+    assert not (tmp_path / "no-weights").exists() and not (tmp_path / "no-config").exists()
 
 
 def test_a_tree_from_the_slots_top_k():

@@ -33,6 +33,10 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
         else ["model.safetensors"]
     out: dict[str, torch.Tensor] = {}
+    missing = [name for name in files if not (folder / name).is_file()]
+    if missing:
+        raise ModelConfigError(f"{folder}: no {', '.join(missing)}: a DFlash drafter's folder holds its weights "
+                               "(model.safetensors, or the shards model.safetensors.index.json names)")
     for name in files:
         with safe_open(str(folder / name), framework="pt", device="cpu") as f:
             out.update({k: f.get_tensor(k) for k in f.keys() if not k.startswith(_SHARED)})  # noqa: SIM118
@@ -55,7 +59,15 @@ def import_dflash(folder: str | Path, target_dir: str | Path, device: str | torc
                   dtype: torch.dtype | None = None) -> DraftHead:
     """The DFlash drafter in `folder` (module docstring) as our dflash head for the target in `target_dir`."""
     folder = Path(folder)
-    cfg = json.loads((folder / "config.json").read_text())
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ModelConfigError(f"{cfg_file} does not exist: head_ckpt is a DFlash drafter's folder here (z-lab's "
+                               "layout: config.json and model.safetensors)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{cfg_file}: not valid JSON ({e}); restore it from where the drafter came "
+                               "from") from None
     if dflash.ARCH not in (cfg.get("architectures") or []):
         raise ModelConfigError(f"{folder}/config.json: architectures {cfg.get('architectures')} is not "
                                f"[{dflash.ARCH!r}] (z-lab's DFlash layout)")
