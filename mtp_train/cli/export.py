@@ -68,8 +68,8 @@ def _export_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
 
 
 def _import_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
-    """`import_from=dflash`: the drafter in head_ckpt (z-lab's layout) as a native head in `out_dir`, loaded back and
-    compared with the drafter read from the folder before success is reported."""
+    """`import_from=dflash|speculators-dflash`: the drafter in head_ckpt (that layout) as a native head in
+    `out_dir`, loaded back and compared with the drafter read from the folder before success is reported."""
     import torch
 
     from mtp_train.export.exporter import probe_difference
@@ -78,7 +78,7 @@ def _import_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     from mtp_train.models.fingerprint import weights_fingerprint
 
     target_dir = ensure_model(cfg.model)
-    head = import_dflash(cfg.head_ckpt, target_dir, dtype=torch.float32)
+    head = import_dflash(cfg.head_ckpt, target_dir, dtype=torch.float32, layout=cfg.import_from)
     save_head(head, out_dir, extra_config={"imported_from": str(cfg.head_ckpt), "layout": cfg.import_from},
               target_fingerprint=weights_fingerprint(target_dir))
     diff = probe_difference(head, load_head(out_dir, target_dir, dtype=torch.float32))

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from mtp_train.config.model import ModelConfig
 
-IMPORT_LAYOUTS = ("dflash",)  # the layouts `mtp-export import_from=` reads back into one of our heads
+# The layouts `mtp-export import_from=` reads back into one of our heads.
+IMPORT_LAYOUTS = ("dflash", "speculators-dflash")
 
 
 @dataclass

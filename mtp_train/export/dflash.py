@@ -45,12 +45,19 @@ def aux_layers_of(ids: list[int] | tuple[int, ...]) -> list[int]:
 
 def problems(head: DraftHead) -> list[str]:
     """What keeps a dflash head out of the z-lab layout (empty = it fits)."""
+    out = common_problems(head)
+    if head.cfg.draft_vocab_size:
+        out.append("head.draft_vocab_size > 0: this layout is written over the whole vocabulary; export "
+                   "format=speculators-dflash (it carries d2t / t2d) or native")
+    return out
+
+
+def common_problems(head: DraftHead) -> list[str]:
+    """What keeps a dflash head out of every DFlash layout vLLM loads (z-lab's and speculators')."""
     c, a = head.cfg, head.target_args
     out = []
     if c.aux_norm:
-        out.append("head.aux_norm=true: the z-lab layout has no per-aux-layer norms before fc; export native")
-    if c.draft_vocab_size:
-        out.append("head.draft_vocab_size > 0: this layout is written over the whole vocabulary; export native")
+        out.append("head.aux_norm=true: the DFlash layouts have no per-aux-layer norms before fc; export native")
     bad = [j for j in c.aux_layers if not 1 <= j <= a.num_layers - 1]
     if bad:  # vLLM captures the stream entering a decoder layer: the output of one that another layer follows
         out.append(f"aux_layers {bad}: vLLM reads the outputs of decoder layers that another layer follows, "

@@ -201,7 +201,7 @@ def block_inference_path(head: DFlashHead, hidden: torch.Tensor, input_ids: torc
 HEAD_TYPE = HeadType(
     spec=HeadTypeSpec("dflash", "DFlash: a block of B-1 drafts from one forward over the target's aux layers",
                       dict.fromkeys(NORM_FLAGS, True), fixed_norms=NORM_FLAGS, features="aux", fixed_features=True,
-                      formats=("native", "dflash"), block=True, aux_default=default_block_layers),
+                      formats=("native", "dflash", "speculators-dflash"), block=True, aux_default=default_block_layers),
     module=DFlashHead,
     drafter=block_drafter,
     inference_path=block_inference_path,
