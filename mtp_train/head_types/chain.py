@@ -11,7 +11,7 @@ pages; for a chain at a fixed k a fixed shape, replayed as a CUDA graph): row r 
 and the token after it on the accepted path (a path row: the next path token, the last one the target's bonus
 token; any other row: its successor's, computed and discarded). The rows of rejected drafts lie at or beyond the
 new length L' - 1 = L + n, which the cache does not count: every later read is bounded by a sequence's length and
-the next step writes those slots before it reads them, so they are overwritten, never uncommitted; a tree's path
+the next step writes those slots before it reads them, so they are overwritten, never committed; a tree's path
 off the first slots is moved to its positions as the target's is (`VerifyRows.moves`). `catch_up=own` keeps the
 chain's rows instead, so it runs the separate pass over the rows the chain never wrote (`update`).
 
