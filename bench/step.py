@@ -4,7 +4,9 @@ For plain decoding and each speculative row (a head's chain at k = 1..4, draft w
 lookup), batch-1 greedy generation of the same prompts, every step broken down into:
 
 - schedule: the scheduler's admission and page growth; postprocess: appending the tokens, stop rules;
-- draft: the proposer's drafting (`propose`); head_update: its catch-up after verification (`update`);
+- draft: the proposer's drafting (`propose`: a chain head's k-1 chained steps); head_update: its catch-up after
+  verification, for a chain head ONE forward over the verify rows that also gives the next first draft
+  (`after_verify`; `update` for the proposers and the `catch_up=own` rule that run a separate pass);
 - layout: the verify rows (tree layout, slots, positions); verify (or decode) forward, split by layer kind:
   linear (every projection but the lm_head), attention (the backend's kernels and its per-step `prepare`), norm,
   lm_head, other (embedding, RoPE, activations, residuals: the forward's remainder);
@@ -121,6 +123,7 @@ def instrument(engine: LLMEngine) -> Timers:
     proposer = getattr(engine.stepper, "proposer", None)
     if proposer is not None:
         _wrap(proposer, "propose", "draft", timers)
+        _wrap(proposer, "after_verify", "head_update", timers)  # the head's part: one forward over the verify rows
         _wrap(proposer, "update", "head_update", timers)
     return timers
 

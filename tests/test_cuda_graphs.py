@@ -114,6 +114,39 @@ def test_padded_verify_and_draft_steps_equal_plain_greedy(tiny_checkpoints, kind
     assert kv.allocator.num_free == kv.num_pages - len(eng.runner.scratch_pages) == kv.num_pages - kv.pages_for(k + 1)
 
 
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_padded_catch_up_over_the_verify_rows_equals_plain_greedy(tiny_checkpoints, kind, k):
+    """The head's catch-up takes the verify's fixed shape (k + 1 rows a sequence, padded to the bucket): one
+    replay per verify step, the same output as plain greedy, and the head's kept ĥ the same as the eager
+    engine's; catch_up=own (a separate pass of varying rows) has no such step."""
+    path = tiny_checkpoints["llama"][0]
+    model = load_model(path)
+    ref = _outputs(LLMEngine(model, page_size=3, num_pages=256, cuda_graphs=False), PROMPTS)
+    proposer = HeadProposer(_head(path, kind))
+    eng = SpecEngine(model, proposer, k, page_size=3, num_pages=256, max_batch_size=8, cuda_graphs=True)
+    eager_prop = HeadProposer(_head(path, kind))
+    eager = SpecEngine(model, eager_prop, k, page_size=3, num_pages=256, max_batch_size=8, cuda_graphs=False)
+    seqs = [eng.add_request(p, PARAMS) for p in PROMPTS]
+    for p in PROMPTS:
+        eager.add_request(p, PARAMS)
+    checked = 0
+    while eng.has_unfinished():
+        eng.step()
+        eager.step()
+        for s, t in zip(eng.running, eager.running):
+            assert s.token_ids == t.token_ids
+            torch.testing.assert_close(proposer._feat[s.seq_id], eager_prop._feat[t.seq_id], rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked > 0 and not eager.has_unfinished()
+    assert [s.output_ids for s in seqs] == ref
+    assert proposer.verify_graphs is not None
+    assert proposer.verify_graphs.replays == eng.stats.verify_steps > 0
+    own = HeadProposer(_head(path, kind), catch_up="own")
+    SpecEngine(model, own, k, page_size=3, num_pages=64, max_batch_size=2, cuda_graphs=True)
+    assert own.graphs is not None and own.verify_graphs is None
+
+
 def test_steps_of_mixed_draft_lengths_run_eagerly(tiny_checkpoints):
     """Prompt lookup drafts 0..k tokens per sequence: only the steps where all drafted k go through the graphs."""
     model = load_model(tiny_checkpoints["llama"][0])

@@ -8,12 +8,14 @@ import torch
 
 from mtp_train.config import HeadConfig
 from mtp_train.engine import LLMEngine, SamplingParams, SeqStatus, prefill_hidden
+from mtp_train.engine.kv_cache import KVCache
 from mtp_train.head_types.chain import HeadProposer
 from mtp_train.heads import build_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.speculative.proposers import DraftModelProposer, NgramProposer
+from mtp_train.speculative.tree import Accepted, layout
 from mtp_train.speculative.tree_draft import TreeSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -433,3 +435,59 @@ def test_greedy_eagle3_on_the_default_model_equals_plain_greedy(default_model_di
     eng = SpecEngine(model, HeadProposer(head), 3, page_size=16, num_pages=64)
     out = eng.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert [o.output_ids for o in out] == ref
+
+
+def _verify_by_hand(eng, prop, seq, path, bonus):
+    """One speculative step of `seq` driven by hand with a chosen outcome: draft, verify, accept the nodes `path`
+    and the target token `bonus` after them (whatever the target said), move the target's path K/V into place
+    and let the head catch up in its one forward over the verify rows (`after_verify`); extend the sequence."""
+    n = len(seq)
+    eng.runner.kv.ensure(seq.pages, n + eng.spec.span)
+    tree = prop.propose([seq], eng.k)[0]
+    rows = layout([tree], [seq.token_ids[-1]], [n])
+    step = rows.step_rows([seq.pages])
+    out = eng.runner.forward(step, logits="all")
+    acc = Accepted(list(path), [tree.tokens[j] for j in path] + [bonus])
+    for src, dst in rows.moves(0, acc.path):
+        eng.runner.kv.copy_token(seq.pages, src, dst)
+    assert prop.after_verify([seq], rows, step, None, out.hidden, [acc])
+    seq.token_ids.extend(acc.tokens)
+    seq.num_cached = len(seq) - 1
+
+
+def _assert_head_cache_is_a_prefill(model, prop, seq, page_size):
+    """The head's cache at positions 0..L-2 holds what a head prefill over the target's hidden states of the whole
+    sequence writes (rows of rejected drafts nowhere among them), and its kept ĥ is that prefill's last output."""
+    head = prop.head
+    layers, kv_layout = head.kv_shape
+    ref = KVCache(layers, prop.kv.num_pages, page_size, kv_layout, dtype=head.dtype, device=head.device)
+    ids = seq.token_ids[:-1]
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [seq.pages], page_size)
+    with torch.no_grad():
+        out = head(prefill_hidden(model, [ids]).hidden, torch.tensor(seq.token_ids[1:]), meta, ref.layers[0],
+                   from_target=True).hidden
+    for pos in range(len(ids)):
+        torch.testing.assert_close(_row(prop.kv.layers[0], seq.pages, pos, page_size),
+                                   _row(ref.layers[0], seq.pages, pos, page_size), rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, pos=pos: f"head K/V at position {pos} of {len(ids)}: {m}")
+    torch.testing.assert_close(prop._feat[seq.seq_id], out[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("width", "k", "paths"), [
+    (1, 3, [[0], [0, 1, 2], [], [0, 1]]),  # a rejection after d_1, then the whole chain, then none, then two
+    (2, 2, [[2], [0, 1], [2], []]),  # the first draft's sibling (a path off the first slots), then the chain
+])
+def test_catch_up_in_the_verify_rows_commits_the_accepted_rows_only(tiny_checkpoints, width, k, paths):
+    """The head's one forward over every verify row writes K/V for the rejected drafts too: after a rejection
+    followed by acceptances, its cache up to the new length must still be the prefill's exactly (a rejected row
+    counted, a row shifted by one, a tree path not moved to its positions or the bonus token misplaced fail)."""
+    model = load_model(tiny_checkpoints["llama"][0])
+    prop = HeadProposer(_head(tiny_checkpoints), draft_width=width)
+    eng = SpecEngine(model, prop, k, page_size=3, num_pages=64)
+    eng.add_request(PROMPTS[3], SamplingParams(max_new_tokens=32, ignore_eos=True))
+    eng.step()  # the prompt's prefill: the target's and the head's
+    (seq,) = eng.running
+    _assert_head_cache_is_a_prefill(model, prop, seq, 3)
+    for i, path in enumerate(paths):
+        _verify_by_hand(eng, prop, seq, path, bonus=7 + i)
+        _assert_head_cache_is_a_prefill(model, prop, seq, 3)

@@ -1,5 +1,6 @@
-"""Per model: CUDA graphs leave greedy decoding and speculative decoding (mtp, k = 3: verify and draft steps
-replayed) unchanged, and batch-1 decode tokens/s with and without them (goal on SmolLM2: >= 520, 10x its eager 52)."""
+"""Per model: CUDA graphs leave greedy decoding and speculative decoding (mtp, k = 3: verify, the head's catch-up
+over the verify rows and its draft steps replayed) unchanged, and batch-1 decode tokens/s with and without them
+(goal on SmolLM2: >= 520, 10x its eager 52)."""
 
 from __future__ import annotations
 
@@ -48,10 +49,12 @@ def cuda_graph_checks(check: Checks, target: Target, goal: float | None) -> None
     agree, ties = agreement(model, seqs, eager, out)
     verify = spec.runner.graphs[(4, ())]
     drafts = proposer.graphs.replays if proposer.graphs is not None else 0
+    # the head's catch-up over the verify rows (and its next first draft) replays the verify's fixed shape too
+    catch_up = proposer.verify_graphs.replays if proposer.verify_graphs is not None else 0
     check(f"{tag} cuda graphs: speculative mtp k=3 greedy = plain greedy",
-          agree + ties == len(seqs) and verify.replays > 0 and drafts > 0,
+          agree + ties == len(seqs) and verify.replays > 0 and drafts > 0 and catch_up == verify.replays,
           f"{agree}/{len(seqs)} identical, {ties} at near-ties; verify replays {verify.replays}, draft replays "
-          f"{drafts}, tau {spec.stats.metrics.mean_acceptance_length:.2f}")
+          f"{drafts}, catch-up replays {catch_up}, tau {spec.stats.metrics.mean_acceptance_length:.2f}")
     n = 256
     plain = decode_tokens_per_s(LLMEngine(model, kv_cache_gb=1, max_batch_size=1, cuda_graphs=False), seqs[0], n)
     fast = decode_tokens_per_s(LLMEngine(model, kv_cache_gb=1, max_batch_size=1, cuda_graphs=True), seqs[0], n)

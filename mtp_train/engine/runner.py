@@ -128,10 +128,13 @@ class ModelRunner:
         return cls(model, kv_pool(model, num_pages, page_size, kv_cache_gb))
 
     @torch.inference_mode()
-    def forward(self, rows: StepRows, logits: str = "last", hidden_layers: Seq[int] = ()) -> ForwardOutput:
+    def forward(self, rows: StepRows, logits: str = "last", hidden_layers: Seq[int] = (),
+                meta: AttentionMetadata | None = None) -> ForwardOutput:
         """Forward the rows of one step, writing their K/V into their slots (the pages must hold them).
 
         logits: "last" → (B, V) at each sequence's last row; "all" → (T, V) at every row; "none" → no lm_head.
+        meta: `rows.metadata(...)` when the caller built it (to share the step's batch information with another
+        forward over the same rows, e.g. a head's catch-up); built here when None.
         Returned hidden is (T, H) over all rows, packed in order. A causal step of q rows per sequence replays
         CUDA graphs when they are enabled for q (`enable_graphs`); a tree step runs eagerly.
         """
@@ -140,7 +143,8 @@ class ModelRunner:
             out = graphs.run([t for ts in rows.tokens for t in ts], rows.kv_lens, rows.pages)
             logits_all, hidden, *layers = out
             return ForwardOutput(hidden=hidden, layers=dict(zip(hidden_layers, layers)), logits=logits_all)
-        meta = rows.metadata(self.kv.page_size, self.device)
+        if meta is None:
+            meta = rows.metadata(self.kv.page_size, self.device)
         if logits == "last":
             idx = meta.qo_indptr[1:].long() - 1
         elif logits == "all":

@@ -4,8 +4,16 @@ name as `HeadType.drafter`.
 The head's cache holds positions 0..L-2, computed from the target's hidden states; its
 last output ĥ_{L-1} (and its logits, which give d_1) is kept per sequence. Drafting chains k-1 head decode steps
 (row L-2+j reads ĥ and d_{j}, writes its KV at that position, gives d_{j+1}). After verification the head
-*catches up* over the accepted tokens with the target's true hidden states h_{L-1}..h_{L-1+n} (rows L-1..L+n-1,
-overwriting the chain's own entries), which yields ĥ_{L'-1} and d_1 of the next step in the same forward.
+*catches up* with the target's true hidden states, overwriting the chain's own entries, and the same forward
+yields ĥ_{L'-1} and d_1 of the next step. It is the seed system's MTP step (`after_verify`): ONE head forward over
+the verify step's rows, all of them, with the verify's batch information (its slots, positions, tree parents and
+pages; for a chain at a fixed k a fixed shape, replayed as a CUDA graph): row r reads the target's h at that row
+and the token after it on the accepted path (a path row: the next path token, the last one the target's bonus
+token; any other row: its successor's, computed and discarded). The rows of rejected drafts lie at or beyond the
+new length L' - 1 = L + n, which the cache does not count: every later read is bounded by a sequence's length and
+the next step writes those slots before it reads them, so they are overwritten, never committed; a tree's path
+off the first slots is moved to its positions as the target's is (`VerifyRows.moves`). `catch_up=own` keeps the
+chain's rows instead, so it runs the separate pass over the rows the chain never wrote (`update`).
 
 With `draft_width` w > 1 (the static tree of a chain whose first draft has w-1 siblings) or a `TreeSpec`
 (`mtp_train.speculative.tree_draft`: EAGLE-2's dynamic trees by SGLang's steps / topk / tokens, or a static tree in
@@ -16,18 +24,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from mtp_train.engine.cuda_graphs import StepGraphs, supports_graphs
 from mtp_train.engine.kv_cache import KVCache
+from mtp_train.engine.runner import StepRows
 from mtp_train.engine.sequence import Sequence
 from mtp_train.heads.base import DraftHead
 from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.speculative.head_tree import TreeDrafter
 from mtp_train.speculative.proposers import Drafts, Proposer
-from mtp_train.speculative.tree import DraftTree
+from mtp_train.speculative.tree import Accepted, DraftTree, VerifyRows, row_of
 from mtp_train.speculative.tree_draft import TreeSpec
 
 # The eval grid axes the chain drafter takes (besides k and temperature): `HeadType.draft_options`.
@@ -43,9 +53,10 @@ class HeadProposer(Proposer):
     draft_threshold: stop a sequence's chain before a draft whose top-1 probability under the head (softmax of
     its logits) is below it, so tokens that would likely be rejected are not verified (0 = always k drafts;
     k is then the maximum). catch_up: after verification re-run every accepted row with the target's hidden
-    states ("target", the seed system's rule), or keep the rows the chain wrote for accepted drafts and run only
-    the rows it never wrote, from the target's hidden states ("own": cheaper, the cache holds the head's own
-    features). draft_width: how many candidates the first draft position gets (1 = a chain): the head's top
+    states ("target", the seed system's rule, in one forward over the verify step's rows: `after_verify`), or keep
+    the rows the chain wrote for accepted drafts and run only the rows it never wrote, from the target's hidden
+    states ("own": fewer rows, the cache holds the head's own features; a separate pass after the step, `update`).
+    draft_width: how many candidates the first draft position gets (1 = a chain): the head's top
     draft_width tokens there, the top one carrying the chain and the others verified beside it in the same target
     forward (a tree of that width at depth 1, the static tree `TreeSpec.first_width`), so a first guess that
     misses can still be saved by the runner-up. tree: a `TreeSpec` (EAGLE-2's dynamic tree by steps / topk /
@@ -77,6 +88,7 @@ class HeadProposer(Proposer):
         self.catch_up = catch_up
         self.kv: KVCache | None = None
         self.graphs: StepGraphs | None = None  # the chained draft steps (one row per sequence), when enabled
+        self.verify_graphs: StepGraphs | None = None  # the catch-up over a fixed-k chain's verify rows, when enabled
         self._feat: dict[int, torch.Tensor] = {}  # seq_id → (H,) the head's last output ĥ_{L-1}
         self._logits: dict[int, torch.Tensor] = {}  # seq_id → (Vd,) logits of the first draft token
         self._rows: dict[int, list[int]] = {}  # seq_id → each node's head row of the last tree drafted (-1: none)
@@ -111,7 +123,7 @@ class HeadProposer(Proposer):
         self.kv = KVCache(layers, target_kv.num_pages, target_kv.page_size, layout,
                           dtype=self.head.dtype, device=self.head.device)
 
-    def enable_graphs(self, max_batch: int, scratch_pages: Seq[int], capture: bool) -> None:
+    def enable_graphs(self, max_batch: int, scratch_pages: Seq[int], capture: bool, verify_rows: int = 0) -> None:
         assert self.kv is not None, "bind() the proposer to the target's KV cache first"
         kv, head = self.kv, self.head
         attn = head.attention_backend(head.device)
@@ -128,6 +140,23 @@ class HeadProposer(Proposer):
         self.graphs = StepGraphs(fn, attn, kv, scratch_pages, q=1, max_batch=max_batch,
                                  width=head.args.hidden_size, dtype=head.dtype, capture=capture, device=head.device,
                                  pool=torch.cuda.graph_pool_handle() if capture else None)
+        if verify_rows < 1 or self.catch_up != "target":
+            return
+
+        def catch_up(ids: torch.Tensor, hidden: torch.Tensor | None,
+                     meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+            assert hidden is not None
+            # Every row's logits: which row is a sequence's last accepted one is known only after acceptance, and
+            # a captured graph's shape cannot depend on it (the rows are picked from the outputs).
+            out = head(hidden, ids, meta, kv.layers[0], from_target=True,
+                       logits_indices=torch.arange(ids.shape[0], device=ids.device))
+            assert out.logits is not None
+            return out.hidden, out.logits
+
+        # A pool of its own: its replays interleave with the draft steps' in no fixed order.
+        self.verify_graphs = StepGraphs(catch_up, attn, kv, scratch_pages, q=verify_rows, max_batch=max_batch,
+                                        width=head.input_width, dtype=head.dtype, capture=capture,
+                                        device=head.device, pool=torch.cuda.graph_pool_handle() if capture else None)
 
     def _draft_step(self, feat: torch.Tensor, tokens: list[int], kv_lens: list[int],
                     seqs: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,8 +226,48 @@ class HeadProposer(Proposer):
         return drafts.trees()
 
     @torch.inference_mode()
+    def after_verify(self, seqs: Seq[Sequence], rows: VerifyRows, step: StepRows, meta: AttentionMetadata | None,
+                     features: torch.Tensor, accepted: Seq[Accepted]) -> bool:
+        if self.catch_up != "target":
+            return False  # own: the chain's rows stay, only the others run (`update`)
+        assert self.kv is not None, "bind() the proposer to the target's KV cache first"
+        dev = self.head.device
+        tokens: list[int] = []
+        last: list[int] = []  # each sequence's last accepted row, in the packed rows
+        for b, a in enumerate(accepted):
+            # Row r reads the token after it: its successor's row token (a chain's next draft; for rows off the
+            # path any token does, they are discarded), the path's rows the path's next token, then the bonus.
+            toks = [*rows.tokens[b][1:], a.tokens[-1]]
+            path = [0, *map(row_of, a.path)]
+            for r, t in zip(path, a.tokens):
+                toks[r] = t
+            last.append(len(tokens) + path[-1])
+            tokens += toks
+        idx = torch.tensor(last, device=dev)
+        graphs = self.verify_graphs
+        if (graphs is not None and step.tree is None and len(seqs) <= graphs.max_batch
+                and all(len(t) == graphs.q for t in step.tokens)):
+            out, logits = graphs.run(tokens, step.kv_lens, step.pages, hidden=features)
+            feat, logits = out[idx], logits[idx]
+        else:
+            # The verify's batch information, with the backend's per-step state of its own (the head's backend
+            # prepares for its own heads and window).
+            meta = (step.metadata(self.kv.page_size, dev) if meta is None else replace(meta, backend_state={}))
+            res = self.head(features.to(dev), torch.tensor(tokens, dtype=torch.long, device=dev), meta,
+                            self.kv.layers[0], from_target=True, logits_indices=idx)
+            assert res.logits is not None
+            feat, logits = res.hidden[idx], res.logits
+        for b, (s, a) in enumerate(zip(seqs, accepted)):
+            for src, dst in rows.moves(b, a.path):  # a tree's path off the first slots, as the target's
+                self.kv.copy_token(s.pages, src, dst)
+        self._store(seqs, feat, logits)
+        return True
+
+    @torch.inference_mode()
     def update(self, seqs: Seq[Sequence], old_lens: Seq[int], trees: Seq[DraftTree], paths: Seq[Seq[int]],
                target_hidden: Seq[torch.Tensor]) -> None:
+        """The separate catch-up pass over the accepted rows alone: what `catch_up=own` runs (the engine takes
+        `after_verify` for `target`); with `target` it gives the same cache and state as `after_verify`."""
         if not seqs:
             return
         num_accepted = [len(p) for p in paths]

@@ -18,8 +18,11 @@ step, for all running sequences at once (`SpeculativeStep._speculate`):
              target's token after it
     commit   the path's K/V move to its positions (`KVCache.copy_token`, for a path off the first slots), the
              rest of the tree stays beyond the cached length, where later steps write over it; the scheduler's
-             postprocess appends the emitted tokens and counts t_{L-1} and the path cached, and the proposer
-             catches up along the path for the sequences that go on
+             postprocess appends the emitted tokens and counts t_{L-1} and the path cached
+    catch-up the proposer catches up along the path: a chain head in one forward over all the verify rows, with
+             the verify's batch information, at once (`Proposer.after_verify`, the seed system's MTP step: it
+             also gives the next first draft; rejected rows computed and discarded), other proposers after the
+             scheduler's postprocess, for the sequences that go on (`Proposer.update`)
 
 so every sequence advances by its own 1..k+1 tokens per target forward. The forwards return the target layers
 the proposer names (`Proposer.hidden_layers`, e.g. an EAGLE-3 head's aux layers), concatenated, in place of the
@@ -57,7 +60,7 @@ class SpecStats(GenerationStats):
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # target forward + acceptance
-    update_seconds: float = 0.0  # the proposer's catch-up after acceptance
+    update_seconds: float = 0.0  # the proposer's catch-up after acceptance (with a chain head: the next first draft)
     metrics: SpecMetrics = field(default_factory=lambda: SpecMetrics(1))
 
     @property
@@ -81,6 +84,7 @@ class _CatchUp:
     lens: list[int] | None = None  # verify: L before the step
     trees: list[DraftTree] | None = None  # verify: the drafted trees
     paths: list[list[int]] | None = None  # verify: the accepted nodes
+    done: bool = False  # the proposer caught up in the step itself (`Proposer.after_verify`): nothing left
 
 
 class SpeculativeStep(Step):
@@ -116,7 +120,7 @@ class SpeculativeStep(Step):
         return (self.k + 1,), tuple(self.proposer.hidden_layers)
 
     def enable_graphs(self, max_batch: int, scratch_pages: Seq[int], capture: bool) -> None:
-        self.proposer.enable_graphs(max_batch, scratch_pages, capture)
+        self.proposer.enable_graphs(max_batch, scratch_pages, capture, verify_rows=self.k + 1)
 
     def _features(self, out: ForwardOutput) -> torch.Tensor:
         """What the proposer reads of a target forward: (T, H) final hidden, or (T, k·H) its hidden_layers."""
@@ -149,21 +153,29 @@ class SpeculativeStep(Step):
         self._check(trees)
         t1 = self._sync()
         rows = layout(trees, [s.token_ids[-1] for s in seqs], lens)  # verify: t_{L-1} (uncached) and the nodes
-        out = self.runner.forward(rows.step_rows([s.pages for s in seqs]), logits="all",
-                                  hidden_layers=self.proposer.hidden_layers)
+        step = rows.step_rows([s.pages for s in seqs])
+        # Eager forwards share one build of the step's metadata: the verify's, then the head's over the same rows.
+        meta = None if self.runner.graphs else step.metadata(kv.page_size, self.model.device)
+        out = self.runner.forward(step, logits="all", hidden_layers=self.proposer.hidden_layers, meta=meta)
         accepted = accept(trees, out.logits, SamplingBatch([s.params for s in seqs], [s.generator for s in seqs]),
                           fused=self.fused)  # accept
         t2 = self._sync()
 
-        hidden = self._features(out).split(rows.rows)  # commit
+        features = self._features(out)  # commit
         for b, (s, a) in enumerate(zip(seqs, accepted)):
             stats.metrics.record(trees[b], a.path, s.seq_id)
             # The target's cache keeps t_{L-1} and the accepted path at their positions (the scheduler counts them
             # cached as it appends the tokens under its stop / length rules); the rest of the tree lies beyond.
             for src, dst in rows.moves(b, a.path):
                 kv.copy_token(s.pages, src, dst)
-        self._pending = _CatchUp([h[rows.path_rows(a.path)] for h, a in zip(hidden, accepted)], lens, trees,
-                                 [a.path for a in accepted])
+        t3 = self._sync()
+        if self.proposer.after_verify(seqs, rows, step, meta, features, accepted):  # catch-up and next first draft
+            self._pending = _CatchUp([], done=True)
+            stats.update_seconds += self._sync() - t3
+        else:
+            hidden = features.split(rows.rows)
+            self._pending = _CatchUp([h[rows.path_rows(a.path)] for h, a in zip(hidden, accepted)], lens, trees,
+                                     [a.path for a in accepted])
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         return [a.tokens for a in accepted]
@@ -177,7 +189,8 @@ class SpeculativeStep(Step):
                              f"k={self.k} (at most {self.max_nodes} nodes, depth k)")
 
     def postprocess(self, batch: list[Sequence], stats: GenerationStats) -> None:
-        """The proposer forgets finished sequences and catches up on the others (prompt, or the accepted path)."""
+        """The proposer forgets finished sequences and catches up on the others (prompt, or the accepted path,
+        unless it did in the step)."""
         assert isinstance(stats, SpecStats)
         pending, self._pending = self._pending, None
         assert pending is not None
@@ -185,7 +198,7 @@ class SpeculativeStep(Step):
         for s in batch:
             if s.status is not SeqStatus.RUNNING:
                 self.proposer.release(s)
-        if not keep:
+        if not keep or pending.done:
             return
         t0 = self._sync()
         seqs = [batch[b] for b in keep]

@@ -25,11 +25,12 @@ from collections.abc import Sequence as Seq
 import torch
 
 from mtp_train.engine.kv_cache import KVCache
+from mtp_train.engine.runner import StepRows
 from mtp_train.engine.sampling import filtered_probs
 from mtp_train.engine.sequence import Sequence
 from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.models.base import CausalLM
-from mtp_train.speculative.tree import DraftTree
+from mtp_train.speculative.tree import Accepted, DraftTree, VerifyRows
 
 
 def pick(logits: torch.Tensor, seqs: Seq[Sequence], to_ids: torch.Tensor | None,
@@ -128,14 +129,33 @@ class Proposer(ABC):
         states at the root and along the path, positions L-1..L-1+n (each (n+1, k·H) with `hidden_layers`).
         """
 
+    def after_verify(self, seqs: Seq[Sequence], rows: VerifyRows, step: StepRows, meta: AttentionMetadata | None,
+                     features: torch.Tensor, accepted: Seq[Accepted]) -> bool:
+        """Catch up right after acceptance, over the verify step's own rows (the seed system's MTP step), instead
+        of `update` after the scheduler appended the tokens; returns whether it did (False: `update` follows).
+
+        Args:
+            seqs: (B,) the batch, not yet extended (finished ones included: their rows are computed, then released).
+            rows: the verify rows (per sequence 1 + N_b: the root t_{L-1}, then the tree's nodes).
+            step: the runner's input for those rows (tokens, slots, pages; the tree's parents).
+            meta: the verify forward's attention metadata when it ran eagerly (its batch information to share),
+                else None.
+            features: (Σ_b 1+N_b, W) the target's features over every verify row (`hidden_layers`, or the final
+                hidden), packed as `rows`.
+            accepted: (B,) each tree's accepted path and the target's tokens along it, then its bonus token.
+        """
+        return False
+
     @abstractmethod
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence."""
 
-    def enable_graphs(self, max_batch: int, scratch_pages: Seq[int], capture: bool) -> None:
+    def enable_graphs(self, max_batch: int, scratch_pages: Seq[int], capture: bool, verify_rows: int = 0) -> None:
         """Replay the proposer's fixed-shape steps as CUDA graphs (`StepGraphs`); proposers without any ignore it.
 
-        scratch_pages: the page ids the padded rows write, kept out of the target's allocator.
+        scratch_pages: the page ids the padded rows write, kept out of the target's allocator (enough for
+        verify_rows tokens); verify_rows: rows per sequence of the step's fixed-shape verify (k + 1), which
+        `after_verify` may replay too (0: none).
         """
         return None
 
