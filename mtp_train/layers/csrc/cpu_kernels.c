@@ -11,6 +11,11 @@
  * Summation order: 4 (M = 1) or 2 (M > 1) interleaved 8-wide partial sums per output, then a
  * horizontal sum, then the K % 8 tail in scalar order.
  *
+ * mtp_gemv_f32_avx512 — the same product with 16-wide AVX-512 registers (the K % 16 tail through a masked load
+ * instead of scalar code). Compiled with per-function target attributes, so the library still loads on an
+ * AVX2-only machine; it returns -1 without touching y where the CPU (or the OS) does not offer AVX-512F/VL/DQ
+ * (mtp_cpu_avx512 says which), and the caller picks it only where mtp_cpu_avx512 returned 1.
+ *
  * mtp_rmsnorm_f32 — RMSNorm of few rows, y = w * x / sqrt(mean(x^2) + eps), one pass to sum the
  * squares and one to scale: on a 576-wide row this is ~1 us where torch's composite takes ~70 us.
  *
@@ -78,21 +83,115 @@ static void one_row(const float *w, const float *x, long xs, int M, int K, float
     if (m < M) y[m * ys] = dot1(w, x + m * xs, K);
 }
 
-int mtp_gemv_f32(const float *x, long xs, const float *w, const float *b, float *y, long ys,
-                 int M, int N, int K, int num_threads) {
+/* Rows n0 .. n1 - 1 of W (and of the bias) into columns n0 .. n1 - 1 of y: one thread's chunk. */
+typedef void (*gemv_chunk_fn)(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                              int M, int K, int n0, int n1);
+
+static void chunk_avx2(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                       int M, int K, int n0, int n1) {
+    for (int n = n0; n < n1; n++) {
+        one_row(w + (size_t)n * K, x, xs, M, K, y + n, ys);
+        if (b) for (int m = 0; m < M; m++) y[m * ys + n] += b[n];
+    }
+}
+
+/* The thread split shared by both instruction sets (the OpenMP region holds no ISA-specific code). */
+static int gemv_split(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                      int M, int N, int K, int num_threads, gemv_chunk_fn chunk_fn) {
     /* Rows per thread chunk: big enough that a chunk's W (>= 64 KiB) amortises the scheduling. */
     int chunk = (16384 + K - 1) / K;
     if (chunk < 1) chunk = 1;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && (long)N * K >= 65536)
-    for (int n0 = 0; n0 < N; n0 += chunk) {
-        int n1 = n0 + chunk < N ? n0 + chunk : N;
-        for (int n = n0; n < n1; n++) {
-            one_row(w + (size_t)n * K, x, xs, M, K, y + n, ys);
-            if (b) for (int m = 0; m < M; m++) y[m * ys + n] += b[n];
-        }
-    }
+    for (int n0 = 0; n0 < N; n0 += chunk)
+        chunk_fn(x, xs, w, b, y, ys, M, K, n0, n0 + chunk < N ? n0 + chunk : N);
     return 0;
 }
+
+int mtp_gemv_f32(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                 int M, int N, int K, int num_threads) {
+    return gemv_split(x, xs, w, b, y, ys, M, N, K, num_threads, chunk_avx2);
+}
+
+/* ---- AVX-512 (F, VL, DQ): built into the same library, run only where mtp_cpu_avx512() is 1 ---------------- */
+#define AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma")))
+
+/* 1 when this CPU and OS run AVX-512F/VL/DQ code (libgcc / compiler-rt check the OS's ZMM state too), else 0. */
+int mtp_cpu_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
+           && __builtin_cpu_supports("avx512dq");
+}
+
+/* The lanes below `n` (0..16) of a 16-wide register: the mask of a tail. */
+AVX512 static inline __mmask16 tail_mask(int n) { return (__mmask16)((1u << n) - 1u); }
+
+/* dot1 on 16-wide registers: four accumulators, then one masked step for the K % 16 tail. */
+AVX512 static inline float dot1_512(const float *restrict w, const float *restrict x, int K) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int k = 0;
+    for (; k + 64 <= K; k += 64) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+    }
+    for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+    if (k < K) {
+        __mmask16 t = tail_mask(K - k);
+        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(t, w + k), _mm512_maskz_loadu_ps(t, x + k), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+/* dot_rows on 16-wide registers: MB (1..2) outputs of one W row, each W chunk loaded once for all of them. */
+AVX512 static inline __attribute__((always_inline)) void dot_rows_512(const float *restrict w,
+                                                                      const float *restrict x, long xs, int MB,
+                                                                      int K, float *y, long ys) {
+    __m512 a[2], c[2];
+    for (int m = 0; m < MB; m++) { a[m] = _mm512_setzero_ps(); c[m] = _mm512_setzero_ps(); }
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512 wv = _mm512_loadu_ps(w + k), wv2 = _mm512_loadu_ps(w + k + 16);
+        for (int m = 0; m < MB; m++) {
+            a[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * xs + k), a[m]);
+            c[m] = _mm512_fmadd_ps(wv2, _mm512_loadu_ps(x + m * xs + k + 16), c[m]);
+        }
+    }
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv = _mm512_loadu_ps(w + k);
+        for (int m = 0; m < MB; m++) a[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * xs + k), a[m]);
+    }
+    if (k < K) {
+        __mmask16 t = tail_mask(K - k);
+        __m512 wv = _mm512_maskz_loadu_ps(t, w + k);
+        for (int m = 0; m < MB; m++) c[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(t, x + m * xs + k), c[m]);
+    }
+    for (int m = 0; m < MB; m++) y[m * ys] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], c[m]));
+}
+
+/* one_row on 16-wide registers: pairs of x rows per W row, as the AVX2 path (the pair width is the AVX2
+   machine's measured best; `bench.cpu_kernels --baseline-source` times another choice against it). */
+AVX512 static void one_row_512(const float *w, const float *x, long xs, int M, int K, float *y, long ys) {
+    int m = 0;
+    for (; m + 2 <= M; m += 2) dot_rows_512(w, x + m * xs, xs, 2, K, y + m * ys, ys);
+    if (m < M) y[m * ys] = dot1_512(w, x + m * xs, K);
+}
+
+AVX512 static void chunk_avx512(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                                int M, int K, int n0, int n1) {
+    for (int n = n0; n < n1; n++) {
+        one_row_512(w + (size_t)n * K, x, xs, M, K, y + n, ys);
+        if (b) for (int m = 0; m < M; m++) y[m * ys + n] += b[n];
+    }
+}
+
+/* mtp_gemv_f32 on AVX-512; -1 (y untouched) where this CPU cannot run it. */
+int mtp_gemv_f32_avx512(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                        int M, int N, int K, int num_threads) {
+    if (!mtp_cpu_avx512()) return -1;
+    return gemv_split(x, xs, w, b, y, ys, M, N, K, num_threads, chunk_avx512);
+}
+#undef AVX512
 
 /* x: (M, K) row stride xs; w: (K,); y: (M, K) contiguous. */
 void mtp_rmsnorm_f32(const float *x, long xs, const float *w, float *y, int M, int K, float eps) {
