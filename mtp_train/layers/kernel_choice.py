@@ -7,7 +7,7 @@ class, a native and a torch callable doing the same work. The first time a calle
 every class of that op is timed, both paths alternately (the fastest of at least two runs each; all classes of an
 op within its `budget_s`, every op together well under a second on a quiet machine), and the faster path is kept
 for the process. On a loaded machine a measurement stops at DEADLINE times its budget: the classes it did not reach
-take the nearest measured class's path for this process, and nothing is cached (the next process measures again).
+take the last measured class's path for this process, and nothing is cached (the next process measures again).
 
 The times are cached in the kernel folder, beside the library they measured
 (`mtp_cpu_kernels_<tag>.choice-<key>.json`, written atomically), under a key of everything that decides them: the
@@ -140,8 +140,8 @@ def timings(op: str) -> dict[str, Timing]:
             ops, why = read_cache(path, cache_key())
             found = ops.get(op)
             if found is None:
-                if why:
-                    log.info("native CPU kernels: measuring the native-or-torch choice again (%s: %s)", path.name, why)
+                log.info("native CPU kernels: measuring %s's native-or-torch choice (%s: %s)", op, path.name,
+                         why or f"{op} not in it yet")
                 found, complete = measure(PROBES[op])
                 if complete:
                     ops[op] = found
