@@ -178,9 +178,13 @@ def test_a_measurement_cut_short_is_used_but_not_cached(measured):
     kernel_choice.register(Probe(OP, ("a", "b", "c"), setup, budget_s=0.0))  # past its deadline after one class
     try:
         got, complete = kernel_choice.measure(kernel_choice.PROBES[OP])
-        assert not complete and got["b"] == got["c"] == got["a"]
+        assert not complete and got["a"].as_class is None
+        assert got["b"] == got["c"] == Timing(got["a"].native_s, got["a"].torch_s, as_class="a")
         kernel_choice.timings(OP)
         assert not _choice_files(measured)  # nothing cached: the next process measures again
+        assert kernel_choice.summary()["ops"][OP]["c"]["as_class"] == "a"
+        assert "c native" in "".join(kernel_choice.lines()) or "c torch" in "".join(kernel_choice.lines())
+        assert "(not timed: as a)" in "".join(kernel_choice.lines())
         _again()
         kernel_choice.timings(OP)
         assert setup.calls == 3
@@ -202,7 +206,8 @@ def test_the_layers_probes_measure_and_the_summary_reports_them(measured):
     for op in ("linear", "attention", "soft_ce"):
         for cls, entry in s["ops"][op].items():
             t = kernel_choice.timings(op)[cls]
-            assert entry == {"path": "native" if t.native else "torch", "ratio": round(t.ratio, 3)}
+            assert entry == {"path": "native" if t.native else "torch", "ratio": round(t.ratio, 3),
+                             **({"as_class": t.as_class} if t.as_class else {})}  # (a loaded machine cuts short)
     lines = kernel_choice.lines()
     assert any(line.strip().startswith("linear") for line in lines)
 

@@ -71,10 +71,13 @@ class Probe:
 
 @dataclass(frozen=True)
 class Timing:
-    """One class's measured times (seconds per run of its work, the fastest run of each path)."""
+    """One class's measured times (seconds per run of its work, the fastest run of each path).
+
+    as_class: None when this class was timed; else the class whose times it took (a measurement cut short)."""
 
     native_s: float
     torch_s: float
+    as_class: str | None = None
 
     @property
     def native(self) -> bool:
@@ -176,8 +179,8 @@ def measure(probe: Probe) -> tuple[dict[str, Timing], bool]:
     log.info("native CPU kernels: %s measured in %.2f s%s: %s", probe.op, time.perf_counter() - start,
              "" if complete else f" (cut short after {len(out)} of {len(probe.classes)} classes: not cached)",
              ", ".join(f"{c} {'native' if t.native else 'torch'} {t.ratio:.2f}x" for c, t in out.items()))
-    last = next(reversed(out.values()))
-    return {c: out.get(c, last) for c in probe.classes}, complete
+    last_cls, last = next(reversed(out.items()))
+    return {c: out.get(c) or Timing(last.native_s, last.torch_s, last_cls) for c in probe.classes}, complete
 
 
 def _time_pair(native: Work, reference: Work, budget_s: float) -> Timing:
@@ -301,7 +304,9 @@ def summary() -> dict[str, object]:
             continue
         t = _timings[op][1] if mode == "measure" and op in _timings else None
         ops[op] = {c: {"path": "native" if hit[1][c] else "torch",
-                       "ratio": None if t is None else round(t[c].ratio, 3)} for c in probe.classes}
+                       "ratio": None if t is None else round(t[c].ratio, 3),
+                       **({"as_class": t[c].as_class} if t is not None and t[c].as_class else {})}
+                   for c in probe.classes}
     path = cache_path()
     return {"native": True, "isa": cpu_kernels.isa(), "choice": mode, "cache": str(path) if path else None,
             "ops": ops}
@@ -318,6 +323,6 @@ def lines() -> list[str]:
             out.append(f"  {op}: {classes}")
             continue
         parts = [f"{c} {v['path']}" + (f" {v['ratio']:.2f}x" if v["ratio"] is not None else " (forced)")
-                 for c, v in classes.items()]
+                 + (f" (not timed: as {v['as_class']})" if "as_class" in v else "") for c, v in classes.items()]
         out.append(f"  {op} (ratio = torch time / native time): " + ", ".join(parts))
     return out

@@ -36,7 +36,7 @@ from mtp_train.config.device import on_cpu
 from mtp_train.layers import cpu_kernels, kernel_choice
 
 SMALL_M_MAX = 128  # up to this many rows, (W @ xᵀ)ᵀ beats x @ Wᵀ on CPU
-GEMV_M_MAX = 16  # up to this many rows, the native kernel beats both (it turns compute-bound beyond)
+GEMV_M_MAX = 16  # up to this many rows the native kernel may serve (measured per row count; compute-bound beyond)
 ROW_MULTIPLE = 8  # small-M products are padded to a multiple of this many rows (see _small_m)
 WIDE_BLOCK = 2048  # weight rows per product of a wide small-M output (see _small_m)
 ROW_CLASSES = tuple(str(m) for m in range(GEMV_M_MAX + 1))  # kernel_choice's class of m rows: ROW_CLASSES[m]
