@@ -69,6 +69,17 @@ def test_the_gemv_runs_avx512_where_the_cpu_has_it_unless_held_to_avx2(kernel_se
         assert torch.equal(cpu_kernels.gemv(x, w), cpu_kernels.gemv(x, w, isa=isa))
 
 
+@needs_kernels
+@pytest.mark.skipif(cpu_kernels.cpu_has_avx512(), reason="this CPU has AVX-512: the test is for one without")
+def test_a_cpu_without_avx512_never_runs_it(kernel_settings):
+    kernel_settings(KernelSettings(isa="avx512", choice="native"))  # asked for, not there: AVX2 with a warning
+    assert cpu_kernels.isa() == "avx2"
+    x, w = torch.randn(2, 40), torch.randn(9, 40)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="AVX-512"):
+        cpu_kernels.gemv(x, w, isa="avx512")
+
+
 def test_kernel_settings_refuse_an_unknown_isa_or_choice():
     with pytest.raises(ValueError, match="isa"):
         KernelSettings(isa="avx1024")

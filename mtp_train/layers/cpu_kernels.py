@@ -452,7 +452,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         bias = bias.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     lib = _lib or _require()
-    fn = _gemv_fn if isa is None else lib.mtp_gemv_f32_avx512 if isa == "avx512" else lib.mtp_gemv_f32
+    if isa is None:
+        fn = _gemv_fn
+    elif isa in ("avx2", "avx512"):
+        fn = lib.mtp_gemv_f32_avx512 if isa == "avx512" else lib.mtp_gemv_f32
+    else:
+        raise ValueError(f"gemv: isa must be None, 'avx2' or 'avx512', got {isa!r}")
     if fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
           y.data_ptr(), n, m, n, k, torch.get_num_threads() if _threads_ok else 1):
         raise RuntimeError("gemv: this CPU does not run the AVX-512 body (AVX-512F/VL/DQ)")
