@@ -78,6 +78,8 @@ def test_a_cpu_without_avx512_never_runs_it(kernel_settings):
     torch.testing.assert_close(cpu_kernels.gemv(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="AVX-512"):
         cpu_kernels.gemv(x, w, isa="avx512")
+    with pytest.raises(RuntimeError, match="AVX-512"):
+        cpu_kernels.soft_ce_(torch.randn(2, 40), torch.randn(2, 40), isa="avx512")
 
 
 def test_kernel_settings_refuse_an_unknown_isa_or_choice():
@@ -311,6 +313,24 @@ def test_soft_ce_equals_torch(v, threads):
     torch.testing.assert_close(zz, ref_dz)
     if v > 3:
         assert {0, 1, 2} <= set(rank.tolist())  # a test that can tell top-1 from top-3
+
+
+@needs_avx512
+@pytest.mark.parametrize("v", [1, 15, 16, 17, 96, 8195])
+def test_the_avx512_soft_ce_equals_the_avx2_soft_ce(v, threads):
+    """Both bodies, V below, at and around the 16-wide register: the same CE, argmax, rank and gradient."""
+    g = torch.Generator().manual_seed(v)
+    t = torch.randn(21, v, generator=g) * 3
+    z = (t + torch.randn(21, v, generator=g) * 2).contiguous()
+    outs = []
+    for isa in ("avx512", "avx2"):
+        zz, tt = z.clone(), t.clone()
+        outs.append((*cpu_kernels.soft_ce_(zz, tt, isa=isa), zz))
+    (ce5, best5, rank5, dz5), (ce2, best2, rank2, dz2) = outs
+    torch.testing.assert_close(ce5, ce2)
+    torch.testing.assert_close(dz5, dz2)
+    assert best5.tolist() == best2.tolist() and rank5.tolist() == rank2.tolist()
+    torch.testing.assert_close(ce5, torch.logsumexp(z, -1) - (t.softmax(-1) * z).sum(-1))
 
 
 # --- only the library built here is ever loaded -------------------------------------------------------------------
