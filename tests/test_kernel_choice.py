@@ -145,6 +145,22 @@ def test_a_damaged_cache_is_remeasured_without_a_crash(probe, measured, kind):
     assert kernel_choice.read_cache(cache, kernel_choice.cache_key())[0][OP] == got  # a valid file again
 
 
+def test_an_op_this_process_does_not_register_keeps_its_entry(probe, measured):
+    """A process that never registers an op (an inference one: no fused loss) leaves that op's times in the file."""
+    kernel_choice.timings(OP)
+    cache = kernel_choice.cache_path()
+    data = json.loads(cache.read_text())
+    data["ops"]["other_op"] = {"version": 1, "classes": {"x": {"native_s": 1.0, "torch_s": 2.0}}}
+    cache.write_text(json.dumps(data))
+    kernel_choice.register(Probe(OP + "_2", ("a",), CountingSetup(), budget_s=60.0))
+    try:
+        kernel_choice.timings(OP + "_2")  # measured and written beside the others
+    finally:
+        kernel_choice.PROBES.pop(OP + "_2")
+    ops = json.loads(cache.read_text())["ops"]
+    assert set(ops) == {OP, OP + "_2", "other_op"} and ops["other_op"] == data["ops"]["other_op"]
+
+
 def test_forcing_a_path_measures_nothing(probe, measured):
     for mode, native in (("native", True), ("torch", False)):
         cpu_kernels.configure(KernelSettings(cache_dir=measured, choice=mode))

@@ -148,7 +148,7 @@ def timings(op: str) -> dict[str, Timing]:
                 found, complete = measure(PROBES[op])
                 if complete:
                     ops[op] = found
-                    write_cache(path, cache_key(), ops)
+                    write_cache(path, cache_key(), ops, keep=_unregistered_entries(path, cache_key()))
         _timings[op] = gen, found
         _decided[op] = gen, {c: t.native for c, t in found.items()}
         return found
@@ -275,12 +275,26 @@ def read_cache(path: Path, key: dict[str, object]) -> tuple[dict[str, dict[str, 
     return ops, why
 
 
-def write_cache(path: Path, key: dict[str, object], ops: dict[str, dict[str, Timing]]) -> None:
-    """Write `ops` under `key` to `path` atomically; a folder that refuses it costs only the reuse (logged)."""
-    data = {"key": key, "ops": {op: {"version": PROBES[op].version, "classes": {
+def _unregistered_entries(path: Path, key: dict[str, object]) -> dict[str, object]:
+    """The entries of `path` (when it holds `key`) for ops this process has not registered (e.g. the fused loss in
+    an inference process): kept as they are when the file is rewritten, for the processes that use them."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and data.get("key") == key and isinstance(data.get("ops"), dict):
+            return {op: entry for op, entry in data["ops"].items() if op not in PROBES}
+    except (OSError, ValueError):
+        pass
+    return {}
+
+
+def write_cache(path: Path, key: dict[str, object], ops: dict[str, dict[str, Timing]],
+                keep: dict[str, object] | None = None) -> None:
+    """Write `ops` (and the raw entries `keep` of ops not registered here) under `key` to `path` atomically; a folder
+    that refuses it costs only the reuse (logged)."""
+    data = {"key": key, "ops": {**(keep or {}), **{op: {"version": PROBES[op].version, "classes": {
         c: {"native_s": t.native_s, "torch_s": t.torch_s, "ratio": round(t.ratio, 4),
             "path": "native" if t.native else "torch"} for c, t in classes.items()}}
-        for op, classes in ops.items()}}
+        for op, classes in ops.items()}}}
     try:
         atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
     except OSError as exc:
