@@ -13,6 +13,9 @@ decode step. Each line: ours vs the baseline, alternately timed, median of per-r
 On a CPU with AVX-512 the gemv's two bodies are also timed against each other at every M
 (`gemv_m{M}_avx512_vs_avx2`, > 1 = the AVX-512 body faster).
 
+Last, what the first-use measurement of the native-or-torch choice costs on this machine (`kernel_choice.measure` of
+each op's probe, not cached): `choice_measure_s` per op, and whether it finished within its deadline.
+
 With `--baseline-source FILE.c` (e.g. an earlier `git show REV:mtp_train/layers/csrc/cpu_kernels.c`) that source is
 compiled with the same flags and its gemv timed alternately against ours at every M (`gemv_m{M}_vs_baseline_source`):
 how a change to the kernel is measured, in one process.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import compare, parser, report
-from mtp_train.layers import cpu_kernels
+from mtp_train.layers import cpu_kernels, kernel_choice
 from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
 from mtp_train.layers.rotary import apply_rotary
 
@@ -139,6 +143,17 @@ def main(argv: list[str] | None = None) -> dict:
                           lambda: backend.forward(q, k, v, cache, metas[1]), repeat=args.repeat * 50)
         res["paged_attention_vs_gather_sdpa"] = r
         print(f"paged attention, one token over 256 cached: {r:.2f}x gather + SDPA", flush=True)
+
+    import mtp_train.layers.linear  # noqa: F401  (registers the linears' probe)
+    import mtp_train.train.divergences  # noqa: F401  (registers the fused loss's probe)
+
+    res["choice_measure_s"], res["choice_complete"] = {}, {}
+    for op, probe in sorted(kernel_choice.PROBES.items()):
+        t0 = time.perf_counter()
+        _, complete = kernel_choice.measure(probe)
+        res["choice_measure_s"][op], res["choice_complete"][op] = time.perf_counter() - t0, complete
+        print(f"native-or-torch measurement of {op}: {res['choice_measure_s'][op]:.2f} s (budget {probe.budget_s} s"
+              f"{'' if complete else ', cut short'})", flush=True)
     report(res)
     return res
 
