@@ -10,6 +10,12 @@ decode step. Each line: ours vs the baseline, alternately timed, median of per-r
 * rms_norm and rope_ on one decode row, against torch's composites;
 * paged attention of one decode token over 256 cached tokens in pages of 16, against gathering the pages and SDPA.
 
+On a CPU with AVX-512 the gemv's two bodies are also timed against each other at every M
+(`gemv_m{M}_avx512_vs_avx2`, > 1 = the AVX-512 body faster).
+
+Last, what the first-use measurement of the native-or-torch choice costs on this machine (`kernel_choice.measure` of
+each op's probe, not cached): `choice_measure_s` per op, and whether it finished within its deadline.
+
 With `--baseline-source FILE.c` (e.g. an earlier `git show REV:mtp_train/layers/csrc/cpu_kernels.c`) that source is
 compiled with the same flags and its gemv timed alternately against ours at every M (`gemv_m{M}_vs_baseline_source`):
 how a change to the kernel is measured, in one process.
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import compare, parser, report
-from mtp_train.layers import cpu_kernels
+from mtp_train.layers import cpu_kernels, kernel_choice
 from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
 from mtp_train.layers.rotary import apply_rotary
 
@@ -48,7 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
         report({"available": False, "reason": cpu_kernels.unavailable_reason()})
         return {}
     torch.manual_seed(0)
-    res: dict = {"threads": torch.get_num_threads(), "machine": platform.machine()}
+    res: dict = {"threads": torch.get_num_threads(), "machine": platform.machine(), "isa": cpu_kernels.isa()}
+    has_512 = cpu_kernels.cpu_has_avx512()
 
     shapes = [((HQ + 2 * HKV) * D, H), (H, HQ * D), (2 * INTER, H), (H, INTER)]
     weights = [torch.randn(n, k) for _ in range(LAYERS) for n, k in shapes]
@@ -81,6 +89,14 @@ def main(argv: list[str] | None = None) -> dict:
             res[f"gemv_m{m}_vs_f_linear"] = r_lin
             res[f"gemv_m{m}_vs_torch_fast_path"] = r_fast
             res[f"gemv_m{m}_gb_s"] = mb / 1024 / t_ours
+            if has_512:
+                def on(isa: str, xs=xs) -> None:
+                    for w in weights:
+                        cpu_kernels.gemv(xs[w.shape[1]], w, isa=isa)
+
+                _, _, r_isa = compare(lambda: on("avx512"), lambda: on("avx2"), repeat=args.repeat)
+                res[f"gemv_m{m}_avx512_vs_avx2"] = r_isa
+                print(f"gemv M={m:2d}: the AVX-512 body {r_isa:.2f}x the AVX2 body", flush=True)
             if other is not None:
                 _, _, r_src = compare(ours, lambda xs=xs: [other(xs[w.shape[1]], w) for w in weights],
                                       repeat=args.repeat)
@@ -127,6 +143,17 @@ def main(argv: list[str] | None = None) -> dict:
                           lambda: backend.forward(q, k, v, cache, metas[1]), repeat=args.repeat * 50)
         res["paged_attention_vs_gather_sdpa"] = r
         print(f"paged attention, one token over 256 cached: {r:.2f}x gather + SDPA", flush=True)
+
+    import mtp_train.layers.linear  # noqa: F401  (registers the linears' probe)
+    import mtp_train.train.divergences  # noqa: F401  (registers the fused loss's probe)
+
+    res["choice_measure_s"], res["choice_complete"] = {}, {}
+    for op, probe in sorted(kernel_choice.PROBES.items()):
+        t0 = time.perf_counter()
+        _, complete = kernel_choice.measure(probe)
+        res["choice_measure_s"][op], res["choice_complete"][op] = time.perf_counter() - t0, complete
+        print(f"native-or-torch measurement of {op}: {res['choice_measure_s'][op]:.2f} s (budget {probe.budget_s} s"
+              f"{'' if complete else ', cut short'})", flush=True)
     report(res)
     return res
 

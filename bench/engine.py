@@ -7,6 +7,8 @@ Measures (all ratios ours / baseline, higher = ours faster, except verify_cost):
   against ours with the native CPU kernels switched off (`decode_native_kernels_speedup`).
 - verify_cost: forward time for 1, 2, 4, 8, 16 new tokens on a context of 256, relative to 1
   (what a speculative verify step costs against a decode step on this machine).
+- kernel_paths: which path each hot CPU op took, native kernel or torch's (the linears by row count, attention for
+  decode and verify rows), with the ratio measured on this machine at first use (`mtp_train.layers.kernel_choice`).
 
 Usage: python -m bench.engine --model models/smollm2-135m-instruct [--dtype float32]
 Ours and transformers are timed alternately and each ratio is the median of per-round ratios.
@@ -23,7 +25,7 @@ import torch
 
 from bench.common import compare, parser, report, verify_forward
 from mtp_train.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, prefill_hidden
-from mtp_train.layers import cpu_kernels
+from mtp_train.layers import cpu_kernels, kernel_choice
 from mtp_train.models import load_model, resolve_dtype
 
 PROMPT = "Write a short story about a robot who learns to paint. Make it warm and vivid."
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     res["verify_cost"] = {str(k): costs[k] for k in ks}
     res["verify_ms_1"] = statistics.median(r[1] for r in rounds) * 1000
     print("verify cost at context", args.verify_context, {k: round(v, 2) for k, v in res["verify_cost"].items()})
+    res["kernel_paths"] = kernel_choice.summary()
+    print("\n".join(kernel_choice.lines()), flush=True)
     report(res)
     return res
 

@@ -10,7 +10,9 @@ Reported (one process run): tokens_per_s (all packed rows) and counted_tokens_pe
 step 0), the achieved GFLOP/s of the training step, the peak matmul GFLOP/s of this machine measured in the same
 run (the best of ten 2048×2048 matmuls, fp32 on CPU, bf16 on CUDA like the engine), mfu_ratio = achieved ÷ peak,
 and peak memory (ru_maxrss on CPU, torch.cuda.max_memory_allocated on CUDA; ru_maxrss is the process's
-lifetime peak, so it also covers the precompute stage, which holds the whole target in fp32).
+lifetime peak, so it also covers the precompute stage, which holds the whole target in fp32). On CPU also
+kernel_paths: which path each hot op took, native kernel or torch's, with the ratio measured on this machine
+(`mtp_train.layers.kernel_choice`; the fused loss with `loss.ce_impl=fused`, the linears where inference ran them).
 
 FLOPs are counted analytically per optimizer step, summed over its packed batches and unrolled draft steps j, for
 the loss as configured (V_d: the head's output rows, the draft vocabulary when it has one, else the target's V):
@@ -178,6 +180,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(f"{res['tokens_per_s']:.0f} tok/s ({res['counted_tokens_per_s']:.0f} counted), {gflops:.1f} GFLOP/s of "
           f"{gflops_peak:.1f} peak (MFU {res['mfu_ratio']:.2f}), peak memory {peak_mem_mb:.0f} MiB", flush=True)
+    if device.type == "cpu":
+        from mtp_train.layers import kernel_choice
+
+        res["kernel_paths"] = kernel_choice.summary()
+        print("\n".join(kernel_choice.lines()), flush=True)
     report(res)
     return res
 

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from mtp_train.layers import cpu_kernels
+
+# The tests check results, never timings: every op with a native kernel takes it (as MTP_TRAIN_KERNEL_CHOICE=native
+# does), here and in the commands the tests run, so no test's path depends on what this machine measured at the
+# time. The measured choice has tests of its own (tests/test_kernel_choice.py).
+os.environ.setdefault("MTP_TRAIN_KERNEL_CHOICE", "native")
+TEST_KERNEL_SETTINGS = cpu_kernels.KernelSettings(choice=os.environ["MTP_TRAIN_KERNEL_CHOICE"])
+cpu_kernels.configure(TEST_KERNEL_SETTINGS)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"

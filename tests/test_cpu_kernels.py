@@ -42,6 +42,53 @@ def test_gemv_equals_f_linear(m, k, bias, threads):
     torch.testing.assert_close(cpu_kernels.gemv(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+needs_avx512 = pytest.mark.skipif(not cpu_kernels.cpu_has_avx512(), reason="this CPU has no AVX-512F/VL/DQ")
+
+
+@needs_avx512
+@pytest.mark.parametrize("m", range(1, GEMV_M_MAX + 2))
+@pytest.mark.parametrize("k", [1, 15, 16, 17, 37, 64, 577])
+def test_the_avx512_gemv_equals_the_avx2_gemv_and_f_linear(m, k, threads):
+    """Every row count the kernel takes (and one more), K below, at and around the 16-wide register and its tail."""
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    n = 5 if k < 16 else 203  # odd N: the last thread chunk is short
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(m, k + 3, generator=g)[:, :k]
+    y512, y2 = cpu_kernels.gemv(x, w, b, isa="avx512"), cpu_kernels.gemv(x, w, b, isa="avx2")
+    torch.testing.assert_close(y512, y2, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y512, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w, isa="avx512"), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_avx512
+def test_the_gemv_runs_avx512_where_the_cpu_has_it_unless_held_to_avx2(kernel_settings):
+    assert cpu_kernels.isa() == ("avx2" if cpu_kernels.settings().isa == "avx2" else "avx512")
+    x, w = torch.randn(3, 40), torch.randn(9, 40)
+    for isa in ("avx2", "avx512"):
+        kernel_settings(KernelSettings(isa=isa, choice="native"))
+        assert cpu_kernels.isa() == isa
+        assert torch.equal(cpu_kernels.gemv(x, w), cpu_kernels.gemv(x, w, isa=isa))
+
+
+@needs_kernels
+@pytest.mark.skipif(cpu_kernels.cpu_has_avx512(), reason="this CPU has AVX-512: the test is for one without")
+def test_a_cpu_without_avx512_never_runs_it(kernel_settings):
+    kernel_settings(KernelSettings(isa="avx512", choice="native"))  # asked for, not there: AVX2 with a warning
+    assert cpu_kernels.isa() == "avx2"
+    x, w = torch.randn(2, 40), torch.randn(9, 40)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="AVX-512"):
+        cpu_kernels.gemv(x, w, isa="avx512")
+    with pytest.raises(RuntimeError, match="AVX-512"):
+        cpu_kernels.soft_ce_(torch.randn(2, 40), torch.randn(2, 40), isa="avx512")
+
+
+def test_kernel_settings_refuse_an_unknown_isa_or_choice():
+    with pytest.raises(ValueError, match="isa"):
+        KernelSettings(isa="avx1024")
+    with pytest.raises(ValueError, match="choice"):
+        KernelSettings(choice="fastest")
+
+
 @needs_kernels
 def test_gemv_reads_strided_rows_and_large_outputs(threads):
     torch.manual_seed(0)
@@ -81,9 +128,10 @@ def test_layers_take_the_kernels_in_inference_and_autograd_in_training():
 
 @pytest.fixture
 def kernel_settings():
-    """`cpu_kernels.configure`, for the test to set what it needs; the default settings come back afterwards."""
+    """`cpu_kernels.configure`, for the test to set what it needs; the settings before it come back afterwards."""
+    before = cpu_kernels.settings()
     yield cpu_kernels.configure
-    cpu_kernels.configure(KernelSettings())
+    cpu_kernels.configure(before)
 
 
 def test_build_is_cached_and_atomic(tmp_path):
@@ -119,7 +167,7 @@ def test_switched_off_falls_back_to_torch_paths(kernel_settings):
     x = torch.randn(1, 32)
     with torch.inference_mode():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
-    kernel_settings(KernelSettings())  # decided again, on the build already made
+    kernel_settings(KernelSettings(choice="native"))  # decided again, on the build already made
     assert cpu_kernels.available() == was
 
 
@@ -128,8 +176,13 @@ def test_the_commands_take_the_settings_from_the_environment(kernel_settings, tm
     env = {"MTP_TRAIN_CPU_KERNELS": "0", "MTP_TRAIN_KERNEL_DIR": str(tmp_path), "CC": "clang"}
     assert kernel_settings_from_env(env) == KernelSettings(enabled=False, cache_dir=tmp_path, compiler="clang",
                                                            off_reason="MTP_TRAIN_CPU_KERNELS=0")
-    assert kernel_settings_from_env({"MTP_TRAIN_CPU_KERNELS": "1", "MTP_TRAIN_KERNEL_DIR": "", "CC": ""}) == \
+    assert kernel_settings_from_env({"MTP_TRAIN_CPU_KERNELS": "1", "MTP_TRAIN_KERNEL_DIR": "", "CC": "",
+                                     "MTP_TRAIN_KERNEL_ISA": "", "MTP_TRAIN_KERNEL_CHOICE": ""}) == \
         kernel_settings_from_env({})  # empty values keep the defaults
+    forced = kernel_settings_from_env({"MTP_TRAIN_KERNEL_ISA": "avx2", "MTP_TRAIN_KERNEL_CHOICE": "torch"})
+    assert (forced.isa, forced.choice) == ("avx2", "torch")
+    with pytest.raises(ValueError, match="choice"):
+        kernel_settings_from_env({"MTP_TRAIN_KERNEL_CHOICE": "quick"})
     kernel_settings(kernel_settings_from_env({"MTP_TRAIN_CPU_KERNELS": "0"}))
     assert not cpu_kernels.available() and cpu_kernels.unavailable_reason() == "MTP_TRAIN_CPU_KERNELS=0"
 
@@ -260,6 +313,24 @@ def test_soft_ce_equals_torch(v, threads):
     torch.testing.assert_close(zz, ref_dz)
     if v > 3:
         assert {0, 1, 2} <= set(rank.tolist())  # a test that can tell top-1 from top-3
+
+
+@needs_avx512
+@pytest.mark.parametrize("v", [1, 15, 16, 17, 96, 8195])
+def test_the_avx512_soft_ce_equals_the_avx2_soft_ce(v, threads):
+    """Both bodies, V below, at and around the 16-wide register: the same CE, argmax, rank and gradient."""
+    g = torch.Generator().manual_seed(v)
+    t = torch.randn(21, v, generator=g) * 3
+    z = (t + torch.randn(21, v, generator=g) * 2).contiguous()
+    outs = []
+    for isa in ("avx512", "avx2"):
+        zz, tt = z.clone(), t.clone()
+        outs.append((*cpu_kernels.soft_ce_(zz, tt, isa=isa), zz))
+    (ce5, best5, rank5, dz5), (ce2, best2, rank2, dz2) = outs
+    torch.testing.assert_close(ce5, ce2)
+    torch.testing.assert_close(dz5, dz2)
+    assert best5.tolist() == best2.tolist() and rank5.tolist() == rank2.tolist()
+    torch.testing.assert_close(ce5, torch.logsumexp(z, -1) - (t.softmax(-1) * z).sum(-1))
 
 
 # --- only the library built here is ever loaded -------------------------------------------------------------------

@@ -13,7 +13,8 @@ traceback. `HYDRA_FULL_ERROR=1`, Hydra's own switch for full tracebacks, also sh
 
 The environment is read here, by the commands, and handed to the library as settings (library code reads none):
 torchrun's RANK / WORLD_SIZE / LOCAL_RANK (`launch_env`), and the native CPU kernels' switch, build folder and
-compiler (`kernel_settings_from_env`: MTP_TRAIN_CPU_KERNELS, MTP_TRAIN_KERNEL_DIR, CC), applied once at start-up
+compiler, instruction set and native-or-torch choice (`kernel_settings_from_env`: MTP_TRAIN_CPU_KERNELS,
+MTP_TRAIN_KERNEL_DIR, CC, MTP_TRAIN_KERNEL_ISA, MTP_TRAIN_KERNEL_CHOICE), applied once at start-up
 by every command (`configure_from_env`).
 """
 
@@ -74,6 +75,8 @@ EXIT_INTERRUPTED = 2  # Ctrl-C ends a command as every other stop does: one line
 ENV_CPU_KERNELS = "MTP_TRAIN_CPU_KERNELS"
 ENV_KERNEL_DIR = "MTP_TRAIN_KERNEL_DIR"
 ENV_CC = "CC"
+ENV_KERNEL_ISA = "MTP_TRAIN_KERNEL_ISA"
+ENV_KERNEL_CHOICE = "MTP_TRAIN_KERNEL_CHOICE"
 
 
 def to_dict(cfg: DictConfig | dict[str, Any] | None) -> dict[str, Any]:
@@ -105,15 +108,20 @@ def kernel_settings_from_env(env: Mapping[str, str] | None = None) -> cpu_kernel
       one-row products on MKL's pre-packed GEMM);
     * `MTP_TRAIN_KERNEL_DIR` is the folder they are built into and shared from (default
       `~/.cache/mtp_train/kernels`);
-    * `CC` is the C compiler tried first (then cc, gcc, clang on PATH).
+    * `CC` is the C compiler tried first (then cc, gcc, clang on PATH);
+    * `MTP_TRAIN_KERNEL_ISA=auto|avx2|avx512`: the gemv's instruction set (auto: AVX-512 where the CPU has it);
+    * `MTP_TRAIN_KERNEL_CHOICE=measure|native|torch`: each op's path measured on the machine (the default), or
+      forced (`mtp_train.layers.kernel_choice`).
 
-    Unset or empty variables keep the library's defaults.
+    Unset or empty variables keep the library's defaults; a value outside those listed raises ValueError.
     """
     env = os.environ if env is None else env
     cache_dir = env.get(ENV_KERNEL_DIR)
     return cpu_kernels.KernelSettings(enabled=env.get(ENV_CPU_KERNELS, "1") != "0",
                                       cache_dir=Path(cache_dir) if cache_dir else None,
-                                      compiler=env.get(ENV_CC) or None, off_reason=f"{ENV_CPU_KERNELS}=0")
+                                      compiler=env.get(ENV_CC) or None, off_reason=f"{ENV_CPU_KERNELS}=0",
+                                      isa=env.get(ENV_KERNEL_ISA) or "auto",
+                                      choice=env.get(ENV_KERNEL_CHOICE) or "measure")
 
 
 def configure_from_env() -> None:

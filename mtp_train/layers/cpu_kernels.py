@@ -12,7 +12,12 @@ composites of 5–7 small ops (each op costs microseconds of dispatch on a decod
 See `python -m bench.cpu_kernels` and `python -m bench.engine` for what they buy.
 
 The kernel is plain C (AVX2 + FMA, no torch headers) and is called through ctypes, so building it
-takes about a second with the system C compiler and needs nothing from the Python environment. The
+takes about a second with the system C compiler and needs nothing from the Python environment. The gemv, the
+kernel that streams the weights, and the fused loss, which streams a logits chunk, also have AVX-512 bodies in the
+same library (per-function target attributes: the library still loads on an AVX2-only machine); they run where the
+CPU offers AVX-512F/VL/DQ (`isa()` says which runs; `KernelSettings.isa` can hold them to AVX2). The other kernels
+stay AVX2: they are bound by dispatch or by cache-resident rows, not by reading memory, and no dtype here is integer
+or bf16, so VNNI and AMX have no work. The
 library goes to the settings' cache folder (`KernelSettings.cache_dir`, by default `~/.cache/mtp_train/kernels`),
 named by a hash of its source and flags, written atomically, so concurrent processes share one build.
 
@@ -28,7 +33,8 @@ This module reads no environment: `configure` sets the settings (the commands ca
 environment variables `mtp_train.cli.common.kernel_settings_from_env` documents); a program that never calls it
 gets the kernels, built into the default folder with the first C compiler found. Where they cannot be used (not
 x86-64 with AVX2, no compiler, a failed build, switched off), `available()` is False and callers keep torch's
-paths; the reason is logged once.
+paths; the reason is logged once. Where they can, which of native and torch each op takes is `kernel_choice`'s
+(measured once per machine and cached beside the build).
 """
 
 from __future__ import annotations
@@ -71,6 +77,18 @@ class KernelSettings:
     cache_dir: Path | None = None  # where the built library is kept (shared by processes); None: default_cache_dir()
     compiler: str | None = None  # a C compiler (name on PATH or path) tried before COMPILERS
     off_reason: str = "switched off"  # what the log gives as the reason when enabled is False
+    isa: str = "auto"  # gemv and soft_ce_: auto (AVX-512 where the CPU has it, else AVX2), avx2, avx512
+    choice: str = "measure"  # native-or-torch per op: measure (kernel_choice), native (always), torch (never native)
+
+    def __post_init__(self) -> None:
+        if self.isa not in ISAS:
+            raise ValueError(f"KernelSettings.isa must be one of {ISAS}, got {self.isa!r}")
+        if self.choice not in CHOICES:
+            raise ValueError(f"KernelSettings.choice must be one of {CHOICES}, got {self.choice!r}")
+
+
+ISAS = ("auto", "avx2", "avx512")
+CHOICES = ("measure", "native", "torch")
 
 
 _lock = threading.Lock()
@@ -81,14 +99,31 @@ _reason = ""
 _off = 0  # depth of `disabled()` blocks
 _threads_ok = False  # True when the library bound to the OpenMP runtime already loaded (else one thread)
 _opened: dict[Path, tuple[ctypes.CDLL, bool]] = {}  # built libraries loaded so far (see `_open`)
+_isa = ""  # the gemv's and soft_ce_'s instruction set once loaded: "avx512" or "avx2"
+_gemv_fn = None  # the library's gemv entry point for `_isa`
+_soft_ce_fn = None  # and its soft_ce_ entry point
+_library: Path | None = None  # the loaded build
+_generation = 0  # bumped by `configure`: what was decided on the settings before is decided again
 
 
 def configure(settings: KernelSettings) -> None:
     """Use `settings` from now on: whether the kernels are used and how they are built is decided again at the
     next use (call it before models run; a library already loaded stays loaded and is reused)."""
-    global _settings, _lib, _tried, _reason, _threads_ok
+    global _settings, _lib, _tried, _reason, _threads_ok, _isa, _gemv_fn, _soft_ce_fn, _library, _generation
     with _lock:
         _settings, _lib, _tried, _reason, _threads_ok = settings, None, False, "", False
+        _isa, _gemv_fn, _soft_ce_fn, _library = "", None, None, None
+        _generation += 1
+
+
+def settings() -> KernelSettings:
+    """The settings in force (from `configure`, else the defaults)."""
+    return _settings
+
+
+def generation() -> int:
+    """A number that changes at every `configure` (what depends on the settings compares it)."""
+    return _generation
 
 
 def default_cache_dir() -> Path:
@@ -217,9 +252,7 @@ def build_library(cc: str, cache_dir: Path, source: Path = SOURCE) -> Path:
     folder = _private_dir(Path(cache_dir))
     out = folder / f"mtp_cpu_kernels_{_build_tag(src)}.so"
     # One check-and-build at a time per folder: a second process waits, then finds the build made.
-    lock_fd = os.open(folder / ".build.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    with folder_lock(folder):
         why = verify_library(out, src)
         if why:
             if why != "missing":
@@ -228,9 +261,18 @@ def build_library(cc: str, cache_dir: Path, source: Path = SOURCE) -> Path:
             why = verify_library(out, src)
             if why:
                 raise RuntimeError(f"the kernel library just built at {out} does not verify: {why}")
+    return out
+
+
+@contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """The kernel folder's lock (`.build.lock`, flock'd): one build, or one measurement, at a time per folder."""
+    lock_fd = os.open(folder / ".build.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        yield
     finally:
         os.close(lock_fd)
-    return out
 
 
 def _openmp_runtimes() -> set[str]:
@@ -253,10 +295,12 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
         return _opened[path]
     before = _openmp_runtimes()
     lib = ctypes.CDLL(str(path))
-    fn = lib.mtp_gemv_f32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
+    for fn in (lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512):
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    lib.mtp_cpu_avx512.argtypes = []
+    lib.mtp_cpu_avx512.restype = ctypes.c_int
     fn = lib.mtp_paged_attention_f32
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -271,10 +315,10 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_int, ctypes.c_float]
     fn.restype = None
-    fn = lib.mtp_soft_ce_f32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int]
-    fn.restype = None
+    for fn, ret in ((lib.mtp_soft_ce_f32, None), (lib.mtp_soft_ce_f32_avx512, ctypes.c_int)):
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        fn.restype = ret
     # Our libgomp.so.1 binds to the one torch already loaded, so our parallel regions reuse torch's
     # threads. If loading it brought a runtime of its own (a torch built on another OpenMP), that
     # runtime's spinning threads would share the cores with torch's: stay serial then.
@@ -289,7 +333,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
 
 def _load() -> ctypes.CDLL | None:
     """Build and load the library once per `configure`; None (with `_reason` set) where it cannot be used."""
-    global _lib, _tried, _reason, _threads_ok
+    global _lib, _tried, _reason, _threads_ok, _isa, _gemv_fn, _soft_ce_fn, _library
     with _lock:
         if _tried:
             return _lib
@@ -305,7 +349,11 @@ def _load() -> ctypes.CDLL | None:
             _reason = "no C compiler (cc/gcc/clang) on PATH"
         else:
             try:
-                _lib, _threads_ok = _open(build_library(cc, Path(cfg.cache_dir or default_cache_dir())))
+                _library = build_library(cc, Path(cfg.cache_dir or default_cache_dir()))
+                _lib, _threads_ok = _open(_library)
+                _isa = _pick_isa(_lib, cfg.isa)
+                _gemv_fn = _lib.mtp_gemv_f32_avx512 if _isa == "avx512" else _lib.mtp_gemv_f32
+                _soft_ce_fn = _lib.mtp_soft_ce_f32_avx512 if _isa == "avx512" else _lib.mtp_soft_ce_f32
             except (OSError, RuntimeError) as e:
                 # unexpected on a machine that should build them: say so where it is seen
                 _reason = str(e)
@@ -315,6 +363,32 @@ def _load() -> ctypes.CDLL | None:
         if _lib is None:
             log.info("native CPU kernels not used (%s); torch's paths serve decode steps", _reason)
         return _lib
+
+
+def _pick_isa(lib: ctypes.CDLL, wanted: str) -> str:
+    """The instruction set of gemv and soft_ce_ for `wanted` (KernelSettings.isa) on this CPU: AVX-512 only where
+    it runs."""
+    has_512 = bool(lib.mtp_cpu_avx512())
+    if wanted == "avx512" and not has_512:
+        log.warning("native CPU kernels: KernelSettings.isa=avx512, but this CPU does not offer AVX-512F/VL/DQ; "
+                    "gemv and soft_ce_ run on AVX2")
+    return "avx512" if has_512 and wanted != "avx2" else "avx2"
+
+
+def isa() -> str:
+    """The instruction set gemv and soft_ce_ run on ("avx512" or "avx2"; '' when the kernels are not available)."""
+    return _isa if available() else ""
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU (and OS) runs the AVX-512 kernels (False when the kernels are not available)."""
+    lib = _load()
+    return lib is not None and bool(lib.mtp_cpu_avx512())
+
+
+def loaded_library() -> Path | None:
+    """The kernel library in use (its build record lies beside it: `record_path`); None when not available."""
+    return _library if available() else None
 
 
 def _require() -> ctypes.CDLL:
@@ -357,12 +431,18 @@ def unavailable_reason() -> str:
     return _reason
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         isa: str | None = None) -> torch.Tensor:
     """x (M, K) float32 CPU, weight (N, K) contiguous, bias (N,) contiguous or None → x @ weightᵀ + bias, (M, N).
 
     Meant for small M (decode, verify); equals `F.linear` up to summation order. Call only when
     `available()`; x with a non-unit inner stride is made contiguous first. (Kept lean: it runs ~120
     times per decode step.)
+
+    Args:
+        x, weight, bias: as above.
+        isa: None (the instruction set in use, `isa()`), or "avx2" / "avx512" to run that body (to compare them);
+            "avx512" on a CPU without it raises RuntimeError.
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -376,9 +456,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         bias = bias.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     lib = _lib or _require()
-    lib.mtp_gemv_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                     y.data_ptr(), n, m, n, k, torch.get_num_threads() if _threads_ok else 1)
+    fn = _gemv_fn if isa is None else _by_isa(isa, lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512)
+    if fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+          y.data_ptr(), n, m, n, k, torch.get_num_threads() if _threads_ok else 1):
+        raise RuntimeError("gemv: this CPU does not run the AVX-512 body (AVX-512F/VL/DQ)")
     return y
+
+
+def _by_isa(isa: str, avx2_fn: object, avx512_fn: object) -> object:
+    """The entry point of `isa` ("avx2" or "avx512"; ValueError for anything else)."""
+    if isa not in ("avx2", "avx512"):
+        raise ValueError(f"isa must be None, 'avx2' or 'avx512', got {isa!r}")
+    return avx512_fn if isa == "avx512" else avx2_fn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -459,13 +548,16 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: to
     lib.mtp_rope_f32(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(), sin.data_ptr())
 
 
-def soft_ce_(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def soft_ce_(z: torch.Tensor, t: torch.Tensor,
+             isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row soft cross-entropy of z against t, with its gradient written over z (training's fused loss).
 
     z: (C, V) the head's logits, t: (C, V) the target's, both float32 CPU contiguous, both overwritten:
     z becomes softmax(z) - softmax(t) (d CE / d z) and t scratch. Returns (ce (C,) float32 =
     logsumexp(z) - Σ softmax(t)·z, best (C,) int64 = argmax t, rank (C,) int64 = how many of z exceed z[best]).
     One read of each row from memory instead of torch's ~8 passes over the chunk. Call only when `available()`.
+    isa: None (the instruction set in use, `isa()`), or "avx2" / "avx512" to run that body (to compare them);
+    "avx512" on a CPU without it raises RuntimeError.
     """
     if not (z.is_contiguous() and t.is_contiguous()) or z.shape != t.shape or z.dim() != 2:
         raise ValueError(f"soft_ce_: needs two contiguous (C, V) tensors, got {tuple(z.shape)}, {tuple(t.shape)}")
@@ -474,6 +566,8 @@ def soft_ce_(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     best = torch.empty(c, dtype=torch.int64)
     rank = torch.empty(c, dtype=torch.int64)
     lib = _lib or _require()
-    lib.mtp_soft_ce_f32(z.data_ptr(), t.data_ptr(), c, v, ce.data_ptr(), best.data_ptr(), rank.data_ptr(),
-                        torch.get_num_threads() if _threads_ok else 1)
+    fn = _soft_ce_fn if isa is None else _by_isa(isa, lib.mtp_soft_ce_f32, lib.mtp_soft_ce_f32_avx512)
+    if fn(z.data_ptr(), t.data_ptr(), c, v, ce.data_ptr(), best.data_ptr(), rank.data_ptr(),
+          torch.get_num_threads() if _threads_ok else 1):
+        raise RuntimeError("soft_ce_: this CPU does not run the AVX-512 body (AVX-512F/VL/DQ)")
     return ce, best, rank

@@ -15,23 +15,31 @@ For 17–128 rows the rows are padded with zeros to a multiple of 8 (MKL's GEMM 
 that has shrunk to 45 or 63 sequences ran at ~0.7× the speed of 48 or 64), and a wide output such as the lm_head's
 is made 2048 weight rows at a time (see `_small_m`).
 
+Those figures are one machine's: which of the native kernel and the torch path takes m = 1..16 rows is measured
+on the machine that runs it (`kernel_choice`, op "linear", one class per row count, timed over a set of weights
+larger than the last-level cache) and cached with the kernel build.
+
 The results equal `F.linear` up to floating-point summation order. These paths are used only for
 inference (no autograd through them); training and GPUs always take `F.linear`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mtp_train.config.device import on_cpu
-from mtp_train.layers import cpu_kernels
+from mtp_train.layers import cpu_kernels, kernel_choice
 
 SMALL_M_MAX = 128  # up to this many rows, (W @ xᵀ)ᵀ beats x @ Wᵀ on CPU
-GEMV_M_MAX = 16  # up to this many rows, the native kernel beats both (it turns compute-bound beyond)
+GEMV_M_MAX = 16  # up to this many rows the native kernel may serve (measured per row count; compute-bound beyond)
 ROW_MULTIPLE = 8  # small-M products are padded to a multiple of this many rows (see _small_m)
 WIDE_BLOCK = 2048  # weight rows per product of a wide small-M output (see _small_m)
+ROW_CLASSES = tuple(str(m) for m in range(GEMV_M_MAX + 1))  # kernel_choice's class of m rows: ROW_CLASSES[m]
 
 
 def _mkl_packing_available() -> bool:
@@ -70,8 +78,10 @@ def takes_small_m(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _takes_gemv(m: int, weight: torch.Tensor) -> bool:
-    """Whether `linear` gives m rows to the native matrix-vector kernel (fp32 weight, kernels available)."""
-    return m <= GEMV_M_MAX and weight.dtype == torch.float32 and cpu_kernels.available()
+    """Whether `linear` gives m rows to the native matrix-vector kernel (fp32 weight, kernels available, and the
+    faster path for m rows on this machine)."""
+    return (m <= GEMV_M_MAX and weight.dtype == torch.float32 and cpu_kernels.available()
+            and kernel_choice.prefers_native("linear", ROW_CLASSES[m]))
 
 
 def padded_t(x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +131,7 @@ class Linear(nn.Linear):
         """
         w = self.weight
         if (on_cpu(w.device) and w.dtype == torch.float32 and _mkl_packing_available()
-                and not cpu_kernels.available()):
+                and not _takes_gemv(1, w)):
             self._packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,3 +147,58 @@ def prepack_linears(module: nn.Module) -> int:
             m.prepack()
             n += m._packed is not None
     return n
+
+
+# ---- the native-or-torch measurement (kernel_choice) ---------------------------------------------------------------
+
+PROBE_SHAPES = ((2048, 768), (768, 2048))  # (out, in) of the probe's weights: a small LLM's MLP, in turn
+PROBE_MB_MIN, PROBE_MB_MAX = 16, 96  # the probe's weights in MiB: twice the last-level cache within these
+
+
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs), 32 MiB where it cannot be read."""
+    best = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = size.read_text().strip().upper()
+            best = max(best, int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return best or 32 << 20
+
+
+def _probe_setup() -> Callable[[str], tuple[Callable[[], object], Callable[[], object]]]:
+    """Weights that do not fit the last-level cache (each product streams them from memory, as a model's layers
+    do); for a class of m rows: (the native gemv over all of them, `linear`'s torch path over all of them)."""
+    # twice the cache: a cyclic read of a little more than it still hits partly (replacement is not strict LRU)
+    target = min(max(2 * _last_level_cache_bytes(), PROBE_MB_MIN << 20), PROBE_MB_MAX << 20)
+    weights: list[torch.Tensor] = []
+    while sum(w.numel() * 4 for w in weights) < target:
+        weights.append(torch.full(PROBE_SHAPES[len(weights) % len(PROBE_SHAPES)], 0.01))
+    packed = ([torch.ops.mkl._mkl_reorder_linear_weight(w, 1) for w in weights]
+              if _mkl_packing_available() else [None] * len(weights))
+
+    def work(cls: str) -> tuple[Callable[[], object], Callable[[], object]]:
+        m = int(cls)
+        xs = {k: torch.full((m, k), 0.5) for k in {w.shape[1] for w in weights}}
+
+        def native() -> None:
+            for w in weights:
+                cpu_kernels.gemv(xs[w.shape[1]], w)
+
+        def reference() -> None:  # what `linear` runs for m rows without the kernel (packed when prepack packs)
+            for w, p in zip(weights, packed):
+                x = xs[w.shape[1]]
+                if m == 1 and p is not None:
+                    torch.ops.mkl._mkl_linear(x, p, w, None, 1)
+                elif m == 1:
+                    F.linear(x, w)
+                else:
+                    _small_m(x, w, None)
+
+        return native, reference
+
+    return work
+
+
+kernel_choice.register(kernel_choice.Probe("linear", ROW_CLASSES[1:], _probe_setup, budget_s=0.4))

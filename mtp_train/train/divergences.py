@@ -33,7 +33,7 @@ import torch
 
 from mtp_train.config.loss import LOSS_KINDS
 from mtp_train.config.registry import Registry
-from mtp_train.layers import cpu_kernels
+from mtp_train.layers import cpu_kernels, kernel_choice
 
 LK_HYBRID_RATE = 3.0  # λ = exp(−rate · α), the LK paper's adaptive blend
 TOPK = 3  # the second accuracy reported: target argmax within the head's top-3
@@ -149,13 +149,19 @@ def _soft_ce_chunk(z: torch.Tensor, t: torch.Tensor, row_weight: torch.Tensor | 
 
 def _soft_ce_grad(z: torch.Tensor, t: torch.Tensor, row_weight: torch.Tensor | None) -> tuple[ChunkSums, torch.Tensor]:
     """Soft CE's d/dz written out, softmax(z) − p: in one native pass per row on fp32 CPU (z becomes the gradient in
-    place), else in torch."""
-    if cpu_kernels.serves(z, t):
+    place) where that is the faster path on this machine (`kernel_choice`, op "soft_ce"), else in torch."""
+    if cpu_kernels.serves(z, t) and kernel_choice.prefers_native("soft_ce", "chunk"):
         alpha = alpha_sum(z, t.softmax(-1))  # before the kernel turns z into d CE / d z
         # One pass per row in native code: CE, argmax, rank, and d CE / d z = softmax(z) - p over z.
         ce_rows, _, rank = cpu_kernels.soft_ce_(z, t)
         sums = (weighted_sum(ce_rows, row_weight), (rank == 0).sum(), (rank < min(TOPK, z.shape[-1])).sum(), alpha)
         return sums, z if row_weight is None else z.mul_(row_weight[:, None])
+    return _soft_ce_grad_torch(z, t, row_weight)
+
+
+def _soft_ce_grad_torch(z: torch.Tensor, t: torch.Tensor,
+                        row_weight: torch.Tensor | None) -> tuple[ChunkSums, torch.Tensor]:
+    """`_soft_ce_grad` in torch's ops (z and t left as they are)."""
     p = t.softmax(-1)
     lse = torch.logsumexp(z, -1)  # (C,)
     ce = weighted_sum(lse - (p * z).sum(-1), row_weight)
@@ -165,6 +171,30 @@ def _soft_ce_grad(z: torch.Tensor, t: torch.Tensor, row_weight: torch.Tensor | N
     if row_weight is not None:
         dz.mul_(row_weight[:, None])
     return (ce, top1, topk, alpha), dz
+
+
+PROBE_CHUNK = (256, 8192)  # (rows, vocabulary) of the probe's logits: a quarter of a default chunk, the demo's V
+
+
+def _soft_ce_probe_setup() -> Callable[[str], tuple[Callable[[], object], Callable[[], object]]]:
+    """One chunk of logits; (the fused native pass, torch's ops) over the same chunk, each after the copy the native
+    pass needs (it overwrites both inputs), so that only the loss's work differs."""
+    g = torch.Generator().manual_seed(0)
+    z0, t0 = torch.randn(*PROBE_CHUNK, generator=g), torch.randn(*PROBE_CHUNK, generator=g)
+    z, t = torch.empty_like(z0), torch.empty_like(t0)
+
+    def native() -> None:
+        z.copy_(z0), t.copy_(t0)
+        _soft_ce_grad(z, t, None)  # its native branch: kernel_choice answers "native" while it measures
+
+    def reference() -> None:
+        z.copy_(z0), t.copy_(t0)
+        _soft_ce_grad_torch(z, t, None)
+
+    return lambda cls: (native, reference)
+
+
+kernel_choice.register(kernel_choice.Probe("soft_ce", ("chunk",), _soft_ce_probe_setup, budget_s=0.15))
 
 
 TOKEN_LOSSES: Registry[TokenLoss] = Registry("loss kind")

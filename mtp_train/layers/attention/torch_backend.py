@@ -7,15 +7,20 @@ encodes both the sequence lengths and causality among the new tokens.
 Attention sinks (GPT-OSS: one learned logit per head that joins the softmax denominator and carries no value) are
 a `forward` argument: SDPA has none, so a layer with sinks takes an explicit softmax over [scores ; sink]
 (`sink_attention`), and the native CPU decode kernel takes them as an argument; layers without keep SDPA.
+
+Whether a CPU step takes the native kernel or the gather + SDPA path is measured on the machine (`kernel_choice`,
+op "attention": one class for decode steps, one query row per sequence, and one for verify steps, several).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from mtp_train.config.device import on_cpu
-from mtp_train.layers import cpu_kernels
+from mtp_train.layers import cpu_kernels, kernel_choice
 from mtp_train.layers.attention.base import AttentionBackend
 from mtp_train.layers.attention.masks import causal_mask
 from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
@@ -57,7 +62,8 @@ class TorchBackend(AttentionBackend):
         # advanced indexing with the 2-D table
         st["page_ids"] = meta.block_tables.reshape(-1).long()
         # CPU inference: the native kernel reads the pages in place (see forward)
-        st["native"] = on_cpu(meta.positions.device) and cpu_kernels.available()
+        st["native"] = (on_cpu(meta.positions.device) and cpu_kernels.available()
+                        and kernel_choice.prefers_native("attention", "decode" if max(meta.qo_lens) == 1 else "verify"))
         # a tree step's window counts the tokens' tree positions (their depths), not the slots they sit in
         tree_pos = meta.rope_positions if meta.tree_bits is not None else None
         if st["native"]:
@@ -138,3 +144,34 @@ class TorchBackend(AttentionBackend):
             outs.append(self._sdpa(q[None, lo: lo + n], keys[i: i + 1, :kv_len], values[i: i + 1, :kv_len],
                                    mask[:, None], causal=False, sinks=sinks)[0])
         return torch.cat(outs, 0)
+
+
+# ---- the native-or-torch measurement (kernel_choice) ---------------------------------------------------------------
+
+PROBE_HEADS, PROBE_CONTEXT, PROBE_PAGE = (16, 4, 64), 512, 16  # (Hq, Hkv, D), cached tokens, page size
+PROBE_ROWS = {"decode": 1, "verify": 4}  # new tokens of the one sequence per class
+
+
+def _probe_setup() -> Callable[[str], tuple[Callable[[], object], Callable[[], object]]]:
+    """One sequence of PROBE_CONTEXT cached tokens; for a class: (this backend's step on the native kernel, the same
+    step gathered through SDPA)."""
+    hq, hkv, d = PROBE_HEADS
+    pages = PROBE_CONTEXT // PROBE_PAGE + 1
+    backend = TorchBackend(hq, hkv, d)
+    cache = torch.randn(pages, 2, PROBE_PAGE, hkv, d, generator=torch.Generator().manual_seed(0))
+
+    def work(cls: str) -> tuple[Callable[[], object], Callable[[], object]]:
+        rows = PROBE_ROWS[cls]
+        q, k, v = torch.randn(rows, hq, d), torch.randn(rows, hkv, d), torch.randn(rows, hkv, d)
+        steps = []
+        for native in (True, False):
+            meta = AttentionMetadata.build([rows], [PROBE_CONTEXT], [list(range(pages))], PROBE_PAGE)
+            backend.prepare(meta)
+            meta.backend_state["native"] = native
+            steps.append(lambda meta=meta: backend.forward(q, k, v, cache, meta))
+        return steps[0], steps[1]
+
+    return work
+
+
+kernel_choice.register(kernel_choice.Probe("attention", tuple(PROBE_ROWS), _probe_setup, budget_s=0.1))

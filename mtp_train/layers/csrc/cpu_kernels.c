@@ -11,11 +11,18 @@
  * Summation order: 4 (M = 1) or 2 (M > 1) interleaved 8-wide partial sums per output, then a
  * horizontal sum, then the K % 8 tail in scalar order.
  *
+ * mtp_gemv_f32_avx512 — the same product with 16-wide AVX-512 registers (the K % 16 tail through a masked load
+ * instead of scalar code). Compiled with per-function target attributes, so the library still loads on an
+ * AVX2-only machine; it returns -1 without touching y where the CPU (or the OS) does not offer AVX-512F/VL/DQ
+ * (mtp_cpu_avx512 says which), and the caller picks it only where mtp_cpu_avx512 returned 1.
+ *
  * mtp_rmsnorm_f32 — RMSNorm of few rows, y = w * x / sqrt(mean(x^2) + eps), one pass to sum the
  * squares and one to scale: on a 576-wide row this is ~1 us where torch's composite takes ~70 us.
  *
  * mtp_soft_ce_f32 — training's fused soft cross-entropy over a (C, V) logits chunk: per row, the CE, the
  * target's argmax and its rank among the head's logits, and the gradient written over the head's logits.
+ * mtp_soft_ce_f32_avx512 is the same on 16-wide registers (it streams the chunk, as the gemv streams weights), with
+ * the same -1 answer where the CPU cannot run it.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -78,21 +85,115 @@ static void one_row(const float *w, const float *x, long xs, int M, int K, float
     if (m < M) y[m * ys] = dot1(w, x + m * xs, K);
 }
 
-int mtp_gemv_f32(const float *x, long xs, const float *w, const float *b, float *y, long ys,
-                 int M, int N, int K, int num_threads) {
+/* Rows n0 .. n1 - 1 of W (and of the bias) into columns n0 .. n1 - 1 of y: one thread's chunk. */
+typedef void (*gemv_chunk_fn)(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                              int M, int K, int n0, int n1);
+
+static void chunk_avx2(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                       int M, int K, int n0, int n1) {
+    for (int n = n0; n < n1; n++) {
+        one_row(w + (size_t)n * K, x, xs, M, K, y + n, ys);
+        if (b) for (int m = 0; m < M; m++) y[m * ys + n] += b[n];
+    }
+}
+
+/* The thread split shared by both instruction sets (the OpenMP region holds no ISA-specific code). */
+static int gemv_split(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                      int M, int N, int K, int num_threads, gemv_chunk_fn chunk_fn) {
     /* Rows per thread chunk: big enough that a chunk's W (>= 64 KiB) amortises the scheduling. */
     int chunk = (16384 + K - 1) / K;
     if (chunk < 1) chunk = 1;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && (long)N * K >= 65536)
-    for (int n0 = 0; n0 < N; n0 += chunk) {
-        int n1 = n0 + chunk < N ? n0 + chunk : N;
-        for (int n = n0; n < n1; n++) {
-            one_row(w + (size_t)n * K, x, xs, M, K, y + n, ys);
-            if (b) for (int m = 0; m < M; m++) y[m * ys + n] += b[n];
-        }
-    }
+    for (int n0 = 0; n0 < N; n0 += chunk)
+        chunk_fn(x, xs, w, b, y, ys, M, K, n0, n0 + chunk < N ? n0 + chunk : N);
     return 0;
 }
+
+int mtp_gemv_f32(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                 int M, int N, int K, int num_threads) {
+    return gemv_split(x, xs, w, b, y, ys, M, N, K, num_threads, chunk_avx2);
+}
+
+/* ---- AVX-512 (F, VL, DQ): built into the same library, run only where mtp_cpu_avx512() is 1 ---------------- */
+#define AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma")))
+
+/* 1 when this CPU and OS run AVX-512F/VL/DQ code (libgcc / compiler-rt check the OS's ZMM state too), else 0. */
+int mtp_cpu_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
+           && __builtin_cpu_supports("avx512dq");
+}
+
+/* The lanes below `n` (0..16) of a 16-wide register: the mask of a tail. */
+AVX512 static inline __mmask16 tail_mask(int n) { return (__mmask16)((1u << n) - 1u); }
+
+/* dot1 on 16-wide registers: four accumulators, then one masked step for the K % 16 tail. */
+AVX512 static inline float dot1_512(const float *restrict w, const float *restrict x, int K) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int k = 0;
+    for (; k + 64 <= K; k += 64) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+    }
+    for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+    if (k < K) {
+        __mmask16 t = tail_mask(K - k);
+        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(t, w + k), _mm512_maskz_loadu_ps(t, x + k), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+/* dot_rows on 16-wide registers: MB (1..2) outputs of one W row, each W chunk loaded once for all of them. */
+AVX512 static inline __attribute__((always_inline)) void dot_rows_512(const float *restrict w,
+                                                                      const float *restrict x, long xs, int MB,
+                                                                      int K, float *y, long ys) {
+    __m512 a[2], c[2];
+    for (int m = 0; m < MB; m++) { a[m] = _mm512_setzero_ps(); c[m] = _mm512_setzero_ps(); }
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512 wv = _mm512_loadu_ps(w + k), wv2 = _mm512_loadu_ps(w + k + 16);
+        for (int m = 0; m < MB; m++) {
+            a[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * xs + k), a[m]);
+            c[m] = _mm512_fmadd_ps(wv2, _mm512_loadu_ps(x + m * xs + k + 16), c[m]);
+        }
+    }
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv = _mm512_loadu_ps(w + k);
+        for (int m = 0; m < MB; m++) a[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * xs + k), a[m]);
+    }
+    if (k < K) {
+        __mmask16 t = tail_mask(K - k);
+        __m512 wv = _mm512_maskz_loadu_ps(t, w + k);
+        for (int m = 0; m < MB; m++) c[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(t, x + m * xs + k), c[m]);
+    }
+    for (int m = 0; m < MB; m++) y[m * ys] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], c[m]));
+}
+
+/* one_row on 16-wide registers: pairs of x rows per W row, as the AVX2 path (the pair width is the AVX2
+   machine's measured best; `bench.cpu_kernels --baseline-source` times another choice against it). */
+AVX512 static void one_row_512(const float *w, const float *x, long xs, int M, int K, float *y, long ys) {
+    int m = 0;
+    for (; m + 2 <= M; m += 2) dot_rows_512(w, x + m * xs, xs, 2, K, y + m * ys, ys);
+    if (m < M) y[m * ys] = dot1_512(w, x + m * xs, K);
+}
+
+AVX512 static void chunk_avx512(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                                int M, int K, int n0, int n1) {
+    for (int n = n0; n < n1; n++) {
+        one_row_512(w + (size_t)n * K, x, xs, M, K, y + n, ys);
+        if (b) for (int m = 0; m < M; m++) y[m * ys + n] += b[n];
+    }
+}
+
+/* mtp_gemv_f32 on AVX-512; -1 (y untouched) where this CPU cannot run it. */
+int mtp_gemv_f32_avx512(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+                        int M, int N, int K, int num_threads) {
+    if (!mtp_cpu_avx512()) return -1;
+    return gemv_split(x, xs, w, b, y, ys, M, N, K, num_threads, chunk_avx512);
+}
+#undef AVX512
 
 /* x: (M, K) row stride xs; w: (K,); y: (M, K) contiguous. */
 void mtp_rmsnorm_f32(const float *x, long xs, const float *w, float *y, int M, int K, float eps) {
@@ -336,8 +437,94 @@ static float soft_ce_row(float *restrict z, float *restrict t, int V, int64_t *b
 
 /* mtp_soft_ce_f32 — the soft cross-entropy of C rows and its gradient, in place (see soft_ce_row).
  * z, t: (C, V) contiguous; ce: (C,) per-row CE; best, rank: (C,). Rows are split over OpenMP threads. */
-void mtp_soft_ce_f32(float *z, float *t, int C, int V, float *ce, int64_t *best, int64_t *rank, int num_threads) {
+typedef float (*soft_ce_row_fn)(float *restrict z, float *restrict t, int V, int64_t *best, int64_t *rank);
+
+static void soft_ce_split(float *z, float *t, int C, int V, float *ce, int64_t *best, int64_t *rank, int num_threads,
+                          soft_ce_row_fn row_fn) {
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && C > 1)
     for (int r = 0; r < C; r++)
-        ce[r] = soft_ce_row(z + (size_t)r * V, t + (size_t)r * V, V, best + r, rank + r);
+        ce[r] = row_fn(z + (size_t)r * V, t + (size_t)r * V, V, best + r, rank + r);
 }
+
+void mtp_soft_ce_f32(float *z, float *t, int C, int V, float *ce, int64_t *best, int64_t *rank, int num_threads) {
+    soft_ce_split(z, t, C, V, ce, best, rank, num_threads, soft_ce_row);
+}
+
+/* ---- the soft cross-entropy on AVX-512 (run only where mtp_cpu_avx512() is 1) --------------------------------- */
+#define AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma")))
+
+/* exp8 on 16 lanes (the same reduction and polynomial; 2^n applied by scalef). */
+AVX512 static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* soft_ce_row on 16-wide registers: the same three passes, the same outputs (the V % 16 tail in scalar code). */
+AVX512 static float soft_ce_row_512(float *restrict z, float *restrict t, int V, int64_t *best, int64_t *rank) {
+    __m512 mz16 = _mm512_set1_ps(-INFINITY), mt16 = mz16;
+    int i = 0;
+    for (; i + 16 <= V; i += 16) {
+        mz16 = _mm512_max_ps(mz16, _mm512_loadu_ps(z + i));
+        mt16 = _mm512_max_ps(mt16, _mm512_loadu_ps(t + i));
+    }
+    float mz = _mm512_reduce_max_ps(mz16), mt = _mm512_reduce_max_ps(mt16);
+    for (; i < V; i++) {
+        mz = z[i] > mz ? z[i] : mz;
+        mt = t[i] > mt ? t[i] : mt;
+    }
+    int b = 0;
+    while (b < V - 1 && t[b] != mt) b++;
+    float zb = z[b];
+    __m512 sz16 = _mm512_setzero_ps(), st16 = sz16, d16 = sz16;
+    __m512 vmz = _mm512_set1_ps(mz), vmt = _mm512_set1_ps(mt), vzb = _mm512_set1_ps(zb);
+    long r = 0;
+    for (i = 0; i + 16 <= V; i += 16) {
+        __m512 zv = _mm512_loadu_ps(z + i);
+        __m512 ez = exp16(_mm512_sub_ps(zv, vmz)), et = exp16(_mm512_sub_ps(_mm512_loadu_ps(t + i), vmt));
+        sz16 = _mm512_add_ps(sz16, ez);
+        st16 = _mm512_add_ps(st16, et);
+        d16 = _mm512_fmadd_ps(et, zv, d16);
+        r += __builtin_popcount((unsigned)_mm512_cmp_ps_mask(zv, vzb, _CMP_GT_OQ));
+        _mm512_storeu_ps(z + i, ez);
+        _mm512_storeu_ps(t + i, et);
+    }
+    float sz = _mm512_reduce_add_ps(sz16), st = _mm512_reduce_add_ps(st16), d = _mm512_reduce_add_ps(d16);
+    for (; i < V; i++) {
+        float ez = expf(z[i] - mz), et = expf(t[i] - mt);
+        sz += ez;
+        st += et;
+        d += et * z[i];
+        r += z[i] > zb;
+        z[i] = ez;
+        t[i] = et;
+    }
+    float isz = 1.f / sz, ist = 1.f / st;
+    __m512 visz = _mm512_set1_ps(isz), vist = _mm512_set1_ps(ist);
+    for (i = 0; i + 16 <= V; i += 16)
+        _mm512_storeu_ps(z + i, _mm512_fnmadd_ps(_mm512_loadu_ps(t + i), vist,
+                                                 _mm512_mul_ps(_mm512_loadu_ps(z + i), visz)));
+    for (; i < V; i++) z[i] = z[i] * isz - t[i] * ist;
+    *best = b;
+    *rank = (int64_t)r;
+    return mz + logf(sz) - d * ist;
+}
+
+/* mtp_soft_ce_f32 on AVX-512; -1 (nothing written) where this CPU cannot run it. */
+int mtp_soft_ce_f32_avx512(float *z, float *t, int C, int V, float *ce, int64_t *best, int64_t *rank,
+                           int num_threads) {
+    if (!mtp_cpu_avx512()) return -1;
+    soft_ce_split(z, t, C, V, ce, best, rank, num_threads, soft_ce_row_512);
+    return 0;
+}
+#undef AVX512
