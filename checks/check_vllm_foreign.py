@@ -5,8 +5,8 @@ The family is IBM Granite (`GraniteForCausalLM`, model_type granite): vLLM serve
 a Llama by its multipliers (embedding, residual, attention, logits), so running it as a Llama would be wrong: our
 engine refuses it, and the head never needs it.
 
-1. a tiny random Granite built with transformers' random init (8 layers, H = 64) and SmolLM2's tokenizer and chat
-   template (`--tokenizer`, default models/smollm2-135m-instruct), under `<out>/target`;
+1. a tiny random Granite built with transformers' random init (8 layers, H = 128, D = 64) and SmolLM2's tokenizer
+   and chat template (`--tokenizer`, default models/smollm2-135m-instruct), under `<out>/target`;
 2. `--conversations` demo prompts, each with a fixed answer (checks/check_vllm_capture.py's);
 3. `mtp-precompute backend=vllm` (vLLM's CPU build, our KV connector) storing aux layers [2, 4, 5];
 4. `mtp-train head=eagle3` on that folder for `--steps` steps (only the target's embedding and lm_head are read);
@@ -35,8 +35,8 @@ FAMILY = "granite"  # the model_type of the target built here (one vLLM serves w
 AUX_LAYERS = (2, 4, 5)  # of 8 layers: EAGLE-3's low / mid / high, each a layer another follows (vLLM reads those)
 
 
-def make_foreign_target(out: Path, tokenizer_dir: Path, *, num_layers: int = 8, hidden_size: int = 64,
-                        tie: bool = False, seed: int = 0) -> Path:
+def make_foreign_target(out: Path, tokenizer_dir: Path, *, num_layers: int = 8, hidden_size: int = 128,
+                        head_dim: int = 64, tie: bool = False, seed: int = 0) -> Path:
     """A random Granite (transformers' random init, float32) with the tokenizer and chat template of
     `tokenizer_dir`, saved with them to `out`; returns `out`.
 
@@ -44,7 +44,8 @@ def make_foreign_target(out: Path, tokenizer_dir: Path, *, num_layers: int = 8, 
         out: the folder to write.
         tokenizer_dir: a Hugging Face folder whose tokenizer (and template) the target takes.
         num_layers: decoder layers.
-        hidden_size: H (4 query heads, 2 key/value heads, MLP 2H).
+        hidden_size: H (H / head_dim query heads, half as many key/value heads, MLP 2H).
+        head_dim: D; vLLM's CPU attention takes 32, 64, 80, ... (not 16).
         tie: tie the lm_head to the embedding (checkpoints then hold no lm_head.weight).
         seed: torch's seed for the random weights.
     """
@@ -55,7 +56,8 @@ def make_foreign_target(out: Path, tokenizer_dir: Path, *, num_layers: int = 8, 
     eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
     cfg = transformers.GraniteConfig(
         vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        num_attention_heads=hidden_size // head_dim, num_key_value_heads=max(1, hidden_size // head_dim // 2),
+        head_dim=head_dim, max_position_embeddings=2048, rms_norm_eps=1e-5,
         tie_word_embeddings=tie, bos_token_id=tok.bos_token_id, eos_token_id=eos, pad_token_id=None,
         # Granite's own scalings (not a Llama's): the embedding and each residual branch scaled, attention scaled
         # by a constant instead of 1/sqrt(d); the logits left unscaled so that lm_head(h) is the target's.

@@ -39,12 +39,14 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory, tokenizer_dir) -> Path:
-    return make_foreign_target(tmp_path_factory.mktemp("granite") / "untied", tokenizer_dir, hidden_size=32)
+    return make_foreign_target(tmp_path_factory.mktemp("granite") / "untied", tokenizer_dir, hidden_size=32,
+                               head_dim=8)
 
 
 @pytest.fixture(scope="module")
 def granite_tied(tmp_path_factory, tokenizer_dir) -> Path:
-    return make_foreign_target(tmp_path_factory.mktemp("granite") / "tied", tokenizer_dir, hidden_size=32, tie=True)
+    return make_foreign_target(tmp_path_factory.mktemp("granite") / "tied", tokenizer_dir, hidden_size=32, head_dim=8,
+                               tie=True)
 
 
 def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
