@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from checks.check_vllm_capture import write_conversations
-from checks.check_vllm_foreign import AUX_LAYERS, make_foreign_target
+from checks.check_vllm_foreign import AUX_LAYERS, TOLERANCE, capture_errors, make_foreign_target
 from mtp_train.cli.precompute import precompute_main
 from mtp_train.cli.train import train_main
 from mtp_train.config import EvalConfig
@@ -40,6 +40,7 @@ def test_an_eagle3_head_for_a_granite_target_trains_on_vllm_states_and_runs_in_v
         f"out={tmp_path / 'pc'}", "backend=vllm", f"vllm_python={VLLM_PYTHON}", "progress=false"]))
     manifest = json.loads((tmp_path / "pc" / "manifest.json").read_text())
     assert manifest["target"]["model_type"] == "granite" and manifest["hidden"]["aux_layers"] == list(AUX_LAYERS)
+    assert max(capture_errors(target, tmp_path / "pc").values()) <= TOLERANCE  # transformers' forward: the reference
     result = train_main(compose_config("train", [
         *model, "head=eagle3", f"data.dir={tmp_path / 'pc'}", f"head.aux_layers={aux}", "head.draft_vocab_size=1024",
         f"train.max_steps={STEPS}", "train.micro_batch_tokens=1024", "train.eval_every=0", "train.eval_batches=1",
