@@ -66,15 +66,27 @@ def test_a_foreign_target_is_read_for_its_shapes_as_a_llama_block_would_take_the
     assert head_target_args(tokenizer_dir).model_type == "llama"  # a registered family: its own parse
 
 
-def test_only_the_embedding_and_lm_head_are_read_untied_and_tied(granite, granite_tied):
+def test_only_the_embedding_and_lm_head_are_read_untied_and_tied(granite, granite_tied, monkeypatch):
+    import mtp_train.heads.frozen as frozen_mod
+
+    read: list[str] = []
+    iter_tensors = frozen_mod.iter_tensors
+
+    def spy(files):
+        for n, t in iter_tensors(files):
+            read.append(n)
+            yield n, t
+
+    monkeypatch.setattr(frozen_mod, "iter_tensors", spy)
     ckpt = _checkpoint(granite)
     parts = FrozenTargetParts.from_pretrained(granite, dtype="float32")
+    assert read == ["model.embed_tokens.weight", "lm_head.weight"]  # never a layer of the family
     assert not parts.tied
     torch.testing.assert_close(parts.embed, ckpt["model.embed_tokens.weight"], rtol=0, atol=0)
     torch.testing.assert_close(parts.lm_head, ckpt["lm_head.weight"], rtol=0, atol=0)
     assert "lm_head.weight" not in _checkpoint(granite_tied)  # a tied checkpoint stores the embedding alone
     tied = FrozenTargetParts.from_pretrained(granite_tied, dtype="float32")
-    assert tied.tied and tied.lm_head is tied.embed
+    assert tied.tied and tied.lm_head is tied.embed and read[2:] == ["model.embed_tokens.weight"]
     torch.testing.assert_close(tied.embed, _checkpoint(granite_tied)["model.embed_tokens.weight"], rtol=0, atol=0)
 
 
