@@ -163,7 +163,7 @@ def _train_cfg(target: Path, *extra: str) -> TrainConfig:
     (("data.source=online", "data.paths=[c.jsonl]"), "data.source=online (hidden states from our engine)"),
     (("data.source=hybrid", "data.paths=[c.jsonl]"), "data.source=hybrid (hidden states from our engine)"),
     (("spec_eval.prompts=[demo-heldout]",), "spec_eval.prompts (validation by our engine"),
-    (("head=mtp",), "head=mtp (a head over the family's own layers)"),
+    (("head=mtp",), "head=mtp (a head over the family's own layers; such a target takes head=eagle3)"),
 ])
 def test_training_refuses_what_would_run_a_foreign_target(granite, extra, said):
     with pytest.raises(ConfigError) as e:

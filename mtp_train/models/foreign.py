@@ -59,8 +59,8 @@ def describe(cfg: dict[str, Any]) -> str:
 def refusal(path: str | Path, what: str) -> str:
     """The one-line message refusing `what` (e.g. "data.source=online") for the foreign target in `path`."""
     cfg = read_config_json(path)
-    return (f"model.path={path} is a {describe(cfg)} target, which our engine does not implement; {what} needs it: "
-            f"{VLLM_ROUTE}")
+    return f"model.path={path} is a {describe(cfg)} target, which our engine does not implement and {what} needs: " \
+        f"{VLLM_ROUTE}"
 
 
 def foreign_args(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
