@@ -7,7 +7,9 @@ EAGLE-3 support and no family here runs it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -226,3 +228,24 @@ def test_the_commands_refuse_a_foreign_target_in_one_line(granite, tmp_path):
         r = subprocess.run(base + extra, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_python_without_vllm_is_one_line_and_stops_nothing_else(granite, tmp_path, monkeypatch):
+    """The driver's protocol up to vLLM's import: the head exported, the staged side started from `vllm_python`
+    (this environment's python, which has no vLLM), its failure read back as one line naming the environment."""
+    from mtp_train.data.prompts import load_prompt_sets
+    from mtp_train.eval.vllm import evaluate_vllm
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here")
+    head = build_head(HeadConfig(type="eagle3", aux_layers=[2, 4, 5], draft_vocab_size=64), granite, dtype="float32")
+    save_head(head, tmp_path / "head")
+    ec = EvalConfig(model=ModelConfig(path=str(granite), dtype="float32", fetch=None), head_ckpt=str(tmp_path / "head"),
+                    backend="vllm", vllm_python=sys.executable, k=2, max_new_tokens=4, out=str(tmp_path / "ev"))
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # prompt-set paths are relative to the checkout
+    (tmp_path / "ev").mkdir()
+    with pytest.raises(VllmEvalError, match=r"vllm_python cannot import vLLM \(ModuleNotFoundError") as e:
+        evaluate_vllm(ec, load_prompt_sets(["demo-heldout"], 1), environ=dict(os.environ))
+    assert "\n" not in str(e.value)
+    assert (tmp_path / "ev" / "export" / "model.safetensors").is_file()  # exported before vLLM started
+    assert "No module named 'vllm'" in (tmp_path / "ev" / "vllm-eval.log").read_text()
