@@ -45,6 +45,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -395,10 +396,12 @@ def run_vllm(a: argparse.Namespace, req: dict[str, Any], name: str, out: Path) -
         if "error" not in result:
             return result
     req_path.write_text(json.dumps(req) + "\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this project in vLLM's venv
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     print(f"check-vllm: vLLM {name} ({len(req['prompts'])} prompts; log: {log})", flush=True)
-    with open(log, "w") as f:
+    from mtp_train.capture import launch
+
+    with tempfile.TemporaryDirectory(prefix="check-vllm-") as tmp, open(log, "w") as f:
+        # Of this project, vLLM's venv sees only the staged vLLM-side modules (vllm_side imports vllm_generate).
+        env = launch.child_env(os.environ, launch.stage_modules(Path(tmp)), 2)
         rc = subprocess.call([a.vllm_python, str(ROOT / "checks" / "vllm_side.py"), "--request", str(req_path),
                               "--out", str(result_path)], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     result = json.loads(result_path.read_text()) if result_path.is_file() else {}

@@ -1,8 +1,9 @@
 """The vLLM half of `make check-vllm`: greedy decoding of given prompt token ids by vLLM, plain or speculative.
 
-Runs inside vLLM's own virtual environment (`.venv-vllm`, vLLM's CPU build), so it imports only vLLM,
-transformers and the standard library, never mtp_train. `checks/check_vllm.py` writes the request and reads the
-result; both are JSON files:
+Runs inside vLLM's own virtual environment (`.venv-vllm`, vLLM's CPU build), so it imports only vLLM, the standard
+library and the package's staged vLLM-side module `mtp_train.capture.vllm_generate` (the counters and engine
+settings `mtp-eval backend=vllm` uses too), never the rest of mtp_train. `checks/check_vllm.py` writes the
+request and reads the result; both are JSON files:
 
     request: {"model": DIR, "prompts": [[token id, ...], ...], "max_tokens": 96, "stop_token_ids": [...],
               "max_model_len": 2048, "dtype": "float32",
@@ -26,59 +27,24 @@ import argparse
 import json
 import sys
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# vLLM's spec-decode counters (v1 engine), by metric name.
-DRAFTS = "vllm:spec_decode_num_drafts"
-DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
-ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# vLLM's counters and engine settings are the package's (`mtp-eval backend=vllm` reads them the same way); this
+# file runs with the staged capture modules on its PYTHONPATH (`mtp_train.capture.launch.stage_modules`).
+from mtp_train.capture.vllm_generate import (
+    ACCEPTED,
+    ACCEPTED_PER_POS,
+    DRAFT_TOKENS,
+    DRAFTS,
+    engine_kwargs,
+    spec_counts,
+    spec_summary,
+)
 
-
-def spec_counts(metrics: Iterable[Any]) -> dict[str, Any] | None:
-    """vLLM's spec-decode counters from `llm.get_metrics()` (objects with .name and .value, or .values for the
-    per-position vector), summed over label sets; None when the engine reported none (no speculative decoding)."""
-    counts: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted": 0, "accepted_per_pos": []}
-    seen = False
-    keys = {DRAFTS: "num_drafts", DRAFT_TOKENS: "num_draft_tokens", ACCEPTED: "num_accepted"}
-    for m in metrics:
-        name = getattr(m, "name", "")
-        if name in keys:
-            counts[keys[name]] += int(m.value)
-            seen = True
-        elif name == ACCEPTED_PER_POS:
-            values = [int(v) for v in m.values]
-            per = counts["accepted_per_pos"]
-            per.extend([0] * (len(values) - len(per)))
-            for j, v in enumerate(values):
-                per[j] += v
-            seen = True
-    return counts if seen else None
-
-
-def spec_summary(counts: dict[str, Any]) -> dict[str, Any]:
-    """τ = 1 + accepted / drafts (vLLM's mean acceptance length), acceptance rate = accepted / drafted tokens,
-    per position j = share of drafts whose token j was accepted (≥ j+1 accepted): the definitions mtp-eval uses."""
-    drafts = counts["num_drafts"]
-    return {**counts,
-            "tau": 1.0 + counts["num_accepted"] / drafts if drafts else 1.0,
-            "acceptance_rate": counts["num_accepted"] / counts["num_draft_tokens"] if counts["num_draft_tokens"]
-            else 0.0,
-            "per_position": [a / drafts if drafts else 0.0 for a in counts["accepted_per_pos"]]}
-
-
-def engine_kwargs(req: dict[str, Any]) -> dict[str, Any]:
-    """`vllm.LLM(**kwargs)` for a request: float32 eager CPU engine, one sequence at a time, the head if given."""
-    kwargs: dict[str, Any] = {"model": req["model"], "dtype": req.get("dtype", "float32"), "enforce_eager": True,
-                              "max_model_len": int(req.get("max_model_len", 2048)), "max_num_seqs": 1, "seed": 0,
-                              "disable_log_stats": False}  # get_metrics() needs the engine's stats
-    spec = req.get("speculative")
-    if spec:
-        kwargs["speculative_config"] = {"method": spec["method"], "model": spec["model"],
-                                        "num_speculative_tokens": int(spec["num_speculative_tokens"])}
-    return kwargs
+__all__ = ["ACCEPTED", "ACCEPTED_PER_POS", "DRAFTS", "DRAFT_TOKENS", "engine_kwargs", "main", "run", "spec_counts",
+           "spec_summary"]
 
 
 def run(req: dict[str, Any]) -> dict[str, Any]:

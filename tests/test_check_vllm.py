@@ -148,12 +148,19 @@ def test_engine_arguments():
                                                              "num_speculative_tokens": 3}
 
 
-def test_the_vllm_side_imports_only_vllm_transformers_and_the_standard_library():
-    tree = ast.parse((ROOT / "checks" / "vllm_side.py").read_text())
-    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert "vllm" in roots
-    assert roots - {"vllm", "transformers", "__future__"} <= set(sys.stdlib_module_names)
+def test_the_vllm_side_imports_only_vllm_the_standard_library_and_the_staged_module():
+    from mtp_train.capture import launch
+
+    for path in (ROOT / "checks" / "vllm_side.py", ROOT / "mtp_train" / "capture" / "vllm_generate.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        ours = {n for n in names if n.split(".")[0] == "mtp_train"}
+        assert ours <= {"mtp_train.capture.vllm_generate"}, path  # staged for vLLM's process
+        assert "capture/vllm_generate.py" in launch.CHILD_MODULES
+        roots = {n.split(".")[0] for n in names - ours}
+        assert roots - {"vllm", "transformers", "__future__"} <= set(sys.stdlib_module_names), path
+    assert "vllm" in {n.split(".")[0] for n in names}
 
 
 def test_a_dflash_head_is_trained_with_the_block_vllm_drafts():

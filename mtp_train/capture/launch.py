@@ -23,7 +23,7 @@ import mtp_train
 PACKAGE_DIR = Path(mtp_train.__file__).parent
 # What vLLM's processes import of ours: the package's (empty) inits and the capture modules the connector uses.
 CHILD_MODULES = ("__init__.py", "capture/__init__.py", "capture/book.py", "capture/saver.py", "capture/spool.py",
-                 "capture/vllm_connector.py", "capture/vllm_run.py")
+                 "capture/vllm_connector.py", "capture/vllm_run.py", "capture/vllm_generate.py")
 RUN_MODULE = "mtp_train.capture.vllm_run"
 
 

@@ -3,6 +3,7 @@
     mtp-eval model=smollm2-135m head_ckpt=runs/train/heads/step-1000 prompts=[demo-heldout,mt-bench] k=4
     mtp-eval head_ckpt=DIR k=[1,2,3,4,5,6] temperature=[0,1] limit=20 max_new_tokens=128 out=runs/eval/grid
     mtp-eval method=draft draft_model=models/draft k=3 prompts=[data/demo_heldout.jsonl]
+    mtp-eval backend=vllm model.path=models/granite head_ckpt=runs/train/heads/step-200 k=3   # measured in vLLM
 
 Writes into `out`: report.json (one row per prompt set and grid point, plus "overall" rows and the best k at
 temperature 0), report.md (the same as a table), outputs.jsonl (per prompt: each turn's token ids and text),
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +31,17 @@ from mtp_train.cli.common import (
 )
 from mtp_train.cli.outputs import claims_output
 from mtp_train.config import EvalConfig, rank_device, typed
-from mtp_train.data.prompts import load_prompt_sets
+from mtp_train.data.prompts import PromptSet, load_prompt_sets
 from mtp_train.engine.turns import stop_token_ids
 from mtp_train.eval.acceptance import RunResult, evaluate
 from mtp_train.eval.methods import MethodSet
 from mtp_train.eval.options import expand_grid
 from mtp_train.eval.report import markdown_table, output_records, plot, write_jsonl
 from mtp_train.eval.rows import attach_ngram, best_row, overall_rows, result_row
+from mtp_train.eval.vllm import evaluate_vllm
 from mtp_train.fileio import atomic_write_text
+from mtp_train.models.config import ModelConfigError
+from mtp_train.models.foreign import foreign_dir, refusal
 
 log = logging.getLogger(__name__)
 PROG = "mtp-eval"
@@ -49,6 +54,10 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
     points = expand_grid(ec)  # an unknown method too
     prompt_sets = load_prompt_sets(list(ec.prompts), ec.limit)  # data errors before the model loads
     ensure_model(ec.model)
+    if ec.backend == "vllm":
+        return vllm_main(cfg, ec, prompt_sets)
+    if foreign_dir(ec.model.path):
+        raise ModelConfigError(refusal(ec.model.path, "backend=engine (our engine runs the target)"))
     target, tokenizer, target_dir = load_target(ec.model, rank_device(ec.model.device))
     methods = MethodSet.load(ec, target, tokenizer, target_dir, points)  # a bad option value fails here
     out = Path(ec.out)
@@ -90,6 +99,26 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
         print(f"{PROG}: best at T=0: {best['label']} (k={best['k']}) tau {best['tau']:.2f} speed-up "
               f"{best['speedup']:.2f}{floor} → {out}/report.json", flush=True)
     log.info("wrote %s", ", ".join(str(p) for p in [out / "report.json", out / "outputs.jsonl", *files]))
+    return report
+
+
+def vllm_main(cfg: DictConfig, ec: EvalConfig, prompt_sets: list[PromptSet]) -> dict[str, Any]:
+    """`backend=vllm`: the head exported and measured inside vLLM (`mtp_train.eval.vllm`); the same files."""
+    out = Path(ec.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, outputs = evaluate_vllm(ec, prompt_sets, environ=dict(os.environ))
+    report = {"config": to_dict(cfg), "rows": rows, "best": None, "target": str(ec.model.path), "backend": "vllm",
+              "export": str(out / "export")}
+    save_config(cfg, out / "config.yaml")
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
+    write_jsonl(out / "outputs.jsonl", outputs)
+    table = markdown_table(rows)
+    atomic_write_text(out / "report.md", f"# mtp-eval: {ec.method} in vLLM\n\n{table}\n")
+    print(table, flush=True)
+    last = rows[-1]
+    print(f"{PROG}: vLLM {last.get('vllm_version')}: {last['label']} (k={last['k']}) tau {last.get('tau', 1.0):.2f}, "
+          f"acceptance {last.get('acceptance_rate', 0.0):.2f} over {last.get('num_drafts', 0)} drafts → "
+          f"{out}/report.json", flush=True)
     return report
 
 

@@ -31,6 +31,7 @@ from mtp_train.config import ConfigError, TrainConfig, bf16_enabled, check_confi
 from mtp_train.data.prompts import load_prompt_sets
 from mtp_train.data.readers import DataError
 from mtp_train.speculative.validator import SpeculativeValidator
+from mtp_train.train.foreign import check_foreign_target
 from mtp_train.train.logging import resolve_wandb_mode
 from mtp_train.train.sources import source_class
 from mtp_train.train.trainer import StepHook, train
@@ -48,6 +49,7 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
     tc = typed(cfg, TrainConfig)  # a wrong value type fails here, before any process group or model is touched
     source = source_class(tc.data.source)
     source.check_config(tc)  # before the target folder is looked for: an empty model.path is named as such
+    check_foreign_target(tc)  # a target our engine does not implement: only what reads no layer of it
     if tc.spec_eval.prompts:  # every input is read before the first step, not at the first evaluation
         try:
             load_prompt_sets(list(tc.spec_eval.prompts), tc.spec_eval.limit)

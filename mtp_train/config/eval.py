@@ -13,6 +13,7 @@ GRID_AXES = ("k", "draft_threshold", "catch_up", "draft_width", "tree", "tempera
 GRID_KINDS: dict[str, type] = {"k": int, "draft_threshold": float, "catch_up": str, "draft_width": int, "tree": str,
                                "temperature": float}
 TREE_SHAPE = re.compile(r"none|\d+x\d+x\d+")  # `tree` values: none (a chain / draft_width) or STEPSxTOPKxTOKENS
+BACKENDS = ("engine", "vllm")  # who runs the speculative decoding mtp-eval measures
 
 
 @dataclass
@@ -22,6 +23,18 @@ class NgramConfig:
     compare: bool = True  # also run prompt lookup at every k on the same prompts (rows method=ngram, tau_ngram)
     n_max: int = 3  # longest suffix tried first
     n_min: int = 1  # shortest suffix that still counts as a match
+
+
+@dataclass
+class VllmEvalConfig:
+    """`backend=vllm`: the vLLM engine mtp-eval launches to run the exported head."""
+
+    max_model_len: int | None = None  # the context vLLM reserves per sequence (null: the target's own)
+    enforce_eager: bool = True  # no torch.compile or CUDA graphs (the CPU build needs it; quicker to start)
+    tensor_parallel_size: int = 1  # GPUs per vLLM engine
+    gpu_memory_utilization: float | None = None  # GPU share vLLM takes (null: vLLM's default)
+    cpu_kvcache_gb: int = 2  # CPU build: VLLM_CPU_KVCACHE_SPACE when the environment does not set it
+    engine_args: dict[str, Any] = field(default_factory=dict)  # further vllm.LLM keyword arguments
 
 
 @dataclass
@@ -61,6 +74,12 @@ class EvalConfig:
     plots: bool = True
     progress: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # engine (ours, in this process) | vllm (the head exported as format=speculators and run by a vLLM it launches:
+    # one grid point, τ and acceptance from vLLM's counters; the way to measure a head for a target our engine does
+    # not implement; docs/serving.md)
+    backend: str = "engine"
+    vllm_python: str = ".venv-vllm/bin/python"  # backend=vllm: the python of vLLM's environment
+    vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)  # backend=vllm: its engine settings
 
     def __post_init__(self) -> None:
         for axis in GRID_AXES:
@@ -73,6 +92,8 @@ class EvalConfig:
             raise ConfigError(f"k must be >= 1, got {ks}")
         if self.repeats < 1 or self.batch_size < 1:
             raise ConfigError(f"repeats and batch_size must be >= 1, got {self.repeats} and {self.batch_size}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r}: choose one of {' | '.join(BACKENDS)}")
 
     def grid(self, axis: str) -> list[Any]:
         """The values of grid setting `axis` (one of GRID_AXES) as a non-empty list of its kind (GRID_KINDS):

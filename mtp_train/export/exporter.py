@@ -42,7 +42,7 @@ from mtp_train.heads.checkpoint import (
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.registry import new_head
 from mtp_train.models.config import ModelConfigError
-from mtp_train.models.families import args_from_dir
+from mtp_train.models.foreign import head_target_args
 
 log = logging.getLogger(__name__)
 META = "mtp_train"  # the block of an export's config.json that is ours (engines ignore it)
@@ -167,7 +167,7 @@ def load_export(export_dir: str | Path, target_dir: str | Path, device: str | to
     verify_files(export_dir, meta.get("files"), export_dir / "config.json")
     fmt = meta["format"]
     layout = _layout(fmt)
-    args = args_from_dir(target_dir)
+    args = head_target_args(target_dir)
     if meta["dims"] != head_dims(args):
         raise ModelConfigError(f"{export_dir}: exported for dims {meta['dims']}, target {target_dir} has "
                                f"{head_dims(args)}")

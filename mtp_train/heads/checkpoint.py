@@ -22,8 +22,8 @@ from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.registry import new_head
 from mtp_train.models.config import ModelArgs, ModelConfigError
-from mtp_train.models.families import args_from_dir
 from mtp_train.models.fingerprint import weights_fingerprint
+from mtp_train.models.foreign import head_target_args, target_model_type
 from mtp_train.models.loader import open_safetensors, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def save_head(head: DraftHead, out_dir: str | Path, extra_config: dict[str, Any]
         "format_version": HEAD_FORMAT_VERSION,
         "head": head.cfg.to_dict(),
         "dims": head_dims(head.target_args),
-        "target_model_type": head.target_args.model_type,
+        "target_model_type": target_model_type(head.target_args),
         "target_fingerprint": target_fingerprint,
         "num_params": head.num_params(),
         "dtype": str(head.dtype).replace("torch.", ""),
@@ -183,7 +183,7 @@ def load_head(head_dir: str | Path, target_dir: str | Path, device: str | torch.
     head_dir, target_dir = Path(head_dir), Path(target_dir)
     cfg_json = read_head_config(head_dir)
     verify_files(head_dir, cfg_json.get("files"), head_dir / "config.json")  # before a byte of it is read
-    args = args_from_dir(target_dir)
+    args = head_target_args(target_dir)
 
     problems = [f"dims.{k}: head checkpoint {cfg_json['dims'].get(k)!r}, target {v!r}"
                 for k, v in head_dims(args).items() if cfg_json["dims"].get(k) != v]

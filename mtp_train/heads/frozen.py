@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import args_from_dir, family_of
+from mtp_train.models.foreign import embedding_names, head_target_args
 
 # The family's fusings are the loader's, so that a fused head layer reads a checkpoint exactly as the target does.
 from mtp_train.models.fusing import fuse, parts_plan
@@ -28,9 +29,6 @@ from mtp_train.models.loader import (
     open_checkpoint,
     resolve_dtype,
 )
-
-EMBED_NAME = "model.embed_tokens.weight"
-LM_HEAD_NAME = "lm_head.weight"
 
 
 @dataclass(eq=False)
@@ -65,15 +63,15 @@ class FrozenTargetParts:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: str | torch.dtype = "auto") -> FrozenTargetParts:
-        """Read only `model.embed_tokens.weight` and `lm_head.weight` (tied: the embedding) from a target folder."""
+        """Read only the embedding and the lm_head (tied: the embedding) from a target folder, by the names
+        `models.foreign` tries (`model.embed_tokens.weight` and `lm_head.weight` first), whether or not a family
+        here runs the target (`head_target_args`)."""
         path = Path(path)
-        args = args_from_dir(path)
+        args = head_target_args(path)
         dt = resolve_dtype(dtype, args)
         files = checkpoint_files(path)
-        names = [EMBED_NAME] if args.tie_word_embeddings else [EMBED_NAME, LM_HEAD_NAME]
-        missing = [n for n in names if n not in files]
-        if missing:
-            raise ModelConfigError(f"{path}: checkpoint lacks {', '.join(missing)}")
+        embed_name, head_name = embedding_names(files, args.tie_word_embeddings, path)
+        names = list(dict.fromkeys([embed_name, head_name]))
         want = (args.vocab_size, args.hidden_size)
         got: dict[str, torch.Tensor] = {}
         for name, t in iter_tensors({n: files[n] for n in names}):
@@ -81,8 +79,8 @@ class FrozenTargetParts:
                 raise ModelConfigError(f"{files[name]}: tensor {name} has shape {tuple(t.shape)}, "
                                        f"config.json implies {want}")
             got[name] = t.to(device=device, dtype=dt)
-        embed = got[EMBED_NAME]
-        return cls(embed=embed, lm_head=got.get(LM_HEAD_NAME, embed), args=args)
+        embed = got[embed_name]
+        return cls(embed=embed, lm_head=got[head_name], args=args)
 
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> FrozenTargetParts:
         """A copy on `device` / in `dtype`; a tied pair stays one tensor."""

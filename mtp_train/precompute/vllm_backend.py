@@ -43,7 +43,7 @@ from mtp_train.data.fingerprints import load_tokenizer
 from mtp_train.data.samples import Row, build_samples, to_rows
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs
-from mtp_train.models.families import args_from_dir
+from mtp_train.models.foreign import FINAL_NORM_NAMES, head_target_args, pick_name
 from mtp_train.models.loader import CheckpointReader, checkpoint_files, resolve_dtype
 from mtp_train.precompute.manifest import Manifest, ShardInfo
 from mtp_train.precompute.plan import RANK_ASSIGNMENT, plan_rank
@@ -59,18 +59,24 @@ from mtp_train.precompute.writer import (
 
 log = logging.getLogger(__name__)
 BACKENDS = ("engine", "vllm")
-NORM_WEIGHT = "model.norm.weight"
 POLL_S = 0.5  # how often the driver looks for the next capture while vLLM runs
 
 
 def final_norm(model_dir: Path, args: ModelArgs, dtype: torch.dtype) -> RMSNorm:
-    """The target's final RMSNorm (weight `model.norm.weight`, eps from its config), in `dtype`, as ours runs it."""
+    """The target's final RMSNorm (its weight by the names `models.foreign.FINAL_NORM_NAMES` tries, eps from its
+    config), in `dtype`, as ours runs it: y = w · x / rms(x). A family whose final norm is another function (a
+    LayerNorm with a bias, Gemma's (1 + w)) is not one this reads right."""
     files = checkpoint_files(model_dir)
-    if NORM_WEIGHT not in files:
-        raise PrecomputeError(f"{model_dir} has no {NORM_WEIGHT}: backend=vllm applies the target's final norm to "
-                              "vLLM's last layer itself and needs it")
-    with CheckpointReader({NORM_WEIGHT: files[NORM_WEIGHT]}) as reader:
-        weight = reader.read(NORM_WEIGHT, dtype)
+    name = pick_name(files, FINAL_NORM_NAMES)
+    if name is None:
+        raise PrecomputeError(f"{model_dir} has no final norm weight (tried {', '.join(FINAL_NORM_NAMES)}): "
+                              "backend=vllm applies the target's final norm to vLLM's last layer itself and needs it")
+    bias = name.removesuffix(".weight") + ".bias"
+    if bias in files:
+        raise PrecomputeError(f"{model_dir}: the final norm has a bias ({bias}, a LayerNorm): backend=vllm applies "
+                              "an RMSNorm to vLLM's last layer")
+    with CheckpointReader({name: files[name]}) as reader:
+        weight = reader.read(name, dtype)
     norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)
     with torch.no_grad():
         norm.weight.copy_(weight)
@@ -195,7 +201,7 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
     check_settings(cfg)
     python = launch.check_python(cfg.vllm_python)
     model_dir = Path(cfg.model.path)
-    args = args_from_dir(model_dir)
+    args = head_target_args(model_dir)  # a target no family here runs is read for its shapes only
     aux_layers = [int(j) for j in cfg.aux_layers]
     check_aux_layers(aux_layers, args.num_layers)
     lmap = layer_map(aux_layers, args.num_layers)

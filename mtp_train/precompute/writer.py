@@ -26,6 +26,7 @@ import torch
 from mtp_train.config import PrecomputeConfig
 from mtp_train.fileio import TMP_PREFIX
 from mtp_train.models.fingerprint import weights_fingerprint
+from mtp_train.models.foreign import target_model_type
 from mtp_train.precompute.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -163,7 +164,7 @@ def folder_spec(args: ModelArgs, dtype: torch.dtype, model_dir: str | Path, stor
                 aux_layers: Sequence[int]) -> FolderSpec:
     """The FolderSpec of a target (config `args`, computing in `dtype`, weights in `model_dir`)."""
     target = TargetInfo(path=str(Path(model_dir).resolve()), fingerprint=weights_fingerprint(model_dir),
-                        model_type=args.model_type, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                        model_type=target_model_type(args), hidden_size=args.hidden_size, num_layers=args.num_layers,
                         vocab_size=args.vocab_size, dtype=dtype_name(dtype))
     hidden = HiddenInfo(kind="final_norm", dtype=dtype_name(STORAGE_DTYPES[storage]),
                         aux_layers=[int(j) for j in aux_layers])

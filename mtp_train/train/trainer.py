@@ -62,6 +62,7 @@ from mtp_train.train.data import aux_columns, draft_vocab_from_data, eval_batche
 from mtp_train.train.deepspeed_config import build_ds_config, make_lr_scheduler
 from mtp_train.train.deepspeed_setup import prepare_deepspeed, release_deepspeed
 from mtp_train.train.evaluation import evaluate
+from mtp_train.train.foreign import check_foreign_target
 from mtp_train.train.logging import RunLogger
 from mtp_train.train.losses import HeadLoss, noise_generator, step_token_counts
 from mtp_train.train.sources import build_source
@@ -390,6 +391,7 @@ def train(cfg: TrainConfig, info: DistInfo, device: torch.device, *, wandb_mode:
     one (DeepSpeed needs a process group either way). wandb_mode: the W&B mode to run in (resolved by the caller,
     `mtp_train.train.logging.resolve_wandb_mode`); validator, on_step, on_start: see Trainer.
     """
+    check_foreign_target(cfg)  # a target our engine does not implement: only what reads no layer of it
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     own_group = prepare_deepspeed(device)
     try:

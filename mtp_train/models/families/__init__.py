@@ -152,7 +152,9 @@ def args_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     family = family_for_type(model_type)
     if family is None:
         raise ModelConfigError(f"{source}: model_type {model_type!r} (architectures {cfg.get('architectures')}) is "
-                               f"not supported; supported: {', '.join(supported_model_types())}")
+                               f"not supported; supported: {', '.join(supported_model_types())} (a target vLLM "
+                               "serves takes an eagle3 head without it: mtp-precompute backend=vllm, then "
+                               "mtp-eval backend=vllm; docs/serving.md)")
     return family.parse(cfg, source)
 
 

@@ -48,6 +48,8 @@ class DataSource:
     # Whose order the batch plan follows: the conversations' (online, hybrid) or a folder's (offline). A resume
     # across the two sees other batches.
     plans_from_conversations: ClassVar[bool] = False
+    # Runs the target in our engine (computes hidden states): refused for a target no family here implements.
+    runs_target: ClassVar[bool] = False
 
     def __init__(self, cfg: TrainConfig, train_set: SampleDataset, val_set: SampleDataset | None,
                  stream: MicroBatchStream, target_fingerprint: str, stored_aux_layers: list[int],

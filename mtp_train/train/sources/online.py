@@ -146,6 +146,7 @@ class OnlineSource(DataSource):
 
     name = "online"
     plans_from_conversations = True
+    runs_target = True
 
     @classmethod
     def check_config(cls, cfg: TrainConfig) -> None:
