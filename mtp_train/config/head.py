@@ -49,6 +49,9 @@ class HeadTypeSpec:
     # A block drafter (dflash): `head.layers` draft layers draft `head.block_size` tokens per forward from a
     # block [last token, mask_token_id × (B-1)]; the block settings are refused for the other types.
     block: bool = False
+    # A block drafter with DSpark's Markov head (and optional confidence head): `head.markov_rank`,
+    # `head.confidence_head`, `head.confidence_with_markov` are refused for the other types.
+    markov: bool = False
     # (target layers) → the default aux_layers (hidden_states numbering) when head.aux_layers is []; None =
     # EAGLE-3's low / mid / high (`default_aux_layers`).
     aux_default: Callable[[int], list[int]] | None = None
@@ -178,6 +181,12 @@ class HeadConfig:
     # (a padding or reserved row of Qwen3 / Llama-3, never emitted in text; docs/training.md names it per target).
     mask_token_id: int | None = None
     max_anchors: int = 512  # training: most blocks (anchors, sampled among loss positions) per packed micro-batch
+    # DSpark only (`HeadTypeSpec.markov`; the defaults below for every other type): the rank r of the Markov head's
+    # bias W2·W1[x_{k-1}] on each block position's logits (dspark: >= 1), and the confidence head (a per-position
+    # acceptance estimate, sigmoid(proj(h)) or, with confidence_with_markov, sigmoid(proj([h ; W1[x_{k-1}]]))).
+    markov_rank: int = 0
+    confidence_head: bool = False
+    confidence_with_markov: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 0:
@@ -213,6 +222,7 @@ class HeadConfig:
                              "lm_head reads; only a head that feeds its pre-norm output (eagle3) takes it")
 
         self._check_block(spec)
+        self._check_markov(spec)
         if self.init == "target_mtp":
             problems = target_mtp_problems(self)
             if problems:
@@ -234,6 +244,21 @@ class HeadConfig:
                              f"{self.max_anchors}")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"head.mask_token_id must be a token id >= 0 (or null), got {self.mask_token_id}")
+
+    def _check_markov(self, spec: HeadTypeSpec) -> None:
+        """DSpark's Markov and confidence settings: set for a Markov block drafter, defaults for every other type."""
+        if not spec.markov:
+            set_ = [f"head.{k}={getattr(self, k)}" for k, v in MARKOV_DEFAULTS.items() if getattr(self, k) != v]
+            if set_:
+                takes = head_types_taking(lambda s: s.markov)
+                raise ValueError(f"{', '.join(set_)}: only a block drafter with a Markov head "
+                                 f"({'/'.join(takes) or 'none registered'}) takes them; {self.type} heads have none")
+            return
+        if self.markov_rank < 1:
+            raise ValueError(f"a {self.type} head needs head.markov_rank >= 1 (the rank of its Markov bias), got "
+                             f"{self.markov_rank}")
+        if self.confidence_with_markov and not self.confidence_head:
+            raise ValueError("head.confidence_with_markov=true needs head.confidence_head=true")
 
     @property
     def spec(self) -> HeadTypeSpec:
@@ -266,6 +291,7 @@ class HeadConfig:
 
 
 BLOCK_DEFAULTS = {"layers": 1, "block_size": 8, "mask_token_id": None, "max_anchors": 512}  # HeadConfig's
+MARKOV_DEFAULTS = {"markov_rank": 0, "confidence_head": False, "confidence_with_markov": False}  # HeadConfig's
 
 
 def target_mtp_problems(cfg: HeadConfig) -> list[str]:

@@ -26,6 +26,9 @@ them: `Family.fusings`); every other layout stores them split. A layout is a pai
 | dflash          | dflash  | our names (z-lab's): `fc`, `hidden_norm`, `layers.N.*`, `norm`; config: Qwen3 |
 |                 |         | fields, `dflash_config` with target_layer_ids = aux_layers − 1               |
 |                 |         | ("DFlashDraftModel", `export/dflash.py`)                                     |
+| dspark          | dspark  | dflash's plus `markov_head.markov_w{1,2}`, `confidence_head.proj`; config:   |
+|                 |         | dflash's with `markov_rank`, `enable_confidence_head`, `sample_from_anchor`  |
+|                 |         | ("Qwen3DSparkModel", `export/dspark.py`)                                     |
 
 Fit: vLLM's EAGLE-1 and both MTP layouts have no fc bias, so a head trained with `fc_bias` only exports to
 native / sglang-eagle. Two differences an engine brings, not the file: DeepSeek-V3's MTP module feeds the
@@ -47,7 +50,7 @@ import torch
 
 from mtp_train.config.head import HEAD_TYPES
 from mtp_train.config.registry import Registry
-from mtp_train.export import dflash, eagle3
+from mtp_train.export import dflash, dspark, eagle3
 from mtp_train.heads.base import DraftHead
 from mtp_train.models.families import family_of
 from mtp_train.models.fusing import fuse, fusion_plan, unfuse
@@ -277,6 +280,7 @@ for _layout_entry in (
     _eagle3_layout("sglang-eagle3", eagle3.sglang_problems, eagle3.to_sglang, eagle3.from_sglang,
                    eagle3.sglang_config),
     Layout("dflash", dflash.problems, dflash.to_layout, dflash.from_layout, dflash.config),
+    Layout("dspark", dspark.problems, dspark.to_layout, dspark.from_layout, dspark.config),
 ):
     LAYOUTS.add(_layout_entry)
 
