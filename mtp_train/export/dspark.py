@@ -2,8 +2,8 @@
 
 Tensors: our dspark head's state dict as it is, the names being vLLM's already (it prefixes `model.`): DFlash's
 (`export/dflash.py`), `markov_head.markov_w1.weight` [V, r], `markov_head.markov_w2.weight` [V, r] and, with a
-confidence head, `confidence_head.proj.{weight,bias}` [1, H (+ r)], [1] (vLLM keeps them in float32). No embedding and no lm_head:
-vLLM shares the target's.
+confidence head, `confidence_head.proj.{weight,bias}` [1, H (+ r)], [1] (vLLM keeps them in float32). No
+embedding and no lm_head: vLLM shares the target's.
 
 config.json: DFlash's Qwen3 config of the draft layers with `architectures: ["Qwen3DSparkModel"]`, `block_size` (vLLM's
 num_speculative_tokens defaults to it), `dflash_config: {block_size, mask_token_id, target_layer_ids}` (the aux
