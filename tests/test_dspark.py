@@ -56,7 +56,8 @@ def test_settings_and_the_sample_from_anchor_alignment(tiny_checkpoints):
     input is the batch's token at the slot's position, and the logits are lm_head(slot) + W2·W1[that token]."""
     path = tiny_checkpoints["qwen3"][0]
     with pytest.raises(ValueError, match="markov_rank >= 1"):
-        HeadConfig(type="dspark")
+        HeadConfig(type="dspark", markov_rank=0)
+    assert HeadConfig(type="dspark").resolved().markov_rank == 64
     with pytest.raises(ValueError, match="only a block drafter with a Markov head"):
         HeadConfig(type="dflash", markov_rank=4)
     with pytest.raises(ValueError, match="confidence_with_markov=true needs head.confidence_head=true"):

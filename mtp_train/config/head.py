@@ -182,9 +182,10 @@ class HeadConfig:
     mask_token_id: int | None = None
     max_anchors: int = 512  # training: most blocks (anchors, sampled among loss positions) per packed micro-batch
     # DSpark only (`HeadTypeSpec.markov`; the defaults below for every other type): the rank r of the Markov head's
-    # bias W2·W1[x_{k-1}] on each block position's logits (dspark: >= 1), and the confidence head (a per-position
-    # acceptance estimate, sigmoid(proj(h)) or, with confidence_with_markov, sigmoid(proj([h ; W1[x_{k-1}]]))).
-    markov_rank: int = 0
+    # bias W2·W1[x_{k-1}] on each block position's logits (null = DEFAULT_MARKOV_RANK), and the confidence head (a
+    # per-position acceptance estimate, sigmoid(proj(h)) or, with confidence_with_markov, sigmoid(proj([h ;
+    # W1[x_{k-1}]]))).
+    markov_rank: int | None = None
     confidence_head: bool = False
     confidence_with_markov: bool = False
 
@@ -254,7 +255,7 @@ class HeadConfig:
                 raise ValueError(f"{', '.join(set_)}: only a block drafter with a Markov head "
                                  f"({'/'.join(takes) or 'none registered'}) takes them; {self.type} heads have none")
             return
-        if self.markov_rank < 1:
+        if self.markov_rank is not None and self.markov_rank < 1:
             raise ValueError(f"a {self.type} head needs head.markov_rank >= 1 (the rank of its Markov bias), got "
                              f"{self.markov_rank}")
         if self.confidence_with_markov and not self.confidence_head:
@@ -276,6 +277,8 @@ class HeadConfig:
         out = dataclasses.replace(self, features=self.resolved_features, aux_layers=[int(j) for j in self.aux_layers],
                                   **{k: v if getattr(self, k) is None else getattr(self, k)
                                      for k, v in defaults.items()})
+        if self.spec.markov and out.markov_rank is None:
+            out.markov_rank = DEFAULT_MARKOV_RANK
         if num_layers is not None and out.features == "aux":
             default = self.spec.aux_default or default_aux_layers
             layers = out.aux_layers or default(num_layers)
@@ -291,7 +294,8 @@ class HeadConfig:
 
 
 BLOCK_DEFAULTS = {"layers": 1, "block_size": 8, "mask_token_id": None, "max_anchors": 512}  # HeadConfig's
-MARKOV_DEFAULTS = {"markov_rank": 0, "confidence_head": False, "confidence_with_markov": False}  # HeadConfig's
+MARKOV_DEFAULTS = {"markov_rank": None, "confidence_head": False, "confidence_with_markov": False}  # HeadConfig's
+DEFAULT_MARKOV_RANK = 64  # a Markov head's rank when head.markov_rank is null
 
 
 def target_mtp_problems(cfg: HeadConfig) -> list[str]:

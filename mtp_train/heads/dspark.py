@@ -67,9 +67,10 @@ class DSparkHead(DFlashHead):
                  backend: str = "torch") -> None:
         super().__init__(cfg, target_args, frozen, backend)
         c, h = self.cfg, self.args.hidden_size
-        self.rank = c.markov_rank
-        self.markov_head = MarkovHead(self.args.vocab_size, self.vocab_size, c.markov_rank)
-        self.confidence_head = (ConfidenceHead(h + c.markov_rank if c.confidence_with_markov else h)
+        rank = c.markov_rank
+        assert rank is not None, "HeadConfig.resolved() sets a Markov head's rank"
+        self.markov_head = MarkovHead(self.args.vocab_size, self.vocab_size, rank)
+        self.confidence_head = (ConfidenceHead(h + rank if c.confidence_with_markov else h)
                                 if c.confidence_head else None)
 
     @property
