@@ -46,7 +46,7 @@ class HeadTypeSpec:
     # the output the lm_head reads.
     feeds_pre_norm: bool = False
     inits: tuple[str, ...] = ("scratch",)  # the HeadConfig.init values this type takes (INITS)
-    # A block drafter (dflash): `head.layers` draft layers draft `head.block_size` tokens per forward from a
+    # A block drafter (dflash, dspark): `head.layers` draft layers draft a block per forward from a
     # block [last token, mask_token_id × (B-1)]; the block settings are refused for the other types.
     block: bool = False
     # A block drafter with DSpark's Markov head (and optional confidence head): `head.markov_rank`,
@@ -174,9 +174,10 @@ class HeadConfig:
     # EAGLE-3.1 (speculators' `norm_output`): the next draft step reads the final-normed output instead of the
     # pre-norm one. Only for a type that feeds the pre-norm output (eagle3).
     norm_output: bool = False
-    # Block drafters only (dflash, `HeadTypeSpec.block`; the defaults below for every other type):
-    layers: int = 1  # draft decoder layers of the block drafter (dflash: 1 or more, Qwen3-shaped)
-    block_size: int = 8  # B: the block [last token, mask × (B-1)] drafted in one forward (B-1 drafts)
+    # Block drafters only (dflash, dspark, `HeadTypeSpec.block`; the defaults below for every other type):
+    layers: int = 1  # draft decoder layers of the block drafter (1 or more, Qwen3-shaped)
+    # B: the block [last token, mask × (B-1)] drafted in one forward (dflash: B-1 drafts; dspark: B, every slot)
+    block_size: int = 8
     # The token id of the block's mask slots (its frozen target embedding); null = the target's last vocabulary id
     # (a padding or reserved row of Qwen3 / Llama-3, never emitted in text; docs/training.md names it per target).
     mask_token_id: int | None = None
