@@ -21,14 +21,17 @@ from mtp_train.engine import SamplingParams
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
 from mtp_train.export.importer import import_drafter
 from mtp_train.head_types.dspark import HEAD_TYPE, MarkovBlockProposer
-from mtp_train.heads import build_head, save_head
+from mtp_train.heads import FrozenTargetParts, build_head, new_head, save_head
 from mtp_train.heads.dspark import DSparkHead
 from mtp_train.models import ModelConfigError, load_model
+from mtp_train.models.families import args_from_hf_config
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.train.divergences import TOKEN_LOSSES
 from mtp_train.train.losses import unrolled_loss
 from tests.conftest import compose_config, make_chat_target, metrics_by_step, topic_conversations
 from tests.test_dflash import PROMPTS, _batch, _greedy
+from tests.test_families import CASES as FAMILY_CASES
+from tests.test_families import TINY as FAMILY_CONFIGS
 from tests.test_speculative_engine import _marginal_of_second_token, assert_second_tokens_follow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -320,3 +323,22 @@ def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
     assert len(rows) >= 2 and all(r["exact_match"] == 1.0 and 1.0 <= r["tau"] <= 4.0 for r in rows)
     with pytest.raises(ValueError, match="dspark heads draft with their own drafter, which takes no tree=3x2x6"):
         eval_main(compose_config("eval", [*base, "k=3", "tree=3x2x6", f"out={tmp_path / 'eval-tree'}"]))
+
+
+@pytest.mark.parametrize(("family", "name"), FAMILY_CASES, ids=[f"{f}-{n}" for f, n in FAMILY_CASES])
+def test_every_family_builds_a_dspark_head_or_refuses_it_by_name(family, name):
+    """As dflash: Llama-family targets take the head and its Markov block runs; DeepSeek (MLA) targets refuse it."""
+    args = args_from_hf_config(FAMILY_CONFIGS[family][name])
+    cfg = HeadConfig(type="dspark", block_size=3, aux_layers=[1, 2], markov_rank=4, confidence_head=True)
+    if family.startswith("deepseek"):
+        with pytest.raises(ModelConfigError, match="takes an mtp head"):
+            new_head(cfg, args)
+        return
+    torch.manual_seed(0)
+    frozen = FrozenTargetParts(torch.randn(args.vocab_size, args.hidden_size),
+                               torch.randn(args.vocab_size, args.hidden_size), args)
+    head = new_head(cfg, args, frozen)
+    x, ids = torch.randn(9, head.input_width), torch.randint(0, args.vocab_size, (9,))
+    outs = head.unroll(x, ids, [4, 5], 3)
+    assert len(outs) == 3 and all(o.shape == (9, args.hidden_size + 4) and torch.isfinite(o).all() for o in outs)
+    assert torch.isfinite(head.compute_logits(outs[2])).all() and torch.isfinite(head.confidence_logits(outs[0])).all()
