@@ -30,6 +30,7 @@ from torch import nn
 from mtp_train.config import HeadConfig
 from mtp_train.heads.dflash import DFlashHead
 from mtp_train.heads.frozen import FrozenTargetParts
+from mtp_train.layers.linear import linear
 from mtp_train.models.config import ModelArgs
 
 CONF_CHUNK = 256  # rows of (·, Vd) logits the confidence loss computes at a time
@@ -100,7 +101,7 @@ class DSparkHead(DFlashHead):
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: (N, H) slot outputs → (N, Vd) lm_head(h) without the bias."""
         w = self.lm_head_weight()
-        return F.linear(h.to(w.dtype), w)
+        return linear(h.to(w.dtype), w)  # CPU fast paths serve a draft step's few rows, as DraftHead.compute_logits
 
     def markov_embed(self, prev: torch.Tensor) -> torch.Tensor:
         """prev: (N,) target token ids → (N, r) W1[prev]."""
