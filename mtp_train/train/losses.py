@@ -317,7 +317,7 @@ def step_loss(head: DraftHead, out: torch.Tensor, hidden: torch.Tensor, loss_mas
         denom = torch.as_tensor(counted.sum() if num_tokens is None else num_tokens, dtype=torch.float32,
                                 device=out.device).clamp_min(1.0)
         loss = loss + extra[0] / denom
-        m.update({k: v / denom for k, v in extra[1].items()})
+        m.update({k: v / denom for k, v in extra[1].items()}, loss=loss.detach())
     if row_weight is not None:
         # the mean D-PACE weight of the rows, over the same normaliser as the others (so it adds up over ranks)
         denom = torch.as_tensor(n_all if num_tokens is None else num_tokens, dtype=torch.float32)
