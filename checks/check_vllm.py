@@ -1,6 +1,7 @@
 """`make check-vllm`: our exported EAGLE, DFlash and DSpark heads served by a real vLLM, compared with our own engine.
 
-For each head type (eagle1, eagle3, dflash, dspark):
+For each head type (eagle1, eagle3, dflash, dspark), and `dflash-speculators` (a dflash head with the demo's 8k draft
+vocabulary in speculators' layout, `format=speculators-dflash`: the one DFlash layout with `d2t`):
 
 1. the head: a given folder (`--head-eagle1 DIR`, a head written by mtp-train) or a small one trained here on the
    default model with the demo recipe (the conversations of `runs/demo/regenerated.jsonl` and the hidden states of
@@ -55,11 +56,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAD_TYPES = ("eagle1", "eagle3", "dflash", "dspark")
-EXPORT_FORMAT = {"eagle1": "vllm-eagle", "eagle3": "speculators", "dflash": "dflash", "dspark": "dspark"}
-VLLM_METHOD = {"eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark"}
-# the demo recipe's: ~6x cheaper lm_head in training; the DFlash and DSpark layouts draft over the whole vocabulary
-DRAFT_VOCAB = {"eagle1": 8192, "eagle3": 8192, "dflash": 0, "dspark": 0}
+HEAD_TYPES = ("eagle1", "eagle3", "dflash", "dflash-speculators", "dspark")  # rows: a head type or a ROW_TYPE
+ROW_TYPE = {"dflash-speculators": "dflash"}  # rows that check another layout of a head type
+EXPORT_FORMAT = {"eagle1": "vllm-eagle", "eagle3": "speculators", "dflash": "dflash",
+                 "dflash-speculators": "speculators-dflash", "dspark": "dspark"}
+VLLM_METHOD = {"eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dflash-speculators": "dflash",
+               "dspark": "dspark"}
+# the demo recipe's: ~6x cheaper lm_head in training; z-lab's DFlash and the DSpark layouts draft over the whole
+# vocabulary, speculators' DFlash layout carries the draft vocabulary (d2t)
+DRAFT_VOCAB = {"eagle1": 8192, "eagle3": 8192, "dflash": 0, "dflash-speculators": 8192, "dspark": 0}
 BLOCK_HEADS = ("dflash", "dspark")  # trained with the block vLLM drafts (`block_recipe`)
 # Methods vLLM's build may refuse outright: asked first with an untrained head (module docstring).
 PROBE_FIRST = ("dspark",)
@@ -77,8 +82,13 @@ TRAIN_RECIPE = ("loss.w_tok=1.0", "loss.ce_impl=fused", "optim.lr=1.0e-3", "opti
 # dflash / dspark: conf/head/<type>.yaml's recipe (token loss, D-PACE) with the block vLLM drafts (`block_recipe`).
 HEAD_RECIPE = {"eagle1": ("loss.steps=1", "loss.position_weights=decay"),
                "eagle3": ("loss.w_feat=0", "loss.steps=3", "loss.mask_out_of_draft=true"),
-               "dflash": (), "dspark": ()}
-STEP_SHARE = {"eagle1": 1.0, "eagle3": 0.5, "dflash": 0.5, "dspark": 0.5}
+               "dflash": (), "dflash-speculators": (), "dspark": ()}
+STEP_SHARE = {"eagle1": 1.0, "eagle3": 0.5, "dflash": 0.5, "dflash-speculators": 0.5, "dspark": 0.5}
+
+
+def head_type(row: str) -> str:
+    """The head type a check row trains (its own name, or ROW_TYPE's)."""
+    return ROW_TYPE.get(row, row)
 
 
 class StepError(RuntimeError):
@@ -90,7 +100,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="models/smollm2-135m-instruct", help="the target folder")
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of vLLM's venv")
     p.add_argument("--out", default="runs/check_vllm", help="work folder (heads, exports, evals, vLLM results)")
-    p.add_argument("--heads", default="eagle1,eagle3,dflash,dspark", help="comma-separated head types to check")
+    p.add_argument("--heads", default=",".join(HEAD_TYPES), help="comma-separated rows (head types) to check")
     for t in HEAD_TYPES:
         p.add_argument(f"--head-{t}", default=None, help=f"a trained {t} head folder (default: train one)")
     p.add_argument("--conversations", default=None,
@@ -249,8 +259,9 @@ def manifest_aux(folder: Path) -> list[int] | None:
     return list(json.loads(m.read_text())["hidden"].get("aux_layers") or []) if m.is_file() else None
 
 
-def unavailable(head: str) -> str | None:
-    """Why this checkout cannot train/export/evaluate `head`, or None when it can."""
+def unavailable(row: str) -> str | None:
+    """Why this checkout cannot train/export/evaluate `row`'s head, or None when it can."""
+    head = head_type(row)
     if not (ROOT / "conf" / "head" / f"{head}.yaml").is_file():
         return f"no conf/head/{head}.yaml in this checkout"
     from mtp_train.config import HEAD_TYPES as IMPLEMENTED
@@ -258,8 +269,8 @@ def unavailable(head: str) -> str | None:
 
     if head not in IMPLEMENTED:
         return f"head type {head!r} has no implementation (known: {', '.join(sorted(IMPLEMENTED))})"
-    if EXPORT_FORMAT[head] not in export_formats():
-        return f"mtp-export has no format={EXPORT_FORMAT[head]} (known: {', '.join(export_formats())})"
+    if EXPORT_FORMAT[row] not in export_formats():
+        return f"mtp-export has no format={EXPORT_FORMAT[row]} (known: {', '.join(export_formats())})"
     return None
 
 
@@ -299,18 +310,19 @@ class OurSide:
         return path
 
     def head(self, head: str) -> Path:
-        given = getattr(self.a, f"head_{head}")
+        given = getattr(self.a, f"head_{head.replace('-', '_')}")
         if given:
             return Path(given)
         train = self.out / head / "train"
         steps = max(1, round(self.a.steps * STEP_SHARE[head]))
         head_dir = train / "heads" / f"step-{steps}"
         if not (ROOT / head_dir / "config.json").is_file():
-            folder = self.precompute(head)
-            block = block_recipe(self.a.k, manifest_aux(folder) or [], head) if head in BLOCK_HEADS else ()
+            folder = self.precompute(head_type(head))
+            kind = head_type(head)
+            block = block_recipe(self.a.k, manifest_aux(folder) or [], kind) if kind in BLOCK_HEADS else ()
             run_command(f"{head} train", "train",
                         [f"model.path={self.model}", "data=demo-regen", f"data.dir={folder}",
-                         f"out={train}", "resume=auto", f"head={head}", f"head.draft_vocab_size={DRAFT_VOCAB[head]}",
+                         f"out={train}", "resume=auto", f"head={kind}", f"head.draft_vocab_size={DRAFT_VOCAB[head]}",
                          f"train.max_steps={steps}", *TRAIN_RECIPE, *HEAD_RECIPE[head], *block],
                         self.out / "logs" / f"{head}_train.log")
         return head_dir
