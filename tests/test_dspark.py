@@ -287,7 +287,8 @@ def test_mtp_export_in_reverse_imports_a_vllm_dspark_folder(tmp_path):
     with pytest.raises(ModelConfigError, match="sample_from_anchor=False"):
         import_drafter("dspark", folder, target)
     (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["DFlashDraftModel"]}))
-    with pytest.raises(ModelConfigError, match="is not \\['Qwen3DSparkModel'\\]"):
+    with pytest.raises(ModelConfigError, match=r"no architectures \['Qwen3DSparkModel'\] \(vLLM's DSpark layout\); "
+                                               r"this folder is read with import_from=dflash"):
         import_drafter("dspark", folder, target)
 
 
