@@ -151,6 +151,13 @@ def test_eagle3_trains_on_a_folder_with_its_layers(tmp_path):
     cd.check_folder(tmp_path, [])
     with pytest.raises(SystemExit, match=r"aux_layers \[\].*reads \[2, 15, 27\]"):
         cd.check_folder(tmp_path, [2, 15, 27])
+    # A folder with more layers serves every head whose layers it holds (each reads its own columns).
+    (tmp_path / "manifest.json").write_text(json.dumps({"hidden": {"kind": "final_norm",
+                                                                   "aux_layers": [2, 9, 15, 21, 27, 28]}}))
+    cd.check_folder(tmp_path, [2, 15, 27])
+    cd.check_folder(tmp_path, [2, 9, 15, 21, 28])
+    with pytest.raises(SystemExit, match=r"lacking \[3\]"):
+        cd.check_folder(tmp_path, [2, 3, 15])
 
 
 # --- recipe variants (bench/curve/variants.py)  ----------------------------------------------------------------------

@@ -41,12 +41,14 @@ def prepare_data(cfg: CurveConfig, out: Path, model: str, aux_layers: list[int])
 
 
 def check_folder(data_dir: Path, aux_layers: list[int]) -> None:
-    """A given --data-dir must hold the layers a head reads."""
+    """A given --data-dir must hold the layers a head reads (it may hold more: a head reads its own columns, so one
+    folder can serve heads of different layers)."""
     manifest = json.loads((data_dir / "manifest.json").read_text())
     have = [int(j) for j in manifest["hidden"].get("aux_layers", [])]
-    if aux_layers and have != list(aux_layers):
+    missing = [j for j in aux_layers if j not in have]
+    if missing:
         raise SystemExit(f"curve: {data_dir}/manifest.json holds aux_layers {have}, but a head of the curve reads "
-                         f"{aux_layers}: precompute a folder with `mtp-precompute aux_layers=[...]` for it, or drop "
+                         f"{list(aux_layers)} (lacking {missing}): precompute a folder with `mtp-precompute aux_layers=[...]` for it, or drop "
                          f"--data-dir to let the curve make both folders")
 
 
