@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from checks.check_vllm_foreign import make_foreign_target
+from checks.check_vllm_foreign import make_foreign_target, shifted_head
 from mtp_train.capture.vllm_generate import count_delta, output_ids
 from mtp_train.config import ConfigError, EvalConfig, HeadConfig, TrainConfig
 from mtp_train.config.model import ModelConfig
@@ -145,6 +145,23 @@ def test_an_eagle3_head_over_a_foreign_target_exports_for_vllm(granite, tmp_path
     assert cfg["speculators_config"]["verifier"]["architectures"] == ["GraniteForCausalLM"]
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert verify_round_trip(tmp_path / "head", out, granite) == 0.0
+
+
+def test_the_checks_control_head_reads_later_layers_with_the_same_weights(granite, tmp_path):
+    """check-vllm-foreign's control: the same head, its aux layer ids shifted, loads (its digest renewed) and
+    exports for vLLM naming the shifted layers, with the trained head's exported weights unchanged."""
+    from mtp_train.export import export_head
+    from mtp_train.heads.checkpoint import load_head
+
+    head = build_head(HeadConfig(type="eagle3", aux_layers=[2, 4, 5], draft_vocab_size=64), granite, dtype="float32")
+    save_head(head, tmp_path / "head")
+    shifted = shifted_head(tmp_path / "head", tmp_path / "shifted", 1)
+    assert list(load_head(shifted, granite).cfg.aux_layers) == [3, 5, 6]
+    outs = [export_head(d, granite, "speculators", tmp_path / f"export-{d.name}") for d in (tmp_path / "head", shifted)]
+    assert [json.loads((o / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] for o in outs] == [
+        [2, 4, 5], [3, 5, 6]]
+    a, b = (_checkpoint(o) for o in outs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_our_engine_refuses_a_foreign_target_naming_the_vllm_route(granite):
