@@ -1,13 +1,15 @@
-"""`make check-vllm`: our exported EAGLE and DFlash heads served by a real vLLM, compared with our own engine.
+"""`make check-vllm`: our exported EAGLE, DFlash and DSpark heads served by a real vLLM, compared with our own engine.
 
-For each head type (eagle1, eagle3, dflash):
+For each head type (eagle1, eagle3, dflash, dspark), and `dflash-speculators` (a dflash head with the demo's 8k draft
+vocabulary in speculators' layout, `format=speculators-dflash`: the one DFlash layout with `d2t`):
 
 1. the head: a given folder (`--head-eagle1 DIR`, a head written by mtp-train) or a small one trained here on the
    default model with the demo recipe (the conversations of `runs/demo/regenerated.jsonl` and the hidden states of
    `runs/demo/precompute` when `make demo` left them, else regenerated and precomputed under `--out`);
 2. exported (`mtp-export format=vllm-eagle` for eagle1, `format=speculators` for eagle3, `format=dflash` for
    dflash: vLLM's `method=dflash` drafts with a block of 1 + k queries, so the dflash head is trained with
-   block_size k + 1 and reads the aux layers the precompute folder stores);
+   block_size k + 1 and reads the aux layers the precompute folder stores; `format=dspark` for dspark: vLLM's
+   `method=dspark` queries the last token and k - 1 masks and drafts from every slot, so block_size k);
 3. measured by our `mtp-eval`: k = 3, batch 1, greedy, 96 new tokens, the first 16 held-out demo prompts;
 4. served by vLLM (`checks/vllm_side.py` in vLLM's own venv): plain greedy and speculative greedy (k = 3) on the
    very prompt token ids our engine saw (rendered here with our chat template code, each later turn after our
@@ -18,8 +20,11 @@ For each head type (eagle1, eagle3, dflash):
    is 1 when a checked head fails (a skipped head does not).
 
 A head type this checkout does not implement (no conf/head/<type>.yaml, no registered head, no export format) is
-reported as skipped with the reason. vLLM's own failure (e.g. a method its CPU build cannot run) is recorded with
-its error text, and the head fails.
+reported as skipped with the reason. vLLM's own failure is recorded with its error text, and the head fails. A
+method vLLM's build may refuse outright (`PROBE_FIRST`: dspark, which vLLM 0.32's CPU build refuses, docs/exports.md)
+is first asked of vLLM with an untrained head's export on one short prompt: when vLLM's engine refuses the method
+at configuration (`refusal`), the head is reported as unsupported with vLLM's error, before any training, and does
+not fail the check; when vLLM runs it, the head is trained and compared like the others.
 
 Our engine measures the head vLLM serves: for eagle1 the export as our code loads it back (`load_export`), saved
 as a head. vLLM's EAGLE-1 layout has no draft vocabulary (it shares the target's lm_head), so the served head drafts
@@ -51,11 +56,20 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAD_TYPES = ("eagle1", "eagle3", "dflash")
-EXPORT_FORMAT = {"eagle1": "vllm-eagle", "eagle3": "speculators", "dflash": "dflash"}
-VLLM_METHOD = {"eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash"}
-# the demo recipe's: ~6x cheaper lm_head in training; the z-lab DFlash layout drafts over the whole vocabulary
-DRAFT_VOCAB = {"eagle1": 8192, "eagle3": 8192, "dflash": 0}
+HEAD_TYPES = ("eagle1", "eagle3", "dflash", "dflash-speculators", "dspark")  # rows: a head type or a ROW_TYPE
+ROW_TYPE = {"dflash-speculators": "dflash"}  # rows that check another layout of a head type
+EXPORT_FORMAT = {"eagle1": "vllm-eagle", "eagle3": "speculators", "dflash": "dflash",
+                 "dflash-speculators": "speculators-dflash", "dspark": "dspark"}
+VLLM_METHOD = {"eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dflash-speculators": "dflash",
+               "dspark": "dspark"}
+# the demo recipe's: ~6x cheaper lm_head in training; z-lab's DFlash and the DSpark layouts draft over the whole
+# vocabulary, speculators' DFlash layout carries the draft vocabulary (d2t)
+DRAFT_VOCAB = {"eagle1": 8192, "eagle3": 8192, "dflash": 0, "dflash-speculators": 8192, "dspark": 0}
+BLOCK_HEADS = ("dflash", "dspark")  # trained with the block vLLM drafts (`block_recipe`)
+# Methods vLLM's build may refuse outright: asked first with an untrained head (module docstring).
+PROBE_FIRST = ("dspark",)
+# What vLLM's engine says when its configuration refuses a method (vllm/config/vllm.py's model-runner checks).
+REFUSALS = ("does not support", "does not yet support", "requires Triton")
 DEMO_CONVERSATIONS = Path("runs/demo/regenerated.jsonl")
 DEMO_PRECOMPUTE = Path("runs/demo/precompute")
 # The demo's training recipe (conf/demo.yaml) with the head swapped; spec_eval off (mtp-eval measures afterwards).
@@ -65,11 +79,16 @@ TRAIN_RECIPE = ("loss.w_tok=1.0", "loss.ce_impl=fused", "optim.lr=1.0e-3", "opti
 # Per head on top: eagle1 with one step (the check is of the export, not of the recipe: a third of conf/head/
 # eagle1.yaml's 3-step cost); EAGLE-3's loss (conf/head/eagle3.yaml: no feature loss, out-of-draft mask) with a
 # 3-step training-time test (k = 3 drafts; EAGLE-3's 7 would cost 7x a step here) over half the steps.
-# dflash: conf/head/dflash.yaml's recipe (token loss, D-PACE) with a block of k + 1 (`block_recipe`).
+# dflash / dspark: conf/head/<type>.yaml's recipe (token loss, D-PACE) with the block vLLM drafts (`block_recipe`).
 HEAD_RECIPE = {"eagle1": ("loss.steps=1", "loss.position_weights=decay"),
                "eagle3": ("loss.w_feat=0", "loss.steps=3", "loss.mask_out_of_draft=true"),
-               "dflash": ()}
-STEP_SHARE = {"eagle1": 1.0, "eagle3": 0.5, "dflash": 0.5}
+               "dflash": (), "dflash-speculators": (), "dspark": ()}
+STEP_SHARE = {"eagle1": 1.0, "eagle3": 0.5, "dflash": 0.5, "dflash-speculators": 0.5, "dspark": 0.5}
+
+
+def head_type(row: str) -> str:
+    """The head type a check row trains (its own name, or ROW_TYPE's)."""
+    return ROW_TYPE.get(row, row)
 
 
 class StepError(RuntimeError):
@@ -81,7 +100,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="models/smollm2-135m-instruct", help="the target folder")
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of vLLM's venv")
     p.add_argument("--out", default="runs/check_vllm", help="work folder (heads, exports, evals, vLLM results)")
-    p.add_argument("--heads", default="eagle1,eagle3,dflash", help="comma-separated head types to check")
+    p.add_argument("--heads", default=",".join(HEAD_TYPES), help="comma-separated rows (head types) to check")
     for t in HEAD_TYPES:
         p.add_argument(f"--head-{t}", default=None, help=f"a trained {t} head folder (default: train one)")
     p.add_argument("--conversations", default=None,
@@ -157,7 +176,7 @@ def verdict(ours: dict[str, Any], vllm_spec: dict[str, Any], ids: dict[str, list
 
 
 def exit_code(results: dict[str, dict[str, Any]]) -> int:
-    """1 when a checked head failed or errored; a skipped head counts as neither."""
+    """1 when a checked head failed or errored; a skipped or unsupported head counts as neither."""
     return int(any(r.get("status") in ("fail", "error") for r in results.values()))
 
 
@@ -170,6 +189,8 @@ def report_lines(head: str, r: dict[str, Any]) -> list[str]:
     status = r.get("status")
     if status == "skipped":
         return [f"{head}: skipped ({r['reason']})"]
+    if status == "unsupported":
+        return [f"{head}: UNSUPPORTED by this vLLM build: {r['reason']}"]
     if status == "error":
         return [f"{head}: ERROR in {r.get('stage', '?')}: {r['error']}"]
     mark = "PASS" if status == "pass" else f"FAIL ({r['reason']})"
@@ -216,10 +237,20 @@ def aux_layers(model: Path) -> list[int]:
     return [2, n // 2, n - 3]
 
 
-def block_recipe(k: int, aux: Sequence[int]) -> tuple[str, ...]:
-    """A dflash head vLLM drafts for exactly as trained: a block of k + 1 (vLLM's bonus token and k mask queries)
-    over the precompute folder's aux layers."""
-    return (f"head.block_size={k + 1}", f"loss.steps={k}", f"head.aux_layers=[{','.join(map(str, aux))}]")
+def block_recipe(k: int, aux: Sequence[int], head: str = "dflash") -> tuple[str, ...]:
+    """A block head vLLM drafts for exactly as trained, over the precompute folder's aux layers: dflash, a block of
+    k + 1 (vLLM's bonus token and k mask queries); dspark, a block of k (the last token and k - 1 masks, every slot
+    a draft: vLLM's `sample_from_anchor`)."""
+    block = k if head == "dspark" else k + 1
+    return (f"head.block_size={block}", f"loss.steps={k}", f"head.aux_layers=[{','.join(map(str, aux))}]")
+
+
+def refusal(error: str) -> str | None:
+    """The line of a vLLM error in which its engine refuses a method at configuration (REFUSALS), or None."""
+    for line in error.splitlines():
+        if any(r in line for r in REFUSALS):
+            return line.strip()
+    return None
 
 
 def manifest_aux(folder: Path) -> list[int] | None:
@@ -228,8 +259,9 @@ def manifest_aux(folder: Path) -> list[int] | None:
     return list(json.loads(m.read_text())["hidden"].get("aux_layers") or []) if m.is_file() else None
 
 
-def unavailable(head: str) -> str | None:
-    """Why this checkout cannot train/export/evaluate `head`, or None when it can."""
+def unavailable(row: str) -> str | None:
+    """Why this checkout cannot train/export/evaluate `row`'s head, or None when it can."""
+    head = head_type(row)
     if not (ROOT / "conf" / "head" / f"{head}.yaml").is_file():
         return f"no conf/head/{head}.yaml in this checkout"
     from mtp_train.config import HEAD_TYPES as IMPLEMENTED
@@ -237,8 +269,8 @@ def unavailable(head: str) -> str | None:
 
     if head not in IMPLEMENTED:
         return f"head type {head!r} has no implementation (known: {', '.join(sorted(IMPLEMENTED))})"
-    if EXPORT_FORMAT[head] not in export_formats():
-        return f"mtp-export has no format={EXPORT_FORMAT[head]} (known: {', '.join(export_formats())})"
+    if EXPORT_FORMAT[row] not in export_formats():
+        return f"mtp-export has no format={EXPORT_FORMAT[row]} (known: {', '.join(export_formats())})"
     return None
 
 
@@ -278,28 +310,61 @@ class OurSide:
         return path
 
     def head(self, head: str) -> Path:
-        given = getattr(self.a, f"head_{head}")
+        given = getattr(self.a, f"head_{head.replace('-', '_')}")
         if given:
             return Path(given)
         train = self.out / head / "train"
         steps = max(1, round(self.a.steps * STEP_SHARE[head]))
         head_dir = train / "heads" / f"step-{steps}"
         if not (ROOT / head_dir / "config.json").is_file():
-            folder = self.precompute(head)
-            block = block_recipe(self.a.k, manifest_aux(folder) or []) if head == "dflash" else ()
+            folder = self.precompute(head_type(head))
+            kind = head_type(head)
+            block = block_recipe(self.a.k, manifest_aux(folder) or [], kind) if kind in BLOCK_HEADS else ()
             run_command(f"{head} train", "train",
                         [f"model.path={self.model}", "data=demo-regen", f"data.dir={folder}",
-                         f"out={train}", "resume=auto", f"head={head}", f"head.draft_vocab_size={DRAFT_VOCAB[head]}",
+                         f"out={train}", "resume=auto", f"head={kind}", f"head.draft_vocab_size={DRAFT_VOCAB[head]}",
                          f"train.max_steps={steps}", *TRAIN_RECIPE, *HEAD_RECIPE[head], *block],
                         self.out / "logs" / f"{head}_train.log")
         return head_dir
 
-    def export(self, head: str, head_dir: Path) -> Path:
-        out = self.out / head / "export"
-        run_command(f"{head} export", "export", [f"model.path={self.model}", f"head_ckpt={head_dir}",
-                                                 f"format={EXPORT_FORMAT[head]}", f"out={out}"],
-                    self.out / "logs" / f"{head}_export.log")
+    def export(self, head: str, head_dir: Path, name: str = "export") -> Path:
+        out = self.out / head / name
+        again = ["overwrite=true"] if name != "export" else []  # the probe's head is written anew every run
+        run_command(f"{head} {name}", "export", [f"model.path={self.model}", f"head_ckpt={head_dir}",
+                                                 f"format={EXPORT_FORMAT[head]}", f"out={out}", *again],
+                    self.out / "logs" / f"{head}_{name}.log")
         return out
+
+    def probe(self, head: str) -> dict[str, Any] | None:
+        """Ask vLLM for `head`'s method with an untrained head (seeded; the recipe's block, EAGLE-3's aux layers)
+        on one short prompt: None when vLLM runs it, else the unsupported entry with vLLM's refusal. Another vLLM
+        failure raises StepError."""
+        import torch
+
+        from mtp_train.config import HeadConfig
+        from mtp_train.heads import build_head, save_head
+
+        a, head_dir = self.a, self.out / head / "probe-head"
+        block = a.k if head == "dspark" else a.k + 1
+        torch.manual_seed(0)
+        h = build_head(HeadConfig(type=head, block_size=block, aux_layers=aux_layers(self.model)),
+                       ROOT / self.model, dtype="float32")
+        save_head(h, ROOT / head_dir, extra_config={"check_vllm": "untrained probe"})
+        export = self.export(head, head_dir, "probe-export")
+        req = {"model": str(ROOT / self.model), "prompts": [[1, 2, 3, 4, 5, 6, 7, 8]], "max_tokens": 2,
+               "stop_token_ids": [], "max_model_len": 2048, "dtype": "float32",
+               "speculative": {"method": VLLM_METHOD[head], "model": str(ROOT / export),
+                               "num_speculative_tokens": a.k},
+               "head_weights": file_digest(ROOT / export / "model.safetensors")}
+        try:
+            run_vllm(a, req, f"probe-{head}", self.out)
+        except StepError as e:
+            extra = e.args[1] if len(e.args) > 1 else {}
+            why = refusal(extra.get("vllm_error", "")) or refusal("\n".join(extra.get("vllm_error_lines", [])))
+            if why is None:
+                raise
+            return {"status": "unsupported", "reason": why, **extra}
+        return None
 
     def served(self, head: str, head_dir: Path, export: Path) -> Path:
         """The head our engine measures (module docstring): eagle1's export loaded back, else the trained head."""
@@ -409,7 +474,9 @@ def run_vllm(a: argparse.Namespace, req: dict[str, Any], name: str, out: Path) -
         text = log.read_text(errors="replace")
         error = (result.get("error") or f"exit {rc}, no result").splitlines()
         raise StepError(f"vLLM {name}: {error[0] if error else ''}", {
-            "vllm_error": error[0] if error else "", "vllm_error_lines": vllm_error_lines(text),
+            # the cause may be in the log or only in the error vllm_side recorded (a configuration refusal)
+            "vllm_error": error[0] if error else "",
+            "vllm_error_lines": vllm_error_lines(text + "\n" + "\n".join(error)),
             "vllm_log": str(log)})
     return result
 
@@ -422,6 +489,12 @@ def check_head(side: OurSide, head: str) -> dict[str, Any]:
         return {"status": "skipped", "reason": why}
     stage = "head"
     try:
+        if head in PROBE_FIRST:
+            stage = "vllm probe"
+            refused = side.probe(head)
+            if refused is not None:
+                return refused
+            stage = "head"
         head_dir = side.head(head)
         stage = "export"
         export = side.export(head, head_dir)

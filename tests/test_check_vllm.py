@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_arguments_default_to_the_check_settings():
     a = check.parse_args([])
-    assert a.heads == ["eagle1", "eagle3", "dflash"]
+    assert a.heads == ["eagle1", "eagle3", "dflash", "dflash-speculators", "dspark"]
     assert (a.k, a.max_new_tokens, a.limit, a.prompts, a.tolerance) == (3, 96, 16, "demo-heldout", 0.05)
-    assert a.head_eagle1 is None and a.head_eagle3 is None and a.head_dflash is None
+    assert a.head_eagle1 is None and a.head_eagle3 is None and a.head_dflash is None and a.head_dspark is None
     a = check.parse_args(["--heads", "eagle1", "--head-eagle1", "h/step-9", "--k", "2"])
     assert a.heads == ["eagle1"] and a.head_eagle1 == "h/step-9" and a.k == 2
 
@@ -77,12 +77,30 @@ def test_exit_code_counts_checked_heads_only():
     assert check.exit_code({"eagle1": {"status": "pass"}, "eagle3": {"status": "skipped", "reason": "x"}}) == 0
     assert check.exit_code({"eagle1": {"status": "pass"}, "eagle3": {"status": "fail"}}) == 1
     assert check.exit_code({"eagle1": {"status": "error", "stage": "vllm eagle", "error": "boom"}}) == 1
+    assert check.exit_code({"eagle1": {"status": "pass"}, "dspark": {"status": "unsupported", "reason": "x"}}) == 0
+
+
+def test_a_method_the_vllm_build_refuses_is_reported_unsupported():
+    """vLLM 0.32's CPU build refuses method=dspark at configuration (its V1 model runner has no DSpark, its V2 one
+    needs Triton): the refusal line is found in vLLM's error, another error is not one."""
+    err = ("ValidationError: 1 validation error for VllmConfig\n  Value error, Model Runner V1 does not support: "
+           "dspark speculative decoding [type=value_error]\n    For further information visit https://x")
+    assert check.refusal(err) == ("Value error, Model Runner V1 does not support: dspark speculative decoding "
+                                  "[type=value_error]")
+    v2 = "ValueError: Model Runner V2 requires Triton."
+    assert check.refusal(v2) == v2
+    assert check.refusal("RuntimeError: shape mismatch in fc") is None
+    assert check.report_lines("dspark", {"status": "unsupported", "reason": "Model Runner V1 does not support"}) == [
+        "dspark: UNSUPPORTED by this vLLM build: Model Runner V1 does not support"]
+    assert "dspark" in check.PROBE_FIRST and check.VLLM_METHOD["dspark"] == "dspark"
 
 
 def test_the_last_line_is_one_json_object_of_every_head(monkeypatch, capsys):
     entries = {"eagle1": check.verdict(OURS, _vllm(1.5), _ids([4, 5]), [0], 0.05),
                "eagle3": {"status": "skipped", "reason": "no conf/head/eagle3.yaml in this checkout"},
-               "dflash": {"status": "skipped", "reason": "no conf/head/dflash.yaml in this checkout"}}
+               "dflash": {"status": "skipped", "reason": "no conf/head/dflash.yaml in this checkout"},
+               "dflash-speculators": {"status": "skipped", "reason": "no conf/head/dflash.yaml in this checkout"},
+               "dspark": {"status": "unsupported", "reason": "Model Runner V1 does not support: dspark"}}
     monkeypatch.setattr(check, "check_head", lambda side, head: entries[head])
     assert check.main(["--vllm-python", sys.executable]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -168,3 +186,16 @@ def test_a_dflash_head_is_trained_with_the_block_vllm_drafts():
     layers."""
     assert check.block_recipe(3, [2, 15, 27]) == ("head.block_size=4", "loss.steps=3", "head.aux_layers=[2,15,27]")
     assert check.EXPORT_FORMAT["dflash"] == "dflash" and check.VLLM_METHOD["dflash"] == "dflash"
+    # method=dspark queries the last token and k - 1 masks, every slot a draft (sample_from_anchor): a block of k
+    assert check.block_recipe(3, [2, 15, 27], "dspark") == ("head.block_size=3", "loss.steps=3",
+                                                             "head.aux_layers=[2,15,27]")
+
+
+def test_the_speculators_dflash_row_trains_a_dflash_head_with_a_draft_vocabulary():
+    """A row that checks another layout of a head type: dflash trained, exported in speculators' layout with d2t."""
+    assert check.head_type("dflash-speculators") == "dflash" and check.head_type("eagle3") == "eagle3"
+    assert check.EXPORT_FORMAT["dflash-speculators"] == "speculators-dflash"
+    assert check.VLLM_METHOD["dflash-speculators"] == "dflash" and check.DRAFT_VOCAB["dflash-speculators"] > 0
+    assert check.unavailable("dflash-speculators") is None
+    a = check.parse_args(["--heads", "dflash-speculators", "--head-dflash-speculators", "runs/x"])
+    assert a.heads == ["dflash-speculators"] and a.head_dflash_speculators == "runs/x"

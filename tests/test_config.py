@@ -116,7 +116,8 @@ def test_each_head_type_spec_drives_its_config(name):
 
 
 def test_an_unknown_head_type_or_a_malformed_spec_is_refused():
-    with pytest.raises(ValueError, match="unknown head type 'medusa'; choose one of dflash, eagle1, eagle3, mtp"):
+    with pytest.raises(ValueError,
+                       match="unknown head type 'medusa'; choose one of dflash, dspark, eagle1, eagle3, mtp"):
         HeadConfig(type="medusa")
     with pytest.raises(ValueError, match="norms must set exactly"):
         HeadTypeSpec("half", "norms missing", {"enorm": True})

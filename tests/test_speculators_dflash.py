@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from mtp_train.cli.export import export_main
 from mtp_train.config import HeadConfig
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
-from mtp_train.export.importer import import_dflash
+from mtp_train.export.importer import import_dflash, import_drafter
 from mtp_train.heads import build_head, save_head
 from mtp_train.heads.dflash import DFlashHead
 from mtp_train.models import ModelConfigError
@@ -93,24 +93,24 @@ def test_a_speculators_folder_is_imported_and_a_trained_lm_head_refused(tiny_che
     head_dir = save_head(head, tmp_path / "head")
     out = export_head(head_dir, target, "speculators-dflash", tmp_path / "spec")
     _foreign(out)
-    got = import_dflash(out, target, dtype=torch.float32, layout="speculators-dflash")
+    got = import_drafter("speculators-dflash", out, target, dtype=torch.float32)
     assert (got.cfg.layers, got.block_size, got.mask_token_id) == (1, 5, 9)
     assert torch.equal(got.draft_vocab, head.draft_vocab)
     x = torch.randn(6, head.input_width)
     ids = torch.randint(0, head.args.vocab_size, (6,))
     with torch.no_grad():
         torch.testing.assert_close(got.probe_features(x, ids), head.eval().probe_features(x, ids))
-    with pytest.raises(ModelConfigError, match="speculators folder is read with import_from=speculators-dflash"):
+    with pytest.raises(ModelConfigError, match="this folder is read with import_from=speculators-dflash"):
         import_dflash(out, target)
     tensors = load_file(str(out / "model.safetensors"))
     tensors["lm_head.weight"] = tensors["lm_head.weight"] * 1.1
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ModelConfigError, match="lm_head.weight is not the target's rows"):
-        import_dflash(out, target, layout="speculators-dflash")
+        import_drafter("speculators-dflash", out, target)
     del tensors["lm_head.weight"]
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ModelConfigError, match=r"needs lm_head.weight, d2t and t2d together"):
-        import_dflash(out, target, layout="speculators-dflash")
+        import_drafter("speculators-dflash", out, target)
 
 
 def test_mtp_export_imports_a_speculators_folder_and_refuses_a_bad_config(tmp_path):

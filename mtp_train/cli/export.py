@@ -7,7 +7,9 @@
         # the target's checkpoint folder with the fine-tuned head as its MTP layer (shards linked, not copied)
     mtp-export import_from=dflash head_ckpt=downloads/dflash-drafter out=runs/imported  # the command in reverse:
         # a DFlash drafter trained elsewhere (z-lab's layout) as a native head for mtp-eval and mtp-train
-    formats: native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp | speculators | sglang-eagle3
+    mtp-export import_from=dspark head_ckpt=downloads/dspark-drafter out=runs/imported  # vLLM's Qwen3 DSpark layout
+    formats: native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp | speculators | sglang-eagle3 |
+        dflash | dspark
 
 The export is loaded back and its logits compared with the trained head's before the command reports success.
 See `mtp_train.export.layouts` for each layout's tensor names. `out` is never the head itself; an `out` holding an
@@ -68,17 +70,18 @@ def _export_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
 
 
 def _import_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
-    """`import_from=dflash|speculators-dflash`: the drafter in head_ckpt (that layout) as a native head in
-    `out_dir`, loaded back and compared with the drafter read from the folder before success is reported."""
+    """`import_from=dflash | speculators-dflash | dspark`: the drafter in head_ckpt (z-lab's or speculators' DFlash
+    layout, vLLM's DSpark layout) as a native head in `out_dir`, loaded back and compared with the drafter read from
+    the folder before success is reported."""
     import torch
 
     from mtp_train.export.exporter import probe_difference
-    from mtp_train.export.importer import import_dflash
+    from mtp_train.export.importer import import_drafter
     from mtp_train.heads import load_head, save_head
     from mtp_train.models.fingerprint import weights_fingerprint
 
     target_dir = ensure_model(cfg.model)
-    head = import_dflash(cfg.head_ckpt, target_dir, dtype=torch.float32, layout=cfg.import_from)
+    head = import_drafter(cfg.import_from, cfg.head_ckpt, target_dir, dtype=torch.float32)
     save_head(head, out_dir, extra_config={"imported_from": str(cfg.head_ckpt), "layout": cfg.import_from},
               target_fingerprint=weights_fingerprint(target_dir))
     diff = probe_difference(head, load_head(out_dir, target_dir, dtype=torch.float32))

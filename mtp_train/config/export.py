@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from mtp_train.config.model import ModelConfig
 
 # The layouts `mtp-export import_from=` reads back into one of our heads.
-IMPORT_LAYOUTS = ("dflash", "speculators-dflash")
+IMPORT_LAYOUTS = ("dflash", "speculators-dflash", "dspark")
 
 
 @dataclass
@@ -17,7 +17,7 @@ class ExportConfig:
     model: ModelConfig = field(default_factory=ModelConfig)  # the target the head was trained for
     head_ckpt: str | None = None  # head folder (mtp-train's heads/step-N)
     # native (any head) | vllm-eagle, sglang-eagle (eagle1) | deepseek-mtp, qwen3-next-mtp (mtp) |
-    # speculators, sglang-eagle3 (eagle3)
+    # speculators, sglang-eagle3 (eagle3) | dflash (dflash) | dspark (dspark)
     format: str = "native"
     out: str = "runs/export"
     # Replace an export of another head or a trained head in `out`, and remove links found there (else refused).
@@ -26,9 +26,9 @@ class ExportConfig:
     # (format=deepseek-mtp; shards linked, not copied: mtp_train/export/stitch.py); the head is loaded against it
     stitch: str | None = None
     verify_fingerprint: bool = True  # refuse a head trained for other target weights
-    # The command in reverse: dflash = head_ckpt is a DFlash drafter in z-lab's layout (trained elsewhere, as vLLM
-    # loads it), read into our dflash head and written as a native head (format=native) that mtp-eval evaluates
-    # and mtp-train fine-tunes; null = head_ckpt is one of our heads
+    # The command in reverse: dflash = head_ckpt is a DFlash drafter in z-lab's layout, dspark = a DSpark drafter
+    # in vLLM's Qwen3 layout (trained elsewhere, as vLLM loads them), read into our dflash / dspark head and written
+    # as a native head (format=native) that mtp-eval evaluates and mtp-train fine-tunes; null = one of our heads
     import_from: str | None = None
 
     def __post_init__(self) -> None:

@@ -46,9 +46,12 @@ class HeadTypeSpec:
     # the output the lm_head reads.
     feeds_pre_norm: bool = False
     inits: tuple[str, ...] = ("scratch",)  # the HeadConfig.init values this type takes (INITS)
-    # A block drafter (dflash): `head.layers` draft layers draft `head.block_size` tokens per forward from a
+    # A block drafter (dflash, dspark): `head.layers` draft layers draft a block per forward from a
     # block [last token, mask_token_id × (B-1)]; the block settings are refused for the other types.
     block: bool = False
+    # A block drafter with DSpark's Markov head (and optional confidence head): `head.markov_rank`,
+    # `head.confidence_head`, `head.confidence_with_markov` are refused for the other types.
+    markov: bool = False
     # (target layers) → the default aux_layers (hidden_states numbering) when head.aux_layers is []; None =
     # EAGLE-3's low / mid / high (`default_aux_layers`).
     aux_default: Callable[[int], list[int]] | None = None
@@ -171,13 +174,21 @@ class HeadConfig:
     # EAGLE-3.1 (speculators' `norm_output`): the next draft step reads the final-normed output instead of the
     # pre-norm one. Only for a type that feeds the pre-norm output (eagle3).
     norm_output: bool = False
-    # Block drafters only (dflash, `HeadTypeSpec.block`; the defaults below for every other type):
-    layers: int = 1  # draft decoder layers of the block drafter (dflash: 1 or more, Qwen3-shaped)
-    block_size: int = 8  # B: the block [last token, mask × (B-1)] drafted in one forward (B-1 drafts)
+    # Block drafters only (dflash, dspark, `HeadTypeSpec.block`; the defaults below for every other type):
+    layers: int = 1  # draft decoder layers of the block drafter (1 or more, Qwen3-shaped)
+    # B: the block [last token, mask × (B-1)] drafted in one forward (dflash: B-1 drafts; dspark: B, every slot)
+    block_size: int = 8
     # The token id of the block's mask slots (its frozen target embedding); null = the target's last vocabulary id
     # (a padding or reserved row of Qwen3 / Llama-3, never emitted in text; docs/training.md names it per target).
     mask_token_id: int | None = None
     max_anchors: int = 512  # training: most blocks (anchors, sampled among loss positions) per packed micro-batch
+    # DSpark only (`HeadTypeSpec.markov`; the defaults below for every other type): the rank r of the Markov head's
+    # bias W2·W1[x_{k-1}] on each block position's logits (null = DEFAULT_MARKOV_RANK), and the confidence head (a
+    # per-position acceptance estimate, sigmoid(proj(h)) or, with confidence_with_markov, sigmoid(proj([h ;
+    # W1[x_{k-1}]]))).
+    markov_rank: int | None = None
+    confidence_head: bool = False
+    confidence_with_markov: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 0:
@@ -213,6 +224,7 @@ class HeadConfig:
                              "lm_head reads; only a head that feeds its pre-norm output (eagle3) takes it")
 
         self._check_block(spec)
+        self._check_markov(spec)
         if self.init == "target_mtp":
             problems = target_mtp_problems(self)
             if problems:
@@ -235,6 +247,21 @@ class HeadConfig:
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"head.mask_token_id must be a token id >= 0 (or null), got {self.mask_token_id}")
 
+    def _check_markov(self, spec: HeadTypeSpec) -> None:
+        """DSpark's Markov and confidence settings: set for a Markov block drafter, defaults for every other type."""
+        if not spec.markov:
+            set_ = [f"head.{k}={getattr(self, k)}" for k, v in MARKOV_DEFAULTS.items() if getattr(self, k) != v]
+            if set_:
+                takes = head_types_taking(lambda s: s.markov)
+                raise ValueError(f"{', '.join(set_)}: only a block drafter with a Markov head "
+                                 f"({'/'.join(takes) or 'none registered'}) takes them; {self.type} heads have none")
+            return
+        if self.markov_rank is not None and self.markov_rank < 1:
+            raise ValueError(f"a {self.type} head needs head.markov_rank >= 1 (the rank of its Markov bias), got "
+                             f"{self.markov_rank}")
+        if self.confidence_with_markov and not self.confidence_head:
+            raise ValueError("head.confidence_with_markov=true needs head.confidence_head=true")
+
     @property
     def spec(self) -> HeadTypeSpec:
         """The registered spec of this head's type."""
@@ -251,6 +278,8 @@ class HeadConfig:
         out = dataclasses.replace(self, features=self.resolved_features, aux_layers=[int(j) for j in self.aux_layers],
                                   **{k: v if getattr(self, k) is None else getattr(self, k)
                                      for k, v in defaults.items()})
+        if self.spec.markov and out.markov_rank is None:
+            out.markov_rank = DEFAULT_MARKOV_RANK
         if num_layers is not None and out.features == "aux":
             default = self.spec.aux_default or default_aux_layers
             layers = out.aux_layers or default(num_layers)
@@ -266,6 +295,8 @@ class HeadConfig:
 
 
 BLOCK_DEFAULTS = {"layers": 1, "block_size": 8, "mask_token_id": None, "max_anchors": 512}  # HeadConfig's
+MARKOV_DEFAULTS = {"markov_rank": None, "confidence_head": False, "confidence_with_markov": False}  # HeadConfig's
+DEFAULT_MARKOV_RANK = 64  # a Markov head's rank when head.markov_rank is null
 
 
 def target_mtp_problems(cfg: HeadConfig) -> list[str]:

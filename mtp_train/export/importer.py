@@ -1,19 +1,23 @@
-"""Reading a DFlash drafter trained elsewhere (z-lab's layout, or speculators', as vLLM loads them) into one of our
-heads, so that it can be evaluated (`mtp-eval`), exported again or fine-tuned (`mtp-train` from the saved head).
+"""Reading a DFlash or DSpark drafter trained elsewhere (z-lab's DFlash layout, speculators' DFlash layout, vLLM's
+DSpark layout, as vLLM loads them) into one of our heads, so that it can be evaluated (`mtp-eval`), exported again
+or fine-tuned (`mtp-train` from the saved head).
 
-The folder holds `config.json` and `model.safetensors` (or shards listed by `model.safetensors.index.json`) with
-the tensors `export/dflash.py` names. z-lab's config: `architectures: ["DFlashDraftModel"]`, `dflash_config:
-{block_size, mask_token_id, target_layer_ids}` and the draft layers' Qwen3 fields. speculators':
-`speculators_model_type: "dflash"`, the layers' fields in `transformer_layer_config` and, for a draft vocabulary,
-`lm_head.weight` (the target's rows of those tokens: checked, since our head drafts through the target's frozen
-lm_head), `d2t` and `t2d` (`export/speculators_dflash.py`). An `embed_tokens` in either is not read (the head
-shares the target's, as vLLM does when it is absent). Its shapes are checked against the target's: a draft for
-another target is refused by name.
+The folder holds `config.json` (`architectures: ["DFlashDraftModel"]` or `["Qwen3DSparkModel"]`, `dflash_config:
+{block_size, mask_token_id, target_layer_ids}`, the draft layers' Qwen3 fields; DSpark adds `markov_rank` and
+`enable_confidence_head`) and `model.safetensors` (or shards listed by `model.safetensors.index.json`) with the
+tensors `export/dflash.py` / `export/dspark.py` name; an `embed_tokens` or `lm_head` in it is not read (the head
+shares the target's, as vLLM does when they are absent). speculators' DFlash folder
+(`import_from=speculators-dflash`, `export/speculators_dflash.py`) says `speculators_model_type: "dflash"`, keeps
+the layers' fields in `transformer_layer_config` and, for a draft vocabulary, `lm_head.weight` (which must be the
+target's rows of those tokens, since our head drafts through the target's frozen lm_head: a trained one is refused),
+`d2t` and `t2d`. Its shapes are checked against the target's: a draft for another target is refused by name.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from mtp_train.config.head import HeadConfig
-from mtp_train.export import dflash, speculators_dflash
+from mtp_train.export import dflash, dspark, speculators_dflash
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.registry import new_head
@@ -29,17 +33,16 @@ from mtp_train.models.config import ModelConfigError
 from mtp_train.models.families import args_from_dir
 
 _SHARED = ("embed_tokens.", "lm_head.", "model.embed_tokens.")  # the target's, never the draft's own here
-LAYOUTS = ("dflash", "speculators-dflash")  # the layouts `import_dflash` reads
 
 
-def _tensors(folder: Path, keep: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def _tensors(folder: Path, noun: str = "DFlash", keep: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
         else ["model.safetensors"]
     out: dict[str, torch.Tensor] = {}
     missing = [name for name in files if not (folder / name).is_file()]
     if missing:
-        raise ModelConfigError(f"{folder}: no {', '.join(missing)}: a DFlash drafter's folder holds its weights "
+        raise ModelConfigError(f"{folder}: no {', '.join(missing)}: a {noun} drafter's folder holds its weights "
                                "(model.safetensors, or the shards model.safetensors.index.json names)")
     for name in files:
         with safe_open(str(folder / name), framework="pt", device="cpu") as f:
@@ -60,47 +63,100 @@ def dflash_head_config(cfg: dict[str, Any]) -> HeadConfig:
                       mask_token_id=int(sub["mask_token_id"]), aux_layers=dflash.aux_layers_of(ids))
 
 
-def _speculators_head_config(cfg: dict[str, Any], folder: Path, tensors: dict[str, torch.Tensor]) -> HeadConfig:
+def dspark_head_config(cfg: dict[str, Any]) -> HeadConfig:
+    """A vLLM Qwen3 DSpark config.json → our HeadConfig (DFlash's fields, `export/dspark.py`, plus the Markov and
+    confidence heads); a layout our block does not compute is refused by its key."""
+    sub = dict(cfg.get("dflash_config") or {})
+    sub.setdefault("block_size", cfg.get("block_size", cfg.get("dspark_block_size")))
+    sub.setdefault("target_layer_ids", cfg.get("dspark_target_layer_ids", cfg.get("target_layer_ids")))
+    for key in ("mask_token_id", "dspark_noise_token_id"):
+        if sub.get("mask_token_id") is None:
+            sub["mask_token_id"] = cfg.get(key)
+    off = [f"{k}={cfg.get(k)!r} (ours: {v!r})" for k, v in
+           (("sample_from_anchor", True), ("dspark_bonus_anchor", False), ("markov_head_type", "vanilla"))
+           if cfg.get(k, v) != v]
+    vocab, draft_vocab = cfg.get("vocab_size"), cfg.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != vocab:
+        off.append(f"draft_vocab_size={draft_vocab} (a reduced vocabulary with d2t; ours drafts over all {vocab})")
+    if off or not cfg.get("markov_rank"):
+        raise ModelConfigError("a DSpark drafter this head cannot compute: " + ("; ".join(off) or "no markov_rank"))
+    base = dflash_head_config({**cfg, "dflash_config": sub})
+    return HeadConfig(type="dspark", layers=base.layers, block_size=base.block_size,
+                      mask_token_id=base.mask_token_id, aux_layers=base.aux_layers,
+                      markov_rank=int(cfg["markov_rank"]), confidence_head=bool(cfg.get("enable_confidence_head")),
+                      confidence_with_markov=bool(cfg.get("confidence_head_with_markov")))
+
+
+def speculators_head_config(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> HeadConfig:
     """A speculators DFlash config.json (and its d2t, for the draft vocabulary's size) → our HeadConfig."""
     try:
         fields = speculators_dflash.head_fields(cfg)
     except ValueError as e:
-        raise ModelConfigError(f"{folder}/config.json: {e}") from None
-    vocab = {k for k in ("lm_head.weight", "d2t", "t2d") if k in tensors}
-    if vocab and vocab != {"lm_head.weight", "d2t", "t2d"}:
-        raise ModelConfigError(f"{folder}: a draft vocabulary needs lm_head.weight, d2t and t2d together; it holds "
+        raise ModelConfigError(str(e)) from None
+    vocab = {k for k in speculators_dflash.VOCAB_KEYS if k in tensors}
+    if vocab and vocab != set(speculators_dflash.VOCAB_KEYS):
+        raise ModelConfigError(f"a draft vocabulary needs lm_head.weight, d2t and t2d together; the folder holds "
                                f"only {sorted(vocab)}")
     return HeadConfig(type="dflash", draft_vocab_size=int(tensors["d2t"].numel()) if vocab else 0, **fields)
 
 
+@dataclass(frozen=True)
+class Reader:
+    """How `import_from=<name>` reads a folder."""
+
+    noun: str  # the drafter's name in messages
+    origin: str  # whose layout, in messages
+    recognises: Callable[[dict[str, Any]], bool]  # config.json → whether it is this layout
+    expected: str  # what `recognises` looks for, in messages
+    head_config: Callable[[dict[str, Any], dict[str, torch.Tensor]], HeadConfig]  # (config.json, tensors) → ours
+    from_layout: Callable[[dict[str, torch.Tensor], DraftHead], dict[str, torch.Tensor]]
+    layer_key: str | None = None  # where config.json keeps the draft layers' fields (None: at the top)
+    keep: tuple[str, ...] = ()  # shared-looking tensors that are the layout's own (checked, not skipped)
+
+
+def _archs(*names: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda cfg: bool(set(names) & set(cfg.get("architectures") or []))
+
+
+LAYOUTS = {
+    "dflash": Reader("DFlash", "z-lab", _archs(dflash.ARCH), f"architectures [{dflash.ARCH!r}]",
+                     lambda cfg, _: dflash_head_config(cfg), dflash.from_layout),
+    "speculators-dflash": Reader(
+        "DFlash", "speculators", lambda cfg: cfg.get("speculators_model_type") == speculators_dflash.MODEL_TYPE,
+        f"speculators_model_type {speculators_dflash.MODEL_TYPE!r}", speculators_head_config,
+        speculators_dflash.from_layout, layer_key="transformer_layer_config", keep=("lm_head.weight",)),
+    "dspark": Reader("DSpark", "vLLM", _archs(dspark.ARCH, "DSparkDraftModel"), f"architectures [{dspark.ARCH!r}]",
+                     lambda cfg, _: dspark_head_config(cfg), dspark.from_layout),
+}
+
+
 def import_dflash(folder: str | Path, target_dir: str | Path, device: str | torch.device = "cpu",
-                  dtype: torch.dtype | None = None, layout: str = "dflash") -> DraftHead:
-    """The DFlash drafter in `folder` (module docstring), in `layout` (one of LAYOUTS), as our dflash head for the
-    target in `target_dir`."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r}: a DFlash drafter is read from one of {', '.join(LAYOUTS)}")
+                  dtype: torch.dtype | None = None) -> DraftHead:
+    """The DFlash drafter in `folder` (z-lab's layout; module docstring) as our dflash head for `target_dir`."""
+    return import_drafter("dflash", folder, target_dir, device, dtype)
+
+
+def import_drafter(layout: str, folder: str | Path, target_dir: str | Path, device: str | torch.device = "cpu",
+                   dtype: torch.dtype | None = None) -> DraftHead:
+    """The drafter in `folder` in `layout` (a LAYOUTS name; module docstring) as our head for the target in
+    `target_dir`."""
+    reader = LAYOUTS[layout]
+    noun = reader.noun
     folder = Path(folder)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
-        raise ModelConfigError(f"{cfg_file} does not exist: head_ckpt is a DFlash drafter's folder here ({layout} "
-                               "layout: config.json and model.safetensors)")
+        raise ModelConfigError(f"{cfg_file} does not exist: head_ckpt is a {noun} drafter's folder here ("
+                               f"{reader.origin}'s layout: config.json and model.safetensors)")
     try:
         cfg = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelConfigError(f"{cfg_file}: not valid JSON ({e}); restore it from where the drafter came "
                                "from") from None
-    speculators = layout == "speculators-dflash"
-    if speculators and cfg.get("speculators_model_type") != speculators_dflash.MODEL_TYPE:
-        raise ModelConfigError(f"{cfg_file}: speculators_model_type {cfg.get('speculators_model_type')!r} is not "
-                               f"{speculators_dflash.MODEL_TYPE!r} (speculators' DFlash layout)"
-                               + ("; a z-lab DFlash folder is read with import_from=dflash"
-                                  if dflash.ARCH in (cfg.get("architectures") or []) else ""))
-    if not speculators and dflash.ARCH not in (cfg.get("architectures") or []):
-        raise ModelConfigError(f"{folder}/config.json: architectures {cfg.get('architectures')} is not "
-                               f"[{dflash.ARCH!r}] (z-lab's DFlash layout)"
-                               + ("; a speculators folder is read with import_from=speculators-dflash"
-                                  if cfg.get("speculators_model_type") else ""))
-    layer = (cfg.get("transformer_layer_config") or {}) if speculators else cfg
+    if not reader.recognises(cfg):
+        other = [name for name, r in LAYOUTS.items() if name != layout and r.recognises(cfg)]
+        raise ModelConfigError(f"{cfg_file}: no {reader.expected} ({reader.origin}'s {noun} layout)"
+                               + (f"; this folder is read with import_from={other[0]}" if other else ""))
+    layer = (cfg.get(reader.layer_key) or {}) if reader.layer_key else cfg
     sliding = [t for t in layer.get("layer_types") or [] if t != "full_attention"]
     if sliding or (cfg.get("dflash_config") or {}).get("use_swa") or layer.get("attention_bias"):
         raise ModelConfigError(f"{folder}: draft layers with sliding windows or attention bias; ours are full "
@@ -113,15 +169,18 @@ def import_dflash(folder: str | Path, target_dir: str | Path, device: str | torc
             "intermediate_size": args.intermediate_size}
     off = {k: (theirs[k], v) for k, v in ours.items() if theirs[k] is not None and theirs[k] != v}
     if off:
-        raise ModelConfigError(f"{folder}: a DFlash drafter of other shapes than the target {target_dir} "
+        raise ModelConfigError(f"{folder}: a {noun} drafter of other shapes than the target {target_dir} "
                                f"(draft, target): {off}")
-    tensors = _tensors(folder, keep=("lm_head.weight",) if speculators else ())
-    head_cfg = _speculators_head_config(cfg, folder, tensors) if speculators else dflash_head_config(cfg)
+    tensors = _tensors(folder, noun, reader.keep)
+    try:
+        head_cfg = reader.head_config(cfg, tensors)
+    except ModelConfigError as e:
+        raise ModelConfigError(f"{cfg_file}: {e}") from None
     frozen = FrozenTargetParts.from_pretrained(target_dir, device=device)
     head = new_head(head_cfg, args, frozen)
     try:
-        state = (speculators_dflash.from_layout if speculators else dflash.from_layout)(tensors, head)
-    except ValueError as e:  # d2t / t2d that do not describe one draft vocabulary
+        state = reader.from_layout(tensors, head)
+    except ValueError as e:  # e.g. d2t / t2d that do not describe one draft vocabulary
         raise ModelConfigError(f"{folder}: {e}") from None
     own = head.state_dict()
     problems = [f"{k}: missing" for k in sorted(own.keys() - state.keys())]
@@ -129,11 +188,11 @@ def import_dflash(folder: str | Path, target_dir: str | Path, device: str | torc
     problems += [f"{k}: shape {tuple(state[k].shape)}, expected {tuple(own[k].shape)}"
                  for k in sorted(own.keys() & state.keys()) if state[k].shape != own[k].shape]
     if problems:
-        raise ModelConfigError(f"{folder} is not a DFlash drafter for this target:\n  " + "\n  ".join(problems))
+        raise ModelConfigError(f"{folder} is not a {noun} drafter for this target:\n  " + "\n  ".join(problems))
     dt = dtype or next(v for v in state.values() if v.is_floating_point()).dtype
     head.load_state_dict({k: v.to(dt) if v.is_floating_point() else v for k, v in state.items()})
     head.attach(frozen.to(device=device, dtype=dt))
-    if "lm_head.weight" in tensors:
+    if "lm_head.weight" in reader.keep and "lm_head.weight" in tensors:
         _check_lm_head_rows(folder, tensors["lm_head.weight"], head)
     return head.to(device=device, dtype=dt).eval()
 

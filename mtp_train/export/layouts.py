@@ -29,6 +29,9 @@ them: `Family.fusings`); every other layout stores them split. A layout is a pai
 | speculators-    | dflash  | z-lab's tensors + `lm_head.weight` (draft rows), `d2t`, `t2d` for a draft    |
 |   dflash        |         | vocabulary; config: `speculators_model_type: dflash`,                        |
 |                 |         | `transformer_layer_config`, aux ids ours (`export/speculators_dflash.py`)    |
+| dspark          | dspark  | dflash's plus `markov_head.markov_w{1,2}`, `confidence_head.proj`; config:   |
+|                 |         | dflash's with `markov_rank`, `enable_confidence_head`, `sample_from_anchor`  |
+|                 |         | ("Qwen3DSparkModel", `export/dspark.py`)                                     |
 
 Fit: vLLM's EAGLE-1 and both MTP layouts have no fc bias, so a head trained with `fc_bias` only exports to
 native / sglang-eagle. Two differences an engine brings, not the file: DeepSeek-V3's MTP module feeds the
@@ -50,7 +53,7 @@ import torch
 
 from mtp_train.config.head import HEAD_TYPES
 from mtp_train.config.registry import Registry
-from mtp_train.export import dflash, eagle3, speculators_dflash
+from mtp_train.export import dflash, dspark, eagle3, speculators_dflash
 from mtp_train.heads.base import DraftHead
 from mtp_train.models.families import family_of
 from mtp_train.models.fusing import fuse, fusion_plan, unfuse
@@ -282,6 +285,7 @@ for _layout_entry in (
     Layout("dflash", dflash.problems, dflash.to_layout, dflash.from_layout, dflash.config),
     Layout("speculators-dflash", speculators_dflash.problems, speculators_dflash.to_layout,
            speculators_dflash.from_layout, speculators_dflash.config, keeps_draft_vocab=True),
+    Layout("dspark", dspark.problems, dspark.to_layout, dspark.from_layout, dspark.config),
 ):
     LAYOUTS.add(_layout_entry)
 

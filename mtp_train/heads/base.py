@@ -346,6 +346,13 @@ class DraftHead(nn.Module, ABC):
         (the trainer counts them before the loss, `train.losses.step_token_counts`)."""
         return None
 
+    def step_extra_loss(self, pred: torch.Tensor, target: torch.Tensor,
+                        counted: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """A loss term of the head's own for one step, beside the token and feature losses (dspark's confidence
+        head), or None. pred: (T, ·) the step's prediction; target: (T, H) the target's hidden of the predicted
+        position; counted: (T,) bool. Returns (a sum over the counted rows, metrics sums); the loss normalises both."""
+        return None
+
     @abstractmethod
     def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
                steps: int, attention: str = "chain", chain_mode: str = "diagonal") -> list[torch.Tensor]:

@@ -185,7 +185,7 @@ class DFlashHead(DraftHead):
 
     def probe_features(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """(T, k·H), (T,) one sequence → (T, (B-1)·H) the block of every anchor, its slots side by side."""
-        return torch.cat(self.unroll(hidden, token_ids, [hidden.shape[0]], self.block_size - 1), dim=-1)
+        return torch.cat(self.unroll(hidden, token_ids, [hidden.shape[0]], self.drafts), dim=-1)
 
     # -- training --
 
@@ -206,24 +206,36 @@ class DFlashHead(DraftHead):
         rows[idx] = True
         return rows
 
+    @property
+    def drafts(self) -> int:
+        """Tokens one block drafts: B-1 (slot s >= 1 drafts t_{a+s}; a DSpark block drafts B)."""
+        return self.block_size - 1
+
     def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
                steps: int, attention: str = "chain", chain_mode: str = "diagonal",
                rows: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """The blocks of a packed batch, one per anchor, as `steps` (T, H) tensors (module docstring).
+        """The blocks of a packed batch, one per anchor, as `steps` (T, ·) tensors (module docstring).
 
         Args:
             hidden: (T, k·H) the target's aux layers.
             input_ids: (T,) the sequences' tokens t_i.
             seq_lens: (B,) the packed sequences' lengths.
-            steps: 1..block_size-1: step j is slot j+1 of each block.
+            steps: 1..`drafts`: step j is the block's (j+1)-th draft (`slot_outputs`).
             attention, chain_mode: unused (a block does not chain).
             rows: (T,) bool, the rows whose block to compute (`loss_rows`); None = every row with a next token.
         Rows without a block are zeros (the loss counts only `loss_rows`).
         """
-        if not 1 <= steps <= self.block_size - 1:
-            raise ValueError(f"a dflash head of block_size {self.block_size} drafts {self.block_size - 1} tokens "
-                             f"per block; loss.steps={steps} (1..{self.block_size - 1})")
+        if not 1 <= steps <= self.drafts:
+            raise ValueError(f"a {self.type_name} head of block_size {self.block_size} drafts {self.drafts} tokens "
+                             f"per block; loss.steps={steps} (1..{self.drafts})")
         self.check_input(hidden, True)
+        row_idx, out = self.anchor_blocks(hidden, input_ids, seq_lens, rows)
+        return self.slot_outputs(out, row_idx, input_ids, steps)
+
+    def anchor_blocks(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
+                      rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block of every anchor a = i+1 of the rows i selected (`unroll`'s arguments) →
+        (row_idx (A,) long ascending, the blocks' outputs (A, B, H))."""
         lens = resolve_seq_lens(hidden.shape[0], seq_lens)
         dev = hidden.device
         total = hidden.shape[0]
@@ -246,6 +258,10 @@ class DFlashHead(DraftHead):
         ctx_kv = self.context_kv(self.context(hidden), pos)
         tokens = self.block_tokens(input_ids[row_idx + 1])
         positions = anchors[:, None] + torch.arange(self.block_size, device=dev)
-        out = self.block(tokens, positions, ctx_kv, layout)  # (A, B, H)
-        zeros = out.new_zeros(total, out.shape[-1])
+        return row_idx, self.block(tokens, positions, ctx_kv, layout)  # (A, B, H)
+
+    def slot_outputs(self, out: torch.Tensor, row_idx: torch.Tensor, input_ids: torch.Tensor,
+                     steps: int) -> list[torch.Tensor]:
+        """The blocks' outputs out (A, B, H) of rows row_idx (A,) → per step j, (T, H): slot j+1 at its row."""
+        zeros = out.new_zeros(input_ids.shape[0], out.shape[-1])
         return [zeros.index_copy(0, row_idx, out[:, j + 1]) for j in range(steps)]

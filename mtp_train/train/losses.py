@@ -232,7 +232,10 @@ def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, 
     denom = denom.clamp_min(1.0)  # a batch without counted rows gives a zero (still differentiable) loss
     acc = torch.promote_types(pred.dtype, torch.float32)  # bf16 features are compared in float32
     rw = None if row_weight is None else row_weight.detach()[idx]
-    feat = weighted_sum(F.smooth_l1_loss(p.to(acc), t.to(acc), reduction="none", beta=smooth_l1_beta).mean(-1), rw)
+    # A head whose logit input carries more than its feature (dspark: the Markov embedding after it) compares the
+    # feature, its first H columns.
+    feat = weighted_sum(F.smooth_l1_loss(p[:, :t.shape[-1]].to(acc), t.to(acc), reduction="none",
+                                         beta=smooth_l1_beta).mean(-1), rw)
     ce, top1, top3, alpha = chunked_token_loss(p, t, lm_head, chunk_size, impl, pred_head, kind, rw)
     feat_loss, tok_loss = feat / denom, ce / denom
     loss = w_feat * feat_loss + w_tok * tok_loss
@@ -309,6 +312,12 @@ def step_loss(head: DraftHead, out: torch.Tensor, hidden: torch.Tensor, loss_mas
     loss, m = draft_loss(head.logit_input(out), target, counted, head.lm_head_weight(), num_tokens, w_feat=cfg.w_feat,
                          w_tok=cfg.w_tok, smooth_l1_beta=cfg.smooth_l1_beta, chunk_size=cfg.chunk_size,
                          impl=cfg.ce_impl, pred_head=head.draft_lm_head(), kind=cfg.kind, row_weight=row_weight)
+    extra = head.step_extra_loss(out, target, counted)  # a head's own term (dspark's confidence head), a sum
+    if extra is not None:
+        denom = torch.as_tensor(counted.sum() if num_tokens is None else num_tokens, dtype=torch.float32,
+                                device=out.device).clamp_min(1.0)
+        loss = loss + extra[0] / denom
+        m.update({k: v / denom for k, v in extra[1].items()}, loss=loss.detach())
     if row_weight is not None:
         # the mean D-PACE weight of the rows, over the same normaliser as the others (so it adds up over ranks)
         denom = torch.as_tensor(n_all if num_tokens is None else num_tokens, dtype=torch.float32)
