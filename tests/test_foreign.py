@@ -247,6 +247,24 @@ def test_the_commands_refuse_a_foreign_target_in_one_line(granite, tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1
 
 
+def test_regenerating_a_foreign_target_through_servers_reads_only_its_tokenizer_and_stop_ids(granite, tmp_path):
+    """`mtp-regenerate generator=openai` on a target no family runs gets as far as the servers (here none answers):
+    its stop ids come from config.json as a head reads it, not from a family's parse, which refuses a Granite."""
+    from mtp_train.remote.http import free_port
+
+    data = tmp_path / "convs.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "mtp_train.cli.regenerate", "generator=openai",
+                        f"endpoints=[http://127.0.0.1:{port}]", f"model.path={granite}", "model.fetch=null",
+                        "retries=0", f"data.paths=[{data}]", f"out={tmp_path / 'out.jsonl'}"], capture_output=True,
+                       text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("mtp-regenerate: error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr
+    assert f"http://127.0.0.1:{port} is unreachable" in errors[0] and "granite" not in errors[0]
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_a_python_without_vllm_is_one_line_and_stops_nothing_else(granite, tmp_path, monkeypatch):
     """The driver's protocol up to vLLM's import: the head exported, the staged side started from `vllm_python`
     (this environment's python, which has no vLLM), its failure read back as one line naming the environment."""
