@@ -252,7 +252,7 @@ def verdict(head: dict[str, Any], control: dict[str, Any]) -> list[str]:
         bad.append(f"the head's τ {tau:.3f} < {TAU_MIN}")
     if tau_c - 1.0 > CONTROL_SHARE * (tau - 1.0):
         bad.append(f"the shifted control's τ {tau_c:.3f} keeps more than {CONTROL_SHARE:.0%} of the head's "
-                   f"accepted tokens per draft (τ {tau:.3f}): vLLM's states would not depend on the numbering")
+                   f"accepted tokens per draft (τ {tau:.3f}): a wrong layer numbering would pass unseen")
     return bad
 
 
