@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from checks.check_vllm_foreign import make_foreign_target
+from checks.check_vllm_foreign import make_foreign_target, shifted_head
 from mtp_train.capture.vllm_generate import count_delta, output_ids
 from mtp_train.config import ConfigError, EvalConfig, HeadConfig, TrainConfig
 from mtp_train.config.model import ModelConfig
@@ -147,6 +147,23 @@ def test_an_eagle3_head_over_a_foreign_target_exports_for_vllm(granite, tmp_path
     assert verify_round_trip(tmp_path / "head", out, granite) == 0.0
 
 
+def test_the_checks_control_head_reads_later_layers_with_the_same_weights(granite, tmp_path):
+    """check-vllm-foreign's control: the same head, its aux layer ids shifted, loads (its digest renewed) and
+    exports for vLLM naming the shifted layers, with the trained head's exported weights unchanged."""
+    from mtp_train.export import export_head
+    from mtp_train.heads.checkpoint import load_head
+
+    head = build_head(HeadConfig(type="eagle3", aux_layers=[2, 4, 5], draft_vocab_size=64), granite, dtype="float32")
+    save_head(head, tmp_path / "head")
+    shifted = shifted_head(tmp_path / "head", tmp_path / "shifted", 1)
+    assert list(load_head(shifted, granite).cfg.aux_layers) == [3, 5, 6]
+    outs = [export_head(d, granite, "speculators", tmp_path / f"export-{d.name}") for d in (tmp_path / "head", shifted)]
+    assert [json.loads((o / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] for o in outs] == [
+        [2, 4, 5], [3, 5, 6]]
+    a, b = (_checkpoint(o) for o in outs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_our_engine_refuses_a_foreign_target_naming_the_vllm_route(granite):
     from mtp_train.models import load_model
 
@@ -228,6 +245,24 @@ def test_the_commands_refuse_a_foreign_target_in_one_line(granite, tmp_path):
         r = subprocess.run(base + extra, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_regenerating_a_foreign_target_through_servers_reads_only_its_tokenizer_and_stop_ids(granite, tmp_path):
+    """`mtp-regenerate generator=openai` on a target no family runs gets as far as the servers (here none answers):
+    its stop ids come from config.json as a head reads it, not from a family's parse, which refuses a Granite."""
+    from mtp_train.remote.http import free_port
+
+    data = tmp_path / "convs.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "mtp_train.cli.regenerate", "generator=openai",
+                        f"endpoints=[http://127.0.0.1:{port}]", f"model.path={granite}", "model.fetch=null",
+                        "retries=0", f"data.paths=[{data}]", f"out={tmp_path / 'out.jsonl'}"], capture_output=True,
+                       text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("mtp-regenerate: error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr
+    assert f"http://127.0.0.1:{port} is unreachable" in errors[0] and "granite" not in errors[0]
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_a_python_without_vllm_is_one_line_and_stops_nothing_else(granite, tmp_path, monkeypatch):

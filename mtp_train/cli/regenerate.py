@@ -98,13 +98,15 @@ def regenerate_main(cfg: DictConfig) -> dict[str, Any]:
 def _remote_generator(rc: RegenerateConfig, convs: list[Any], is_main: bool) -> tuple[Generator, Any, list[int]]:
     """(generator, tokenizer, stop ids) of `generator=openai`: the endpoints asked what they serve, and their chat
     template checked against ours on a few rows, before anything is generated. The tokenizer (and the stop ids)
-    come from `model.path`: prompts go to the servers as our own rendering's token ids."""
-    from mtp_train.models.families import args_from_dir
+    come from `model.path`: prompts go to the servers as our own rendering's token ids. Its config.json is read
+    as a head reads it (`head_target_args`), so a target our engine does not implement regenerates through the
+    servers that run it."""
+    from mtp_train.models.foreign import head_target_args
     from mtp_train.remote import OpenAIGenerator
 
     path = Path(rc.model.path)
     tokenizer = load_tokenizer(path)
-    stop_ids = stop_token_ids(tokenizer, args_from_dir(path).eos_token_ids, rc.chat_template_kwargs)
+    stop_ids = stop_token_ids(tokenizer, head_target_args(path).eos_token_ids, rc.chat_template_kwargs)
     generator = OpenAIGenerator.connect(rc.endpoints, model=rc.served_model, concurrency=rc.concurrency,
                                         timeout=rc.timeout, retries=rc.retries, backoff=rc.backoff)
     if rc.template_check_rows and is_main:
