@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from checks.check_vllm_foreign import make_foreign_target, shifted_head
+from checks.check_vllm_foreign import make_foreign_target, shifted_head, verdict
 from mtp_train.capture.vllm_generate import count_delta, output_ids
 from mtp_train.config import ConfigError, EvalConfig, HeadConfig, TrainConfig
 from mtp_train.config.model import ModelConfig
@@ -284,3 +284,15 @@ def test_a_python_without_vllm_is_one_line_and_stops_nothing_else(granite, tmp_p
     assert "\n" not in str(e.value)
     assert (tmp_path / "ev" / "export" / "model.safetensors").is_file()  # exported before vLLM started
     assert "No module named 'vllm'" in (tmp_path / "ev" / "vllm-eval.log").read_text()
+
+
+def test_the_checks_verdict_fails_on_tau_and_reports_a_control_that_cannot_show_the_numbering():
+    """vLLM's measured rows (τ 1.610 for the head, 1.508 shifted): the check passes and says the numbering is not
+    shown; a head under τ 1.3, or no drafts, fails it."""
+    head = {"tau": 1.610, "num_drafts": 236}
+    bad, unshown = verdict(head, {"tau": 1.508, "num_drafts": 252})
+    assert bad == [] and len(unshown) == 1 and "cannot show the layer numbering" in unshown[0]
+    assert verdict(head, {"tau": 1.2, "num_drafts": 250}) == ([], [])
+    bad, _ = verdict({"tau": 1.2, "num_drafts": 236}, {"tau": 1.0, "num_drafts": 250})
+    assert bad == ["the head's τ 1.200 < 1.3"]
+    assert "vLLM counted no drafts" in verdict({"tau": None, "num_drafts": 0}, {"tau": 1.0, "num_drafts": 3})[0]
