@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from mtp_train.cli.common import configure_from_env
 from mtp_train.precompute import Sample
 
 
@@ -30,6 +31,7 @@ def make_samples(n: int, seed: int, max_len: int = 40, vocab: int = 256) -> list
 
 
 def main(argv: list[str]) -> None:
+    configure_from_env()  # the kernel settings the test process runs with (MTP_TRAIN_KERNEL_CHOICE, tests/conftest.py)
     from mtp_train import dist
     from mtp_train.config import PrecomputeConfig
     from mtp_train.models import load_model

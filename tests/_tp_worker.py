@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as tdist
 
+from mtp_train.cli.common import configure_from_env
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.models.tensor_parallel import load_model_tp, tp_groups
 
@@ -45,6 +46,7 @@ def count_all_reduces(model) -> int:
 
 
 def main(argv: list[str]) -> None:
+    configure_from_env()  # the kernel settings the test process runs with (MTP_TRAIN_KERNEL_CHOICE, tests/conftest.py)
     torch.set_num_threads(1)
     tdist.init_process_group("gloo")
     tp, _, _ = tp_groups(tdist.get_world_size())
