@@ -48,8 +48,8 @@ def check_folder(data_dir: Path, aux_layers: list[int]) -> None:
     missing = [j for j in aux_layers if j not in have]
     if missing:
         raise SystemExit(f"curve: {data_dir}/manifest.json holds aux_layers {have}, but a head of the curve reads "
-                         f"{list(aux_layers)} (lacking {missing}): precompute a folder with `mtp-precompute aux_layers=[...]` for it, or drop "
-                         f"--data-dir to let the curve make both folders")
+                         f"{list(aux_layers)} (lacking {missing}): precompute a folder with `mtp-precompute "
+                         "aux_layers=[...]` for it, or drop --data-dir to let the curve make both folders")
 
 
 def same_samples(a: Path, b: Path) -> None:
