@@ -105,13 +105,19 @@ class VllmProcess:
         """End the child and the engine processes it spawned (its own process group) if it still runs (a refused
         or interrupted run), then close its log."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            end_group(self.proc)
         self.log_file.close()
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """End a child started in its own process group, with the engine processes it spawned: SIGTERM to the group,
+    SIGKILL after 30 s, then reap it."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def start(python: Path, request: dict[str, Any], prompts: Iterable[dict[str, Any]], workdir: Path,

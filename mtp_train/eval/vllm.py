@@ -21,8 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -134,12 +132,7 @@ class VllmGenerator:
         try:
             self.proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            launch.end_group(self.proc)
         self.log_file.close()
 
 
