@@ -2,17 +2,23 @@
 
 1. a few conversations (the first demo prompts, each with a fixed assistant answer; one of them two turns long);
 2. `mtp-precompute` with our engine, and `mtp-precompute backend=vllm` (vLLM's CPU build in its own venv, our
-   connector), both in float32 (model.dtype and hidden_dtype), over the same conversations and `aux_layers`;
-3. compared shard by shard: the same shard files, sample ids, input ids, offsets and loss masks (exactly), and for
-   `hidden` and every aux layer the largest relative error of a token's row, max over tokens of
-   ‖vllm − ours‖₂ / ‖ours‖₂.
+   connector) twice: once launching vLLM itself, once through a running `vllm serve` started with our connector
+   (`vllm.endpoints`, the fleet's way), all in float32 (model.dtype and hidden_dtype), over the same conversations
+   and `aux_layers`;
+3. each vLLM folder compared with ours shard by shard: the same shard files, sample ids, input ids, offsets and
+   loss masks (exactly), and for `hidden` and every aux layer the largest relative error of a token's row, max over
+   tokens of ‖vllm − ours‖₂ / ‖ours‖₂;
+4. `mtp-train head=eagle3` (one thread, the same seed) on our folder and on the served capture's: the same head,
+   within `--train-tolerance` (the largest ‖Δ‖ / ‖W‖ over the head's tensors).
 
 The tolerance (1e-3 by default) sits between two scales. Both sides compute in float32, so they differ only by the
 order of summation in their kernels (vLLM's CPU GEMMs and attention against torch's): about 1e-7 per operation,
 growing through 30 layers to about 1e-5 in relative terms. A wrong layer, a missing final norm or a token shifted by
 one gives errors of order 1. And bfloat16, the storage a real run uses, rounds each value by up to 2^-9 ≈ 2e-3: a
-disagreement below 1e-3 cannot be seen in a stored shard. The last line printed is one JSON object; the exit code
-is 1 when a layer is beyond the tolerance or anything but the hidden states differs.
+disagreement below 1e-3 cannot be seen in a stored shard. The trained heads inherit those 1e-5 differences,
+amplified by the optimizer over the run's steps; a head trained on wrong states differs by order 1. The last line
+printed is one JSON object; the exit code is 1 when a layer or the head is beyond its tolerance or anything but
+the hidden states differs.
 
     python -m checks.check_vllm_capture --model models/smollm2-135m-instruct --vllm-python .venv-vllm/bin/python
 """
@@ -21,14 +27,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
+
+from mtp_train.capture import launch, serve
+from mtp_train.capture.layers import layer_map
+from mtp_train.remote.http import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ["Sure. Here is a short answer, written plainly and without fuss.",
@@ -43,6 +56,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--aux-layers", default="0,2,15,27,30", help="HF hidden_states[j] indices to store")
     p.add_argument("--tolerance", type=float, default=1e-3, help="largest row relative error accepted")
+    p.add_argument("--train-steps", type=int, default=40, help="steps of the training-equivalence run (0: none)")
+    p.add_argument("--train-tolerance", type=float, default=1e-3, help="largest head ‖Δ‖/‖W‖ accepted")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds vllm serve may take to start")
     return p.parse_args(argv)
 
 
@@ -60,15 +76,53 @@ def write_conversations(path: Path, n: int) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def precompute(name: str, overrides: list[str], log: Path) -> None:
-    """`mtp-precompute overrides...`, its output in `log`; exits the check on failure with the log's tail."""
-    print(f"check-vllm-capture: {name}: mtp-precompute {' '.join(overrides)}  (log: {log})", flush=True)
+def command(name: str, overrides: list[str], log: Path, module: str = "precompute") -> None:
+    """`mtp-<module> overrides...` (one thread), its output in `log`; exits the check on failure with the log's
+    tail."""
+    print(f"check-vllm-capture: {name}: mtp-{module} {' '.join(overrides)}  (log: {log})", flush=True)
     with open(log, "w") as f:
-        rc = subprocess.call([sys.executable, "-m", "mtp_train.cli.precompute", *overrides], cwd=ROOT, stdout=f,
-                             stderr=subprocess.STDOUT)
+        rc = subprocess.call([sys.executable, "-m", f"mtp_train.cli.{module}", *overrides], cwd=ROOT, stdout=f,
+                             stderr=subprocess.STDOUT, env=dict(os.environ) | {"OMP_NUM_THREADS": "1"})
     if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-6:])
         sys.exit(f"check-vllm-capture: {name} failed (exit {rc}):\n{tail}")
+
+
+def served_capture(a: argparse.Namespace, common: list[str], out: Path, aux: list[int], num_layers: int) -> None:
+    """`mtp-precompute backend=vllm vllm.endpoints=[...]` through a `vllm serve` this check starts with our
+    connector (`capture.serve.serve_argv`, the command `vllm.serve_command=true` prints) and stops afterwards."""
+    spool = out / "served-capture"
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="mtp-serve-") as tmp:
+        env = launch.child_env(os.environ, launch.stage_modules(Path(tmp)), 2)
+        argv = serve.serve_argv(Path(a.vllm_python).absolute(), Path(a.model).absolute(),
+                                layer_map(aux, num_layers).vllm_ids, spool, dtype="float32", max_model_len=2048,
+                                port=port, extra=["--max-num-seqs=4"])
+        url = f"http://127.0.0.1:{port}"
+        print(f"check-vllm-capture: served: starting vllm serve with our connector at {url}", flush=True)
+        with serve.running(argv, env, out / "vllm-serve.log", url, a.ready_timeout):
+            command("served", [*common, f"out={out / 'served'}", "backend=vllm", f"vllm.endpoints=[{url}]",
+                            f"vllm.spool_dir={spool}", "vllm.concurrency=2"], out / "served.log")
+
+
+def head_difference(a: Path, b: Path) -> float:
+    """The largest ‖a − b‖₂ / ‖b‖₂ over the tensors of two head checkpoints (their model.safetensors)."""
+    ta, tb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    if ta.keys() != tb.keys():
+        return float("inf")
+    return max(float((ta[k].float() - tb[k].float()).norm() / tb[k].float().norm().clamp_min(1e-30)) for k in tb)
+
+
+def train_on(name: str, folder: Path, out: Path, a: argparse.Namespace, model: str, head_aux: list[int]) -> Path:
+    """`mtp-train head=eagle3` for `--train-steps` steps on `folder` (one thread, seed 0); returns the head."""
+    command(f"train-{name}", [f"model.path={model}", "model.dtype=float32", "head=eagle3", f"data.dir={folder}",
+                              f"head.aux_layers=[{','.join(map(str, head_aux))}]", "head.draft_vocab_size=1024",
+                              "loss.steps=2", "optim.warmup_steps=5", "train.micro_batch_tokens=1024",
+                              f"train.max_steps={a.train_steps}", "train.eval_every=0", "train.eval_batches=2",
+                              f"train.save_every={a.train_steps}", "train.log_every=10", "train.progress=false",
+                              "train.seed=0", "spec_eval.prompts=[]", "wandb.mode=disabled",
+                              f"out={out / f'train-{name}'}"], out / f"train-{name}.log", module="train")
+    return out / f"train-{name}" / "heads" / f"step-{a.train_steps}"
 
 
 def row_error(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -117,18 +171,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     aux = [int(j) for j in a.aux_layers.split(",") if j.strip()]
     common = [f"model.path={Path(a.model).absolute()}", "model.dtype=float32", "hidden_dtype=float32",
               f"data.paths=[{convs}]", f"aux_layers=[{','.join(map(str, aux))}]", "progress=false"]
-    precompute("ours", [*common, f"out={out / 'engine'}"], out / "engine.log")
-    precompute("vllm", [*common, f"out={out / 'vllm'}", "backend=vllm", f"vllm_python={vllm_python}"],
-               out / "vllm.log")
-    found = compare(out / "engine", out / "vllm", aux)
-    print(f"check-vllm-capture: {found.get('samples')} conversations, {found.get('tokens')} tokens "
-          f"({found.get('loss_tokens')} assistant); identical: " +
-          ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in found["same"].items()))
-    for layer, err in found["errors"].items():
-        print(f"check-vllm-capture: {layer:>8}: max row relative error {err:.2e} "
-              f"({'ok' if err <= a.tolerance else 'BEYOND'} tolerance {a.tolerance:g})")
-    ok = all(found["same"].values()) and all(e <= a.tolerance for e in found["errors"].values())
-    print(json.dumps({"ok": ok, "tolerance": a.tolerance, **found}))
+    command("ours", [*common, f"out={out / 'engine'}"], out / "engine.log")
+    command("vllm", [*common, f"out={out / 'vllm'}", "backend=vllm", f"vllm_python={vllm_python}"],
+            out / "vllm.log")
+    num_layers = json.loads((Path(a.model) / "config.json").read_text())["num_hidden_layers"]
+    try:
+        served_capture(a, common, out, aux, num_layers)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"check-vllm-capture: {exc}", file=sys.stderr)
+        return 2
+    found = {name: compare(out / "engine", out / name, aux) for name in ("vllm", "served")}
+    ok = True
+    for name, f in found.items():
+        print(f"check-vllm-capture: {name}: {f.get('samples')} conversations, {f.get('tokens')} tokens "
+              f"({f.get('loss_tokens')} assistant); identical: " +
+              ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in f["same"].items()))
+        for layer, err in f["errors"].items():
+            print(f"check-vllm-capture: {name}: {layer:>8}: max row relative error {err:.2e} "
+                  f"({'ok' if err <= a.tolerance else 'BEYOND'} tolerance {a.tolerance:g})")
+        ok &= all(f["same"].values()) and all(e <= a.tolerance for e in f["errors"].values())
+    result: dict[str, Any] = {"ok": ok, "tolerance": a.tolerance, **found}
+    if a.train_steps > 0:
+        head_aux = [j for j in aux if 0 < j < num_layers][:3]  # eagle3's three features, among the stored layers
+        heads = [train_on(name, out / name, out, a, common[0].split("=", 1)[1], head_aux)
+                 for name in ("engine", "served")]
+        diff = head_difference(heads[1], heads[0])
+        within = diff <= a.train_tolerance
+        print(f"check-vllm-capture: train: eagle3 heads after {a.train_steps} steps on our folder and on the served "
+              f"capture: largest ‖Δ‖/‖W‖ {diff:.2e} ({'ok' if within else 'BEYOND'} tolerance "
+              f"{a.train_tolerance:g})")
+        ok &= within
+        result.update(ok=ok, train={"steps": a.train_steps, "head_difference": diff,
+                                    "tolerance": a.train_tolerance})
+    print(json.dumps(result))
     return 0 if ok else 1
 
 

@@ -64,6 +64,8 @@ def test_book_names_captures_by_sample_and_hands_each_save_over_once():
     assert book.finish("r1", [4, 5, 6], [9, 2]) == Save("r1", "conv/1", [4, 5, 6], [9, 2])
     assert [s.req_id for s in book.take()] == ["r2", "r1"]
     assert book.take() == [] and book.samples == {}
+    book.admit("r3", {"sample_id": "conv/2", "tag": "run-b"})  # a client of a running server names its run
+    assert book.finish("r3", [1], [0]) == Save("r3", "conv/2", [1], [0], tag="run-b")
 
 
 def test_slots_follow_the_block_table():
@@ -114,9 +116,15 @@ def test_saver_on_cpu_writes_each_request_at_once(tmp_path):
     with pytest.raises(ValueError, match="expected"):
         saver.bind(cache[:, :1])  # one state per token where two were asked for
     saver.bind(cache)
+    saves[1].tag = "asked"
     assert all(saver.save(s) for s in saves)  # written: the blocks may be freed now
     assert saver.poll() == set()
     _check_saved(tmp_path, saves, rows)
+    tags = []
+    for s in saves:
+        with safe_open(str(tmp_path / file_name(s.sample_id)), "pt") as f:
+            tags.append(f.metadata()["tag"])
+    assert tags == ["t", "asked"]  # the connector's own tag unless the request named one
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -154,25 +162,28 @@ def _cfg(target: Path, convs: Path, out: Path, **kw) -> PrecomputeConfig:
                             hidden_dtype="float32", shard_tokens=120, val_fraction=0.0, progress=False, **kw)
 
 
+def _vllm_states(model, ids: list[int], vllm_ids: tuple[int, ...]) -> torch.Tensor:
+    """(n, k, H): what vLLM's cache-only layer holds for a prompt, from our engine (vLLM's numbering)."""
+    last: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_hook(lambda mod, args, out: last.append(args[0]))
+    try:
+        out = prefill_hidden(model, [ids], hidden_layers=[i for i in vllm_ids if i < LAYERS])
+    finally:
+        hook.remove()
+    by_id = {**out.layers, LAYERS: last.pop()}  # vLLM's id L: before the final norm
+    return torch.stack([by_id[i] for i in vllm_ids], dim=1)
+
+
 def _capture_like_vllm(cfg: PrecomputeConfig, spool: Path, ids: set[str] | None = None) -> None:
     """Write the capture files the connector would write for cfg's conversations (those in `ids`), from our engine."""
     model = load_model(cfg.model.path, dtype="float32", backend="torch")
     rows = to_rows(build_samples(load_tokenizer(cfg.model.path), cfg)[0], model.args.vocab_size)
     vllm_ids = layer_map(AUX, LAYERS).vllm_ids
     spec = folder_spec(model.args, torch.float32, cfg.model.path, "float32", AUX)
-    last: list[torch.Tensor] = []
-    hook = model.model.norm.register_forward_hook(lambda mod, args, out: last.append(args[0]))
-    try:
-        for r in rows:
-            if ids is not None and r.id not in ids:
-                continue
-            out = prefill_hidden(model, [r.ids.tolist()], hidden_layers=[i for i in vllm_ids if i < LAYERS])
-            by_id = {**out.layers, LAYERS: last.pop()}  # vLLM's id L: before the final norm
-            states = torch.stack([by_id[i] for i in vllm_ids], dim=1)  # (n, k, H)
-            write_capture(spool, r.id, torch.from_numpy(r.ids), states, list(vllm_ids),
-                          tag=capture_tag(spec.settings, vllm_ids))
-    finally:
-        hook.remove()
+    for r in rows:
+        if ids is None or r.id in ids:
+            write_capture(spool, r.id, torch.from_numpy(r.ids), _vllm_states(model, r.ids.tolist(), vllm_ids),
+                          list(vllm_ids), tag=capture_tag(spec.settings, vllm_ids))
 
 
 def _tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -336,3 +347,132 @@ def test_check_vllm_capture_flags_a_shifted_layer_and_a_changed_mask(engine_fold
     found = compare(engine_folder, other, AUX)
     assert found["errors"]["aux 2"] > 0.1 and found["errors"]["aux 0"] == 0.0
     assert found["same"]["loss_mask"] is False and found["same"]["input_ids"] is True
+
+
+# --- through running servers (vllm.endpoints) -------------------------------------------------------------------
+
+
+class _CapturingServer:
+    """A stand-in for a running `vllm serve` with our connector (vLLM is not in this environment): `/v1/models`,
+    and `/v1/completions` that prefills the prompt's token ids with our engine and writes the capture file the
+    connector would (named by `kv_transfer_params`, its tag taken from them), answering with `capture_file`.
+
+    Args:
+        target: the model folder it serves.
+        spool: where it writes.
+        layer_ids: the vLLM ids it captures (its --speculative-config).
+        connector: False: a plain server (answers, captures nothing).
+    """
+
+    def __init__(self, target: Path, spool: Path, layer_ids: tuple[int, ...], connector: bool = True) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.model = load_model(target, dtype="float32", backend="torch")
+        self.requests = 0
+        lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _json(self, obj) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._json({"object": "list", "data": [{"id": "tiny", "root": str(target), "max_model_len": 512}]})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                ids, kv = [int(t) for t in body["prompt"]], body.get("kv_transfer_params") or {}
+                answer = {"choices": [{"index": 0, "text": "", "token_ids": [0], "prompt_token_ids": ids,
+                                       "finish_reason": "length"}]}
+                if connector:
+                    with lock, torch.inference_mode():
+                        server.requests += 1
+                        states = _vllm_states(server.model, ids, layer_ids)
+                        path = write_capture(spool, kv["sample_id"], torch.tensor(ids), states, list(layer_ids),
+                                             tag=kv.get("tag", ""))
+                    answer["kv_transfer_params"] = {"capture_file": f"/on/the/server/{path.name}"}
+                self._json(answer)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> _CapturingServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _endpoint_cfg(target: Path, convs: Path, out: Path, spool: Path, url: str) -> PrecomputeConfig:
+    cfg = _cfg(target, convs, out, backend="vllm", vllm_python=str(out / "no-vllm-here"))
+    cfg.vllm.endpoints, cfg.vllm.spool_dir, cfg.vllm.concurrency = [url], str(spool), 2
+    cfg.vllm.capture_timeout, cfg.vllm.retries = 5.0, 1
+    return cfg
+
+
+def test_capture_through_a_running_server_gives_our_shards(target, convs, engine_folder, tmp_path):
+    spool = tmp_path / "shared"
+    with _CapturingServer(target, spool, layer_map(AUX, LAYERS).vllm_ids) as server:
+        manifest = precompute_vllm(_endpoint_cfg(target, convs, tmp_path / "out", spool, server.url), environ={},
+                                   config_dict={})
+        assert server.requests == 6 + 1  # each conversation once, and the probe
+    _same_shards(engine_folder, tmp_path / "out")
+    assert not list(spool.glob("req-*"))  # every capture went into a shard, the probe's included
+    served = manifest.provenance["settings"]["servers"]
+    assert served["endpoints"] == [server.url] and served["served_model"] == "tiny"
+    assert served["weights_fingerprint"]  # the served weights folder is on this machine
+
+
+def test_a_server_that_cannot_capture_for_the_run_is_refused_by_name(target, convs, tmp_path):
+    spool = tmp_path / "shared"
+    cases = [(dict(connector=False), "does not capture hidden states"),
+             (dict(layer_ids=(0, 1, 3)), r"captures vLLM layers \[0, 1, 3\]; this run needs \[0, 2, 3\]"),
+             (dict(spool=tmp_path / "elsewhere"), "did not appear in vllm.spool_dir")]
+    for n, (kw, said) in enumerate(cases):
+        args = dict(target=target, spool=spool, layer_ids=layer_map(AUX, LAYERS).vllm_ids) | kw
+        with _CapturingServer(**args) as server:
+            cfg = _endpoint_cfg(target, convs, tmp_path / f"out{n}", spool, server.url)
+            cfg.vllm.capture_timeout = 0.2  # the file never comes: how long to look for it
+            with pytest.raises(PrecomputeError, match=said) as e:
+                precompute_vllm(cfg, environ={}, config_dict={})
+            assert server.url in str(e.value) and "\n" not in str(e.value)
+            assert server.requests <= 1  # refused at the probe: nothing else was sent
+    with pytest.raises(PrecomputeError, match="unreachable"):
+        precompute_vllm(_endpoint_cfg(target, convs, tmp_path / "out9", spool, "http://127.0.0.1:9"), environ={},
+                        config_dict={})
+
+
+def test_serve_command_and_endpoint_settings_on_the_command_line(target, convs, tmp_path):
+    import shlex
+
+    base = [sys.executable, "-m", "mtp_train.cli.precompute", f"out={tmp_path / 'x'}", f"model.path={target}",
+            "model.fetch=null", f"data.paths=[{convs}]", "backend=vllm", "aux_layers=[2,0,3]"]
+    r = subprocess.run(base + ["vllm.endpoints=[http://127.0.0.1:9]"], capture_output=True, text=True)
+    assert r.returncode == 2 and "vllm.spool_dir" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    spool = tmp_path / "shared"
+    r = subprocess.run(base + [f"vllm.spool_dir={spool}", "vllm.serve_command=true", "model.dtype=float32"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    line = next(t for t in r.stdout.splitlines() if t.startswith("PYTHONPATH="))
+    words = shlex.split(line)
+    flags = dict(zip(words[4::2], words[5::2])) | {w: "" for w in words if w in ("--no-enable-prefix-caching",)}
+    assert words[0] == f"PYTHONPATH={spool / '.modules'}" and words[2:4] == ["-m", "vllm.entrypoints.openai.api_server"]
+    spec = json.loads(flags["--speculative-config"])
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+    assert json.loads(flags["--kv-transfer-config"])["kv_connector_extra_config"]["spool_dir"] == str(spool)
+    assert flags["--dtype"] == "float32" and "--no-enable-prefix-caching" in flags
+    staged = sorted(str(p.relative_to(spool / ".modules" / "mtp_train")) for p in spool.rglob("*.py"))
+    assert staged == sorted(launch.CHILD_MODULES)
+    assert not (tmp_path / "x").exists()

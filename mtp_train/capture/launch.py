@@ -8,6 +8,7 @@ loads the connector, and nothing of our environment (a site-packages folder) sha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -100,6 +101,19 @@ class VllmProcess:
         if r.get("stage") == "load":
             return CaptureError(f"vLLM cannot serve {self.model}: {first} (its log: {self.log_path})")
         return CaptureError(f"vLLM failed while capturing: {first} (its log: {self.log_path})")
+
+    def wait(self, seconds: float) -> None:
+        """Pause a wait for a capture file (shorter when the child exits meanwhile)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=seconds)
+
+    def check(self, sample_id: str, path: Path) -> None:
+        """Raise CaptureError when the child has ended without writing `path`."""
+        if self.proc.poll() is None:
+            return
+        if self.proc.returncode != 0:
+            raise self.error()
+        raise CaptureError(f"vLLM finished without capturing sample {sample_id!r} (its log: {self.log_path})")
 
     def stop(self) -> None:
         """End the child and the engine processes it spawned (its own process group) if it still runs (a refused

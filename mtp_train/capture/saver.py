@@ -30,7 +30,7 @@ class CaptureSaver:
     Args:
         folder: the capture folder.
         layer_ids: vLLM's aux ids of the cache's k states (stored in each file).
-        tag: the driver's tag of the run (stored in each file).
+        tag: the driver's tag of the run (stored in each file whose request named none).
         block_size: tokens per cache block.
     """
 
@@ -65,7 +65,7 @@ class CaptureSaver:
         assert self.cache is not None, "bind a cache first"
         if not self.cache.is_cuda:
             write_capture(self.folder, save.sample_id, torch.tensor(save.token_ids), self.rows(save), self.layer_ids,
-                          self.tag)
+                          self.tag if save.tag is None else save.tag)
             return True
         assert self._pool is not None
         if self._stream is None:
@@ -84,7 +84,7 @@ class CaptureSaver:
         def write() -> Path:
             copied.synchronize()  # in the writer thread: the engine never waits for the copy
             return write_capture(self.folder, save.sample_id, torch.tensor(save.token_ids), host, self.layer_ids,
-                                 self.tag)
+                                 self.tag if save.tag is None else save.tag)
 
         self._files[save.req_id] = self._pool.submit(write)
         return False

@@ -30,6 +30,24 @@ CONNECTOR = "MtpCaptureConnector"
 CONNECTOR_MODULE = "mtp_train.capture.vllm_connector"
 
 
+def capture_configs(layer_ids: list[int], spool_dir: str, tag: str = "") -> dict[str, Any]:
+    """vLLM's `speculative_config` and `kv_transfer_config` that capture `layer_ids` with our connector into
+    `spool_dir` (the same for `vllm.LLM` and for `vllm serve`'s flags of those names)."""
+    return {
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [int(i) for i in layer_ids]}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"spool_dir": str(spool_dir), "tag": tag},
+        },
+    }
+
+
 def engine_args(req: dict[str, Any]) -> dict[str, Any]:
     """vllm.LLM's keyword arguments for a capture request: extract_hidden_states with our connector; prefix
     caching off (a shared prefix would not be recomputed, so its states would never reach the capture cache)."""
@@ -38,17 +56,7 @@ def engine_args(req: dict[str, Any]) -> dict[str, Any]:
         "dtype": req.get("dtype", "auto"),
         "max_model_len": req["max_model_len"],
         "enable_prefix_caching": False,
-        "speculative_config": {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(req["layer_ids"])}},
-        },
-        "kv_transfer_config": {
-            "kv_connector": CONNECTOR,
-            "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"spool_dir": req["spool_dir"], "tag": req.get("tag", "")},
-        },
+        **capture_configs(req["layer_ids"], req["spool_dir"], req.get("tag", "")),
         **req.get("engine", {}),
     }
 

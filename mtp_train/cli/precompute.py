@@ -3,6 +3,8 @@
     mtp-precompute model=smollm2-135m data.paths=[convs.jsonl] out=runs/precompute max_seq_len=2048 limit=1000
     mtp-precompute data=shared-regen out=runs/pc aux_layers=[2,15,27]
     mtp-precompute backend=vllm vllm_python=.venv-vllm/bin/python out=runs/pc aux_layers=[2,15,27]
+    mtp-precompute backend=vllm vllm.serve_command=true vllm.spool_dir=/shared/capture aux_layers=[2,15,27]
+    mtp-precompute backend=vllm vllm.endpoints=[http://gpu1:8000,http://gpu2:8000] vllm.spool_dir=/shared/capture ...
     torchrun --nproc_per_node 8 -m mtp_train.cli.precompute model=llama3.1-8b data.paths=[...] out=/data/pc
     torchrun --nproc_per_node 8 -m mtp_train.cli.precompute model=llama3.1-70b model.tp=8 data.paths=[...] out=...
 
@@ -37,7 +39,7 @@ from mtp_train.cli.outputs import claim_output
 from mtp_train.config import PrecomputeConfig, check_config, typed
 from mtp_train.data.samples import dropped_summary
 from mtp_train.precompute.pipeline import run_precompute
-from mtp_train.precompute.vllm_backend import BACKENDS, check_vllm_python, precompute_vllm
+from mtp_train.precompute.vllm_backend import BACKENDS, check_vllm_python, precompute_vllm, serve_command
 
 log = logging.getLogger(__name__)
 PROG = "mtp-precompute"
@@ -89,12 +91,21 @@ def precompute_main(cfg: DictConfig) -> dict[str, Any]:
 
 
 def capture_main(cfg: DictConfig, pc: PrecomputeConfig) -> dict[str, Any]:
-    """`backend=vllm`: one process drives a vLLM engine it launches (`mtp_train.precompute.vllm_backend`)."""
+    """`backend=vllm`: one process drives a vLLM engine it launches, or running servers
+    (`mtp_train.precompute.vllm_backend`)."""
     if launch_env().world > 1:
         raise ValueError("backend=vllm runs in one process (vLLM spreads the work itself: vllm.tensor_parallel_size); "
                          "start it without torchrun")
     out = Path(pc.out)
-    check_vllm_python(pc.vllm_python)  # before `out` is made: a missing venv leaves nothing behind
+    if pc.vllm.serve_command:
+        print(serve_command(pc), flush=True)
+        return {"out": str(out), "serve_command": True}
+    if pc.vllm.endpoints:
+        if not pc.vllm.spool_dir:
+            raise ValueError("vllm.endpoints needs vllm.spool_dir: the folder those servers' connector writes to, as "
+                             "this machine sees it (vllm.serve_command=true prints how to start them)")
+    else:
+        check_vllm_python(pc.vllm_python)  # before `out` is made: a missing venv leaves nothing behind
     with claim_output(out, PROG, overwrite=pc.overwrite):
         ensure_model(pc.model)
         manifest = precompute_vllm(pc, environ=dict(os.environ), config_dict=to_dict(cfg),

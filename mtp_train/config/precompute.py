@@ -11,10 +11,21 @@ from mtp_train.config.model import ModelConfig
 
 @dataclass
 class VllmCaptureConfig:
-    """`backend=vllm`: the vLLM engine mtp-precompute launches to capture the hidden states."""
+    """`backend=vllm`: the vLLM engine mtp-precompute launches to capture the hidden states, or the running
+    servers it captures through (`endpoints`)."""
 
-    # The connector's capture folder (one file per conversation, removed once its shard is written); null: <out>/capture
+    # The connector's capture folder (one file per conversation, removed once its shard is written); null:
+    # <out>/capture. With endpoints: the folder those servers write to, as this machine sees it (required).
     spool_dir: str | None = None
+    # Running `vllm serve` processes started with our connector (`serve_command=true` prints how); nothing is launched.
+    endpoints: list[str] = field(default_factory=list)
+    served_model: str | None = None  # endpoints: the model id to ask for (null: the one they serve)
+    concurrency: int = 8  # endpoints: requests in flight per endpoint
+    timeout: float = 600.0  # endpoints: seconds one request may take
+    retries: int = 8  # endpoints: tries of a request after its first (dropped connection, timeout, 429, 5xx)
+    backoff: float = 1.0  # endpoints: seconds before a failed request's next try (doubled per failure in a row)
+    capture_timeout: float = 120.0  # endpoints: seconds a capture file may take to appear once its request is answered
+    serve_command: bool = False  # print the `vllm serve` command that captures for these settings, and exit
     max_num_seqs: int = 16  # requests vLLM runs at once
     max_num_batched_tokens: int | None = None  # tokens per vLLM step (null: vLLM's default)
     enforce_eager: bool = True  # no torch.compile or CUDA graphs (the CPU build needs it; quicker to start)

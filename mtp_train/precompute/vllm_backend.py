@@ -23,17 +23,17 @@ import contextlib
 import hashlib
 import json
 import logging
-import subprocess
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
 
 import mtp_train
-from mtp_train.capture import launch
+from mtp_train.capture import launch, serve
+from mtp_train.capture.endpoints import EndpointCapture
 from mtp_train.capture.layers import LayerMap, layer_map
 from mtp_train.capture.spool import PREFIX, SUFFIX, Captured, file_name, read_capture, remove_torn
 from mtp_train.config import Interrupted
@@ -56,6 +56,7 @@ from mtp_train.precompute.writer import (
     dtype_name,
     folder_spec,
 )
+from mtp_train.remote.http import RemoteError
 
 log = logging.getLogger(__name__)
 BACKENDS = ("engine", "vllm")
@@ -159,21 +160,25 @@ def vllm_request(cfg: PrecomputeConfig, model_dir: Path, dtype: torch.dtype, lma
             "tag": tag, "engine": engine}
 
 
-def wait_for(path: Path, proc: launch.VllmProcess | None, sample_id: str) -> Path:
+class CaptureSource(Protocol):
+    """What writes the capture files the driver waits for: the vLLM process it launched (`launch.VllmProcess`) or
+    running servers (`capture.endpoints.EndpointCapture`)."""
+
+    def wait(self, seconds: float) -> None: ...
+
+    def check(self, sample_id: str, path: Path) -> None: ...
+
+
+def wait_for(path: Path, source: CaptureSource | None, sample_id: str) -> Path:
     """Wait until vLLM's connector has written `path` (whole: files are renamed into place); raises CaptureError
-    when vLLM ended without it."""
+    when its source says it cannot come any more (or there is none)."""
     while not path.is_file():
-        if proc is None:
+        if source is None:
             raise launch.CaptureError(f"no capture of sample {sample_id!r} in {path.parent} and vLLM is not running")
-        try:
-            proc.proc.wait(timeout=POLL_S)
-        except subprocess.TimeoutExpired:
-            continue
+        source.wait(POLL_S)
         if path.is_file():
             break
-        if proc.proc.returncode != 0:
-            raise proc.error()
-        raise launch.CaptureError(f"vLLM finished without capturing sample {sample_id!r} (its log: {proc.log_path})")
+        source.check(sample_id, path)
     return path
 
 
@@ -191,7 +196,7 @@ def precompute_vllm(cfg: PrecomputeConfig, *, environ: Mapping[str, str], config
     """
     try:
         return capture_stage(cfg, environ, config_dict, on_start)
-    except launch.CaptureError as e:
+    except (launch.CaptureError, RemoteError) as e:
         raise PrecomputeError(str(e)) from None
 
 
@@ -199,7 +204,7 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
                   on_start: Callable[[], None] | None) -> Manifest:
     """`precompute_vllm`'s work, raising CaptureError for vLLM's failures."""
     check_settings(cfg)
-    python = launch.check_python(cfg.vllm_python)
+    python = None if cfg.vllm.endpoints else launch.check_python(cfg.vllm_python)  # servers run elsewhere
     model_dir = Path(cfg.model.path)
     args = head_target_args(model_dir)  # a target no family here runs is read for its shapes only
     aux_layers = [int(j) for j in cfg.aux_layers]
@@ -230,10 +235,22 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
         check_writable(spool)
         remove_torn(spool)
         todo = [r for p in writer.todo for r in p.rows]
+        served: dict[str, Any] | None = None  # the endpoints captured through (provenance)
         missing = [r for r in todo if not usable(spool / file_name(r.id), tag, r)]
         log.info("precompute through vLLM: %d of %d shards to write, %d conversations to capture (%d captured "
                  "before)", len(writer.todo), len(plans), len(missing), len(todo) - len(missing))
-        if missing:
+        if missing and cfg.vllm.endpoints:
+            remote = EndpointCapture.connect(cfg.vllm, spool, tag, lmap.vllm_ids, dtype)
+            remote.check_lengths(missing)
+            remote.probe(missing[0])
+            served = remote.provenance()
+            remote.start(missing)
+            try:
+                convert(writer, spool, lmap, norm, remote)
+            finally:
+                remote.stop()
+        elif missing:
+            assert python is not None
             with tempfile.TemporaryDirectory(prefix="mtp-capture-") as tmp:
                 env = launch.child_env(environ, launch.stage_modules(Path(tmp)), cfg.vllm.cpu_kvcache_gb)
                 prompts = ({"id": r.id, "token_ids": r.ids.tolist()} for r in missing)
@@ -263,7 +280,8 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
             spool.rmdir()
     prov = {"package_version": mtp_train.__version__, "torch_version": torch.__version__,
             "settings": {"world": 1, "tp": 1, "shard_tokens": cfg.shard_tokens, "batch_tokens": cfg.batch_tokens,
-                         "rank_assignment": RANK_ASSIGNMENT, "backend": "vllm", "vllm_layer_ids": list(lmap.vllm_ids)},
+                         "rank_assignment": RANK_ASSIGNMENT, "backend": "vllm", "vllm_layer_ids": list(lmap.vllm_ids),
+                         **({"servers": served} if served else {})},
             "package": "mtp_train", "version": mtp_train.__version__, "config": config_dict}
     return writer.write_manifest(plans, rows, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
                                  chat_template_fingerprint=chat_template_fingerprint(tokenizer), data_info=info,
@@ -271,12 +289,36 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
 
 
 def convert(writer: FolderWriter, spool: Path, lmap: LayerMap, norm: Callable[[torch.Tensor], torch.Tensor],
-            proc: launch.VllmProcess | None) -> None:
+            source: CaptureSource | None) -> None:
     """Record every conversation of the writer's unfinished shards from its capture file, in plan order (waiting
-    for vLLM to write it when `proc` runs); a shard goes to disk as soon as its last conversation is in."""
+    for `source` to write it, when there is one); a shard goes to disk as soon as its last conversation is in."""
     for plan in writer.todo:
         for row in plan.rows:
-            cap = read_capture(wait_for(spool / file_name(row.id), proc, row.id))
+            cap = read_capture(wait_for(spool / file_name(row.id), source, row.id))
             with torch.inference_mode():
                 hidden, aux = rows_of(cap, row, lmap, norm)
             writer.record([row.id], [int(row.ids.size)], hidden, aux)
+
+
+def serve_command(cfg: PrecomputeConfig) -> str:
+    """`vllm.serve_command=true`: the shell line that starts a `vllm serve` capturing for these settings (their
+    layers, dtype and longest conversation) into `vllm.spool_dir`, with the capture modules staged in
+    `<spool_dir>/.modules` (the servers see that folder already: they write beside it)."""
+    if not cfg.vllm.spool_dir:
+        raise ValueError("vllm.serve_command needs vllm.spool_dir: the shared folder the servers will write to")
+    model_dir = Path(cfg.model.path).resolve()
+    args = head_target_args(model_dir)
+    aux_layers = [int(j) for j in cfg.aux_layers]
+    check_aux_layers(aux_layers, args.num_layers)
+    spool = Path(cfg.vllm.spool_dir).resolve()
+    modules = launch.stage_modules(spool / ".modules")
+    v = cfg.vllm
+    extra = [f"--tensor-parallel-size={v.tensor_parallel_size}", f"--max-num-seqs={v.max_num_seqs}"]
+    if v.gpu_memory_utilization is not None:
+        extra.append(f"--gpu-memory-utilization={v.gpu_memory_utilization}")
+    argv = serve.serve_argv("python", model_dir, layer_map(aux_layers, args.num_layers).vllm_ids, spool,
+                            dtype=dtype_name(resolve_dtype(cfg.model.dtype, args)), max_model_len=cfg.max_seq_len + 1,
+                            enforce_eager=v.enforce_eager, host="0.0.0.0", extra=extra)
+    return (f"# with vLLM's python (in its environment); then: mtp-precompute backend=vllm "
+            f"vllm.endpoints=[http://<host>:8000] vllm.spool_dir={spool} (same settings)\n"
+            + serve.shell_line(argv, modules))

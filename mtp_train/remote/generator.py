@@ -156,17 +156,31 @@ class OpenAIGenerator(Generator):
     def provenance(self) -> dict[str, Any]:
         return {"served_model": self.model, "path": self.root, "weights_fingerprint": self.weights_fingerprint}
 
-    def generate(self, prompts: Seq[Seq[int]], params: Seq[SamplingParams],
-                 on_finish: OnFinish | None = None) -> list[GenerationOutput]:
+    def generate(self, prompts: Seq[Seq[int]], params: Seq[SamplingParams], on_finish: OnFinish | None = None,
+                 extra: Seq[dict[str, Any]] | None = None) -> list[GenerationOutput]:
+        """The `Generator` call; `extra`: per request, further fields of its `/v1/completions` body (vLLM's
+        `kv_transfer_params` for a capture)."""
         if isinstance(params, SamplingParams):
             raise TypeError("a Generator takes one SamplingParams per request (each with its own seed)")
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if len(params) != len(prompts) or (extra is not None and len(extra) != len(prompts)):
+            raise ValueError(f"{len(params)} sampling params and {len(extra or prompts)} extra bodies for "
+                             f"{len(prompts)} prompts")
         t0 = time.perf_counter()
         try:
-            return asyncio.run(self._generate([list(p) for p in prompts], list(params), on_finish))
+            return asyncio.run(self._generate([list(p) for p in prompts], list(params), on_finish,
+                                              list(extra) if extra is not None else None))
         finally:
             self._seconds += time.perf_counter() - t0
+
+    def post(self, url: str, path: str, body: dict[str, Any]) -> Any:
+        """POST `body` to `path` (e.g. "/v1/completions") of the endpoint `url` (one of `endpoints`), retried like
+        a generation request; its JSON answer. RemoteError when it refuses or keeps failing."""
+
+        async def ask() -> Any:
+            async with self._client() as client:
+                return await self._retrying(client, url, "POST", f"{url}{path}", body)
+
+        return asyncio.run(ask())
 
     # -------------------------------------------------------------------------------------------- internals
 
@@ -187,7 +201,7 @@ class OpenAIGenerator(Generator):
                 await asyncio.sleep(backoff_seconds(self.backoff, failures, exc.retry_after))
         raise AssertionError("unreachable")
 
-    def _body(self, prompt: list[int], p: SamplingParams) -> dict[str, Any]:
+    def completion_body(self, prompt: list[int], p: SamplingParams) -> dict[str, Any]:
         """A `/v1/completions` request: token ids in, vLLM's sampling extensions, token ids back."""
         body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": p.max_new_tokens,
                                 "temperature": p.temperature, "top_p": p.top_p, "return_token_ids": True}
@@ -220,8 +234,8 @@ class OpenAIGenerator(Generator):
                               "the server stops on something else (its own stop strings or EOS ids)")
         return GenerationOutput(prompt, ids, reason)
 
-    async def _generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                        on_finish: OnFinish | None) -> list[GenerationOutput]:
+    async def _generate(self, prompts: list[list[int]], params: list[SamplingParams], on_finish: OnFinish | None,
+                        extra: list[dict[str, Any]] | None = None) -> list[GenerationOutput]:
         results: list[GenerationOutput | None] = [None] * len(prompts)
         queue: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()
         for i in range(len(prompts)):
@@ -238,8 +252,8 @@ class OpenAIGenerator(Generator):
                     return
                 i, tries = item
                 try:
-                    answer = await request_json(client, "POST", f"{url}/v1/completions",
-                                                self._body(prompts[i], params[i]))
+                    body = self.completion_body(prompts[i], params[i]) | (extra[i] if extra is not None else {})
+                    answer = await request_json(client, "POST", f"{url}/v1/completions", body)
                     out = self._output(url, prompts[i], params[i], answer)
                 except Retryable as exc:
                     if tries >= self.retries:
