@@ -32,6 +32,9 @@ from mtp_train.remote.generator import OpenAIGenerator
 from mtp_train.remote.http import RemoteError
 
 PROBE = "mtp-probe-"  # the sample ids of the probes (one per endpoint)
+# A prefill: one token sampled and dropped; ignore_eos, so that a first token that happens to be EOS (the server's
+# stop, not ours) still ends the request as "length".
+PREFILL = SamplingParams(max_new_tokens=1, ignore_eos=True)
 SERVE_HINT = "`mtp-precompute ... vllm.serve_command=true` prints the command to start it with"
 
 
@@ -85,7 +88,7 @@ class EndpointCapture:
     def probe(self, row: Row) -> None:
         """Capture `row` once through every endpoint and check each capture (module docstring); RemoteError naming
         the endpoint and what to change."""
-        body = self.gen.completion_body(row.ids.tolist(), SamplingParams(max_new_tokens=1))
+        body = self.gen.completion_body(row.ids.tolist(), PREFILL)
         for url in self.gen.endpoints:
             sample_id = f"{PROBE}{url}"
             path = self.spool / file_name(sample_id)
@@ -123,7 +126,7 @@ class EndpointCapture:
                         return
                     part = rows[i:i + self.chunk]
                     ids = [r.id for r in part]
-                    self.gen.generate([r.ids.tolist() for r in part], [SamplingParams(max_new_tokens=1)] * len(part),
+                    self.gen.generate([r.ids.tolist() for r in part], [PREFILL] * len(part),
                                       on_finish=lambda j, _out, ids=ids: self.answered.__setitem__(
                                           ids[j], time.monotonic()),
                                       extra=[self._body(r.id) for r in part])
