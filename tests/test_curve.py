@@ -192,11 +192,12 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(tm
     dpace = [v.name for v in variants if "loss.position_weights=dpace" in v.overrides]
     assert dpace == ["mtp-soft_ce-s3-dpace", "eagle1-soft_ce-s3-dpace", "mtp-soft_ce-s3-dpace-seed1",
                      "eagle1-soft_ce-s3-dpace-seed1", "mtp-aux-s3-dpace", "mtp-aux-s3-dpace-seed1",
-                     "dflash-b8-l1", "dflash-b4-l1", "dflash-b16-l1", "dflash-b8-l2"]
-    # A block variant restates its head's recipe: one loss step per drafted slot (B - 1).
-    for v in (v for v in variants if v.head == "dflash"):
+                     "dflash-b8-l1", "dflash-b4-l1", "dflash-b16-l1", "dflash-b8-l2", "dflash-b4-l1-all",
+                     "dspark-b4-l1"]
+    # A block variant restates its head's recipe: one loss step per drafted slot (B - 1; DSpark's every slot: B).
+    for v in (v for v in variants if v.head in ("dflash", "dspark")):
         block = int(next(o for o in v.overrides if o.startswith("head.block_size=")).split("=")[1])
-        assert f"loss.steps={block - 1}" in v.overrides
+        assert f"loss.steps={block - (v.head == 'dflash')}" in v.overrides
     assert "loss.steps=1" in cfg.train
     for v in variants:
         assert cc.head_available(v.head) is None
@@ -212,9 +213,10 @@ def test_variants_config_parses_in_order_and_composes_after_the_shared_recipe(tm
         assert c.optim.lr == float(own.get("optim.lr", 1e-3))
         assert c.train.micro_batch_tokens == int(own.get("train.micro_batch_tokens", 2048))
         assert c.train.log_every == 5
-        assert c.loss.kind == own.get("loss.kind", "soft_ce") and c.head.draft_vocab_size == 8192
+        assert c.loss.kind == own.get("loss.kind", "soft_ce")
+        assert c.head.draft_vocab_size == int(own.get("head.draft_vocab_size", 8192))
         assert c.head.aux_norm == c.head.norm_output == (v.name.startswith("eagle3.1"))
-        assert (c.head.features == "aux") == (v.head in ("eagle3", "dflash") or v.name.startswith("mtp-aux"))
+        assert (c.head.features == "aux") == (v.head in ("eagle3", "dflash", "dspark") or v.name.startswith("mtp-aux"))
         assert c.loss.position_weights == ("dpace" if v.name in dpace else "decay")
     eagle3 = {v.name: int(dict(o.split("=", 1) for o in v.overrides)["loss.steps"]) for v in variants
               if v.head == "eagle3"}
