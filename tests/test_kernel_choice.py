@@ -236,3 +236,30 @@ def test_timing_ratio_and_tie():
     assert Timing(1.0, 2.0).ratio == 2.0 and Timing(1.0, 2.0).native
     assert Timing(2.0, 1.0).ratio == 0.5 and not Timing(2.0, 1.0).native
     assert Timing(1.0, 1.0).native  # a tie keeps the native kernel
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or cpu_kernels.isa() != "avx512", reason="needs an AVX-512 CPU")
+def test_the_gemv_body_is_measured_per_row_count_where_both_run(measured):
+    """On a CPU with AVX-512 the linears' native path takes, per row count, the faster of the two gemv bodies
+    (measured before the linears' own choice, cached beside it); forcing an ISA or a path leaves nothing to choose."""
+    from mtp_train.layers import linear as linear_mod
+
+    torch.manual_seed(0)
+    lin = Linear(40, 24)
+    with torch.inference_mode():
+        x = torch.randn(1, 40)
+        out = lin(x)
+    bodies = kernel_choice.timings("gemv_isa")
+    assert set(bodies) == set(kernel_choice.PROBES["linear"].classes)
+    cached = json.loads(_choice_files(measured)[0].read_text())["ops"]
+    assert {"gemv_isa", "linear"} <= cached.keys()
+    assert {e["path"] for e in cached["gemv_isa"]["classes"].values()} <= {"avx512", "avx2"}
+    chosen = "avx512" if bodies["1"].native else "avx2"
+    assert linear_mod._gemv_isa(1) == chosen
+    if kernel_choice.prefers_native("linear", "1"):
+        assert torch.equal(out, cpu_kernels.gemv(x, lin.weight, lin.bias, isa=chosen))
+    assert "gemv_isa (ratio = avx2 time / avx512 time)" in "".join(kernel_choice.lines())
+    for forced in (KernelSettings(cache_dir=measured, choice="measure", isa="avx512"),
+                   KernelSettings(cache_dir=measured, choice="native")):
+        cpu_kernels.configure(forced)
+        assert linear_mod._gemv_isa(1) is None

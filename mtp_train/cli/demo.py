@@ -123,6 +123,7 @@ def _run_stages(cfg: DemoConfig, out: Path, state_path: Path) -> dict[str, Any]:
             state.pop("export", None)
         elif stage == "eval":
             record["metrics"] = result["best"]  # the best row at T=0, as the report has it
+            record["rows"] = row_summaries(result["rows"], result["best"])
             record["outputs"] = [str(out / "eval" / "report.json"), str(out / "eval" / "outputs.jsonl")]
         elif stage == "export":
             record["outputs"] = [str(result["out"])]
@@ -132,6 +133,7 @@ def _run_stages(cfg: DemoConfig, out: Path, state_path: Path) -> dict[str, Any]:
 
     summary = {
         **state["eval"]["metrics"],  # the best row: label, k and options, τ, speed-up and its 95% interval, ...
+        "rows": state["eval"].get("rows", []),  # every row of the grid at T=0: τ, step_cost, speed-up, interval
         "minutes": sum(state[s]["minutes"] for s in STAGES),
         "minutes_this_run": (time.perf_counter() - t_run) / 60,
         "outputs": {s: state[s]["outputs"] for s in STAGES},
@@ -142,6 +144,15 @@ def _run_stages(cfg: DemoConfig, out: Path, state_path: Path) -> dict[str, Any]:
     return summary
 
 
+ROW_KEYS = ("label", "method", "k", "tau", "step_cost", "speedup", "speedup_lo", "speedup_hi", "exact_match")
+
+
+def row_summaries(rows: list[dict[str, Any]], best: dict[str, Any]) -> list[dict[str, Any]]:
+    """The eval's rows at T=0 on the best row's dataset, with what the summary shows of each (ROW_KEYS)."""
+    return [{k: r.get(k) for k in ROW_KEYS} for r in rows
+            if r.get("dataset") == best.get("dataset") and not r.get("temperature")]
+
+
 def print_summary(rows: list[tuple[str, str, float, str]], s: dict[str, Any]) -> None:
     print(f"\n{'stage':<11} {'status':<8} {'minutes':>7}  output")
     for stage, status, minutes, output in rows:
@@ -149,7 +160,15 @@ def print_summary(rows: list[tuple[str, str, float, str]], s: dict[str, Any]) ->
     thr = f", threshold {s['draft_threshold']:g}" if s.get("draft_threshold") else ""
     thr += f", width {s['draft_width']}" if (s.get("draft_width") or 1) > 1 else ""
     interval = (f" [95% {s['speedup_lo']:.2f}–{s['speedup_hi']:.2f}]" if s.get("speedup_lo") is not None else "")
-    print(f"\nmtp head, k={s['k']}{thr}, greedy, held-out prompts: τ {s['tau']:.2f} · acceptance rate "
+    if s.get("rows"):
+        # τ / step_cost is the speed-up a row can give; the step's cost is what the engine adds per verified row.
+        print(f"\n{'row (greedy, held-out prompts)':<40} {'τ':>5} {'step_cost':>9}  speed-up [95%]")
+        for r in s["rows"]:
+            ci = f" [{r['speedup_lo']:.2f}–{r['speedup_hi']:.2f}]" if r.get("speedup_lo") is not None else ""
+            cost = f"{r['step_cost']:.2f}" if r.get("step_cost") is not None else "–"
+            print(f"{r['label']:<40} {r['tau']:>5.2f} {cost:>9}  {r['speedup']:.2f}×{ci}")
+    cost = f" · step_cost {s['step_cost']:.2f}" if s.get("step_cost") is not None else ""
+    print(f"\nmtp head, k={s['k']}{thr}, greedy, held-out prompts: τ {s['tau']:.2f}{cost} · acceptance rate "
           f"{s['acceptance_rate']:.2f} · speed-up {s['speedup']:.2f}×{interval} ({s['tokens_per_s']:.1f} vs "
           f"{s['baseline_tokens_per_s']:.1f} tok/s) · identical to plain greedy: "
           f"{'yes' if s.get('exact_match') == 1.0 else s.get('exact_match')}")

@@ -16,6 +16,10 @@ the gemv's instruction set. A file whose key, format or values are not what this
 truncated, edited) is measured again and rewritten, never trusted; one measurement at a time per folder (the
 folder's build lock), so a second process finds the first one's times.
 
+The same measurement picks between two native bodies where a CPU runs both: the gemv's AVX-512 and AVX2 bodies per
+row count (op "gemv_isa", `Probe.paths`), since a CPU that splits 512-bit operations in two halves (AMD Zen 4)
+streams one row faster with AVX2.
+
 `KernelSettings.choice` (`MTP_TRAIN_KERNEL_CHOICE`) overrides the measurement: `native` always, `torch` never;
 `measure` (the default) as above. `summary()` and `lines()` say which path each op took and the measured ratio
 (`bench.engine`, `bench.train` print them).
@@ -60,6 +64,12 @@ class Probe:
             same computation through each path.
         budget_s: the time all its classes may take together (more runs while within it, up to MAX_RUNS).
         version: bumped when the probe's work changes, so that times cached from the old one are measured again.
+        paths: the names of its two paths, in `setup`'s order (native and torch; or, for a choice between two
+            native bodies, their names): `prefers_native` is True where the first is the faster.
+        after: ops decided before this one is measured (its work asks their choice, e.g. the gemv body per row
+            count inside the linears' native path), where they apply.
+        applies: whether the op has a choice to make here (e.g. two gemv bodies only on a CPU that runs both);
+            an op that does not apply is never measured.
     """
 
     op: str
@@ -67,6 +77,13 @@ class Probe:
     setup: Callable[[], Callable[[str], tuple[Work, Work]]]
     budget_s: float
     version: int = 1
+    paths: tuple[str, str] = ("native", "torch")
+    after: tuple[str, ...] = ()
+    applies: Callable[[], bool] = lambda: True
+
+    def path(self, first: bool) -> str:
+        """The name of the path taken: the first where `first`, else the second."""
+        return self.paths[0] if first else self.paths[1]
 
 
 @dataclass(frozen=True)
@@ -135,6 +152,9 @@ def timings(op: str) -> dict[str, Timing]:
         hit = _timings.get(op)
         if hit is not None and hit[0] == gen:
             return hit[1]
+        for dep in PROBES[op].after:  # decided first, outside this op's measurement (which takes their paths)
+            if dep in PROBES and PROBES[dep].applies():
+                prefers_native(dep, PROBES[dep].classes[0])
         path = cache_path()
         if path is None:
             raise RuntimeError(f"kernel_choice: the native kernels are not available "
@@ -143,7 +163,7 @@ def timings(op: str) -> dict[str, Timing]:
             ops, why = read_cache(path, cache_key())
             found = ops.get(op)
             if found is None:
-                log.info("native CPU kernels: measuring %s's native-or-torch choice (%s: %s)", op, path.name,
+                log.info("native CPU kernels: measuring %s's path choice (%s: %s)", op, path.name,
                          why or f"{op} not in it yet")
                 found, complete = measure(PROBES[op])
                 if complete:
@@ -178,7 +198,7 @@ def measure(probe: Probe) -> tuple[dict[str, Timing], bool]:
     complete = len(out) == len(probe.classes)
     log.info("native CPU kernels: %s measured in %.2f s%s: %s", probe.op, time.perf_counter() - start,
              "" if complete else f" (cut short after {len(out)} of {len(probe.classes)} classes: not cached)",
-             ", ".join(f"{c} {'native' if t.native else 'torch'} {t.ratio:.2f}x" for c, t in out.items()))
+             ", ".join(f"{c} {probe.path(t.native)} {t.ratio:.2f}x" for c, t in out.items()))
     last_cls, last = next(reversed(out.items()))
     return {c: out.get(c) or Timing(last.native_s, last.torch_s, last_cls) for c in probe.classes}, complete
 
@@ -293,7 +313,7 @@ def write_cache(path: Path, key: dict[str, object], ops: dict[str, dict[str, Tim
     that refuses it costs only the reuse (logged)."""
     data = {"key": key, "ops": {**(keep or {}), **{op: {"version": PROBES[op].version, "classes": {
         c: {"native_s": t.native_s, "torch_s": t.torch_s, "ratio": round(t.ratio, 4),
-            "path": "native" if t.native else "torch"} for c, t in classes.items()}}
+            "path": PROBES[op].path(t.native)} for c, t in classes.items()}}
         for op, classes in ops.items()}}}
     try:
         atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
@@ -317,7 +337,7 @@ def summary() -> dict[str, object]:
             ops[op] = "not used"
             continue
         t = _timings[op][1] if mode == "measure" and op in _timings else None
-        ops[op] = {c: {"path": "native" if hit[1][c] else "torch",
+        ops[op] = {c: {"path": probe.path(hit[1][c]),
                        "ratio": None if t is None else round(t[c].ratio, 3),
                        **({"as_class": t[c].as_class} if t is not None and t[c].as_class else {})}
                    for c in probe.classes}
@@ -338,5 +358,6 @@ def lines() -> list[str]:
             continue
         parts = [f"{c} {v['path']}" + (f" {v['ratio']:.2f}x" if v["ratio"] is not None else " (forced)")
                  + (f" (not timed: as {v['as_class']})" if "as_class" in v else "") for c, v in classes.items()]
-        out.append(f"  {op} (ratio = torch time / native time): " + ", ".join(parts))
+        first, second = PROBES[op].paths
+        out.append(f"  {op} (ratio = {second} time / {first} time): " + ", ".join(parts))
     return out

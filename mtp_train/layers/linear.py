@@ -17,7 +17,8 @@ is made 2048 weight rows at a time (see `_small_m`).
 
 Those figures are one machine's: which of the native kernel and the torch path takes m = 1..16 rows is measured
 on the machine that runs it (`kernel_choice`, op "linear", one class per row count, timed over a set of weights
-larger than the last-level cache) and cached with the kernel build.
+larger than the last-level cache) and cached with the kernel build; on a CPU with AVX-512, so is which body of the
+kernel (AVX-512 or AVX2) serves each row count (op "gemv_isa", measured first).
 
 The results equal `F.linear` up to floating-point summation order. These paths are used only for
 inference (no autograd through them); training and GPUs always take `F.linear`.
@@ -56,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _cpu_inference(x, weight):
         m = x.shape[0]
         if _takes_gemv(m, weight):
-            return cpu_kernels.gemv(x, weight, bias)
+            return cpu_kernels.gemv(x, weight, bias, isa=_gemv_isa(m))
         if m == 1 and packed is not None:
             return torch.ops.mkl._mkl_linear(x, packed, weight, bias, 1)
         if 1 < m <= SMALL_M_MAX:
@@ -82,6 +83,21 @@ def _takes_gemv(m: int, weight: torch.Tensor) -> bool:
     faster path for m rows on this machine)."""
     return (m <= GEMV_M_MAX and weight.dtype == torch.float32 and cpu_kernels.available()
             and kernel_choice.prefers_native("linear", ROW_CLASSES[m]))
+
+
+def _isa_choice_applies() -> bool:
+    """Whether the gemv's body is measured per row count: a CPU that runs both bodies, neither forced
+    (`KernelSettings.isa`) and the choice measured (`KernelSettings.choice`)."""
+    cfg = cpu_kernels.settings()
+    return cpu_kernels.isa() == "avx512" and cfg.isa == "auto" and cfg.choice == "measure"
+
+
+def _gemv_isa(m: int) -> str | None:
+    """The gemv body for m rows: the faster of AVX-512 and AVX2 where both run (op "gemv_isa"); None (the body
+    `cpu_kernels.isa()` names) where there is nothing to choose."""
+    if not _isa_choice_applies():
+        return None
+    return "avx512" if kernel_choice.prefers_native("gemv_isa", ROW_CLASSES[m]) else "avx2"
 
 
 def padded_t(x: torch.Tensor) -> torch.Tensor:
@@ -167,14 +183,20 @@ def _last_level_cache_bytes() -> int:
     return best or 32 << 20
 
 
-def _probe_setup() -> Callable[[str], tuple[Callable[[], object], Callable[[], object]]]:
-    """Weights that do not fit the last-level cache (each product streams them from memory, as a model's layers
-    do); for a class of m rows: (the native gemv over all of them, `linear`'s torch path over all of them)."""
+def _probe_weights() -> list[torch.Tensor]:
+    """Weights that do not fit the last-level cache, in the shapes of a small LLM's MLP."""
     # twice the cache: a cyclic read of a little more than it still hits partly (replacement is not strict LRU)
     target = min(max(2 * _last_level_cache_bytes(), PROBE_MB_MIN << 20), PROBE_MB_MAX << 20)
     weights: list[torch.Tensor] = []
     while sum(w.numel() * 4 for w in weights) < target:
         weights.append(torch.full(PROBE_SHAPES[len(weights) % len(PROBE_SHAPES)], 0.01))
+    return weights
+
+
+def _probe_setup() -> Callable[[str], tuple[Callable[[], object], Callable[[], object]]]:
+    """Weights that do not fit the last-level cache (each product streams them from memory, as a model's layers
+    do); for a class of m rows: (the native gemv over all of them, `linear`'s torch path over all of them)."""
+    weights = _probe_weights()
     packed = ([torch.ops.mkl._mkl_reorder_linear_weight(w, 1) for w in weights]
               if _mkl_packing_available() else [None] * len(weights))
 
@@ -182,9 +204,11 @@ def _probe_setup() -> Callable[[str], tuple[Callable[[], object], Callable[[], o
         m = int(cls)
         xs = {k: torch.full((m, k), 0.5) for k in {w.shape[1] for w in weights}}
 
+        isa = _gemv_isa(m)  # the body `linear` runs for m rows (decided before this probe: `after`)
+
         def native() -> None:
             for w in weights:
-                cpu_kernels.gemv(xs[w.shape[1]], w)
+                cpu_kernels.gemv(xs[w.shape[1]], w, isa=isa)
 
         def reference() -> None:  # what `linear` runs for m rows without the kernel (packed when prepack packs)
             for w, p in zip(weights, packed):
@@ -201,4 +225,26 @@ def _probe_setup() -> Callable[[str], tuple[Callable[[], object], Callable[[], o
     return work
 
 
-kernel_choice.register(kernel_choice.Probe("linear", ROW_CLASSES[1:], _probe_setup, budget_s=0.4))
+def _isa_probe_setup() -> Callable[[str], tuple[Callable[[], object], Callable[[], object]]]:
+    """The same weights as the linears' probe; for a class of m rows: (the AVX-512 body over all of them, the AVX2
+    body over all of them)."""
+    weights = _probe_weights()
+
+    def work(cls: str) -> tuple[Callable[[], object], Callable[[], object]]:
+        xs = {k: torch.full((int(cls), k), 0.5) for k in {w.shape[1] for w in weights}}
+
+        def body(isa: str) -> Callable[[], None]:
+            def run() -> None:
+                for w in weights:
+                    cpu_kernels.gemv(xs[w.shape[1]], w, isa=isa)
+            return run
+
+        return body("avx512"), body("avx2")
+
+    return work
+
+
+kernel_choice.register(kernel_choice.Probe("gemv_isa", ROW_CLASSES[1:], _isa_probe_setup, budget_s=0.4,
+                                           paths=("avx512", "avx2"), applies=_isa_choice_applies))
+kernel_choice.register(kernel_choice.Probe("linear", ROW_CLASSES[1:], _probe_setup, budget_s=0.4, version=2,
+                                           after=("gemv_isa",)))
