@@ -236,6 +236,7 @@ def test_timing_ratio_and_tie():
     assert Timing(1.0, 2.0).ratio == 2.0 and Timing(1.0, 2.0).native
     assert Timing(2.0, 1.0).ratio == 0.5 and not Timing(2.0, 1.0).native
     assert Timing(1.0, 1.0).native  # a tie keeps the native kernel
+    assert Timing(1.05, 1.0).native and not Timing(1.15, 1.0).native  # and so does a loss within the margin
 
 
 @pytest.mark.skipif(not cpu_kernels.available() or cpu_kernels.isa() != "avx512", reason="needs an AVX-512 CPU")
