@@ -52,8 +52,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from mtp_train.capture import serve
 from mtp_train.heads.checkpoint import CONFIG_DIGEST, config_digest
-from mtp_train.remote.http import free_port, wait_ready
+from mtp_train.remote.http import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY = "granite"  # the model_type of the target built here (one vLLM serves with EAGLE-3 and we do not)
@@ -148,28 +149,11 @@ def vllm_server(vllm_python: Path, target: Path, log: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this project in vLLM's venv
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    with open(log, "wb") as f:
-        # `vllm serve` is this module; the `vllm` script reads the version of a package named vllm, which the CPU
-        # build (vllm-cpu) is not
-        proc = subprocess.Popen([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                 str(target), "--served-model-name", SERVED_NAME, "--dtype", "float32",
-                                 "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
-                                 "--generation-config", "vllm", "--seed", "0"], env=env, stdout=f,
-                                stderr=subprocess.STDOUT)
-    try:
-        try:
-            wait_ready(url, proc, READY_TIMEOUT, every=1.0, name="vllm serve")
-        except (RuntimeError, TimeoutError) as exc:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-10:])
-            raise RuntimeError(f"{exc}\n--- {log} (last lines)\n{tail}") from None
+    argv = [str(vllm_python), "-m", serve.SERVER_MODULE, "--model", str(target), "--served-model-name", SERVED_NAME,
+            "--dtype", "float32", "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
+            "--generation-config", "vllm", "--seed", "0"]
+    with serve.running(argv, env, log, url, READY_TIMEOUT):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def shifted_head(head: Path, out: Path, shift: int) -> Path:

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mtp_train.remote.http import free_port, wait_ready
+from mtp_train.capture import serve
+from mtp_train.remote.http import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 900.0  # seconds vLLM's CPU build may take to load and warm up
@@ -86,28 +87,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     log = out / "vllm-serve.log"
     t0 = time.perf_counter()
-    with open(log, "wb") as f:
-        # `vllm serve` is this module; the `vllm` script reads the version of a package named vllm, which the CPU
-        # build (vllm-cpu) is not
-        proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                 str(Path(a.model).absolute()), "--served-model-name",
-                                 "smollm2-135m", "--dtype", "float32", "--max-model-len", "2048", "--port", str(port),
-                                 "--host", "127.0.0.1", "--generation-config", "vllm", "--seed", "0"],
-                                env=env, stdout=f, stderr=subprocess.STDOUT)
+    argv = [str(python), "-m", serve.SERVER_MODULE, "--model", str(Path(a.model).absolute()), "--served-model-name",
+            "smollm2-135m", "--dtype", "float32", "--max-model-len", "2048", "--port", str(port), "--host",
+            "127.0.0.1", "--generation-config", "vllm", "--seed", "0"]
     try:
-        wait_ready(url, proc, READY_TIMEOUT, every=1.0, name="vllm serve")  # it loads for minutes
-        print(f"check-vllm-serve: vllm serve ready in {time.perf_counter() - t0:.0f} s", flush=True)
-        regenerate(out / "vllm.jsonl", a, "generator=openai", f"endpoints=[{url}]", "concurrency=4", "retries=2")
-    except (RuntimeError, TimeoutError) as exc:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        print(f"check-vllm-serve: {exc}\n--- {log} (last lines)\n{tail}", file=sys.stderr)
+        with serve.running(argv, env, log, url, READY_TIMEOUT):  # it loads for minutes
+            print(f"check-vllm-serve: vllm serve ready in {time.perf_counter() - t0:.0f} s", flush=True)
+            regenerate(out / "vllm.jsonl", a, "generator=openai", f"endpoints=[{url}]", "concurrency=4", "retries=2")
+    except RuntimeError as exc:
+        print(f"check-vllm-serve: {exc}", file=sys.stderr)
         return 2
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     try:
         regenerate(out / "engine.jsonl", a)
     except RuntimeError as exc:
