@@ -102,6 +102,7 @@ _opened: dict[Path, tuple[ctypes.CDLL, bool]] = {}  # built libraries loaded so 
 _isa = ""  # the gemv's and soft_ce_'s instruction set once loaded: "avx512" or "avx2"
 _gemv_fn = None  # the library's gemv entry point for `_isa`
 _soft_ce_fn = None  # and its soft_ce_ entry point
+_gemv_by_isa: dict[str, object] = {}  # "avx2" / "avx512" → the gemv entry point, resolved once per load (hot path)
 _library: Path | None = None  # the loaded build
 _generation = 0  # bumped by `configure`: what was decided on the settings before is decided again
 
@@ -110,9 +111,10 @@ def configure(settings: KernelSettings) -> None:
     """Use `settings` from now on: whether the kernels are used and how they are built is decided again at the
     next use (call it before models run; a library already loaded stays loaded and is reused)."""
     global _settings, _lib, _tried, _reason, _threads_ok, _isa, _gemv_fn, _soft_ce_fn, _library, _generation
+    global _gemv_by_isa
     with _lock:
         _settings, _lib, _tried, _reason, _threads_ok = settings, None, False, "", False
-        _isa, _gemv_fn, _soft_ce_fn, _library = "", None, None, None
+        _isa, _gemv_fn, _soft_ce_fn, _library, _gemv_by_isa = "", None, None, None, {}
         _generation += 1
 
 
@@ -333,7 +335,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
 
 def _load() -> ctypes.CDLL | None:
     """Build and load the library once per `configure`; None (with `_reason` set) where it cannot be used."""
-    global _lib, _tried, _reason, _threads_ok, _isa, _gemv_fn, _soft_ce_fn, _library
+    global _lib, _tried, _reason, _threads_ok, _isa, _gemv_fn, _soft_ce_fn, _library, _gemv_by_isa
     with _lock:
         if _tried:
             return _lib
@@ -352,7 +354,8 @@ def _load() -> ctypes.CDLL | None:
                 _library = build_library(cc, Path(cfg.cache_dir or default_cache_dir()))
                 _lib, _threads_ok = _open(_library)
                 _isa = _pick_isa(_lib, cfg.isa)
-                _gemv_fn = _lib.mtp_gemv_f32_avx512 if _isa == "avx512" else _lib.mtp_gemv_f32
+                _gemv_by_isa = {"avx2": _lib.mtp_gemv_f32, "avx512": _lib.mtp_gemv_f32_avx512}
+                _gemv_fn = _gemv_by_isa[_isa]
                 _soft_ce_fn = _lib.mtp_soft_ce_f32_avx512 if _isa == "avx512" else _lib.mtp_soft_ce_f32
             except (OSError, RuntimeError) as e:
                 # unexpected on a machine that should build them: say so where it is seen
@@ -456,7 +459,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         bias = bias.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     lib = _lib or _require()
-    fn = _gemv_fn if isa is None else _by_isa(isa, lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512)
+    fn = _gemv_fn if isa is None else (_gemv_by_isa.get(isa)
+                                       or _by_isa(isa, lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512))
     if fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
           y.data_ptr(), n, m, n, k, torch.get_num_threads() if _threads_ok else 1):
         raise RuntimeError("gemv: this CPU does not run the AVX-512 body (AVX-512F/VL/DQ)")
