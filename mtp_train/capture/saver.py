@@ -63,9 +63,10 @@ class CaptureSaver:
         """Save one request; True when done (CPU: its file is written and its blocks may be freed now), False when
         its copy is in flight (GPU: `poll` reports it)."""
         assert self.cache is not None, "bind a cache first"
+        tag = self.tag if save.tag is None else save.tag  # the request's own, else the connector's
         if not self.cache.is_cuda:
             write_capture(self.folder, save.sample_id, torch.tensor(save.token_ids), self.rows(save), self.layer_ids,
-                          self.tag if save.tag is None else save.tag)
+                          tag)
             return True
         assert self._pool is not None
         if self._stream is None:
@@ -83,8 +84,7 @@ class CaptureSaver:
 
         def write() -> Path:
             copied.synchronize()  # in the writer thread: the engine never waits for the copy
-            return write_capture(self.folder, save.sample_id, torch.tensor(save.token_ids), host, self.layer_ids,
-                                 self.tag if save.tag is None else save.tag)
+            return write_capture(self.folder, save.sample_id, torch.tensor(save.token_ids), host, self.layer_ids, tag)
 
         self._files[save.req_id] = self._pool.submit(write)
         return False
