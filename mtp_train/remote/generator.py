@@ -162,9 +162,10 @@ class OpenAIGenerator(Generator):
         `kv_transfer_params` for a capture)."""
         if isinstance(params, SamplingParams):
             raise TypeError("a Generator takes one SamplingParams per request (each with its own seed)")
-        if len(params) != len(prompts) or (extra is not None and len(extra) != len(prompts)):
-            raise ValueError(f"{len(params)} sampling params and {len(extra or prompts)} extra bodies for "
-                             f"{len(prompts)} prompts")
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if extra is not None and len(extra) != len(prompts):
+            raise ValueError(f"{len(extra)} extra bodies for {len(prompts)} prompts")
         t0 = time.perf_counter()
         try:
             return asyncio.run(self._generate([list(p) for p in prompts], list(params), on_finish,
