@@ -125,7 +125,8 @@ def random_samples(n: int, max_seq_len: int, vocab: int, seed: int = 0) -> list[
 
 
 def make_precompute(model_dir: str | Path, out_dir: str | Path, data: str | Path | None = REGEN_DATA,
-                    limit: int = 64, max_seq_len: int = 512, val_fraction: float = 0.1) -> tuple[str, str]:
+                    limit: int = 64, max_seq_len: int = 512, val_fraction: float = 0.1,
+                    aux_layers: list[int] | None = None) -> tuple[str, str]:
     """Precompute the target's hidden states of a small data set into out_dir; returns (what, data name).
 
     Args:
@@ -136,6 +137,8 @@ def make_precompute(model_dir: str | Path, out_dir: str | Path, data: str | Path
         limit: conversations (or random samples).
         max_seq_len: tokens per sample at most.
         val_fraction: the share held out for validation.
+        aux_layers: the target layers (hidden_states numbering) stored beside the final hidden, for heads that read
+            them (eagle3, dflash, dspark); None = none.
 
     The data name is the one recorded in the folder's manifest (pass it as `data.name`).
     """
@@ -149,7 +152,7 @@ def make_precompute(model_dir: str | Path, out_dir: str | Path, data: str | Path
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     cfg = PrecomputeConfig(out=str(out_dir), max_seq_len=max_seq_len, limit=limit, val_fraction=val_fraction,
-                           seed=0, progress=False)
+                           seed=0, progress=False, aux_layers=list(aux_layers or []))
     if data is not None and Path(data).is_file():
         cfg.data = DataConfig(name=Path(data).stem, paths=[str(data)])
         samples, info = build_samples(tok, cfg)

@@ -27,6 +27,14 @@ the loss as configured (V_d: the head's output rows, the draft vocabulary when i
                                                                    with respect to ĥ: 2 + 2 + 2; the lm_head is
                                                                    frozen, so it has no weight gradient)
 
+A block head (dflash, dspark) runs its layers once per batch, not once per step: its fc and every layer's context
+K/V projections over the T packed rows, then the whole layer over the A·B rows of its A blocks (A: the anchors,
+step 0's counted rows), each block attending to its context (taken as the batch's mean token position,
+Σ n² / 2 Σ n) and to its own B rows:
+
+    block    = 2 · fc · T + 2 · kv · T + 2 · (P − fc) · A · B + layers · 4 · H · A · B · (ctx + B)
+    train    = 3 · block + Σ_j 6 · N_j · H · V_d
+
 The lm_head products dominate for a small head over a large vocabulary. Recomputation inside the chunked loss
 (ce_impl=checkpoint recomputes both chunks' logits in the backward) is not counted: it is work the step does, not
 useful FLOPs. The defaults are the demo's training settings (conf/demo.yaml: 8k draft vocabulary, one draft step,
@@ -77,6 +85,9 @@ class StepMeter:
         self.layers = 1
         self.hidden = 0
         self.vocab = 0
+        self.block_size = 0  # a block head's B (0: a chain head)
+        self.fc_params = 0  # a block head's fc, over every packed row
+        self.kv_params = 0  # its layers' k/v projections, which also run over every packed row (the context K/V)
 
     def __call__(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         if device_is_cuda(trainer.device):
@@ -96,6 +107,11 @@ class StepMeter:
             self.params = sum(p.numel() for p in trainer.engine.module.parameters() if p.requires_grad)
             self.layers = int(head.kv_shape[0])
             self.vocab, self.hidden = (int(d) for d in head.lm_head_weight().shape)  # V_d rows: what the loss uses
+            if head.spec.block:
+                self.block_size = int(head.block_size)
+                self.fc_params = head.fc.weight.numel()
+                self.kv_params = sum(layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel()
+                                     for layer in head.layers)
         elif step > self.warmup:
             self.times.append(now - self._last)
             self.rows.append(sum(self._pending))
@@ -109,10 +125,31 @@ class StepMeter:
         """Analytic training FLOPs of all measured steps (see the module docstring)."""
         total = 0.0
         for lens, counted in zip(self.seq_lens, self.counted):
-            body = body_flops(self.params, lens, self.hidden, self.layers)
-            total += 3.0 * body * len(counted)
+            if self.block_size:
+                total += 3.0 * block_flops(self, lens, counted[0] if counted else 0.0)
+            else:
+                total += 3.0 * body_flops(self.params, lens, self.hidden, self.layers) * len(counted)
             total += sum(6.0 * n * self.hidden * self.vocab for n in counted)
         return total
+
+
+def head_aux_layers(cfg: Any, model_dir: str) -> list[int]:
+    """The target layers the composed config's head reads as features ([] for heads on the final hidden), so the
+    precompute folder holds them (eagle3, dflash and dspark refuse a folder without them)."""
+    from mtp_train.config import TrainConfig, typed
+    from mtp_train.models.families import args_from_dir
+
+    head = typed(cfg, TrainConfig).head.resolved(args_from_dir(Path(model_dir)).num_layers)
+    return list(head.aux_layers) if head.features == "aux" else []
+
+
+def block_flops(meter: StepMeter, seq_lens: list[int], anchors: float) -> float:
+    """Forward FLOPs of a block head's body over one packed batch with `anchors` blocks (the module docstring)."""
+    rows = sum(seq_lens)
+    ctx = sum(n * n for n in seq_lens) / (2 * max(rows, 1))
+    blk = anchors * meter.block_size
+    attention = meter.layers * 4.0 * meter.hidden * blk * (ctx + meter.block_size)
+    return 2.0 * (meter.fc_params + meter.kv_params) * rows + 2.0 * (meter.params - meter.fc_params) * blk + attention
 
 
 def device_is_cuda(device: torch.device) -> bool:
@@ -142,18 +179,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "pc"
-        t0 = time.perf_counter()
-        kind, name = make_precompute(args.model, data_dir, args.data, args.limit, args.max_seq_len)
-        print(f"precompute ({kind}): {time.perf_counter() - t0:.1f}s", flush=True)
-        cfg = compose_train([
-            f"model.path={args.model}", f"head={args.head}", f"data.dir={data_dir}", f"data.name={name}",
+        overrides = [
+            f"model.path={args.model}", f"head={args.head}", f"data.dir={data_dir}",
             f"out={Path(tmp) / 'run'}",
             "wandb.mode=disabled", "train.progress=false", f"train.max_steps={args.warmup + args.steps}",
             f"train.micro_batch_tokens={args.micro_batch_tokens}", "train.eval_every=0", "train.eval_batches=1",
             "train.save_every=0", "train.log_every=1", "spec_eval.prompts=[]",
             f"head.draft_vocab_size={args.draft_vocab}", f"loss.steps={args.steps_unrolled}", "loss.w_tok=1.0",
             *args.overrides,
-        ])
+        ]
+        aux = head_aux_layers(compose_train(overrides), args.model)
+        t0 = time.perf_counter()
+        kind, name = make_precompute(args.model, data_dir, args.data, args.limit, args.max_seq_len, aux_layers=aux)
+        print(f"precompute ({kind}, aux layers {aux}): {time.perf_counter() - t0:.1f}s", flush=True)
+        cfg = compose_train([*overrides, f"data.name={name}"])
         meter = StepMeter(args.warmup)
         result = train_main(cfg, on_step=meter)
 

@@ -290,8 +290,13 @@ def row_weights(head: DraftHead, preds: list[torch.Tensor], hidden: torch.Tensor
     conf, masks = [], []
     for j, pred in enumerate(preds):
         target, counted, _ = _counted_rows(hidden, loss_mask, lens, j, in_vocab, rows)
-        conf.append(target_argmax_probability(head.logit_input(pred).detach(), target, head.draft_lm_head().detach(),
-                                              head.lm_head_weight(), cfg.chunk_size))
+        # Only the counted rows: dpace_weights ignores the others, and a block head counts a quarter of its rows
+        # or fewer (its anchors), so the two lm_head passes over every row were most of a step's forward.
+        idx = counted.nonzero().squeeze(1)
+        q = torch.ones(counted.shape[0], dtype=torch.float32, device=counted.device)
+        q[idx] = target_argmax_probability(head.logit_input(pred.detach()[idx]), target[idx],
+                                           head.draft_lm_head().detach(), head.lm_head_weight(), cfg.chunk_size)
+        conf.append(q)
         masks.append(counted)
     return list(dpace_weights(torch.stack(conf), torch.stack(masks), cfg.dpace_alpha).unbind(0))
 
