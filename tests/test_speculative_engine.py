@@ -491,3 +491,40 @@ def test_catch_up_in_the_verify_rows_commits_the_accepted_rows_only(tiny_checkpo
     for i, path in enumerate(paths):
         _verify_by_hand(eng, prop, seq, path, bonus=7 + i)
         _assert_head_cache_is_a_prefill(model, prop, seq, 3)
+
+
+@pytest.mark.parametrize("paths", [[[0], [0, 1, 2], [], [0, 1]]])
+def test_greedy_catch_up_from_the_argmax_alone_commits_the_accepted_rows_only(tiny_checkpoints, paths):
+    """`catch_up_greedy` reads only the target's argmax over the verify rows (a device tensor): given the argmax
+    that accepts a chosen path and bonus, the head's cache and kept feature are the prefill's, as `after_verify`
+    leaves them, with no accepted path handed to it; a tree or a ragged batch is left to `after_verify`."""
+    model = load_model(tiny_checkpoints["llama"][0])
+    prop = HeadProposer(_head(tiny_checkpoints))
+    eng = SpecEngine(model, prop, 3, page_size=3, num_pages=64)
+    eng.add_request(PROMPTS[3], SamplingParams(max_new_tokens=32, ignore_eos=True))
+    eng.step()
+    (seq,) = eng.running
+    for i, path in enumerate(paths):
+        n = len(seq)
+        eng.runner.kv.ensure(seq.pages, n + eng.spec.span)
+        tree = prop.propose([seq], eng.k)[0]
+        rows = layout([tree], [seq.token_ids[-1]], [n])
+        step = rows.step_rows([seq.pages])
+        out = eng.runner.forward(step, logits="all")
+        bonus = 7 + i
+        argmax = [*(tree.tokens[j] for j in path), bonus] + [0] * (len(tree) - len(path))  # rows after n: discarded
+        assert prop.catch_up_greedy([seq], rows, step, None, out.hidden, torch.tensor(argmax))
+        seq.token_ids.extend([tree.tokens[j] for j in path] + [bonus])
+        seq.num_cached = len(seq) - 1
+        _assert_head_cache_is_a_prefill(model, prop, seq, 3)
+    wide = HeadProposer(_head(tiny_checkpoints), draft_width=2)
+    eng2 = SpecEngine(model, wide, 2, page_size=3, num_pages=64)
+    eng2.add_request(PROMPTS[3], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    eng2.step()
+    (seq2,) = eng2.running
+    eng2.runner.kv.ensure(seq2.pages, len(seq2) + eng2.spec.span)
+    tree = wide.propose([seq2], 2)[0]
+    rows = layout([tree], [seq2.token_ids[-1]], [len(seq2)])
+    step = rows.step_rows([seq2.pages])
+    out = eng2.runner.forward(step, logits="all")
+    assert not wide.catch_up_greedy([seq2], rows, step, None, out.hidden, out.logits.argmax(-1))

@@ -117,11 +117,12 @@ class StepGraphs:
         tables = [list(t) for t in block_tables] + [self.scratch] * pad
         return AttentionMetadata.build([self.q] * size, kv, tables, self.kv.page_size, device)
 
-    def run(self, token_ids: Seq[int], kv_lens: Seq[int], block_tables: Seq[Seq[int]],
+    def run(self, token_ids: Seq[int] | torch.Tensor, kv_lens: Seq[int], block_tables: Seq[Seq[int]],
             hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """One step of B = len(kv_lens) sequences, q tokens each → fn's outputs for the real B·q rows.
 
-        token_ids: (B·q,) packed; kv_lens: (B,) tokens per sequence after the step; block_tables: (B,) page ids
+        token_ids: (B·q,) packed, host ints or a tensor (on the device: read there, with no synchronisation);
+        kv_lens: (B,) tokens per sequence after the step; block_tables: (B,) page ids
         (enough for kv_lens); hidden: (B·q, width) input features, when fn reads them.
         """
         b, q = len(kv_lens), self.q
@@ -130,8 +131,12 @@ class StepGraphs:
         if (hidden is None) != (self.width is None):
             raise ValueError("hidden must be given exactly when the step reads features (width)")
         size, n = self.bucket_for(b), b * q
-        ids = torch.zeros(size * q, dtype=torch.long)
-        ids[:n] = torch.as_tensor(list(token_ids), dtype=torch.long)
+        if isinstance(token_ids, torch.Tensor):
+            ids = torch.zeros(size * q, dtype=torch.long, device=token_ids.device)
+            ids[:n] = token_ids
+        else:
+            ids = torch.zeros(size * q, dtype=torch.long)
+            ids[:n] = torch.as_tensor(list(token_ids), dtype=torch.long)
         self.replays += 1
         if not self.capture:
             meta = self._padded_meta(size, kv_lens, block_tables, self.device)

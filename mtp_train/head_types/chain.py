@@ -264,6 +264,38 @@ class HeadProposer(Proposer):
         return True
 
     @torch.inference_mode()
+    def catch_up_greedy(self, seqs: Seq[Sequence], rows: VerifyRows, step: StepRows, meta: AttentionMetadata | None,
+                        features: torch.Tensor, target: torch.Tensor) -> bool:
+        """`after_verify` from the target's argmax alone, for chains of one length N (a fixed k; trees, whose path
+        may need K/V moves, and the ragged chains of a draft threshold or prompt lookup take `after_verify`).
+
+        Row r reads the token after it: for r < n (the accepted drafts) that is draft r+1, which equals the
+        target's argmax at row r; at r = n it is the bonus token, the argmax at row n; rows after n are discarded.
+        So every row reads the argmax at itself, and n = the matching prefix of drafts and argmax, on the device.
+        """
+        if self.catch_up != "target" or rows.tree is not None or len(set(rows.rows)) != 1:
+            return False
+        assert self.kv is not None, "bind() the proposer to the target's KV cache first"
+        dev = self.head.device
+        b, q = len(seqs), rows.rows[0]
+        tokens = target.to(dev)
+        drafts = torch.tensor([r[1:] for r in rows.tokens], dtype=torch.long).to(dev, non_blocking=True)  # (B, N)
+        n = (drafts == tokens.view(b, q)[:, :q - 1]).int().cumprod(1).sum(1)  # (B,) accepted drafts
+        idx = torch.arange(b, device=dev) * q + n  # each sequence's last accepted row
+        graphs = self.verify_graphs
+        if graphs is not None and b <= graphs.max_batch and q == graphs.q:
+            out, logits = graphs.run(tokens, step.kv_lens, step.pages, hidden=features)
+            feat, logits = out[idx], logits[idx]
+        else:
+            meta = (step.metadata(self.kv.page_size, dev) if meta is None else replace(meta, backend_state={}))
+            res = self.head(features.to(dev), tokens, meta, self.kv.layers[0], from_target=True,
+                            logits_indices=idx)
+            assert res.logits is not None
+            feat, logits = res.hidden[idx], res.logits
+        self._store(seqs, feat, logits)
+        return True
+
+    @torch.inference_mode()
     def update(self, seqs: Seq[Sequence], old_lens: Seq[int], trees: Seq[DraftTree], paths: Seq[Seq[int]],
                target_hidden: Seq[torch.Tensor]) -> None:
         """The separate catch-up pass over the accepted rows alone: what `catch_up=own` runs (the engine takes

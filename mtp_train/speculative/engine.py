@@ -21,8 +21,10 @@ step, for all running sequences at once (`SpeculativeStep._speculate`):
              postprocess appends the emitted tokens and counts t_{L-1} and the path cached
     catch-up the proposer catches up along the path: a chain head in one forward over all the verify rows, with
              the verify's batch information, at once (`Proposer.after_verify`, the seed system's MTP step: it
-             also gives the next first draft; rejected rows computed and discarded), other proposers after the
-             scheduler's postprocess, for the sequences that go on (`Proposer.update`)
+             also gives the next first draft; rejected rows computed and discarded; for a greedy batch queued
+             before acceptance is read on the host, `Proposer.catch_up_greedy`, since the argmax alone decides
+             what it reads), other proposers after the scheduler's postprocess, for the sequences that go on
+             (`Proposer.update`)
 
 so every sequence advances by its own 1..k+1 tokens per target forward. The forwards return the target layers
 the proposer names (`Proposer.hidden_layers`, e.g. an EAGLE-3 head's aux layers), concatenated, in place of the
@@ -157,11 +159,18 @@ class SpeculativeStep(Step):
         # Eager forwards share one build of the step's metadata: the verify's, then the head's over the same rows.
         meta = None if self.runner.graphs else step.metadata(kv.page_size, self.model.device)
         out = self.runner.forward(step, logits="all", hidden_layers=self.proposer.hidden_layers, meta=meta)
+        features = self._features(out)
+        caught_up, early = False, 0.0
+        if all(s.params.greedy for s in seqs):
+            # The catch-up reads nothing acceptance decides that the argmax does not: queued before the host reads
+            # it (its time counts as the catch-up's; on a GPU, only its launch, the rest overlapping acceptance).
+            tc = time.perf_counter()
+            caught_up = self.proposer.catch_up_greedy(seqs, rows, step, meta, features, out.logits.argmax(-1))
+            early = time.perf_counter() - tc
         accepted = accept(trees, out.logits, SamplingBatch([s.params for s in seqs], [s.generator for s in seqs]),
                           fused=self.fused)  # accept
         t2 = self._sync()
 
-        features = self._features(out)  # commit
         for b, (s, a) in enumerate(zip(seqs, accepted)):
             stats.metrics.record(trees[b], a.path, s.seq_id)
             # The target's cache keeps t_{L-1} and the accepted path at their positions (the scheduler counts them
@@ -169,15 +178,15 @@ class SpeculativeStep(Step):
             for src, dst in rows.moves(b, a.path):
                 kv.copy_token(s.pages, src, dst)
         t3 = self._sync()
-        if self.proposer.after_verify(seqs, rows, step, meta, features, accepted):  # catch-up and next first draft
+        if caught_up or self.proposer.after_verify(seqs, rows, step, meta, features, accepted):  # and next first draft
             self._pending = _CatchUp([], done=True)
-            stats.update_seconds += self._sync() - t3
+            stats.update_seconds += self._sync() - t3 + early
         else:
             hidden = features.split(rows.rows)
             self._pending = _CatchUp([h[rows.path_rows(a.path)] for h, a in zip(hidden, accepted)], lens, trees,
                                      [a.path for a in accepted])
         stats.draft_seconds += t1 - t0
-        stats.verify_seconds += t2 - t1
+        stats.verify_seconds += t2 - t1 - early
         return [a.tokens for a in accepted]
 
     def release(self, seq: Sequence) -> None:

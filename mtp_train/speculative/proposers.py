@@ -146,6 +146,21 @@ class Proposer(ABC):
         """
         return False
 
+    def catch_up_greedy(self, seqs: Seq[Sequence], rows: VerifyRows, step: StepRows, meta: AttentionMetadata | None,
+                        features: torch.Tensor, target: torch.Tensor) -> bool:
+        """`after_verify` for a batch of greedy sequences, launched before acceptance is read on the host.
+
+        A greedy step's accepted path and every token the catch-up reads follow from the target's argmax alone, so
+        a proposer that can work from device tensors catches up here, with no host synchronisation between the
+        verify forward and its own (on a GPU the host prepares the step's bookkeeping while both run); returns
+        whether it did (False: `after_verify` follows acceptance as usual).
+
+        Args:
+            seqs, rows, step, meta, features: as `after_verify`.
+            target: (Σ_b 1+N_b,) long, the target's argmax at every verify row, on the model's device.
+        """
+        return False
+
     @abstractmethod
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence."""
