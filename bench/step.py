@@ -6,7 +6,8 @@ lookup), batch-1 greedy generation of the same prompts, every step broken down i
 - schedule: the scheduler's admission and page growth; postprocess: appending the tokens, stop rules;
 - draft: the proposer's drafting (`propose`: a chain head's k-1 chained steps); head_update: its catch-up after
   verification, for a chain head ONE forward over the verify rows that also gives the next first draft
-  (`after_verify`; `update` for the proposers and the `catch_up=own` rule that run a separate pass);
+  (`catch_up_greedy` before acceptance for a greedy chain, `after_verify` after it; `update` for the proposers
+  and the `catch_up=own` rule that run a separate pass);
 - layout: the verify rows (tree layout, slots, positions); verify (or decode) forward, split by layer kind:
   linear (every projection but the lm_head), attention (the backend's kernels and its per-step `prepare`), norm,
   lm_head, other (embedding, RoPE, activations, residuals: the forward's remainder);
@@ -124,6 +125,7 @@ def instrument(engine: LLMEngine) -> Timers:
     if proposer is not None:
         _wrap(proposer, "propose", "draft", timers)
         _wrap(proposer, "after_verify", "head_update", timers)  # the head's part: one forward over the verify rows
+        _wrap(proposer, "catch_up_greedy", "head_update", timers)  # the same, queued before acceptance (greedy)
         _wrap(proposer, "update", "head_update", timers)
     return timers
 
