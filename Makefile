@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-spec bench-step bench-remote bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-foreign clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-remote bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-foreign clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,10 @@ bench-train: model
 # The chained training attention (training-time test): its diagonal mode against the masked one, 3 and 7 steps.
 bench-chain: model
 	$(PY) -m bench.chain_attention --model $(MODEL_DIR)
+
+# A block drafter's training attention (dflash): ours per sequence against one dense masked SDPA, B 4 / 8 / 16.
+bench-block: setup
+	$(PY) -m bench.block_attention
 
 # Self-distillation throughput: our batched greedy decoding vs transformers' batched generate, and the peak share.
 bench-regenerate: model
