@@ -98,13 +98,17 @@ class BlockProposer(Proposer):
         self.kv = KVCache(layers, target_kv.num_pages, target_kv.page_size, layout, dtype=self.head.dtype,
                           device=self.head.device)
 
-    def _slots(self, pages: Seq[int], positions: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page ids, offsets) of `positions` in a sequence's `pages`, each (N,) long on the head's device."""
+    def _slots(self, pages: Seq[int], positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page ids, offsets) of `positions` in a sequence's `pages`, each (N,) long on the head's device.
+
+        Tensor arithmetic over the page table, not a Python loop per position: drafting reads the whole context's
+        slots every step."""
         assert self.kv is not None, "bind() the proposer to the target's KV cache first"
         ps = self.kv.page_size
         dev = self.head.device
-        return (torch.tensor([pages[p // ps] for p in positions], dtype=torch.long, device=dev),
-                torch.tensor([p % ps for p in positions], dtype=torch.long, device=dev))
+        pos = torch.arange(positions.start, positions.stop, dtype=torch.long, device=dev)
+        table = torch.tensor(list(pages[:-(-positions.stop // ps)]), dtype=torch.long, device=dev)
+        return table[pos // ps], pos % ps
 
     def _write(self, seqs: Seq[Sequence], starts: Seq[int], features: Seq[torch.Tensor]) -> None:
         """Write each sequence's context K/V at positions start.. from the target's aux features (n, k·H)."""

@@ -13,6 +13,10 @@ anchor a is row i = a-1 and slot s = j+1 is step j, steps 0..B-2. Context K/V ex
 sequence and are computed once per batch (training) or once per accepted token (drafting: `speculative` keeps
 them in the head's paged cache); the block attention is `heads/block_attention.py`.
 
+The projections are `layers.linear.Linear` (nn.Linear's parameters and state dict): training takes `F.linear`,
+drafting's few rows (B per sequence, the accepted tokens' context) the CPU fast paths that stream each weight
+once, as the target's own decode does.
+
 The layers are Qwen3-shaped for any Llama-family target (separate q/k/v/o projections without bias, q/k RMSNorm
 per head, SwiGLU MLP of the target's intermediate size), full attention whatever the target's windows; the
 embedding and lm_head are the target's, frozen. DeepSeek (MLA) targets list their head types and refuse it.
@@ -37,6 +41,7 @@ from mtp_train.heads.block_attention import BlockLayout, packed_block_attention
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.packing import packed_shift, resolve_seq_lens
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, KVLayout
+from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import apply_rotary
 from mtp_train.models.config import ModelArgs
@@ -60,10 +65,10 @@ class DFlashAttention(nn.Module):
         super().__init__()
         h, d = args.hidden_size, args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
-        self.q_proj = nn.Linear(h, args.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(args.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, args.num_heads * d, bias=False)
+        self.k_proj = Linear(h, args.num_kv_heads * d, bias=False)
+        self.v_proj = Linear(h, args.num_kv_heads * d, bias=False)
+        self.o_proj = Linear(args.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, args.rms_norm_eps)
         self.k_norm = RMSNorm(d, args.rms_norm_eps)
 
@@ -83,7 +88,7 @@ class DFlashAttention(nn.Module):
         out = packed_block_attention(q.view(a, b, self.num_heads, self.head_dim),
                                      k.view(a, b, self.num_kv_heads, self.head_dim),
                                      v.view(a, b, self.num_kv_heads, self.head_dim), k_ctx, v_ctx, layout)
-        return self.o_proj(out.reshape(a, b, -1))
+        return self.o_proj(out.reshape(a * b, -1)).view(a, b, -1)
 
 
 class DFlashMLP(nn.Module):
@@ -91,12 +96,14 @@ class DFlashMLP(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """x: (..., H) → (..., H); the projections see (N, H) rows, the shape of the few-row fast paths."""
+        rows = x.reshape(-1, x.shape[-1])
+        return self.down_proj(F.silu(self.gate_proj(rows)) * self.up_proj(rows)).view(x.shape)
 
 
 class DFlashLayer(nn.Module):
@@ -132,7 +139,7 @@ class DFlashHead(DraftHead):
         if not 0 <= self.mask_token_id < a.vocab_size:
             raise ValueError(f"head.mask_token_id={self.mask_token_id} is not a token of the target's vocabulary "
                              f"(0..{a.vocab_size - 1})")
-        self.fc = nn.Linear(self.input_width, h, bias=False)
+        self.fc = Linear(self.input_width, h, bias=False)
         self.hidden_norm = RMSNorm(h, a.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(a) for _ in range(self.cfg.layers))
         self.norm = RMSNorm(h, a.rms_norm_eps)

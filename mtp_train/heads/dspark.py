@@ -30,7 +30,7 @@ from torch import nn
 from mtp_train.config import HeadConfig
 from mtp_train.heads.dflash import DFlashHead
 from mtp_train.heads.frozen import FrozenTargetParts
-from mtp_train.layers.linear import linear
+from mtp_train.layers.linear import Linear, linear
 from mtp_train.models.config import ModelArgs
 
 CONF_CHUNK = 256  # rows of (·, Vd) logits the confidence loss computes at a time
@@ -42,7 +42,7 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+        self.markov_w2 = Linear(rank, draft_vocab_size, bias=False)  # drafting: the few-row paths
         nn.init.normal_(self.markov_w1.weight, std=0.02)
         nn.init.zeros_(self.markov_w2.weight)  # a new head's bias starts at zero: DFlash's block as it is
 
