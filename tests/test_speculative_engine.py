@@ -437,16 +437,21 @@ def test_greedy_eagle3_on_the_default_model_equals_plain_greedy(default_model_di
     assert [o.output_ids for o in out] == ref
 
 
-def _verify_by_hand(eng, prop, seq, path, bonus):
-    """One speculative step of `seq` driven by hand with a chosen outcome: draft, verify, accept the nodes `path`
-    and the target token `bonus` after them (whatever the target said), move the target's path K/V into place
-    and let the head catch up in its one forward over the verify rows (`after_verify`); extend the sequence."""
+def _draft_and_verify(eng, prop, seq):
+    """`seq`'s draft and the target's verify forward over its rows, driven by hand: (tree, rows, step, out)."""
     n = len(seq)
     eng.runner.kv.ensure(seq.pages, n + eng.spec.span)
     tree = prop.propose([seq], eng.k)[0]
     rows = layout([tree], [seq.token_ids[-1]], [n])
     step = rows.step_rows([seq.pages])
-    out = eng.runner.forward(step, logits="all")
+    return tree, rows, step, eng.runner.forward(step, logits="all")
+
+
+def _verify_by_hand(eng, prop, seq, path, bonus):
+    """One speculative step of `seq` driven by hand with a chosen outcome: draft, verify, accept the nodes `path`
+    and the target token `bonus` after them (whatever the target said), move the target's path K/V into place
+    and let the head catch up in its one forward over the verify rows (`after_verify`); extend the sequence."""
+    tree, rows, step, out = _draft_and_verify(eng, prop, seq)
     acc = Accepted(list(path), [tree.tokens[j] for j in path] + [bonus])
     for src, dst in rows.moves(0, acc.path):
         eng.runner.kv.copy_token(seq.pages, src, dst)
@@ -505,12 +510,7 @@ def test_greedy_catch_up_from_the_argmax_alone_commits_the_accepted_rows_only(ti
     eng.step()
     (seq,) = eng.running
     for i, path in enumerate(paths):
-        n = len(seq)
-        eng.runner.kv.ensure(seq.pages, n + eng.spec.span)
-        tree = prop.propose([seq], eng.k)[0]
-        rows = layout([tree], [seq.token_ids[-1]], [n])
-        step = rows.step_rows([seq.pages])
-        out = eng.runner.forward(step, logits="all")
+        tree, rows, step, out = _draft_and_verify(eng, prop, seq)
         bonus = 7 + i
         argmax = [*(tree.tokens[j] for j in path), bonus] + [0] * (len(tree) - len(path))  # rows after n: discarded
         assert prop.catch_up_greedy([seq], rows, step, None, out.hidden, torch.tensor(argmax))
