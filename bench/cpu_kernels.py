@@ -11,7 +11,8 @@ decode step. Each line: ours vs the baseline, alternately timed, median of per-r
 * paged attention of one decode token over 256 cached tokens in pages of 16, against gathering the pages and SDPA.
 
 On a CPU with AVX-512 the gemv's two bodies are also timed against each other at every M
-(`gemv_m{M}_avx512_vs_avx2`, > 1 = the AVX-512 body faster).
+(`gemv_m{M}_avx512_vs_avx2`, > 1 = the AVX-512 body faster). The gemv over bfloat16 copies of the same weights (what a
+head streams under `head_weights=bf16`) is timed against the float32 gemv at every M (`gemv_m{M}_bf16_vs_fp32`).
 
 Last, what the first-use measurement of the native-or-torch choice costs on this machine (`kernel_choice.measure` of
 each op's probe, not cached): `choice_measure_s` per op, and whether it finished within its deadline.
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     shapes = [((HQ + 2 * HKV) * D, H), (H, HQ * D), (2 * INTER, H), (H, INTER)]
     weights = [torch.randn(n, k) for _ in range(LAYERS) for n, k in shapes]
+    halves = [w.to(torch.bfloat16) for w in weights]
     mb = sum(w.numel() * 4 for w in weights) / 2**20
     packed = ([torch.ops.mkl._mkl_reorder_linear_weight(w, 1) for w in weights]
               if torch.backends.mkl.is_available() else None)
@@ -89,6 +91,13 @@ def main(argv: list[str] | None = None) -> dict:
             res[f"gemv_m{m}_vs_f_linear"] = r_lin
             res[f"gemv_m{m}_vs_torch_fast_path"] = r_fast
             res[f"gemv_m{m}_gb_s"] = mb / 1024 / t_ours
+            def ours_bf16(xs=xs) -> None:
+                for w in halves:
+                    cpu_kernels.gemv(xs[w.shape[1]], w)
+
+            _, _, r_bf16 = compare(ours_bf16, ours, repeat=args.repeat)
+            res[f"gemv_m{m}_bf16_vs_fp32"] = r_bf16
+            print(f"gemv M={m:2d}: over bfloat16 weights {r_bf16:.2f}x over float32", flush=True)
             if has_512:
                 def on(isa: str, xs=xs) -> None:
                     for w in weights:

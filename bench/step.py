@@ -133,14 +133,16 @@ def instrument(engine: LLMEngine) -> Timers:
 class Row:
     """One row of the table: an engine, its timers and its step counts (the prefill steps left out)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine, self.timers = engine, instrument(engine)
+    def __init__(self, engine: LLMEngine, before: Callable[[], object] | None = None) -> None:
+        self.engine, self.timers, self.before = engine, instrument(engine), before
         self.prefill: dict[str, float] = defaultdict(float)
         self.total, self.steps, self.tokens = 0.0, 0, 0
 
     def run(self, prompt: list[int], max_new_tokens: int) -> None:
         """Generate `prompt` alone (batch 1), timing each step after its prefill."""
         Active.timers = self.timers
+        if self.before is not None:
+            self.before()  # e.g. the head's weights this row streams (untimed)
         seq = self.engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
         before = dict(self.timers.seconds)
         self.engine.step()  # the prefill: its parts are taken out again in `ms`
@@ -174,7 +176,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--tree", default="2x2x4", help="a dynamic tree STEPSxTOPKxTOKENS ('none' to skip)")
+    ap.add_argument("--head-weights", default="bf16",
+                    help="what the head's few-row products stream (mtp-eval's head_weights): bf16, fp32, or both "
+                         "(fp32,bf16: every head row twice, interleaved prompt by prompt, the A/B in one process)")
     args = ap.parse_args(argv)
+    weights = args.head_weights.split(",")
+    if not weights or any(w not in ("bf16", "fp32") for w in weights):
+        ap.error(f"--head-weights takes bf16, fp32 or both, got {args.head_weights!r}")
     from mtp_train.cli.common import configure_from_env
 
     configure_from_env()
@@ -197,22 +205,28 @@ def main(argv: list[str] | None = None) -> dict:
              for c in convs]
     prompts = [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
-    configs: dict[str, Callable[[], LLMEngine]] = {"plain": lambda: LLMEngine(model, page_size=16, num_pages=512)}
+    plain = {"plain": lambda: LLMEngine(model, page_size=16, num_pages=512)}
+    heads: dict[str, Callable[[], LLMEngine]] = {}
     for k in [int(x) for x in args.ks.split(",")]:
-        configs[f"k={k}"] = lambda k=k: SpecEngine(model, head_proposer(head), k, page_size=16, num_pages=512)
+        heads[f"k={k}"] = lambda k=k: SpecEngine(model, head_proposer(head), k, page_size=16, num_pages=512)
     for k in (1, 2):
-        configs[f"k={k} width=2"] = lambda k=k: SpecEngine(model, head_proposer(head, draft_width=2), k,
-                                                          page_size=16, num_pages=512)
+        heads[f"k={k} width=2"] = lambda k=k: SpecEngine(model, head_proposer(head, draft_width=2), k,
+                                                        page_size=16, num_pages=512)
     if args.tree != "none":
         spec = TreeSpec.parse(args.tree)
-        configs[f"tree {args.tree}"] = lambda: SpecEngine(model, head_proposer(head, tree=spec), spec.steps,
-                                                          page_size=16, num_pages=512)
-    configs["lookup k=1"] = lambda: SpecEngine(model, NgramProposer(), 1, page_size=16, num_pages=512)
+        heads[f"tree {args.tree}"] = lambda: SpecEngine(model, head_proposer(head, tree=spec), spec.steps,
+                                                        page_size=16, num_pages=512)
+    lookup = {"lookup k=1": lambda: SpecEngine(model, NgramProposer(), 1, page_size=16, num_pages=512)}
 
     with torch.inference_mode():
         LLMEngine(model, page_size=16, num_pages=64).generate(prompts[:1], SamplingParams(max_new_tokens=8))  # warm
         instrument_shared(model)
-        rows = {name: Row(make()) for name, make in configs.items()}
+        rows = {name: Row(make()) for name, make in plain.items()}
+        for w in weights:  # a head row per weight kind (named by it when there are two)
+            for name, make in heads.items():
+                rows[name if len(weights) == 1 else f"{name} {w}"] = Row(
+                    make(), before=lambda on=w == "bf16": head.stream_bf16(on))
+        rows.update({name: Row(make()) for name, make in lookup.items()})
         # Every prompt through every row in turn: a drift of the machine's speed falls on all rows alike.
         for prompt in prompts:
             for row in rows.values():
@@ -229,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:>16} " + " ".join(f"{c:>11}" for c in cells) + f" {r['total'] / plain:9.2f} "
               f"{r['tokens_per_step']:8.2f}")
     out = {"plain_ms": plain, "floor_ratio": floor / plain, "threads": torch.get_num_threads(),
+           "head_weights": weights,
            "rows": {name: {**{c: round(r.get(c, 0.0) / plain, 4) for c in cols},
                            "step_cost": round(r["total"] / plain, 4), "tokens_per_step": round(r["tokens_per_step"], 3),
                            "ms": round(r["total"], 3)} for name, r in results.items()},

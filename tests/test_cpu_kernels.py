@@ -45,6 +45,23 @@ def test_gemv_equals_f_linear(m, k, bias, threads):
 needs_avx512 = pytest.mark.skipif(not cpu_kernels.cpu_has_avx512(), reason="this CPU has no AVX-512F/VL/DQ")
 
 
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("k", [8, 15, 37, 576])
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_the_bf16_weight_gemv_equals_f_linear_over_the_rounded_weight(m, k, isa, threads):
+    """A bfloat16 weight is widened exactly: the product is F.linear over `weight.float()` (float32 sums), for
+    every row pairing and K around the 8- and 16-wide registers and their scalar tails, on both bodies."""
+    if isa == "avx512" and not cpu_kernels.cpu_has_avx512():
+        pytest.skip("this CPU has no AVX-512F/VL/DQ")
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    n = 5 if k < 16 else 203  # odd N: the last thread chunk is short
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b, x = torch.randn(n, generator=g), torch.randn(m, k + 3, generator=g)[:, :k]  # strided rows
+    torch.testing.assert_close(cpu_kernels.gemv(x, w, b, isa=isa), F.linear(x, w.float(), b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w, isa=isa), F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
+
+
 @needs_avx512
 @pytest.mark.parametrize("m", range(1, GEMV_M_MAX + 2))
 @pytest.mark.parametrize("k", [1, 15, 16, 17, 37, 64, 577])

@@ -6,7 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp_train.layers.linear import ROW_MULTIPLE, WIDE_BLOCK, Linear, linear, prepack_linears
+from mtp_train.layers.linear import (
+    GEMV_M_MAX,
+    ROW_MULTIPLE,
+    WIDE_BLOCK,
+    Linear,
+    _takes_bf16,
+    linear,
+    prepack_linears,
+    stream_bf16_linears,
+    takes_small_m,
+)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -42,3 +52,43 @@ def test_training_uses_autograd_path_and_state_dict_is_plain():
     lin(x).sum().backward()
     assert x.grad is not None and lin.weight.grad is not None
     assert set(lin.state_dict()) == {"weight", "bias"}
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, GEMV_M_MAX, GEMV_M_MAX + 1, 64])
+def test_a_bf16_stream_computes_over_the_rounded_weight_and_switches_back(m):
+    """Under `stream_bf16` few-row products read the bfloat16 copy (F.linear over the rounded weight, where the
+    kernels take it); more rows, autograd and switching off read the float32 weight; the state dict is unchanged."""
+    torch.manual_seed(m)
+    mlp = torch.nn.Sequential(Linear(64, 96), torch.nn.ReLU(), Linear(96, 32, bias=False))
+    x = torch.randn(m, 64)
+    exact = mlp(x).detach()
+    assert stream_bf16_linears(mlp) == 2
+    rounded = F.linear(torch.relu(F.linear(x, mlp[0].weight.bfloat16().float(), mlp[0].bias)),
+                       mlp[2].weight.bfloat16().float())
+    with torch.inference_mode():
+        out = mlp(x)
+    if _streams(m):  # the MLP-style transposed chain must not take such rows
+        assert not takes_small_m(x, mlp[0].weight, mlp[0].w16)
+    torch.testing.assert_close(out, rounded if _streams(m) else exact, rtol=1e-5, atol=1e-5)
+    assert set(mlp.state_dict()) == {"0.weight", "0.bias", "2.weight"}
+    torch.testing.assert_close(mlp(x), exact, rtol=1e-5, atol=1e-5)  # autograd on: the float32 weight
+    assert stream_bf16_linears(mlp, on=False) == 0 and mlp[0].w16 is None
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp(x), exact, rtol=1e-5, atol=1e-5)
+
+
+def _streams(m: int) -> bool:
+    """Whether m rows take the bfloat16 copy on this machine (kernels available and measured faster)."""
+    return _takes_bf16(m)
+
+
+def test_a_stale_bf16_copy_is_made_again_when_the_weight_changes():
+    lin = Linear(16, 8, bias=False)
+    lin.stream_bf16()
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    x = torch.randn(1, 16)
+    with torch.inference_mode():
+        out = lin(x)
+    want = F.linear(x, lin.weight.bfloat16().float()) if _streams(1) else F.linear(x, lin.weight)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -66,6 +66,25 @@ def test_greedy_mtp_equals_plain_greedy(tiny_checkpoints, name, k):
     assert sum(c[1] for c in m.by_request.values()) == m.num_accepted
 
 
+@pytest.mark.parametrize(("kind", "k"), [("mtp", 1), ("mtp", 3), ("eagle3", 2)])
+def test_a_head_streaming_bf16_weights_keeps_plain_greedy_output(tiny_checkpoints, kind, k):
+    """`stream_bf16` (mtp-eval's head_weights=bf16): the head drafts from bfloat16 copies of its weights, and the
+    target's verification keeps every answer plain greedy's; switched off, the head's own weights serve again."""
+    model = load_model(tiny_checkpoints["llama"][0])
+    ref = _greedy(model, PROMPTS)
+    head = _eagle3(tiny_checkpoints) if kind == "eagle3" else _head(tiny_checkpoints, draft_vocab_size=96)
+    assert head.stream_bf16() >= 5  # fc (and the aux fc), attention and MLP projections
+    w = head.draft_lm_head()
+    with torch.no_grad():  # inference only: a trainable lm_head (eagle3's) under autograd keeps its own weight
+        assert head.lm_rows_bf16(w).dtype == torch.bfloat16
+    eng = SpecEngine(model, HeadProposer(head), k, page_size=3, num_pages=256)
+    out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert [o.output_ids for o in out] == ref
+    assert eng.stats.metrics.num_draft_tokens > 0
+    with torch.no_grad():
+        assert head.stream_bf16(on=False) == 0 and head.lm_rows_bf16(w) is None
+
+
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_greedy_eagle3_equals_plain_greedy_and_reads_the_aux_layers(tiny_checkpoints, name, k):
@@ -175,12 +194,14 @@ def _marginal_of_second_token(model, prompt, temperature):
     return (first[:, None] * second).sum(0)
 
 
-@pytest.mark.parametrize("proposer", ["head", "head-threshold", "head-tree", "head-width", "eagle3", "draft", "ngram"])
+@pytest.mark.parametrize("proposer", ["head", "head-threshold", "head-tree", "head-width", "head-bf16", "eagle3",
+                                      "draft", "ngram"])
 def test_sampled_speculation_follows_the_target_distribution(tiny_checkpoints, proposer):
     """Chi-square: the second generated token (the first one that goes through speculative acceptance) of many
     seeded requests is distributed as the target's exact marginal (fixed seeds; bins with expected < 5 merged).
     Covers variable draft lengths (a threshold), a deterministic proposer (prompt lookup: q one-hot) and draft
-    trees: a dynamic one of width 3, depth 3 and the first-draft width (multi-candidate rejection sampling)."""
+    trees: a dynamic one of width 3, depth 3 and the first-draft width (multi-candidate rejection sampling), and a
+    head drafting from bfloat16 copies of its weights."""
     model = load_model(tiny_checkpoints["llama"][0])
     # prompt lookup drafts when the first sampled token occurs in the prompt: give it many tokens to match
     prompt = [3, 17, 42, 7] + (list(range(60, 120)) if proposer == "ngram" else [])
@@ -192,6 +213,10 @@ def test_sampled_speculation_follows_the_target_distribution(tiny_checkpoints, p
         prop = HeadProposer(_head(tiny_checkpoints, draft_vocab_size=96), tree=TreeSpec(3, 3, 16))
     elif proposer == "head-width":
         prop = HeadProposer(_head(tiny_checkpoints, draft_vocab_size=96), draft_width=3)
+    elif proposer == "head-bf16":  # q is the bfloat16 copies' distribution: still lossless
+        head = _head(tiny_checkpoints, draft_vocab_size=96)
+        head.stream_bf16()
+        prop = HeadProposer(head)
     elif proposer.startswith("head"):
         prop = (HeadProposer(_sharp_head(tiny_checkpoints, 96), draft_threshold=0.4) if proposer == "head-threshold"
                 else HeadProposer(_head(tiny_checkpoints, draft_vocab_size=96)))

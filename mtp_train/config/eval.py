@@ -14,6 +14,13 @@ GRID_KINDS: dict[str, type] = {"k": int, "draft_threshold": float, "catch_up": s
                                "temperature": float}
 TREE_SHAPE = re.compile(r"none|\d+x\d+x\d+")  # `tree` values: none (a chain / draft_width) or STEPSxTOPKxTOKENS
 BACKENDS = ("engine", "vllm")  # who runs the speculative decoding mtp-eval measures
+HEAD_WEIGHTS = ("bf16", "fp32")  # what a head's few-row CPU products stream (`head_weights`)
+
+
+def check_head_weights(value: str) -> None:
+    """`head_weights` is one of HEAD_WEIGHTS (else a ConfigError naming the key)."""
+    if value not in HEAD_WEIGHTS:
+        raise ConfigError(f"head_weights={value!r}: choose one of {' | '.join(HEAD_WEIGHTS)}")
 
 
 @dataclass
@@ -55,6 +62,9 @@ class EvalConfig:
     tree: Any = "none"  # mtp: a dynamic draft tree STEPSxTOPKxTOKENS (SGLang's speculative_num_steps /
     # speculative_eagle_topk / speculative_num_draft_tokens, the root counted), e.g. 3x4x8, or none; or a list. A
     # tree's point runs at k = STEPS whatever `k` says (the k axis multiplies only the chains)
+    # mtp, on CPU in float32: bf16 (the head's few-row products stream a bfloat16 copy of its weights, half the
+    # bytes; a draft may change, never an answer: the target verifies every token) | fp32 (its own weights)
+    head_weights: str = "bf16"
     ngram: NgramConfig = field(default_factory=NgramConfig)
     temperature: Any = 0.0  # a float or a list (a grid); 0 = greedy
     top_k: int = 0
@@ -92,6 +102,7 @@ class EvalConfig:
             raise ConfigError(f"k must be >= 1, got {ks}")
         if self.repeats < 1 or self.batch_size < 1:
             raise ConfigError(f"repeats and batch_size must be >= 1, got {self.repeats} and {self.batch_size}")
+        check_head_weights(self.head_weights)
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r}: choose one of {' | '.join(BACKENDS)}")
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_train.config.errors import ConfigError
+from mtp_train.config.eval import check_head_weights
 from mtp_train.config.model import ModelConfig
 
 
@@ -21,6 +22,7 @@ class ServeConfig:
     head_ckpt: str | None = None  # a trained head (mtp-train's heads/step-N): speculative decoding with it
     k: int = 3  # draft depth of the head (tokens proposed per step)
     verify_fingerprint: bool = True  # the head must have been trained on these target weights
+    head_weights: str = "bf16"  # on CPU in float32: bf16 (the head streams a bfloat16 copy of its weights) | fp32
     max_batch_size: int = 32  # sequences decoded together
     max_tokens: int | None = None  # default max_tokens of a request that names none; None: the rest of the context
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the chat template of every chat
@@ -32,6 +34,7 @@ class ServeConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.k < 1:
             raise ConfigError(f"k must be >= 1, got {self.k}")
+        check_head_weights(self.head_weights)
         if self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -162,8 +162,9 @@ def _load_head(cfg: EvalConfig, target: CausalLM, tokenizer: Any, target_dir: Pa
 
     head = load_head(cfg.head_ckpt, target_dir, device=target.device, dtype=target.dtype,
                      backend=cfg.model.backend, verify_fingerprint=cfg.verify_fingerprint)
-    log.info("head %s: %s, %.2fM parameters, draft vocabulary %d", cfg.head_ckpt, head.cfg.type,
-             head.num_params() / 1e6, head.vocab_size)
+    streamed = head.stream_bf16(cfg.head_weights == "bf16")
+    log.info("head %s: %s, %.2fM parameters, draft vocabulary %d%s", cfg.head_ckpt, head.cfg.type,
+             head.num_params() / 1e6, head.vocab_size, f", {streamed} linears streamed as bf16" if streamed else "")
     return head
 
 

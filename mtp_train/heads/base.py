@@ -53,13 +53,14 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import nn
 
+from mtp_train.config.device import on_cpu
 from mtp_train.config.head import HeadConfig, HeadTypeSpec
 from mtp_train.config.loss import UNROLL_ATTENTION
 from mtp_train.heads.chain_attention import chain_attention
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.packing import packed_shift, resolve_seq_lens
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, KVLayout, MLABackend
-from mtp_train.layers.linear import linear
+from mtp_train.layers.linear import linear, stream_bf16_linears, tensor_version
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import ModelArgs, ModelConfigError
@@ -120,6 +121,8 @@ class DraftHead(nn.Module, ABC):
         else:
             self.draft_vocab = None
         self._lm_head_rows: tuple[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] | None = None
+        self._bf16 = False  # inference streams bfloat16 copies of the weights (`stream_bf16`)
+        self._lm_w16: dict[tuple[int, int], torch.Tensor] = {}  # (data_ptr, version) of lm_head rows → bf16 copy
 
     # -- what a head type implements --
 
@@ -268,7 +271,29 @@ class DraftHead(nn.Module, ABC):
         Column c is target token `to_target_ids(c)`.
         """
         w = self.draft_lm_head()
-        return linear(self.logit_input(head_hidden).to(w.dtype), w)  # CPU fast paths serve draft steps' few rows
+        # CPU fast paths serve draft steps' few rows (over the rows' bfloat16 copy under `stream_bf16`)
+        return linear(self.logit_input(head_hidden).to(w.dtype), w, w16=self.lm_rows_bf16(w))
+
+    def stream_bf16(self, on: bool = True) -> int:
+        """Inference on CPU: let the head's few-row products stream bfloat16 copies of its weights (`on`), or its
+        own weights again. The target verifies every drafted token, so the rounding may change a draft, never what
+        is accepted; each draft forward reads half the bytes. Returns how many linears stream a copy (the lm_head
+        rows' copy is made at first use). Copies are kept when switched off: switching back is free."""
+        self._bf16 = on
+        return stream_bf16_linears(self, on)
+
+    def lm_rows_bf16(self, w: torch.Tensor) -> torch.Tensor | None:
+        """The bfloat16 copy of lm_head rows `w` (Vd, H) under `stream_bf16` (made once per weight), else None."""
+        if (not self._bf16 or w.dtype != torch.float32 or not on_cpu(w.device)
+                or (torch.is_grad_enabled() and w.requires_grad)):
+            return None
+        key = (w.data_ptr(), tensor_version(w))
+        copy = self._lm_w16.get(key)
+        if copy is None:
+            if len(self._lm_w16) >= 2:  # a head drafts from one or two row sets (dspark: rows and rows + bias)
+                self._lm_w16.clear()
+            copy = self._lm_w16[key] = w.detach().to(torch.bfloat16).contiguous()
+        return copy
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) → cos, sin (T, 1, D), from float32 frequencies kept per device."""

@@ -101,7 +101,8 @@ class DSparkHead(DFlashHead):
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: (N, H) slot outputs → (N, Vd) lm_head(h) without the bias."""
         w = self.lm_head_weight()
-        return linear(h.to(w.dtype), w)  # CPU fast paths serve a draft step's few rows, as DraftHead.compute_logits
+        # CPU fast paths serve a draft step's few rows, as DraftHead.compute_logits
+        return linear(h.to(w.dtype), w, w16=self.lm_rows_bf16(w))
 
     def markov_embed(self, prev: torch.Tensor) -> torch.Tensor:
         """prev: (N,) target token ids → (N, r) W1[prev]."""

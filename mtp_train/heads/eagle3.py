@@ -68,10 +68,10 @@ class Eagle3Head(ChainHead):
         super().__init__(cfg, target_args, frozen, backend)
         a = self.args
         h = a.hidden_size
-        self.fc = nn.Linear(self.input_width, h, bias=self.cfg.fc_bias)
+        self.fc = Linear(self.input_width, h, bias=self.cfg.fc_bias)
         self.layers = nn.ModuleList([Eagle3Layer(a)])  # `layers.0.*`, as the serving layouts name it
         self.norm = RMSNorm(h, a.rms_norm_eps)
-        self.lm_head = nn.Linear(h, self.vocab_size, bias=False)
+        self.lm_head = Linear(h, self.vocab_size, bias=False)
         if frozen is not None:
             self._copy_target_rows()
 

@@ -29,6 +29,7 @@ from mtp_train.config import HeadConfig
 from mtp_train.heads.base import ChainHead
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer, read_mtp_layer
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
+from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import family_of, titles
@@ -46,8 +47,8 @@ class MTPHead(ChainHead):
         h, eps = a.hidden_size, a.rms_norm_eps
         self.enorm = RMSNorm(h, eps) if c.enorm else None
         self.hnorm = RMSNorm(h, eps) if c.hnorm else None
-        self.fc = nn.Linear(2 * h, h, bias=c.fc_bias)
-        self.aux_fc = nn.Linear(self.input_width, h, bias=False) if self.aux_layers else None
+        self.fc = Linear(2 * h, h, bias=c.fc_bias)
+        self.aux_fc = Linear(self.input_width, h, bias=False) if self.aux_layers else None
         # A list of one, so that names read `layers.0.*` as in EAGLE / vLLM / Qwen3-Next MTP checkpoints.
         # The block is the family's: e.g. a Llama decoder layer, or DeepSeek's MTP block (MLA + dense MLP or MoE).
         family = family_of(a)

@@ -16,8 +16,9 @@ takes about a second with the system C compiler and needs nothing from the Pytho
 kernel that streams the weights, and the fused loss, which streams a logits chunk, also have AVX-512 bodies in the
 same library (per-function target attributes: the library still loads on an AVX2-only machine); they run where the
 CPU offers AVX-512F/VL/DQ (`isa()` says which runs; `KernelSettings.isa` can hold them to AVX2). The other kernels
-stay AVX2: they are bound by dispatch or by cache-resident rows, not by reading memory, and no dtype here is integer
-or bf16, so VNNI and AMX have no work. The
+stay AVX2: they are bound by dispatch or by cache-resident rows, not by reading memory. The gemv also reads bfloat16
+weights (a draft head's, `Linear.stream_bf16`), widened in registers: activations and sums stay float32, so VNNI
+and AMX (integer and bf16 products) have no work. The
 library goes to the settings' cache folder (`KernelSettings.cache_dir`, by default `~/.cache/mtp_train/kernels`),
 named by a hash of its source and flags, written atomically, so concurrent processes share one build.
 
@@ -103,6 +104,7 @@ _isa = ""  # the gemv's and soft_ce_'s instruction set once loaded: "avx512" or 
 _gemv_fn = None  # the library's gemv entry point for `_isa`
 _soft_ce_fn = None  # and its soft_ce_ entry point
 _gemv_by_isa: dict[str, object] = {}  # "avx2" / "avx512" → the gemv entry point, resolved once per load (hot path)
+_gemv_bf16_by_isa: dict[str, object] = {}  # and the entry point of the bfloat16-weight gemv
 _library: Path | None = None  # the loaded build
 _generation = 0  # bumped by `configure`: what was decided on the settings before is decided again
 
@@ -111,10 +113,10 @@ def configure(settings: KernelSettings) -> None:
     """Use `settings` from now on: whether the kernels are used and how they are built is decided again at the
     next use (call it before models run; a library already loaded stays loaded and is reused)."""
     global _settings, _lib, _tried, _reason, _threads_ok, _isa, _gemv_fn, _soft_ce_fn, _library, _generation
-    global _gemv_by_isa
+    global _gemv_by_isa, _gemv_bf16_by_isa
     with _lock:
         _settings, _lib, _tried, _reason, _threads_ok = settings, None, False, "", False
-        _isa, _gemv_fn, _soft_ce_fn, _library, _gemv_by_isa = "", None, None, None, {}
+        _isa, _gemv_fn, _soft_ce_fn, _library, _gemv_by_isa, _gemv_bf16_by_isa = "", None, None, None, {}, {}
         _generation += 1
 
 
@@ -297,7 +299,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
         return _opened[path]
     before = _openmp_runtimes()
     lib = ctypes.CDLL(str(path))
-    for fn in (lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512):
+    for fn in (lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512, lib.mtp_gemv_bf16w, lib.mtp_gemv_bf16w_avx512):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -335,7 +337,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
 
 def _load() -> ctypes.CDLL | None:
     """Build and load the library once per `configure`; None (with `_reason` set) where it cannot be used."""
-    global _lib, _tried, _reason, _threads_ok, _isa, _gemv_fn, _soft_ce_fn, _library, _gemv_by_isa
+    global _lib, _tried, _reason, _threads_ok, _isa, _gemv_fn, _soft_ce_fn, _library, _gemv_by_isa, _gemv_bf16_by_isa
     with _lock:
         if _tried:
             return _lib
@@ -355,6 +357,7 @@ def _load() -> ctypes.CDLL | None:
                 _lib, _threads_ok = _open(_library)
                 _isa = _pick_isa(_lib, cfg.isa)
                 _gemv_by_isa = {"avx2": _lib.mtp_gemv_f32, "avx512": _lib.mtp_gemv_f32_avx512}
+                _gemv_bf16_by_isa = {"avx2": _lib.mtp_gemv_bf16w, "avx512": _lib.mtp_gemv_bf16w_avx512}
                 _gemv_fn = _gemv_by_isa[_isa]
                 _soft_ce_fn = _lib.mtp_soft_ce_f32_avx512 if _isa == "avx512" else _lib.mtp_soft_ce_f32
             except (OSError, RuntimeError) as e:
@@ -438,12 +441,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          isa: str | None = None) -> torch.Tensor:
     """x (M, K) float32 CPU, weight (N, K) contiguous, bias (N,) contiguous or None → x @ weightᵀ + bias, (M, N).
 
-    Meant for small M (decode, verify); equals `F.linear` up to summation order. Call only when
-    `available()`; x with a non-unit inner stride is made contiguous first. (Kept lean: it runs ~120
+    Meant for small M (decode, verify); equals `F.linear` up to summation order. A bfloat16 weight is widened
+    exactly inside the kernel (float32 sums and output: `F.linear` over `weight.float()`), streaming half the bytes.
+    Call only when `available()`; x with a non-unit inner stride is made contiguous first. (Kept lean: it runs ~120
     times per decode step.)
 
     Args:
-        x, weight, bias: as above.
+        x, weight, bias: as above (weight float32 or bfloat16; x and bias float32).
         isa: None (the instruction set in use, `isa()`), or "avx2" / "avx512" to run that body (to compare them);
             "avx512" on a CPU without it raises RuntimeError.
     """
@@ -459,8 +463,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         bias = bias.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     lib = _lib or _require()
-    fn = _gemv_fn if isa is None else (_gemv_by_isa.get(isa)
-                                       or _by_isa(isa, lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512))
+    if weight.dtype == torch.bfloat16:
+        fn = _gemv_bf16_by_isa.get(isa or _isa) or _by_isa(isa, lib.mtp_gemv_bf16w, lib.mtp_gemv_bf16w_avx512)
+    else:
+        fn = _gemv_fn if isa is None else (_gemv_by_isa.get(isa)
+                                           or _by_isa(isa, lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512))
     if fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
           y.data_ptr(), n, m, n, k, torch.get_num_threads() if _threads_ok else 1):
         raise RuntimeError("gemv: this CPU does not run the AVX-512 body (AVX-512F/VL/DQ)")

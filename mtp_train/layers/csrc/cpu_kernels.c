@@ -16,6 +16,9 @@
  * AVX2-only machine; it returns -1 without touching y where the CPU (or the OS) does not offer AVX-512F/VL/DQ
  * (mtp_cpu_avx512 says which), and the caller picks it only where mtp_cpu_avx512 returned 1.
  *
+ * mtp_gemv_bf16w, mtp_gemv_bf16w_avx512 — the same product over a bfloat16 W (float32 x, b, y and sums): half
+ * the bytes streamed, for weights that may be rounded (a draft head's).
+ *
  * mtp_rmsnorm_f32 — RMSNorm of few rows, y = w * x / sqrt(mean(x^2) + eps), one pass to sum the
  * squares and one to scale: on a 576-wide row this is ~1 us where torch's composite takes ~70 us.
  *
@@ -86,11 +89,12 @@ static void one_row(const float *w, const float *x, long xs, int M, int K, float
 }
 
 /* Rows n0 .. n1 - 1 of W (and of the bias) into columns n0 .. n1 - 1 of y: one thread's chunk. */
-typedef void (*gemv_chunk_fn)(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+typedef void (*gemv_chunk_fn)(const float *x, long xs, const void *w, const float *b, float *y, long ys,
                               int M, int K, int n0, int n1);
 
-static void chunk_avx2(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+static void chunk_avx2(const float *x, long xs, const void *wv, const float *b, float *y, long ys,
                        int M, int K, int n0, int n1) {
+    const float *w = wv;
     for (int n = n0; n < n1; n++) {
         one_row(w + (size_t)n * K, x, xs, M, K, y + n, ys);
         if (b) for (int m = 0; m < M; m++) y[m * ys + n] += b[n];
@@ -98,9 +102,10 @@ static void chunk_avx2(const float *x, long xs, const float *w, const float *b, 
 }
 
 /* The thread split shared by both instruction sets (the OpenMP region holds no ISA-specific code). */
-static int gemv_split(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+static int gemv_split(const float *x, long xs, const void *w, const float *b, float *y, long ys,
                       int M, int N, int K, int num_threads, gemv_chunk_fn chunk_fn) {
-    /* Rows per thread chunk: big enough that a chunk's W (>= 64 KiB) amortises the scheduling. */
+    /* Rows per thread chunk: big enough that a chunk's W (>= 32 KiB in bf16, 64 KiB in fp32) amortises the
+       scheduling. */
     int chunk = (16384 + K - 1) / K;
     if (chunk < 1) chunk = 1;
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && (long)N * K >= 65536)
@@ -179,8 +184,9 @@ AVX512 static void one_row_512(const float *w, const float *x, long xs, int M, i
     if (m < M) y[m * ys] = dot1_512(w, x + m * xs, K);
 }
 
-AVX512 static void chunk_avx512(const float *x, long xs, const float *w, const float *b, float *y, long ys,
+AVX512 static void chunk_avx512(const float *x, long xs, const void *wv, const float *b, float *y, long ys,
                                 int M, int K, int n0, int n1) {
+    const float *w = wv;
     for (int n = n0; n < n1; n++) {
         one_row_512(w + (size_t)n * K, x, xs, M, K, y + n, ys);
         if (b) for (int m = 0; m < M; m++) y[m * ys + n] += b[n];
@@ -192,6 +198,148 @@ int mtp_gemv_f32_avx512(const float *x, long xs, const float *w, const float *b,
                         int M, int N, int K, int num_threads) {
     if (!mtp_cpu_avx512()) return -1;
     return gemv_split(x, xs, w, b, y, ys, M, N, K, num_threads, chunk_avx512);
+}
+
+/* ---- bf16 weights (mtp_gemv_bf16w, mtp_gemv_bf16w_avx512) ------------------------------------------------------
+ * The same few-row product with W stored as bfloat16 and x, b, y float32, accumulated in float32. A bfloat16 is
+ * the upper half of a float32, so each weight widens exactly by a 16-bit shift: the product is the float32 one
+ * over the rounded weights, and each product streams half the bytes. For weights whose rounding is harmless (a
+ * draft head's: the target verifies every drafted token). Same loop shapes as the float32 bodies above. */
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } c = { (uint32_t)v << 16 };
+    return c.f;
+}
+
+/* 8 bfloat16 weights → 8 float32 lanes. */
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float dot1_bf16(const uint16_t *restrict w, const float *restrict x, int K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(bf16x8(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(bf16x8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(bf16x8(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(bf16x8(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(bf16x8(w + k), _mm256_loadu_ps(x + k), a0);
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; k < K; k++) s += bf16_to_f32(w[k]) * x[k];
+    return s;
+}
+
+/* Two outputs of one W row (x rows 0 and 1, row stride xs), the W chunk widened once for both. */
+static inline void dot2_bf16(const uint16_t *restrict w, const float *restrict x, long xs, int K, float *y,
+                             long ys) {
+    __m256 a0 = _mm256_setzero_ps(), c0 = a0, a1 = a0, c1 = a0;
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 wv = bf16x8(w + k), wv2 = bf16x8(w + k + 8);
+        a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + k), a0);
+        c0 = _mm256_fmadd_ps(wv2, _mm256_loadu_ps(x + k + 8), c0);
+        a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + xs + k), a1);
+        c1 = _mm256_fmadd_ps(wv2, _mm256_loadu_ps(x + xs + k + 8), c1);
+    }
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv = bf16x8(w + k);
+        a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + xs + k), a1);
+    }
+    float s0 = hsum(_mm256_add_ps(a0, c0)), s1 = hsum(_mm256_add_ps(a1, c1));
+    for (; k < K; k++) {
+        float wk = bf16_to_f32(w[k]);
+        s0 += wk * x[k];
+        s1 += wk * x[xs + k];
+    }
+    y[0] = s0;
+    y[ys] = s1;
+}
+
+static void chunk_bf16_avx2(const float *x, long xs, const void *wv, const float *b, float *y, long ys,
+                            int M, int K, int n0, int n1) {
+    const uint16_t *w = wv;
+    for (int n = n0; n < n1; n++) {
+        const uint16_t *row = w + (size_t)n * K;
+        int m = 0;
+        for (; m + 2 <= M; m += 2) dot2_bf16(row, x + m * xs, xs, K, y + m * ys + n, ys);
+        if (m < M) y[m * ys + n] = dot1_bf16(row, x + m * xs, K);
+        if (b) for (m = 0; m < M; m++) y[m * ys + n] += b[n];
+    }
+}
+
+/* x: (M, K) float32, row stride xs; w: (N, K) bfloat16 bits, contiguous; b: (N,) float32 or NULL; y as gemv_f32. */
+int mtp_gemv_bf16w(const float *x, long xs, const uint16_t *w, const float *b, float *y, long ys,
+                   int M, int N, int K, int num_threads) {
+    return gemv_split(x, xs, w, b, y, ys, M, N, K, num_threads, chunk_bf16_avx2);
+}
+
+/* 16 bfloat16 weights → 16 float32 lanes. */
+AVX512 static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)),
+                                                 16));
+}
+
+AVX512 static inline float dot1_bf16_512(const uint16_t *restrict w, const float *restrict x, int K) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int k = 0;
+    for (; k + 64 <= K; k += 64) {
+        a0 = _mm512_fmadd_ps(bf16x16(w + k), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(bf16x16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(bf16x16(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(bf16x16(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+    }
+    for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(bf16x16(w + k), _mm512_loadu_ps(x + k), a0);
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    for (; k < K; k++) s += bf16_to_f32(w[k]) * x[k];  /* K % 16: a byte-masked load would need AVX-512BW */
+    return s;
+}
+
+AVX512 static inline void dot2_bf16_512(const uint16_t *restrict w, const float *restrict x, long xs, int K,
+                                        float *y, long ys) {
+    __m512 a0 = _mm512_setzero_ps(), c0 = a0, a1 = a0, c1 = a0;
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512 wv = bf16x16(w + k), wv2 = bf16x16(w + k + 16);
+        a0 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + k), a0);
+        c0 = _mm512_fmadd_ps(wv2, _mm512_loadu_ps(x + k + 16), c0);
+        a1 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + xs + k), a1);
+        c1 = _mm512_fmadd_ps(wv2, _mm512_loadu_ps(x + xs + k + 16), c1);
+    }
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv = bf16x16(w + k);
+        a0 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + xs + k), a1);
+    }
+    float s0 = _mm512_reduce_add_ps(_mm512_add_ps(a0, c0)), s1 = _mm512_reduce_add_ps(_mm512_add_ps(a1, c1));
+    for (; k < K; k++) {
+        float wk = bf16_to_f32(w[k]);
+        s0 += wk * x[k];
+        s1 += wk * x[xs + k];
+    }
+    y[0] = s0;
+    y[ys] = s1;
+}
+
+AVX512 static void chunk_bf16_avx512(const float *x, long xs, const void *wv, const float *b, float *y, long ys,
+                                     int M, int K, int n0, int n1) {
+    const uint16_t *w = wv;
+    for (int n = n0; n < n1; n++) {
+        const uint16_t *row = w + (size_t)n * K;
+        int m = 0;
+        for (; m + 2 <= M; m += 2) dot2_bf16_512(row, x + m * xs, xs, K, y + m * ys + n, ys);
+        if (m < M) y[m * ys + n] = dot1_bf16_512(row, x + m * xs, K);
+        if (b) for (m = 0; m < M; m++) y[m * ys + n] += b[n];
+    }
+}
+
+/* mtp_gemv_bf16w on AVX-512; -1 (y untouched) where this CPU cannot run it. */
+int mtp_gemv_bf16w_avx512(const float *x, long xs, const uint16_t *w, const float *b, float *y, long ys,
+                          int M, int N, int K, int num_threads) {
+    if (!mtp_cpu_avx512()) return -1;
+    return gemv_split(x, xs, w, b, y, ys, M, N, K, num_threads, chunk_bf16_avx512);
 }
 #undef AVX512
 

@@ -179,7 +179,7 @@ class MLP(nn.Module):
         gu, down = self.gate_up_proj, self.down_proj
         # Plain Linears only: under tensor parallelism down_proj is a RowParallelLinear (its sum over ranks).
         if (isinstance(gu, Linear) and isinstance(down, Linear) and gu.bias is None and down.bias is None
-                and takes_small_m(x, gu.weight)):
+                and takes_small_m(x, gu.weight, gu.w16)):
             # Decode batches on CPU: (W @ xᵀ) end to end, gate and up are row blocks of the (2I, T') product and
             # their product feeds down_proj as it is; the same GEMMs as `linear`, without its copies back to (T, ·).
             gate, up = torch.mm(gu.weight, padded_t(x)).split(self.inter, dim=0)  # (I, T') each
