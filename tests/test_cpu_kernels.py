@@ -225,6 +225,7 @@ def test_rope_in_place_equals_apply_rotary(head_dim):
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (40, 2)])
 def test_paged_attention_equals_the_gathered_sdpa_path(window, heads, threads):
+    """The kernel's attention equals gather + SDPA, and the new tokens' K/V it writes land where torch puts them."""
     from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
 
     hq, hkv = heads
@@ -234,15 +235,17 @@ def test_paged_attention_equals_the_gathered_sdpa_path(window, heads, threads):
     qo, kv = [1, 4, 2], [7, 13, 9]  # a decode row and two verify runs in one step, pages of 3
     pages = [[5, 0, 2], [10, 11, 30, 13, 14], [20, 22, 21]]
     q, k, v = torch.randn(7, hq, 40) * 3, torch.randn(7, hkv, 40), torch.randn(7, hkv, 40)
-    outs = []
+    outs, pools = [], []
     for native in (True, False):
         meta = AttentionMetadata.build(qo, kv, pages, 3)
+        pools.append(cache.clone())
         with torch.inference_mode():
             backend.prepare(meta)
             assert meta.backend_state["native"]
             meta.backend_state["native"] = native
-            outs.append(backend.forward(q, k, v, cache.clone(), meta))
+            outs.append(backend.forward(q, k, v, pools[-1], meta))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=3e-5)
+    assert torch.equal(pools[0], pools[1])  # the kernel wrote the new K/V where torch's indexed writes put them
 
 
 @needs_kernels

@@ -309,7 +309,8 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
-                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = None
     fn = lib.mtp_rope_f32
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -499,36 +500,53 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def paged_attention_args(block_tables: torch.Tensor, qo_indptr: torch.Tensor, positions: torch.Tensor,
                          max_kv: int, tree_bits: torch.Tensor | None = None,
-                         tree_pos: torch.Tensor | None = None) -> tuple:
+                         tree_pos: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> tuple:
     """The per-step arguments of `paged_attention` (built once per step, shared by every layer).
 
     tree_bits: None, or (T,) int64 for a tree step (`AttentionMetadata.tree_bits`: bit i = the token sees new
     token i of its own sequence; positions are then slots). tree_pos: None, or in a tree step the (T,) positions
-    the tokens stand at (`AttentionMetadata.rope_positions`), which a sliding window counts.
+    the tokens stand at (`AttentionMetadata.rope_positions`), which a sliding window counts. slots: None, or the
+    (T,) slot of each new token's K/V (page id * page size + offset), for a `paged_attention` that writes them.
     """
     bits = None if tree_bits is None else tree_bits.to(torch.int64).contiguous()
     tpos = None if tree_bits is None or tree_pos is None else tree_pos.to(torch.int64).contiguous()
+    dst = None if slots is None else slots.to(torch.int64).contiguous()
     return (block_tables.to(torch.int32).contiguous(), qo_indptr.to(torch.int32).contiguous(),
-            positions.to(torch.int64).contiguous(), int(max_kv), bits, tpos)
+            positions.to(torch.int64).contiguous(), int(max_kv), bits, tpos, dst)
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, scale: float,
-                    sliding_window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sliding_window: int | None, sinks: torch.Tensor | None = None,
+                    k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
     """Decode / verify attention read straight from one layer's pages (no gather, no mask tensor).
 
-    q: (T, Hq, D) float32; kv_cache: (num_pages, 2, page_size, Hkv, D) float32 contiguous, already holding
-    the new tokens' K/V; step_args: from `paged_attention_args` (block tables (B, max_pages), qo_indptr
-    (B+1,), positions (T,), the longest sequence's token count, tree bits or None, tree positions or None). Token t
-    attends causally to its own sequence (within the sliding window, if any, counted in tree positions in a tree
-    step; in a tree step only to the new tokens its bits name).
-    sinks: None, or (Hq,) attention-sink logits (GPT-OSS), each joining its head's softmax denominator.
-    Returns (T, Hq, D). Call only when `available()`.
+    Args:
+        q: (T, Hq, D) float32.
+        kv_cache: (num_pages, 2, page_size, Hkv, D) float32 contiguous, holding the new tokens' K/V already, or
+            receiving them here (k, v).
+        step_args: from `paged_attention_args` (block tables (B, max_pages), qo_indptr (B+1,), positions (T,), the
+            longest sequence's token count, tree bits or None, tree positions or None, slots or None).
+        scale, sliding_window: the layer's.
+        sinks: None, or (Hq,) attention-sink logits (GPT-OSS), each joining its head's softmax denominator.
+        k, v: None, or the new tokens' (T, Hkv, D) float32 K and V, written into the cache at the step's slots
+            (`paged_attention_args(slots=...)`) before attending: the indexed writes of torch's path in the kernel.
+
+    Token t attends causally to its own sequence (within the sliding window, if any, counted in tree positions in a
+    tree step; in a tree step only to the new tokens its bits name). Returns (T, Hq, D). Call only when
+    `available()`.
     """
     if not kv_cache.is_contiguous():
         raise ValueError("paged_attention needs a contiguous KV pool")
-    bt, indptr, pos, max_kv, bits, tree_pos = step_args
+    bt, indptr, pos, max_kv, bits, tree_pos, slots = step_args
     q = q.contiguous()
     t, hq, d = q.shape
+    if (k is None) != (v is None) or (k is not None and slots is None):
+        raise ValueError("paged_attention: k and v go together, with the step's slots (paged_attention_args)")
+    if k is not None:
+        k, v = k.contiguous(), v.contiguous()
+        if k.shape != (t, kv_cache.shape[3], d) or v.shape != k.shape or slots.shape[0] != t:  # it writes there
+            raise ValueError(f"paged_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must be "
+                             f"{(t, kv_cache.shape[3], d)}, with one slot each ({slots.shape[0]} given)")
     if sinks is not None:
         sinks = sinks.detach().to(torch.float32).contiguous()
         if sinks.shape != (hq,):
@@ -542,7 +560,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
                                 torch.get_num_threads() if _threads_ok else 1,
                                 None if bits is None else bits.data_ptr(),
                                 None if sinks is None else sinks.data_ptr(),
-                                None if tree_pos is None else tree_pos.data_ptr())
+                                None if tree_pos is None else tree_pos.data_ptr(),
+                                None if k is None else k.data_ptr(), None if v is None else v.data_ptr(),
+                                None if k is None else slots.data_ptr())
     return out
 
 

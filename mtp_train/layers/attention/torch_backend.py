@@ -67,8 +67,10 @@ class TorchBackend(AttentionBackend):
         # a tree step's window counts the tokens' tree positions (their depths), not the slots they sit in
         tree_pos = meta.rope_positions if meta.tree_bits is not None else None
         if st["native"]:
+            slots = (None if meta.slot_pages is None or meta.slot_offsets is None
+                     else meta.slot_pages * meta.page_size + meta.slot_offsets)
             st["native_args"] = cpu_kernels.paged_attention_args(meta.block_tables, meta.qo_indptr, meta.positions,
-                                                                 max(meta.kv_lens), meta.tree_bits, tree_pos)
+                                                                 max(meta.kv_lens), meta.tree_bits, tree_pos, slots)
         q = meta.qo_lens[0]
         if all(n == q for n in meta.qo_lens):
             # Batched path: queries (B, Q), keys padded to S = max_pages * page_size.
@@ -99,10 +101,15 @@ class TorchBackend(AttentionBackend):
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """See `AttentionBackend.forward`; sinks: None, or (Hq,) attention-sink logits of this layer."""
+        st = meta.backend_state
+        if (st.get("native") and kv_cache is not None and kv_cache.is_contiguous()
+                and cpu_kernels.serves(q, kv_cache, k, v) and st["native_args"][-1] is not None):
+            # decode / verify on CPU: the kernel writes the new K/V into their slots and reads the pages in place
+            return cpu_kernels.paged_attention(q, kv_cache, st["native_args"], self.scale, self.sliding_window, sinks,
+                                               k=k, v=v)
         if kv_cache is not None:
             kv_cache[meta.slot_pages, 0, meta.slot_offsets] = k
             kv_cache[meta.slot_pages, 1, meta.slot_offsets] = v
-        st = meta.backend_state
         if meta.mode is ForwardMode.PREFILL:
             # The new tokens are the whole sequence: attend among them, never touch the pool.
             if meta.batch_size == 1:
@@ -117,8 +124,6 @@ class TorchBackend(AttentionBackend):
             return torch.cat(outs, 0)
 
         assert kv_cache is not None, "decode/verify steps need the KV cache"
-        if st["native"] and kv_cache.is_contiguous() and cpu_kernels.serves(q, kv_cache):
-            return cpu_kernels.paged_attention(q, kv_cache, st["native_args"], self.scale, self.sliding_window, sinks)
         b, p = meta.block_tables.shape
         s = p * meta.page_size
         # Gather K and V separately: index_select over the (strided) K or V half of the pool yields

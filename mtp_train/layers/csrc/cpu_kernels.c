@@ -31,6 +31,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -408,15 +409,26 @@ static inline __m256 exp8(__m256 x) {
  * tree_pos: NULL, or with tree_bits the (T,) position each new token stands at in its sequence (its tree depth
  * after the cached prefix), which a window counts: token t then sees cached slots j > tree_pos[t] - window and the
  * new tokens its bits name whose own tree_pos is > tree_pos[t] - window.
+ * k_new, v_new, slots: NULL, or the new tokens' K and V, (T, Hkv, D) contiguous, and the (T,) slot each goes to
+ * (page id * ps + offset in the page): they are written into the cache first (one dispatch less per layer than
+ * torch's indexed writes), and then read as the cached tokens are.
  */
-void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, const float *cache, int ps,
+void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, float *cache, int ps,
                              const int *block_tables, int max_pages, const int *qo_indptr, int B,
                              const int64_t *positions, int window, float scale, float *scores, long max_kv,
                              float *out, int num_threads, const int64_t *tree_bits,
-                             const float *sinks, const int64_t *tree_pos) {
+                             const float *sinks, const int64_t *tree_pos,
+                             const float *k_new, const float *v_new, const int64_t *slots) {
     int group = Hq / Hkv;
     long tok_stride = (long)Hkv * D;          /* between tokens of a page */
     long page_stride = 2L * ps * tok_stride;  /* between pages; V starts ps * tok_stride after K */
+    if (slots) {
+        for (int t = 0; t < T; t++) {
+            float *dst = cache + (size_t)(slots[t] / ps) * page_stride + (slots[t] % ps) * tok_stride;
+            memcpy(dst, k_new + (size_t)t * tok_stride, tok_stride * sizeof(float));
+            memcpy(dst + (long)ps * tok_stride, v_new + (size_t)t * tok_stride, tok_stride * sizeof(float));
+        }
+    }
     long work = 0;
     for (int t = 0; t < T; t++) work += positions[t] + 1;
     #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1 && T > 1 && work * Hq * D >= 262144)
