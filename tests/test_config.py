@@ -15,6 +15,7 @@ from mtp_train.config import (
     EvalConfig,
     ModelConfig,
     RegenerateConfig,
+    ServeConfig,
     TrainConfig,
     bf16_enabled,
     device_kind,
@@ -89,6 +90,14 @@ def test_eval_grid_axes_are_lists_of_their_kind():
         EvalConfig(k="four")
     with pytest.raises(ConfigError, match="`temperature` is empty"):
         EvalConfig(temperature=[])
+
+
+def test_head_weights_take_bf16_or_fp32_only():
+    assert EvalConfig().head_weights == "bf16" and ServeConfig().head_weights == "bf16"
+    for cls in (EvalConfig, ServeConfig):
+        assert cls(head_weights="fp32").head_weights == "fp32"
+        with pytest.raises(ConfigError, match="head_weights='fp16': choose one of bf16 | fp32"):
+            cls(head_weights="fp16")
 
 
 @pytest.mark.parametrize("name", list(HEAD_TYPES))
