@@ -122,7 +122,7 @@ class DraftHead(nn.Module, ABC):
             self.draft_vocab = None
         self._lm_head_rows: tuple[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] | None = None
         self._bf16 = False  # inference streams bfloat16 copies of the weights (`stream_bf16`)
-        self._lm_w16: dict[tuple[int, int], torch.Tensor] = {}  # (data_ptr, version) of lm_head rows → bf16 copy
+        self._lm_w16: tuple[tuple[int, int], torch.Tensor] | None = None  # ((data_ptr, version), bf16 copy) of lm rows
 
     # -- what a head type implements --
 
@@ -288,12 +288,9 @@ class DraftHead(nn.Module, ABC):
                 or (torch.is_grad_enabled() and w.requires_grad)):
             return None
         key = (w.data_ptr(), tensor_version(w))
-        copy = self._lm_w16.get(key)
-        if copy is None:
-            if len(self._lm_w16) >= 2:  # a head drafts from one or two row sets (dspark: rows and rows + bias)
-                self._lm_w16.clear()
-            copy = self._lm_w16[key] = w.detach().to(torch.bfloat16).contiguous()
-        return copy
+        if self._lm_w16 is None or self._lm_w16[0] != key:  # one row set per head drafts (as `_lm_head_rows`)
+            self._lm_w16 = (key, w.detach().to(torch.bfloat16).contiguous())
+        return self._lm_w16[1]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) → cos, sin (T, 1, D), from float32 frequencies kept per device."""
