@@ -18,8 +18,10 @@ Last, what the first-use measurement of the native-or-torch choice costs on this
 each op's probe, not cached): `choice_measure_s` per op, and whether it finished within its deadline.
 
 With `--baseline-source FILE.c` (e.g. an earlier `git show REV:mtp_train/layers/csrc/cpu_kernels.c`) that source is
-compiled with the same flags and its gemv timed alternately against ours at every M (`gemv_m{M}_vs_baseline_source`):
-how a change to the kernel is measured, in one process.
+compiled with the same flags and its gemv timed alternately against ours at every M (`gemv_m{M}_vs_baseline_source`),
+and its paged attention against ours at 1, 2 and 4 query rows over 256 and 1024 cached tokens, each call over another
+of 30 layers' pools so that the K/V come from memory as in a decode step (`attention_t{T}_ctx{C}_vs_baseline_source`):
+how a change to a kernel is measured, in one process.
 
 Usage: python -m bench.cpu_kernels [--repeat 5] [--baseline-source FILE.c]. The last line printed is one JSON object.
 """
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     mb = sum(w.numel() * 4 for w in weights) / 2**20
     packed = ([torch.ops.mkl._mkl_reorder_linear_weight(w, 1) for w in weights]
               if torch.backends.mkl.is_available() else None)
-    other = _baseline_gemv(args.baseline_source) if args.baseline_source else None
+    base_lib = _baseline_library(args.baseline_source) if args.baseline_source else None
+    other = _baseline_gemv(base_lib) if base_lib is not None else None
     with torch.inference_mode():
         for m in (1, 2, 3, 4, 5, 8, 16):
             xs = {k: torch.randn(m, k) for k in (H, INTER, HQ * D)}
@@ -152,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
                           lambda: backend.forward(q, k, v, cache, metas[1]), repeat=args.repeat * 50)
         res["paged_attention_vs_gather_sdpa"] = r
         print(f"paged attention, one token over 256 cached: {r:.2f}x gather + SDPA", flush=True)
+        if base_lib is not None:
+            res.update(_attention_vs_baseline(base_lib, args.repeat))
 
     import mtp_train.layers.linear  # noqa: F401  (registers the linears' probe)
     import mtp_train.train.divergences  # noqa: F401  (registers the fused loss's probe)
@@ -167,29 +172,67 @@ def main(argv: list[str] | None = None) -> dict:
     return res
 
 
-def _baseline_gemv(source: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The gemv of another kernel source, built with our flags into a temporary library: (x (M, K), w (N, K)) → y."""
-    import ctypes
+def _baseline_library(source: str) -> object:
+    """Another kernel source built with our flags into a temporary library, its functions declared as ours."""
     import subprocess
     import tempfile
 
     lib_path = Path(tempfile.mkdtemp()) / "baseline.so"
     subprocess.run([os.environ.get("CC", "cc"), *cpu_kernels.CFLAGS, source, "-o", str(lib_path),
                     *cpu_kernels.LIBS], check=True)
-    lib = ctypes.CDLL(str(lib_path))
-    fn = lib.mtp_gemv_f32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return cpu_kernels._open(lib_path)[0]
+
+
+def _baseline_gemv(lib: object) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The baseline library's gemv: (x (M, K), w (N, K)) → y."""
     threads = torch.get_num_threads()
 
     def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
         n = w.shape[0]
         y = torch.empty(m, n)
-        fn(x.data_ptr(), x.stride(0), w.data_ptr(), None, y.data_ptr(), n, m, n, k, threads)
+        lib.mtp_gemv_f32(x.data_ptr(), x.stride(0), w.data_ptr(), None, y.data_ptr(), n, m, n, k, threads)
         return y
 
     return gemv
+
+
+def _attention_step(library: object | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    pools: list[torch.Tensor], step: tuple) -> Callable[[], object]:
+    """One step's paged attention over every pool, through `cpu_kernels.paged_attention` on our build (None) or on
+    `library` (the same Python wrapper around another build)."""
+    def layers() -> object:
+        saved = cpu_kernels._lib
+        if library is not None:
+            cpu_kernels._lib = library
+        try:
+            return [cpu_kernels.paged_attention(q, pool, step, D ** -0.5, None, k=k, v=v) for pool in pools]
+        finally:
+            cpu_kernels._lib = saved
+    return layers
+
+
+def _attention_vs_baseline(lib: object, repeat: int) -> dict[str, float]:
+    """Our paged attention against the baseline library's, one decode / verify step's calls (LAYERS layers' pools
+    of SmolLM2's heads, pages of 16): {attention_t{T}_ctx{C}_vs_baseline_source: baseline s / ours s}."""
+    out: dict[str, float] = {}
+    ps = 16
+    for ctx in (256, 1024):
+        pages = ctx // ps + 1
+        pools = [torch.randn(pages, 2, ps, HKV, D) for _ in range(LAYERS)]
+        for t in (1, 2, 4):
+            meta = AttentionMetadata.build([t], [ctx], [list(range(pages))], ps)
+            slots = meta.slot_pages * ps + meta.slot_offsets
+            step = cpu_kernels.paged_attention_args(meta.block_tables, meta.qo_indptr, meta.positions, ctx,
+                                                    slots=slots)
+            q, k, v = torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+            ours, base = _attention_step(None, q, k, v, pools, step), _attention_step(lib, q, k, v, pools, step)
+            torch.testing.assert_close(ours(), base(), rtol=1e-4, atol=1e-5)  # the same attention, whatever the speed
+            t_ours, _, r = compare(ours, base, repeat=repeat * 10)
+            out[f"attention_t{t}_ctx{ctx}_vs_baseline_source"] = r
+            print(f"paged attention, {t} row(s) over {ctx} cached, {LAYERS} layers: {t_ours * 1e6 / LAYERS:.1f} us a "
+                  f"layer, {r:.2f}x the baseline source's", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -224,17 +224,18 @@ def test_rope_in_place_equals_apply_rotary(head_dim):
 @needs_kernels
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (40, 2)])
-def test_paged_attention_equals_the_gathered_sdpa_path(window, heads, threads):
+@pytest.mark.parametrize("head_dim", [40, 20, 136])  # the kernel's blocks: 8-wide (and a tail), 64 columns, 64 + 8
+def test_paged_attention_equals_the_gathered_sdpa_path(window, heads, head_dim, threads):
     """The kernel's attention equals gather + SDPA, and the new tokens' K/V it writes land where torch puts them."""
     from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
 
     hq, hkv = heads
     torch.manual_seed(hq)
-    backend = make_attention_backend("torch", hq, hkv, 40, window)
-    cache = torch.randn(40, 2, 3, hkv, 40)
+    backend = make_attention_backend("torch", hq, hkv, head_dim, window)
+    cache = torch.randn(40, 2, 3, hkv, head_dim)
     qo, kv = [1, 4, 2], [7, 13, 9]  # a decode row and two verify runs in one step, pages of 3
     pages = [[5, 0, 2], [10, 11, 30, 13, 14], [20, 22, 21]]
-    q, k, v = torch.randn(7, hq, 40) * 3, torch.randn(7, hkv, 40), torch.randn(7, hkv, 40)
+    q, k, v = torch.randn(7, hq, head_dim) * 3, torch.randn(7, hkv, head_dim), torch.randn(7, hkv, head_dim)
     outs, pools = [], []
     for native in (True, False):
         meta = AttentionMetadata.build(qo, kv, pages, 3)
@@ -246,6 +247,29 @@ def test_paged_attention_equals_the_gathered_sdpa_path(window, heads, threads):
             outs.append(backend.forward(q, k, v, pools[-1], meta))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=3e-5)
     assert torch.equal(pools[0], pools[1])  # the kernel wrote the new K/V where torch's indexed writes put them
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 5, 19])  # 19: a window that starts inside an 8-key block
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_paged_attention_over_pages_of_16_equals_the_gathered_sdpa_path(window, head_dim, threads):
+    """Pages of 16 and contexts of a few pages: the kernel's 8-key score blocks and their tails, beside SDPA."""
+    from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
+
+    torch.manual_seed(head_dim)
+    backend = make_attention_backend("torch", 6, 2, head_dim, window)
+    cache = torch.randn(24, 2, 16, 2, head_dim)
+    qo, kv = [1, 3, 2], [40, 53, 18]
+    pages = [[5, 0, 2], [10, 11, 23, 13], [20, 22]]
+    q, k, v = torch.randn(6, 6, head_dim) * 3, torch.randn(6, 2, head_dim), torch.randn(6, 2, head_dim)
+    outs = []
+    for native in (True, False):
+        meta = AttentionMetadata.build(qo, kv, pages, 16)
+        with torch.inference_mode():
+            backend.prepare(meta)
+            meta.backend_state["native"] = native
+            outs.append(backend.forward(q, k, v, cache.clone(), meta))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=3e-5)
 
 
 @needs_kernels

@@ -47,25 +47,26 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("rows", [[64], [64, 64], [64, 17]])
-def test_a_64_row_tree_step_sees_each_rows_ancestors_only(native, rows):
+@pytest.mark.parametrize("page", [PAGE, 16])  # 16: the native kernel's 8-key blocks, hidden keys inside them
+def test_a_64_row_tree_step_sees_each_rows_ancestors_only(native, rows, page):
     if native and not cpu_kernels.available():
         pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     gen = torch.Generator().manual_seed(len(rows) * 100 + rows[-1])
     prefix = [7, 12][: len(rows)]
     total = [p + r for p, r in zip(prefix, rows)]
-    tables = random_block_tables(total, PAGE, PAGES, gen)
+    tables = random_block_tables(total, page, PAGES, gen)
     trees = _trees(rows, gen)
     backend = TorchBackend(HQ, HKV, D)
-    cache = torch.zeros(PAGES, 2, PAGE, HKV, D)
+    cache = torch.zeros(PAGES, 2, page, HKV, D)
     ks = [torch.randn(n, HKV, D, generator=gen) for n in total]
     vs = [torch.randn(n, HKV, D, generator=gen) for n in total]
     qs = [torch.randn(r, HQ, D, generator=gen) for r in rows]
-    pre = AttentionMetadata.build(prefix, prefix, tables, PAGE)
+    pre = AttentionMetadata.build(prefix, prefix, tables, page)
     backend.prepare(pre)
     backend.forward(torch.cat([torch.randn(p, HQ, D, generator=gen) for p in prefix]),
                     torch.cat([k[:p] for k, p in zip(ks, prefix)]), torch.cat([v[:p] for v, p in zip(vs, prefix)]),
                     cache, pre)
-    meta = AttentionMetadata.build(rows, total, tables, PAGE)
+    meta = AttentionMetadata.build(rows, total, tables, page)
     meta.set_tree(trees)
     assert (meta.tree_bits < 0).any()  # row 63 of a chain-like branch sets the sign bit
     with contextlib.nullcontext() if native else cpu_kernels.disabled():

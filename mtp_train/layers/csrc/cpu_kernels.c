@@ -33,6 +33,9 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Below this much work (positions attended x Hq x D) a paged attention call stays on one thread. */
+#define PAGED_ATTENTION_PARALLEL_WORK 65536L
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -390,6 +393,86 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* The 8 horizontal sums of a0..a7, in order, as one register (three rounds of pairwise adds: one hsum's
+ * shuffles serve eight dot products). */
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  /* a0..a3: low | high halves */
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* s[i] = scale * dot(q[0:D], k_i[0:D]) for the 8 keys k_i = k + i * ks: eight accumulators fed by one load of q
+ * per 8 dimensions, summed together at the end (hsum8). */
+static inline void scores8(const float *restrict q, const float *restrict k, long ks, int D, float scale,
+                           float *restrict s) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + d), qv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k + ks + d), qv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 2 * ks + d), qv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 3 * ks + d), qv, a3);
+        a4 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 4 * ks + d), qv, a4);
+        a5 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 5 * ks + d), qv, a5);
+        a6 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 6 * ks + d), qv, a6);
+        a7 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 7 * ks + d), qv, a7);
+    }
+    __m256 r = _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale));
+    if (d < D) {  /* D % 8 dimensions left: in scalar order, after the vector sums */
+        float t[8];
+        _mm256_storeu_ps(t, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+        for (int i = 0; i < 8; i++) {
+            for (int dd = d; dd < D; dd++) t[i] += k[i * ks + dd] * q[dd];
+            t[i] *= scale;
+        }
+        r = _mm256_loadu_ps(t);
+    }
+    _mm256_storeu_ps(s, r);
+}
+
+/* o[0:64] += sum_j w[j] * v_j[0:64] over the n rows v_j = v + j * vs: the 64 sums stay in eight registers. */
+static inline void weighted64(const float *restrict w, const float *restrict v, long vs, long n, float *restrict o) {
+    __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8), a2 = _mm256_loadu_ps(o + 16),
+           a3 = _mm256_loadu_ps(o + 24), a4 = _mm256_loadu_ps(o + 32), a5 = _mm256_loadu_ps(o + 40),
+           a6 = _mm256_loadu_ps(o + 48), a7 = _mm256_loadu_ps(o + 56);
+    for (long j = 0; j < n; j++, v += vs) {
+        __m256 pw = _mm256_broadcast_ss(w + j);
+        a0 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v), a0);
+        a1 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 8), a1);
+        a2 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 16), a2);
+        a3 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 24), a3);
+        a4 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 32), a4);
+        a5 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 40), a5);
+        a6 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 48), a6);
+        a7 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 56), a7);
+    }
+    _mm256_storeu_ps(o, a0);
+    _mm256_storeu_ps(o + 8, a1);
+    _mm256_storeu_ps(o + 16, a2);
+    _mm256_storeu_ps(o + 24, a3);
+    _mm256_storeu_ps(o + 32, a4);
+    _mm256_storeu_ps(o + 40, a5);
+    _mm256_storeu_ps(o + 48, a6);
+    _mm256_storeu_ps(o + 56, a7);
+}
+
+/* weighted64 over the dn (< 64) columns of a head's last block: eight at a time, then one by one. */
+static inline void weighted_rest(const float *restrict w, const float *restrict v, long vs, long n, int dn,
+                                 float *restrict o) {
+    int d = 0;
+    for (; d + 8 <= dn; d += 8) {
+        __m256 a = _mm256_loadu_ps(o + d);
+        for (long j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + j), _mm256_loadu_ps(v + j * vs + d), a);
+        _mm256_storeu_ps(o + d, a);
+    }
+    for (; d < dn; d++) {
+        float a = o[d];
+        for (long j = 0; j < n; j++) a += w[j] * v[j * vs + d];
+        o[d] = a;
+    }
+}
+
 /* Attention of decode / verify tokens straight over the paged KV cache (no gather).
  *
  * q: (T, Hq, D) contiguous, already rotated; cache: one layer's pool (num_pages, 2, ps, Hkv, D)
@@ -397,13 +480,17 @@ static inline __m256 exp8(__m256 x) {
  * (new tokens of sequence b are rows qo_indptr[b] .. qo_indptr[b + 1] - 1); positions: (T,) int64
  * absolute position of each new token, whose K/V are already in the cache. Token t attends to
  * positions max(0, pos - window + 1) .. pos (window <= 0: no window) of its own sequence — causal
- * among the new tokens, as the metadata defines. One task is one token, all heads: each cached
- * token's K (then V) row of Hkv * D floats is read once, front to back, page after page.
- * scores: scratch of T * Hq * max_kv floats. out: (T, Hq, D). Softmax in two passes (max, then exp
- * and sum), as in the reference.
+ * among the new tokens, as the metadata defines.
+ * One task is one token and one K/V head (the Hq / Hkv query heads that share it); tasks run on the OpenMP threads
+ * when there is enough work. Per query head, three passes over the token's keys, page by page: the scores, eight
+ * keys at a time (one load of the query per eight dot products, one shuffle tree per eight sums); their max, exp and
+ * sum; then the values' weighted sum, 64 columns at a time in registers. The softmax is the reference's: in
+ * float32, max subtracted, normalised at the end.
+ * scores: scratch of T * Hq * max_kv floats. out: (T, Hq, D).
  * tree_bits: NULL, or (T,) int64 for a step whose new tokens form a tree (a token's position is then its slot,
  * not its depth): token t sees the new token i of its own sequence (slot positions[qo_indptr[b]] + i) only when
- * bit i of tree_bits[t] is set; cached tokens before the step stay visible. Hidden slots get no weight at all.
+ * bit i of tree_bits[t] is set; cached tokens before the step stay visible. Hidden slots get no weight at all
+ * (their weight is exactly 0).
  * sinks: NULL, or (Hq,) learned logits (GPT-OSS attention sinks): head h's sink joins the softmax denominator
  * as one more score that has no value, so the weights of the real keys sum to less than 1.
  * tree_pos: NULL, or with tree_bits the (T,) position each new token stands at in its sequence (its tree depth
@@ -431,8 +518,10 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
     }
     long work = 0;
     for (int t = 0; t < T; t++) work += positions[t] + 1;
-    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1 && T > 1 && work * Hq * D >= 262144)
-    for (int t = 0; t < T; t++) {
+    int tasks = T * Hkv;
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1 && tasks > 1 && work * Hq * D >= PAGED_ATTENTION_PARALLEL_WORK)
+    for (int task = 0; task < tasks; task++) {
+        int t = task / Hkv, g = task % Hkv;
         int b = 0;
         while (b + 1 < B && qo_indptr[b + 1] <= t) b++;
         const int *bt = block_tables + (size_t)b * max_pages;
@@ -443,67 +532,64 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
         long wpos = (tree_bits && tree_pos) ? tree_pos[t] : pos;
         long wlo = (window > 0 && wpos - window + 1 > 0) ? wpos - window + 1 : 0;
         const int64_t *new_pos = (tree_bits && tree_pos && window > 0) ? tree_pos + qo_indptr[b] : NULL;
-#define HIDDEN(j) (tree_bits && (j) >= s0 && (!(((uint64_t)bits >> ((j) - s0)) & 1u) \
-                   || (new_pos && new_pos[(j) - s0] < wlo)))  /* j - s0 <= 63 */
+#define HIDDEN(j) (!(((uint64_t)bits >> ((j) - s0)) & 1u) || (new_pos && new_pos[(j) - s0] < wlo))  /* j >= s0, j - s0 <= 63 */
         /* a tree's new tokens sit in slots from s0 on whatever their positions: they are read from s0 at the latest */
         long lo = new_pos && wlo > s0 ? s0 : wlo;
         long n = pos - lo + 1;
-        const float *qt = q + (size_t)t * Hq * D;
-        float *st = scores + (size_t)t * Hq * max_kv;  /* head h's scores at st[h * max_kv + (j - lo)] */
-        float *ot = out + (size_t)t * Hq * D;
-        float mx[Hq], inv[Hq];
-        for (int h = 0; h < Hq; h++) mx[h] = sinks ? sinks[h] : -INFINITY;  /* the max covers the sink */
-        /* pass 1: scores, page by page, row by row */
-        for (long p = lo / ps; p <= pos / ps; p++) {
-            const float *kpage = cache + (size_t)bt[p] * page_stride;
-            long j0 = p * ps > lo ? p * ps : lo, j1 = (p + 1) * ps - 1 < pos ? (p + 1) * ps - 1 : pos;
-            for (long j = j0; j <= j1; j++) {
-                const float *krow = kpage + (j - p * ps) * tok_stride;
-                if (HIDDEN(j)) {  /* e^-inf: no weight (exp8 clamps it to ~1e-38, below any sum's rounding) */
-                    for (int h = 0; h < Hq; h++) st[(long)h * max_kv + (j - lo)] = -INFINITY;
-                    continue;
-                }
-                for (int h = 0; h < Hq; h++) {
-                    float v = dot1(krow + (long)(h / group) * D, qt + (long)h * D, D) * scale;
-                    st[(long)h * max_kv + (j - lo)] = v;
-                    if (v > mx[h]) mx[h] = v;
-                }
+        long koff = (long)g * D;  /* this K/V head's columns in a token's row */
+        for (int h = g * group; h < (g + 1) * group; h++) {
+            const float *qh = q + ((size_t)t * Hq + h) * D;
+            float *s = scores + ((size_t)t * Hq + h) * max_kv;  /* s[j - lo]: the score of position j */
+            /* pass 1: scores, page by page, eight keys at a time */
+            for (long p = lo / ps; p <= pos / ps; p++) {
+                const float *kpage = cache + (size_t)bt[p] * page_stride + koff;
+                long j0 = p * ps > lo ? p * ps : lo, j1 = (p + 1) * ps - 1 < pos ? (p + 1) * ps - 1 : pos;
+                long j = j0;
+                for (; j + 8 <= j1 + 1; j += 8) scores8(qh, kpage + (j - p * ps) * tok_stride, tok_stride, D, scale,
+                                                        s + (j - lo));
+                for (; j <= j1; j++) s[j - lo] = dot1(kpage + (j - p * ps) * tok_stride, qh, D) * scale;
             }
-        }
-        /* pass 2: exp and sum */
-        for (int h = 0; h < Hq; h++) {
-            float *s = st + (long)h * max_kv;
-            __m256 m8 = _mm256_set1_ps(mx[h]), acc = _mm256_setzero_ps();
+            /* the new tokens a tree step hides from this one (and, under a window, those standing out of it) */
+            long tj = s0 > lo ? s0 : lo;  /* the first position HIDDEN may name */
+            if (tree_bits)
+                for (long jj = tj; jj <= pos; jj++) if (HIDDEN(jj)) s[jj - lo] = -INFINITY;
+            /* pass 2: max, exp and sum */
+            __m256 m8 = _mm256_set1_ps(-INFINITY);
             long j = 0;
-            for (; j + 8 <= n; j += 8) {
+            for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            float mx = _mm_cvtss_f32(m4);
+            for (; j < n; j++) if (s[j] > mx) mx = s[j];
+            if (sinks && sinks[h] > mx) mx = sinks[h];  /* the max covers the sink */
+            m8 = _mm256_set1_ps(mx);
+            __m256 acc = _mm256_setzero_ps();
+            for (j = 0; j + 8 <= n; j += 8) {
                 __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
                 _mm256_storeu_ps(s + j, e);
                 acc = _mm256_add_ps(acc, e);
             }
             float sum = hsum(acc);
-            for (; j < n; j++) { s[j] = expf(s[j] - mx[h]); sum += s[j]; }
-            if (sinks) sum += expf(sinks[h] - mx[h]);
-            inv[h] = 1.f / sum;
-        }
-        /* pass 3: weighted sum of the values */
-        for (int i = 0; i < Hq * D; i++) ot[i] = 0.f;
-        for (long p = lo / ps; p <= pos / ps; p++) {
-            const float *vpage = cache + (size_t)bt[p] * page_stride + (long)ps * tok_stride;
-            long j0 = p * ps > lo ? p * ps : lo, j1 = (p + 1) * ps - 1 < pos ? (p + 1) * ps - 1 : pos;
-            for (long j = j0; j <= j1; j++) {
-                if (HIDDEN(j)) continue;
-                const float *vrow = vpage + (j - p * ps) * tok_stride;
-                for (int h = 0; h < Hq; h++) {
-                    const float *vp = vrow + (long)(h / group) * D;
-                    float w = st[(long)h * max_kv + (j - lo)] * inv[h];
-                    float *o = ot + (long)h * D;
-                    __m256 pw = _mm256_set1_ps(w);
-                    int d = 0;
-                    for (; d + 8 <= D; d += 8)
-                        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pw, _mm256_loadu_ps(vp + d), _mm256_loadu_ps(o + d)));
-                    for (; d < D; d++) o[d] += w * vp[d];
-                }
+            for (; j < n; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
+            if (tree_bits)  /* exactly no weight (exp8 clamps e^-inf to ~1e-38, below any sum's rounding) */
+                for (long jj = tj; jj <= pos; jj++) if (HIDDEN(jj)) s[jj - lo] = 0.f;
+            if (sinks) sum += expf(sinks[h] - mx);
+            /* pass 3: the values' weighted sum, page by page, 64 columns at a time, then normalised */
+            float *o = out + ((size_t)t * Hq + h) * D;
+            memset(o, 0, (size_t)D * sizeof(float));
+            for (long p = lo / ps; p <= pos / ps; p++) {
+                const float *vpage = cache + (size_t)bt[p] * page_stride + (long)ps * tok_stride + koff;
+                long j0 = p * ps > lo ? p * ps : lo, j1 = (p + 1) * ps - 1 < pos ? (p + 1) * ps - 1 : pos;
+                const float *vrow = vpage + (j0 - p * ps) * tok_stride, *w = s + (j0 - lo);
+                int d0 = 0;
+                for (; d0 + 64 <= D; d0 += 64) weighted64(w, vrow + d0, tok_stride, j1 - j0 + 1, o + d0);
+                if (d0 < D) weighted_rest(w, vrow + d0, tok_stride, j1 - j0 + 1, D - d0, o + d0);
             }
+            __m256 inv8 = _mm256_set1_ps(1.f / sum);
+            int d = 0;
+            for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv8));
+            for (; d < D; d++) o[d] *= 1.f / sum;
         }
     }
 }
