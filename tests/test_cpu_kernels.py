@@ -252,9 +252,15 @@ def test_paged_attention_equals_the_gathered_sdpa_path(window, heads, head_dim, 
 @needs_kernels
 @pytest.mark.parametrize("window", [None, 5, 19])  # 19: a window that starts inside an 8-key block
 @pytest.mark.parametrize("head_dim", [64, 20])
-def test_paged_attention_over_pages_of_16_equals_the_gathered_sdpa_path(window, head_dim, threads):
+@pytest.mark.parametrize("chunk", [None, 8, 12])  # 8, 12: long tokens split into chunks, attended apart and merged
+@pytest.mark.parametrize("sinks", [False, True])
+def test_paged_attention_over_pages_of_16_equals_the_gathered_sdpa_path(window, head_dim, chunk, sinks, threads,
+                                                                         monkeypatch):
     """Pages of 16 and contexts of a few pages: the kernel's 8-key score blocks and their tails, beside SDPA."""
     from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
+
+    if chunk is not None:
+        monkeypatch.setattr(cpu_kernels, "ATTENTION_CHUNK", chunk)
 
     torch.manual_seed(head_dim)
     backend = make_attention_backend("torch", 6, 2, head_dim, window)
@@ -262,13 +268,14 @@ def test_paged_attention_over_pages_of_16_equals_the_gathered_sdpa_path(window, 
     qo, kv = [1, 3, 2], [40, 53, 18]
     pages = [[5, 0, 2], [10, 11, 23, 13], [20, 22]]
     q, k, v = torch.randn(6, 6, head_dim) * 3, torch.randn(6, 2, head_dim), torch.randn(6, 2, head_dim)
+    sink = torch.randn(6) * 2 if sinks else None  # GPT-OSS's: one more logit per head in the softmax, no value
     outs = []
     for native in (True, False):
         meta = AttentionMetadata.build(qo, kv, pages, 16)
         with torch.inference_mode():
             backend.prepare(meta)
             meta.backend_state["native"] = native
-            outs.append(backend.forward(q, k, v, cache.clone(), meta))
+            outs.append(backend.forward(q, k, v, cache.clone(), meta, sinks=sink))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=3e-5)
 
 

@@ -48,7 +48,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("rows", [[64], [64, 64], [64, 17]])
 @pytest.mark.parametrize("page", [PAGE, 16])  # 16: the native kernel's 8-key blocks, hidden keys inside them
-def test_a_64_row_tree_step_sees_each_rows_ancestors_only(native, rows, page):
+@pytest.mark.parametrize("chunk", [None, 8])  # 8: the native kernel's split tokens, some chunks wholly hidden
+def test_a_64_row_tree_step_sees_each_rows_ancestors_only(native, rows, page, chunk, monkeypatch):
+    if chunk is not None:
+        monkeypatch.setattr(cpu_kernels, "ATTENTION_CHUNK", chunk)
     if native and not cpu_kernels.available():
         pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     gen = torch.Generator().manual_seed(len(rows) * 100 + rows[-1])

@@ -68,6 +68,10 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c99")
 LIBS = ("-lm",)
 COMPILERS = ("cc", "gcc", "clang")  # tried in order, after KernelSettings.compiler
+# Positions per task of `paged_attention`: a token attending to more is split into chunks of this many, attended on
+# both cores and merged. Timed alternately (bench.cpu_kernels --baseline-source) on one decode token, 2 cores, 30
+# layers' pools: see docs/results.md (2026-12-04) for the figures behind this size.
+ATTENTION_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -310,7 +314,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     fn.restype = None
     fn = lib.mtp_rope_f32
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -517,7 +521,8 @@ def paged_attention_args(block_tables: torch.Tensor, qo_indptr: torch.Tensor, po
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, scale: float,
                     sliding_window: int | None, sinks: torch.Tensor | None = None,
-                    k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+                    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                    chunk: int | None = None) -> torch.Tensor:
     """Decode / verify attention read straight from one layer's pages (no gather, no mask tensor).
 
     Args:
@@ -530,6 +535,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
         sinks: None, or (Hq,) attention-sink logits (GPT-OSS), each joining its head's softmax denominator.
         k, v: None, or the new tokens' (T, Hkv, D) float32 K and V, written into the cache at the step's slots
             (`paged_attention_args(slots=...)`) before attending: the indexed writes of torch's path in the kernel.
+        chunk: a token attending to more positions than this has them split into chunks of this many, attended
+            as separate tasks and merged (so that the cores share one long sequence's keys); at least 8;
+            None: `ATTENTION_CHUNK`.
 
     Token t attends causally to its own sequence (within the sliding window, if any, counted in tree positions in a
     tree step; in a tree step only to the new tokens its bits name). Returns (T, Hq, D). Call only when
@@ -552,6 +560,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
         if sinks.shape != (hq,):
             raise ValueError(f"paged_attention: sinks {tuple(sinks.shape)} need one logit per query head ({hq})")
     scores = torch.empty(t * hq * max_kv, dtype=torch.float32)
+    chunk = max(8, int(ATTENTION_CHUNK if chunk is None else chunk))
+    # per split token, query head and chunk: the chunk's max, sum and D unnormalised sums of values
+    partials = torch.empty(t * hq * -(-max_kv // chunk) * (d + 2), dtype=torch.float32) if max_kv > chunk else None
     out = torch.empty(t, hq, d, dtype=torch.float32)
     lib = _lib or _require()
     lib.mtp_paged_attention_f32(q.data_ptr(), t, hq, kv_cache.shape[3], d, kv_cache.data_ptr(), kv_cache.shape[2],
@@ -562,7 +573,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
                                 None if sinks is None else sinks.data_ptr(),
                                 None if tree_pos is None else tree_pos.data_ptr(),
                                 None if k is None else k.data_ptr(), None if v is None else v.data_ptr(),
-                                None if k is None else slots.data_ptr())
+                                None if k is None else slots.data_ptr(), chunk,
+                                None if partials is None else partials.data_ptr())
     return out
 
 

@@ -481,12 +481,15 @@ static inline void weighted_rest(const float *restrict w, const float *restrict 
  * absolute position of each new token, whose K/V are already in the cache. Token t attends to
  * positions max(0, pos - window + 1) .. pos (window <= 0: no window) of its own sequence — causal
  * among the new tokens, as the metadata defines.
- * One task is one token and one K/V head (the Hq / Hkv query heads that share it); tasks run on the OpenMP threads
- * when there is enough work. Per query head, three passes over the token's keys, page by page: the scores, eight
- * keys at a time (one load of the query per eight dot products, one shuffle tree per eight sums); their max, exp and
- * sum; then the values' weighted sum, 64 columns at a time in registers. The softmax is the reference's: in
- * float32, max subtracted, normalised at the end.
- * scores: scratch of T * Hq * max_kv floats. out: (T, Hq, D).
+ * One task is one token, one K/V head (the Hq / Hkv query heads that share it) and one chunk of `chunk` of the
+ * positions the token attends to; tasks run on the OpenMP threads when there is enough work. Per query head, three
+ * passes over the chunk's keys, page by page: the scores, eight keys at a time (one load of the query per eight dot
+ * products, one shuffle tree per eight sums); their max, exp and sum; the values' weighted sum, 64 columns at a
+ * time in registers. A token whose positions fill one chunk is normalised there; a longer one (split so that two
+ * cores share even one token's keys) leaves each chunk's max, sum and unnormalised sum of values in `partials`,
+ * merged after (each chunk rescaled by e^(its max - the max)). The softmax is in float32, max subtracted.
+ * scores: scratch of T * Hq * max_kv floats; partials: scratch of T * Hq * ceil(max_kv / chunk) * (D + 2) floats
+ * (unused when max_kv <= chunk: may be NULL then). out: (T, Hq, D).
  * tree_bits: NULL, or (T,) int64 for a step whose new tokens form a tree (a token's position is then its slot,
  * not its depth): token t sees the new token i of its own sequence (slot positions[qo_indptr[b]] + i) only when
  * bit i of tree_bits[t] is set; cached tokens before the step stay visible. Hidden slots get no weight at all
@@ -505,7 +508,8 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
                              const int64_t *positions, int window, float scale, float *scores, long max_kv,
                              float *out, int num_threads, const int64_t *tree_bits,
                              const float *sinks, const int64_t *tree_pos,
-                             const float *k_new, const float *v_new, const int64_t *slots) {
+                             const float *k_new, const float *v_new, const int64_t *slots,
+                             long chunk, float *partials) {
     int group = Hq / Hkv;
     long tok_stride = (long)Hkv * D;          /* between tokens of a page */
     long page_stride = 2L * ps * tok_stride;  /* between pages; V starts ps * tok_stride after K */
@@ -516,12 +520,20 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
             memcpy(dst + (long)ps * tok_stride, v_new + (size_t)t * tok_stride, tok_stride * sizeof(float));
         }
     }
+    if (chunk < 8) chunk = 8;
+    int nch = (int)((max_kv + chunk - 1) / chunk);  /* chunks of the longest token's positions */
+    if (!partials) nch = 1, chunk = max_kv > 8 ? max_kv : 8;
+    long pstride = D + 2;  /* a chunk's partial: its max, its sum, then its D unnormalised sums of values */
     long work = 0;
     for (int t = 0; t < T; t++) work += positions[t] + 1;
-    int tasks = T * Hkv;
-    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1 && tasks > 1 && work * Hq * D >= PAGED_ATTENTION_PARALLEL_WORK)
+    /* Fewer chunks than threads (a short decode step): each K/V head's query heads a task of their own as well */
+    int par = num_threads > 1 && work * Hq * D >= PAGED_ATTENTION_PARALLEL_WORK;
+    int gsplit = par && T * nch < num_threads ? Hkv : 1, gper = Hkv / gsplit;
+    int tasks = T * nch * gsplit;
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (par && tasks > 1)
     for (int task = 0; task < tasks; task++) {
-        int t = task / Hkv, g = task % Hkv;
+        int hlo = (task % gsplit) * gper * group, hhi = hlo + gper * group;  /* this task's query heads */
+        int c = (task / gsplit) % nch, t = task / (gsplit * nch);
         int b = 0;
         while (b + 1 < B && qo_indptr[b + 1] <= t) b++;
         const int *bt = block_tables + (size_t)b * max_pages;
@@ -535,24 +547,32 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
 #define HIDDEN(j) (!(((uint64_t)bits >> ((j) - s0)) & 1u) || (new_pos && new_pos[(j) - s0] < wlo))  /* j >= s0, j - s0 <= 63 */
         /* a tree's new tokens sit in slots from s0 on whatever their positions: they are read from s0 at the latest */
         long lo = new_pos && wlo > s0 ? s0 : wlo;
-        long n = pos - lo + 1;
-        long koff = (long)g * D;  /* this K/V head's columns in a token's row */
-        for (int h = g * group; h < (g + 1) * group; h++) {
-            const float *qh = q + ((size_t)t * Hq + h) * D;
-            float *s = scores + ((size_t)t * Hq + h) * max_kv;  /* s[j - lo]: the score of position j */
-            /* pass 1: scores, page by page, eight keys at a time */
-            for (long p = lo / ps; p <= pos / ps; p++) {
-                const float *kpage = cache + (size_t)bt[p] * page_stride + koff;
-                long j0 = p * ps > lo ? p * ps : lo, j1 = (p + 1) * ps - 1 < pos ? (p + 1) * ps - 1 : pos;
+        long c0 = lo + c * chunk;  /* this task's positions: c0 .. c1 */
+        if (c0 > pos) continue;
+        long c1 = c0 + chunk - 1 < pos ? c0 + chunk - 1 : pos;
+        int whole = pos - lo + 1 <= chunk;  /* one chunk holds all the token's positions: normalise here */
+        long n = c1 - c0 + 1;
+        long tj = s0 > c0 ? s0 : c0;  /* the first position HIDDEN may name */
+        float *st = scores + (size_t)t * Hq * max_kv + (c0 - lo);  /* head h's score of position j: st[h * max_kv + j - c0] */
+        /* pass 1: scores, page by page (each page's K rows, every head's, read from memory once), eight keys at a time */
+        for (long p = c0 / ps; p <= c1 / ps; p++) {
+            const float *kpage = cache + (size_t)bt[p] * page_stride;
+            long j0 = p * ps > c0 ? p * ps : c0, j1 = (p + 1) * ps - 1 < c1 ? (p + 1) * ps - 1 : c1;
+            for (int h = hlo; h < hhi; h++) {
+                const float *qh = q + ((size_t)t * Hq + h) * D, *kh = kpage + (long)(h / group) * D;
+                float *s = st + (long)h * max_kv;
                 long j = j0;
-                for (; j + 8 <= j1 + 1; j += 8) scores8(qh, kpage + (j - p * ps) * tok_stride, tok_stride, D, scale,
-                                                        s + (j - lo));
-                for (; j <= j1; j++) s[j - lo] = dot1(kpage + (j - p * ps) * tok_stride, qh, D) * scale;
+                for (; j + 8 <= j1 + 1; j += 8) scores8(qh, kh + (j - p * ps) * tok_stride, tok_stride, D, scale,
+                                                        s + (j - c0));
+                for (; j <= j1; j++) s[j - c0] = dot1(kh + (j - p * ps) * tok_stride, qh, D) * scale;
             }
+        }
+        float mxs[Hq], sums[Hq];
+        for (int h = hlo; h < hhi; h++) {
+            float *s = st + (long)h * max_kv;
             /* the new tokens a tree step hides from this one (and, under a window, those standing out of it) */
-            long tj = s0 > lo ? s0 : lo;  /* the first position HIDDEN may name */
             if (tree_bits)
-                for (long jj = tj; jj <= pos; jj++) if (HIDDEN(jj)) s[jj - lo] = -INFINITY;
+                for (long jj = tj; jj <= c1; jj++) if (HIDDEN(jj)) s[jj - c0] = -INFINITY;
             /* pass 2: max, exp and sum */
             __m256 m8 = _mm256_set1_ps(-INFINITY);
             long j = 0;
@@ -562,35 +582,92 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
             m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
             float mx = _mm_cvtss_f32(m4);
             for (; j < n; j++) if (s[j] > mx) mx = s[j];
-            if (sinks && sinks[h] > mx) mx = sinks[h];  /* the max covers the sink */
-            m8 = _mm256_set1_ps(mx);
-            __m256 acc = _mm256_setzero_ps();
-            for (j = 0; j + 8 <= n; j += 8) {
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
-                _mm256_storeu_ps(s + j, e);
-                acc = _mm256_add_ps(acc, e);
+            if (whole && sinks && sinks[h] > mx) mx = sinks[h];  /* the max covers the sink (a merge's does) */
+            float sum = 0.f;
+            if (mx > -INFINITY) {  /* else every key of the chunk is hidden: it adds nothing */
+                m8 = _mm256_set1_ps(mx);
+                __m256 acc = _mm256_setzero_ps();
+                for (j = 0; j + 8 <= n; j += 8) {
+                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
+                    _mm256_storeu_ps(s + j, e);
+                    acc = _mm256_add_ps(acc, e);
+                }
+                sum = hsum(acc);
+                for (; j < n; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
+            } else {
+                for (j = 0; j < n; j++) s[j] = 0.f;
             }
-            float sum = hsum(acc);
-            for (; j < n; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
             if (tree_bits)  /* exactly no weight (exp8 clamps e^-inf to ~1e-38, below any sum's rounding) */
-                for (long jj = tj; jj <= pos; jj++) if (HIDDEN(jj)) s[jj - lo] = 0.f;
-            if (sinks) sum += expf(sinks[h] - mx);
-            /* pass 3: the values' weighted sum, page by page, 64 columns at a time, then normalised */
-            float *o = out + ((size_t)t * Hq + h) * D;
+                for (long jj = tj; jj <= c1; jj++) if (HIDDEN(jj)) s[jj - c0] = 0.f;
+            mxs[h] = mx;
+            sums[h] = sum;
+            float *o = whole ? out + ((size_t)t * Hq + h) * D
+                             : partials + (((size_t)t * Hq + h) * nch + c) * pstride + 2;
             memset(o, 0, (size_t)D * sizeof(float));
-            for (long p = lo / ps; p <= pos / ps; p++) {
-                const float *vpage = cache + (size_t)bt[p] * page_stride + (long)ps * tok_stride + koff;
-                long j0 = p * ps > lo ? p * ps : lo, j1 = (p + 1) * ps - 1 < pos ? (p + 1) * ps - 1 : pos;
-                const float *vrow = vpage + (j0 - p * ps) * tok_stride, *w = s + (j0 - lo);
+        }
+        /* pass 3: the values' weighted sums, page by page (each page's V rows read from memory once), 64 columns at a
+           time */
+        for (long p = c0 / ps; p <= c1 / ps; p++) {
+            const float *vpage = cache + (size_t)bt[p] * page_stride + (long)ps * tok_stride;
+            long j0 = p * ps > c0 ? p * ps : c0, j1 = (p + 1) * ps - 1 < c1 ? (p + 1) * ps - 1 : c1;
+            for (int h = hlo; h < hhi; h++) {
+                float *o = whole ? out + ((size_t)t * Hq + h) * D
+                                 : partials + (((size_t)t * Hq + h) * nch + c) * pstride + 2;
+                const float *vrow = vpage + (j0 - p * ps) * tok_stride + (long)(h / group) * D;
+                const float *w = st + (long)h * max_kv + (j0 - c0);
                 int d0 = 0;
                 for (; d0 + 64 <= D; d0 += 64) weighted64(w, vrow + d0, tok_stride, j1 - j0 + 1, o + d0);
                 if (d0 < D) weighted_rest(w, vrow + d0, tok_stride, j1 - j0 + 1, D - d0, o + d0);
             }
+        }
+        for (int h = hlo; h < hhi; h++) {
+            if (!whole) {
+                float *part = partials + (((size_t)t * Hq + h) * nch + c) * pstride;
+                part[0] = mxs[h];
+                part[1] = sums[h];
+                continue;
+            }
+            float *o = out + ((size_t)t * Hq + h) * D, sum = sums[h];
+            if (sinks) sum += expf(sinks[h] - mxs[h]);
             __m256 inv8 = _mm256_set1_ps(1.f / sum);
             int d = 0;
             for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv8));
             for (; d < D; d++) o[d] *= 1.f / sum;
         }
+    }
+    if (nch == 1) return;
+    /* the merge of split tokens: out = sum_c e^(m_c - m) o_c / (sum_c e^(m_c - m) l_c [+ e^(sink - m)]) */
+    for (int th = 0; th < T * Hq; th++) {
+        int t = th / Hq, h = th % Hq;
+        int b = 0;
+        while (b + 1 < B && qo_indptr[b + 1] <= t) b++;
+        long pos = positions[t];
+        long s0 = positions[qo_indptr[b]];
+        long wpos = (tree_bits && tree_pos) ? tree_pos[t] : pos;
+        long wlo = (window > 0 && wpos - window + 1 > 0) ? wpos - window + 1 : 0;
+        long lo = (tree_bits && tree_pos && window > 0) && wlo > s0 ? s0 : wlo;
+        long n = pos - lo + 1;
+        if (n <= chunk) continue;  /* normalised in its task */
+        int used = (int)((n + chunk - 1) / chunk);
+        const float *pc = partials + (size_t)th * nch * pstride;
+        float m = sinks ? sinks[h] : -INFINITY;
+        for (int cc = 0; cc < used; cc++) if (pc[cc * pstride] > m) m = pc[cc * pstride];
+        float *o = out + (size_t)th * D;
+        memset(o, 0, (size_t)D * sizeof(float));
+        float sum = sinks ? expf(sinks[h] - m) : 0.f;
+        for (int cc = 0; cc < used; cc++) {
+            const float *part = pc + cc * pstride;
+            if (!(part[0] > -INFINITY)) continue;
+            float f = expf(part[0] - m);
+            sum += f * part[1];
+            __m256 f8 = _mm256_set1_ps(f);
+            int d = 0;
+            for (; d + 8 <= D; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(f8, _mm256_loadu_ps(part + 2 + d), _mm256_loadu_ps(o + d)));
+            for (; d < D; d++) o[d] += f * part[2 + d];
+        }
+        float inv = 1.f / sum;
+        for (int d = 0; d < D; d++) o[d] *= inv;
     }
 }
 #undef HIDDEN
