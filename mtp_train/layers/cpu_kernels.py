@@ -502,9 +502,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+class PagedAttentionStep:
+    """The per-step arguments of `paged_attention` (`paged_attention_args`: built once per step, shared by every
+    layer): the step's tables as the kernel reads them, their addresses, and the scratch the kernel writes (made at
+    the first layer of a shape and reused by the next ones: a forward's layers run one after another).
+
+    Attributes:
+        block_tables: (B, max_pages) int32; qo_indptr: (B + 1,) int32; positions: (T,) int64.
+        max_kv: the longest sequence's token count.
+        tree_bits, tree_pos, slots: (T,) int64 or None (see `paged_attention_args`).
+    """
+
+    __slots__ = ("block_tables", "qo_indptr", "positions", "max_kv", "tree_bits", "tree_pos", "slots", "ptrs",
+                 "_scratch")
+
+    def __init__(self, block_tables: torch.Tensor, qo_indptr: torch.Tensor, positions: torch.Tensor, max_kv: int,
+                 tree_bits: torch.Tensor | None, tree_pos: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+        self.block_tables, self.qo_indptr, self.positions = block_tables, qo_indptr, positions
+        self.max_kv, self.tree_bits, self.tree_pos, self.slots = int(max_kv), tree_bits, tree_pos, slots
+        # the kernel's step arguments, read once: (block tables, max pages, qo_indptr, B, positions)
+        self.ptrs = (block_tables.data_ptr(), block_tables.shape[1], qo_indptr.data_ptr(), qo_indptr.shape[0] - 1,
+                     positions.data_ptr())
+        self._scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor | None, int, int | None]] = {}
+
+    def scratch(self, t: int, hq: int, d: int, chunk: int) -> tuple[int, int | None]:
+        """Addresses of the kernel's scratch for t rows of hq heads of d: the scores (t·hq·max_kv floats) and, when
+        a token may be split into chunks, their partials (t·hq·⌈max_kv / chunk⌉·(d + 2) floats), else None."""
+        got = self._scratch.get((t, hq, d, chunk))
+        if got is None:
+            scores = torch.empty(t * hq * self.max_kv, dtype=torch.float32)
+            partials = (torch.empty(t * hq * -(-self.max_kv // chunk) * (d + 2), dtype=torch.float32)
+                        if self.max_kv > chunk else None)
+            got = (scores, partials, scores.data_ptr(), None if partials is None else partials.data_ptr())
+            self._scratch[(t, hq, d, chunk)] = got
+        return got[2], got[3]
+
+
 def paged_attention_args(block_tables: torch.Tensor, qo_indptr: torch.Tensor, positions: torch.Tensor,
                          max_kv: int, tree_bits: torch.Tensor | None = None,
-                         tree_pos: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> tuple:
+                         tree_pos: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> PagedAttentionStep:
     """The per-step arguments of `paged_attention` (built once per step, shared by every layer).
 
     tree_bits: None, or (T,) int64 for a tree step (`AttentionMetadata.tree_bits`: bit i = the token sees new
@@ -515,11 +551,11 @@ def paged_attention_args(block_tables: torch.Tensor, qo_indptr: torch.Tensor, po
     bits = None if tree_bits is None else tree_bits.to(torch.int64).contiguous()
     tpos = None if tree_bits is None or tree_pos is None else tree_pos.to(torch.int64).contiguous()
     dst = None if slots is None else slots.to(torch.int64).contiguous()
-    return (block_tables.to(torch.int32).contiguous(), qo_indptr.to(torch.int32).contiguous(),
-            positions.to(torch.int64).contiguous(), int(max_kv), bits, tpos, dst)
+    return PagedAttentionStep(block_tables.to(torch.int32).contiguous(), qo_indptr.to(torch.int32).contiguous(),
+                              positions.to(torch.int64).contiguous(), max_kv, bits, tpos, dst)
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, scale: float,
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step: PagedAttentionStep, scale: float,
                     sliding_window: int | None, sinks: torch.Tensor | None = None,
                     k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                     chunk: int | None = None) -> torch.Tensor:
@@ -529,8 +565,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
         q: (T, Hq, D) float32.
         kv_cache: (num_pages, 2, page_size, Hkv, D) float32 contiguous, holding the new tokens' K/V already, or
             receiving them here (k, v).
-        step_args: from `paged_attention_args` (block tables (B, max_pages), qo_indptr (B+1,), positions (T,), the
-            longest sequence's token count, tree bits or None, tree positions or None, slots or None).
+        step: from `paged_attention_args` (the step's block tables, qo_indptr, positions, longest sequence, tree
+            bits and positions, slots).
         scale, sliding_window: the layer's.
         sinks: None, or (Hq,) attention-sink logits (GPT-OSS), each joining its head's softmax denominator.
         k, v: None, or the new tokens' (T, Hkv, D) float32 K and V, written into the cache at the step's slots
@@ -541,40 +577,39 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step_args: tuple, s
 
     Token t attends causally to its own sequence (within the sliding window, if any, counted in tree positions in a
     tree step; in a tree step only to the new tokens its bits name). Returns (T, Hq, D). Call only when
-    `available()`.
+    `available()`. (Kept lean: it runs once per layer and step.)
     """
     if not kv_cache.is_contiguous():
         raise ValueError("paged_attention needs a contiguous KV pool")
-    bt, indptr, pos, max_kv, bits, tree_pos, slots = step_args
-    q = q.contiguous()
+    if not q.is_contiguous():
+        q = q.contiguous()
     t, hq, d = q.shape
-    if (k is None) != (v is None) or (k is not None and slots is None):
+    if (k is None) != (v is None) or (k is not None and step.slots is None):
         raise ValueError("paged_attention: k and v go together, with the step's slots (paged_attention_args)")
     if k is not None:
-        k, v = k.contiguous(), v.contiguous()
-        if k.shape != (t, kv_cache.shape[3], d) or v.shape != k.shape or slots.shape[0] != t:  # it writes there
+        if not k.is_contiguous():
+            k = k.contiguous()
+        if not v.is_contiguous():
+            v = v.contiguous()
+        if k.shape != (t, kv_cache.shape[3], d) or v.shape != k.shape or step.slots.shape[0] != t:  # it writes there
             raise ValueError(f"paged_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must be "
-                             f"{(t, kv_cache.shape[3], d)}, with one slot each ({slots.shape[0]} given)")
+                             f"{(t, kv_cache.shape[3], d)}, with one slot each ({step.slots.shape[0]} given)")
     if sinks is not None:
         sinks = sinks.detach().to(torch.float32).contiguous()
         if sinks.shape != (hq,):
             raise ValueError(f"paged_attention: sinks {tuple(sinks.shape)} need one logit per query head ({hq})")
-    scores = torch.empty(t * hq * max_kv, dtype=torch.float32)
     chunk = max(8, int(ATTENTION_CHUNK if chunk is None else chunk))
-    # per split token, query head and chunk: the chunk's max, sum and D unnormalised sums of values
-    partials = torch.empty(t * hq * -(-max_kv // chunk) * (d + 2), dtype=torch.float32) if max_kv > chunk else None
+    scores, partials = step.scratch(t, hq, d, chunk)
     out = torch.empty(t, hq, d, dtype=torch.float32)
-    lib = _lib or _require()
-    lib.mtp_paged_attention_f32(q.data_ptr(), t, hq, kv_cache.shape[3], d, kv_cache.data_ptr(), kv_cache.shape[2],
-                                bt.data_ptr(), bt.shape[1], indptr.data_ptr(), indptr.shape[0] - 1, pos.data_ptr(),
-                                sliding_window or 0, scale, scores.data_ptr(), max_kv, out.data_ptr(),
-                                torch.get_num_threads() if _threads_ok else 1,
-                                None if bits is None else bits.data_ptr(),
-                                None if sinks is None else sinks.data_ptr(),
-                                None if tree_pos is None else tree_pos.data_ptr(),
-                                None if k is None else k.data_ptr(), None if v is None else v.data_ptr(),
-                                None if k is None else slots.data_ptr(), chunk,
-                                None if partials is None else partials.data_ptr())
+    bt, max_pages, indptr, num_seqs, pos = step.ptrs
+    bits, tree_pos, slots = step.tree_bits, step.tree_pos, step.slots
+    (_lib or _require()).mtp_paged_attention_f32(
+        q.data_ptr(), t, hq, kv_cache.shape[3], d, kv_cache.data_ptr(), kv_cache.shape[2], bt, max_pages, indptr,
+        num_seqs, pos, sliding_window or 0, scale, scores, step.max_kv, out.data_ptr(),
+        torch.get_num_threads() if _threads_ok else 1, None if bits is None else bits.data_ptr(),
+        None if sinks is None else sinks.data_ptr(), None if tree_pos is None else tree_pos.data_ptr(),
+        None if k is None else k.data_ptr(), None if v is None else v.data_ptr(),
+        None if k is None else slots.data_ptr(), chunk, partials)
     return out
 
 

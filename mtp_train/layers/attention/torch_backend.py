@@ -103,7 +103,7 @@ class TorchBackend(AttentionBackend):
         """See `AttentionBackend.forward`; sinks: None, or (Hq,) attention-sink logits of this layer."""
         st = meta.backend_state
         if (st.get("native") and kv_cache is not None and kv_cache.is_contiguous()
-                and cpu_kernels.serves(q, kv_cache, k, v) and st["native_args"][-1] is not None):
+                and cpu_kernels.serves(q, kv_cache, k, v) and st["native_args"].slots is not None):
             # decode / verify on CPU: the kernel writes the new K/V into their slots and reads the pages in place
             return cpu_kernels.paged_attention(q, kv_cache, st["native_args"], self.scale, self.sliding_window, sinks,
                                                k=k, v=v)
