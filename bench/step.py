@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from bench.common import head_proposer, parser, report
+from mtp_train.config.eval import HEAD_WEIGHTS
 from mtp_train.engine import LLMEngine, SamplingParams
 
 FORWARD_PARTS = ("linear", "attention", "norm", "lm_head", "other")
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "(fp32,bf16: every head row twice, interleaved prompt by prompt, the A/B in one process)")
     args = ap.parse_args(argv)
     weights = args.head_weights.split(",")
-    if not weights or any(w not in ("bf16", "fp32") for w in weights):
+    if not weights or any(w not in HEAD_WEIGHTS for w in weights):
         ap.error(f"--head-weights takes bf16, fp32 or both, got {args.head_weights!r}")
     from mtp_train.cli.common import configure_from_env
 

@@ -553,9 +553,10 @@ class PagedAttentionStep:
                  tree_bits: torch.Tensor | None, tree_pos: torch.Tensor | None, slots: torch.Tensor | None) -> None:
         self.block_tables, self.qo_indptr, self.positions = block_tables, qo_indptr, positions
         self.max_kv, self.tree_bits, self.tree_pos, self.slots = int(max_kv), tree_bits, tree_pos, slots
-        # the kernel's step arguments, read once: (block tables, max pages, qo_indptr, B, positions)
+        # the kernel's step arguments, read once: (block tables, max pages, qo_indptr, B, positions, tree bits, tree
+        # positions, slots), the last three None where absent
         self.ptrs = (block_tables.data_ptr(), block_tables.shape[1], qo_indptr.data_ptr(), qo_indptr.shape[0] - 1,
-                     positions.data_ptr())
+                     positions.data_ptr(), *(None if x is None else x.data_ptr() for x in (tree_bits, tree_pos, slots)))
         self._scratch: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor | None, int, int | None]] = {}
 
     def scratch(self, t: int, hq: int, d: int, chunk: int) -> tuple[int, int | None]:
@@ -634,15 +635,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step: PagedAttentio
     chunk = max(8, int(ATTENTION_CHUNK if chunk is None else chunk))
     scores, partials = step.scratch(t, hq, d, chunk)
     out = torch.empty(t, hq, d, dtype=torch.float32)
-    bt, max_pages, indptr, num_seqs, pos = step.ptrs
-    bits, tree_pos, slots = step.tree_bits, step.tree_pos, step.slots
+    bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots = step.ptrs
     (_lib or _require()).mtp_paged_attention_f32(
         q.data_ptr(), t, hq, kv_cache.shape[3], d, kv_cache.data_ptr(), kv_cache.shape[2], bt, max_pages, indptr,
         num_seqs, pos, sliding_window or 0, scale, scores, step.max_kv, out.data_ptr(),
-        torch.get_num_threads() if _threads_ok else 1, None if bits is None else bits.data_ptr(),
-        None if sinks is None else sinks.data_ptr(), None if tree_pos is None else tree_pos.data_ptr(),
-        None if k is None else k.data_ptr(), None if v is None else v.data_ptr(),
-        None if k is None else slots.data_ptr(), chunk, partials)
+        torch.get_num_threads() if _threads_ok else 1, bits, None if sinks is None else sinks.data_ptr(), tree_pos,
+        None if k is None else k.data_ptr(), None if v is None else v.data_ptr(), None if k is None else slots,
+        chunk, partials)
     return out
 
 

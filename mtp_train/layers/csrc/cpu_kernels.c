@@ -473,6 +473,25 @@ static inline void weighted_rest(const float *restrict w, const float *restrict 
     }
 }
 
+/* Where token t of a paged attention step attends (see mtp_paged_attention_f32): its sequence b, its position pos,
+ * the step's first new slot s0 of that sequence, the window's lowest position wlo, and the tree positions a window
+ * counts (NULL when none apply). Returns lo, the first position the token reads. */
+static inline long token_span(int t, const int *qo_indptr, int B, const int64_t *positions, int window,
+                              const int64_t *tree_bits, const int64_t *tree_pos, int *b_out, long *pos_out,
+                              long *s0_out, long *wlo_out, const int64_t **new_pos_out) {
+    int b = 0;
+    while (b + 1 < B && qo_indptr[b + 1] <= t) b++;
+    long pos = positions[t];
+    long s0 = positions[qo_indptr[b]];  /* the step's first new slot of this sequence (tree steps) */
+    /* the window counts positions: a slot in the cache, a tree position among a tree step's new tokens */
+    long wpos = (tree_bits && tree_pos) ? tree_pos[t] : pos;
+    long wlo = (window > 0 && wpos - window + 1 > 0) ? wpos - window + 1 : 0;
+    const int64_t *new_pos = (tree_bits && tree_pos && window > 0) ? tree_pos + qo_indptr[b] : NULL;
+    *b_out = b, *pos_out = pos, *s0_out = s0, *wlo_out = wlo, *new_pos_out = new_pos;
+    /* a tree's new tokens sit in slots from s0 on whatever their positions: they are read from s0 at the latest */
+    return new_pos && wlo > s0 ? s0 : wlo;
+}
+
 /* Attention of decode / verify tokens straight over the paged KV cache (no gather).
  *
  * q: (T, Hq, D) contiguous, already rotated; cache: one layer's pool (num_pages, 2, ps, Hkv, D)
@@ -534,25 +553,22 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
     for (int task = 0; task < tasks; task++) {
         int hlo = (task % gsplit) * gper * group, hhi = hlo + gper * group;  /* this task's query heads */
         int c = (task / gsplit) % nch, t = task / (gsplit * nch);
-        int b = 0;
-        while (b + 1 < B && qo_indptr[b + 1] <= t) b++;
+        int b;
+        long pos, s0, wlo;
+        const int64_t *new_pos;
+        long lo = token_span(t, qo_indptr, B, positions, window, tree_bits, tree_pos, &b, &pos, &s0, &wlo, &new_pos);
         const int *bt = block_tables + (size_t)b * max_pages;
-        long pos = positions[t];
-        long s0 = positions[qo_indptr[b]];  /* the step's first new slot of this sequence (tree steps) */
         int64_t bits = tree_bits ? tree_bits[t] : 0;
-        /* the window counts positions: a slot in the cache, a tree position among a tree step's new tokens */
-        long wpos = (tree_bits && tree_pos) ? tree_pos[t] : pos;
-        long wlo = (window > 0 && wpos - window + 1 > 0) ? wpos - window + 1 : 0;
-        const int64_t *new_pos = (tree_bits && tree_pos && window > 0) ? tree_pos + qo_indptr[b] : NULL;
 #define HIDDEN(j) (!(((uint64_t)bits >> ((j) - s0)) & 1u) || (new_pos && new_pos[(j) - s0] < wlo))  /* j >= s0, j - s0 <= 63 */
-        /* a tree's new tokens sit in slots from s0 on whatever their positions: they are read from s0 at the latest */
-        long lo = new_pos && wlo > s0 ? s0 : wlo;
         long c0 = lo + c * chunk;  /* this task's positions: c0 .. c1 */
         if (c0 > pos) continue;
         long c1 = c0 + chunk - 1 < pos ? c0 + chunk - 1 : pos;
         int whole = pos - lo + 1 <= chunk;  /* one chunk holds all the token's positions: normalise here */
         long n = c1 - c0 + 1;
         long tj = s0 > c0 ? s0 : c0;  /* the first position HIDDEN may name */
+/* head h's sums of values: its output row (normalised in place) or its chunk's partial (after the max and sum) */
+#define HEAD_SUMS(h) (whole ? out + ((size_t)t * Hq + (h)) * D \
+                      : partials + (((size_t)t * Hq + (h)) * nch + c) * pstride + 2)
         float *st = scores + (size_t)t * Hq * max_kv + (c0 - lo);  /* head h's score of position j: st[h * max_kv + j - c0] */
         /* pass 1: scores, page by page (each page's K rows, every head's, read from memory once), eight keys at a time */
         for (long p = c0 / ps; p <= c1 / ps; p++) {
@@ -601,9 +617,7 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
                 for (long jj = tj; jj <= c1; jj++) if (HIDDEN(jj)) s[jj - c0] = 0.f;
             mxs[h] = mx;
             sums[h] = sum;
-            float *o = whole ? out + ((size_t)t * Hq + h) * D
-                             : partials + (((size_t)t * Hq + h) * nch + c) * pstride + 2;
-            memset(o, 0, (size_t)D * sizeof(float));
+            memset(HEAD_SUMS(h), 0, (size_t)D * sizeof(float));
         }
         /* pass 3: the values' weighted sums, page by page (each page's V rows read from memory once), 64 columns at a
            time */
@@ -611,8 +625,7 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
             const float *vpage = cache + (size_t)bt[p] * page_stride + (long)ps * tok_stride;
             long j0 = p * ps > c0 ? p * ps : c0, j1 = (p + 1) * ps - 1 < c1 ? (p + 1) * ps - 1 : c1;
             for (int h = hlo; h < hhi; h++) {
-                float *o = whole ? out + ((size_t)t * Hq + h) * D
-                                 : partials + (((size_t)t * Hq + h) * nch + c) * pstride + 2;
+                float *o = HEAD_SUMS(h);
                 const float *vrow = vpage + (j0 - p * ps) * tok_stride + (long)(h / group) * D;
                 const float *w = st + (long)h * max_kv + (j0 - c0);
                 int d0 = 0;
@@ -622,12 +635,12 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
         }
         for (int h = hlo; h < hhi; h++) {
             if (!whole) {
-                float *part = partials + (((size_t)t * Hq + h) * nch + c) * pstride;
+                float *part = HEAD_SUMS(h) - 2;
                 part[0] = mxs[h];
                 part[1] = sums[h];
                 continue;
             }
-            float *o = out + ((size_t)t * Hq + h) * D, sum = sums[h];
+            float *o = HEAD_SUMS(h), sum = sums[h];
             if (sinks) sum += expf(sinks[h] - mxs[h]);
             __m256 inv8 = _mm256_set1_ps(1.f / sum);
             int d = 0;
@@ -638,14 +651,10 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
     if (nch == 1) return;
     /* the merge of split tokens: out = sum_c e^(m_c - m) o_c / (sum_c e^(m_c - m) l_c [+ e^(sink - m)]) */
     for (int th = 0; th < T * Hq; th++) {
-        int t = th / Hq, h = th % Hq;
-        int b = 0;
-        while (b + 1 < B && qo_indptr[b + 1] <= t) b++;
-        long pos = positions[t];
-        long s0 = positions[qo_indptr[b]];
-        long wpos = (tree_bits && tree_pos) ? tree_pos[t] : pos;
-        long wlo = (window > 0 && wpos - window + 1 > 0) ? wpos - window + 1 : 0;
-        long lo = (tree_bits && tree_pos && window > 0) && wlo > s0 ? s0 : wlo;
+        int t = th / Hq, h = th % Hq, b;
+        long pos, s0, wlo;
+        const int64_t *new_pos;
+        long lo = token_span(t, qo_indptr, B, positions, window, tree_bits, tree_pos, &b, &pos, &s0, &wlo, &new_pos);
         long n = pos - lo + 1;
         if (n <= chunk) continue;  /* normalised in its task */
         int used = (int)((n + chunk - 1) / chunk);
@@ -671,6 +680,7 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
     }
 }
 #undef HIDDEN
+#undef HEAD_SUMS
 
 /* Rotate-half RoPE in place: x rows (T, row stride xs) hold `heads` consecutive heads of D values from
  * column 0; cos, sin: (T, D) contiguous. x[i] <- x[i] cos[i] - x[i + D/2] sin[i],
