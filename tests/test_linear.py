@@ -92,39 +92,3 @@ def test_a_stale_bf16_copy_is_made_again_when_the_weight_changes():
         out = lin(x)
     want = F.linear(x, lin.weight.bfloat16().float()) if _streams(1) else F.linear(x, lin.weight)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_a_bound_product_follows_the_weight_the_copy_and_the_switches(bias):
-    """The gemv bound once per row count (`Linear._routes`) computes what the dispatch does, and is not used once
-    the weight is replaced, changed under its bfloat16 copy, or the kernels are switched off; pickling drops it."""
-    import pickle
-
-    from mtp_train.layers import cpu_kernels
-
-    torch.manual_seed(3)
-    lin = Linear(24, 40, bias=bias)
-    x = torch.randn(2, 24)
-    with torch.inference_mode():
-        for _ in range(2):  # the first call binds (where the kernels take 2 rows), the second runs the binding
-            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-    if cpu_kernels.available() and GEMV_M_MAX >= 2 and 2 in lin._routes:
-        assert lin._routes[2][1] == lin.weight.data_ptr()
-    lin.weight = torch.nn.Parameter(torch.randn(40, 24))  # another tensor: the binding's address is stale
-    with torch.inference_mode():
-        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-        with cpu_kernels.disabled():
-            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-    lin.stream_bf16()
-    with torch.inference_mode():
-        lin(x)
-    with torch.no_grad():
-        lin.weight.mul_(-1)  # the copy is stale: made again, the binding with it
-    with torch.inference_mode():
-        out = lin(x)
-    want = lin.weight.bfloat16().float() if _streams(2) else lin.weight
-    torch.testing.assert_close(out, F.linear(x, want, lin.bias), rtol=1e-5, atol=1e-5)
-    again = pickle.loads(pickle.dumps(lin))
-    assert again._routes == {}
-    with torch.inference_mode():
-        torch.testing.assert_close(again(x), out, rtol=1e-5, atol=1e-5)

@@ -52,7 +52,7 @@ import stat
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -467,49 +467,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    fn = _gemv_entry(weight.dtype, isa)
+    lib = _lib or _require()
+    if weight.dtype == torch.bfloat16:
+        fn = _gemv_bf16_by_isa.get(isa or _isa) or _by_isa(isa, lib.mtp_gemv_bf16w, lib.mtp_gemv_bf16w_avx512)
+    else:
+        fn = _gemv_fn if isa is None else (_gemv_by_isa.get(isa)
+                                           or _by_isa(isa, lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512))
     if fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
           y.data_ptr(), n, m, n, k, torch.get_num_threads() if _threads_ok else 1):
         raise RuntimeError("gemv: this CPU does not run the AVX-512 body (AVX-512F/VL/DQ)")
     return y
-
-
-def _gemv_entry(dtype: torch.dtype, isa: str | None) -> object:
-    """The gemv entry point for a weight of `dtype` (float32 or bfloat16) on `isa` (None: the one in use)."""
-    lib = _lib or _require()
-    if dtype == torch.bfloat16:
-        return _gemv_bf16_by_isa.get(isa or _isa) or _by_isa(isa, lib.mtp_gemv_bf16w, lib.mtp_gemv_bf16w_avx512)
-    if isa is None:
-        return _gemv_fn
-    return _gemv_by_isa.get(isa) or _by_isa(isa, lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512)
-
-
-def bound_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
-               isa: str | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`gemv(·, weight, bias, isa)` with everything but x resolved once: the entry point and the addresses of the
-    weight and bias (contiguous, float32 or bfloat16), for a caller that runs the same product every step and
-    re-binds when the weight, the kernels' settings (`generation`) or the body changes. x: (M, K) float32 → (M, N).
-    The weight and bias must outlive the returned function (it holds their addresses, not them)."""
-    if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
-        raise ValueError("bound_gemv needs a contiguous weight and bias")
-    fn = _gemv_entry(weight.dtype, isa)
-    n, k = weight.shape
-    wp, bp = weight.data_ptr(), None if bias is None else bias.data_ptr()
-    threads_ok = _threads_ok
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        m, kx = x.shape
-        if kx != k:
-            raise ValueError(f"gemv: x has {kx} columns, the weight ({n}, {k}) has {k}")
-        y = torch.empty(m, n, dtype=torch.float32)
-        if fn(x.data_ptr(), x.stride(0), wp, bp, y.data_ptr(), n, m, n, k,
-              torch.get_num_threads() if threads_ok else 1):
-            raise RuntimeError("gemv: this CPU does not run the AVX-512 body (AVX-512F/VL/DQ)")
-        return y
-
-    return run
 
 
 def _by_isa(isa: str, avx2_fn: object, avx512_fn: object) -> object:

@@ -137,17 +137,6 @@ def prefers_native(op: str, cls: str) -> bool:
     return _decide(op)[cls]
 
 
-def settled(*ops: str) -> bool:
-    """Whether each op's path choice is decided for the current kernel settings (so that a caller may keep what it
-    chose by it until `cpu_kernels.generation()` changes); an op not registered counts as settled (never asked)."""
-    gen = cpu_kernels.generation()
-    for op in ops:
-        hit = _decided.get(op)
-        if op in PROBES and (hit is None or hit[0] != gen):
-            return False
-    return True
-
-
 def _decide(op: str) -> dict[str, bool]:
     mode = cpu_kernels.settings().choice
     probe = PROBES[op]

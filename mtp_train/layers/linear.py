@@ -162,9 +162,6 @@ class Linear(nn.Linear):
         self._w16: torch.Tensor | None = None  # bfloat16 copy streamed by few-row products (`stream_bf16`)
         self._w16_version = -1  # the weight's version the copy was made from (an optimizer step bumps it)
         self._w16_on = False  # whether products stream the copy
-        # m → (kernels' generation, streamed weight's address, bias's address, bound gemv): the native product of m
-        # rows resolved once (`_route`), so that a decode step's ~120 calls skip the dispatch (~6 us each)
-        self._routes: dict[int, tuple[int, int, int | None, Callable[[torch.Tensor], torch.Tensor]]] = {}
 
     def prepack(self) -> None:
         """Pack the weight for MKL's 1-row GEMM (CPU, fp32). Call again if the weight changes.
@@ -196,48 +193,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (M, in) or (..., in) → (M, out) / (..., out)."""
-        if x.dim() == 2 and not torch.is_grad_enabled():
-            route = self._routes.get(x.shape[0])
-            if (route is not None and route[0] == cpu_kernels.generation() and cpu_kernels.available()
-                    and x.dtype == torch.float32 and x.is_cpu
-                    and route[1] == (self._w16 if self._w16_on else self.weight).data_ptr()
-                    and route[2] == (None if self.bias is None else self.bias.data_ptr())
-                    and not (self._w16_on and self._w16_version != tensor_version(self.weight))):
-                return route[3](x)
-            y = self._forward(x)
-            self._route(x)
-            return y
-        return self._forward(x)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._w16_on:
             return linear(x, self.weight, self.bias, self._packed)
         if self._w16_version != tensor_version(self.weight):
             self.stream_bf16()  # the weight changed in place since the copy was made
         return linear(x, self.weight, self.bias, self._packed, self._w16)
-
-    def _route(self, x: torch.Tensor) -> None:
-        """Bind the native gemv for x's row count when `linear` gives it those rows (the same choice: the bfloat16
-        copy or the weight, and the body measured for m rows), once the choices it rests on are settled."""
-        m, w = x.shape[0], self.weight
-        if not (_cpu_inference(x, w) and m <= GEMV_M_MAX and cpu_kernels.available()):
-            return
-        bf16 = self._w16_on and _takes_bf16(m)
-        src = self._w16 if bf16 else w if _takes_gemv(m, w) else None
-        if src is None or not src.is_contiguous() or (self.bias is not None and not self.bias.is_contiguous()):
-            return
-        isa = _gemv_isa(m)
-        if not kernel_choice.settled("linear_bf16" if bf16 else "linear", *(("gemv_isa",) if isa else ())):
-            return  # asked while a choice is being measured: its answer is not the one to keep
-        self._routes[m] = (cpu_kernels.generation(), src.data_ptr(),
-                           None if self.bias is None else self.bias.data_ptr(),
-                           cpu_kernels.bound_gemv(src, self.bias, isa=isa))
-
-    def __getstate__(self) -> dict:
-        """Pickled without the bound products (functions over addresses: rebound at the first use)."""
-        state = self.__dict__.copy()
-        state["_routes"] = {}
-        return state
 
 
 def prepack_linears(module: nn.Module) -> int:
