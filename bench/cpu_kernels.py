@@ -18,8 +18,9 @@ Last, what the first-use measurement of the native-or-torch choice costs on this
 each op's probe, not cached): `choice_measure_s` per op, and whether it finished within its deadline.
 
 With `--baseline-source FILE.c` (e.g. an earlier `git show REV:mtp_train/layers/csrc/cpu_kernels.c`) that source is
-compiled with the same flags and its gemv timed alternately against ours at every M (`gemv_m{M}_vs_baseline_source`),
-and its paged attention against ours at 1, 2 and 4 query rows over 256 and 1024 cached tokens, each call over another
+compiled with the same flags and its gemv timed alternately against ours at every M, each on the body
+`cpu_kernels.isa()` names (`gemv_m{M}_vs_baseline_source`; over the bfloat16 copies
+`gemv_m{M}_bf16_vs_baseline_source`), and its paged attention against ours at 1, 2 and 4 query rows over 256 and 1024 cached tokens, each call over another
 of 30 layers' pools so that the K/V come from memory as in a decode step (`attention_t{T}_ctx{C}_vs_baseline_source`):
 how a change to a kernel is measured, in one process.
 
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
               if torch.backends.mkl.is_available() else None)
     base_lib = _baseline_library(args.baseline_source) if args.baseline_source else None
     other = _baseline_gemv(base_lib) if base_lib is not None else None
+    other16 = _baseline_gemv(base_lib, "bf16w") if base_lib is not None else None
     with torch.inference_mode():
         for m in (1, 2, 3, 4, 5, 8, 16):
             xs = {k: torch.randn(m, k) for k in (H, INTER, HQ * D)}
@@ -113,7 +115,12 @@ def main(argv: list[str] | None = None) -> dict:
                 _, _, r_src = compare(ours, lambda xs=xs: [other(xs[w.shape[1]], w) for w in weights],
                                       repeat=args.repeat)
                 res[f"gemv_m{m}_vs_baseline_source"] = r_src
-                print(f"gemv M={m:2d}: {r_src:.2f}x the baseline source's", flush=True)
+                assert other16 is not None
+                _, _, r_src16 = compare(ours_bf16, lambda xs=xs: [other16(xs[w.shape[1]], w) for w in halves],
+                                        repeat=args.repeat)
+                res[f"gemv_m{m}_bf16_vs_baseline_source"] = r_src16
+                print(f"gemv M={m:2d}: {r_src:.2f}x the baseline source's ({r_src16:.2f}x over bfloat16 weights)",
+                      flush=True)
             print(f"gemv M={m:2d}, {mb:.0f} MB of weights: {mb / 1024 / t_ours:.1f} GB/s; {r_lin:.2f}x F.linear "
                   f"({mb / 1024 / t_lin:.1f} GB/s), {r_fast:.2f}x Linear's torch path", flush=True)
 
@@ -183,15 +190,17 @@ def _baseline_library(source: str) -> object:
     return cpu_kernels._open(lib_path)[0]
 
 
-def _baseline_gemv(lib: object) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The baseline library's gemv: (x (M, K), w (N, K)) → y."""
+def _baseline_gemv(lib: object, weights: str = "f32") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The baseline library's gemv over `weights` (f32, or bf16w: bfloat16 bits), on the body `cpu_kernels.isa()`
+    names (ours runs there too): (x (M, K), w (N, K)) → y."""
     threads = torch.get_num_threads()
+    fn = getattr(lib, f"mtp_gemv_{weights}" + ("_avx512" if cpu_kernels.isa() == "avx512" else ""))
 
     def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
         n = w.shape[0]
         y = torch.empty(m, n)
-        lib.mtp_gemv_f32(x.data_ptr(), x.stride(0), w.data_ptr(), None, y.data_ptr(), n, m, n, k, threads)
+        fn(x.data_ptr(), x.stride(0), w.data_ptr(), None, y.data_ptr(), n, m, n, k, threads)
         return y
 
     return gemv
