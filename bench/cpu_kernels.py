@@ -21,8 +21,8 @@ With `--baseline-source FILE.c` (e.g. an earlier `git show REV:mtp_train/layers/
 compiled with the same flags and its gemv timed alternately against ours at every M, each on the body
 `cpu_kernels.isa()` names (`gemv_m{M}_vs_baseline_source`; over the bfloat16 copies
 `gemv_m{M}_bf16_vs_baseline_source`), and its paged attention against ours at 1, 2 and 4 query rows over 256 and
-1024 cached tokens, each call over another of 30 layers' pools so that the K/V come from memory as in a decode step (`attention_t{T}_ctx{C}_vs_baseline_source`):
-how a change to a kernel is measured, in one process.
+1024 cached tokens, each call over another of 30 layers' pools so that the K/V come from memory as in a decode step
+(`attention_t{T}_ctx{C}_vs_baseline_source`): how a change to a kernel is measured, in one process.
 
 Usage: python -m bench.cpu_kernels [--repeat 5] [--baseline-source FILE.c]. The last line printed is one JSON object.
 """
