@@ -308,6 +308,54 @@ def test_model_decode_and_verify_equal_the_torch_paths(tiny_checkpoints, family)
         torch.testing.assert_close(l_n, l_t, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_a_decoder_layer_in_one_native_call_equals_the_layer_op_by_op(tiny_checkpoints, family, weights,
+                                                                      monkeypatch):
+    """Decode, verify and tree steps: every layer runs as one `decoder_layer` call (qkv bias, q/k norms, a sliding
+    window, bfloat16 weight copies as a head streams them), and gives the op-by-op layer's hidden states, logits and
+    K/V pages."""
+    from mtp_train.engine import ModelRunner, Sequence
+    from mtp_train.layers.linear import stream_bf16_linears
+    from mtp_train.models import load_model
+    from mtp_train.models.families import llama
+
+    model = load_model(tiny_checkpoints[family][0], dtype="float32")
+    if weights == "bf16":
+        assert stream_bf16_linears(model.model.layers) > 0
+    vocab, n_layers = model.args.vocab_size, model.args.num_layers
+    prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19)]
+    calls = []
+    real = cpu_kernels.decoder_layer
+    monkeypatch.setattr(cpu_kernels, "decoder_layer", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    outs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(llama.DecoderLayer, "native", lambda self, *a: None)
+        runner = ModelRunner.create(model, num_pages=64, page_size=4)
+        seqs = [Sequence.new(i, p) for i, p in enumerate(prompts)]
+        steps = []
+        with torch.inference_mode():
+            runner.run(seqs)
+            for step in range(5):  # decode steps, verify steps of 3 new tokens, then a tree of 4 (root, 2, 1)
+                rows = 1 if step < 2 else 3 if step < 4 else 4
+                for s in seqs:
+                    s.token_ids.extend([(7 * step + s.seq_id + j) % vocab for j in range(rows)])
+                tree = [[-1, 0, 0, 1]] * len(seqs) if rows == 4 else None
+                out = runner.run(seqs, logits="all", tree=tree)
+                steps.append((out.hidden, out.logits))
+        outs.append((steps, [c.clone() for c in runner.kv.layers]))
+        if fused:
+            assert calls == [r * len(seqs) for r in (1, 1, 3, 3, 4) for _ in range(n_layers)]
+    (fused_steps, fused_kv), (torch_steps, torch_kv) = outs
+    for (h_n, l_n), (h_t, l_t) in zip(fused_steps, torch_steps):
+        torch.testing.assert_close(h_n, h_t, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(l_n, l_t, rtol=1e-5, atol=1e-5)
+    for a, b in zip(fused_kv, torch_kv):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_disabled_switches_every_path_off_and_back():
     was = cpu_kernels.available()
     with cpu_kernels.disabled():

@@ -324,6 +324,12 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_int, ctypes.c_float]
     fn.restype = None
+    fn = lib.mtp_decoder_layer_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
     for fn, ret in ((lib.mtp_soft_ce_f32, None), (lib.mtp_soft_ce_f32_avx512, ctypes.c_int)):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -609,6 +615,126 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step: PagedAttentio
         torch.get_num_threads() if _threads_ok else 1, bits, None if sinks is None else sinks.data_ptr(), tree_pos,
         None if k is None else k.data_ptr(), None if v is None else v.data_ptr(), None if k is None else slots,
         chunk, partials)
+    return out
+
+
+class _Layer(ctypes.Structure):
+    """csrc/cpu_kernels.c's `mtp_layer`: one decoder layer's weights and shapes."""
+
+    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("wqkv", ctypes.c_void_p), ("wo", ctypes.c_void_p),
+                ("wgu", ctypes.c_void_p), ("wd", ctypes.c_void_p), ("bqkv", ctypes.c_void_p),
+                ("bo", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("bf16", ctypes.c_int), ("H", ctypes.c_int), ("I", ctypes.c_int),
+                ("Hq", ctypes.c_int), ("Hkv", ctypes.c_int), ("D", ctypes.c_int), ("window", ctypes.c_int)]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """What `LayerPlan` reads of a Llama-family decoder layer (all float32 CPU contiguous, except the four
+    projection weights, each float32 or bfloat16; None = absent).
+
+    Attributes:
+        ln1: (H,) the input RMSNorm's weight, or None (a head block without it); ln2: (H,) the post-attention one.
+        q_norm, k_norm: (D,) Qwen3's per-head norms, or None.
+        wqkv: (Hq·D + 2·Hkv·D, H); wo: (H, Hq·D); wgu: (2I, H), gate rows then up rows; wd: (H, I).
+        bqkv: (Hq·D + 2·Hkv·D,) or None; bo: (H,) or None; sinks: (Hq,) attention-sink logits, or None.
+    """
+
+    ln1: torch.Tensor | None
+    ln2: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wqkv: torch.Tensor
+    wo: torch.Tensor
+    wgu: torch.Tensor
+    wd: torch.Tensor
+    bqkv: torch.Tensor | None
+    bo: torch.Tensor | None
+    sinks: torch.Tensor | None
+
+
+class LayerPlan:
+    """One decoder layer as `decoder_layer` runs it: its weights' addresses and shapes, made once (per set of
+    weights: a head that switches to its bfloat16 copies gets another plan) and kept by the layer.
+
+    The plan holds the tensors it points to, so they outlive it; `key` is what it was made from (the projection
+    weights' addresses), for the layer to tell whether it still applies.
+    """
+
+    __slots__ = ("key", "weights", "struct", "address")
+
+    def __init__(self, w: LayerWeights, heads: tuple[int, int, int], eps: float, scale: float,
+                 window: int | None) -> None:
+        hq, hkv, d = heads
+        h, i = w.wo.shape[0], w.wd.shape[1]
+        shapes = {"wqkv": (hq * d + 2 * hkv * d, h), "wo": (h, hq * d), "wgu": (2 * i, h), "wd": (h, i)}
+        for name, shape in shapes.items():
+            t = getattr(w, name)
+            if tuple(t.shape) != shape or t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
+                raise ValueError(f"decoder_layer: {name} {tuple(t.shape)} {t.dtype} must be {shape}, contiguous, "
+                                 "float32 or bfloat16")
+        self.key = tuple(getattr(w, n).data_ptr() for n in shapes)
+        self.weights = w  # kept alive for the addresses below
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        bf16 = sum(bit for bit, t in ((1, w.wqkv), (2, w.wo), (4, w.wgu), (8, w.wd)) if t.dtype == torch.bfloat16)
+        self.struct = _Layer(ptr(w.ln1), ptr(w.ln2), ptr(w.q_norm), ptr(w.k_norm), ptr(w.wqkv), ptr(w.wo),
+                             ptr(w.wgu), ptr(w.wd), ptr(w.bqkv), ptr(w.bo), ptr(w.sinks), eps, scale, bf16, h, i,
+                             hq, hkv, d, window or 0)
+        self.address = ctypes.addressof(self.struct)
+
+
+class LayerPlans(dict):
+    """A layer's `LayerPlan`s by key, at most `MAX` (a plan holds its weights: a layer whose weights were replaced
+    must not keep the old ones alive); never copied or pickled with the module that holds it (its ctypes structures
+    cannot be, and a copy's weights are other tensors anyway)."""
+
+    MAX = 4
+
+    def add(self, key: tuple[int, ...], plan: LayerPlan) -> LayerPlan:
+        if len(self) >= self.MAX:
+            self.clear()
+        self[key] = plan
+        return plan
+
+    def __deepcopy__(self, memo: dict) -> LayerPlans:
+        return LayerPlans()
+
+    def __reduce__(self) -> tuple:
+        return LayerPlans, ()
+
+
+def decoder_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                  step: PagedAttentionStep, use512: bool) -> torch.Tensor:
+    """A whole Llama-family decoder layer over the few rows of a decode or verify step, in one native call:
+    out = x + o(attention(rope(qkv(norm1(x))))), then out + down(silu(gate) · up)(norm2(out)), the step's new K/V
+    written into the pool at its slots (what `DecoderLayer.forward` computes op by op, without ~20 dispatches).
+
+    Args:
+        plan: the layer (`LayerPlan`).
+        x: (M, H) float32 contiguous, the layer's input (not changed).
+        cos, sin: (M, D) or (M, 1, D) float32, the rows' rotate-half RoPE.
+        kv_cache: the layer's pool (num_pages, 2, page_size, Hkv, D) float32 contiguous.
+        step: the step's attention arguments (`paged_attention_args`, with slots).
+        use512: the gemv's AVX-512 body (only where `cpu_has_avx512()`), else AVX2.
+    Returns (M, H). Call only when `available()`; the caller checks shapes and dtypes (kept lean: once per layer and
+    step).
+    """
+    s = plan.struct
+    m = x.shape[0]
+    cos, sin = cos.reshape(m, s.D).contiguous(), sin.reshape(m, s.D).contiguous()
+    chunk = max(8, int(ATTENTION_CHUNK))
+    scores, partials = step.scratch(m, s.Hq, s.D, chunk)
+    out = torch.empty_like(x)
+    bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots = step.ptrs
+    if (_lib or _require()).mtp_decoder_layer_f32(
+            plan.address, x.data_ptr(), out.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
+            kv_cache.shape[2], bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots, scores, step.max_kv,
+            partials, chunk, int(use512), torch.get_num_threads() if _threads_ok else 1):
+        raise MemoryError(f"decoder_layer: no memory for the scratch of {m} rows")
     return out
 
 

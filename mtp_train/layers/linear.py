@@ -121,6 +121,28 @@ def _gemv_isa(m: int) -> str | None:
     return "avx512" if kernel_choice.prefers_native("gemv_isa", ROW_CLASSES[m]) else "avx2"
 
 
+def gemv_weight(lin: nn.Module, m: int) -> torch.Tensor | None:
+    """The weight a `Linear` streams through the native gemv for m rows (its bfloat16 copy under `stream_bf16`, or
+    its float32 weight), as `Linear.forward` would choose it; None where it would take another path (another
+    module type, a weight or bias not on the CPU in float32, the measured choice torch's for m rows). For callers
+    that run the product natively themselves (`cpu_kernels.decoder_layer`)."""
+    if type(lin) is not Linear or not 1 <= m <= GEMV_M_MAX:
+        return None
+    w, b = lin.weight, lin.bias
+    if (w.dtype != torch.float32 or not on_cpu(w.device) or (b is not None and b.dtype != torch.float32)
+            or (torch.is_grad_enabled() and w.requires_grad)):
+        return None
+    if lin._w16_on and lin._w16_version == tensor_version(w) and _takes_bf16(m):
+        return lin._w16
+    return w if _takes_gemv(m, w) and w.is_contiguous() else None
+
+
+def gemv_avx512(m: int) -> bool:
+    """Whether m-row products run the gemv's AVX-512 body here (`_gemv_isa`, else the body `cpu_kernels.isa()`
+    names)."""
+    return (_gemv_isa(m) or cpu_kernels.isa()) == "avx512"
+
+
 def padded_t(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) → (K, M + pad) view: xᵀ with zero columns up to a multiple of ROW_MULTIPLE (see `_small_m`)."""
     pad = -x.shape[0] % ROW_MULTIPLE

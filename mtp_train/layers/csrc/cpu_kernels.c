@@ -29,6 +29,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Below this much work (positions attended x Hq x D) a paged attention call stays on one thread. */
@@ -577,6 +578,98 @@ void mtp_rope_f32(float *x, long xs, int T, int heads, int D, const float *cos, 
             }
         }
     }
+}
+
+/* ---- one decoder layer of few rows (mtp_decoder_layer_f32) -------------------------------------------------- */
+
+/* y[i] += x[i], n floats. */
+static void add_(float *restrict y, const float *restrict x, long n) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(x + i)));
+    for (; i < n; i++) y[i] += x[i];
+}
+
+/* Each of M rows of gu (row stride gs) holds [gate (I) ; up (I)]: its first I columns <- silu(gate) * up.
+ * silu(g) = g / (1 + e^-g), with e^-|g| from exp8 (relative error < 2e-7, like expf's). */
+static void silu_mul_(float *gu, long gs, int M, int I) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int m = 0; m < M; m++) {
+        float *g = gu + (size_t)m * gs, *u = g + I;
+        int i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 e = exp8(_mm256_or_ps(x, sign));  /* e^-|x| */
+            __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));  /* sigmoid(|x|) */
+            __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+            __m256 sig = _mm256_blendv_ps(r, _mm256_mul_ps(e, r), neg);  /* x < 0: e^x / (1 + e^x) */
+            _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* One Llama-family decoder layer's weights and shapes (mtp_train.models.families.llama: DecoderLayer), as
+ * `cpu_kernels.LayerPlan` fills it once per layer. Weights are (N, K) contiguous, float32 or bfloat16 bits
+ * (bit j of bf16: 1 qkv, 2 o, 4 gate|up, 8 down); NULL norms and biases are absent. */
+typedef struct {
+    const float *ln1, *ln2, *q_norm, *k_norm;  /* input / post-attention RMSNorm (H,), q / k RMSNorm (D,) */
+    const void *wqkv, *wo, *wgu, *wd;          /* (Hq·D + 2·Hkv·D, H), (H, Hq·D), (2I, H), (H, I) */
+    const float *bqkv, *bo, *sinks;            /* biases; sinks (Hq,) */
+    float eps, scale;
+    int bf16, H, I, Hq, Hkv, D, window;
+} mtp_layer;
+
+static int layer_gemv(const float *x, long xs, const void *w, int bf16, const float *b, float *y, long ys, int M,
+                      int N, int K, int use512, int num_threads) {
+    gemv_chunk_fn fn = bf16 ? (use512 ? chunk_bf16_avx512 : chunk_bf16_avx2) : (use512 ? chunk_avx512 : chunk_avx2);
+    return gemv_split(x, xs, w, b, y, ys, M, N, K, num_threads, fn);
+}
+
+/* out (M, H) <- the layer over x (M, H): x + attention(norm1(x)), then + mlp(norm2(·)), the new tokens' K/V
+ * written into the cache at the step's slots. The attention arguments are mtp_paged_attention_f32's (the step's
+ * tables, scratch and chunk); cos, sin: (M, D) the rows' RoPE. use512: the gemv's AVX-512 body (the caller checked
+ * the CPU runs it). Returns 0, or -1 when its scratch could not be allocated (nothing written). */
+int mtp_decoder_layer_f32(const mtp_layer *L, const float *x, float *out, int M, const float *cos, const float *sin,
+                          float *cache, int ps, const int *block_tables, int max_pages, const int *qo_indptr, int B,
+                          const int64_t *positions, const int64_t *tree_bits, const int64_t *tree_pos,
+                          const int64_t *slots, float *scores, long max_kv, float *partials, long chunk, int use512,
+                          int num_threads) {
+    int H = L->H, I = L->I, D = L->D, Nq = L->Hq * D, Nkv = L->Hkv * D, Nqkv = Nq + 2 * Nkv;
+    size_t n = (size_t)M * ((size_t)H + Nqkv + Nq + 2 * Nkv + Nq + 2 * (size_t)I);
+    float *buf = malloc(n * sizeof(float));
+    if (!buf) return -1;
+    float *h = buf, *qkv = h + (size_t)M * H, *q = qkv + (size_t)M * Nqkv, *k = q + (size_t)M * Nq,
+          *v = k + (size_t)M * Nkv, *att = v + (size_t)M * Nkv, *gu = att + (size_t)M * Nq;
+    const float *hin = x;
+    if (L->ln1) {
+        mtp_rmsnorm_f32(x, H, L->ln1, h, M, H, L->eps);
+        hin = h;
+    }
+    layer_gemv(hin, H, L->wqkv, L->bf16 & 1, L->bqkv, qkv, Nqkv, M, Nqkv, H, use512, num_threads);
+    for (int m = 0; m < M; m++) {  /* the heads of each, contiguous: what the norms, RoPE and attention read */
+        const float *r = qkv + (size_t)m * Nqkv;
+        memcpy(q + (size_t)m * Nq, r, sizeof(float) * Nq);
+        memcpy(k + (size_t)m * Nkv, r + Nq, sizeof(float) * Nkv);
+        memcpy(v + (size_t)m * Nkv, r + Nq + Nkv, sizeof(float) * Nkv);
+    }
+    if (L->q_norm) {  /* Qwen3: per-head RMSNorm of q and k before RoPE (in place: one row at a time) */
+        mtp_rmsnorm_f32(q, D, L->q_norm, q, M * L->Hq, D, L->eps);  /* rows of one head each */
+        mtp_rmsnorm_f32(k, D, L->k_norm, k, M * L->Hkv, D, L->eps);
+    }
+    mtp_rope_f32(q, Nq, M, L->Hq, D, cos, sin);
+    mtp_rope_f32(k, Nkv, M, L->Hkv, D, cos, sin);
+    mtp_paged_attention_f32(q, M, L->Hq, L->Hkv, D, cache, ps, block_tables, max_pages, qo_indptr, B, positions,
+                            L->window, L->scale, scores, max_kv, att, num_threads, tree_bits, L->sinks, tree_pos,
+                            k, v, slots, chunk, partials);
+    layer_gemv(att, Nq, L->wo, L->bf16 & 2, L->bo, out, H, M, H, Nq, use512, num_threads);
+    add_(out, x, (long)M * H);
+    mtp_rmsnorm_f32(out, H, L->ln2, h, M, H, L->eps);
+    layer_gemv(h, H, L->wgu, L->bf16 & 4, NULL, gu, 2 * I, M, 2 * I, H, use512, num_threads);
+    silu_mul_(gu, 2 * I, M, I);
+    layer_gemv(gu, 2 * I, L->wd, L->bf16 & 8, NULL, h, H, M, H, I, use512, num_threads);  /* h: read already */
+    add_(out, h, (long)M * H);
+    free(buf);
+    return 0;
 }
 
 /* One row of the fused soft cross-entropy (training: mtp_train/train/losses.py, ce_impl=fused).

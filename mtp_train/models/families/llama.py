@@ -34,7 +34,8 @@ from mtp_train.layers.attention import (
     LayerWindowAttention,
     make_attention_backend,
 )
-from mtp_train.layers.linear import Linear, padded_t, takes_small_m
+from mtp_train.layers.attention.torch_backend import TorchBackend
+from mtp_train.layers.linear import Linear, gemv_avx512, gemv_weight, padded_t, takes_small_m
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import apply_rotary
 from mtp_train.models.base import CausalLM
@@ -198,13 +199,50 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args, layer)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
+        self._plans = cpu_kernels.LayerPlans()  # the layer as `native` runs it, per set of weights
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
         """x: (T, H) → (T, H)."""
+        out = self.native(x, cos, sin, attn, kv_cache, meta)
+        if out is not None:
+            return out
         h = x if self.input_layernorm is None else self.input_layernorm(x)
         x = x + self.self_attn(h, cos, sin, attn, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+    def native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+               kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The whole layer in one native call (`cpu_kernels.decoder_layer`) for the few rows of a CPU decode or
+        verify step whose every part would take its native kernel anyway (each projection's gemv as `Linear` would
+        choose it, the paged attention writing the new K/V), else None: the layer then runs op by op. The same
+        arithmetic, without ~20 dispatches of a few microseconds each per layer and step."""
+        m = x.shape[0]
+        st = meta.backend_state
+        a, mlp = self.self_attn, self.mlp
+        if (kv_cache is None or not st.get("native") or type(attn) is not TorchBackend
+                or attn.sliding_window != a.window or not cpu_kernels.serves(x, kv_cache) or x.dim() != 2
+                or not x.is_contiguous() or not kv_cache.is_contiguous() or st["native_args"].slots is None
+                or type(mlp) is not MLP or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None):
+            return None
+        ws = [gemv_weight(lin, m) for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(w is None for w in ws):
+            return None
+        key = tuple(w.data_ptr() for w in ws)  # type: ignore[union-attr]
+        plan = self._plans.get(key)
+        if plan is None:
+            norms = (self.input_layernorm, self.post_attention_layernorm, a.q_norm, a.k_norm)
+            if any(n is not None and type(n) is not RMSNorm for n in norms):
+                return None
+            ln1, ln2, qn, kn = (None if n is None else n.weight.detach().contiguous() for n in norms)
+            wqkv, wo, wgu, wd = (w.detach() for w in ws)  # type: ignore[union-attr]
+            bias = [None if b is None else b.detach().contiguous() for b in (a.qkv_proj.bias, a.o_proj.bias)]
+            sinks = None if a.sinks is None else a.sinks.detach().to(torch.float32).contiguous()
+            plan = self._plans.add(key, cpu_kernels.LayerPlan(
+                cpu_kernels.LayerWeights(ln1, ln2, qn, kn, wqkv, wo, wgu, wd, *bias, sinks),
+                (a.num_heads, a.num_kv_heads, a.head_dim), self.post_attention_layernorm.eps, attn.scale, a.window))
+        return cpu_kernels.decoder_layer(plan, x, cos, sin, kv_cache, st["native_args"], gemv_avx512(m))
 
 
 class LlamaBackbone(nn.Module):
