@@ -9,8 +9,9 @@ lookup), batch-1 greedy generation of the same prompts, every step broken down i
   (`catch_up_greedy` before acceptance for a greedy chain, `after_verify` after it; `update` for the proposers
   and the `catch_up=own` rule that run a separate pass);
 - layout: the verify rows (tree layout, slots, positions); verify (or decode) forward, split by layer kind:
-  linear (every projection but the lm_head), attention (the backend's kernels and its per-step `prepare`), norm,
-  lm_head, other (embedding, RoPE, activations, residuals: the forward's remainder);
+  layer (a whole decoder layer in one native call, `DecoderLayer.native`: on CPU few-row steps all of it), linear
+  (every projection but the lm_head, where a layer runs op by op), attention (the backend's kernels and its
+  per-step `prepare`), norm, lm_head, other (embedding, RoPE, activations, residuals: the forward's remainder);
 - accept: sampling / acceptance on the logits; kv_commit: moving an accepted path's K/V into place;
 - python: the rest of `engine.step()` between those parts.
 
@@ -41,7 +42,7 @@ from bench.common import head_proposer, parser, report
 from mtp_train.config.eval import HEAD_WEIGHTS
 from mtp_train.engine import LLMEngine, SamplingParams
 
-FORWARD_PARTS = ("linear", "attention", "norm", "lm_head", "other")
+FORWARD_PARTS = ("layer", "linear", "attention", "norm", "lm_head", "other")
 STEP_PARTS = ("schedule", "draft", "layout", "forward", "accept", "kv_commit", "postprocess", "head_update", "python")
 
 
@@ -107,6 +108,9 @@ def instrument_shared(model: torch.nn.Module) -> None:
         if kind is not None:
             module.register_forward_pre_hook(pre)
             module.register_forward_hook(post(kind))
+    for layer in getattr(getattr(model, "model", None), "layers", ()):
+        if hasattr(layer, "native"):  # a Llama-family layer: the whole layer in one native call where it can
+            _wrap(layer, "native", "layer")
     _wrap(model.attn, "forward", "attention")
     _wrap(model.attn, "prepare", "attention")
     _wrap(spec_engine, "layout", "layout")

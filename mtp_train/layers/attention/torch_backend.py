@@ -72,16 +72,18 @@ class TorchBackend(AttentionBackend):
             st["native_args"] = cpu_kernels.paged_attention_args(meta.block_tables, meta.qo_indptr, meta.positions,
                                                                  max(meta.kv_lens), meta.tree_bits, tree_pos, slots)
         q = meta.qo_lens[0]
-        if all(n == q for n in meta.qo_lens):
-            # Batched path: queries (B, Q), keys padded to S = max_pages * page_size.
-            s = meta.block_tables.shape[1] * meta.page_size
-            q_pos = meta.positions.view(meta.batch_size, q)
-            bits = None if meta.tree_bits is None else meta.tree_bits.view(meta.batch_size, q)
-            at = None if tree_pos is None else tree_pos.view(meta.batch_size, q)
-            st["mask"] = causal_mask(q_pos, s, self.sliding_window, bits, at)[:, None]  # (B, 1, Q, S)
-            st["uniform"] = True
-        else:
-            st["uniform"] = False
+        st["uniform"] = all(n == q for n in meta.qo_lens)
+        if st["uniform"] and not st["native"]:
+            st["mask"] = self._batched_mask(meta)  # the native kernel needs none (built on demand if it steps aside)
+
+    def _batched_mask(self, meta: AttentionMetadata) -> torch.Tensor:
+        """(B, 1, Q, S) bool, True = attend: the batched path's mask for B sequences of Q new tokens each, keys
+        padded to S = max_pages * page_size."""
+        b, q = meta.batch_size, meta.qo_lens[0]
+        s = meta.block_tables.shape[1] * meta.page_size
+        bits = None if meta.tree_bits is None else meta.tree_bits.view(b, q)
+        at = None if meta.tree_bits is None else meta.rope_positions.view(b, q)
+        return causal_mask(meta.positions.view(b, q), s, self.sliding_window, bits, at)[:, None]
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,6 +112,8 @@ class TorchBackend(AttentionBackend):
         if kv_cache is not None:
             kv_cache[meta.slot_pages, 0, meta.slot_offsets] = k
             kv_cache[meta.slot_pages, 1, meta.slot_offsets] = v
+        if meta.mode is not ForwardMode.PREFILL and st["uniform"] and "mask" not in st:
+            st["mask"] = self._batched_mask(meta)  # prepared for the native kernel, which stepped aside here
         if meta.mode is ForwardMode.PREFILL:
             # The new tokens are the whole sequence: attend among them, never touch the pool.
             if meta.batch_size == 1:
