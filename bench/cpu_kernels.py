@@ -8,7 +8,9 @@ decode step. Each line: ours vs the baseline, alternately timed, median of per-r
   (M = 1) and against `(W @ xᵀ)ᵀ` (M > 1), the paths `Linear` takes without the kernels; plus the lm_head
   (49152 × 576) at M = 1;
 * rms_norm and rope_ on one decode row, against torch's composites;
-* paged attention of one decode token over 256 cached tokens in pages of 16, against gathering the pages and SDPA.
+* paged attention of one decode token over 256 cached tokens in pages of 16, against gathering the pages and SDPA;
+* SmolLM2's 30 decoder layers over 1, 2 and 4 rows (256 cached tokens), each layer in one native call against the
+  same layer op by op (`layer_m{M}_vs_op_by_op`).
 
 On a CPU with AVX-512 the gemv's two bodies are also timed against each other at every M
 (`gemv_m{M}_avx512_vs_avx2`, > 1 = the AVX-512 body faster). The gemv over bfloat16 copies of the same weights (what a
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"paged attention, one token over 256 cached: {r:.2f}x gather + SDPA", flush=True)
         if base_lib is not None:
             res.update(_attention_vs_baseline(base_lib, args.repeat))
+        res.update(_decoder_layers(args.repeat))
 
     import mtp_train.layers.linear  # noqa: F401  (registers the linears' probe)
     import mtp_train.train.divergences  # noqa: F401  (registers the fused loss's probe)
@@ -219,6 +222,53 @@ def _attention_step(library: object | None, q: torch.Tensor, k: torch.Tensor, v:
         finally:
             cpu_kernels._lib = saved
     return layers
+
+
+def _decoder_layers(repeat: int) -> dict[str, float]:
+    """SmolLM2's 30 decoder layers (random weights) over 1, 2 and 4 rows of one sequence with 256 cached tokens, each
+    layer in one native call (`DecoderLayer.native`) against the same layer op by op (its kernels one call each):
+    {layer_m{M}_vs_op_by_op: op-by-op s / one-call s}."""
+    from mtp_train.layers.attention.torch_backend import TorchBackend
+    from mtp_train.models.families.llama import DecoderLayer, parse_config
+
+    a = parse_config({"model_type": "llama", "hidden_size": H, "intermediate_size": INTER, "num_attention_heads": HQ,
+                      "num_key_value_heads": HKV, "num_hidden_layers": LAYERS, "vocab_size": VOCAB,
+                      "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+                      "hidden_act": "silu"}, "SmolLM2's shapes")
+    layers = [DecoderLayer(a, layer=i).eval() for i in range(LAYERS)]
+    out: dict[str, float] = {}
+    ps, ctx = 16, 256
+    pages = ctx // ps + 1
+    pools = [torch.randn(pages, 2, ps, HKV, D) for _ in range(LAYERS)]
+    backend = TorchBackend(HQ, HKV, D)
+    with torch.inference_mode():
+        for m in (1, 2, 4):
+            meta = AttentionMetadata.build([m], [ctx], [list(range(pages))], ps)
+            backend.prepare(meta)
+            x = torch.randn(m, H)
+            ang = torch.randn(m, 1, D // 2)
+            cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+            def run(one_call: bool, m: int = m, x: torch.Tensor = x, cos: torch.Tensor = cos,
+                    sin: torch.Tensor = sin, meta: AttentionMetadata = meta) -> list[torch.Tensor]:
+                outs = []
+                for layer, pool in zip(layers, pools):
+                    if one_call:
+                        y = layer.native(x, cos, sin, backend, pool, meta)
+                        assert y is not None, f"the layer did not run as one native call for {m} rows"
+                    else:
+                        layer.native = lambda *args: None  # the op-by-op path, this call only
+                        y = layer(x, cos, sin, backend, pool, meta)
+                        del layer.native
+                    outs.append(y)
+                return outs
+
+            torch.testing.assert_close(run(True), run(False), rtol=1e-4, atol=1e-4)
+            t_one, _, r = compare(lambda: run(True), lambda: run(False), repeat=repeat * 4)
+            out[f"layer_m{m}_vs_op_by_op"] = r
+            print(f"decoder layer, {m} row(s) over {ctx} cached, {LAYERS} layers: {t_one * 1e6 / LAYERS:.1f} us a "
+                  f"layer in one call, {r:.2f}x the layer op by op", flush=True)
+    return out
 
 
 def _attention_vs_baseline(lib: object, repeat: int) -> dict[str, float]:
