@@ -10,8 +10,8 @@ composites of 5–7 small ops (each op costs microseconds of dispatch on a decod
 (the torch path gathers every page of the sequence into a contiguous copy first, then runs SDPA).
 `decoder_layer` runs a whole Llama-family decoder layer over a step's few rows in one call (those kernels, the
 SiLU MLP and the residuals, its weights' addresses made once per layer: `LayerPlan`), sparing ~20 dispatches per
-layer and step (1.23–1.26× the layer op by op on SmolLM2's shapes). `soft_ce_` is training's: the fused soft cross-entropy's per-row work over a
-(C, V) logits chunk in one read.
+layer and step (1.23–1.26× the layer op by op on SmolLM2's shapes). `soft_ce_` is training's: the fused soft
+cross-entropy's per-row work over a (C, V) logits chunk in one read.
 See `python -m bench.cpu_kernels` and `python -m bench.engine` for what they buy.
 
 The kernel is plain C (AVX2 + FMA, no torch headers) and is called through ctypes, so building it
