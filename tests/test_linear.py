@@ -12,6 +12,8 @@ from mtp_train.layers.linear import (
     WIDE_BLOCK,
     Linear,
     _takes_bf16,
+    _takes_gemv,
+    gemv_weight,
     linear,
     prepack_linears,
     stream_bf16_linears,
@@ -80,6 +82,27 @@ def test_a_bf16_stream_computes_over_the_rounded_weight_and_switches_back(m):
 def _streams(m: int) -> bool:
     """Whether m rows take the bfloat16 copy on this machine (kernels available and measured faster)."""
     return _takes_bf16(m)
+
+
+def test_gemv_weight_names_what_linear_streams_for_m_rows():
+    """The weight a fused caller streams is the one `Linear.forward` would: the bfloat16 copy under `stream_bf16`
+    (made again after an in-place change), the float32 weight otherwise, nothing for another module, a training
+    weight or a row count the gemv does not serve."""
+    lin = Linear(16, 8, bias=True)
+    with torch.inference_mode():
+        assert gemv_weight(lin, 1) is (lin.weight if _takes_gemv(1, lin.weight) else None)
+        assert gemv_weight(lin, GEMV_M_MAX + 1) is None
+        assert gemv_weight(torch.nn.Linear(16, 8), 1) is None
+    assert gemv_weight(lin, 1) is None  # autograd differentiates the weight: F.linear's path
+    lin.stream_bf16()
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with torch.inference_mode():
+        w = gemv_weight(lin, 1)
+        if _streams(1):
+            assert w is lin.w16 and torch.equal(w, lin.weight.detach().bfloat16())  # the fresh copy
+        else:
+            assert w is (lin.weight if _takes_gemv(1, lin.weight) else None)
 
 
 def test_a_stale_bf16_copy_is_made_again_when_the_weight_changes():

@@ -565,6 +565,12 @@ def paged_attention_args(block_tables: torch.Tensor, qo_indptr: torch.Tensor, po
                               positions.to(torch.int64).contiguous(), max_kv, bits, tpos, dst)
 
 
+def _attention_chunk(chunk: int | None = None) -> int:
+    """The positions per task of a long token's attention: `chunk`, or `ATTENTION_CHUNK` (read at call time), at
+    least 8."""
+    return max(8, int(ATTENTION_CHUNK if chunk is None else chunk))
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step: PagedAttentionStep, scale: float,
                     sliding_window: int | None, sinks: torch.Tensor | None = None,
                     k: torch.Tensor | None = None, v: torch.Tensor | None = None,
@@ -608,7 +614,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step: PagedAttentio
         sinks = sinks.detach().to(torch.float32).contiguous()
         if sinks.shape != (hq,):
             raise ValueError(f"paged_attention: sinks {tuple(sinks.shape)} need one logit per query head ({hq})")
-    chunk = max(8, int(ATTENTION_CHUNK if chunk is None else chunk))
+    chunk = _attention_chunk(chunk)
     scores, partials = step.scratch(t, hq, d, chunk)
     out = torch.empty(t, hq, d, dtype=torch.float32)
     bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots = step.ptrs
@@ -729,7 +735,7 @@ def decoder_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torc
     s = plan.struct
     m = x.shape[0]
     cos, sin = cos.reshape(m, s.D).contiguous(), sin.reshape(m, s.D).contiguous()
-    chunk = max(8, int(ATTENTION_CHUNK))
+    chunk = _attention_chunk()
     scores, partials = step.scratch(m, s.Hq, s.D, chunk)
     out = torch.empty_like(x)
     bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots = step.ptrs

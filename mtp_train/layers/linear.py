@@ -67,10 +67,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if _cpu_inference(x, weight):
         m = x.shape[0]
-        if w16 is not None and _takes_bf16(m):
-            return cpu_kernels.gemv(x, w16, bias, isa=_gemv_isa(m))
-        if _takes_gemv(m, weight):
-            return cpu_kernels.gemv(x, weight, bias, isa=_gemv_isa(m))
+        streamed = _gemv_operand(m, weight, w16)
+        if streamed is not None:
+            return cpu_kernels.gemv(x, streamed, bias, isa=_gemv_isa(m))
         if m == 1 and packed is not None:
             return torch.ops.mkl._mkl_linear(x, packed, weight, bias, 1)
         if 1 < m <= SMALL_M_MAX:
@@ -90,6 +89,14 @@ def takes_small_m(x: torch.Tensor, weight: torch.Tensor, w16: torch.Tensor | Non
     m = x.shape[0]
     return (_cpu_inference(x, weight) and not _takes_gemv(m, weight) and 1 < m <= SMALL_M_MAX
             and not (w16 is not None and _takes_bf16(m)))
+
+
+def _gemv_operand(m: int, weight: torch.Tensor, w16: torch.Tensor | None) -> torch.Tensor | None:
+    """What m rows' product streams through the native gemv: the bfloat16 copy w16 (if any) where its gemv measured
+    faster, else the float32 weight where the gemv serves m rows, else None (another path)."""
+    if w16 is not None and _takes_bf16(m):
+        return w16
+    return weight if _takes_gemv(m, weight) else None
 
 
 def _takes_bf16(m: int) -> bool:
@@ -126,15 +133,14 @@ def gemv_weight(lin: nn.Module, m: int) -> torch.Tensor | None:
     its float32 weight), as `Linear.forward` would choose it; None where it would take another path (another
     module type, a weight or bias not on the CPU in float32, the measured choice torch's for m rows). For callers
     that run the product natively themselves (`cpu_kernels.decoder_layer`)."""
-    if type(lin) is not Linear or not 1 <= m <= GEMV_M_MAX:
+    if type(lin) is not Linear:
         return None
     w, b = lin.weight, lin.bias
     if (w.dtype != torch.float32 or not on_cpu(w.device) or (b is not None and b.dtype != torch.float32)
             or (torch.is_grad_enabled() and w.requires_grad)):
         return None
-    if lin._w16_on and lin._w16_version == tensor_version(w) and _takes_bf16(m):
-        return lin._w16
-    return w if _takes_gemv(m, w) and w.is_contiguous() else None
+    streamed = _gemv_operand(m, w, lin.streamed_w16())
+    return streamed if streamed is not None and streamed.is_contiguous() else None
 
 
 def gemv_avx512(m: int) -> bool:
@@ -213,13 +219,18 @@ class Linear(nn.Linear):
         """The bfloat16 copy few-row products stream (`stream_bf16`), or None."""
         return self._w16 if self._w16_on else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (M, in) or (..., in) → (M, out) / (..., out)."""
+    def streamed_w16(self) -> torch.Tensor | None:
+        """The bfloat16 copy few-row products stream now (made again if the weight changed in place since), or
+        None (`stream_bf16` off)."""
         if not self._w16_on:
-            return linear(x, self.weight, self.bias, self._packed)
+            return None
         if self._w16_version != tensor_version(self.weight):
             self.stream_bf16()  # the weight changed in place since the copy was made
-        return linear(x, self.weight, self.bias, self._packed, self._w16)
+        return self._w16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (M, in) or (..., in) → (M, out) / (..., out)."""
+        return linear(x, self.weight, self.bias, self._packed, self.streamed_w16())
 
 
 def prepack_linears(module: nn.Module) -> int:

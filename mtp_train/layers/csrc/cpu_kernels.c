@@ -11,8 +11,9 @@
  * Blocks of 4 W rows times up to 2 (AVX2) or 4 (AVX-512) x rows, W prefetched ahead (GEMV_CHUNK below).
  *
  * mtp_gemv_f32_avx512 — the same product with 16-wide AVX-512 registers. Compiled with per-function target
- * attributes, so the library still loads on an AVX2-only machine; it returns -1 without touching y where the CPU (or the OS) does not offer AVX-512F/VL/DQ
- * (mtp_cpu_avx512 says which), and the caller picks it only where mtp_cpu_avx512 returned 1.
+ * attributes, so the library still loads on an AVX2-only machine; it returns -1 without touching y where the CPU
+ * (or the OS) does not offer AVX-512F/VL/DQ (mtp_cpu_avx512 says which), and the caller picks it only where
+ * mtp_cpu_avx512 returned 1.
  *
  * mtp_gemv_bf16w, mtp_gemv_bf16w_avx512 — the same product over a bfloat16 W (float32 x, b, y and sums): half
  * the bytes streamed, for weights that may be rounded (a draft head's).
@@ -64,14 +65,15 @@ static inline float dot1(const float *restrict w, const float *restrict x, int K
  * Every x chunk is loaded once for the block's GEMV_ROWS W rows and every W chunk once for the MMAX x rows, so the
  * loads per FMA fall as rows are added, and the block prefetches the W bytes GEMV_PREFETCH ahead of its reads: W
  * is read as one stream, and a stream the hardware prefetcher alone follows kept the memory bus idle part of the
- * time. Measured on a 2-core Zen 4 over 30 SmolLM2 layers of float32 weights (`bench.cpu_kernels`): 1 / 2 / 3 / 4
- * rows at 30.7 / 29.3 / 27.8 / 27.3 GB/s, where one W row at a time with pairs of x rows and no prefetch ran at
- * 26.4 / 22.0 / 19.5 / 17.1 (and a blocked body without the prefetch at 28.0 / 25.0 / 22.2 / 22.3).
+ * time. Measured on a 2-core Intel Xeon (AVX-512) over 30 SmolLM2 layers of float32 weights, in a bare loop of
+ * calls: 1 / 2 / 3 / 4 rows at 30.7 / 29.3 / 27.8 / 27.3 GB/s, where one W row at a time with pairs of x rows and
+ * no prefetch ran at 26.4 / 22.0 / 19.5 / 17.1 (and a blocked body without the prefetch at 28.0 / 25.0 / 22.2 /
+ * 22.3); `bench.cpu_kernels --baseline-source` times it against another build.
  *
  * Summation order: one LANES-wide partial sum per output, its horizontal sum, then the K % LANES tail in scalar
  * order. */
 #define GEMV_ROWS 4
-#define GEMV_PREFETCH 16384  /* bytes ahead of the block's reads: 4096 float32 weights (1024 to 8192 timed) */
+#define GEMV_PREFETCH 16384  /* bytes ahead of the block's reads (1 KiB to 32 KiB timed) */
 
 /* GEMV_CHUNK(NAME, ATTR, WT, VEC, LANES, MMAX, ZERO, LOADX, LOADW, FMA, REDUCE, TOF32) defines NAME, a
    gemv_chunk_fn over a W of element type WT (float, or bfloat16 bits as uint16_t) on VEC registers of LANES

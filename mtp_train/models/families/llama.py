@@ -233,7 +233,8 @@ class DecoderLayer(nn.Module):
         plan = self._plans.get(key)
         if plan is None:
             norms = (self.input_layernorm, self.post_attention_layernorm, a.q_norm, a.k_norm)
-            if any(n is not None and type(n) is not RMSNorm for n in norms):
+            eps = self.post_attention_layernorm.eps  # the kernel's one eps: every norm's here
+            if any(n is not None and (type(n) is not RMSNorm or n.eps != eps) for n in norms):
                 return None
             ln1, ln2, qn, kn = (None if n is None else n.weight.detach().contiguous() for n in norms)
             wqkv, wo, wgu, wd = (w.detach() for w in ws)  # type: ignore[union-attr]
@@ -241,7 +242,7 @@ class DecoderLayer(nn.Module):
             sinks = None if a.sinks is None else a.sinks.detach().to(torch.float32).contiguous()
             plan = self._plans.add(key, cpu_kernels.LayerPlan(
                 cpu_kernels.LayerWeights(ln1, ln2, qn, kn, wqkv, wo, wgu, wd, *bias, sinks),
-                (a.num_heads, a.num_kv_heads, a.head_dim), self.post_attention_layernorm.eps, attn.scale, a.window))
+                (a.num_heads, a.num_kv_heads, a.head_dim), eps, attn.scale, a.window))
         return cpu_kernels.decoder_layer(plan, x, cos, sin, kv_cache, st["native_args"], gemv_avx512(m))
 
 
