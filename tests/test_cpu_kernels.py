@@ -313,12 +313,14 @@ def test_model_decode_and_verify_equal_the_torch_paths(tiny_checkpoints, family)
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])
 def test_a_decoder_layer_in_one_native_call_equals_the_layer_op_by_op(tiny_checkpoints, family, weights,
                                                                       monkeypatch):
-    """Decode, verify and tree steps: every layer runs as one `decoder_layer` call (qkv bias, q/k norms, a sliding
-    window, bfloat16 weight copies as a head streams them), and gives the op-by-op layer's hidden states, logits and
-    K/V pages."""
+    """Decode, verify and tree steps: the whole stack of layers runs as one `decoder_stack` call, or (where the stack
+    steps aside) every layer as one `decoder_layer` call (qkv bias, q/k norms, a sliding window, bfloat16 weight
+    copies as a head streams them), and each gives the op-by-op layers' hidden states (those asked for too), logits
+    and K/V pages."""
     from mtp_train.engine import ModelRunner, Sequence
     from mtp_train.layers.linear import stream_bf16_linears
     from mtp_train.models import load_model
+    from mtp_train.models.base import CausalLM
     from mtp_train.models.families import llama
 
     model = load_model(tiny_checkpoints[family][0], dtype="float32")
@@ -326,13 +328,17 @@ def test_a_decoder_layer_in_one_native_call_equals_the_layer_op_by_op(tiny_check
         assert stream_bf16_linears(model.model.layers) > 0
     vocab, n_layers = model.args.vocab_size, model.args.num_layers
     prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19)]
-    calls = []
-    real = cpu_kernels.decoder_layer
-    monkeypatch.setattr(cpu_kernels, "decoder_layer", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    calls: dict[str, list[int]] = {"stack": [], "layer": []}
+    real_stack, real_layer = cpu_kernels.decoder_stack, cpu_kernels.decoder_layer
+    monkeypatch.setattr(cpu_kernels, "decoder_stack",
+                        lambda *a, **k: calls["stack"].append((len(a[0]), a[1].shape[0])) or real_stack(*a, **k))
+    monkeypatch.setattr(cpu_kernels, "decoder_layer", lambda *a: calls["layer"].append(a[1].shape[0]) or real_layer(*a))
     outs = []
-    for fused in (True, False):
-        if not fused:
-            monkeypatch.setattr(llama.DecoderLayer, "native", lambda self, *a: None)
+    for way in ("stack", "layer", "op by op"):
+        if way == "layer":
+            monkeypatch.setattr(CausalLM, "_native_plans", lambda self, *a: None)
+        if way == "op by op":
+            monkeypatch.setattr(llama.DecoderLayer, "native_plan", lambda self, *a: None)
         runner = ModelRunner.create(model, num_pages=64, page_size=4)
         seqs = [Sequence.new(i, p) for i, p in enumerate(prompts)]
         steps = []
@@ -343,17 +349,23 @@ def test_a_decoder_layer_in_one_native_call_equals_the_layer_op_by_op(tiny_check
                 for s in seqs:
                     s.token_ids.extend([(7 * step + s.seq_id + j) % vocab for j in range(rows)])
                 tree = [[-1, 0, 0, 1]] * len(seqs) if rows == 4 else None
-                out = runner.run(seqs, logits="all", tree=tree)
-                steps.append((out.hidden, out.logits))
+                out = runner.run(seqs, logits="all", tree=tree, hidden_layers=(0, 1, n_layers))
+                steps.append((out.hidden, out.logits, [out.layers[j] for j in (0, 1, n_layers)]))
         outs.append((steps, [c.clone() for c in runner.kv.layers]))
-        if fused:
-            assert calls == [r * len(seqs) for r in (1, 1, 3, 3, 4) for _ in range(n_layers)]
-    (fused_steps, fused_kv), (torch_steps, torch_kv) = outs
-    for (h_n, l_n), (h_t, l_t) in zip(fused_steps, torch_steps):
-        torch.testing.assert_close(h_n, h_t, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(l_n, l_t, rtol=1e-5, atol=1e-5)
-    for a, b in zip(fused_kv, torch_kv):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        row_counts = [r * len(seqs) for r in (1, 1, 3, 3, 4)]
+        if way == "stack":
+            assert calls == {"stack": [(n_layers, m) for m in row_counts], "layer": []}
+        if way == "layer":
+            assert calls["layer"] == [m for m in row_counts for _ in range(n_layers)]
+    (torch_steps, torch_kv) = outs[-1]
+    for fused_steps, fused_kv in outs[:-1]:
+        for (h_n, l_n, s_n), (h_t, l_t, s_t) in zip(fused_steps, torch_steps):
+            torch.testing.assert_close(h_n, h_t, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(l_n, l_t, rtol=1e-5, atol=1e-5)
+            for a, b in zip(s_n, s_t):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for a, b in zip(fused_kv, torch_kv):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_disabled_switches_every_path_off_and_back():
@@ -541,3 +553,85 @@ def test_a_link_to_a_private_folder_is_followed(tmp_path, kernel_settings):
     real.chmod(0o775)
     with pytest.raises(cpu_kernels.KernelDirError, match=f"{link} \\(a link to {real.resolve()}\\) is writable"):
         cpu_kernels.build_library(cpu_kernels.find_compiler(), link)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["mtp", "eagle1", "mtp-aux"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_a_chain_heads_step_in_one_native_call_equals_its_step_op_by_op(tiny_checkpoints, family, kind, weights,
+                                                                        monkeypatch):
+    """Catch-up rows from the target, chained draft rows from the head's own output and a tree's rows: each head
+    step runs as one `head_step` call (mtp with every norm and a draft vocabulary, eagle1 with none, an aux head's
+    own-output steps; bfloat16 copies as `stream_bf16` makes them), and gives the op-by-op step's features, logits
+    and K/V pages; an aux head's step from the target's aux layers stays op by op."""
+    from mtp_train.config import HeadConfig
+    from mtp_train.engine.kv_cache import KVCache
+    from mtp_train.heads import build_head
+    from mtp_train.heads.mtp import MTPHead
+    from mtp_train.layers.attention import AttentionMetadata
+
+    path = tiny_checkpoints[family][0]
+    cfg = {"mtp": HeadConfig(type="mtp", draft_vocab_size=64),
+           "eagle1": HeadConfig(type="eagle1"),
+           "mtp-aux": HeadConfig(type="mtp", features="aux", aux_layers=[1, 2])}[kind]
+    head = build_head(cfg, path, dtype="float32").eval()
+    with torch.no_grad():  # weights away from their init (norms at 1, zero biases) so that every part counts
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    head.stream_bf16(weights == "bf16")
+    h, vocab = head.args.hidden_size, head.args.vocab_size
+    g = torch.Generator().manual_seed(0)
+    # (rows per sequence, kv lengths after the step, from_target, tree parents or None)
+    steps = [([5, 7], [5, 7], True, None), ([1, 1], [6, 8], True, None), ([3, 3], [9, 11], True, None),
+             ([1, 1], [10, 12], False, None), ([4, 4], [14, 16], True, [[-1, 0, 0, 1]] * 2),
+             ([2, 2], [16, 18], False, None)]
+    inputs = []
+    for qo, _, from_target, _ in steps:
+        width = head.input_width if from_target else h
+        inputs.append((torch.randn(sum(qo), width, generator=g), torch.randint(0, vocab, (sum(qo),), generator=g)))
+    calls = []
+    real = cpu_kernels.head_step
+    monkeypatch.setattr(cpu_kernels, "head_step", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    outs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(MTPHead, "native_step", lambda self, *a: None)
+        layers, layout = head.kv_shape
+        kv = KVCache(layers, 16, 4, layout, dtype=torch.float32)
+        pages = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+        got = []
+        with torch.inference_mode():
+            for (qo, kv_lens, from_target, tree), (hidden, ids) in zip(steps, inputs):
+                meta = AttentionMetadata.build(qo, kv_lens, pages, 4)
+                if tree is not None:
+                    meta.set_tree(tree)
+                last = meta.qo_indptr[1:].long() - 1
+                out = head(hidden, ids, meta, kv.layers[0], from_target=from_target, logits_indices=last)
+                got.append((out.hidden, out.logits))
+        outs.append((got, kv.layers[0].clone()))
+        if fused:  # the prefill stays op by op (no native attention there), as does an aux head's step from the target
+            assert calls == [sum(q) for q, _, t, _ in steps[1:] if not (kind == "mtp-aux" and t)]
+    (fused_steps, fused_kv), (torch_steps, torch_kv) = outs
+    for (h_n, l_n), (h_t, l_t) in zip(fused_steps, torch_steps):
+        torch.testing.assert_close(h_n, h_t, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(l_n, l_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_kv, torch_kv, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_head_step_refuses_a_token_outside_the_embedding(tiny_checkpoints):
+    from mtp_train.config import HeadConfig
+    from mtp_train.engine.kv_cache import KVCache
+    from mtp_train.heads import build_head
+    from mtp_train.layers.attention import AttentionMetadata
+
+    head = build_head(HeadConfig(type="mtp"), tiny_checkpoints["llama"][0], dtype="float32").eval()
+    layers, layout = head.kv_shape
+    kv = KVCache(layers, 4, 4, layout, dtype=torch.float32)
+    with torch.inference_mode():
+        meta = AttentionMetadata.build([1], [3], [[0]], 4)
+        ids = torch.tensor([head.args.vocab_size])
+        with pytest.raises(IndexError, match="outside the embedding"):
+            head(torch.randn(1, head.args.hidden_size), ids, meta, kv.layers[0], from_target=True,
+                 logits_indices=torch.tensor([0]))

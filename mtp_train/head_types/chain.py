@@ -250,9 +250,11 @@ class HeadProposer(Proposer):
             out, logits = graphs.run(tokens, step.kv_lens, step.pages, hidden=features)
             feat, logits = out[idx], logits[idx]
         else:
-            # The verify's batch information, with the backend's per-step state of its own (the head's backend
-            # prepares for its own heads and window).
-            meta = (step.metadata(self.kv.page_size, dev) if meta is None else replace(meta, backend_state={}))
+            # The verify's batch information, with a copy of the verify's per-step backend state: a head backend of
+            # the kind and window that prepared it keeps it (`TorchBackend`: no second build of the kernel's
+            # arguments), another prepares its own over it.
+            meta = (step.metadata(self.kv.page_size, dev) if meta is None
+                    else replace(meta, backend_state=dict(meta.backend_state)))
             res = self.head(features.to(dev), torch.tensor(tokens, dtype=torch.long, device=dev), meta,
                             self.kv.layers[0], from_target=True, logits_indices=idx)
             assert res.logits is not None
@@ -287,7 +289,8 @@ class HeadProposer(Proposer):
             out, logits = graphs.run(tokens, step.kv_lens, step.pages, hidden=features)
             feat, logits = out[idx], logits[idx]
         else:
-            meta = (step.metadata(self.kv.page_size, dev) if meta is None else replace(meta, backend_state={}))
+            meta = (step.metadata(self.kv.page_size, dev) if meta is None
+                    else replace(meta, backend_state=dict(meta.backend_state)))  # as in after_verify
             res = self.head(features.to(dev), tokens, meta, self.kv.layers[0], from_target=True,
                             logits_indices=idx)
             assert res.logits is not None

@@ -332,9 +332,20 @@ class DraftHead(nn.Module, ABC):
         self.check_input(hidden, from_target)
         attn = self.attention_backend(hidden.device)
         attn.prepare(meta)
+        fused = self.native_step(hidden, token_ids, meta, kv_cache, attn, from_target, logits_indices)
+        if fused is not None:
+            return fused
         out = self.features(hidden, token_ids, meta, kv_cache, attn, from_target=from_target)
         logits = None if logits_indices is None else self.compute_logits(out[logits_indices])
         return HeadOutput(out, logits)
+
+    def native_step(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
+                    kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend, from_target: bool,
+                    logits_indices: torch.Tensor | None) -> HeadOutput | None:
+        """`forward`'s whole step in one native call where the head type has one and every part of it would take
+        its native kernel anyway (a CPU draft or catch-up step of a few rows), else None: `forward` then runs it
+        op by op. Arguments as `forward`'s, after `attn.prepare(meta)`."""
+        return None
 
     def forward_train(self, hidden: torch.Tensor, next_tokens: torch.Tensor,
                       seq_lens: Sequence[int] | torch.Tensor | None = None, *,

@@ -26,10 +26,12 @@ import torch
 from torch import nn
 
 from mtp_train.config import HeadConfig
-from mtp_train.heads.base import ChainHead
+from mtp_train.config.device import on_cpu
+from mtp_train.heads.base import ChainHead, HeadOutput
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer, read_mtp_layer
+from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
-from mtp_train.layers.linear import Linear
+from mtp_train.layers.linear import Linear, gemv_avx512, gemv_operand, gemv_weight
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import family_of, titles
@@ -57,6 +59,7 @@ class MTPHead(ChainHead):
                              "have no MoE)")
         self.layers = nn.ModuleList([family.head_block(a, c.input_norm, c.moe)])
         self.norm = RMSNorm(h, eps) if c.final_norm else None
+        self._head_plans = cpu_kernels.LayerPlans()  # the step as `native_step` runs it, per set of weights
 
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend, *,
@@ -75,6 +78,50 @@ class MTPHead(ChainHead):
         cos, sin = self.rope(meta.rotary_positions, x.dtype)  # a tree step rotates to depths
         x = self.layers[0](x, cos, sin, attn, kv_cache, meta)
         return x if self.norm is None else self.norm(x)
+
+    def native_step(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
+                    kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend, from_target: bool,
+                    logits_indices: torch.Tensor | None) -> HeadOutput | None:
+        """The features and the logits in one native call (`cpu_kernels.head_step`): where the head's layer runs in
+        one call (`DecoderLayer.native_plan`: a Llama-family block on a CPU step's few rows), the fc and the lm_head
+        rows take the native gemv for these rows, and the norms share the layer's eps; not for an aux head's step
+        0 (its aux fc) nor a head whose lm_head reads anything but its output (`logit_input`). The same arithmetic
+        as `features` + `compute_logits`, without their ~15 dispatches, each slowed by caches the weights flushed."""
+        layer = self.layers[0]
+        native_plan = getattr(layer, "native_plan", None)
+        if (native_plan is None or (self.aux_fc is not None and from_target) or hidden.dim() != 2
+                or hidden.dtype != torch.float32 or hidden.stride(-1) != 1 or self.dtype != torch.float32
+                or type(self).logit_input is not ChainHead.logit_input
+                or (self.fc.bias is not None and self.fc.bias.dtype != torch.float32)):
+            return None
+        m = hidden.shape[0]
+        plan = native_plan(hidden, attn, kv_cache, meta)  # hidden stands in for the layer's input: same rows
+        if plan is None:
+            return None
+        n = 0 if logits_indices is None else logits_indices.shape[0]
+        embed = self.require_frozen().embed
+        lm = self.draft_lm_head()
+        fc = gemv_weight(self.fc, m)
+        lm_w = gemv_operand(n, lm, self.lm_rows_bf16(lm)) if n else lm
+        norms, eps = (self.enorm, self.hnorm, self.norm), layer.post_attention_layernorm.eps  # the layer's eps
+        if (fc is None or lm_w is None or embed.dtype != torch.float32 or not embed.is_contiguous()
+                or not on_cpu(embed.device)
+                or any(x is not None and (type(x) is not RMSNorm or x.eps != eps) for x in norms)):
+            return None
+        key = (plan.address, fc.data_ptr(), lm_w.data_ptr(), embed.data_ptr())
+        hp = self._head_plans.get(key)
+        if hp is None:
+            nw = [None if x is None else x.weight.detach().contiguous() for x in norms]
+            bias = None if self.fc.bias is None else self.fc.bias.detach().contiguous()
+            hp = self._head_plans.add(key, cpu_kernels.HeadPlan(
+                cpu_kernels.HeadWeights(embed.detach(), nw[0], nw[1], nw[2], fc.detach(), bias, lm_w.detach()),
+                plan, eps))
+        cos, sin = self.rope(meta.rotary_positions, torch.float32)
+        rows = None if logits_indices is None else logits_indices.to(torch.int64).contiguous()
+        out, logits = cpu_kernels.head_step(hp, hidden, token_ids.to(torch.int64).contiguous(), rows, cos, sin,
+                                            kv_cache, meta.backend_state["native_args"], gemv_avx512(m),
+                                            gemv_avx512(n) if n else False)
+        return HeadOutput(out, logits)
 
     def init_from_target(self, target_dir: str | Path) -> None:
         """Copy target weights into the head, as `head.init` says: `last_layer` or `target_mtp`."""

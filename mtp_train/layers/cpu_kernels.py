@@ -55,7 +55,7 @@ import stat
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,6 +332,19 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.mtp_decoder_stack_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    fn = lib.mtp_head_step_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     for fn, ret in ((lib.mtp_soft_ce_f32, None), (lib.mtp_soft_ce_f32_avx512, ctypes.c_int)):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
@@ -745,6 +758,142 @@ def decoder_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torc
             partials, chunk, int(use512), torch.get_num_threads() if _threads_ok else 1):
         raise MemoryError(f"decoder_layer: no memory for the scratch of {m} rows")
     return out
+
+
+def decoder_stack(plans: Sequence[LayerPlan], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_caches: Sequence[torch.Tensor], step: PagedAttentionStep, use512: bool,
+                  saved: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """A model's decoder layers one after another over the few rows of a decode or verify step, in ONE native call
+    (`decoder_layer` for each, without a return to Python between them: between two layers whose weights flushed
+    the caches, the interpreter's few microseconds of work per layer cost tens).
+
+    Args:
+        plans: each layer's `LayerPlan`, in order (all of the same hidden size).
+        x: (M, H) float32 contiguous, the first layer's input (not changed).
+        cos, sin: (M, D) or (M, 1, D) float32, the rows' rotate-half RoPE (every layer's: one head size).
+        kv_caches: each layer's pool (num_pages, 2, page_size, Hkv, D) float32 contiguous, one page size.
+        step: the step's attention arguments (`paged_attention_args`, with slots).
+        use512: the gemv's AVX-512 body.
+        saved: indices i whose layer input (HF `hidden_states[i]`) is returned too.
+    Returns ((M, H) the last layer's output, {i: (M, H) layer i's input}). Call only when `available()`; the caller
+    checks shapes and dtypes.
+    """
+    n = len(plans)
+    if len(kv_caches) != n:
+        raise ValueError(f"decoder_stack: {n} layers but {len(kv_caches)} KV pools")
+    first = plans[0].struct
+    m = x.shape[0]
+    cos, sin = cos.reshape(m, first.D).contiguous(), sin.reshape(m, first.D).contiguous()
+    chunk = _attention_chunk()
+    scores, partials = step.scratch(m, max(p.struct.Hq for p in plans), first.D, chunk)
+    out = torch.empty_like(x)
+    keep = {i: torch.empty_like(x) for i in saved if 0 <= i < n}
+    ptrs = ctypes.c_void_p * n
+    layers = ptrs(*(p.address for p in plans))
+    caches = ptrs(*(c.data_ptr() for c in kv_caches))
+    outs = ptrs(*(keep[i].data_ptr() if i in keep else None for i in range(n))) if keep else None
+    bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots = step.ptrs
+    if (_lib or _require()).mtp_decoder_stack_f32(
+            layers, n, caches, outs, x.data_ptr(), out.data_ptr(), m, cos.data_ptr(), sin.data_ptr(),
+            kv_caches[0].shape[2], bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots, scores, step.max_kv,
+            partials, chunk, int(use512), torch.get_num_threads() if _threads_ok else 1):
+        raise MemoryError(f"decoder_stack: no memory for the scratch of {m} rows")
+    return out, keep
+
+
+class _Head(ctypes.Structure):
+    """csrc/cpu_kernels.c's `mtp_head`: a chain head's step (embedding rows, norms, fc, layer, lm rows)."""
+
+    _fields_ = [("embed", ctypes.c_void_p), ("enorm", ctypes.c_void_p), ("hnorm", ctypes.c_void_p),
+                ("norm", ctypes.c_void_p), ("fc", ctypes.c_void_p), ("lm", ctypes.c_void_p),
+                ("fc_bias", ctypes.c_void_p), ("layer", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("bf16", ctypes.c_int), ("H", ctypes.c_int), ("V", ctypes.c_int), ("vocab", ctypes.c_int)]
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    """What `HeadPlan` reads of a chain head (`MTPHead`): all float32 CPU contiguous, except fc and lm, each float32
+    or bfloat16; None = absent.
+
+    Attributes:
+        embed: (vocab, H) the target's frozen embedding. enorm, hnorm, norm: (H,) RMSNorm weights, or None.
+        fc: (H, 2H) over [embedding ; features]; fc_bias: (H,) or None. lm: (V, H) the head's lm_head rows.
+    """
+
+    embed: torch.Tensor
+    enorm: torch.Tensor | None
+    hnorm: torch.Tensor | None
+    norm: torch.Tensor | None
+    fc: torch.Tensor
+    fc_bias: torch.Tensor | None
+    lm: torch.Tensor
+
+
+class HeadPlan:
+    """A chain head's step as `head_step` runs it: its weights' addresses and its layer's `LayerPlan`, made once per
+    set of weights and kept by the head (the plan holds the tensors it points to, and the layer plan)."""
+
+    __slots__ = ("weights", "layer", "struct", "address")
+
+    def __init__(self, w: HeadWeights, layer: LayerPlan, eps: float) -> None:
+        h = layer.struct.H
+        v = w.lm.shape[0]
+        for name, shape in (("fc", (h, 2 * h)), ("lm", (v, h)), ("embed", (w.embed.shape[0], h))):
+            t = getattr(w, name)
+            ok = (torch.float32,) if name == "embed" else (torch.float32, torch.bfloat16)
+            if tuple(t.shape) != shape or t.dtype not in ok or not t.is_contiguous():
+                raise ValueError(f"head_step: {name} {tuple(t.shape)} {t.dtype} must be {shape}, contiguous, "
+                                 + ("float32" if name == "embed" else "float32 or bfloat16"))
+        self.weights, self.layer = w, layer  # kept alive for the addresses below
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        bf16 = (w.fc.dtype == torch.bfloat16) + 2 * (w.lm.dtype == torch.bfloat16)
+        self.struct = _Head(ptr(w.embed), ptr(w.enorm), ptr(w.hnorm), ptr(w.norm), ptr(w.fc), ptr(w.lm),
+                            ptr(w.fc_bias), layer.address, eps, bf16, h, v, w.embed.shape[0])
+        self.address = ctypes.addressof(self.struct)
+
+
+def head_step(plan: HeadPlan, hidden: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor | None,
+              cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, step: PagedAttentionStep,
+              use512: bool, lm512: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chain head's step over the few rows of a draft or catch-up step, in one native call: the features of
+    `MTPHead.features` (embedding and features through their norms, the fc, the head's layer writing its K/V into
+    the pool, the final norm) and the logits of its lm_head rows at `rows`.
+
+    Args:
+        plan: the head (`HeadPlan`).
+        hidden: (M, H) float32 with unit inner stride, the target's features or the head's own output.
+        ids: (M,) int64 contiguous, the token after each row.
+        rows: (N,) int64 contiguous, the rows whose logits are wanted, or None (no logits).
+        cos, sin: (M, D) or (M, 1, D) float32, the rows' RoPE.
+        kv_cache: the head's pool (num_pages, 2, page_size, Hkv, D) float32 contiguous.
+        step: the step's attention arguments (`paged_attention_args`, with slots).
+        use512, lm512: the AVX-512 gemv body for the M-row products, for the N-row lm_head.
+    Returns ((M, H) features, (N, V) logits or None). Call only when `available()`; the caller checks shapes and
+    dtypes (kept lean: once per draft step).
+    """
+    lay = plan.layer.struct
+    m, h = hidden.shape
+    n = 0 if rows is None else rows.shape[0]
+    cos, sin = cos.reshape(m, lay.D).contiguous(), sin.reshape(m, lay.D).contiguous()
+    chunk = _attention_chunk()
+    scores, partials = step.scratch(m, lay.Hq, lay.D, chunk)
+    out = torch.empty(m, h, dtype=torch.float32)
+    logits = None if rows is None else torch.empty(n, plan.struct.V, dtype=torch.float32)
+    bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots = step.ptrs
+    err = (_lib or _require()).mtp_head_step_f32(
+        plan.address, hidden.data_ptr(), hidden.stride(0), ids.data_ptr(), m, None if not n else rows.data_ptr(), n,
+        out.data_ptr(), None if not n else logits.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
+        kv_cache.shape[2], bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots, scores, step.max_kv,
+        partials, chunk, int(use512), int(lm512), torch.get_num_threads() if _threads_ok else 1)
+    if err == -2:
+        raise IndexError(f"head_step: a token id outside the embedding's {plan.struct.vocab} rows, or a logits row "
+                         f"outside the step's {m}")
+    if err:
+        raise MemoryError(f"head_step: no memory for the scratch of {m} rows")
+    return out, logits
 
 
 def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:

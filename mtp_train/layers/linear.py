@@ -143,6 +143,17 @@ def gemv_weight(lin: nn.Module, m: int) -> torch.Tensor | None:
     return streamed if streamed is not None and streamed.is_contiguous() else None
 
 
+def gemv_operand(m: int, weight: torch.Tensor, w16: torch.Tensor | None) -> torch.Tensor | None:
+    """What `linear(x, weight, w16=w16)` streams through the native gemv for m rows (w16, or weight), or None where
+    it takes another path (a weight not float32 on the CPU, autograd, the measured choice torch's for m rows): for
+    native callers of a bare weight, as `gemv_weight` is for a `Linear`."""
+    if (weight.dtype != torch.float32 or not on_cpu(weight.device)
+            or (torch.is_grad_enabled() and weight.requires_grad)):
+        return None
+    streamed = _gemv_operand(m, weight, w16)
+    return streamed if streamed is not None and streamed.is_contiguous() else None
+
+
 def gemv_avx512(m: int) -> bool:
     """Whether m-row products run the gemv's AVX-512 body here (`_gemv_isa`, else the body `cpu_kernels.isa()`
     names)."""

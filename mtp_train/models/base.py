@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
-from mtp_train.layers.linear import Linear
+from mtp_train.layers.linear import Linear, gemv_avx512
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import ModelArgs
 
@@ -73,6 +74,23 @@ class CausalLM(nn.Module):
         """positions: (T,) → cos, sin (T, 1, D) in the rotate-half layout."""
         return rotate_half_rope(self.rotary, positions, dtype)
 
+    def _native_plans(self, x: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                      meta: AttentionMetadata) -> list[cpu_kernels.LayerPlan] | None:
+        """Each decoder layer's `LayerPlan` where every layer would run in one native call in this step
+        (`native_plan`: a family's layer that has one, a CPU decode or verify step of a few rows), so that the
+        stack runs in one (`cpu_kernels.decoder_stack`); else None. Decided before any layer runs, while the
+        modules it reads are still in cache."""
+        if not meta.backend_state.get("native"):
+            return None
+        plans = []
+        for layer, kv in zip(self.model.layers, kv_caches):
+            native_plan = getattr(layer, "native_plan", None)
+            plan = None if native_plan is None else native_plan(x, self.attn, kv, meta)
+            if plan is None:
+                return None
+            plans.append(plan)
+        return plans
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -103,10 +121,15 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (T, H)
         cos, sin = self.rope(meta.rotary_positions, x.dtype)
         layers: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in wanted:
-                layers[i] = x
-            x = layer(x, cos, sin, self.attn, None if kv_caches is None else kv_caches[i], meta)
+        plans = None if kv_caches is None else self._native_plans(x, kv_caches, meta)
+        if plans is not None:
+            x, layers = cpu_kernels.decoder_stack(plans, x, cos, sin, kv_caches, meta.backend_state["native_args"],
+                                                  gemv_avx512(x.shape[0]), wanted)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if i in wanted:
+                    layers[i] = x
+                x = layer(x, cos, sin, self.attn, None if kv_caches is None else kv_caches[i], meta)
         hidden = self.model.norm(x)
         if n_layers in wanted:
             layers[n_layers] = hidden

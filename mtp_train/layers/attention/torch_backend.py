@@ -58,6 +58,8 @@ class TorchBackend(AttentionBackend):
                     pos = torch.arange(n, device=meta.positions.device)
                     st[("prefill_mask", n)] = causal_mask(pos, n, self.sliding_window)
             return
+        if st.get("prepared") == ("torch", self.sliding_window):
+            return  # a copy of a state this kind of backend prepared (a head's catch-up over the verify's rows)
         # flat page ids, converted once per step: index_select over dim 0 gathers pages much faster than
         # advanced indexing with the 2-D table
         st["page_ids"] = meta.block_tables.reshape(-1).long()
@@ -75,6 +77,9 @@ class TorchBackend(AttentionBackend):
         st["uniform"] = all(n == q for n in meta.qo_lens)
         if st["uniform"] and not st["native"]:
             st["mask"] = self._batched_mask(meta)  # the native kernel needs none (built on demand if it steps aside)
+        # Everything above depends on the step's rows and this window alone: another torch backend of the same
+        # window (a head's, whatever its heads) may take a copy of the state as it is.
+        st["prepared"] = ("torch", self.sliding_window)
 
     def _batched_mask(self, meta: AttentionMetadata) -> torch.Tensor:
         """(B, 1, Q, S) bool, True = attend: the batched path's mask for B sequences of Q new tokens each, keys

@@ -674,6 +674,94 @@ int mtp_decoder_layer_f32(const mtp_layer *L, const float *x, float *out, int M,
     return 0;
 }
 
+/* out (M, H) <- n decoder layers one after another over x (M, H), layer i on caches[i] (what n calls of
+ * mtp_decoder_layer_f32 compute, without returning to the caller between them); saved[i], where not NULL, receives
+ * layer i's input (M, H) (a forward's hidden_states[i]). The attention arguments are the step's, shared by every
+ * layer. Returns 0, or -1 when a scratch could not be allocated (earlier layers' K/V may have been written). */
+int mtp_decoder_stack_f32(const mtp_layer *const *layers, int n, float *const *caches, float *const *saved,
+                          const float *x, float *out, int M, const float *cos, const float *sin, int ps,
+                          const int *block_tables, int max_pages, const int *qo_indptr, int B,
+                          const int64_t *positions, const int64_t *tree_bits, const int64_t *tree_pos,
+                          const int64_t *slots, float *scores, long max_kv, float *partials, long chunk, int use512,
+                          int num_threads) {
+    if (n <= 0) return 0;
+    size_t row = (size_t)M * layers[0]->H;
+    float *tmp = malloc(sizeof(float) * row);
+    if (!tmp) return -1;
+    /* ping-pong so that the last layer writes `out`: with n odd the first one does too */
+    float *bufs[2] = { n % 2 ? out : tmp, n % 2 ? tmp : out };
+    const float *in = x;
+    for (int i = 0; i < n; i++) {
+        if (saved && saved[i]) memcpy(saved[i], in, sizeof(float) * row);
+        float *dst = bufs[i % 2];
+        if (mtp_decoder_layer_f32(layers[i], in, dst, M, cos, sin, caches[i], ps, block_tables, max_pages, qo_indptr,
+                                  B, positions, tree_bits, tree_pos, slots, scores, max_kv, partials, chunk, use512,
+                                  num_threads)) {
+            free(tmp);
+            return -1;
+        }
+        in = dst;
+    }
+    free(tmp);
+    return 0;
+}
+
+/* A chain head's whole step (mtp_train.heads.mtp: MTPHead.features, then its logits at chosen rows) as
+ * `cpu_kernels.HeadPlan` fills it once per set of weights: the frozen embedding's rows of the next tokens and the
+ * features, each through its RMSNorm where the head has one, concatenated [e ; h] into the fc, the head's decoder
+ * layer, its final norm, and the (draft-vocabulary) lm_head rows. fc and lm are (N, K) contiguous, float32 or
+ * bfloat16 bits (bit 1: fc, bit 2: lm); NULL norms and bias are absent. */
+typedef struct {
+    const float *embed, *enorm, *hnorm, *norm;  /* (vocab, H) float32; (H,) RMSNorm weights */
+    const void *fc, *lm;                        /* (H, 2H); (V, H) */
+    const float *fc_bias;                       /* (H,) */
+    const mtp_layer *layer;
+    float eps;
+    int bf16, H, V, vocab;                      /* vocab: the embedding's rows */
+} mtp_head;
+
+/* out (M, H) <- the head's features of M rows (hidden (M, H), row stride hs: the target's or the head's own; ids
+ * (M,): the token after each row), the layer's K/V written into its cache as mtp_decoder_layer_f32 does; logits
+ * (N, V) <- the lm rows over out's rows `rows` (N >= 0). use512: the fc's and the layer's gemv body (M rows),
+ * lm512: the lm_head's (N rows). Returns 0; -2 (nothing written) for a token id outside the embedding or a row
+ * outside 0..M-1; -1 when a scratch could not be allocated (the K/V may have been written). */
+int mtp_head_step_f32(const mtp_head *P, const float *hidden, long hs, const int64_t *ids, int M,
+                      const int64_t *rows, int N, float *out, float *logits, const float *cos, const float *sin,
+                      float *cache, int ps, const int *block_tables, int max_pages, const int *qo_indptr, int B,
+                      const int64_t *positions, const int64_t *tree_bits, const int64_t *tree_pos,
+                      const int64_t *slots, float *scores, long max_kv, float *partials, long chunk, int use512,
+                      int lm512, int num_threads) {
+    int H = P->H;
+    for (int m = 0; m < M; m++)
+        if (ids[m] < 0 || ids[m] >= P->vocab) return -2;
+    for (int n = 0; n < N; n++)
+        if (rows[n] < 0 || rows[n] >= M) return -2;
+    float *buf = malloc(sizeof(float) * ((size_t)M * 4 * H + (size_t)N * H));
+    if (!buf) return -1;
+    float *cat = buf, *x = cat + (size_t)M * 2 * H, *y = x + (size_t)M * H, *sel = y + (size_t)M * H;
+    for (int m = 0; m < M; m++) {
+        const float *e = P->embed + (size_t)ids[m] * H, *h = hidden + (size_t)m * hs;
+        float *ce = cat + (size_t)m * 2 * H, *ch = ce + H;
+        if (P->enorm) mtp_rmsnorm_f32(e, H, P->enorm, ce, 1, H, P->eps);
+        else memcpy(ce, e, sizeof(float) * H);
+        if (P->hnorm) mtp_rmsnorm_f32(h, H, P->hnorm, ch, 1, H, P->eps);
+        else memcpy(ch, h, sizeof(float) * H);
+    }
+    layer_gemv(cat, 2 * H, P->fc, P->bf16 & 1, P->fc_bias, x, H, M, H, 2 * H, use512, num_threads);
+    if (mtp_decoder_layer_f32(P->layer, x, y, M, cos, sin, cache, ps, block_tables, max_pages, qo_indptr, B,
+                              positions, tree_bits, tree_pos, slots, scores, max_kv, partials, chunk, use512,
+                              num_threads)) {
+        free(buf);
+        return -1;
+    }
+    if (P->norm) mtp_rmsnorm_f32(y, H, P->norm, out, M, H, P->eps);
+    else memcpy(out, y, sizeof(float) * (size_t)M * H);
+    for (int n = 0; n < N; n++) memcpy(sel + (size_t)n * H, out + (size_t)rows[n] * H, sizeof(float) * H);
+    if (N > 0) layer_gemv(sel, H, P->lm, P->bf16 & 2, NULL, logits, P->V, N, P->V, H, lm512, num_threads);
+    free(buf);
+    return 0;
+}
+
 /* One row of the fused soft cross-entropy (training: mtp_train/train/losses.py, ce_impl=fused).
  *
  * z: the head's logits (V,), t: the target's logits (V,), both overwritten: z <- softmax(z) - softmax(t)

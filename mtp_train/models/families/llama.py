@@ -218,6 +218,17 @@ class DecoderLayer(nn.Module):
         verify step whose every part would take its native kernel anyway (each projection's gemv as `Linear` would
         choose it, the paged attention writing the new K/V), else None: the layer then runs op by op. The same
         arithmetic, without ~20 dispatches of a few microseconds each per layer and step."""
+        plan = self.native_plan(x, attn, kv_cache, meta)
+        if plan is None:
+            return None
+        m = x.shape[0]
+        return cpu_kernels.decoder_layer(plan, x, cos, sin, kv_cache, meta.backend_state["native_args"],
+                                         gemv_avx512(m))
+
+    def native_plan(self, x: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor | None,
+                    meta: AttentionMetadata) -> cpu_kernels.LayerPlan | None:
+        """The `LayerPlan` that `native` runs x's rows through in this step (made at first use of its weights), or
+        None where the layer runs op by op; also what a head's step in one native call runs its layer with."""
         m = x.shape[0]
         st = meta.backend_state
         a, mlp = self.self_attn, self.mlp
@@ -243,7 +254,7 @@ class DecoderLayer(nn.Module):
             plan = self._plans.add(key, cpu_kernels.LayerPlan(
                 cpu_kernels.LayerWeights(ln1, ln2, qn, kn, wqkv, wo, wgu, wd, *bias, sinks),
                 (a.num_heads, a.num_kv_heads, a.head_dim), eps, attn.scale, a.window))
-        return cpu_kernels.decoder_layer(plan, x, cos, sin, kv_cache, st["native_args"], gemv_avx512(m))
+        return plan
 
 
 class LlamaBackbone(nn.Module):
