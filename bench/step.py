@@ -108,8 +108,11 @@ def instrument_shared(model: torch.nn.Module) -> None:
         if kind is not None:
             module.register_forward_pre_hook(pre)
             module.register_forward_hook(post(kind))
+    from mtp_train.layers import cpu_kernels
+
+    _wrap(cpu_kernels, "decoder_stack", "layer")  # every layer in one native call, where all of them can
     for layer in getattr(getattr(model, "model", None), "layers", ()):
-        if hasattr(layer, "native"):  # a Llama-family layer: the whole layer in one native call where it can
+        if hasattr(layer, "native"):  # else a Llama-family layer: the whole layer in one native call where it can
             _wrap(layer, "native", "layer")
     _wrap(model.attn, "forward", "attention")
     _wrap(model.attn, "prepare", "attention")

@@ -635,3 +635,39 @@ def test_head_step_refuses_a_token_outside_the_embedding(tiny_checkpoints):
         with pytest.raises(IndexError, match="outside the embedding"):
             head(torch.randn(1, head.args.hidden_size), ids, meta, kv.layers[0], from_target=True,
                  logits_indices=torch.tensor([0]))
+
+
+@needs_kernels
+def test_the_stacks_plans_follow_the_weights_from_step_to_step(tiny_checkpoints, monkeypatch):
+    """`CausalLM._native_plans` keeps the last step's plans; a weight changed in place, a bfloat16 copy switched on
+    and remade, a parameter replaced: each next step computes with the weights as they are then."""
+    from mtp_train.engine import ModelRunner, Sequence
+    from mtp_train.layers.linear import stream_bf16_linears
+    from mtp_train.models import load_model
+    from mtp_train.models.base import CausalLM
+
+    model = load_model(tiny_checkpoints["llama"][0], dtype="float32")
+    vocab = model.args.vocab_size
+    prompt = torch.randint(0, vocab, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    real = CausalLM._native_plans
+
+    def logits(stacked: bool) -> torch.Tensor:
+        monkeypatch.setattr(CausalLM, "_native_plans", real if stacked else lambda self, *a: None)
+        runner = ModelRunner.create(model, num_pages=16, page_size=4)
+        seq = Sequence.new(0, prompt)
+        with torch.inference_mode():
+            runner.run([seq])
+            seq.token_ids.append(5)
+            return runner.run([seq], logits="all").logits
+
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    changes = [lambda: None,
+               lambda: qkv.weight.mul_(1.5),
+               lambda: stream_bf16_linears(model.model.layers),
+               lambda: qkv.weight.mul_(0.5),  # the copy is made again
+               lambda: setattr(qkv, "weight", torch.nn.Parameter(torch.randn_like(qkv.weight), requires_grad=False))]
+    for change in changes:
+        with torch.no_grad():
+            change()
+        torch.testing.assert_close(logits(True), logits(False), rtol=1e-5, atol=1e-5)
+    assert model._stack_memo is not None and model._stack_memo.plans[1].weights.wqkv.dtype == torch.bfloat16

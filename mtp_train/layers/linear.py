@@ -192,6 +192,25 @@ def _small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return out
 
 
+_generation = [0]  # bumped whenever what a module streams may have changed (see `streaming_generation`)
+
+
+def streaming_generation() -> int:
+    """A counter that changes whenever the weight a module's product streams may have changed without any tensor's
+    address or version showing it: a `Linear` switching its bfloat16 copy on or off or making it again, and any
+    parameter or submodule registered on any module (a weight or a layer replaced). For callers that keep a
+    decision about many modules' weights from step to step (`CausalLM._native_plans`)."""
+    return _generation[0]
+
+
+def _bump(*_: object) -> None:
+    _generation[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_bump)
+nn.modules.module.register_module_module_registration_hook(_bump)
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state dict) with the CPU inference fast paths above."""
 
@@ -219,10 +238,15 @@ class Linear(nn.Linear):
         changes), so switching back and forth is free."""
         w = self.weight
         if not (on and on_cpu(w.device) and w.dtype == torch.float32):
+            if self._w16_on:
+                _bump()
             self._w16_on = False
             return
         if self._w16 is None or self._w16_version != tensor_version(w):
             self._w16, self._w16_version = w.detach().to(torch.bfloat16).contiguous(), tensor_version(w)
+            _bump()
+        if not self._w16_on:
+            _bump()
         self._w16_on = True
 
     @property

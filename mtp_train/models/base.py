@@ -19,7 +19,7 @@ from torch import nn
 
 from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
-from mtp_train.layers.linear import Linear, gemv_avx512
+from mtp_train.layers.linear import Linear, gemv_avx512, streaming_generation, tensor_version
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import ModelArgs
 
@@ -39,6 +39,33 @@ def rotate_half_rope(rotary: RotaryEmbedding, positions: torch.Tensor,
     return rotary(positions, dtype)
 
 
+class _StackMemo:
+    """The layer plans `CausalLM._native_plans` decided for a row count, and what would make them stale besides its
+    key: a parameter moved (its address) or a weight a bfloat16 copy was made from changed in place (its version)."""
+
+    __slots__ = ("key", "plans", "params", "ptrs", "copies")
+
+    def __init__(self, key: tuple, plans: list[cpu_kernels.LayerPlan], params: list[torch.Tensor],
+                 copied: list[Linear]) -> None:
+        self.key, self.plans, self.params = key, plans, params
+        self.ptrs = [p.data_ptr() for p in params]
+        self.copies = [(lin, tensor_version(lin.weight)) for lin in copied]
+
+    def valid(self) -> bool:
+        return ([p.data_ptr() for p in self.params] == self.ptrs
+                and all(tensor_version(lin.weight) == v for lin, v in self.copies))
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of the model decides again over its own weights (the plans' ctypes cannot be copied)
+
+    def __reduce__(self) -> tuple:
+        return _no_memo, ()
+
+
+def _no_memo() -> None:
+    return None
+
+
 class CausalLM(nn.Module):
     """Any target: `model.{embed_tokens, layers, norm}`, `lm_head`, RoPE and the step loop.
 
@@ -53,6 +80,7 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Module = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args.rope)
         self.attn: AttentionBackend | MLABackend | None = None  # set by the loader / engine
+        self._stack_memo: _StackMemo | None = None  # the last step's layer plans (`_native_plans`)
 
     @property
     def device(self) -> torch.device:
@@ -80,15 +108,25 @@ class CausalLM(nn.Module):
         (`native_plan`: a family's layer that has one, a CPU decode or verify step of a few rows), so that the
         stack runs in one (`cpu_kernels.decoder_stack`); else None. Decided before any layer runs, while the
         modules it reads are still in cache."""
-        if not meta.backend_state.get("native"):
+        st = meta.backend_state
+        if not st.get("native"):
             return None
+        key = (x.shape[0], cpu_kernels.generation(), streaming_generation(), torch.is_grad_enabled(), id(self.attn))
+        memo = self._stack_memo
+        if (memo is not None and memo.key == key and memo.valid() and st["native_args"].slots is not None
+                and x.dim() == 2 and x.is_contiguous() and cpu_kernels.serves(x, kv_caches[0])
+                and all(c.is_contiguous() for c in kv_caches)):
+            return memo.plans  # what every layer's native_plan would decide again: same rows, kernels and weights
         plans = []
         for layer, kv in zip(self.model.layers, kv_caches):
             native_plan = getattr(layer, "native_plan", None)
             plan = None if native_plan is None else native_plan(x, self.attn, kv, meta)
             if plan is None:
+                self._stack_memo = None
                 return None
             plans.append(plan)
+        copied = [m for m in self.model.layers.modules() if isinstance(m, Linear) and m.w16 is not None]
+        self._stack_memo = _StackMemo(key, plans, list(self.model.layers.parameters()), copied)
         return plans
 
     def forward(
