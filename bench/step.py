@@ -9,7 +9,8 @@ lookup), batch-1 greedy generation of the same prompts, every step broken down i
   (`catch_up_greedy` before acceptance for a greedy chain, `after_verify` after it; `update` for the proposers
   and the `catch_up=own` rule that run a separate pass);
 - layout: the verify rows (tree layout, slots, positions); verify (or decode) forward, split by layer kind:
-  layer (a whole decoder layer in one native call, `DecoderLayer.native`: on CPU few-row steps all of it), linear
+  layer (the decoder layers in one native call: the whole stack's, `decoder_stack`, or each layer's,
+  `DecoderLayer.native`; on CPU few-row steps all of them), linear
   (every projection but the lm_head, where a layer runs op by op), attention (the backend's kernels and its
   per-step `prepare`), norm, lm_head, other (embedding, RoPE, activations, residuals: the forward's remainder);
 - accept: sampling / acceptance on the logits; kv_commit: moving an accepted path's K/V into place;
