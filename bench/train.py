@@ -38,7 +38,7 @@ step 0's counted rows), each block attending to its context (taken as the batch'
 The lm_head products dominate for a small head over a large vocabulary. Recomputation inside the chunked loss
 (ce_impl=checkpoint recomputes both chunks' logits in the backward) is not counted: it is work the step does, not
 useful FLOPs. The defaults are the demo's training settings (conf/demo.yaml: 8k draft vocabulary, one draft step,
-2k-token micro-batches, w_tok 1).
+2k-token micro-batches, w_tok 1, the fused loss; `loss.ce_impl=checkpoint` times `mtp-train`'s own default).
 
 Usage: python -m bench.train [--model DIR] [--data FILE] [--limit 64] [--max-seq-len 512] [--steps 20]
                                    [--draft-vocab 8192] [--steps-unrolled 1] [--micro-batch-tokens 2048] [key=value ...]
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"train.micro_batch_tokens={args.micro_batch_tokens}", "train.eval_every=0", "train.eval_batches=1",
             "train.save_every=0", "train.log_every=1", "spec_eval.prompts=[]",
             f"head.draft_vocab_size={args.draft_vocab}", f"loss.steps={args.steps_unrolled}", "loss.w_tok=1.0",
-            *args.overrides,
+            "loss.ce_impl=fused", *args.overrides,
         ]
         aux = head_aux_layers(compose_train(overrides), args.model)
         t0 = time.perf_counter()

@@ -408,7 +408,8 @@ def test_serves_only_float32_cpu_inference():
 @needs_kernels
 @pytest.mark.parametrize("v", [3, 96, 8195])
 def test_soft_ce_equals_torch(v, threads):
-    """Per-row CE, target argmax, rank of it among the head's logits, and softmax(z) - softmax(t) over z."""
+    """Per-row CE, target argmax, rank of it among the head's logits, α = Σ min(q, p), and softmax(z) - softmax(t)
+    over z."""
     g = torch.Generator().manual_seed(v)
     t = torch.randn(37, v, generator=g) * 3
     z = (t + torch.randn(37, v, generator=g) * 2).contiguous()  # close enough that some rows rank 0, 1, 2
@@ -417,9 +418,11 @@ def test_soft_ce_equals_torch(v, threads):
     ref_best = t.argmax(-1)
     ref_rank = (z > z.gather(1, ref_best[:, None])).sum(-1)
     ref_dz = z.softmax(-1) - p
+    ref_alpha = torch.minimum(z.softmax(-1), p).sum(-1)
     zz, tt = z.clone(), t.clone()
-    ce, best, rank = cpu_kernels.soft_ce_(zz, tt)
+    ce, best, rank, alpha = cpu_kernels.soft_ce_(zz, tt)
     torch.testing.assert_close(ce, ref_ce)
+    torch.testing.assert_close(alpha, ref_alpha)
     assert best.tolist() == ref_best.tolist() and rank.tolist() == ref_rank.tolist()
     torch.testing.assert_close(zz, ref_dz)
     if v > 3:
@@ -437,8 +440,9 @@ def test_the_avx512_soft_ce_equals_the_avx2_soft_ce(v, threads):
     for isa in ("avx512", "avx2"):
         zz, tt = z.clone(), t.clone()
         outs.append((*cpu_kernels.soft_ce_(zz, tt, isa=isa), zz))
-    (ce5, best5, rank5, dz5), (ce2, best2, rank2, dz2) = outs
+    (ce5, best5, rank5, a5, dz5), (ce2, best2, rank2, a2, dz2) = outs
     torch.testing.assert_close(ce5, ce2)
+    torch.testing.assert_close(a5, a2)
     torch.testing.assert_close(dz5, dz2)
     assert best5.tolist() == best2.tolist() and rank5.tolist() == rank2.tolist()
     torch.testing.assert_close(ce5, torch.logsumexp(z, -1) - (t.softmax(-1) * z).sum(-1))

@@ -348,7 +348,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     fn.restype = ctypes.c_int
     for fn, ret in ((lib.mtp_soft_ce_f32, None), (lib.mtp_soft_ce_f32_avx512, ctypes.c_int)):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         fn.restype = ret
     # Our libgomp.so.1 binds to the one torch already loaded, so our parallel regions reuse torch's
     # threads. If loading it brought a runtime of its own (a torch built on another OpenMP), that
@@ -910,12 +910,13 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: to
 
 
 def soft_ce_(z: torch.Tensor, t: torch.Tensor,
-             isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row soft cross-entropy of z against t, with its gradient written over z (training's fused loss).
 
     z: (C, V) the head's logits, t: (C, V) the target's, both float32 CPU contiguous, both overwritten:
     z becomes softmax(z) - softmax(t) (d CE / d z) and t scratch. Returns (ce (C,) float32 =
-    logsumexp(z) - Σ softmax(t)·z, best (C,) int64 = argmax t, rank (C,) int64 = how many of z exceed z[best]).
+    logsumexp(z) - Σ softmax(t)·z, best (C,) int64 = argmax t, rank (C,) int64 = how many of z exceed z[best],
+    alpha (C,) float32 = Σ min(softmax(z), softmax(t)), the acceptance a draft sampled from the head would get).
     One read of each row from memory instead of torch's ~8 passes over the chunk. Call only when `available()`.
     isa: None (the instruction set in use, `isa()`), or "avx2" / "avx512" to run that body (to compare them);
     "avx512" on a CPU without it raises RuntimeError.
@@ -926,9 +927,10 @@ def soft_ce_(z: torch.Tensor, t: torch.Tensor,
     ce = torch.empty(c, dtype=torch.float32)
     best = torch.empty(c, dtype=torch.int64)
     rank = torch.empty(c, dtype=torch.int64)
+    alpha = torch.empty(c, dtype=torch.float32)
     lib = _lib or _require()
     fn = _soft_ce_fn if isa is None else _by_isa(isa, lib.mtp_soft_ce_f32, lib.mtp_soft_ce_f32_avx512)
-    if fn(z.data_ptr(), t.data_ptr(), c, v, ce.data_ptr(), best.data_ptr(), rank.data_ptr(),
+    if fn(z.data_ptr(), t.data_ptr(), c, v, ce.data_ptr(), best.data_ptr(), rank.data_ptr(), alpha.data_ptr(),
           torch.get_num_threads() if _threads_ok else 1):
         raise RuntimeError("soft_ce_: this CPU does not run the AVX-512 body (AVX-512F/VL/DQ)")
-    return ce, best, rank
+    return ce, best, rank, alpha

@@ -151,10 +151,10 @@ def _soft_ce_grad(z: torch.Tensor, t: torch.Tensor, row_weight: torch.Tensor | N
     """Soft CE's d/dz written out, softmax(z) − p: in one native pass per row on fp32 CPU (z becomes the gradient in
     place) where that is the faster path on this machine (`kernel_choice`, op "soft_ce"), else in torch."""
     if cpu_kernels.serves(z, t) and kernel_choice.prefers_native("soft_ce", "chunk"):
-        alpha = alpha_sum(z, t.softmax(-1))  # before the kernel turns z into d CE / d z
-        # One pass per row in native code: CE, argmax, rank, and d CE / d z = softmax(z) - p over z.
-        ce_rows, _, rank = cpu_kernels.soft_ce_(z, t)
-        sums = (weighted_sum(ce_rows, row_weight), (rank == 0).sum(), (rank < min(TOPK, z.shape[-1])).sum(), alpha)
+        # One pass per row in native code: CE, argmax, rank, α, and d CE / d z = softmax(z) - p over z.
+        ce_rows, _, rank, alpha = cpu_kernels.soft_ce_(z, t)
+        sums = (weighted_sum(ce_rows, row_weight), (rank == 0).sum(), (rank < min(TOPK, z.shape[-1])).sum(),
+                alpha.sum())
         return sums, z if row_weight is None else z.mul_(row_weight[:, None])
     return _soft_ce_grad_torch(z, t, row_weight)
 

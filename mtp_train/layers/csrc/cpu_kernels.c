@@ -766,10 +766,11 @@ int mtp_head_step_f32(const mtp_head *P, const float *hidden, long hs, const int
  *
  * z: the head's logits (V,), t: the target's logits (V,), both overwritten: z <- softmax(z) - softmax(t)
  * (d CE / d z), t <- e^(t - max t) (scratch). Returns CE = logsumexp(z) - sum softmax(t) z; *best = argmax t
- * (the first maximal index, as torch.argmax), *rank = #{i : z_i > z_best} (0: the head's argmax is the target's).
+ * (the first maximal index, as torch.argmax), *rank = #{i : z_i > z_best} (0: the head's argmax is the target's),
+ * *alpha = sum min(softmax(z), softmax(t)) (the acceptance a draft sampled from the head would get).
  * Three passes over a row that stays in L2: max (z and t), then exponentials and sums (written back), then
- * the difference of the two normalised rows. */
-static float soft_ce_row(float *restrict z, float *restrict t, int V, int64_t *best, int64_t *rank) {
+ * the difference of the two normalised rows, with their minimum summed on the way. */
+static float soft_ce_row(float *restrict z, float *restrict t, int V, int64_t *best, int64_t *rank, float *alpha) {
     __m256 mz8 = _mm256_set1_ps(-INFINITY), mt8 = mz8;
     int i = 0;
     for (; i + 8 <= V; i += 8) {
@@ -811,29 +812,40 @@ static float soft_ce_row(float *restrict z, float *restrict t, int V, int64_t *b
         t[i] = et;
     }
     float isz = 1.f / sz, ist = 1.f / st;
-    __m256 visz = _mm256_set1_ps(isz), vist = _mm256_set1_ps(ist);
-    for (i = 0; i + 8 <= V; i += 8)
-        _mm256_storeu_ps(z + i, _mm256_fnmadd_ps(_mm256_loadu_ps(t + i), vist,
-                                                 _mm256_mul_ps(_mm256_loadu_ps(z + i), visz)));
-    for (; i < V; i++) z[i] = z[i] * isz - t[i] * ist;
+    __m256 visz = _mm256_set1_ps(isz), vist = _mm256_set1_ps(ist), a8 = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= V; i += 8) {
+        __m256 q = _mm256_mul_ps(_mm256_loadu_ps(z + i), visz), p = _mm256_mul_ps(_mm256_loadu_ps(t + i), vist);
+        a8 = _mm256_add_ps(a8, _mm256_min_ps(q, p));
+        _mm256_storeu_ps(z + i, _mm256_sub_ps(q, p));
+    }
+    float a = hsum(a8);
+    for (; i < V; i++) {
+        float q = z[i] * isz, p = t[i] * ist;
+        a += q < p ? q : p;
+        z[i] = q - p;
+    }
     *best = b;
     *rank = (int64_t)r;
+    *alpha = a;
     return mz + logf(sz) - d * ist;
 }
 
 /* mtp_soft_ce_f32 — the soft cross-entropy of C rows and its gradient, in place (see soft_ce_row).
- * z, t: (C, V) contiguous; ce: (C,) per-row CE; best, rank: (C,). Rows are split over OpenMP threads. */
-typedef float (*soft_ce_row_fn)(float *restrict z, float *restrict t, int V, int64_t *best, int64_t *rank);
+ * z, t: (C, V) contiguous; ce, alpha: (C,) per-row CE and acceptance; best, rank: (C,). Rows are split over OpenMP
+ * threads. */
+typedef float (*soft_ce_row_fn)(float *restrict z, float *restrict t, int V, int64_t *best, int64_t *rank,
+                                float *alpha);
 
-static void soft_ce_split(float *z, float *t, int C, int V, float *ce, int64_t *best, int64_t *rank, int num_threads,
-                          soft_ce_row_fn row_fn) {
+static void soft_ce_split(float *z, float *t, int C, int V, float *ce, int64_t *best, int64_t *rank, float *alpha,
+                          int num_threads, soft_ce_row_fn row_fn) {
     #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && C > 1)
     for (int r = 0; r < C; r++)
-        ce[r] = row_fn(z + (size_t)r * V, t + (size_t)r * V, V, best + r, rank + r);
+        ce[r] = row_fn(z + (size_t)r * V, t + (size_t)r * V, V, best + r, rank + r, alpha + r);
 }
 
-void mtp_soft_ce_f32(float *z, float *t, int C, int V, float *ce, int64_t *best, int64_t *rank, int num_threads) {
-    soft_ce_split(z, t, C, V, ce, best, rank, num_threads, soft_ce_row);
+void mtp_soft_ce_f32(float *z, float *t, int C, int V, float *ce, int64_t *best, int64_t *rank, float *alpha,
+                     int num_threads) {
+    soft_ce_split(z, t, C, V, ce, best, rank, alpha, num_threads, soft_ce_row);
 }
 
 /* ---- the soft cross-entropy on AVX-512 (run only where mtp_cpu_avx512() is 1) --------------------------------- */
@@ -857,7 +869,8 @@ AVX512 static inline __m512 exp16(__m512 x) {
 }
 
 /* soft_ce_row on 16-wide registers: the same three passes, the same outputs (the V % 16 tail in scalar code). */
-AVX512 static float soft_ce_row_512(float *restrict z, float *restrict t, int V, int64_t *best, int64_t *rank) {
+AVX512 static float soft_ce_row_512(float *restrict z, float *restrict t, int V, int64_t *best, int64_t *rank,
+                                    float *alpha) {
     __m512 mz16 = _mm512_set1_ps(-INFINITY), mt16 = mz16;
     int i = 0;
     for (; i + 16 <= V; i += 16) {
@@ -896,21 +909,29 @@ AVX512 static float soft_ce_row_512(float *restrict z, float *restrict t, int V,
         t[i] = et;
     }
     float isz = 1.f / sz, ist = 1.f / st;
-    __m512 visz = _mm512_set1_ps(isz), vist = _mm512_set1_ps(ist);
-    for (i = 0; i + 16 <= V; i += 16)
-        _mm512_storeu_ps(z + i, _mm512_fnmadd_ps(_mm512_loadu_ps(t + i), vist,
-                                                 _mm512_mul_ps(_mm512_loadu_ps(z + i), visz)));
-    for (; i < V; i++) z[i] = z[i] * isz - t[i] * ist;
+    __m512 visz = _mm512_set1_ps(isz), vist = _mm512_set1_ps(ist), a16 = _mm512_setzero_ps();
+    for (i = 0; i + 16 <= V; i += 16) {
+        __m512 q = _mm512_mul_ps(_mm512_loadu_ps(z + i), visz), p = _mm512_mul_ps(_mm512_loadu_ps(t + i), vist);
+        a16 = _mm512_add_ps(a16, _mm512_min_ps(q, p));
+        _mm512_storeu_ps(z + i, _mm512_sub_ps(q, p));
+    }
+    float a = _mm512_reduce_add_ps(a16);
+    for (; i < V; i++) {
+        float q = z[i] * isz, p = t[i] * ist;
+        a += q < p ? q : p;
+        z[i] = q - p;
+    }
     *best = b;
     *rank = (int64_t)r;
+    *alpha = a;
     return mz + logf(sz) - d * ist;
 }
 
 /* mtp_soft_ce_f32 on AVX-512; -1 (nothing written) where this CPU cannot run it. */
 int mtp_soft_ce_f32_avx512(float *z, float *t, int C, int V, float *ce, int64_t *best, int64_t *rank,
-                           int num_threads) {
+                           float *alpha, int num_threads) {
     if (!mtp_cpu_avx512()) return -1;
-    soft_ce_split(z, t, C, V, ce, best, rank, num_threads, soft_ce_row_512);
+    soft_ce_split(z, t, C, V, ce, best, rank, alpha, num_threads, soft_ce_row_512);
     return 0;
 }
 #undef AVX512
