@@ -674,4 +674,4 @@ def test_the_stacks_plans_follow_the_weights_from_step_to_step(tiny_checkpoints,
         with torch.no_grad():
             change()
         torch.testing.assert_close(logits(True), logits(False), rtol=1e-5, atol=1e-5)
-    assert model._stack_memo is not None and model._stack_memo.plans[1].weights.wqkv.dtype == torch.bfloat16
+    assert model._stack_memo is not None and model._stack_memo.plans[1][1].weights.wqkv.dtype == torch.bfloat16

@@ -40,16 +40,17 @@ def rotate_half_rope(rotary: RotaryEmbedding, positions: torch.Tensor,
 
 
 class _StackMemo:
-    """The layer plans `CausalLM._native_plans` decided for a row count, and what would make them stale besides its
-    key: a parameter moved (its address) or a weight a bfloat16 copy was made from changed in place (its version)."""
+    """The layer plans `CausalLM._native_plans` decided, by row count, while its key holds (the kernels' and the
+    streamed weights' generations, grad mode, the attention backend) and nothing moved: no parameter's address, no
+    version of a weight a bfloat16 copy was made from."""
 
-    __slots__ = ("key", "plans", "params", "ptrs", "copies")
+    __slots__ = ("key", "params", "ptrs", "copies", "plans")
 
-    def __init__(self, key: tuple, plans: list[cpu_kernels.LayerPlan], params: list[torch.Tensor],
-                 copied: list[Linear]) -> None:
-        self.key, self.plans, self.params = key, plans, params
+    def __init__(self, key: tuple, params: list[torch.Tensor], copied: list[Linear]) -> None:
+        self.key, self.params = key, params
         self.ptrs = [p.data_ptr() for p in params]
         self.copies = [(lin, tensor_version(lin.weight)) for lin in copied]
+        self.plans: dict[int, list[cpu_kernels.LayerPlan]] = {}  # rows → each layer's plan
 
     def valid(self) -> bool:
         return ([p.data_ptr() for p in self.params] == self.ptrs
@@ -111,22 +112,26 @@ class CausalLM(nn.Module):
         st = meta.backend_state
         if not st.get("native"):
             return None
-        key = (x.shape[0], cpu_kernels.generation(), streaming_generation(), torch.is_grad_enabled(), id(self.attn))
+        if not (st["native_args"].slots is not None and x.dim() == 2 and x.is_contiguous()
+                and cpu_kernels.serves(x, kv_caches[0]) and all(c.is_contiguous() for c in kv_caches)):
+            return None  # the step-wide conditions of every layer's native_plan
+        key = (cpu_kernels.generation(), streaming_generation(), torch.is_grad_enabled(), id(self.attn))
         memo = self._stack_memo
-        if (memo is not None and memo.key == key and memo.valid() and st["native_args"].slots is not None
-                and x.dim() == 2 and x.is_contiguous() and cpu_kernels.serves(x, kv_caches[0])
-                and all(c.is_contiguous() for c in kv_caches)):
-            return memo.plans  # what every layer's native_plan would decide again: same rows, kernels and weights
+        if memo is None or memo.key != key or not memo.valid():
+            copied = [m for m in self.model.layers.modules() if isinstance(m, Linear) and m.w16 is not None]
+            memo = self._stack_memo = _StackMemo(key, list(self.model.layers.parameters()), copied)
+        m = x.shape[0]
+        plans = memo.plans.get(m)
+        if plans is not None:
+            return plans  # what every layer's native_plan would decide again: same rows, kernels and weights
         plans = []
         for layer, kv in zip(self.model.layers, kv_caches):
             native_plan = getattr(layer, "native_plan", None)
             plan = None if native_plan is None else native_plan(x, self.attn, kv, meta)
             if plan is None:
-                self._stack_memo = None
                 return None
             plans.append(plan)
-        copied = [m for m in self.model.layers.modules() if isinstance(m, Linear) and m.w16 is not None]
-        self._stack_memo = _StackMemo(key, plans, list(self.model.layers.parameters()), copied)
+        memo.plans[m] = plans
         return plans
 
     def forward(
