@@ -14,6 +14,21 @@ def test_greedy_is_argmax():
     assert filtered_probs(logits, 0.0).tolist() == [[0, 1, 0], [1, 0, 0]]
 
 
+def test_greedy_ids_are_argmax_ties_and_nan_included():
+    """`greedy_ids` (max's kernel) gives argmax's first maximal index: on ties, NaN rows, all-equal and -inf rows,
+    and on wide rows of many ties."""
+    from mtp_train.engine.sampling import greedy_ids
+
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 0.0], [2.0, nan, 5.0, 5.0], [0.0] * 4, [-inf] * 4])
+    assert greedy_ids(x).tolist() == x.argmax(-1).tolist() == [1, 0, 1, 0, 0]
+    g = torch.Generator().manual_seed(0)
+    for shape in [(7, 49152), (3, 8195), (5, 1)]:
+        y = torch.randint(0, 5, shape, generator=g).float()
+        assert torch.equal(greedy_ids(y), y.argmax(-1))
+    assert greedy_ids(torch.tensor([0.5, 2.0, 2.0])).item() == 1  # one row, no batch dimension
+
+
 def test_top_k_and_top_p_filter():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = filtered_probs(logits, 1.0, top_k=2)

@@ -47,7 +47,7 @@ from mtp_train.config.device import on_cuda
 from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.llm import GenerationStats, LLMEngine, Step
 from mtp_train.engine.runner import ModelRunner, StepRows
-from mtp_train.engine.sampling import SamplingBatch, sample
+from mtp_train.engine.sampling import SamplingBatch, greedy_ids, sample
 from mtp_train.engine.sequence import SeqStatus, Sequence
 from mtp_train.models.base import CausalLM, ForwardOutput
 from mtp_train.speculative.metrics import SpecMetrics
@@ -160,15 +160,16 @@ class SpeculativeStep(Step):
         meta = None if self.runner.graphs else step.metadata(kv.page_size, self.model.device)
         out = self.runner.forward(step, logits="all", hidden_layers=self.proposer.hidden_layers, meta=meta)
         features = self._features(out)
-        caught_up, early = False, 0.0
+        caught_up, early, argmax = False, 0.0, None
         if all(s.params.greedy for s in seqs):
             # The catch-up reads nothing acceptance decides that the argmax does not: queued before the host reads
             # it (its time counts as the catch-up's; on a GPU, only its launch, the rest overlapping acceptance).
+            argmax = greedy_ids(out.logits)  # once, for the catch-up and the acceptance
             tc = time.perf_counter()
-            caught_up = self.proposer.catch_up_greedy(seqs, rows, step, meta, features, out.logits.argmax(-1))
+            caught_up = self.proposer.catch_up_greedy(seqs, rows, step, meta, features, argmax)
             early = time.perf_counter() - tc
         accepted = accept(trees, out.logits, SamplingBatch([s.params for s in seqs], [s.generator for s in seqs]),
-                          fused=self.fused)  # accept
+                          fused=self.fused, argmax=argmax)  # accept
         t2 = self._sync()
 
         for b, (s, a) in enumerate(zip(seqs, accepted)):

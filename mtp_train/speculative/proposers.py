@@ -26,7 +26,7 @@ import torch
 
 from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.runner import StepRows
-from mtp_train.engine.sampling import filtered_probs
+from mtp_train.engine.sampling import filtered_probs, greedy_ids
 from mtp_train.engine.sequence import Sequence
 from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.models.base import CausalLM
@@ -40,7 +40,7 @@ def pick(logits: torch.Tensor, seqs: Seq[Sequence], to_ids: torch.Tensor | None,
     to_ids maps logit columns to target ids (a draft vocabulary) or is None. Returns (tokens (B,), q per
     sequence over the target vocabulary (V,), None when greedy). q is processed exactly as the target's p.
     """
-    idx = logits.argmax(-1).tolist()
+    idx = greedy_ids(logits).tolist()
     qs: list[torch.Tensor | None] = [None] * len(seqs)
     for b, s in enumerate(seqs):
         p = s.params

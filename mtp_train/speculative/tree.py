@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from mtp_train.engine.runner import StepRows
-from mtp_train.engine.sampling import SamplingBatch, filtered_probs
+from mtp_train.engine.sampling import SamplingBatch, filtered_probs, greedy_ids
 from mtp_train.speculative.acceptance import accept_stochastic, accept_stochastic_flashinfer, accept_tree_stochastic
 
 ROOT = -1  # the parent of the root's children: the sequence's last token, verify row 0
@@ -181,14 +181,15 @@ class Accepted:
 
 
 def accept(trees: Sequence[DraftTree], logits: torch.Tensor, sampling: SamplingBatch, *,
-           fused: bool = False) -> list[Accepted]:
+           fused: bool = False, argmax: torch.Tensor | None = None) -> list[Accepted]:
     """Accept the trees of a batch against the target.
 
     logits: (Σ_b 1+N_b, V) the target's logits over the verify rows as `layout` lays them; sampling: each
     sequence's parameters and generator. Greedy sequences take the longest path whose every node is the target's
     argmax after its parent; sampled chains take the Leviathan/Chen rule, in groups of equal length (fused:
     FlashInfer's kernel for groups of unseeded sequences, CUDA only), and sampled trees with siblings
-    multi-candidate rejection sampling (`accept_tree_stochastic`), each with its sequence's generator.
+    multi-candidate rejection sampling (`accept_tree_stochastic`), each with its sequence's generator. argmax: the
+    logits' (rows,) argmax where the caller has it already (one pass over the logits fewer).
     """
     starts = [0]
     for t in trees:
@@ -199,7 +200,7 @@ def accept(trees: Sequence[DraftTree], logits: torch.Tensor, sampling: SamplingB
     params = sampling.params
     gens = sampling.generators or [None] * len(trees)
     if any(p.greedy for p in params):
-        target = logits.argmax(-1).tolist()  # one transfer for the batch
+        target = (greedy_ids(logits) if argmax is None else argmax).tolist()  # one transfer for the batch
         for b, t in enumerate(trees):
             if params[b].greedy:
                 out[b] = _greedy_path(t, target[starts[b]:starts[b + 1]])
