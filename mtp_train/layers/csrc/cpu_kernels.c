@@ -762,6 +762,17 @@ int mtp_head_step_f32(const mtp_head *P, const float *hidden, long hs, const int
     return 0;
 }
 
+/* The soft cross-entropy row's last pass from column i on, in scalar code (the tail a register does not fill):
+ * z <- q - p with q = z * isz, p = t * ist, and a + the sum of min(q, p) returned. */
+static inline float diff_tail(float *restrict z, const float *restrict t, int i, int V, float isz, float ist, float a) {
+    for (; i < V; i++) {
+        float q = z[i] * isz, p = t[i] * ist;
+        a += q < p ? q : p;
+        z[i] = q - p;
+    }
+    return a;
+}
+
 /* One row of the fused soft cross-entropy (training: mtp_train/train/losses.py, ce_impl=fused).
  *
  * z: the head's logits (V,), t: the target's logits (V,), both overwritten: z <- softmax(z) - softmax(t)
@@ -818,12 +829,7 @@ static float soft_ce_row(float *restrict z, float *restrict t, int V, int64_t *b
         a8 = _mm256_add_ps(a8, _mm256_min_ps(q, p));
         _mm256_storeu_ps(z + i, _mm256_sub_ps(q, p));
     }
-    float a = hsum(a8);
-    for (; i < V; i++) {
-        float q = z[i] * isz, p = t[i] * ist;
-        a += q < p ? q : p;
-        z[i] = q - p;
-    }
+    float a = diff_tail(z, t, i, V, isz, ist, hsum(a8));
     *best = b;
     *rank = (int64_t)r;
     *alpha = a;
@@ -915,12 +921,7 @@ AVX512 static float soft_ce_row_512(float *restrict z, float *restrict t, int V,
         a16 = _mm512_add_ps(a16, _mm512_min_ps(q, p));
         _mm512_storeu_ps(z + i, _mm512_sub_ps(q, p));
     }
-    float a = _mm512_reduce_add_ps(a16);
-    for (; i < V; i++) {
-        float q = z[i] * isz, p = t[i] * ist;
-        a += q < p ? q : p;
-        z[i] = q - p;
-    }
+    float a = diff_tail(z, t, i, V, isz, ist, _mm512_reduce_add_ps(a16));
     *best = b;
     *rank = (int64_t)r;
     *alpha = a;
