@@ -10,7 +10,8 @@ decode step. Each line: ours vs the baseline, alternately timed, median of per-r
 * rms_norm and rope_ on one decode row, against torch's composites;
 * paged attention of one decode token over 256 cached tokens in pages of 16, against gathering the pages and SDPA;
 * SmolLM2's 30 decoder layers over 1, 2 and 4 rows (256 cached tokens), each layer in one native call against the
-  same layer op by op (`layer_m{M}_vs_op_by_op`).
+  same layer op by op (`layer_m{M}_vs_op_by_op`), and all 30 in one call (`decoder_stack`) against a call per layer
+  (`stack_m{M}_vs_layer_calls`).
 
 On a CPU with AVX-512 the gemv's two bodies are also timed against each other at every M
 (`gemv_m{M}_avx512_vs_avx2`, > 1 = the AVX-512 body faster). The gemv over bfloat16 copies of the same weights (what a
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from bench.common import compare, parser, report
 from mtp_train.layers import cpu_kernels, kernel_choice
 from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
+from mtp_train.layers.linear import gemv_avx512
 from mtp_train.layers.rotary import apply_rotary
 
 H, INTER, HQ, HKV, D, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
@@ -226,8 +228,9 @@ def _attention_step(library: object | None, q: torch.Tensor, k: torch.Tensor, v:
 
 def _decoder_layers(repeat: int) -> dict[str, float]:
     """SmolLM2's 30 decoder layers (random weights) over 1, 2 and 4 rows of one sequence with 256 cached tokens, each
-    layer in one native call (`DecoderLayer.native`) against the same layer op by op (its kernels one call each):
-    {layer_m{M}_vs_op_by_op: op-by-op s / one-call s}."""
+    layer in one native call (`DecoderLayer.native`) against the same layer op by op (its kernels one call each),
+    and the 30 layers chained in ONE call (`cpu_kernels.decoder_stack`) against a call per layer:
+    {layer_m{M}_vs_op_by_op: op-by-op s / one-call s, stack_m{M}_vs_layer_calls: per-layer calls s / stack s}."""
     from mtp_train.layers.attention.torch_backend import TorchBackend
     from mtp_train.models.families.llama import DecoderLayer, parse_config
 
@@ -268,6 +271,26 @@ def _decoder_layers(repeat: int) -> dict[str, float]:
             out[f"layer_m{m}_vs_op_by_op"] = r
             print(f"decoder layer, {m} row(s) over {ctx} cached, {LAYERS} layers: {t_one * 1e6 / LAYERS:.1f} us a "
                   f"layer in one call, {r:.2f}x the layer op by op", flush=True)
+            plans = [layer.native_plan(x, backend, pool, meta) for layer, pool in zip(layers, pools)]
+            use512 = gemv_avx512(m)
+
+            def stack(x: torch.Tensor = x, cos: torch.Tensor = cos, sin: torch.Tensor = sin,
+                      meta: AttentionMetadata = meta, plans: list = plans, use512: bool = use512) -> torch.Tensor:
+                return cpu_kernels.decoder_stack(plans, x, cos, sin, pools, meta.backend_state["native_args"],
+                                                 use512)[0]
+
+            def chained(x: torch.Tensor = x, cos: torch.Tensor = cos, sin: torch.Tensor = sin,
+                        meta: AttentionMetadata = meta) -> torch.Tensor:
+                y = x
+                for layer, pool in zip(layers, pools):
+                    y = layer.native(y, cos, sin, backend, pool, meta)
+                return y
+
+            torch.testing.assert_close(stack(), chained(), rtol=1e-4, atol=1e-4)
+            t_stack, _, r = compare(stack, chained, repeat=repeat * 4)
+            out[f"stack_m{m}_vs_layer_calls"] = r
+            print(f"decoder stack, {m} row(s): {t_stack * 1e6 / LAYERS:.1f} us a layer in one call for all "
+                  f"{LAYERS}, {r:.2f}x a call per layer", flush=True)
     return out
 
 
