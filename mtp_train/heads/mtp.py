@@ -89,13 +89,13 @@ class MTPHead(ChainHead):
         as `features` + `compute_logits`, without their ~15 dispatches, each slowed by caches the weights flushed."""
         layer = self.layers[0]
         native_plan = getattr(layer, "native_plan", None)
-        if (native_plan is None or (self.aux_fc is not None and from_target) or hidden.dim() != 2
-                or hidden.dtype != torch.float32 or hidden.stride(-1) != 1 or self.dtype != torch.float32
-                or type(self).logit_input is not ChainHead.logit_input
-                or (self.fc.bias is not None and self.fc.bias.dtype != torch.float32)):
+        if (native_plan is None or (self.aux_fc is not None and from_target) or self.dtype != torch.float32
+                or type(self).logit_input is not ChainHead.logit_input):
             return None
         m = hidden.shape[0]
-        plan = native_plan(hidden, attn, kv_cache, meta)  # hidden stands in for the layer's input: same rows
+        # hidden stands for the layer's input (the same rows): native_plan checks its shape, dtype and layout, and
+        # gemv_weight the fc's weight and bias
+        plan = native_plan(hidden, attn, kv_cache, meta)
         if plan is None:
             return None
         n = 0 if logits_indices is None else logits_indices.shape[0]

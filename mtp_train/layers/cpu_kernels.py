@@ -327,25 +327,15 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_int, ctypes.c_float]
     fn.restype = None
-    fn = lib.mtp_decoder_layer_f32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    fn = lib.mtp_decoder_stack_f32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    fn = lib.mtp_head_step_f32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
+    # The layer calls: their own arguments, then the page size and the step's attention arguments
+    # (`_layer_step_args`) in one order, then the instruction-set flag(s) and the thread count.
+    p, i = ctypes.c_void_p, ctypes.c_int
+    step = [i, p, i, p, i, p, p, p, p, p, ctypes.c_long, p, ctypes.c_long]  # ps, then _layer_step_args
+    for fn, head, tail in ((lib.mtp_decoder_layer_f32, [p, p, p, i, p, p, p], [i, i]),
+                           (lib.mtp_decoder_stack_f32, [p, i, p, p, p, p, i, p, p], [i, i]),
+                           (lib.mtp_head_step_f32, [p, p, ctypes.c_long, p, i, p, i, p, p, p, p, p], [i, i, i])):
+        fn.argtypes = [*head, *step, *tail]
+        fn.restype = ctypes.c_int
     for fn, ret in ((lib.mtp_soft_ce_f32, None), (lib.mtp_soft_ce_f32_avx512, ctypes.c_int)):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -584,6 +574,20 @@ def _attention_chunk(chunk: int | None = None) -> int:
     return max(8, int(ATTENTION_CHUNK if chunk is None else chunk))
 
 
+def _layer_step_args(step: PagedAttentionStep, m: int, hq: int, d: int) -> tuple:
+    """What every layer call (`decoder_layer`, `decoder_stack`, `head_step`) passes after its pool's page size: the
+    step's tables (`PagedAttentionStep.ptrs`), the scores scratch, the longest sequence, the partials scratch and the
+    chunk, for m rows of hq query heads of d."""
+    chunk = _attention_chunk()
+    scores, partials = step.scratch(m, hq, d, chunk)
+    return (*step.ptrs, scores, step.max_kv, partials, chunk)
+
+
+def _rope_rows(cos: torch.Tensor, sin: torch.Tensor, m: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, D) or (M, 1, D) cos and sin → (M, D) contiguous, as the layer calls read them."""
+    return cos.reshape(m, d).contiguous(), sin.reshape(m, d).contiguous()
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, step: PagedAttentionStep, scale: float,
                     sliding_window: int | None, sinks: torch.Tensor | None = None,
                     k: torch.Tensor | None = None, v: torch.Tensor | None = None,
@@ -747,15 +751,12 @@ def decoder_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torc
     """
     s = plan.struct
     m = x.shape[0]
-    cos, sin = cos.reshape(m, s.D).contiguous(), sin.reshape(m, s.D).contiguous()
-    chunk = _attention_chunk()
-    scores, partials = step.scratch(m, s.Hq, s.D, chunk)
+    cos, sin = _rope_rows(cos, sin, m, s.D)
     out = torch.empty_like(x)
-    bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots = step.ptrs
     if (_lib or _require()).mtp_decoder_layer_f32(
             plan.address, x.data_ptr(), out.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
-            kv_cache.shape[2], bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots, scores, step.max_kv,
-            partials, chunk, int(use512), torch.get_num_threads() if _threads_ok else 1):
+            kv_cache.shape[2], *_layer_step_args(step, m, s.Hq, s.D), int(use512),
+            torch.get_num_threads() if _threads_ok else 1):
         raise MemoryError(f"decoder_layer: no memory for the scratch of {m} rows")
     return out
 
@@ -783,20 +784,17 @@ def decoder_stack(plans: Sequence[LayerPlan], x: torch.Tensor, cos: torch.Tensor
         raise ValueError(f"decoder_stack: {n} layers but {len(kv_caches)} KV pools")
     first = plans[0].struct
     m = x.shape[0]
-    cos, sin = cos.reshape(m, first.D).contiguous(), sin.reshape(m, first.D).contiguous()
-    chunk = _attention_chunk()
-    scores, partials = step.scratch(m, max(p.struct.Hq for p in plans), first.D, chunk)
+    cos, sin = _rope_rows(cos, sin, m, first.D)
     out = torch.empty_like(x)
     keep = {i: torch.empty_like(x) for i in saved if 0 <= i < n}
     ptrs = ctypes.c_void_p * n
     layers = ptrs(*(p.address for p in plans))
     caches = ptrs(*(c.data_ptr() for c in kv_caches))
     outs = ptrs(*(keep[i].data_ptr() if i in keep else None for i in range(n))) if keep else None
-    bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots = step.ptrs
     if (_lib or _require()).mtp_decoder_stack_f32(
             layers, n, caches, outs, x.data_ptr(), out.data_ptr(), m, cos.data_ptr(), sin.data_ptr(),
-            kv_caches[0].shape[2], bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots, scores, step.max_kv,
-            partials, chunk, int(use512), torch.get_num_threads() if _threads_ok else 1):
+            kv_caches[0].shape[2], *_layer_step_args(step, m, max(p.struct.Hq for p in plans), first.D),
+            int(use512), torch.get_num_threads() if _threads_ok else 1):
         raise MemoryError(f"decoder_stack: no memory for the scratch of {m} rows")
     return out, keep
 
@@ -877,17 +875,14 @@ def head_step(plan: HeadPlan, hidden: torch.Tensor, ids: torch.Tensor, rows: tor
     lay = plan.layer.struct
     m, h = hidden.shape
     n = 0 if rows is None else rows.shape[0]
-    cos, sin = cos.reshape(m, lay.D).contiguous(), sin.reshape(m, lay.D).contiguous()
-    chunk = _attention_chunk()
-    scores, partials = step.scratch(m, lay.Hq, lay.D, chunk)
+    cos, sin = _rope_rows(cos, sin, m, lay.D)
     out = torch.empty(m, h, dtype=torch.float32)
     logits = None if rows is None else torch.empty(n, plan.struct.V, dtype=torch.float32)
-    bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots = step.ptrs
     err = (_lib or _require()).mtp_head_step_f32(
         plan.address, hidden.data_ptr(), hidden.stride(0), ids.data_ptr(), m, None if not n else rows.data_ptr(), n,
         out.data_ptr(), None if not n else logits.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
-        kv_cache.shape[2], bt, max_pages, indptr, num_seqs, pos, bits, tree_pos, slots, scores, step.max_kv,
-        partials, chunk, int(use512), int(lm512), torch.get_num_threads() if _threads_ok else 1)
+        kv_cache.shape[2], *_layer_step_args(step, m, lay.Hq, lay.D), int(use512), int(lm512),
+        torch.get_num_threads() if _threads_ok else 1)
     if err == -2:
         raise IndexError(f"head_step: a token id outside the embedding's {plan.struct.vocab} rows, or a logits row "
                          f"outside the step's {m}")

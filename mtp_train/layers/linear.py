@@ -133,14 +133,9 @@ def gemv_weight(lin: nn.Module, m: int) -> torch.Tensor | None:
     its float32 weight), as `Linear.forward` would choose it; None where it would take another path (another
     module type, a weight or bias not on the CPU in float32, the measured choice torch's for m rows). For callers
     that run the product natively themselves (`cpu_kernels.decoder_layer`)."""
-    if type(lin) is not Linear:
+    if type(lin) is not Linear or (lin.bias is not None and lin.bias.dtype != torch.float32):
         return None
-    w, b = lin.weight, lin.bias
-    if (w.dtype != torch.float32 or not on_cpu(w.device) or (b is not None and b.dtype != torch.float32)
-            or (torch.is_grad_enabled() and w.requires_grad)):
-        return None
-    streamed = _gemv_operand(m, w, lin.streamed_w16())
-    return streamed if streamed is not None and streamed.is_contiguous() else None
+    return gemv_operand(m, lin.weight, lin.streamed_w16())
 
 
 def gemv_operand(m: int, weight: torch.Tensor, w16: torch.Tensor | None) -> torch.Tensor | None:

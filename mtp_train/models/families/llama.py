@@ -211,7 +211,6 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(h, cos, sin, attn, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-
     def native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
                kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor | None:
         """The whole layer in one native call (`cpu_kernels.decoder_layer`) for the few rows of a CPU decode or
