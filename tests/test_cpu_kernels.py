@@ -254,11 +254,14 @@ def test_paged_attention_equals_the_gathered_sdpa_path(window, heads, head_dim, 
 @pytest.mark.parametrize("head_dim", [64, 20])
 @pytest.mark.parametrize("chunk", [None, 8, 12])  # 8, 12: long tokens split into chunks, attended apart and merged
 @pytest.mark.parametrize("sinks", [False, True])
-def test_paged_attention_over_pages_of_16_equals_the_gathered_sdpa_path(window, head_dim, chunk, sinks, threads,
-                                                                         monkeypatch):
-    """Pages of 16 and contexts of a few pages: the kernel's 8-key score blocks and their tails, beside SDPA."""
+@pytest.mark.parametrize("isa", ["auto", "avx2"])  # auto: the AVX-512 blocks where the CPU has them
+def test_paged_attention_over_pages_of_16_equals_the_gathered_sdpa_path(window, head_dim, chunk, sinks, isa, threads,
+                                                                         monkeypatch, kernel_settings):
+    """Pages of 16 and contexts of a few pages: the kernel's blocks of queries (a sequence's rows times the query
+    heads of a K/V head) and of four keys, their tails, split spans, beside SDPA."""
     from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
 
+    kernel_settings(KernelSettings(isa=isa, choice="native"))
     if chunk is not None:
         monkeypatch.setattr(cpu_kernels, "ATTENTION_CHUNK", chunk)
 
@@ -276,6 +279,29 @@ def test_paged_attention_over_pages_of_16_equals_the_gathered_sdpa_path(window, 
             backend.prepare(meta)
             meta.backend_state["native"] = native
             outs.append(backend.forward(q, k, v, cache.clone(), meta, sinks=sink))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=3e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
+def test_paged_attention_of_one_sequence_splits_its_queries_over_the_threads(rows, isa, threads, kernel_settings):
+    """One sequence's decode or verify step over 200 cached tokens and 2 K/V heads: fewer (K/V head, chunk) tasks
+    than two a thread, so each one's query vectors are split in parts, tasks of their own; SDPA's answer."""
+    from mtp_train.layers.attention import AttentionMetadata, make_attention_backend
+
+    kernel_settings(KernelSettings(isa=isa, choice="native"))
+    torch.manual_seed(rows)
+    backend = make_attention_backend("torch", 8, 2, 64, None)
+    cache = torch.randn(14, 2, 16, 2, 64)
+    q, k, v = torch.randn(rows, 8, 64) * 3, torch.randn(rows, 2, 64), torch.randn(rows, 2, 64)
+    outs = []
+    for native in (True, False):
+        meta = AttentionMetadata.build([rows], [200], [list(range(13))], 16)
+        with torch.inference_mode():
+            backend.prepare(meta)
+            meta.backend_state["native"] = native
+            outs.append(backend.forward(q, k, v, cache.clone(), meta))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=3e-5)
 
 
@@ -675,3 +701,50 @@ def test_the_stacks_plans_follow_the_weights_from_step_to_step(tiny_checkpoints,
             change()
         torch.testing.assert_close(logits(True), logits(False), rtol=1e-5, atol=1e-5)
     assert model._stack_memo is not None and model._stack_memo.plans[1][1].weights.wqkv.dtype == torch.bfloat16
+
+
+@needs_kernels
+def test_a_heads_kept_step_plan_follows_its_weights_from_step_to_step(tiny_checkpoints, monkeypatch):
+    """`MTPHead.native_step` keeps its plans from step to step; a weight changed in place, a bfloat16 copy switched on
+    and remade, a parameter replaced, the frozen lm_head changed under a draft vocabulary: each next step computes
+    with the weights as they are then (the op-by-op step's features and logits)."""
+    from mtp_train.config import HeadConfig
+    from mtp_train.engine.kv_cache import KVCache
+    from mtp_train.heads import build_head
+    from mtp_train.heads.mtp import MTPHead
+    from mtp_train.layers.attention import AttentionMetadata
+
+    head = build_head(HeadConfig(type="mtp", draft_vocab_size=64), tiny_checkpoints["llama"][0],
+                      dtype="float32").eval()
+    g = torch.Generator().manual_seed(1)
+    hidden, ids = torch.randn(2, head.input_width, generator=g), torch.randint(0, head.args.vocab_size, (2,),
+                                                                             generator=g)
+    real = MTPHead.native_step
+
+    def step(native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(MTPHead, "native_step", real if native else lambda self, *a: None)
+        layers, layout = head.kv_shape
+        kv = KVCache(layers, 8, 4, layout, dtype=torch.float32)
+        with torch.inference_mode():
+            meta = AttentionMetadata.build([2], [6], [[0, 1]], 4)
+            out = head(hidden, ids, meta, kv.layers[0], from_target=True, logits_indices=torch.tensor([0, 1]))
+        return out.hidden, out.logits
+
+    fc, qkv = head.fc, head.layers[0].self_attn.qkv_proj
+    lm = head.require_frozen().lm_head
+    changes = [lambda: None,
+               lambda: fc.weight.mul_(1.5),
+               lambda: head.stream_bf16(True),
+               lambda: qkv.weight.mul_(0.5),  # the copy is made again
+               lambda: lm.mul_(2.0),  # the draft vocabulary's rows (and their copy) are taken again
+               lambda: setattr(fc, "weight", torch.nn.Parameter(torch.randn_like(fc.weight), requires_grad=False))]
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "head_step", lambda *a, f=cpu_kernels.head_step: calls.append(1) or f(*a))
+    for i, change in enumerate(changes):
+        with torch.no_grad():
+            change()
+        (h_n, l_n), (h_t, l_t) = step(True), step(False)
+        assert len(calls) == i + 1  # the native step ran
+        torch.testing.assert_close(h_n, h_t, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(l_n, l_t, rtol=1e-5, atol=1e-5)
+    assert head._step_memo is not None and head._step_memo.plans[(2, 2)]

@@ -31,7 +31,7 @@ from mtp_train.heads.base import ChainHead, HeadOutput
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer, read_mtp_layer
 from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
-from mtp_train.layers.linear import Linear, gemv_avx512, gemv_operand, gemv_weight
+from mtp_train.layers.linear import Linear, PlanMemo, gemv_avx512, gemv_operand, gemv_weight, streaming_generation
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import family_of, titles
@@ -60,6 +60,7 @@ class MTPHead(ChainHead):
         self.layers = nn.ModuleList([family.head_block(a, c.input_norm, c.moe)])
         self.norm = RMSNorm(h, eps) if c.final_norm else None
         self._head_plans = cpu_kernels.LayerPlans()  # the step as `native_step` runs it, per set of weights
+        self._step_memo: PlanMemo | None = None  # native_step's plans by (rows, logits rows), while nothing moved
 
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend, *,
@@ -87,18 +88,48 @@ class MTPHead(ChainHead):
         rows take the native gemv for these rows, and the norms share the layer's eps; not for an aux head's step
         0 (its aux fc) nor a head whose lm_head reads anything but its output (`logit_input`). The same arithmetic
         as `features` + `compute_logits`, without their ~15 dispatches, each slowed by caches the weights flushed."""
+        m, n = hidden.shape[0], 0 if logits_indices is None else logits_indices.shape[0]
+        st = meta.backend_state
+        # the step's own conditions of the layer's native_plan; the rest holds while the memo's key does
+        if (kv_cache is None or not st.get("native") or st["native_args"].slots is None or hidden.dim() != 2
+                or not hidden.is_contiguous() or not kv_cache.is_contiguous()
+                or not cpu_kernels.serves(hidden, kv_cache)):
+            return None
+        key = (cpu_kernels.generation(), streaming_generation(), torch.is_grad_enabled(), id(attn), from_target)
+        memo = self._step_memo
+        if memo is None or memo.key != key or not memo.valid():
+            frozen = self.require_frozen()
+            watched = [x.weight for x in self.modules() if isinstance(x, Linear) and x.w16 is not None]
+            watched += [t for t in (frozen.lm_head, self.draft_vocab) if t is not None]  # the lm rows' sources
+            memo = self._step_memo = PlanMemo(key, [*self.parameters(), frozen.embed, frozen.lm_head], watched)
+        step = memo.plans.get((m, n))
+        if step is None:
+            step = memo.plans[(m, n)] = self._native_head_plan(hidden, attn, kv_cache, meta, from_target, n)
+        if not step:
+            return None
+        hp, avx512_m, avx512_n = step
+        cos, sin = self.rope(meta.rotary_positions, torch.float32)
+        rows = None if logits_indices is None else logits_indices.to(torch.int64).contiguous()
+        out, logits = cpu_kernels.head_step(hp, hidden, token_ids.to(torch.int64).contiguous(), rows, cos, sin,
+                                            kv_cache, st["native_args"], avx512_m, avx512_n)
+        return HeadOutput(out, logits)
+
+    def _native_head_plan(self, hidden: torch.Tensor, attn: AttentionBackend | MLABackend,
+                          kv_cache: torch.Tensor, meta: AttentionMetadata, from_target: bool,
+                          n: int) -> tuple[cpu_kernels.HeadPlan, bool, bool] | tuple[()]:
+        """`native_step`'s plan for hidden's rows and n logits rows (the head's `HeadPlan`, and whether the gemv's
+        AVX-512 body runs the m and the n rows), or () where the step runs op by op."""
         layer = self.layers[0]
         native_plan = getattr(layer, "native_plan", None)
         if (native_plan is None or (self.aux_fc is not None and from_target) or self.dtype != torch.float32
                 or type(self).logit_input is not ChainHead.logit_input):
-            return None
+            return ()
         m = hidden.shape[0]
         # hidden stands for the layer's input (the same rows): native_plan checks its shape, dtype and layout, and
         # gemv_weight the fc's weight and bias
         plan = native_plan(hidden, attn, kv_cache, meta)
         if plan is None:
-            return None
-        n = 0 if logits_indices is None else logits_indices.shape[0]
+            return ()
         embed = self.require_frozen().embed
         lm = self.draft_lm_head()
         fc = gemv_weight(self.fc, m)
@@ -107,7 +138,7 @@ class MTPHead(ChainHead):
         if (fc is None or lm_w is None or embed.dtype != torch.float32 or not embed.is_contiguous()
                 or not on_cpu(embed.device)
                 or any(x is not None and (type(x) is not RMSNorm or x.eps != eps) for x in norms)):
-            return None
+            return ()
         key = (plan.address, fc.data_ptr(), lm_w.data_ptr(), embed.data_ptr())
         hp = self._head_plans.get(key)
         if hp is None:
@@ -116,12 +147,7 @@ class MTPHead(ChainHead):
             hp = self._head_plans.add(key, cpu_kernels.HeadPlan(
                 cpu_kernels.HeadWeights(embed.detach(), nw[0], nw[1], nw[2], fc.detach(), bias, lm_w.detach()),
                 plan, eps))
-        cos, sin = self.rope(meta.rotary_positions, torch.float32)
-        rows = None if logits_indices is None else logits_indices.to(torch.int64).contiguous()
-        out, logits = cpu_kernels.head_step(hp, hidden, token_ids.to(torch.int64).contiguous(), rows, cos, sin,
-                                            kv_cache, meta.backend_state["native_args"], gemv_avx512(m),
-                                            gemv_avx512(n) if n else False)
-        return HeadOutput(out, logits)
+        return hp, gemv_avx512(m), gemv_avx512(n) if n else False
 
     def init_from_target(self, target_dir: str | Path) -> None:
         """Copy target weights into the head, as `head.init` says: `last_layer` or `target_mtp`."""

@@ -85,7 +85,7 @@ class KernelSettings:
     cache_dir: Path | None = None  # where the built library is kept (shared by processes); None: default_cache_dir()
     compiler: str | None = None  # a C compiler (name on PATH or path) tried before COMPILERS
     off_reason: str = "switched off"  # what the log gives as the reason when enabled is False
-    isa: str = "auto"  # gemv and soft_ce_: auto (AVX-512 where the CPU has it, else AVX2), avx2, avx512
+    isa: str = "auto"  # gemv, soft_ce_, paged attention: auto (AVX-512 where the CPU has it, else AVX2), avx2, avx512
     choice: str = "measure"  # native-or-torch per op: measure (kernel_choice), native (always), torch (never native)
 
     def __post_init__(self) -> None:
@@ -107,7 +107,7 @@ _reason = ""
 _off = 0  # depth of `disabled()` blocks
 _threads_ok = False  # True when the library bound to the OpenMP runtime already loaded (else one thread)
 _opened: dict[Path, tuple[ctypes.CDLL, bool]] = {}  # built libraries loaded so far (see `_open`)
-_isa = ""  # the gemv's and soft_ce_'s instruction set once loaded: "avx512" or "avx2"
+_isa = ""  # the gemv's, soft_ce_'s and paged attention's instruction set once loaded: "avx512" or "avx2"
 _gemv_fn = None  # the library's gemv entry point for `_isa`
 _soft_ce_fn = None  # and its soft_ce_ entry point
 _gemv_by_isa: dict[str, object] = {}  # "avx2" / "avx512" → the gemv entry point, resolved once per load (hot path)
@@ -377,6 +377,8 @@ def _load() -> ctypes.CDLL | None:
                 _gemv_bf16_by_isa = {"avx2": _lib.mtp_gemv_bf16w, "avx512": _lib.mtp_gemv_bf16w_avx512}
                 _gemv_fn = _gemv_by_isa[_isa]
                 _soft_ce_fn = _lib.mtp_soft_ce_f32_avx512 if _isa == "avx512" else _lib.mtp_soft_ce_f32
+                _lib.mtp_set_attention_avx512.argtypes = [ctypes.c_int]  # paged attention's blocks follow `_isa`
+                _lib.mtp_set_attention_avx512(int(_isa == "avx512"))
             except (OSError, RuntimeError) as e:
                 # unexpected on a machine that should build them: say so where it is seen
                 _reason = str(e)

@@ -279,6 +279,35 @@ def tensor_version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
+class PlanMemo:
+    """Native plans kept from step to step (`plans`, by whatever the caller keys them: a row count) while `key`
+    holds (the caller's: the kernels' and the streamed weights' generations, grad mode, the attention backend) and
+    nothing they read moved: no parameter's address, no version of a tensor a copy was made from (a bfloat16 copy's
+    weight, a draft vocabulary's rows). `CausalLM._native_plans` and a head's one-call step keep theirs here."""
+
+    __slots__ = ("key", "params", "ptrs", "watched", "plans")
+
+    def __init__(self, key: tuple, params: list[torch.Tensor], watched: list[torch.Tensor]) -> None:
+        self.key, self.params = key, params
+        self.ptrs = [p.data_ptr() for p in params]
+        self.watched = [(t, tensor_version(t)) for t in watched]
+        self.plans: dict = {}
+
+    def valid(self) -> bool:
+        return ([p.data_ptr() for p in self.params] == self.ptrs
+                and all(tensor_version(t) == v for t, v in self.watched))
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of the module decides again over its own weights (the plans' ctypes cannot be copied)
+
+    def __reduce__(self) -> tuple:
+        return _no_memo, ()
+
+
+def _no_memo() -> None:
+    return None
+
+
 def stream_bf16_linears(module: nn.Module, on: bool = True) -> int:
     """`Linear.stream_bf16(on)` on every `Linear` of `module`; returns how many stream a bfloat16 copy now.
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
-from mtp_train.layers.linear import Linear, gemv_avx512, streaming_generation, tensor_version
+from mtp_train.layers.linear import Linear, PlanMemo, gemv_avx512, streaming_generation
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import ModelArgs
 
@@ -39,34 +39,6 @@ def rotate_half_rope(rotary: RotaryEmbedding, positions: torch.Tensor,
     return rotary(positions, dtype)
 
 
-class _StackMemo:
-    """The layer plans `CausalLM._native_plans` decided, by row count, while its key holds (the kernels' and the
-    streamed weights' generations, grad mode, the attention backend) and nothing moved: no parameter's address, no
-    version of a weight a bfloat16 copy was made from."""
-
-    __slots__ = ("key", "params", "ptrs", "copies", "plans")
-
-    def __init__(self, key: tuple, params: list[torch.Tensor], copied: list[Linear]) -> None:
-        self.key, self.params = key, params
-        self.ptrs = [p.data_ptr() for p in params]
-        self.copies = [(lin, tensor_version(lin.weight)) for lin in copied]
-        self.plans: dict[int, list[cpu_kernels.LayerPlan]] = {}  # rows → each layer's plan
-
-    def valid(self) -> bool:
-        return ([p.data_ptr() for p in self.params] == self.ptrs
-                and all(tensor_version(lin.weight) == v for lin, v in self.copies))
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None  # a copy of the model decides again over its own weights (the plans' ctypes cannot be copied)
-
-    def __reduce__(self) -> tuple:
-        return _no_memo, ()
-
-
-def _no_memo() -> None:
-    return None
-
-
 class CausalLM(nn.Module):
     """Any target: `model.{embed_tokens, layers, norm}`, `lm_head`, RoPE and the step loop.
 
@@ -81,7 +53,7 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Module = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(args.rope)
         self.attn: AttentionBackend | MLABackend | None = None  # set by the loader / engine
-        self._stack_memo: _StackMemo | None = None  # the last step's layer plans (`_native_plans`)
+        self._stack_memo: PlanMemo | None = None  # the last step's layer plans (`_native_plans`)
 
     @property
     def device(self) -> torch.device:
@@ -119,7 +91,7 @@ class CausalLM(nn.Module):
         memo = self._stack_memo
         if memo is None or memo.key != key or not memo.valid():
             copied = [m for m in self.model.layers.modules() if isinstance(m, Linear) and m.w16 is not None]
-            memo = self._stack_memo = _StackMemo(key, list(self.model.layers.parameters()), copied)
+            memo = self._stack_memo = PlanMemo(key, list(self.model.layers.parameters()), [m.weight for m in copied])
         m = x.shape[0]
         plans = memo.plans.get(m)
         if plans is not None:

@@ -27,6 +27,7 @@
  * the same -1 answer where the CPU cannot run it.
  */
 #include <immintrin.h>
+#include <limits.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -218,7 +219,6 @@ int mtp_gemv_bf16w_avx512(const float *x, long xs, const uint16_t *w, const floa
     if (!mtp_cpu_avx512()) return -1;
     return gemv_split(x, xs, w, b, y, ys, M, N, K, num_threads, chunk_bf16_avx512);
 }
-#undef AVX512
 
 /* x: (M, K) row stride xs; w: (K,); y: (M, K) contiguous. */
 void mtp_rmsnorm_f32(const float *x, long xs, const float *w, float *y, int M, int K, float eps) {
@@ -266,84 +266,181 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* The 8 horizontal sums of a0..a7, in order, as one register (three rounds of pairwise adds: one hsum's
- * shuffles serve eight dot products). */
-static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
-    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  /* a0..a3: low | high halves */
-    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
+/* ---- paged attention's blocks ------------------------------------------------------------------------------------
+ * Every query vector that reads one K/V head (the query heads sharing it, for every row a sequence has in the step)
+ * is attended in blocks of up to ATT_QB vectors, and each key and value row is loaded once per block: one query at
+ * a time loaded it once per query, 9 loads per 8 multiply-adds, where a block of 3 makes it 7 per 12. */
+#define ATT_QB 3  /* 3 queries x 4 keys of sums + 3 queries + a key: the 16 AVX2 registers */
 
-/* s[i] = scale * dot(q[0:D], k_i[0:D]) for the 8 keys k_i = k + i * ks: eight accumulators fed by one load of q
- * per 8 dimensions, summed together at the end (hsum8). */
-static inline void scores8(const float *restrict q, const float *restrict k, long ks, int D, float scale,
-                           float *restrict s) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+/* ss[r][off + i] = scale * dot(qs[r][0:D], k_i[0:D]) for r < NQ and the 4 keys k_i = k + i * ks: each key loaded once
+ * per 8 dimensions for all NQ queries; a query's 4 sums added by one shuffle tree; the D % 8 tail in scalar order,
+ * after the vector sums. */
+static inline __attribute__((always_inline)) void qk4(const float *const *qs, int NQ, const float *restrict k,
+                                                      long ks, int D, float scale, float *const *ss, long off) {
+    __m256 a[ATT_QB][4];
+    for (int r = 0; r < NQ; r++) for (int i = 0; i < 4; i++) a[r][i] = _mm256_setzero_ps();
     int d = 0;
     for (; d + 8 <= D; d += 8) {
-        __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + d), qv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k + ks + d), qv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 2 * ks + d), qv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 3 * ks + d), qv, a3);
-        a4 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 4 * ks + d), qv, a4);
-        a5 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 5 * ks + d), qv, a5);
-        a6 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 6 * ks + d), qv, a6);
-        a7 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 7 * ks + d), qv, a7);
-    }
-    __m256 r = _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale));
-    if (d < D) {  /* D % 8 dimensions left: in scalar order, after the vector sums */
-        float t[8];
-        _mm256_storeu_ps(t, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
-        for (int i = 0; i < 8; i++) {
-            for (int dd = d; dd < D; dd++) t[i] += k[i * ks + dd] * q[dd];
-            t[i] *= scale;
+        __m256 qv[ATT_QB];
+        for (int r = 0; r < NQ; r++) qv[r] = _mm256_loadu_ps(qs[r] + d);
+        for (int i = 0; i < 4; i++) {
+            __m256 kv = _mm256_loadu_ps(k + i * ks + d);
+            for (int r = 0; r < NQ; r++) a[r][i] = _mm256_fmadd_ps(kv, qv[r], a[r][i]);
         }
-        r = _mm256_loadu_ps(t);
     }
-    _mm256_storeu_ps(s, r);
+    for (int r = 0; r < NQ; r++) {
+        /* hadd(hadd(a0, a1), hadd(a2, a3)): each half holds the 4 keys' sums of its half of the lanes */
+        __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        if (d < D) {
+            float u[4];
+            _mm_storeu_ps(u, s);
+            for (int i = 0; i < 4; i++) for (int dd = d; dd < D; dd++) u[i] += k[i * ks + dd] * qs[r][dd];
+            s = _mm_loadu_ps(u);
+        }
+        _mm_storeu_ps(ss[r] + off, _mm_mul_ps(s, _mm_set1_ps(scale)));
+    }
 }
 
-/* o[0:64] += sum_j w[j] * v_j[0:64] over the n rows v_j = v + j * vs: the 64 sums stay in eight registers. */
-static inline void weighted64(const float *restrict w, const float *restrict v, long vs, long n, float *restrict o) {
-    __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8), a2 = _mm256_loadu_ps(o + 16),
-           a3 = _mm256_loadu_ps(o + 24), a4 = _mm256_loadu_ps(o + 32), a5 = _mm256_loadu_ps(o + 40),
-           a6 = _mm256_loadu_ps(o + 48), a7 = _mm256_loadu_ps(o + 56);
+/* os[r][d0 + 0 : d0 + 8 NC] += sum_{j < n} ws[r][j] * v_j[d0 + 0 : d0 + 8 NC] for r < NQ, v_j = v + j * vs: each value
+ * row loaded once for all NQ weights; NC (1..4) registers of columns a query. */
+static inline __attribute__((always_inline)) void pv(const float *const *ws, int NQ, const float *restrict v, long vs,
+                                                     long n, int NC, float *const *os, int d0) {
+    __m256 a[ATT_QB][4];
+    for (int r = 0; r < NQ; r++) for (int c = 0; c < NC; c++) a[r][c] = _mm256_loadu_ps(os[r] + d0 + 8 * c);
+    v += d0;
     for (long j = 0; j < n; j++, v += vs) {
-        __m256 pw = _mm256_broadcast_ss(w + j);
-        a0 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v), a0);
-        a1 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 8), a1);
-        a2 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 16), a2);
-        a3 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 24), a3);
-        a4 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 32), a4);
-        a5 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 40), a5);
-        a6 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 48), a6);
-        a7 = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 56), a7);
+        __m256 w[ATT_QB];
+        for (int r = 0; r < NQ; r++) w[r] = _mm256_broadcast_ss(ws[r] + j);
+        for (int c = 0; c < NC; c++) {
+            __m256 vv = _mm256_loadu_ps(v + 8 * c);
+            for (int r = 0; r < NQ; r++) a[r][c] = _mm256_fmadd_ps(w[r], vv, a[r][c]);
+        }
     }
-    _mm256_storeu_ps(o, a0);
-    _mm256_storeu_ps(o + 8, a1);
-    _mm256_storeu_ps(o + 16, a2);
-    _mm256_storeu_ps(o + 24, a3);
-    _mm256_storeu_ps(o + 32, a4);
-    _mm256_storeu_ps(o + 40, a5);
-    _mm256_storeu_ps(o + 48, a6);
-    _mm256_storeu_ps(o + 56, a7);
+    for (int r = 0; r < NQ; r++) for (int c = 0; c < NC; c++) _mm256_storeu_ps(os[r] + d0 + 8 * c, a[r][c]);
 }
 
-/* weighted64 over the dn (< 64) columns of a head's last block: eight at a time, then one by one. */
-static inline void weighted_rest(const float *restrict w, const float *restrict v, long vs, long n, int dn,
-                                 float *restrict o) {
+/* One block of nq (1..ATT_QB) queries over the keys j0 .. j1 of one page (krow: key j0's row of the K/V head, rows
+ * ks apart): their scores into ss[r][j - c0]. */
+static void qk_run(const float *const *qs, int nq, const float *krow, long ks, long j0, long j1, long c0, int D,
+                   float scale, float *const *ss) {
+    long j = j0;
+    for (; j + 4 <= j1 + 1; j += 4, krow += 4 * ks) {
+        if (nq == 3) qk4(qs, 3, krow, ks, D, scale, ss, j - c0);
+        else if (nq == 2) qk4(qs, 2, krow, ks, D, scale, ss, j - c0);
+        else qk4(qs, 1, krow, ks, D, scale, ss, j - c0);
+    }
+    for (; j <= j1; j++, krow += ks)
+        for (int r = 0; r < nq; r++) ss[r][j - c0] = dot1(krow, qs[r], D) * scale;
+}
+
+/* One block of nq queries over the values of n keys (vrow: the first's row, rows vs apart) weighted by ws[r][0:n]:
+ * into os[r][0:D], 32 columns at a time, then 8, then one. */
+static void pv_run(const float *const *ws, int nq, const float *vrow, long vs, long n, int D, float *const *os) {
+    int d0 = 0;
+#define PV_CASES(NC) \
+    if (nq == 3) pv(ws, 3, vrow, vs, n, NC, os, d0); else if (nq == 2) pv(ws, 2, vrow, vs, n, NC, os, d0); \
+    else pv(ws, 1, vrow, vs, n, NC, os, d0);
+    for (; d0 + 32 <= D; d0 += 32) { PV_CASES(4) }
+    for (; d0 + 8 <= D; d0 += 8) { PV_CASES(1) }
+#undef PV_CASES
+    for (; d0 < D; d0++)
+        for (int r = 0; r < nq; r++) {
+            float a = os[r][d0];
+            for (long j = 0; j < n; j++) a += ws[r][j] * vrow[j * vs + d0];
+            os[r][d0] = a;
+        }
+}
+
+/* The same blocks on 16-wide AVX-512 registers, ATT_QB512 queries a block (6 queries x 4 keys of sums + 6 queries +
+ * a key: 31 of the 32 registers), built with the gemv's per-function target (run only where mtp_cpu_avx512 is 1). */
+#define ATT_QB512 6
+
+/* Whether paged attention runs these blocks (mtp_set_attention_avx512, as the caller's instruction set says). */
+static int att_avx512 = 0;
+
+/* Paged attention on the AVX-512 blocks (on != 0, where this CPU runs them) or the AVX2 ones; returns the choice. */
+int mtp_set_attention_avx512(int on) {
+    att_avx512 = on && mtp_cpu_avx512();
+    return att_avx512;
+}
+
+AVX512 static inline __attribute__((always_inline)) void qk4_512(const float *const *qs, int NQ,
+                                                                 const float *restrict k, long ks, int D,
+                                                                 float scale, float *const *ss, long off) {
+    __m512 a[ATT_QB512][4];
+    for (int r = 0; r < NQ; r++) for (int i = 0; i < 4; i++) a[r][i] = _mm512_setzero_ps();
     int d = 0;
-    for (; d + 8 <= dn; d += 8) {
-        __m256 a = _mm256_loadu_ps(o + d);
-        for (long j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + j), _mm256_loadu_ps(v + j * vs + d), a);
-        _mm256_storeu_ps(o + d, a);
+    for (; d + 16 <= D; d += 16) {
+        __m512 qv[ATT_QB512];
+        for (int r = 0; r < NQ; r++) qv[r] = _mm512_loadu_ps(qs[r] + d);
+        for (int i = 0; i < 4; i++) {
+            __m512 kv = _mm512_loadu_ps(k + i * ks + d);
+            for (int r = 0; r < NQ; r++) a[r][i] = _mm512_fmadd_ps(kv, qv[r], a[r][i]);
+        }
     }
-    for (; d < dn; d++) {
-        float a = o[d];
-        for (long j = 0; j < n; j++) a += w[j] * v[j * vs + d];
-        o[d] = a;
+    for (int r = 0; r < NQ; r++) {
+        __m256 h[4];  /* each key's 16 lanes folded to 8, then the AVX2 block's shuffle tree */
+        for (int i = 0; i < 4; i++)
+            h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[r][i]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][i]), 1)));
+        __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        if (d < D) {  /* D % 16 dimensions left: in scalar order, after the vector sums */
+            float u[4];
+            _mm_storeu_ps(u, s);
+            for (int i = 0; i < 4; i++) for (int dd = d; dd < D; dd++) u[i] += k[i * ks + dd] * qs[r][dd];
+            s = _mm_loadu_ps(u);
+        }
+        _mm_storeu_ps(ss[r] + off, _mm_mul_ps(s, _mm_set1_ps(scale)));
     }
+}
+
+AVX512 static inline __attribute__((always_inline)) void pv_512(const float *const *ws, int NQ,
+                                                                const float *restrict v, long vs, long n, int NC,
+                                                                float *const *os, int d0) {
+    __m512 a[ATT_QB512][4];
+    for (int r = 0; r < NQ; r++) for (int c = 0; c < NC; c++) a[r][c] = _mm512_loadu_ps(os[r] + d0 + 16 * c);
+    v += d0;
+    for (long j = 0; j < n; j++, v += vs) {
+        __m512 w[ATT_QB512];
+        for (int r = 0; r < NQ; r++) w[r] = _mm512_set1_ps(ws[r][j]);
+        for (int c = 0; c < NC; c++) {
+            __m512 vv = _mm512_loadu_ps(v + 16 * c);
+            for (int r = 0; r < NQ; r++) a[r][c] = _mm512_fmadd_ps(w[r], vv, a[r][c]);
+        }
+    }
+    for (int r = 0; r < NQ; r++) for (int c = 0; c < NC; c++) _mm512_storeu_ps(os[r] + d0 + 16 * c, a[r][c]);
+}
+
+/* qk_run and pv_run on AVX-512 (nq up to ATT_QB512; columns 64, then 16, then one at a time) */
+AVX512 static void qk_run512(const float *const *qs, int nq, const float *krow, long ks, long j0, long j1, long c0,
+                             int D, float scale, float *const *ss) {
+    long j = j0;
+#define QK_CASE(N) case N: qk4_512(qs, N, krow, ks, D, scale, ss, j - c0); break;
+    for (; j + 4 <= j1 + 1; j += 4, krow += 4 * ks)
+        switch (nq) { QK_CASE(6) QK_CASE(5) QK_CASE(4) QK_CASE(3) QK_CASE(2) default: QK_CASE(1) }
+#undef QK_CASE
+    for (; j <= j1; j++, krow += ks)
+        for (int r = 0; r < nq; r++) ss[r][j - c0] = dot1(krow, qs[r], D) * scale;
+}
+
+AVX512 static void pv_run512(const float *const *ws, int nq, const float *vrow, long vs, long n, int D,
+                             float *const *os) {
+    int d0 = 0;
+#define PV_CASE(N, NC) case N: pv_512(ws, N, vrow, vs, n, NC, os, d0); break;
+#define PV_CASES(NC) switch (nq) { PV_CASE(6, NC) PV_CASE(5, NC) PV_CASE(4, NC) PV_CASE(3, NC) PV_CASE(2, NC) \
+                                   default: PV_CASE(1, NC) }
+    for (; d0 + 64 <= D; d0 += 64) PV_CASES(4)
+    for (; d0 + 16 <= D; d0 += 16) PV_CASES(1)
+#undef PV_CASES
+#undef PV_CASE
+    for (; d0 < D; d0++)
+        for (int r = 0; r < nq; r++) {
+            float a = os[r][d0];
+            for (long j = 0; j < n; j++) a += ws[r][j] * vrow[j * vs + d0];
+            os[r][d0] = a;
+        }
 }
 
 /* Where token t of a paged attention step attends (see mtp_paged_attention_f32): its sequence b, its position pos,
@@ -373,15 +470,18 @@ static inline long token_span(int t, const int *qo_indptr, int B, const int64_t 
  * absolute position of each new token, whose K/V are already in the cache. Token t attends to
  * positions max(0, pos - window + 1) .. pos (window <= 0: no window) of its own sequence — causal
  * among the new tokens, as the metadata defines.
- * One task is one token, one K/V head (the Hq / Hkv query heads that share it) and one chunk of `chunk` of the
- * positions the token attends to; tasks run on the OpenMP threads when there is enough work. Per query head, three
- * passes over the chunk's keys, page by page: the scores, eight keys at a time (one load of the query per eight dot
- * products, one shuffle tree per eight sums); their max, exp and sum; the values' weighted sum, 64 columns at a
- * time in registers. A token whose positions fill one chunk is normalised there; a longer one (split so that two
- * cores share even one token's keys) leaves each chunk's max, sum and unnormalised sum of values in `partials`,
- * merged after (each chunk rescaled by e^(its max - the max)). The softmax is in float32, max subtracted.
+ * One task is one sequence, one K/V head and one chunk of `chunk` of the positions its new tokens attend to (the
+ * span from the lowest any of them reads to the last); tasks run on the OpenMP threads when there is enough work.
+ * A task attends all the query vectors that read its K/V head — the Hq / Hkv query heads of each of the sequence's
+ * new tokens — in blocks of ATT_QB, so that each key and value row is loaded once per block. Three passes over the
+ * chunk, page by page: every query's scores (qk4: four keys a time); per query, over the positions its token sees,
+ * the max, exp and sum (the positions it does not see get weight exactly 0); the values' weighted sums (pv: 32
+ * columns a time in registers). A sequence whose span fills one chunk is normalised there; a longer one (split so
+ * that two cores share even one token's keys) leaves each chunk's max, sum and unnormalised sum of values in
+ * `partials`, merged after (each chunk rescaled by e^(its max - the max)). The softmax is in float32, max
+ * subtracted.
  * scores: scratch of T * Hq * max_kv floats; partials: scratch of T * Hq * ceil(max_kv / chunk) * (D + 2) floats
- * (unused when max_kv <= chunk: may be NULL then). out: (T, Hq, D).
+ * (unused when max_kv <= chunk: may be NULL then). out: (T, Hq, D). max_kv: at least every sequence's length.
  * tree_bits: NULL, or (T,) int64 for a step whose new tokens form a tree (a token's position is then its slot,
  * not its depth): token t sees the new token i of its own sequence (slot positions[qo_indptr[b]] + i) only when
  * bit i of tree_bits[t] is set; cached tokens before the step stay visible. Hidden slots get no weight at all
@@ -413,147 +513,187 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
         }
     }
     if (chunk < 8) chunk = 8;
-    int nch = (int)((max_kv + chunk - 1) / chunk);  /* chunks of the longest token's positions */
+    int nch = (int)((max_kv + chunk - 1) / chunk);  /* chunks of the longest span */
     if (!partials) nch = 1, chunk = max_kv > 8 ? max_kv : 8;
     long pstride = D + 2;  /* a chunk's partial: its max, its sum, then its D unnormalised sums of values */
+    /* each sequence's span: from the lowest position one of its new tokens reads to the highest it is at */
+    long *span = malloc(sizeof(long) * 2 * (size_t)(B > 0 ? B : 1));
+    if (!span) return;
     long work = 0;
-    for (int t = 0; t < T; t++) work += positions[t] + 1;
-    /* Fewer chunks than threads (a short decode step): each K/V head's query heads a task of their own as well */
+    for (int b = 0; b < B; b++) {
+        span[2 * b] = LONG_MAX, span[2 * b + 1] = -1;
+        for (int t = qo_indptr[b]; t < qo_indptr[b + 1]; t++) {
+            int bb;
+            long pos, s0, wlo;
+            const int64_t *new_pos;
+            long lo = token_span(t, qo_indptr, B, positions, window, tree_bits, tree_pos, &bb, &pos, &s0, &wlo,
+                                 &new_pos);
+            if (lo < span[2 * b]) span[2 * b] = lo;
+            if (pos > span[2 * b + 1]) span[2 * b + 1] = pos;
+            work += pos - lo + 1;
+        }
+    }
     int par = num_threads > 1 && work * Hq * D >= PAGED_ATTENTION_PARALLEL_WORK;
-    int gsplit = par && T * nch < num_threads ? Hkv : 1, gper = Hkv / gsplit;
-    int tasks = T * nch * gsplit;
+    int w512 = att_avx512, qb = w512 ? ATT_QB512 : ATT_QB;
+    /* Fewer (sequence, K/V head, chunk) tasks than two a thread (a short decode step): each one's queries split
+       in parts, tasks of their own */
+    int rmax = 0, base = B * Hkv * nch, qsplit = 1;
+    for (int b = 0; b < B; b++) if (qo_indptr[b + 1] - qo_indptr[b] > rmax) rmax = qo_indptr[b + 1] - qo_indptr[b];
+    rmax *= group;
+    if (par && base < 2 * num_threads) qsplit = (2 * num_threads + base - 1) / base;
+    if (qsplit > rmax) qsplit = rmax > 0 ? rmax : 1;
+    int tasks = base * qsplit;
     #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (par && tasks > 1)
     for (int task = 0; task < tasks; task++) {
-        int hlo = (task % gsplit) * gper * group, hhi = hlo + gper * group;  /* this task's query heads */
-        int c = (task / gsplit) % nch, t = task / (gsplit * nch);
-        int b;
-        long pos, s0, wlo;
-        const int64_t *new_pos;
-        long lo = token_span(t, qo_indptr, B, positions, window, tree_bits, tree_pos, &b, &pos, &s0, &wlo, &new_pos);
-        const int *bt = block_tables + (size_t)b * max_pages;
-        int64_t bits = tree_bits ? tree_bits[t] : 0;
-#define HIDDEN(j) (!(((uint64_t)bits >> ((j) - s0)) & 1u) || (new_pos && new_pos[(j) - s0] < wlo))  /* j >= s0, j - s0 <= 63 */
-        long c0 = lo + c * chunk;  /* this task's positions: c0 .. c1 */
-        if (c0 > pos) continue;
-        long c1 = c0 + chunk - 1 < pos ? c0 + chunk - 1 : pos;
-        int whole = pos - lo + 1 <= chunk;  /* one chunk holds all the token's positions: normalise here */
+        int part = task % qsplit, rest = task / qsplit;
+        int g = rest % Hkv, c = (rest / Hkv) % nch, b = rest / (Hkv * nch);
+        int t0 = qo_indptr[b], Rall = (qo_indptr[b + 1] - t0) * group, Rs = (Rall + qsplit - 1) / qsplit;
+        int rlo = part * Rs, rhi = rlo + Rs < Rall ? rlo + Rs : Rall;  /* this task's query vectors */
+        long LO = span[2 * b], HI = span[2 * b + 1];
+        long c0 = LO + c * chunk;  /* this task's positions: c0 .. c1 */
+        if (rlo >= rhi || c0 > HI) continue;
+        long c1 = c0 + chunk - 1 < HI ? c0 + chunk - 1 : HI;
+        int whole = HI - LO + 1 <= chunk;  /* one chunk holds the whole span: normalise here */
         long n = c1 - c0 + 1;
-        long tj = s0 > c0 ? s0 : c0;  /* the first position HIDDEN may name */
-/* head h's sums of values: its output row (normalised in place) or its chunk's partial (after the max and sum) */
-#define HEAD_SUMS(h) (whole ? out + ((size_t)t * Hq + (h)) * D \
-                      : partials + (((size_t)t * Hq + (h)) * nch + c) * pstride + 2)
-        float *st = scores + (size_t)t * Hq * max_kv + (c0 - lo);  /* head h's score of position j: st[h * max_kv + j - c0] */
-        /* pass 1: scores, page by page (each page's K rows, every head's, read from memory once), eight keys at a time */
-        for (long p = c0 / ps; p <= c1 / ps; p++) {
-            const float *kpage = cache + (size_t)bt[p] * page_stride;
-            long j0 = p * ps > c0 ? p * ps : c0, j1 = (p + 1) * ps - 1 < c1 ? (p + 1) * ps - 1 : c1;
-            for (int h = hlo; h < hhi; h++) {
-                const float *qh = q + ((size_t)t * Hq + h) * D, *kh = kpage + (long)(h / group) * D;
-                float *s = st + (long)h * max_kv;
-                long j = j0;
-                for (; j + 8 <= j1 + 1; j += 8) scores8(qh, kh + (j - p * ps) * tok_stride, tok_stride, D, scale,
-                                                        s + (j - c0));
-                for (; j <= j1; j++) s[j - c0] = dot1(kh + (j - p * ps) * tok_stride, qh, D) * scale;
+        const int *bt = block_tables + (size_t)b * max_pages;
+/* query vector r: token t0 + r / group, head g * group + r % group; its scores (at j - c0), its query, its sums of
+   values (its output row, normalised in place, or its chunk's partial after the max and sum) */
+#define QT(r) (t0 + (r) / group)
+#define QH(r) (g * group + (r) % group)
+#define QSCORES(r) (scores + ((size_t)QT(r) * Hq + QH(r)) * max_kv + (c0 - LO))
+#define QSUMS(r) (whole ? out + ((size_t)QT(r) * Hq + QH(r)) * D \
+                  : partials + (((size_t)QT(r) * Hq + QH(r)) * nch + c) * pstride + 2)
+        /* pass 1: scores, page by page (a page's K rows of this head read once per block of queries) */
+        for (int r0 = rlo; r0 < rhi; r0 += qb) {
+            int nq = rhi - r0 < qb ? rhi - r0 : qb;
+            const float *qs[ATT_QB512];
+            float *ss[ATT_QB512];
+            for (int r = 0; r < nq; r++) qs[r] = q + ((size_t)QT(r0 + r) * Hq + QH(r0 + r)) * D, ss[r] = QSCORES(r0 + r);
+            for (long p = c0 / ps; p <= c1 / ps; p++) {
+                long j0 = p * ps > c0 ? p * ps : c0, j1 = (p + 1) * ps - 1 < c1 ? (p + 1) * ps - 1 : c1;
+                const float *krow = cache + (size_t)bt[p] * page_stride + (j0 - p * ps) * tok_stride + (long)g * D;
+                if (w512) qk_run512(qs, nq, krow, tok_stride, j0, j1, c0, D, scale, ss);
+                else qk_run(qs, nq, krow, tok_stride, j0, j1, c0, D, scale, ss);
             }
         }
-        float mxs[Hq], sums[Hq];
-        for (int h = hlo; h < hhi; h++) {
-            float *s = st + (long)h * max_kv;
-            /* the new tokens a tree step hides from this one (and, under a window, those standing out of it) */
-            if (tree_bits)
-                for (long jj = tj; jj <= c1; jj++) if (HIDDEN(jj)) s[jj - c0] = -INFINITY;
-            /* pass 2: max, exp and sum */
-            __m256 m8 = _mm256_set1_ps(-INFINITY);
-            long j = 0;
-            for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            float mx = _mm_cvtss_f32(m4);
-            for (; j < n; j++) if (s[j] > mx) mx = s[j];
-            if (whole && sinks && sinks[h] > mx) mx = sinks[h];  /* the max covers the sink (a merge's does) */
-            float sum = 0.f;
-            if (mx > -INFINITY) {  /* else every key of the chunk is hidden: it adds nothing */
-                m8 = _mm256_set1_ps(mx);
-                __m256 acc = _mm256_setzero_ps();
-                for (j = 0; j + 8 <= n; j += 8) {
-                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
-                    _mm256_storeu_ps(s + j, e);
-                    acc = _mm256_add_ps(acc, e);
+        /* pass 2, per query: over the positions its token sees, max, exp and sum; weight 0 elsewhere */
+        float mxs[rhi - rlo], sums[rhi - rlo];
+        for (int r = rlo; r < rhi; r++) {
+            int t = QT(r), h = QH(r), bb;
+            long pos, s0, wlo;
+            const int64_t *new_pos;
+            long lo = token_span(t, qo_indptr, B, positions, window, tree_bits, tree_pos, &bb, &pos, &s0, &wlo,
+                                 &new_pos);
+            int64_t bits = tree_bits ? tree_bits[t] : 0;
+#define HIDDEN(j) (!(((uint64_t)bits >> ((j) - s0)) & 1u) || (new_pos && new_pos[(j) - s0] < wlo))  /* j >= s0, j - s0 <= 63 */
+            float *s = QSCORES(r);
+            long a = lo > c0 ? lo : c0, e = pos < c1 ? pos : c1;  /* what it sees of the chunk: a .. e */
+            float mx = -INFINITY, sum = 0.f;
+            if (a <= e) {
+                float *sa = s + (a - c0);
+                long m = e - a + 1, tj = s0 > a ? s0 : a;  /* tj: the first position HIDDEN may name */
+                if (tree_bits)  /* the new tokens a tree step hides from this one (and those out of a window) */
+                    for (long jj = tj; jj <= e; jj++) if (HIDDEN(jj)) s[jj - c0] = -INFINITY;
+                __m256 m8 = _mm256_set1_ps(-INFINITY);
+                long j = 0;
+                for (; j + 8 <= m; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sa + j));
+                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+                mx = _mm_cvtss_f32(m4);
+                for (; j < m; j++) if (sa[j] > mx) mx = sa[j];
+                if (whole && sinks && sinks[h] > mx) mx = sinks[h];  /* the max covers the sink (a merge's does) */
+                if (mx > -INFINITY) {  /* else every key it sees here is hidden: the chunk adds nothing */
+                    m8 = _mm256_set1_ps(mx);
+                    __m256 acc = _mm256_setzero_ps();
+                    for (j = 0; j + 8 <= m; j += 8) {
+                        __m256 ex = exp8(_mm256_sub_ps(_mm256_loadu_ps(sa + j), m8));
+                        _mm256_storeu_ps(sa + j, ex);
+                        acc = _mm256_add_ps(acc, ex);
+                    }
+                    sum = hsum(acc);
+                    for (; j < m; j++) { sa[j] = expf(sa[j] - mx); sum += sa[j]; }
+                    if (tree_bits)  /* exactly no weight (exp8 clamps e^-inf to ~1e-38, below any sum's rounding) */
+                        for (long jj = tj; jj <= e; jj++) if (HIDDEN(jj)) s[jj - c0] = 0.f;
+                } else {
+                    for (j = 0; j < m; j++) sa[j] = 0.f;
                 }
-                sum = hsum(acc);
-                for (; j < n; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
+            }
+            if (a > e) {
+                memset(s, 0, sizeof(float) * (size_t)n);
             } else {
-                for (j = 0; j < n; j++) s[j] = 0.f;
+                if (a > c0) memset(s, 0, sizeof(float) * (size_t)(a - c0));
+                if (e < c1) memset(s + (e + 1 - c0), 0, sizeof(float) * (size_t)(c1 - e));
             }
-            if (tree_bits)  /* exactly no weight (exp8 clamps e^-inf to ~1e-38, below any sum's rounding) */
-                for (long jj = tj; jj <= c1; jj++) if (HIDDEN(jj)) s[jj - c0] = 0.f;
-            mxs[h] = mx;
-            sums[h] = sum;
-            memset(HEAD_SUMS(h), 0, (size_t)D * sizeof(float));
+            mxs[r - rlo] = mx;
+            sums[r - rlo] = sum;
+            memset(QSUMS(r), 0, (size_t)D * sizeof(float));
         }
-        /* pass 3: the values' weighted sums, page by page (each page's V rows read from memory once), 64 columns at a
-           time */
-        for (long p = c0 / ps; p <= c1 / ps; p++) {
-            const float *vpage = cache + (size_t)bt[p] * page_stride + (long)ps * tok_stride;
-            long j0 = p * ps > c0 ? p * ps : c0, j1 = (p + 1) * ps - 1 < c1 ? (p + 1) * ps - 1 : c1;
-            for (int h = hlo; h < hhi; h++) {
-                float *o = HEAD_SUMS(h);
-                const float *vrow = vpage + (j0 - p * ps) * tok_stride + (long)(h / group) * D;
-                const float *w = st + (long)h * max_kv + (j0 - c0);
-                int d0 = 0;
-                for (; d0 + 64 <= D; d0 += 64) weighted64(w, vrow + d0, tok_stride, j1 - j0 + 1, o + d0);
-                if (d0 < D) weighted_rest(w, vrow + d0, tok_stride, j1 - j0 + 1, D - d0, o + d0);
+        /* pass 3: the values' weighted sums, page by page (a page's V rows of this head read once per block) */
+        for (int r0 = rlo; r0 < rhi; r0 += qb) {
+            int nq = rhi - r0 < qb ? rhi - r0 : qb;
+            const float *ws[ATT_QB512];
+            float *os[ATT_QB512];
+            for (long p = c0 / ps; p <= c1 / ps; p++) {
+                long j0 = p * ps > c0 ? p * ps : c0, j1 = (p + 1) * ps - 1 < c1 ? (p + 1) * ps - 1 : c1;
+                const float *vrow = cache + (size_t)bt[p] * page_stride + (long)ps * tok_stride
+                                    + (j0 - p * ps) * tok_stride + (long)g * D;
+                for (int r = 0; r < nq; r++) ws[r] = QSCORES(r0 + r) + (j0 - c0), os[r] = QSUMS(r0 + r);
+                if (w512) pv_run512(ws, nq, vrow, tok_stride, j1 - j0 + 1, D, os);
+                else pv_run(ws, nq, vrow, tok_stride, j1 - j0 + 1, D, os);
             }
         }
-        for (int h = hlo; h < hhi; h++) {
+        for (int r = rlo; r < rhi; r++) {
+            float *o = QSUMS(r);
             if (!whole) {
-                float *part = HEAD_SUMS(h) - 2;
-                part[0] = mxs[h];
-                part[1] = sums[h];
+                o[-2] = mxs[r - rlo];
+                o[-1] = sums[r - rlo];
                 continue;
             }
-            float *o = HEAD_SUMS(h), sum = sums[h];
-            if (sinks) sum += expf(sinks[h] - mxs[h]);
+            float sum = sums[r - rlo];
+            if (sinks) sum += expf(sinks[QH(r)] - mxs[r - rlo]);
             __m256 inv8 = _mm256_set1_ps(1.f / sum);
             int d = 0;
             for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv8));
             for (; d < D; d++) o[d] *= 1.f / sum;
         }
     }
-    if (nch == 1) return;
-    /* the merge of split tokens: out = sum_c e^(m_c - m) o_c / (sum_c e^(m_c - m) l_c [+ e^(sink - m)]) */
-    for (int th = 0; th < T * Hq; th++) {
-        int t = th / Hq, h = th % Hq, b;
-        long pos, s0, wlo;
-        const int64_t *new_pos;
-        long lo = token_span(t, qo_indptr, B, positions, window, tree_bits, tree_pos, &b, &pos, &s0, &wlo, &new_pos);
-        long n = pos - lo + 1;
-        if (n <= chunk) continue;  /* normalised in its task */
-        int used = (int)((n + chunk - 1) / chunk);
-        const float *pc = partials + (size_t)th * nch * pstride;
-        float m = sinks ? sinks[h] : -INFINITY;
-        for (int cc = 0; cc < used; cc++) if (pc[cc * pstride] > m) m = pc[cc * pstride];
-        float *o = out + (size_t)th * D;
-        memset(o, 0, (size_t)D * sizeof(float));
-        float sum = sinks ? expf(sinks[h] - m) : 0.f;
-        for (int cc = 0; cc < used; cc++) {
-            const float *part = pc + cc * pstride;
-            if (!(part[0] > -INFINITY)) continue;
-            float f = expf(part[0] - m);
-            sum += f * part[1];
-            __m256 f8 = _mm256_set1_ps(f);
-            int d = 0;
-            for (; d + 8 <= D; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(f8, _mm256_loadu_ps(part + 2 + d), _mm256_loadu_ps(o + d)));
-            for (; d < D; d++) o[d] += f * part[2 + d];
+    if (nch > 1) {
+        /* the merge of split spans: out = sum_c e^(m_c - m) o_c / (sum_c e^(m_c - m) l_c [+ e^(sink - m)]) */
+        for (int th = 0; th < T * Hq; th++) {
+            int t = th / Hq, h = th % Hq, b = 0;
+            while (b + 1 < B && qo_indptr[b + 1] <= t) b++;
+            long n = span[2 * b + 1] - span[2 * b] + 1;
+            if (n <= chunk) continue;  /* normalised in its task */
+            int used = (int)((n + chunk - 1) / chunk);
+            const float *pc = partials + (size_t)th * nch * pstride;
+            float m = sinks ? sinks[h] : -INFINITY;
+            for (int cc = 0; cc < used; cc++) if (pc[cc * pstride] > m) m = pc[cc * pstride];
+            float *o = out + (size_t)th * D;
+            memset(o, 0, (size_t)D * sizeof(float));
+            float sum = sinks ? expf(sinks[h] - m) : 0.f;
+            for (int cc = 0; cc < used; cc++) {
+                const float *part = pc + cc * pstride;
+                if (!(part[0] > -INFINITY)) continue;
+                float f = expf(part[0] - m);
+                sum += f * part[1];
+                __m256 f8 = _mm256_set1_ps(f);
+                int d = 0;
+                for (; d + 8 <= D; d += 8)
+                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(f8, _mm256_loadu_ps(part + 2 + d), _mm256_loadu_ps(o + d)));
+                for (; d < D; d++) o[d] += f * part[2 + d];
+            }
+            float inv = 1.f / sum;
+            for (int d = 0; d < D; d++) o[d] *= inv;
         }
-        float inv = 1.f / sum;
-        for (int d = 0; d < D; d++) o[d] *= inv;
     }
+    free(span);
 }
 #undef HIDDEN
-#undef HEAD_SUMS
+#undef QT
+#undef QH
+#undef QSCORES
+#undef QSUMS
 
 /* Rotate-half RoPE in place: x rows (T, row stride xs) hold `heads` consecutive heads of D values from
  * column 0; cos, sin: (T, D) contiguous. x[i] <- x[i] cos[i] - x[i + D/2] sin[i],
@@ -855,7 +995,6 @@ void mtp_soft_ce_f32(float *z, float *t, int C, int V, float *ce, int64_t *best,
 }
 
 /* ---- the soft cross-entropy on AVX-512 (run only where mtp_cpu_avx512() is 1) --------------------------------- */
-#define AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma")))
 
 /* exp8 on 16 lanes (the same reduction and polynomial; 2^n applied by scalef). */
 AVX512 static inline __m512 exp16(__m512 x) {
