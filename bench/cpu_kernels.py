@@ -23,8 +23,8 @@ each op's probe, not cached): `choice_measure_s` per op, and whether it finished
 With `--baseline-source FILE.c` (e.g. an earlier `git show REV:mtp_train/layers/csrc/cpu_kernels.c`) that source is
 compiled with the same flags and its gemv timed alternately against ours at every M, each on the body
 `cpu_kernels.isa()` names (`gemv_m{M}_vs_baseline_source`; over the bfloat16 copies
-`gemv_m{M}_bf16_vs_baseline_source`), and its paged attention against ours at 1, 2 and 4 query rows over 256 and
-1024 cached tokens, each call over another of 30 layers' pools so that the K/V come from memory as in a decode step
+`gemv_m{M}_bf16_vs_baseline_source`), and its paged attention against ours at 1, 2, 4 and 8 query rows over 256
+and 1024 cached tokens, each call over another of 30 layers' pools so that the K/V come from memory as in a decode step
 (`attention_t{T}_ctx{C}_vs_baseline_source`): how a change to a kernel is measured, in one process.
 
 Usage: python -m bench.cpu_kernels [--repeat 5] [--baseline-source FILE.c]. The last line printed is one JSON object.
@@ -302,7 +302,7 @@ def _attention_vs_baseline(lib: object, repeat: int) -> dict[str, float]:
     for ctx in (256, 1024):
         pages = ctx // ps + 1
         pools = [torch.randn(pages, 2, ps, HKV, D) for _ in range(LAYERS)]
-        for t in (1, 2, 4):
+        for t in (1, 2, 4, 8):
             meta = AttentionMetadata.build([t], [ctx], [list(range(pages))], ps)
             slots = meta.slot_pages * ps + meta.slot_offsets
             step = cpu_kernels.paged_attention_args(meta.block_tables, meta.qo_indptr, meta.positions, ctx,
