@@ -542,6 +542,28 @@ static inline long token_span(int t, const int *qo_indptr, int B, const int64_t 
     return new_pos && wlo > s0 ? s0 : wlo;
 }
 
+/* out[0:D] <- the merge of a split token's `used` chunk partials (pc, pstride apart: max, sum, D unnormalised sums
+ * of values): sum_c e^(m_c - m) o_c / (sum_c e^(m_c - m) l_c [+ e^(sink - m)]), m the largest max (and sink). */
+static void merge_partials(const float *pc, int used, long pstride, const float *sink, float *o, int D) {
+    float m = sink ? *sink : -INFINITY;
+    for (int cc = 0; cc < used; cc++) if (pc[cc * pstride] > m) m = pc[cc * pstride];
+    memset(o, 0, (size_t)D * sizeof(float));
+    float sum = sink ? expf(*sink - m) : 0.f;
+    for (int cc = 0; cc < used; cc++) {
+        const float *part = pc + cc * pstride;
+        if (!(part[0] > -INFINITY)) continue;
+        float f = expf(part[0] - m);
+        sum += f * part[1];
+        __m256 f8 = _mm256_set1_ps(f);
+        int d = 0;
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(f8, _mm256_loadu_ps(part + 2 + d), _mm256_loadu_ps(o + d)));
+        for (; d < D; d++) o[d] += f * part[2 + d];
+    }
+    float inv = 1.f / sum;
+    for (int d = 0; d < D; d++) o[d] *= inv;
+}
+
 /* mtp_paged_attention_f32's decode steps (one new token per sequence): one task per token (and K/V head, where the
  * tokens are fewer than the threads) and chunk, every query head of the token in it, so that the task reads each
  * page's rows of all the K/V heads, contiguous in memory, in one stream: such a step is bound by reading them, and a
@@ -685,25 +707,8 @@ static void attention_by_token(const float *q, int T, int Hq, int Hkv, int D, fl
         long n = pos - lo + 1;
         if (n <= chunk) continue;  /* normalised in its task */
         int used = (int)((n + chunk - 1) / chunk);
-        const float *pc = partials + (size_t)th * nch * pstride;
-        float m = sinks ? sinks[h] : -INFINITY;
-        for (int cc = 0; cc < used; cc++) if (pc[cc * pstride] > m) m = pc[cc * pstride];
-        float *o = out + (size_t)th * D;
-        memset(o, 0, (size_t)D * sizeof(float));
-        float sum = sinks ? expf(sinks[h] - m) : 0.f;
-        for (int cc = 0; cc < used; cc++) {
-            const float *part = pc + cc * pstride;
-            if (!(part[0] > -INFINITY)) continue;
-            float f = expf(part[0] - m);
-            sum += f * part[1];
-            __m256 f8 = _mm256_set1_ps(f);
-            int d = 0;
-            for (; d + 8 <= D; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(f8, _mm256_loadu_ps(part + 2 + d), _mm256_loadu_ps(o + d)));
-            for (; d < D; d++) o[d] += f * part[2 + d];
-        }
-        float inv = 1.f / sum;
-        for (int d = 0; d < D; d++) o[d] *= inv;
+        merge_partials(partials + (size_t)th * nch * pstride, used, pstride, sinks ? sinks + h : NULL,
+                       out + (size_t)th * D, D);
     }
 }
 #undef HIDDEN
@@ -921,25 +926,8 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
             long n = span[2 * b + 1] - span[2 * b] + 1;
             if (n <= chunk) continue;  /* normalised in its task */
             int used = (int)((n + chunk - 1) / chunk);
-            const float *pc = partials + (size_t)th * nch * pstride;
-            float m = sinks ? sinks[h] : -INFINITY;
-            for (int cc = 0; cc < used; cc++) if (pc[cc * pstride] > m) m = pc[cc * pstride];
-            float *o = out + (size_t)th * D;
-            memset(o, 0, (size_t)D * sizeof(float));
-            float sum = sinks ? expf(sinks[h] - m) : 0.f;
-            for (int cc = 0; cc < used; cc++) {
-                const float *part = pc + cc * pstride;
-                if (!(part[0] > -INFINITY)) continue;
-                float f = expf(part[0] - m);
-                sum += f * part[1];
-                __m256 f8 = _mm256_set1_ps(f);
-                int d = 0;
-                for (; d + 8 <= D; d += 8)
-                    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(f8, _mm256_loadu_ps(part + 2 + d), _mm256_loadu_ps(o + d)));
-                for (; d < D; d++) o[d] += f * part[2 + d];
-            }
-            float inv = 1.f / sum;
-            for (int d = 0; d < D; d++) o[d] *= inv;
+            merge_partials(partials + (size_t)th * nch * pstride, used, pstride, sinks ? sinks + h : NULL,
+                           out + (size_t)th * D, D);
         }
     }
     free(span);
