@@ -144,6 +144,11 @@ def rope_inv_freq(cfg: RopeConfig) -> torch.Tensor:
     return cfg.scaling_kind.inv_freq(cfg)
 
 
+# CPU inference steps at positions below this read RoPE's cos and sin from a table (RotaryEmbedding._cpu_table):
+# 2 MiB at head_dim 64, 4 MiB at 128.
+ROPE_TABLE_POSITIONS = 4096
+
+
 class RotaryEmbedding(nn.Module):
     """Produces (cos, sin) for given positions and applies them to q and k."""
 
@@ -153,9 +158,33 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         # YaRN scales cos and sin (hence every rotated q·k term) by its attention factor.
         self.attention_scaling = cfg.scaling_kind.attention_factor(cfg)
+        self._table: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None  # see _cpu_table
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: (T,) int → cos, sin: (T, 1, head_dim) in `dtype`, broadcastable over heads."""
+        """positions: (T,) int → cos, sin: (T, 1, head_dim) in `dtype`, broadcastable over heads.
+
+        CPU inference reads positions below ROPE_TABLE_POSITIONS from a table of the same values (`_cpu_table`): a
+        decode step's few rows cost two lookups there instead of seven small ops, each slowed by the caches the
+        weights just flushed."""
+        if positions.device.type == "cpu" and not torch.is_grad_enabled() and positions.numel():
+            table = self._cpu_table(int(positions.max()))
+            if table is not None:
+                return table[0][positions].to(dtype), table[1][positions].to(dtype)
+        return self._compute(positions, dtype)
+
+    def _cpu_table(self, top: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) of positions 0 .. ROPE_TABLE_POSITIONS - 1, (P, 1, D) float32, made once per inv_freq; None
+        when `top` lies beyond them or inv_freq is not on the CPU."""
+        if top >= ROPE_TABLE_POSITIONS or self.inv_freq.device.type != "cpu":
+            return None
+        f = self.inv_freq  # an inference tensor (made in inference mode) has no version: it cannot change
+        key = (f.data_ptr(), -1 if f.is_inference() else f._version)
+        if self._table is None or self._table[0] != key:
+            pos = torch.arange(ROPE_TABLE_POSITIONS)
+            self._table = (key, self._compute(pos, torch.float32))
+        return self._table[1]
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, D)
         if self.attention_scaling != 1.0:
