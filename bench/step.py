@@ -186,12 +186,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--tree", default="2x2x4", help="a dynamic tree STEPSxTOPKxTOKENS ('none' to skip)")
     ap.add_argument("--head-weights", default="bf16",
-                    help="what the head's few-row products stream (mtp-eval's head_weights): bf16, fp32, or both "
-                         "(fp32,bf16: every head row twice, interleaved prompt by prompt, the A/B in one process)")
+                    help="what the head's few-row products stream (mtp-eval's head_weights): bf16, int8, fp32, or "
+                         "several (bf16,int8: every head row once per kind, interleaved prompt by prompt, the A/B "
+                         "in one process)")
     args = ap.parse_args(argv)
     weights = args.head_weights.split(",")
     if not weights or any(w not in HEAD_WEIGHTS for w in weights):
-        ap.error(f"--head-weights takes bf16, fp32 or both, got {args.head_weights!r}")
+        ap.error(f"--head-weights takes {', '.join(HEAD_WEIGHTS)} or several of them, got {args.head_weights!r}")
     from mtp_train.cli.common import configure_from_env
 
     configure_from_env()
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         for w in weights:  # a head row per weight kind (named by it when there are two)
             for name, make in heads.items():
                 rows[name if len(weights) == 1 else f"{name} {w}"] = Row(
-                    make(), before=lambda on=w == "bf16": head.stream_bf16(on))
+                    make(), before=lambda w=w: head.stream_weights(None if w == "fp32" else w))
         rows.update({name: Row(make()) for name, make in lookup.items()})
         # Every prompt through every row in turn: a drift of the machine's speed falls on all rows alike.
         for prompt in prompts:

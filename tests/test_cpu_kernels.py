@@ -62,6 +62,31 @@ def test_the_bf16_weight_gemv_equals_f_linear_over_the_rounded_weight(m, k, isa,
     torch.testing.assert_close(cpu_kernels.gemv(x, w, isa=isa), F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
 
 
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("k", [8, 15, 37, 576])
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_the_int8_weight_gemv_equals_f_linear_over_the_scaled_rows(m, k, isa, threads):
+    """An `int8_copy` (int8 rows, a float32 scale each after them, a zero row among them): the product is F.linear over
+    scale · rows, for every row pairing and K around the registers and their scalar tails (N·K not a multiple of 4
+    included: the scales start at the next multiple), on both bodies; a bare int8 tensor is refused by name."""
+    if isa == "avx512" and not cpu_kernels.cpu_has_avx512():
+        pytest.skip("this CPU has no AVX-512F/VL/DQ")
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    n = 5 if k < 16 else 203
+    w = torch.randn(n, k, generator=g)
+    w[1] = 0.0
+    w8 = cpu_kernels.int8_copy(w)
+    ref = cpu_kernels.int8_weight(w8)
+    assert w8.dtype == torch.int8 and w8.shape == (n, k) and torch.equal(ref[1], torch.zeros(k))
+    assert (ref - w).abs().max() <= w.abs().amax(1).max() / 254 + 1e-6  # half a step of the row's scale
+    b, x = torch.randn(n, generator=g), torch.randn(m, k + 3, generator=g)[:, :k]
+    torch.testing.assert_close(cpu_kernels.gemv(x, w8, b, isa=isa), F.linear(x, ref, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.gemv(x, w8, isa=isa), F.linear(x, ref), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="int8_copy"):
+        cpu_kernels.gemv(x, w8.clone(), isa=isa)
+
+
 @needs_avx512
 @pytest.mark.parametrize("m", range(1, GEMV_M_MAX + 2))
 @pytest.mark.parametrize("k", [1, 15, 16, 17, 37, 64, 577])
@@ -336,22 +361,22 @@ def test_model_decode_and_verify_equal_the_torch_paths(tiny_checkpoints, family)
 
 @needs_kernels
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
 def test_a_decoder_layer_in_one_native_call_equals_the_layer_op_by_op(tiny_checkpoints, family, weights,
                                                                       monkeypatch):
     """Decode, verify and tree steps: the whole stack of layers runs as one `decoder_stack` call, or (where the stack
-    steps aside) every layer as one `decoder_layer` call (qkv bias, q/k norms, a sliding window, bfloat16 weight
-    copies as a head streams them), and each gives the op-by-op layers' hidden states (those asked for too), logits
-    and K/V pages."""
+    steps aside) every layer as one `decoder_layer` call (qkv bias, q/k norms, a sliding window, bfloat16 and int8
+    weight copies as a head streams them), and each gives the op-by-op layers' hidden states (those asked for too),
+    logits and K/V pages."""
     from mtp_train.engine import ModelRunner, Sequence
-    from mtp_train.layers.linear import stream_bf16_linears
+    from mtp_train.layers.linear import stream_linears
     from mtp_train.models import load_model
     from mtp_train.models.base import CausalLM
     from mtp_train.models.families import llama
 
     model = load_model(tiny_checkpoints[family][0], dtype="float32")
-    if weights == "bf16":
-        assert stream_bf16_linears(model.model.layers) > 0
+    if weights != "fp32":
+        assert stream_linears(model.model.layers, weights) > 0
     vocab, n_layers = model.args.vocab_size, model.args.num_layers
     prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19)]
     calls: dict[str, list[int]] = {"stack": [], "layer": []}
@@ -588,13 +613,13 @@ def test_a_link_to_a_private_folder_is_followed(tmp_path, kernel_settings):
 @needs_kernels
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("kind", ["mtp", "eagle1", "mtp-aux"])
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
 def test_a_chain_heads_step_in_one_native_call_equals_its_step_op_by_op(tiny_checkpoints, family, kind, weights,
                                                                         monkeypatch):
     """Catch-up rows from the target, chained draft rows from the head's own output and a tree's rows: each head
     step runs as one `head_step` call (mtp with every norm and a draft vocabulary, eagle1 with none, an aux head's
-    own-output steps; bfloat16 copies as `stream_bf16` makes them), and gives the op-by-op step's features, logits
-    and K/V pages; an aux head's step from the target's aux layers stays op by op."""
+    own-output steps; bfloat16 and int8 copies as `stream_weights` makes them), and gives the op-by-op step's
+    features, logits and K/V pages; an aux head's step from the target's aux layers stays op by op."""
     from mtp_train.config import HeadConfig
     from mtp_train.engine.kv_cache import KVCache
     from mtp_train.heads import build_head
@@ -609,7 +634,7 @@ def test_a_chain_heads_step_in_one_native_call_equals_its_step_op_by_op(tiny_che
     with torch.no_grad():  # weights away from their init (norms at 1, zero biases) so that every part counts
         for p in head.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    head.stream_bf16(weights == "bf16")
+    head.stream_weights(None if weights == "fp32" else weights)
     h, vocab = head.args.hidden_size, head.args.vocab_size
     g = torch.Generator().manual_seed(0)
     # (rows per sequence, kv lengths after the step, from_target, tree parents or None)

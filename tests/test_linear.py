@@ -11,13 +11,14 @@ from mtp_train.layers.linear import (
     ROW_MULTIPLE,
     WIDE_BLOCK,
     Linear,
-    _takes_bf16,
+    _takes_copy,
     _takes_gemv,
     gemv_weight,
     linear,
     prepack_linears,
-    stream_bf16_linears,
+    stream_linears,
     takes_small_m,
+    weight_copy,
 )
 
 
@@ -56,32 +57,45 @@ def test_training_uses_autograd_path_and_state_dict_is_plain():
     assert set(lin.state_dict()) == {"weight", "bias"}
 
 
+def _rounded(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """The float32 weight a copy of `kind` stands for."""
+    from mtp_train.layers import cpu_kernels
+
+    copy = weight_copy(w, kind)
+    return copy.float() if kind == "bf16" else cpu_kernels.int8_weight(copy)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
 @pytest.mark.parametrize("m", [1, 2, 5, GEMV_M_MAX, GEMV_M_MAX + 1, 64])
-def test_a_bf16_stream_computes_over_the_rounded_weight_and_switches_back(m):
-    """Under `stream_bf16` few-row products read the bfloat16 copy (F.linear over the rounded weight, where the
-    kernels take it); more rows, autograd and switching off read the float32 weight; the state dict is unchanged."""
+def test_a_copy_stream_computes_over_the_rounded_weight_and_switches_back(m, kind):
+    """Under `stream(kind)` few-row products read the bfloat16 or int8 copy (F.linear over the rounded weight, where
+    the kernels take it); more rows, autograd and switching off read the float32 weight; the state dict is
+    unchanged."""
     torch.manual_seed(m)
     mlp = torch.nn.Sequential(Linear(64, 96), torch.nn.ReLU(), Linear(96, 32, bias=False))
     x = torch.randn(m, 64)
     exact = mlp(x).detach()
-    assert stream_bf16_linears(mlp) == 2
-    rounded = F.linear(torch.relu(F.linear(x, mlp[0].weight.bfloat16().float(), mlp[0].bias)),
-                       mlp[2].weight.bfloat16().float())
+    assert stream_linears(mlp, kind) == 2
+    rounded = F.linear(torch.relu(F.linear(x, _rounded(mlp[0].weight, kind), mlp[0].bias)),
+                       _rounded(mlp[2].weight, kind))
     with torch.inference_mode():
         out = mlp(x)
-    if _streams(m):  # the MLP-style transposed chain must not take such rows
+    streams = _streams(m, kind)
+    if streams:  # the MLP-style transposed chain must not take such rows
         assert not takes_small_m(x, mlp[0].weight, mlp[0].w16)
-    torch.testing.assert_close(out, rounded if _streams(m) else exact, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, rounded if streams else exact, rtol=1e-5, atol=1e-5)
     assert set(mlp.state_dict()) == {"0.weight", "0.bias", "2.weight"}
     torch.testing.assert_close(mlp(x), exact, rtol=1e-5, atol=1e-5)  # autograd on: the float32 weight
-    assert stream_bf16_linears(mlp, on=False) == 0 and mlp[0].w16 is None
+    assert stream_linears(mlp, None) == 0 and mlp[0].w16 is None
     with torch.inference_mode():
         torch.testing.assert_close(mlp(x), exact, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="int4"):
+        mlp[0].stream("int4")
 
 
-def _streams(m: int) -> bool:
-    """Whether m rows take the bfloat16 copy on this machine (kernels available and measured faster)."""
-    return _takes_bf16(m)
+def _streams(m: int, kind: str = "bf16") -> bool:
+    """Whether m rows take a copy of `kind` on this machine (kernels available and measured faster)."""
+    return _takes_copy(m, torch.empty(0, dtype=torch.bfloat16 if kind == "bf16" else torch.int8))
 
 
 def test_gemv_weight_names_what_linear_streams_for_m_rows():

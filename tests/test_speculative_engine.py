@@ -76,13 +76,13 @@ def test_a_head_streaming_bf16_weights_keeps_plain_greedy_output(tiny_checkpoint
     assert head.stream_bf16() >= 5  # fc (and the aux fc), attention and MLP projections
     w = head.draft_lm_head()
     with torch.no_grad():  # inference only: a trainable lm_head (eagle3's) under autograd keeps its own weight
-        assert head.lm_rows_bf16(w).dtype == torch.bfloat16
+        assert head.lm_rows_copy(w).dtype == torch.bfloat16
     eng = SpecEngine(model, HeadProposer(head), k, page_size=3, num_pages=256)
     out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert [o.output_ids for o in out] == ref
     assert eng.stats.metrics.num_draft_tokens > 0
     with torch.no_grad():
-        assert head.stream_bf16(on=False) == 0 and head.lm_rows_bf16(w) is None
+        assert head.stream_bf16(on=False) == 0 and head.lm_rows_copy(w) is None
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -38,7 +38,7 @@ def build_server(sc: ServeConfig) -> tuple[Any, Any]:
 
         head = load_head(sc.head_ckpt, path, device=model.device, dtype=model.dtype, backend=sc.model.backend,
                          verify_fingerprint=sc.verify_fingerprint)
-        head.stream_bf16(sc.head_weights == "bf16")
+        head.stream_weights(None if sc.head_weights == "fp32" else sc.head_weights)
         engine: LLMEngine = SpecEngine(model, head_type(head.cfg.type).drafter(head, {}), sc.k, **engine_kw)
     else:
         engine = LLMEngine(model, **engine_kw)

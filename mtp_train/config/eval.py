@@ -14,7 +14,7 @@ GRID_KINDS: dict[str, type] = {"k": int, "draft_threshold": float, "catch_up": s
                                "temperature": float}
 TREE_SHAPE = re.compile(r"none|\d+x\d+x\d+")  # `tree` values: none (a chain / draft_width) or STEPSxTOPKxTOKENS
 BACKENDS = ("engine", "vllm")  # who runs the speculative decoding mtp-eval measures
-HEAD_WEIGHTS = ("bf16", "fp32")  # what a head's few-row CPU products stream (`head_weights`)
+HEAD_WEIGHTS = ("bf16", "int8", "fp32")  # what a head's few-row CPU products stream (`head_weights`)
 
 
 def check_head_weights(value: str) -> None:
@@ -63,7 +63,8 @@ class EvalConfig:
     # speculative_eagle_topk / speculative_num_draft_tokens, the root counted), e.g. 3x4x8, or none; or a list. A
     # tree's point runs at k = STEPS whatever `k` says (the k axis multiplies only the chains)
     # mtp, on CPU in float32: bf16 (the head's few-row products stream a bfloat16 copy of its weights, half the
-    # bytes; a draft may change, never an answer: the target verifies every token) | fp32 (its own weights)
+    # bytes; a draft may change, never an answer: the target verifies every token) | int8 (int8 rows with a scale
+    # each, a quarter) | fp32 (its own weights)
     head_weights: str = "bf16"
     ngram: NgramConfig = field(default_factory=NgramConfig)
     temperature: Any = 0.0  # a float or a list (a grid); 0 = greedy

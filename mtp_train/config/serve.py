@@ -22,7 +22,7 @@ class ServeConfig:
     head_ckpt: str | None = None  # a trained head (mtp-train's heads/step-N): speculative decoding with it
     k: int = 3  # draft depth of the head (tokens proposed per step)
     verify_fingerprint: bool = True  # the head must have been trained on these target weights
-    head_weights: str = "bf16"  # on CPU in float32: bf16 (the head streams a bfloat16 copy of its weights) | fp32
+    head_weights: str = "bf16"  # on CPU in float32: bf16 (the head streams a bfloat16 copy of its weights), int8, fp32
     max_batch_size: int = 32  # sequences decoded together
     max_tokens: int | None = None  # default max_tokens of a request that names none; None: the rest of the context
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the chat template of every chat

@@ -162,9 +162,10 @@ def _load_head(cfg: EvalConfig, target: CausalLM, tokenizer: Any, target_dir: Pa
 
     head = load_head(cfg.head_ckpt, target_dir, device=target.device, dtype=target.dtype,
                      backend=cfg.model.backend, verify_fingerprint=cfg.verify_fingerprint)
-    streamed = head.stream_bf16(cfg.head_weights == "bf16")
+    streamed = head.stream_weights(None if cfg.head_weights == "fp32" else cfg.head_weights)
     log.info("head %s: %s, %.2fM parameters, draft vocabulary %d%s", cfg.head_ckpt, head.cfg.type,
-             head.num_params() / 1e6, head.vocab_size, f", {streamed} linears streamed as bf16" if streamed else "")
+             head.num_params() / 1e6, head.vocab_size,
+             f", {streamed} linears streamed as {cfg.head_weights}" if streamed else "")
     return head
 
 

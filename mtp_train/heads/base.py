@@ -60,7 +60,7 @@ from mtp_train.heads.chain_attention import chain_attention
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.packing import packed_shift, resolve_seq_lens
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, KVLayout, MLABackend
-from mtp_train.layers.linear import linear, stream_bf16_linears, tensor_version
+from mtp_train.layers.linear import linear, stream_linears, tensor_version, weight_copy
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import ModelArgs, ModelConfigError
@@ -121,8 +121,8 @@ class DraftHead(nn.Module, ABC):
         else:
             self.draft_vocab = None
         self._lm_head_rows: tuple[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] | None = None
-        self._bf16 = False  # inference streams bfloat16 copies of the weights (`stream_bf16`)
-        self._lm_w16: tuple[tuple[int, int], torch.Tensor] | None = None  # ((data_ptr, version), bf16 copy) of lm rows
+        self._stream: str | None = None  # inference streams copies of the weights of this kind (`stream_weights`)
+        self._lm_w16: tuple[tuple, torch.Tensor] | None = None  # ((data_ptr, version, kind), copy) of the lm rows
 
     # -- what a head type implements --
 
@@ -271,25 +271,31 @@ class DraftHead(nn.Module, ABC):
         Column c is target token `to_target_ids(c)`.
         """
         w = self.draft_lm_head()
-        # CPU fast paths serve draft steps' few rows (over the rows' bfloat16 copy under `stream_bf16`)
-        return linear(self.logit_input(head_hidden).to(w.dtype), w, w16=self.lm_rows_bf16(w))
+        # CPU fast paths serve draft steps' few rows (over the rows' copy under `stream_weights`)
+        return linear(self.logit_input(head_hidden).to(w.dtype), w, w16=self.lm_rows_copy(w))
+
+    def stream_weights(self, kind: str | None) -> int:
+        """Inference on CPU: let the head's few-row products stream compact copies of its weights (`kind`: "bf16",
+        half the bytes, or "int8", a quarter: `linear.weight_copy`), or its own weights again (None). The target
+        verifies every drafted token, so the rounding may change a draft, never what is accepted. Returns how many
+        linears stream a copy (the lm_head rows' copy is made at first use). Copies are kept when switched off:
+        switching back to the same kind is free."""
+        self._stream = kind
+        return stream_linears(self, kind)
 
     def stream_bf16(self, on: bool = True) -> int:
-        """Inference on CPU: let the head's few-row products stream bfloat16 copies of its weights (`on`), or its
-        own weights again. The target verifies every drafted token, so the rounding may change a draft, never what
-        is accepted; each draft forward reads half the bytes. Returns how many linears stream a copy (the lm_head
-        rows' copy is made at first use). Copies are kept when switched off: switching back is free."""
-        self._bf16 = on
-        return stream_bf16_linears(self, on)
+        """`stream_weights("bf16" if on else None)`."""
+        return self.stream_weights("bf16" if on else None)
 
-    def lm_rows_bf16(self, w: torch.Tensor) -> torch.Tensor | None:
-        """The bfloat16 copy of lm_head rows `w` (Vd, H) under `stream_bf16` (made once per weight), else None."""
-        if (not self._bf16 or w.dtype != torch.float32 or not on_cpu(w.device)
+    def lm_rows_copy(self, w: torch.Tensor) -> torch.Tensor | None:
+        """The copy of lm_head rows `w` (Vd, H) of the kind `stream_weights` set (made once per weight), else
+        None."""
+        if (self._stream is None or w.dtype != torch.float32 or not on_cpu(w.device)
                 or (torch.is_grad_enabled() and w.requires_grad)):
             return None
-        key = (w.data_ptr(), tensor_version(w))
+        key = (w.data_ptr(), tensor_version(w), self._stream)
         if self._lm_w16 is None or self._lm_w16[0] != key:  # one row set per head drafts (as `_lm_head_rows`)
-            self._lm_w16 = (key, w.detach().to(torch.bfloat16).contiguous())
+            self._lm_w16 = (key, weight_copy(w, self._stream))
         return self._lm_w16[1]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,7 +102,7 @@ class DSparkHead(DFlashHead):
         """h: (N, H) slot outputs → (N, Vd) lm_head(h) without the bias."""
         w = self.lm_head_weight()
         # CPU fast paths serve a draft step's few rows, as DraftHead.compute_logits
-        return linear(h.to(w.dtype), w, w16=self.lm_rows_bf16(w))
+        return linear(h.to(w.dtype), w, w16=self.lm_rows_copy(w))
 
     def markov_embed(self, prev: torch.Tensor) -> torch.Tensor:
         """prev: (N,) target token ids → (N, r) W1[prev]."""

@@ -133,7 +133,7 @@ class MTPHead(ChainHead):
         embed = self.require_frozen().embed
         lm = self.draft_lm_head()
         fc = gemv_weight(self.fc, m)
-        lm_w = gemv_operand(n, lm, self.lm_rows_bf16(lm)) if n else lm
+        lm_w = gemv_operand(n, lm, self.lm_rows_copy(lm)) if n else lm
         norms, eps = (self.enorm, self.hnorm, self.norm), layer.post_attention_layernorm.eps  # the layer's eps
         if (fc is None or lm_w is None or embed.dtype != torch.float32 or not embed.is_contiguous()
                 or not on_cpu(embed.device)

@@ -112,6 +112,7 @@ _gemv_fn = None  # the library's gemv entry point for `_isa`
 _soft_ce_fn = None  # and its soft_ce_ entry point
 _gemv_by_isa: dict[str, object] = {}  # "avx2" / "avx512" → the gemv entry point, resolved once per load (hot path)
 _gemv_bf16_by_isa: dict[str, object] = {}  # and the entry point of the bfloat16-weight gemv
+_gemv_i8_by_isa: dict[str, object] = {}  # and of the int8-weight gemv
 _library: Path | None = None  # the loaded build
 _generation = 0  # bumped by `configure`: what was decided on the settings before is decided again
 
@@ -120,10 +121,11 @@ def configure(settings: KernelSettings) -> None:
     """Use `settings` from now on: whether the kernels are used and how they are built is decided again at the
     next use (call it before models run; a library already loaded stays loaded and is reused)."""
     global _settings, _lib, _tried, _reason, _threads_ok, _isa, _gemv_fn, _soft_ce_fn, _library, _generation
-    global _gemv_by_isa, _gemv_bf16_by_isa
+    global _gemv_by_isa, _gemv_bf16_by_isa, _gemv_i8_by_isa
     with _lock:
         _settings, _lib, _tried, _reason, _threads_ok = settings, None, False, "", False
         _isa, _gemv_fn, _soft_ce_fn, _library, _gemv_by_isa, _gemv_bf16_by_isa = "", None, None, None, {}, {}
+        _gemv_i8_by_isa = {}
         _generation += 1
 
 
@@ -306,7 +308,8 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
         return _opened[path]
     before = _openmp_runtimes()
     lib = ctypes.CDLL(str(path))
-    for fn in (lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512, lib.mtp_gemv_bf16w, lib.mtp_gemv_bf16w_avx512):
+    for fn in (lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512, lib.mtp_gemv_bf16w, lib.mtp_gemv_bf16w_avx512,
+               lib.mtp_gemv_i8w, lib.mtp_gemv_i8w_avx512):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -355,6 +358,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
 def _load() -> ctypes.CDLL | None:
     """Build and load the library once per `configure`; None (with `_reason` set) where it cannot be used."""
     global _lib, _tried, _reason, _threads_ok, _isa, _gemv_fn, _soft_ce_fn, _library, _gemv_by_isa, _gemv_bf16_by_isa
+    global _gemv_i8_by_isa
     with _lock:
         if _tried:
             return _lib
@@ -375,6 +379,7 @@ def _load() -> ctypes.CDLL | None:
                 _isa = _pick_isa(_lib, cfg.isa)
                 _gemv_by_isa = {"avx2": _lib.mtp_gemv_f32, "avx512": _lib.mtp_gemv_f32_avx512}
                 _gemv_bf16_by_isa = {"avx2": _lib.mtp_gemv_bf16w, "avx512": _lib.mtp_gemv_bf16w_avx512}
+                _gemv_i8_by_isa = {"avx2": _lib.mtp_gemv_i8w, "avx512": _lib.mtp_gemv_i8w_avx512}
                 _gemv_fn = _gemv_by_isa[_isa]
                 _soft_ce_fn = _lib.mtp_soft_ce_f32_avx512 if _isa == "avx512" else _lib.mtp_soft_ce_f32
                 _lib.mtp_set_attention_avx512.argtypes = [ctypes.c_int]  # paged attention's blocks follow `_isa`
@@ -461,12 +466,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """x (M, K) float32 CPU, weight (N, K) contiguous, bias (N,) contiguous or None → x @ weightᵀ + bias, (M, N).
 
     Meant for small M (decode, verify); equals `F.linear` up to summation order. A bfloat16 weight is widened
-    exactly inside the kernel (float32 sums and output: `F.linear` over `weight.float()`), streaming half the bytes.
+    exactly inside the kernel (float32 sums and output: `F.linear` over `weight.float()`), streaming half the bytes;
+    an int8 one (`int8_copy`: its rows' scales after them) gives `F.linear` over `int8_weight(weight)`, a quarter.
     Call only when `available()`; x with a non-unit inner stride is made contiguous first. (Kept lean: it runs ~120
     times per decode step.)
 
     Args:
-        x, weight, bias: as above (weight float32 or bfloat16; x and bias float32).
+        x, weight, bias: as above (weight float32, bfloat16 or an `int8_copy`; x and bias float32).
         isa: None (the instruction set in use, `isa()`), or "avx2" / "avx512" to run that body (to compare them);
             "avx512" on a CPU without it raises RuntimeError.
     """
@@ -484,6 +490,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     lib = _lib or _require()
     if weight.dtype == torch.bfloat16:
         fn = _gemv_bf16_by_isa.get(isa or _isa) or _by_isa(isa, lib.mtp_gemv_bf16w, lib.mtp_gemv_bf16w_avx512)
+    elif weight.dtype == torch.int8:
+        _check_int8("gemv", weight)
+        fn = _gemv_i8_by_isa.get(isa or _isa) or _by_isa(isa, lib.mtp_gemv_i8w, lib.mtp_gemv_i8w_avx512)
     else:
         fn = _gemv_fn if isa is None else (_gemv_by_isa.get(isa)
                                            or _by_isa(isa, lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512))
@@ -491,6 +500,52 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
           y.data_ptr(), n, m, n, k, torch.get_num_threads() if _threads_ok else 1):
         raise RuntimeError("gemv: this CPU does not run the AVX-512 body (AVX-512F/VL/DQ)")
     return y
+
+
+def _int8_scales_at(n: int, k: int) -> int:
+    """The byte offset of an (n, k) `int8_copy`'s scales in its storage: after the rows, rounded up to 4."""
+    return (n * k + 3) // 4 * 4
+
+
+def int8_copy(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) float weight → its int8 copy: (N, K) int8 rows q with W ≈ scale[n] · q[n] (per row, symmetric:
+    scale = max |W[n]| / 127), the N float32 scales stored right after the rows in the same storage, where the
+    native gemv reads them (`int8_scales`). A quarter of float32's bytes, for weights whose rounding is harmless
+    (a draft head's: the target verifies every token it drafts)."""
+    n, k = w.shape
+    w = w.detach().float()
+    scale = w.abs().amax(1) / 127.0
+    q = torch.where(scale[:, None] > 0, torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]),
+                    torch.zeros((), dtype=w.dtype)).clamp_(-127, 127).to(torch.int8)
+    at = _int8_scales_at(n, k)
+    buf = torch.zeros(at + 4 * n, dtype=torch.int8, device=w.device)
+    buf[at:].view(torch.float32).copy_(scale)
+    rows = buf[:n * k].view(n, k)
+    rows.copy_(q)
+    return rows
+
+
+def int8_scales(w8: torch.Tensor) -> torch.Tensor:
+    """(N,) float32: the scales an `int8_copy` keeps after its rows."""
+    _check_int8("int8_scales", w8)
+    n, k = w8.shape
+    at = _int8_scales_at(n, k)
+    return torch.empty(0, dtype=torch.int8, device=w8.device).set_(w8.untyped_storage(), 0, (at + 4 * n,))[
+        at:].view(torch.float32)
+
+
+def int8_weight(w8: torch.Tensor) -> torch.Tensor:
+    """(N, K) float32: what an `int8_copy` stands for, scale[n] · q[n] (the reference its products equal)."""
+    return w8.float() * int8_scales(w8)[:, None]
+
+
+def _check_int8(what: str, w8: torch.Tensor) -> None:
+    """w8 is an `int8_copy` (rows at the start of a storage that holds its scales after them), else ValueError."""
+    n, k = w8.shape
+    if (w8.storage_offset() != 0 or not w8.is_contiguous()
+            or w8.untyped_storage().nbytes() < _int8_scales_at(n, k) + 4 * n):
+        raise ValueError(f"{what}: an int8 weight {tuple(w8.shape)} must come from int8_copy (its rows' scales "
+                         "follow them in its storage)")
 
 
 def _by_isa(isa: str, avx2_fn: object, avx512_fn: object) -> object:
@@ -653,14 +708,14 @@ class _Layer(ctypes.Structure):
                 ("k_norm", ctypes.c_void_p), ("wqkv", ctypes.c_void_p), ("wo", ctypes.c_void_p),
                 ("wgu", ctypes.c_void_p), ("wd", ctypes.c_void_p), ("bqkv", ctypes.c_void_p),
                 ("bo", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("bf16", ctypes.c_int), ("H", ctypes.c_int), ("I", ctypes.c_int),
+                ("scale", ctypes.c_float), ("wkinds", ctypes.c_int), ("H", ctypes.c_int), ("I", ctypes.c_int),
                 ("Hq", ctypes.c_int), ("Hkv", ctypes.c_int), ("D", ctypes.c_int), ("window", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     """What `LayerPlan` reads of a Llama-family decoder layer (all float32 CPU contiguous, except the four
-    projection weights, each float32 or bfloat16; None = absent).
+    projection weights, each float32, bfloat16 or an `int8_copy`; None = absent).
 
     Attributes:
         ln1: (H,) the input RMSNorm's weight, or None (a head block without it); ln2: (H,) the post-attention one.
@@ -699,20 +754,29 @@ class LayerPlan:
         shapes = {"wqkv": (hq * d + 2 * hkv * d, h), "wo": (h, hq * d), "wgu": (2 * i, h), "wd": (h, i)}
         for name, shape in shapes.items():
             t = getattr(w, name)
-            if tuple(t.shape) != shape or t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
+            if (tuple(t.shape) != shape or t.dtype not in (torch.float32, torch.bfloat16, torch.int8)
+                    or not t.is_contiguous()):
                 raise ValueError(f"decoder_layer: {name} {tuple(t.shape)} {t.dtype} must be {shape}, contiguous, "
-                                 "float32 or bfloat16")
+                                 "float32, bfloat16 or int8")
+            if t.dtype == torch.int8:
+                _check_int8(f"decoder_layer: {name}", t)
         self.key = tuple(getattr(w, n).data_ptr() for n in shapes)
         self.weights = w  # kept alive for the addresses below
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        bf16 = sum(bit for bit, t in ((1, w.wqkv), (2, w.wo), (4, w.wgu), (8, w.wd)) if t.dtype == torch.bfloat16)
+        kinds = _weight_kinds((w.wqkv, w.wo, w.wgu, w.wd))
         self.struct = _Layer(ptr(w.ln1), ptr(w.ln2), ptr(w.q_norm), ptr(w.k_norm), ptr(w.wqkv), ptr(w.wo),
-                             ptr(w.wgu), ptr(w.wd), ptr(w.bqkv), ptr(w.bo), ptr(w.sinks), eps, scale, bf16, h, i,
+                             ptr(w.wgu), ptr(w.wd), ptr(w.bqkv), ptr(w.bo), ptr(w.sinks), eps, scale, kinds, h, i,
                              hq, hkv, d, window or 0)
         self.address = ctypes.addressof(self.struct)
+
+
+def _weight_kinds(weights: Sequence[torch.Tensor]) -> int:
+    """The C plans' `wkinds` bits (csrc's WKIND): weight j is bfloat16 where bit j is set, int8 where bit j + 4 is."""
+    return sum((1 << j) * (t.dtype == torch.bfloat16) + (16 << j) * (t.dtype == torch.int8)
+               for j, t in enumerate(weights))
 
 
 class LayerPlans(dict):
@@ -807,13 +871,13 @@ class _Head(ctypes.Structure):
     _fields_ = [("embed", ctypes.c_void_p), ("enorm", ctypes.c_void_p), ("hnorm", ctypes.c_void_p),
                 ("norm", ctypes.c_void_p), ("fc", ctypes.c_void_p), ("lm", ctypes.c_void_p),
                 ("fc_bias", ctypes.c_void_p), ("layer", ctypes.c_void_p), ("eps", ctypes.c_float),
-                ("bf16", ctypes.c_int), ("H", ctypes.c_int), ("V", ctypes.c_int), ("vocab", ctypes.c_int)]
+                ("wkinds", ctypes.c_int), ("H", ctypes.c_int), ("V", ctypes.c_int), ("vocab", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
 class HeadWeights:
-    """What `HeadPlan` reads of a chain head (`MTPHead`): all float32 CPU contiguous, except fc and lm, each float32
-    or bfloat16; None = absent.
+    """What `HeadPlan` reads of a chain head (`MTPHead`): all float32 CPU contiguous, except fc and lm, each float32,
+    bfloat16 or an `int8_copy`; None = absent.
 
     Attributes:
         embed: (vocab, H) the target's frozen embedding. enorm, hnorm, norm: (H,) RMSNorm weights, or None.
@@ -840,18 +904,19 @@ class HeadPlan:
         v = w.lm.shape[0]
         for name, shape in (("fc", (h, 2 * h)), ("lm", (v, h)), ("embed", (w.embed.shape[0], h))):
             t = getattr(w, name)
-            ok = (torch.float32,) if name == "embed" else (torch.float32, torch.bfloat16)
+            ok = (torch.float32,) if name == "embed" else (torch.float32, torch.bfloat16, torch.int8)
             if tuple(t.shape) != shape or t.dtype not in ok or not t.is_contiguous():
                 raise ValueError(f"head_step: {name} {tuple(t.shape)} {t.dtype} must be {shape}, contiguous, "
-                                 + ("float32" if name == "embed" else "float32 or bfloat16"))
+                                 + ("float32" if name == "embed" else "float32, bfloat16 or int8"))
+            if t.dtype == torch.int8:
+                _check_int8(f"head_step: {name}", t)
         self.weights, self.layer = w, layer  # kept alive for the addresses below
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
-        bf16 = (w.fc.dtype == torch.bfloat16) + 2 * (w.lm.dtype == torch.bfloat16)
         self.struct = _Head(ptr(w.embed), ptr(w.enorm), ptr(w.hnorm), ptr(w.norm), ptr(w.fc), ptr(w.lm),
-                            ptr(w.fc_bias), layer.address, eps, bf16, h, v, w.embed.shape[0])
+                            ptr(w.fc_bias), layer.address, eps, _weight_kinds((w.fc, w.lm)), h, v, w.embed.shape[0])
         self.address = ctypes.addressof(self.struct)
 
 

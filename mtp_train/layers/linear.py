@@ -60,8 +60,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Args:
         x, weight, bias: as `F.linear`'s.
         packed: MKL-packed copy of weight for 1-row products (`Linear.prepack`), if any.
-        w16: a bfloat16 copy of weight (N, K) that few-row products may stream instead (`Linear.stream_bf16`),
-            if any.
+        w16: a compact copy of weight (N, K) that few-row products may stream instead (`Linear.stream`: bfloat16,
+            or `cpu_kernels.int8_copy`), if any.
 
     Autograd, GPUs and other dtypes take `F.linear`.
     """
@@ -88,22 +88,22 @@ def takes_small_m(x: torch.Tensor, weight: torch.Tensor, w16: torch.Tensor | Non
     in the transposed layout instead (`padded_t`, then `torch.mm(W, ·)`), which spares the copies back to (M, out)."""
     m = x.shape[0]
     return (_cpu_inference(x, weight) and not _takes_gemv(m, weight) and 1 < m <= SMALL_M_MAX
-            and not (w16 is not None and _takes_bf16(m)))
+            and not (w16 is not None and _takes_copy(m, w16)))
 
 
 def _gemv_operand(m: int, weight: torch.Tensor, w16: torch.Tensor | None) -> torch.Tensor | None:
-    """What m rows' product streams through the native gemv: the bfloat16 copy w16 (if any) where its gemv measured
+    """What m rows' product streams through the native gemv: the compact copy w16 (if any) where its gemv measured
     faster, else the float32 weight where the gemv serves m rows, else None (another path)."""
-    if w16 is not None and _takes_bf16(m):
+    if w16 is not None and _takes_copy(m, w16):
         return w16
     return weight if _takes_gemv(m, weight) else None
 
 
-def _takes_bf16(m: int) -> bool:
-    """Whether m rows of a product with a bfloat16 copy take the native gemv over it (kernels available, and
-    faster than the float32 path for m rows on this machine: op "linear_bf16")."""
+def _takes_copy(m: int, copy: torch.Tensor) -> bool:
+    """Whether m rows of a product with a compact copy (bfloat16 or int8) take the native gemv over it (kernels
+    available, and faster than the float32 path for m rows on this machine: op "linear_bf16" / "linear_int8")."""
     return (m <= GEMV_M_MAX and cpu_kernels.available()
-            and kernel_choice.prefers_native("linear_bf16", ROW_CLASSES[m]))
+            and kernel_choice.prefers_native(COPY_OPS[copy.dtype], ROW_CLASSES[m]))
 
 
 def _takes_gemv(m: int, weight: torch.Tensor) -> bool:
@@ -206,13 +206,29 @@ nn.modules.module.register_module_parameter_registration_hook(_bump)
 nn.modules.module.register_module_module_registration_hook(_bump)
 
 
+# What few-row products may stream in place of a float32 weight (`Linear.stream`), and each one's kernel choice
+COPY_KINDS = ("bf16", "int8")
+COPY_OPS = {torch.bfloat16: "linear_bf16", torch.int8: "linear_int8"}
+
+
+def weight_copy(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """The compact copy of a float32 weight (N, K) that few-row products stream: "bf16" (bfloat16, half the bytes)
+    or "int8" (`cpu_kernels.int8_copy`: int8 rows and a scale per row, a quarter)."""
+    if kind == "bf16":
+        return w.detach().to(torch.bfloat16).contiguous()
+    if kind == "int8":
+        return cpu_kernels.int8_copy(w)
+    raise ValueError(f"a weight copy is one of {', '.join(COPY_KINDS)}, not {kind!r}")
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state dict) with the CPU inference fast paths above."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._packed: torch.Tensor | None = None  # MKL-packed copy of the weight for 1-row products
-        self._w16: torch.Tensor | None = None  # bfloat16 copy streamed by few-row products (`stream_bf16`)
+        self._w16: torch.Tensor | None = None  # compact copy streamed by few-row products (`stream`)
+        self._w16_kind: str | None = None  # its kind: COPY_KINDS
         self._w16_version = -1  # the weight's version the copy was made from (an optimizer step bumps it)
         self._w16_on = False  # whether products stream the copy
 
@@ -227,35 +243,41 @@ class Linear(nn.Linear):
                 and not _takes_gemv(1, w)):
             self._packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 1)
 
-    def stream_bf16(self, on: bool = True) -> None:
-        """Let few-row CPU products stream a bfloat16 copy of the weight (on) or the weight itself (off). Only a
-        float32 CPU weight gets one; it is made once and kept when switched off (made again if the weight
-        changes), so switching back and forth is free."""
+    def stream(self, kind: str | None) -> None:
+        """Let few-row CPU products stream a compact copy of the weight (`kind`: "bf16" or "int8", `weight_copy`)
+        or the weight itself (None). Only a float32 CPU weight gets one; it is made once and kept when switched off
+        (made again if the weight changes, or for another kind), so switching off and on is free."""
         w = self.weight
-        if not (on and on_cpu(w.device) and w.dtype == torch.float32):
+        if kind is not None and kind not in COPY_KINDS:
+            raise ValueError(f"Linear.stream: kind is one of {', '.join(COPY_KINDS)} or None, not {kind!r}")
+        if not (kind and on_cpu(w.device) and w.dtype == torch.float32):
             if self._w16_on:
                 _bump()
             self._w16_on = False
             return
-        if self._w16 is None or self._w16_version != tensor_version(w):
-            self._w16, self._w16_version = w.detach().to(torch.bfloat16).contiguous(), tensor_version(w)
+        if self._w16 is None or self._w16_kind != kind or self._w16_version != tensor_version(w):
+            self._w16, self._w16_kind, self._w16_version = weight_copy(w, kind), kind, tensor_version(w)
             _bump()
         if not self._w16_on:
             _bump()
         self._w16_on = True
 
+    def stream_bf16(self, on: bool = True) -> None:
+        """`stream("bf16")` (on) or `stream(None)`."""
+        self.stream("bf16" if on else None)
+
     @property
     def w16(self) -> torch.Tensor | None:
-        """The bfloat16 copy few-row products stream (`stream_bf16`), or None."""
+        """The compact copy (bfloat16 or int8) few-row products stream (`stream`), or None."""
         return self._w16 if self._w16_on else None
 
     def streamed_w16(self) -> torch.Tensor | None:
-        """The bfloat16 copy few-row products stream now (made again if the weight changed in place since), or
-        None (`stream_bf16` off)."""
+        """The compact copy few-row products stream now (made again if the weight changed in place since), or None
+        (`stream` off)."""
         if not self._w16_on:
             return None
         if self._w16_version != tensor_version(self.weight):
-            self.stream_bf16()  # the weight changed in place since the copy was made
+            self.stream(self._w16_kind)  # the weight changed in place since the copy was made
         return self._w16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -308,18 +330,23 @@ def _no_memo() -> None:
     return None
 
 
-def stream_bf16_linears(module: nn.Module, on: bool = True) -> int:
-    """`Linear.stream_bf16(on)` on every `Linear` of `module`; returns how many stream a bfloat16 copy now.
+def stream_linears(module: nn.Module, kind: str | None) -> int:
+    """`Linear.stream(kind)` on every `Linear` of `module`; returns how many stream a copy now.
 
     For a draft head's inference only: its drafts may change a little (the target's verification decides what is
-    accepted), its few-row products read half the bytes.
+    accepted), its few-row products read half (bf16) or a quarter (int8) of the bytes.
     """
     n = 0
     for m in module.modules():
         if isinstance(m, Linear):
-            m.stream_bf16(on)
+            m.stream(kind)
             n += m.w16 is not None
     return n
+
+
+def stream_bf16_linears(module: nn.Module, on: bool = True) -> int:
+    """`stream_linears(module, "bf16" if on else None)`."""
+    return stream_linears(module, "bf16" if on else None)
 
 
 # ---- the native-or-torch measurement (kernel_choice) ---------------------------------------------------------------
@@ -401,11 +428,16 @@ def _isa_probe_setup() -> Callable[[str], tuple[Callable[[], object], Callable[[
     return work
 
 
-def _bf16_probe_setup() -> Callable[[str], tuple[Callable[[], object], Callable[[], object]]]:
-    """The linears' probe weights; for a class of m rows: (the native gemv over their bfloat16 copies, what
-    `linear` runs for m rows over the float32 weights)."""
+def _copy_probe_setup(kind: str) -> Callable[[], Callable[[str], tuple[Callable[[], object], Callable[[], object]]]]:
+    """The probe of a compact copy's kind (`weight_copy`)."""
+    return lambda: _copies_probe(kind)
+
+
+def _copies_probe(kind: str) -> Callable[[str], tuple[Callable[[], object], Callable[[], object]]]:
+    """The linears' probe weights; for a class of m rows: (the native gemv over their `kind` copies, what `linear`
+    runs for m rows over the float32 weights)."""
     weights = _probe_weights()
-    halves = [w.to(torch.bfloat16) for w in weights]
+    halves = [weight_copy(w, kind) for w in weights]
 
     def work(cls: str) -> tuple[Callable[[], object], Callable[[], object]]:
         m = int(cls)
@@ -429,6 +461,9 @@ kernel_choice.register(kernel_choice.Probe("gemv_isa", ROW_CLASSES[1:], _isa_pro
                                            paths=("avx512", "avx2"), applies=_isa_choice_applies))
 kernel_choice.register(kernel_choice.Probe("linear", ROW_CLASSES[1:], _probe_setup, budget_s=0.4, version=2,
                                            after=("gemv_isa",)))
-kernel_choice.register(kernel_choice.Probe("linear_bf16", ROW_CLASSES[1:], _bf16_probe_setup, budget_s=0.4,
+kernel_choice.register(kernel_choice.Probe("linear_bf16", ROW_CLASSES[1:], _copy_probe_setup("bf16"), budget_s=0.4,
                                            paths=("bf16", "fp32"),
+                                           after=("gemv_isa", "linear")))
+kernel_choice.register(kernel_choice.Probe("linear_int8", ROW_CLASSES[1:], _copy_probe_setup("int8"), budget_s=0.4,
+                                           paths=("int8", "fp32"),
                                            after=("gemv_isa", "linear")))

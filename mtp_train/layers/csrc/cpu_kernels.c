@@ -16,7 +16,8 @@
  * mtp_cpu_avx512 returned 1.
  *
  * mtp_gemv_bf16w, mtp_gemv_bf16w_avx512 — the same product over a bfloat16 W (float32 x, b, y and sums): half
- * the bytes streamed, for weights that may be rounded (a draft head's).
+ * the bytes streamed, for weights that may be rounded (a draft head's). mtp_gemv_i8w, mtp_gemv_i8w_avx512 — over
+ * int8 rows with a float32 scale each: a quarter of the bytes.
  *
  * mtp_rmsnorm_f32 — RMSNorm of few rows, y = w * x / sqrt(mean(x^2) + eps), one pass to sum the
  * squares and one to scale: on a 576-wide row this is ~1 us where torch's composite takes ~70 us.
@@ -218,6 +219,56 @@ int mtp_gemv_bf16w_avx512(const float *x, long xs, const uint16_t *w, const floa
                           int M, int N, int K, int num_threads) {
     if (!mtp_cpu_avx512()) return -1;
     return gemv_split(x, xs, w, b, y, ys, M, N, K, num_threads, chunk_bf16_avx512);
+}
+
+/* ---- int8 weights (mtp_gemv_i8w, mtp_gemv_i8w_avx512) -----------------------------------------------------------
+ * W as int8 rows with a float32 scale each (W[n][k] = scale[n] q[n][k], |q| <= 127), packed in one buffer: the N x K
+ * int8 rows, then (from the next multiple of 4 bytes) the N scales. x, b, y and the sums stay float32; each finished
+ * sum is scaled by its row's scale. A quarter of float32's bytes and half of bfloat16's, for a draft head's
+ * weights (`linear.int8_copy`); same loop shapes as the float32 bodies above. */
+
+static inline float i8_to_f32(int8_t v) { return (float)v; }
+
+/* 8 int8 weights → 8 float32 lanes. */
+static inline __m256 i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+GEMV_CHUNK(chunk_i8_avx2, , int8_t, __m256, 8, 2, _mm256_setzero_ps, F32_LOAD8, i8x8, _mm256_fmadd_ps, hsum,
+           i8_to_f32)
+
+/* 16 int8 weights → 16 float32 lanes. */
+AVX512 static inline __m512 i8x16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+GEMV_CHUNK(chunk_i8_avx512, AVX512, int8_t, __m512, 16, 4, _mm512_setzero_ps, F32_LOAD16, i8x16, _mm512_fmadd_ps,
+           _mm512_reduce_add_ps, i8_to_f32)
+
+/* The integer rows' products over the packed buffer w, then y = sum * scale (+ b), column by column. */
+static int gemv_i8(const float *x, long xs, const int8_t *w, const float *b, float *y, long ys, int M, int N,
+                   int K, int num_threads, gemv_chunk_fn chunk_fn) {
+    gemv_split(x, xs, w, NULL, y, ys, M, N, K, num_threads, chunk_fn);
+    const int8_t *scales = w + ((size_t)N * K + 3) / 4 * 4;  /* the rows, rounded up to 4 bytes */
+    for (int n = 0; n < N; n++) {
+        float sc, bn = b ? b[n] : 0.f;
+        memcpy(&sc, scales + 4 * (size_t)n, sizeof sc);
+        for (int m = 0; m < M; m++) y[m * ys + n] = y[m * ys + n] * sc + bn;
+    }
+    return 0;
+}
+
+/* x: (M, K) float32, row stride xs; w: the packed int8 rows and scales of an (N, K) weight; b, y as gemv_f32. */
+int mtp_gemv_i8w(const float *x, long xs, const int8_t *w, const float *b, float *y, long ys,
+                 int M, int N, int K, int num_threads) {
+    return gemv_i8(x, xs, w, b, y, ys, M, N, K, num_threads, chunk_i8_avx2);
+}
+
+/* mtp_gemv_i8w on AVX-512; -1 (y untouched) where this CPU cannot run it. */
+int mtp_gemv_i8w_avx512(const float *x, long xs, const int8_t *w, const float *b, float *y, long ys,
+                        int M, int N, int K, int num_threads) {
+    if (!mtp_cpu_avx512()) return -1;
+    return gemv_i8(x, xs, w, b, y, ys, M, N, K, num_threads, chunk_i8_avx512);
 }
 
 /* x: (M, K) row stride xs; w: (K,); y: (M, K) contiguous. */
@@ -993,20 +1044,27 @@ static void silu_mul_(float *gu, long gs, int M, int I) {
     }
 }
 
+/* A weight's kind in a plan's `wkinds` bits: weight j (layer: 0 qkv, 1 o, 2 gate|up, 3 down; head: 0 fc, 1 lm) is
+ * bfloat16 bits where bit j is set, int8 rows and scales (mtp_gemv_i8w's buffer) where bit j + 4 is, else float32. */
+#define WKIND(bits, j) (((bits) >> (j) & 1) ? 1 : ((bits) >> ((j) + 4) & 1) ? 2 : 0)
+
 /* One Llama-family decoder layer's weights and shapes (mtp_train.models.families.llama: DecoderLayer), as
- * `cpu_kernels.LayerPlan` fills it once per layer. Weights are (N, K) contiguous, float32 or bfloat16 bits
- * (bit j of bf16: 1 qkv, 2 o, 4 gate|up, 8 down); NULL norms and biases are absent. */
+ * `cpu_kernels.LayerPlan` fills it once per layer. Weights are (N, K) contiguous, of the kinds `wkinds` gives
+ * (WKIND); NULL norms and biases are absent. */
 typedef struct {
     const float *ln1, *ln2, *q_norm, *k_norm;  /* input / post-attention RMSNorm (H,), q / k RMSNorm (D,) */
     const void *wqkv, *wo, *wgu, *wd;          /* (Hq·D + 2·Hkv·D, H), (H, Hq·D), (2I, H), (H, I) */
     const float *bqkv, *bo, *sinks;            /* biases; sinks (Hq,) */
     float eps, scale;
-    int bf16, H, I, Hq, Hkv, D, window;
+    int wkinds, H, I, Hq, Hkv, D, window;
 } mtp_layer;
 
-static int layer_gemv(const float *x, long xs, const void *w, int bf16, const float *b, float *y, long ys, int M,
+/* y = x W^T (+ b) over a weight of `kind` (WKIND: 0 float32, 1 bfloat16, 2 int8 rows and scales). */
+static int layer_gemv(const float *x, long xs, const void *w, int kind, const float *b, float *y, long ys, int M,
                       int N, int K, int use512, int num_threads) {
-    gemv_chunk_fn fn = bf16 ? (use512 ? chunk_bf16_avx512 : chunk_bf16_avx2) : (use512 ? chunk_avx512 : chunk_avx2);
+    if (kind == 2)
+        return gemv_i8(x, xs, w, b, y, ys, M, N, K, num_threads, use512 ? chunk_i8_avx512 : chunk_i8_avx2);
+    gemv_chunk_fn fn = kind ? (use512 ? chunk_bf16_avx512 : chunk_bf16_avx2) : (use512 ? chunk_avx512 : chunk_avx2);
     return gemv_split(x, xs, w, b, y, ys, M, N, K, num_threads, fn);
 }
 
@@ -1030,7 +1088,7 @@ int mtp_decoder_layer_f32(const mtp_layer *L, const float *x, float *out, int M,
         mtp_rmsnorm_f32(x, H, L->ln1, h, M, H, L->eps);
         hin = h;
     }
-    layer_gemv(hin, H, L->wqkv, L->bf16 & 1, L->bqkv, qkv, Nqkv, M, Nqkv, H, use512, num_threads);
+    layer_gemv(hin, H, L->wqkv, WKIND(L->wkinds, 0), L->bqkv, qkv, Nqkv, M, Nqkv, H, use512, num_threads);
     for (int m = 0; m < M; m++) {  /* the heads of each, contiguous: what the norms, RoPE and attention read */
         const float *r = qkv + (size_t)m * Nqkv;
         memcpy(q + (size_t)m * Nq, r, sizeof(float) * Nq);
@@ -1046,12 +1104,12 @@ int mtp_decoder_layer_f32(const mtp_layer *L, const float *x, float *out, int M,
     mtp_paged_attention_f32(q, M, L->Hq, L->Hkv, D, cache, ps, block_tables, max_pages, qo_indptr, B, positions,
                             L->window, L->scale, scores, max_kv, att, num_threads, tree_bits, L->sinks, tree_pos,
                             k, v, slots, chunk, partials);
-    layer_gemv(att, Nq, L->wo, L->bf16 & 2, L->bo, out, H, M, H, Nq, use512, num_threads);
+    layer_gemv(att, Nq, L->wo, WKIND(L->wkinds, 1), L->bo, out, H, M, H, Nq, use512, num_threads);
     add_(out, x, (long)M * H);
     mtp_rmsnorm_f32(out, H, L->ln2, h, M, H, L->eps);
-    layer_gemv(h, H, L->wgu, L->bf16 & 4, NULL, gu, 2 * I, M, 2 * I, H, use512, num_threads);
+    layer_gemv(h, H, L->wgu, WKIND(L->wkinds, 2), NULL, gu, 2 * I, M, 2 * I, H, use512, num_threads);
     silu_mul_(gu, 2 * I, M, I);
-    layer_gemv(gu, 2 * I, L->wd, L->bf16 & 8, NULL, h, H, M, H, I, use512, num_threads);  /* h: read already */
+    layer_gemv(gu, 2 * I, L->wd, WKIND(L->wkinds, 3), NULL, h, H, M, H, I, use512, num_threads);  /* h: read already */
     add_(out, h, (long)M * H);
     free(buf);
     return 0;
@@ -1092,15 +1150,15 @@ int mtp_decoder_stack_f32(const mtp_layer *const *layers, int n, float *const *c
 /* A chain head's whole step (mtp_train.heads.mtp: MTPHead.features, then its logits at chosen rows) as
  * `cpu_kernels.HeadPlan` fills it once per set of weights: the frozen embedding's rows of the next tokens and the
  * features, each through its RMSNorm where the head has one, concatenated [e ; h] into the fc, the head's decoder
- * layer, its final norm, and the (draft-vocabulary) lm_head rows. fc and lm are (N, K) contiguous, float32 or
- * bfloat16 bits (bit 1: fc, bit 2: lm); NULL norms and bias are absent. */
+ * layer, its final norm, and the (draft-vocabulary) lm_head rows. fc and lm are (N, K) contiguous, of the kinds
+ * `wkinds` gives (WKIND: 0 fc, 1 lm); NULL norms and bias are absent. */
 typedef struct {
     const float *embed, *enorm, *hnorm, *norm;  /* (vocab, H) float32; (H,) RMSNorm weights */
     const void *fc, *lm;                        /* (H, 2H); (V, H) */
     const float *fc_bias;                       /* (H,) */
     const mtp_layer *layer;
     float eps;
-    int bf16, H, V, vocab;                      /* vocab: the embedding's rows */
+    int wkinds, H, V, vocab;                    /* WKIND bits (0 fc, 1 lm); vocab: the embedding's rows */
 } mtp_head;
 
 /* out (M, H) <- the head's features of M rows (hidden (M, H), row stride hs: the target's or the head's own; ids
@@ -1130,7 +1188,7 @@ int mtp_head_step_f32(const mtp_head *P, const float *hidden, long hs, const int
         if (P->hnorm) mtp_rmsnorm_f32(h, H, P->hnorm, ch, 1, H, P->eps);
         else memcpy(ch, h, sizeof(float) * H);
     }
-    layer_gemv(cat, 2 * H, P->fc, P->bf16 & 1, P->fc_bias, x, H, M, H, 2 * H, use512, num_threads);
+    layer_gemv(cat, 2 * H, P->fc, WKIND(P->wkinds, 0), P->fc_bias, x, H, M, H, 2 * H, use512, num_threads);
     if (mtp_decoder_layer_f32(P->layer, x, y, M, cos, sin, cache, ps, block_tables, max_pages, qo_indptr, B,
                               positions, tree_bits, tree_pos, slots, scores, max_kv, partials, chunk, use512,
                               num_threads)) {
@@ -1140,7 +1198,7 @@ int mtp_head_step_f32(const mtp_head *P, const float *hidden, long hs, const int
     if (P->norm) mtp_rmsnorm_f32(y, H, P->norm, out, M, H, P->eps);
     else memcpy(out, y, sizeof(float) * (size_t)M * H);
     for (int n = 0; n < N; n++) memcpy(sel + (size_t)n * H, out + (size_t)rows[n] * H, sizeof(float) * H);
-    if (N > 0) layer_gemv(sel, H, P->lm, P->bf16 & 2, NULL, logits, P->V, N, P->V, H, lm512, num_threads);
+    if (N > 0) layer_gemv(sel, H, P->lm, WKIND(P->wkinds, 1), NULL, logits, P->V, N, P->V, H, lm512, num_threads);
     free(buf);
     return 0;
 }
