@@ -92,11 +92,12 @@ def test_eval_grid_axes_are_lists_of_their_kind():
         EvalConfig(temperature=[])
 
 
-def test_head_weights_take_bf16_or_fp32_only():
+def test_head_weights_take_bf16_int8_or_fp32_only():
     assert EvalConfig().head_weights == "bf16" and ServeConfig().head_weights == "bf16"
     for cls in (EvalConfig, ServeConfig):
-        assert cls(head_weights="fp32").head_weights == "fp32"
-        with pytest.raises(ConfigError, match="head_weights='fp16': choose one of bf16 | fp32"):
+        for kind in ("fp32", "int8"):
+            assert cls(head_weights=kind).head_weights == kind
+        with pytest.raises(ConfigError, match=r"head_weights='fp16': choose one of bf16 \| int8 \| fp32"):
             cls(head_weights="fp16")
 
 
