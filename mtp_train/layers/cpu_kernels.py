@@ -308,8 +308,10 @@ def _open(path: Path) -> tuple[ctypes.CDLL, bool]:
         return _opened[path]
     before = _openmp_runtimes()
     lib = ctypes.CDLL(str(path))
-    for fn in (lib.mtp_gemv_f32, lib.mtp_gemv_f32_avx512, lib.mtp_gemv_bf16w, lib.mtp_gemv_bf16w_avx512,
-               lib.mtp_gemv_i8w, lib.mtp_gemv_i8w_avx512):
+    # (an earlier source that `bench.cpu_kernels --baseline-source` builds may lack the int8 gemv)
+    gemvs = ("mtp_gemv_f32", "mtp_gemv_f32_avx512", "mtp_gemv_bf16w", "mtp_gemv_bf16w_avx512", "mtp_gemv_i8w",
+             "mtp_gemv_i8w_avx512")
+    for fn in (getattr(lib, name) for name in gemvs if hasattr(lib, name)):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int

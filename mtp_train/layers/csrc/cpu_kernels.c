@@ -399,179 +399,127 @@ static inline void weighted_rest(const float *restrict w, const float *restrict 
 
 /* ---- paged attention's blocks ------------------------------------------------------------------------------------
  * Every query vector that reads one K/V head (the query heads sharing it, for every row a sequence has in the step)
- * is attended in blocks of up to ATT_QB vectors, and each key and value row is loaded once per block: one query at
- * a time loaded it once per query, 9 loads per 8 multiply-adds, where a block of 3 makes it 7 per 12. */
-#define ATT_QB 3  /* 3 queries x 4 keys of sums + 3 queries + a key: the 16 AVX2 registers */
+ * is attended in blocks of up to QB vectors, and each key and value row is loaded once per block: one query at a
+ * time loaded it once per query, 9 loads per 8 multiply-adds, where a block of 3 makes it 7 per 12.
+ *
+ * ATT_BLOCKS(SFX, ATTR, VEC, LANES, QB, ZERO, LOAD, STORE, FMA, SET1, FOLD8) defines, on VEC registers of LANES
+ * floats and blocks of up to QB queries:
+ * - qk4##SFX: ss[r][off + i] = scale * dot(qs[r][0:D], k_i[0:D]) for r < NQ and the 4 keys k_i = k + i * ks, each key
+ *   loaded once per LANES dimensions for all NQ queries; a query's 4 sums folded to 8 lanes (FOLD8) and added by
+ *   one shuffle tree; the D % LANES tail in scalar order, after the vector sums;
+ * - pv##SFX: os[r][d0 : d0 + NC LANES] += sum_{j < n} ws[r][j] * v_j[d0 : d0 + NC LANES] (v_j = v + j * vs), each
+ *   value row loaded once for all NQ weights;
+ * - qk_run##SFX, pv_run##SFX: one block of nq (1..QB) queries over the keys j0 .. j1 of one page (krow: key j0's
+ *   row, rows ks apart; scores into ss[r][j - c0]), and over the values of n keys weighted by ws[r][0:n] (into
+ *   os[r][0:D], 4 registers of columns a time, then 1, then one column). Each shape a constant, in registers. */
+/* pv##SFX over nq (1..6, at most QB) queries and NC registers of columns from d0: one constant shape per case. */
+#define ATT_PV_CASES(SFX, QB, NC)                                                                                  \
+    switch (nq) {                                                                                                  \
+    case 6: pv##SFX(ws, 6 < QB ? 6 : QB, vrow, vs, n, NC, os, d0); break;                                          \
+    case 5: pv##SFX(ws, 5 < QB ? 5 : QB, vrow, vs, n, NC, os, d0); break;                                          \
+    case 4: pv##SFX(ws, 4 < QB ? 4 : QB, vrow, vs, n, NC, os, d0); break;                                          \
+    case 3: pv##SFX(ws, 3 < QB ? 3 : QB, vrow, vs, n, NC, os, d0); break;                                          \
+    case 2: pv##SFX(ws, 2, vrow, vs, n, NC, os, d0); break;                                                        \
+    default: pv##SFX(ws, 1, vrow, vs, n, NC, os, d0);                                                              \
+    }
 
-/* ss[r][off + i] = scale * dot(qs[r][0:D], k_i[0:D]) for r < NQ and the 4 keys k_i = k + i * ks: each key loaded once
- * per 8 dimensions for all NQ queries; a query's 4 sums added by one shuffle tree; the D % 8 tail in scalar order,
- * after the vector sums. */
-static inline __attribute__((always_inline)) void qk4(const float *const *qs, int NQ, const float *restrict k,
-                                                      long ks, int D, float scale, float *const *ss, long off) {
-    __m256 a[ATT_QB][4];
-    for (int r = 0; r < NQ; r++) for (int i = 0; i < 4; i++) a[r][i] = _mm256_setzero_ps();
-    int d = 0;
-    for (; d + 8 <= D; d += 8) {
-        __m256 qv[ATT_QB];
-        for (int r = 0; r < NQ; r++) qv[r] = _mm256_loadu_ps(qs[r] + d);
-        for (int i = 0; i < 4; i++) {
-            __m256 kv = _mm256_loadu_ps(k + i * ks + d);
-            for (int r = 0; r < NQ; r++) a[r][i] = _mm256_fmadd_ps(kv, qv[r], a[r][i]);
-        }
-    }
-    for (int r = 0; r < NQ; r++) {
-        /* hadd(hadd(a0, a1), hadd(a2, a3)): each half holds the 4 keys' sums of its half of the lanes */
-        __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        if (d < D) {
-            float u[4];
-            _mm_storeu_ps(u, s);
-            for (int i = 0; i < 4; i++) for (int dd = d; dd < D; dd++) u[i] += k[i * ks + dd] * qs[r][dd];
-            s = _mm_loadu_ps(u);
-        }
-        _mm_storeu_ps(ss[r] + off, _mm_mul_ps(s, _mm_set1_ps(scale)));
-    }
+#define ATT_BLOCKS(SFX, ATTR, VEC, LANES, QB, ZERO, LOAD, STORE, FMA, SET1, FOLD8)                                  \
+ATTR static inline __attribute__((always_inline)) void qk4##SFX(const float *const *qs, int NQ,                    \
+        const float *restrict k, long ks, int D, float scale, float *const *ss, long off) {                       \
+    VEC a[QB][4];                                                                                                  \
+    for (int r = 0; r < NQ; r++) for (int i = 0; i < 4; i++) a[r][i] = ZERO();                                     \
+    int d = 0;                                                                                                     \
+    for (; d + LANES <= D; d += LANES) {                                                                           \
+        VEC qv[QB];                                                                                                \
+        for (int r = 0; r < NQ; r++) qv[r] = LOAD(qs[r] + d);                                                      \
+        for (int i = 0; i < 4; i++) {                                                                              \
+            VEC kv = LOAD(k + i * ks + d);                                                                         \
+            for (int r = 0; r < NQ; r++) a[r][i] = FMA(kv, qv[r], a[r][i]);                                        \
+        }                                                                                                          \
+    }                                                                                                              \
+    for (int r = 0; r < NQ; r++) {                                                                                 \
+        /* hadd(hadd(a0, a1), hadd(a2, a3)): each 128-bit half holds the 4 keys' sums of its half of the lanes */ \
+        __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(FOLD8(a[r][0]), FOLD8(a[r][1])),                                 \
+                                  _mm256_hadd_ps(FOLD8(a[r][2]), FOLD8(a[r][3])));                                 \
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));                             \
+        if (d < D) {                                                                                               \
+            float u[4];                                                                                            \
+            _mm_storeu_ps(u, s);                                                                                   \
+            for (int i = 0; i < 4; i++) for (int dd = d; dd < D; dd++) u[i] += k[i * ks + dd] * qs[r][dd];        \
+            s = _mm_loadu_ps(u);                                                                                   \
+        }                                                                                                          \
+        _mm_storeu_ps(ss[r] + off, _mm_mul_ps(s, _mm_set1_ps(scale)));                                             \
+    }                                                                                                              \
+}                                                                                                                  \
+                                                                                                                   \
+ATTR static inline __attribute__((always_inline)) void pv##SFX(const float *const *ws, int NQ,                     \
+        const float *restrict v, long vs, long n, int NC, float *const *os, int d0) {                              \
+    VEC a[QB][4];                                                                                                  \
+    for (int r = 0; r < NQ; r++) for (int c = 0; c < NC; c++) a[r][c] = LOAD(os[r] + d0 + LANES * c);             \
+    v += d0;                                                                                                       \
+    for (long j = 0; j < n; j++, v += vs) {                                                                        \
+        VEC w[QB];                                                                                                 \
+        for (int r = 0; r < NQ; r++) w[r] = SET1(ws[r][j]);                                                        \
+        for (int c = 0; c < NC; c++) {                                                                             \
+            VEC vv = LOAD(v + LANES * c);                                                                          \
+            for (int r = 0; r < NQ; r++) a[r][c] = FMA(w[r], vv, a[r][c]);                                         \
+        }                                                                                                          \
+    }                                                                                                              \
+    for (int r = 0; r < NQ; r++) for (int c = 0; c < NC; c++) STORE(os[r] + d0 + LANES * c, a[r][c]);              \
+}                                                                                                                  \
+                                                                                                                   \
+ATTR static void qk_run##SFX(const float *const *qs, int nq, const float *krow, long ks, long j0, long j1,         \
+                             long c0, int D, float scale, float *const *ss) {                                      \
+    long j = j0;                                                                                                   \
+    for (; j + 4 <= j1 + 1; j += 4, krow += 4 * ks)                                                                \
+        switch (nq) {                                                                                              \
+        case 6: qk4##SFX(qs, 6 < QB ? 6 : QB, krow, ks, D, scale, ss, j - c0); break;                              \
+        case 5: qk4##SFX(qs, 5 < QB ? 5 : QB, krow, ks, D, scale, ss, j - c0); break;                              \
+        case 4: qk4##SFX(qs, 4 < QB ? 4 : QB, krow, ks, D, scale, ss, j - c0); break;                              \
+        case 3: qk4##SFX(qs, 3 < QB ? 3 : QB, krow, ks, D, scale, ss, j - c0); break;                              \
+        case 2: qk4##SFX(qs, 2, krow, ks, D, scale, ss, j - c0); break;                                            \
+        default: qk4##SFX(qs, 1, krow, ks, D, scale, ss, j - c0);                                                  \
+        }                                                                                                          \
+    for (; j <= j1; j++, krow += ks)                                                                               \
+        for (int r = 0; r < nq; r++) ss[r][j - c0] = dot1(krow, qs[r], D) * scale;                                 \
+}                                                                                                                  \
+                                                                                                                   \
+ATTR static void pv_run##SFX(const float *const *ws, int nq, const float *vrow, long vs, long n, int D,            \
+                             float *const *os) {                                                                   \
+    int d0 = 0;                                                                                                    \
+    for (; d0 + 4 * LANES <= D; d0 += 4 * LANES)                                                                   \
+        ATT_PV_CASES(SFX, QB, 4)                                                                                   \
+    for (; d0 + LANES <= D; d0 += LANES)                                                                           \
+        ATT_PV_CASES(SFX, QB, 1)                                                                                   \
+    for (; d0 < D; d0++)                                                                                           \
+        for (int r = 0; r < nq; r++) {                                                                             \
+            float acc = os[r][d0];                                                                                 \
+            for (long j = 0; j < n; j++) acc += ws[r][j] * vrow[j * vs + d0];                                      \
+            os[r][d0] = acc;                                                                                       \
+        }                                                                                                          \
 }
 
-/* os[r][d0 + 0 : d0 + 8 NC] += sum_{j < n} ws[r][j] * v_j[d0 + 0 : d0 + 8 NC] for r < NQ, v_j = v + j * vs: each value
- * row loaded once for all NQ weights; NC (1..4) registers of columns a query. */
-static inline __attribute__((always_inline)) void pv(const float *const *ws, int NQ, const float *restrict v, long vs,
-                                                     long n, int NC, float *const *os, int d0) {
-    __m256 a[ATT_QB][4];
-    for (int r = 0; r < NQ; r++) for (int c = 0; c < NC; c++) a[r][c] = _mm256_loadu_ps(os[r] + d0 + 8 * c);
-    v += d0;
-    for (long j = 0; j < n; j++, v += vs) {
-        __m256 w[ATT_QB];
-        for (int r = 0; r < NQ; r++) w[r] = _mm256_broadcast_ss(ws[r] + j);
-        for (int c = 0; c < NC; c++) {
-            __m256 vv = _mm256_loadu_ps(v + 8 * c);
-            for (int r = 0; r < NQ; r++) a[r][c] = _mm256_fmadd_ps(w[r], vv, a[r][c]);
-        }
-    }
-    for (int r = 0; r < NQ; r++) for (int c = 0; c < NC; c++) _mm256_storeu_ps(os[r] + d0 + 8 * c, a[r][c]);
-}
+#define ATT_QB 3     /* AVX2: 3 queries x 4 keys of sums + 3 queries + a key, the 16 registers */
+#define ATT_QB512 6  /* AVX-512: 6 x 4 sums + 6 queries + a key, 31 of the 32 */
+#define F32_STORE8(p, v) _mm256_storeu_ps(p, v)
+#define F32_SET8(x) _mm256_set1_ps(x)
+#define F32_STORE16(p, v) _mm512_storeu_ps(p, v)
+#define F32_SET16(x) _mm512_set1_ps(x)
+#define FOLD512(v) /* 16 lanes → 8: the low half plus the high half */ \
+    _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
 
-/* One block of nq (1..ATT_QB) queries over the keys j0 .. j1 of one page (krow: key j0's row of the K/V head, rows
- * ks apart): their scores into ss[r][j - c0]. */
-static void qk_run(const float *const *qs, int nq, const float *krow, long ks, long j0, long j1, long c0, int D,
-                   float scale, float *const *ss) {
-    long j = j0;
-    for (; j + 4 <= j1 + 1; j += 4, krow += 4 * ks) {
-        if (nq == 3) qk4(qs, 3, krow, ks, D, scale, ss, j - c0);
-        else if (nq == 2) qk4(qs, 2, krow, ks, D, scale, ss, j - c0);
-        else qk4(qs, 1, krow, ks, D, scale, ss, j - c0);
-    }
-    for (; j <= j1; j++, krow += ks)
-        for (int r = 0; r < nq; r++) ss[r][j - c0] = dot1(krow, qs[r], D) * scale;
-}
+ATT_BLOCKS(, , __m256, 8, ATT_QB, _mm256_setzero_ps, F32_LOAD8, F32_STORE8, _mm256_fmadd_ps, F32_SET8, F32_ID)
+ATT_BLOCKS(_512, AVX512, __m512, 16, ATT_QB512, _mm512_setzero_ps, F32_LOAD16, F32_STORE16, _mm512_fmadd_ps,
+           F32_SET16, FOLD512)
 
-/* One block of nq queries over the values of n keys (vrow: the first's row, rows vs apart) weighted by ws[r][0:n]:
- * into os[r][0:D], 32 columns at a time, then 8, then one. */
-static void pv_run(const float *const *ws, int nq, const float *vrow, long vs, long n, int D, float *const *os) {
-    int d0 = 0;
-#define PV_CASES(NC) \
-    if (nq == 3) pv(ws, 3, vrow, vs, n, NC, os, d0); else if (nq == 2) pv(ws, 2, vrow, vs, n, NC, os, d0); \
-    else pv(ws, 1, vrow, vs, n, NC, os, d0);
-    for (; d0 + 32 <= D; d0 += 32) { PV_CASES(4) }
-    for (; d0 + 8 <= D; d0 += 8) { PV_CASES(1) }
-#undef PV_CASES
-    for (; d0 < D; d0++)
-        for (int r = 0; r < nq; r++) {
-            float a = os[r][d0];
-            for (long j = 0; j < n; j++) a += ws[r][j] * vrow[j * vs + d0];
-            os[r][d0] = a;
-        }
-}
-
-/* The same blocks on 16-wide AVX-512 registers, ATT_QB512 queries a block (6 queries x 4 keys of sums + 6 queries +
- * a key: 31 of the 32 registers), built with the gemv's per-function target (run only where mtp_cpu_avx512 is 1). */
-#define ATT_QB512 6
-
-/* Whether paged attention runs these blocks (mtp_set_attention_avx512, as the caller's instruction set says). */
+/* Whether paged attention runs the AVX-512 blocks (mtp_set_attention_avx512, as the caller's instruction set says;
+ * they are built with the gemv's per-function target and run only where mtp_cpu_avx512 is 1). */
 static int att_avx512 = 0;
 
 /* Paged attention on the AVX-512 blocks (on != 0, where this CPU runs them) or the AVX2 ones; returns the choice. */
 int mtp_set_attention_avx512(int on) {
     att_avx512 = on && mtp_cpu_avx512();
     return att_avx512;
-}
-
-AVX512 static inline __attribute__((always_inline)) void qk4_512(const float *const *qs, int NQ,
-                                                                 const float *restrict k, long ks, int D,
-                                                                 float scale, float *const *ss, long off) {
-    __m512 a[ATT_QB512][4];
-    for (int r = 0; r < NQ; r++) for (int i = 0; i < 4; i++) a[r][i] = _mm512_setzero_ps();
-    int d = 0;
-    for (; d + 16 <= D; d += 16) {
-        __m512 qv[ATT_QB512];
-        for (int r = 0; r < NQ; r++) qv[r] = _mm512_loadu_ps(qs[r] + d);
-        for (int i = 0; i < 4; i++) {
-            __m512 kv = _mm512_loadu_ps(k + i * ks + d);
-            for (int r = 0; r < NQ; r++) a[r][i] = _mm512_fmadd_ps(kv, qv[r], a[r][i]);
-        }
-    }
-    for (int r = 0; r < NQ; r++) {
-        __m256 h[4];  /* each key's 16 lanes folded to 8, then the AVX2 block's shuffle tree */
-        for (int i = 0; i < 4; i++)
-            h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[r][i]),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][i]), 1)));
-        __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        if (d < D) {  /* D % 16 dimensions left: in scalar order, after the vector sums */
-            float u[4];
-            _mm_storeu_ps(u, s);
-            for (int i = 0; i < 4; i++) for (int dd = d; dd < D; dd++) u[i] += k[i * ks + dd] * qs[r][dd];
-            s = _mm_loadu_ps(u);
-        }
-        _mm_storeu_ps(ss[r] + off, _mm_mul_ps(s, _mm_set1_ps(scale)));
-    }
-}
-
-AVX512 static inline __attribute__((always_inline)) void pv_512(const float *const *ws, int NQ,
-                                                                const float *restrict v, long vs, long n, int NC,
-                                                                float *const *os, int d0) {
-    __m512 a[ATT_QB512][4];
-    for (int r = 0; r < NQ; r++) for (int c = 0; c < NC; c++) a[r][c] = _mm512_loadu_ps(os[r] + d0 + 16 * c);
-    v += d0;
-    for (long j = 0; j < n; j++, v += vs) {
-        __m512 w[ATT_QB512];
-        for (int r = 0; r < NQ; r++) w[r] = _mm512_set1_ps(ws[r][j]);
-        for (int c = 0; c < NC; c++) {
-            __m512 vv = _mm512_loadu_ps(v + 16 * c);
-            for (int r = 0; r < NQ; r++) a[r][c] = _mm512_fmadd_ps(w[r], vv, a[r][c]);
-        }
-    }
-    for (int r = 0; r < NQ; r++) for (int c = 0; c < NC; c++) _mm512_storeu_ps(os[r] + d0 + 16 * c, a[r][c]);
-}
-
-/* qk_run and pv_run on AVX-512 (nq up to ATT_QB512; columns 64, then 16, then one at a time) */
-AVX512 static void qk_run512(const float *const *qs, int nq, const float *krow, long ks, long j0, long j1, long c0,
-                             int D, float scale, float *const *ss) {
-    long j = j0;
-#define QK_CASE(N) case N: qk4_512(qs, N, krow, ks, D, scale, ss, j - c0); break;
-    for (; j + 4 <= j1 + 1; j += 4, krow += 4 * ks)
-        switch (nq) { QK_CASE(6) QK_CASE(5) QK_CASE(4) QK_CASE(3) QK_CASE(2) default: QK_CASE(1) }
-#undef QK_CASE
-    for (; j <= j1; j++, krow += ks)
-        for (int r = 0; r < nq; r++) ss[r][j - c0] = dot1(krow, qs[r], D) * scale;
-}
-
-AVX512 static void pv_run512(const float *const *ws, int nq, const float *vrow, long vs, long n, int D,
-                             float *const *os) {
-    int d0 = 0;
-#define PV_CASE(N, NC) case N: pv_512(ws, N, vrow, vs, n, NC, os, d0); break;
-#define PV_CASES(NC) switch (nq) { PV_CASE(6, NC) PV_CASE(5, NC) PV_CASE(4, NC) PV_CASE(3, NC) PV_CASE(2, NC) \
-                                   default: PV_CASE(1, NC) }
-    for (; d0 + 64 <= D; d0 += 64) PV_CASES(4)
-    for (; d0 + 16 <= D; d0 += 16) PV_CASES(1)
-#undef PV_CASES
-#undef PV_CASE
-    for (; d0 < D; d0++)
-        for (int r = 0; r < nq; r++) {
-            float a = os[r][d0];
-            for (long j = 0; j < n; j++) a += ws[r][j] * vrow[j * vs + d0];
-            os[r][d0] = a;
-        }
 }
 
 /* Where token t of a paged attention step attends (see mtp_paged_attention_f32): its sequence b, its position pos,
@@ -591,6 +539,47 @@ static inline long token_span(int t, const int *qo_indptr, int B, const int64_t 
     *b_out = b, *pos_out = pos, *s0_out = s0, *wlo_out = wlo, *new_pos_out = new_pos;
     /* a tree's new tokens sit in slots from s0 on whatever their positions: they are read from s0 at the latest */
     return new_pos && wlo > s0 ? s0 : wlo;
+}
+
+/* s[0:n] <- e^(s - m), m = the largest of s[0:n] and `floor` (-INFINITY, or a sink's logit, which joins the max);
+ * returns their sum, m in *mx. Where m is -INFINITY (every score hidden: the chunk adds nothing) s is zeroed and the
+ * sum is 0. */
+static float exp_shifted(float *s, long n, float floor, float *mx) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    long j = 0;
+    for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float m = _mm_cvtss_f32(m4), sum = 0.f;
+    for (; j < n; j++) if (s[j] > m) m = s[j];
+    if (floor > m) m = floor;
+    *mx = m;
+    if (!(m > -INFINITY)) {
+        memset(s, 0, sizeof(float) * (size_t)n);
+        return 0.f;
+    }
+    m8 = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum(acc);
+    for (; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
+    return sum;
+}
+
+/* The new tokens' K and V, (T, Hkv, D) each, into their slots of one layer's pool (page id * ps + offset). */
+static void write_new_kv(float *cache, int ps, int Hkv, int D, int T, const float *k_new, const float *v_new,
+                         const int64_t *slots) {
+    long tok_stride = (long)Hkv * D, page_stride = 2L * ps * tok_stride;
+    for (int t = 0; t < T; t++) {
+        float *dst = cache + (size_t)(slots[t] / ps) * page_stride + (slots[t] % ps) * tok_stride;
+        memcpy(dst, k_new + (size_t)t * tok_stride, tok_stride * sizeof(float));
+        memcpy(dst + (long)ps * tok_stride, v_new + (size_t)t * tok_stride, tok_stride * sizeof(float));
+    }
 }
 
 /* out[0:D] <- the merge of a split token's `used` chunk partials (pc, pstride apart: max, sum, D unnormalised sums
@@ -627,18 +616,10 @@ static void attention_by_token(const float *q, int T, int Hq, int Hkv, int D, fl
                              const int64_t *positions, int window, float scale, float *scores, long max_kv,
                              float *out, int num_threads, const int64_t *tree_bits,
                              const float *sinks, const int64_t *tree_pos,
-                             const float *k_new, const float *v_new, const int64_t *slots,
                              long chunk, float *partials) {
     int group = Hq / Hkv;
     long tok_stride = (long)Hkv * D;          /* between tokens of a page */
     long page_stride = 2L * ps * tok_stride;  /* between pages; V starts ps * tok_stride after K */
-    if (slots) {
-        for (int t = 0; t < T; t++) {
-            float *dst = cache + (size_t)(slots[t] / ps) * page_stride + (slots[t] % ps) * tok_stride;
-            memcpy(dst, k_new + (size_t)t * tok_stride, tok_stride * sizeof(float));
-            memcpy(dst + (long)ps * tok_stride, v_new + (size_t)t * tok_stride, tok_stride * sizeof(float));
-        }
-    }
     if (chunk < 8) chunk = 8;
     int nch = (int)((max_kv + chunk - 1) / chunk);  /* chunks of the longest token's positions */
     if (!partials) nch = 1, chunk = max_kv > 8 ? max_kv : 8;
@@ -689,30 +670,8 @@ static void attention_by_token(const float *q, int T, int Hq, int Hkv, int D, fl
             /* the new tokens a tree step hides from this one (and, under a window, those standing out of it) */
             if (tree_bits)
                 for (long jj = tj; jj <= c1; jj++) if (HIDDEN(jj)) s[jj - c0] = -INFINITY;
-            /* pass 2: max, exp and sum */
-            __m256 m8 = _mm256_set1_ps(-INFINITY);
-            long j = 0;
-            for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            float mx = _mm_cvtss_f32(m4);
-            for (; j < n; j++) if (s[j] > mx) mx = s[j];
-            if (whole && sinks && sinks[h] > mx) mx = sinks[h];  /* the max covers the sink (a merge's does) */
-            float sum = 0.f;
-            if (mx > -INFINITY) {  /* else every key of the chunk is hidden: it adds nothing */
-                m8 = _mm256_set1_ps(mx);
-                __m256 acc = _mm256_setzero_ps();
-                for (j = 0; j + 8 <= n; j += 8) {
-                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
-                    _mm256_storeu_ps(s + j, e);
-                    acc = _mm256_add_ps(acc, e);
-                }
-                sum = hsum(acc);
-                for (; j < n; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
-            } else {
-                for (j = 0; j < n; j++) s[j] = 0.f;
-            }
+            /* pass 2: max, exp and sum (the max covers the sink where the chunk is the whole: a merge's does) */
+            float mx, sum = exp_shifted(s, n, whole && sinks ? sinks[h] : -INFINITY, &mx);
             if (tree_bits)  /* exactly no weight (exp8 clamps e^-inf to ~1e-38, below any sum's rounding) */
                 for (long jj = tj; jj <= c1; jj++) if (HIDDEN(jj)) s[jj - c0] = 0.f;
             mxs[h] = mx;
@@ -808,22 +767,15 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
                              long chunk, float *partials) {
     int rmax = 0;  /* the most new tokens a sequence has */
     for (int b = 0; b < B; b++) if (qo_indptr[b + 1] - qo_indptr[b] > rmax) rmax = qo_indptr[b + 1] - qo_indptr[b];
+    if (slots) write_new_kv(cache, ps, Hkv, D, T, k_new, v_new, slots);
     if (rmax <= 1) {  /* a decode step: bound by reading the pages, see attention_by_token */
         attention_by_token(q, T, Hq, Hkv, D, cache, ps, block_tables, max_pages, qo_indptr, B, positions, window,
-                           scale, scores, max_kv, out, num_threads, tree_bits, sinks, tree_pos, k_new, v_new, slots,
-                           chunk, partials);
+                           scale, scores, max_kv, out, num_threads, tree_bits, sinks, tree_pos, chunk, partials);
         return;
     }
     int group = Hq / Hkv;
     long tok_stride = (long)Hkv * D;          /* between tokens of a page */
     long page_stride = 2L * ps * tok_stride;  /* between pages; V starts ps * tok_stride after K */
-    if (slots) {
-        for (int t = 0; t < T; t++) {
-            float *dst = cache + (size_t)(slots[t] / ps) * page_stride + (slots[t] % ps) * tok_stride;
-            memcpy(dst, k_new + (size_t)t * tok_stride, tok_stride * sizeof(float));
-            memcpy(dst + (long)ps * tok_stride, v_new + (size_t)t * tok_stride, tok_stride * sizeof(float));
-        }
-    }
     if (chunk < 8) chunk = 8;
     int nch = (int)((max_kv + chunk - 1) / chunk);  /* chunks of the longest span */
     if (!partials) nch = 1, chunk = max_kv > 8 ? max_kv : 8;
@@ -883,7 +835,7 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
             for (long p = c0 / ps; p <= c1 / ps; p++) {
                 long j0 = p * ps > c0 ? p * ps : c0, j1 = (p + 1) * ps - 1 < c1 ? (p + 1) * ps - 1 : c1;
                 const float *krow = cache + (size_t)bt[p] * page_stride + (j0 - p * ps) * tok_stride + (long)g * D;
-                if (w512) qk_run512(qs, nq, krow, tok_stride, j0, j1, c0, D, scale, ss);
+                if (w512) qk_run_512(qs, nq, krow, tok_stride, j0, j1, c0, D, scale, ss);
                 else qk_run(qs, nq, krow, tok_stride, j0, j1, c0, D, scale, ss);
             }
         }
@@ -905,30 +857,9 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
                 long m = e - a + 1, tj = s0 > a ? s0 : a;  /* tj: the first position HIDDEN may name */
                 if (tree_bits)  /* the new tokens a tree step hides from this one (and those out of a window) */
                     for (long jj = tj; jj <= e; jj++) if (HIDDEN(jj)) s[jj - c0] = -INFINITY;
-                __m256 m8 = _mm256_set1_ps(-INFINITY);
-                long j = 0;
-                for (; j + 8 <= m; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sa + j));
-                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-                m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-                mx = _mm_cvtss_f32(m4);
-                for (; j < m; j++) if (sa[j] > mx) mx = sa[j];
-                if (whole && sinks && sinks[h] > mx) mx = sinks[h];  /* the max covers the sink (a merge's does) */
-                if (mx > -INFINITY) {  /* else every key it sees here is hidden: the chunk adds nothing */
-                    m8 = _mm256_set1_ps(mx);
-                    __m256 acc = _mm256_setzero_ps();
-                    for (j = 0; j + 8 <= m; j += 8) {
-                        __m256 ex = exp8(_mm256_sub_ps(_mm256_loadu_ps(sa + j), m8));
-                        _mm256_storeu_ps(sa + j, ex);
-                        acc = _mm256_add_ps(acc, ex);
-                    }
-                    sum = hsum(acc);
-                    for (; j < m; j++) { sa[j] = expf(sa[j] - mx); sum += sa[j]; }
-                    if (tree_bits)  /* exactly no weight (exp8 clamps e^-inf to ~1e-38, below any sum's rounding) */
-                        for (long jj = tj; jj <= e; jj++) if (HIDDEN(jj)) s[jj - c0] = 0.f;
-                } else {
-                    for (j = 0; j < m; j++) sa[j] = 0.f;
-                }
+                sum = exp_shifted(sa, m, whole && sinks ? sinks[h] : -INFINITY, &mx);
+                if (tree_bits)  /* exactly no weight (exp8 clamps e^-inf to ~1e-38, below any sum's rounding) */
+                    for (long jj = tj; jj <= e; jj++) if (HIDDEN(jj)) s[jj - c0] = 0.f;
             }
             if (a > e) {
                 memset(s, 0, sizeof(float) * (size_t)n);
@@ -950,7 +881,7 @@ void mtp_paged_attention_f32(const float *q, int T, int Hq, int Hkv, int D, floa
                 const float *vrow = cache + (size_t)bt[p] * page_stride + (long)ps * tok_stride
                                     + (j0 - p * ps) * tok_stride + (long)g * D;
                 for (int r = 0; r < nq; r++) ws[r] = QSCORES(r0 + r) + (j0 - c0), os[r] = QSUMS(r0 + r);
-                if (w512) pv_run512(ws, nq, vrow, tok_stride, j1 - j0 + 1, D, os);
+                if (w512) pv_run_512(ws, nq, vrow, tok_stride, j1 - j0 + 1, D, os);
                 else pv_run(ws, nq, vrow, tok_stride, j1 - j0 + 1, D, os);
             }
         }
