@@ -697,7 +697,7 @@ def test_the_stacks_plans_follow_the_weights_from_step_to_step(tiny_checkpoints,
     """`CausalLM._native_plans` keeps the last step's plans; a weight changed in place, a bfloat16 copy switched on
     and remade, a parameter replaced: each next step computes with the weights as they are then."""
     from mtp_train.engine import ModelRunner, Sequence
-    from mtp_train.layers.linear import stream_bf16_linears
+    from mtp_train.layers.linear import stream_linears
     from mtp_train.models import load_model
     from mtp_train.models.base import CausalLM
 
@@ -718,7 +718,7 @@ def test_the_stacks_plans_follow_the_weights_from_step_to_step(tiny_checkpoints,
     qkv = model.model.layers[1].self_attn.qkv_proj
     changes = [lambda: None,
                lambda: qkv.weight.mul_(1.5),
-               lambda: stream_bf16_linears(model.model.layers),
+               lambda: stream_linears(model.model.layers, "bf16"),
                lambda: qkv.weight.mul_(0.5),  # the copy is made again
                lambda: setattr(qkv, "weight", torch.nn.Parameter(torch.randn_like(qkv.weight), requires_grad=False))]
     for change in changes:
@@ -759,7 +759,7 @@ def test_a_heads_kept_step_plan_follows_its_weights_from_step_to_step(tiny_check
     lm = head.require_frozen().lm_head
     changes = [lambda: None,
                lambda: fc.weight.mul_(1.5),
-               lambda: head.stream_bf16(True),
+               lambda: head.stream_weights("bf16"),
                lambda: qkv.weight.mul_(0.5),  # the copy is made again
                lambda: lm.mul_(2.0),  # the draft vocabulary's rows (and their copy) are taken again
                lambda: setattr(fc, "weight", torch.nn.Parameter(torch.randn_like(fc.weight), requires_grad=False))]

@@ -99,7 +99,7 @@ def _streams(m: int, kind: str = "bf16") -> bool:
 
 
 def test_gemv_weight_names_what_linear_streams_for_m_rows():
-    """The weight a fused caller streams is the one `Linear.forward` would: the bfloat16 copy under `stream_bf16`
+    """The weight a fused caller streams is the one `Linear.forward` would: the bfloat16 copy under `stream("bf16")`
     (made again after an in-place change), the float32 weight otherwise, nothing for another module, a training
     weight or a row count the gemv does not serve."""
     lin = Linear(16, 8, bias=True)
@@ -108,7 +108,7 @@ def test_gemv_weight_names_what_linear_streams_for_m_rows():
         assert gemv_weight(lin, GEMV_M_MAX + 1) is None
         assert gemv_weight(torch.nn.Linear(16, 8), 1) is None
     assert gemv_weight(lin, 1) is None  # autograd differentiates the weight: F.linear's path
-    lin.stream_bf16()
+    lin.stream("bf16")
     with torch.no_grad():
         lin.weight.mul_(2)
     with torch.inference_mode():
@@ -121,7 +121,7 @@ def test_gemv_weight_names_what_linear_streams_for_m_rows():
 
 def test_a_stale_bf16_copy_is_made_again_when_the_weight_changes():
     lin = Linear(16, 8, bias=False)
-    lin.stream_bf16()
+    lin.stream("bf16")
     with torch.no_grad():
         lin.weight.mul_(2)
     x = torch.randn(1, 16)

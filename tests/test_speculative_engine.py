@@ -68,12 +68,13 @@ def test_greedy_mtp_equals_plain_greedy(tiny_checkpoints, name, k):
 
 @pytest.mark.parametrize(("kind", "k"), [("mtp", 1), ("mtp", 3), ("eagle3", 2)])
 def test_a_head_streaming_bf16_weights_keeps_plain_greedy_output(tiny_checkpoints, kind, k):
-    """`stream_bf16` (mtp-eval's head_weights=bf16): the head drafts from bfloat16 copies of its weights, and the
-    target's verification keeps every answer plain greedy's; switched off, the head's own weights serve again."""
+    """`stream_weights("bf16")` (mtp-eval's head_weights=bf16): the head drafts from bfloat16 copies of its weights,
+    and the target's verification keeps every answer plain greedy's; switched off, the head's own weights serve
+    again."""
     model = load_model(tiny_checkpoints["llama"][0])
     ref = _greedy(model, PROMPTS)
     head = _eagle3(tiny_checkpoints) if kind == "eagle3" else _head(tiny_checkpoints, draft_vocab_size=96)
-    assert head.stream_bf16() >= 5  # fc (and the aux fc), attention and MLP projections
+    assert head.stream_weights("bf16") >= 5  # fc (and the aux fc), attention and MLP projections
     w = head.draft_lm_head()
     with torch.no_grad():  # inference only: a trainable lm_head (eagle3's) under autograd keeps its own weight
         assert head.lm_rows_copy(w).dtype == torch.bfloat16
@@ -82,7 +83,7 @@ def test_a_head_streaming_bf16_weights_keeps_plain_greedy_output(tiny_checkpoint
     assert [o.output_ids for o in out] == ref
     assert eng.stats.metrics.num_draft_tokens > 0
     with torch.no_grad():
-        assert head.stream_bf16(on=False) == 0 and head.lm_rows_copy(w) is None
+        assert head.stream_weights(None) == 0 and head.lm_rows_copy(w) is None
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -215,7 +216,7 @@ def test_sampled_speculation_follows_the_target_distribution(tiny_checkpoints, p
         prop = HeadProposer(_head(tiny_checkpoints, draft_vocab_size=96), draft_width=3)
     elif proposer == "head-bf16":  # q is the bfloat16 copies' distribution: still lossless
         head = _head(tiny_checkpoints, draft_vocab_size=96)
-        head.stream_bf16()
+        head.stream_weights("bf16")
         prop = HeadProposer(head)
     elif proposer.startswith("head"):
         prop = (HeadProposer(_sharp_head(tiny_checkpoints, 96), draft_threshold=0.4) if proposer == "head-threshold"

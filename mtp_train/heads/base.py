@@ -283,10 +283,6 @@ class DraftHead(nn.Module, ABC):
         self._stream = kind
         return stream_linears(self, kind)
 
-    def stream_bf16(self, on: bool = True) -> int:
-        """`stream_weights("bf16" if on else None)`."""
-        return self.stream_weights("bf16" if on else None)
-
     def lm_rows_copy(self, w: torch.Tensor) -> torch.Tensor | None:
         """The copy of lm_head rows `w` (Vd, H) of the kind `stream_weights` set (made once per weight), else
         None."""

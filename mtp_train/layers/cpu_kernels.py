@@ -20,7 +20,7 @@ kernel that streams the weights, and the fused loss, which streams a logits chun
 same library (per-function target attributes: the library still loads on an AVX2-only machine); they run where the
 CPU offers AVX-512F/VL/DQ (`isa()` says which runs; `KernelSettings.isa` can hold them to AVX2). The other kernels
 stay AVX2: they are bound by dispatch or by cache-resident rows, not by reading memory. The gemv also reads bfloat16
-weights (a draft head's, `Linear.stream_bf16`), widened in registers: activations and sums stay float32, so VNNI
+and int8 weights (a draft head's, `Linear.stream`), widened in registers: activations and sums stay float32, so VNNI
 and AMX (integer and bf16 products) have no work. The
 library goes to the settings' cache folder (`KernelSettings.cache_dir`, by default `~/.cache/mtp_train/kernels`),
 named by a hash of its source and flags, written atomically, so concurrent processes share one build.

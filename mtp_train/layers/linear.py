@@ -23,11 +23,11 @@ kernel (AVX-512 or AVX2) serves each row count (op "gemv_isa", measured first).
 The results equal `F.linear` up to floating-point summation order. These paths are used only for
 inference (no autograd through them); training and GPUs always take `F.linear`.
 
-A draft head may stream its weights as bfloat16 (`stream_bf16_linears`): the target verifies every token a head
-drafts, so rounding the head's weights changes which tokens it proposes a little, never what is accepted, and its
-few-row products read half the bytes (1.7–2× faster for 1–3 rows from memory). Its 1–16-row products then take the
-native gemv over a bfloat16 copy where that measured faster than the float32 path (op "linear_bf16"); everything
-else keeps the float32 weight.
+A draft head may stream its weights as bfloat16 or int8 copies (`stream_linears`): the target verifies every token
+a head drafts, so rounding the head's weights changes which tokens it proposes a little, never what is accepted, and
+its few-row products read half (bfloat16: 1.7–2× faster for 1–3 rows from memory) or a quarter of the bytes. Its
+1–16-row products then take the native gemv over the copy where that measured faster than the float32 path (ops
+"linear_bf16", "linear_int8"); everything else keeps the float32 weight.
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ def _gemv_isa(m: int) -> str | None:
 
 
 def gemv_weight(lin: nn.Module, m: int) -> torch.Tensor | None:
-    """The weight a `Linear` streams through the native gemv for m rows (its bfloat16 copy under `stream_bf16`, or
-    its float32 weight), as `Linear.forward` would choose it; None where it would take another path (another
+    """The weight a `Linear` streams through the native gemv for m rows (its compact copy under `stream`, or its
+    float32 weight), as `Linear.forward` would choose it; None where it would take another path (another
     module type, a weight or bias not on the CPU in float32, the measured choice torch's for m rows). For callers
     that run the product natively themselves (`cpu_kernels.decoder_layer`)."""
     if type(lin) is not Linear or (lin.bias is not None and lin.bias.dtype != torch.float32):
@@ -262,10 +262,6 @@ class Linear(nn.Linear):
             _bump()
         self._w16_on = True
 
-    def stream_bf16(self, on: bool = True) -> None:
-        """`stream("bf16")` (on) or `stream(None)`."""
-        self.stream("bf16" if on else None)
-
     @property
     def w16(self) -> torch.Tensor | None:
         """The compact copy (bfloat16 or int8) few-row products stream (`stream`), or None."""
@@ -342,11 +338,6 @@ def stream_linears(module: nn.Module, kind: str | None) -> int:
             m.stream(kind)
             n += m.w16 is not None
     return n
-
-
-def stream_bf16_linears(module: nn.Module, on: bool = True) -> int:
-    """`stream_linears(module, "bf16" if on else None)`."""
-    return stream_linears(module, "bf16" if on else None)
 
 
 # ---- the native-or-torch measurement (kernel_choice) ---------------------------------------------------------------
