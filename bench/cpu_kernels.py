@@ -7,6 +7,11 @@ decode step. Each line: ours vs the baseline, alternately timed, median of per-r
 * gemv, M = 1, 2, 4, 8, 16 rows: against `F.linear` (what transformers runs), against MKL's pre-packed one-row GEMM
   (M = 1) and against `(W @ xᵀ)ᵀ` (M > 1), the paths `Linear` takes without the kernels; plus the lm_head
   (49152 × 576) at M = 1;
+* the gemv against only reading its weights (`gemv_m{M}_vs_read_floor`, bench/floor.c), and what each further row
+  costs (least squares over M = 1..5, fastest rounds) beside the same reads with 1–3 FMAs on every loaded vector and
+  the time a row's multiply-adds take at this core's measured peak FMA rate: why a verified row is not free here
+  (each gemv round is 120 `cpu_kernels.gemv` calls, whose Python side adds the same to every M: the slope is the
+  kernel's);
 * rms_norm and rope_ on one decode row, against torch's composites;
 * paged attention of one decode token over 256 cached tokens in pages of 16, against gathering the pages and SDPA;
 * SmolLM2's 30 decoder layers over 1, 2 and 4 rows (256 cached tokens), each layer in one native call against the
@@ -27,11 +32,13 @@ compiled with the same flags and its gemv timed alternately against ours at ever
 and 1024 cached tokens, each call over another of 30 layers' pools so that the K/V come from memory as in a decode step
 (`attention_t{T}_ctx{C}_vs_baseline_source`): how a change to a kernel is measured, in one process.
 
-Usage: python -m bench.cpu_kernels [--repeat 5] [--baseline-source FILE.c]. The last line printed is one JSON object.
+Usage: python -m bench.cpu_kernels [--repeat 5] [--baseline-source FILE.c] [--gemv-only]. The last line printed is
+one JSON object.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import time
@@ -54,6 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = parser(__doc__)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--baseline-source", default=None, help="another kernel source whose gemv ours is timed against")
+    ap.add_argument("--gemv-only", action="store_true", help="the gemv's lines only (a kernel change's quick check)")
     args = ap.parse_args(argv)
     from mtp_train.cli.common import configure_from_env
 
@@ -75,6 +83,13 @@ def main(argv: list[str] | None = None) -> dict:
     base_lib = _baseline_library(args.baseline_source) if args.baseline_source else None
     other = _baseline_gemv(base_lib) if base_lib is not None else None
     other16 = _baseline_gemv(base_lib, "bf16w") if base_lib is not None else None
+    floor, wide = _floor_library(), cpu_kernels.isa() == "avx512"
+
+    def read_floor() -> None:
+        for w in weights:
+            floor.read_f32(w.data_ptr(), w.numel(), torch.get_num_threads(), int(wide))
+
+    row_fns: dict[int, Callable[[], None]] = {}
     with torch.inference_mode():
         for m in (1, 2, 3, 4, 5, 8, 16):
             xs = {k: torch.randn(m, k) for k in (H, INTER, HQ * D)}
@@ -100,6 +115,11 @@ def main(argv: list[str] | None = None) -> dict:
             res[f"gemv_m{m}_vs_f_linear"] = r_lin
             res[f"gemv_m{m}_vs_torch_fast_path"] = r_fast
             res[f"gemv_m{m}_gb_s"] = mb / 1024 / t_ours
+            row_fns[m] = ours
+            _, t_floor, r_floor = compare(ours, read_floor, repeat=args.repeat)
+            res[f"gemv_m{m}_vs_read_floor"] = r_floor
+            print(f"gemv M={m:2d}: {r_floor:.2f}x the time to only read its weights ({t_floor * 1e3:.1f} ms)",
+                  flush=True)
             def ours_bf16(xs=xs) -> None:
                 for w in halves:
                     cpu_kernels.gemv(xs[w.shape[1]], w)
@@ -127,6 +147,11 @@ def main(argv: list[str] | None = None) -> dict:
                       flush=True)
             print(f"gemv M={m:2d}, {mb:.0f} MB of weights: {mb / 1024 / t_ours:.1f} GB/s; {r_lin:.2f}x F.linear "
                   f"({mb / 1024 / t_lin:.1f} GB/s), {r_fast:.2f}x Linear's torch path", flush=True)
+
+        res.update(_row_cost(floor, wide, row_fns, weights, args.repeat))
+        if args.gemv_only:
+            report(res)
+            return res
 
         lm_head, x = torch.randn(VOCAB, H), torch.randn(1, H)
         _, _, r = compare(lambda: cpu_kernels.gemv(x, lm_head), lambda: F.linear(x, lm_head), repeat=args.repeat)
@@ -182,6 +207,68 @@ def main(argv: list[str] | None = None) -> dict:
               f"{'' if complete else ', cut short'})", flush=True)
     report(res)
     return res
+
+
+def _floor_library() -> ctypes.CDLL:
+    """bench/floor.c built with the kernels' flags: `read_f32` (the read-only floor) and `fma_rate`."""
+    import subprocess
+    import tempfile
+
+    lib_path = Path(tempfile.mkdtemp()) / "floor.so"
+    subprocess.run([os.environ.get("CC", "cc"), *cpu_kernels.CFLAGS, str(Path(__file__).with_name("floor.c")),
+                    "-o", str(lib_path), *cpu_kernels.LIBS], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.read_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    lib.read_f32.restype = ctypes.c_float
+    lib.read_fma_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.read_fma_f32.restype = ctypes.c_float
+    lib.fma_rate.argtypes = [ctypes.c_int, ctypes.c_long]
+    lib.fma_rate.restype = ctypes.c_double
+    return lib
+
+
+def _row_cost(floor: ctypes.CDLL, wide: bool, fns: dict[int, Callable[[], None]], weights: list[torch.Tensor],
+              repeat: int) -> dict:
+    """What each further row costs the gemv over the 30 layers, beside three floors: only reading the weights, the
+    same reads with m = 1..3 FMAs on every loaded vector (the rows' arithmetic with nothing else of the gemv's loop:
+    what this core can hide behind its reads), and the time one row's multiply-adds take at the core's peak rate.
+
+    M = 1..5 (the rows a verify or tree step streams) and the reads are timed in turn, round after round, and each
+    keeps its fastest round: on a shared machine the slowest rounds are other jobs' (a median of 5 can still hold one).
+    The cost of a row is the least-squares slope of the gemv's times over M.
+
+    Args:
+        floor: bench/floor.c's library; wide: whether the gemv runs its AVX-512 body.
+        fns: M → one gemv round over the 30 layers; weights: those layers' weights (N, K) float32.
+        repeat: rounds = 4 × repeat.
+    """
+    threads = torch.get_num_threads()
+
+    def read(m: int) -> None:
+        for w in weights:
+            floor.read_fma_f32(w.data_ptr(), w.numel(), threads, int(wide), m)
+
+    ms = [m for m in sorted(fns) if m <= 5]
+    best = {("gemv", m): float("inf") for m in ms} | {("read", m): float("inf") for m in range(4)}
+    for _ in range(4 * repeat):
+        for kind, m in best:
+            t0 = time.perf_counter()
+            fns[m]() if kind == "gemv" else read(m)
+            best[kind, m] = min(best[kind, m], time.perf_counter() - t0)
+    gemv = {m: best["gemv", m] for m in ms}
+    mean_m, mean_t = sum(ms) / len(ms), sum(gemv.values()) / len(ms)
+    slope = sum((m - mean_m) * (gemv[m] - mean_t) for m in ms) / sum((m - mean_m) ** 2 for m in ms)
+    rate = max(floor.fma_rate(int(wide), 20_000_000) for _ in range(3))  # vector FMAs / s, one core
+    at_peak = sum(w.numel() for w in weights) / (16 if wide else 8) / rate / threads
+    reads = {m: best["read", m] for m in range(4)}
+    print("gemv, fastest rounds: " + ", ".join(f"M={m} {t * 1e3:.2f}" for m, t in gemv.items()) + " ms; reads "
+          + ", ".join(f"with {m} FMA {t * 1e3:.2f}" for m, t in reads.items()) + " ms", flush=True)
+    print(f"gemv: each further row +{slope * 1e3:.2f} ms ({slope / gemv[1]:.1%} of one row's time); its multiply-adds "
+          f"at this core's peak ({rate / 1e9:.2f} G vector FMA/s) take {at_peak * 1e3:.2f} ms; on the bare reads "
+          f"+{(reads[1] - reads[0]) * 1e3:.2f} / +{(reads[2] - reads[0]) * 1e3:.2f} / "
+          f"+{(reads[3] - reads[0]) * 1e3:.2f} ms at 1 / 2 / 3 FMA", flush=True)
+    return {"gemv_fastest_s": gemv, "read_fma_fastest_s": reads, "gemv_s_per_row": slope,
+            "gemv_row_fraction": slope / gemv[1], "fma_rate_per_core": rate, "gemv_row_fma_s_at_peak": at_peak}
 
 
 def _baseline_library(source: str) -> object:
