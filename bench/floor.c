@@ -2,11 +2,12 @@
  * (the memory floor) and the core's peak rate of fused multiply-adds (the arithmetic floor). Built by the bench
  * with the kernels' own flags; not part of the package.
  *
- * read_f32(w, n, nt, avx512): n floats of w read once over nt OpenMP threads (contiguous parts, prefetched as the
- * gemv prefetches), their sum returned so that the reads cannot be dropped.
- * read_fma_f32(w, n, nt, avx512, m): the same read with m FMAs on every loaded vector (m = 0..3, into 8m independent
- * sums, the x operands in registers: 8 x 3 sums, 3 x and the loaded vector fill AVX-512's 32 registers, so m stops at 3): the gemv's arithmetic on its stream without its loop, whether this core hides
- * a row's multiply-adds behind the reads.
+ * read_fma_f32(w, n, nt, avx512, m): n floats of w read once over nt OpenMP threads (contiguous parts, prefetched
+ * ahead as the gemv prefetches), with m FMAs on every loaded vector (m = 0..3) into 8·m independent sums whose x
+ * operands stay in registers: the gemv's arithmetic on its stream without the rest of its loop, to see how much of
+ * a row's multiply-adds this core hides behind the reads. m stops at 3: 8 × 3 sums, 3 x and the loaded vector fill
+ * AVX-512's 32 registers. The sum is returned so that the reads cannot be dropped.
+ * read_f32(w, n, nt, avx512): the bare reads (m = 0), the gemv's memory floor.
  * fma_rate(avx512, n): vector FMAs per second on one core, from n rounds of 12 independent chains (enough to
  * cover the latency of every port), 8 (AVX2) or 16 (AVX-512) lanes each. */
 #include <immintrin.h>
@@ -14,49 +15,6 @@
 #include <time.h>
 
 #define AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma")))
-
-AVX512 static float read512(const float *w, long a, long b) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    long i = a;
-    for (; i + 64 <= b; i += 64) {
-        _mm_prefetch((const char *)(w + i) + 16384, _MM_HINT_T0);
-        s0 = _mm512_add_ps(s0, _mm512_loadu_ps(w + i));
-        s1 = _mm512_add_ps(s1, _mm512_loadu_ps(w + i + 16));
-        s2 = _mm512_add_ps(s2, _mm512_loadu_ps(w + i + 32));
-        s3 = _mm512_add_ps(s3, _mm512_loadu_ps(w + i + 48));
-    }
-    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
-    for (; i < b; i++) s += w[i];
-    return s;
-}
-
-static float read256(const float *w, long a, long b) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    long i = a;
-    for (; i + 32 <= b; i += 32) {
-        _mm_prefetch((const char *)(w + i) + 16384, _MM_HINT_T0);
-        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(w + i));
-        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(w + i + 8));
-        s2 = _mm256_add_ps(s2, _mm256_loadu_ps(w + i + 16));
-        s3 = _mm256_add_ps(s3, _mm256_loadu_ps(w + i + 24));
-    }
-    float t[8], s = 0;
-    _mm256_storeu_ps(t, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-    for (int j = 0; j < 8; j++) s += t[j];
-    for (; i < b; i++) s += w[i];
-    return s;
-}
-
-float read_f32(const float *w, long n, int nt, int avx512) {
-    float total = 0;
-    #pragma omp parallel num_threads(nt) reduction(+ : total)
-    {
-        int t = omp_get_thread_num(), T = omp_get_num_threads();
-        long a = n / T * t, b = t == T - 1 ? n : n / T * (t + 1);
-        total += avx512 ? read512(w, a, b) : read256(w, a, b);
-    }
-    return total;
-}
 
 /* Reads w[a, b) 8 vectors at a time, M FMAs on each (M a constant in each case below). */
 #define READ_FMA(NAME, ATTR, VEC, LANES, ZERO, LOAD, SET1, FMA, ADD, STORE)                                       \
@@ -105,6 +63,8 @@ float read_fma_f32(const float *w, long n, int nt, int avx512, int m) {
     }
     return total;
 }
+
+float read_f32(const float *w, long n, int nt, int avx512) { return read_fma_f32(w, n, nt, avx512, 0); }
 
 static double seconds(void) {
     struct timespec t;
