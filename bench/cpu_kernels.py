@@ -84,11 +84,6 @@ def main(argv: list[str] | None = None) -> dict:
     other = _baseline_gemv(base_lib) if base_lib is not None else None
     other16 = _baseline_gemv(base_lib, "bf16w") if base_lib is not None else None
     floor, wide = _floor_library(), cpu_kernels.isa() == "avx512"
-
-    def read_floor() -> None:
-        for w in weights:
-            floor.read_f32(w.data_ptr(), w.numel(), torch.get_num_threads(), int(wide))
-
     row_fns: dict[int, Callable[[], None]] = {}
     with torch.inference_mode():
         for m in (1, 2, 3, 4, 5, 8, 16):
@@ -116,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
             res[f"gemv_m{m}_vs_torch_fast_path"] = r_fast
             res[f"gemv_m{m}_gb_s"] = mb / 1024 / t_ours
             row_fns[m] = ours
-            _, t_floor, r_floor = compare(ours, read_floor, repeat=args.repeat)
+            _, t_floor, r_floor = compare(ours, lambda: _read(floor, weights, wide, 0), repeat=args.repeat)
             res[f"gemv_m{m}_vs_read_floor"] = r_floor
             print(f"gemv M={m:2d}: {r_floor:.2f}x the time to only read its weights ({t_floor * 1e3:.1f} ms)",
                   flush=True)
@@ -209,22 +204,32 @@ def main(argv: list[str] | None = None) -> dict:
     return res
 
 
-def _floor_library() -> ctypes.CDLL:
-    """bench/floor.c built with the kernels' flags: `read_f32` (the read-only floor) and `fma_rate`."""
+def _build(source: str | Path, name: str) -> Path:
+    """A C source built with the kernels' flags into a temporary library `name`; its path."""
     import subprocess
     import tempfile
 
-    lib_path = Path(tempfile.mkdtemp()) / "floor.so"
-    subprocess.run([os.environ.get("CC", "cc"), *cpu_kernels.CFLAGS, str(Path(__file__).with_name("floor.c")),
-                    "-o", str(lib_path), *cpu_kernels.LIBS], check=True)
-    lib = ctypes.CDLL(str(lib_path))
-    lib.read_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int]
-    lib.read_f32.restype = ctypes.c_float
+    lib_path = Path(tempfile.mkdtemp()) / name
+    subprocess.run([os.environ.get("CC", "cc"), *cpu_kernels.CFLAGS, str(source), "-o", str(lib_path),
+                    *cpu_kernels.LIBS], check=True)
+    return lib_path
+
+
+def _floor_library() -> ctypes.CDLL:
+    """bench/floor.c built with the kernels' flags: `read_fma_f32` (the reads, with m FMAs a vector) and
+    `fma_rate`."""
+    lib = ctypes.CDLL(str(_build(Path(__file__).with_name("floor.c"), "floor.so")))
     lib.read_fma_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.read_fma_f32.restype = ctypes.c_float
     lib.fma_rate.argtypes = [ctypes.c_int, ctypes.c_long]
     lib.fma_rate.restype = ctypes.c_double
     return lib
+
+
+def _read(floor: ctypes.CDLL, weights: list[torch.Tensor], wide: bool, m: int) -> None:
+    """One round of bench/floor.c's reads over `weights` (float32), with m (0..3) FMAs on every loaded vector."""
+    for w in weights:
+        floor.read_fma_f32(w.data_ptr(), w.numel(), torch.get_num_threads(), int(wide), m)
 
 
 def _row_cost(floor: ctypes.CDLL, wide: bool, fns: dict[int, Callable[[], None]], weights: list[torch.Tensor],
@@ -242,24 +247,18 @@ def _row_cost(floor: ctypes.CDLL, wide: bool, fns: dict[int, Callable[[], None]]
         fns: M → one gemv round over the 30 layers; weights: those layers' weights (N, K) float32.
         repeat: rounds = 4 × repeat.
     """
-    threads = torch.get_num_threads()
-
-    def read(m: int) -> None:
-        for w in weights:
-            floor.read_fma_f32(w.data_ptr(), w.numel(), threads, int(wide), m)
-
     ms = [m for m in sorted(fns) if m <= 5]
     best = {("gemv", m): float("inf") for m in ms} | {("read", m): float("inf") for m in range(4)}
     for _ in range(4 * repeat):
         for kind, m in best:
             t0 = time.perf_counter()
-            fns[m]() if kind == "gemv" else read(m)
+            fns[m]() if kind == "gemv" else _read(floor, weights, wide, m)
             best[kind, m] = min(best[kind, m], time.perf_counter() - t0)
     gemv = {m: best["gemv", m] for m in ms}
     mean_m, mean_t = sum(ms) / len(ms), sum(gemv.values()) / len(ms)
     slope = sum((m - mean_m) * (gemv[m] - mean_t) for m in ms) / sum((m - mean_m) ** 2 for m in ms)
     rate = max(floor.fma_rate(int(wide), 20_000_000) for _ in range(3))  # vector FMAs / s, one core
-    at_peak = sum(w.numel() for w in weights) / (16 if wide else 8) / rate / threads
+    at_peak = sum(w.numel() for w in weights) / (16 if wide else 8) / rate / torch.get_num_threads()
     reads = {m: best["read", m] for m in range(4)}
     print("gemv, fastest rounds: " + ", ".join(f"M={m} {t * 1e3:.2f}" for m, t in gemv.items()) + " ms; reads "
           + ", ".join(f"with {m} FMA {t * 1e3:.2f}" for m, t in reads.items()) + " ms", flush=True)
@@ -273,13 +272,7 @@ def _row_cost(floor: ctypes.CDLL, wide: bool, fns: dict[int, Callable[[], None]]
 
 def _baseline_library(source: str) -> object:
     """Another kernel source built with our flags into a temporary library, its functions declared as ours."""
-    import subprocess
-    import tempfile
-
-    lib_path = Path(tempfile.mkdtemp()) / "baseline.so"
-    subprocess.run([os.environ.get("CC", "cc"), *cpu_kernels.CFLAGS, source, "-o", str(lib_path),
-                    *cpu_kernels.LIBS], check=True)
-    return cpu_kernels._open(lib_path)[0]
+    return cpu_kernels._open(_build(source, "baseline.so"))[0]
 
 
 def _baseline_gemv(lib: object, weights: str = "f32") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -7,7 +7,7 @@
  * operands stay in registers: the gemv's arithmetic on its stream without the rest of its loop, to see how much of
  * a row's multiply-adds this core hides behind the reads. m stops at 3: 8 × 3 sums, 3 x and the loaded vector fill
  * AVX-512's 32 registers. The sum is returned so that the reads cannot be dropped.
- * read_f32(w, n, nt, avx512): the bare reads (m = 0), the gemv's memory floor.
+ * With m = 0 they are the bare reads, the gemv's memory floor.
  * fma_rate(avx512, n): vector FMAs per second on one core, from n rounds of 12 independent chains (enough to
  * cover the latency of every port), 8 (AVX2) or 16 (AVX-512) lanes each. */
 #include <immintrin.h>
@@ -63,8 +63,6 @@ float read_fma_f32(const float *w, long n, int nt, int avx512, int m) {
     }
     return total;
 }
-
-float read_f32(const float *w, long n, int nt, int avx512) { return read_fma_f32(w, n, nt, avx512, 0); }
 
 static double seconds(void) {
     struct timespec t;
