@@ -618,8 +618,8 @@ def test_a_chain_heads_step_in_one_native_call_equals_its_step_op_by_op(tiny_che
                                                                         monkeypatch):
     """Catch-up rows from the target, chained draft rows from the head's own output and a tree's rows: each head
     step runs as one `head_step` call (mtp with every norm and a draft vocabulary, eagle1 with none, an aux head's
-    own-output steps; bfloat16 and int8 copies as `stream_weights` makes them), and gives the op-by-op step's
-    features, logits and K/V pages; an aux head's step from the target's aux layers stays op by op."""
+    steps from the target's aux layers through its aux fc and from its own output; bfloat16 and int8 copies as
+    `stream_weights` makes them), and gives the op-by-op step's features, logits and K/V pages."""
     from mtp_train.config import HeadConfig
     from mtp_train.engine.kv_cache import KVCache
     from mtp_train.heads import build_head
@@ -665,8 +665,8 @@ def test_a_chain_heads_step_in_one_native_call_equals_its_step_op_by_op(tiny_che
                 out = head(hidden, ids, meta, kv.layers[0], from_target=from_target, logits_indices=last)
                 got.append((out.hidden, out.logits))
         outs.append((got, kv.layers[0].clone()))
-        if fused:  # the prefill stays op by op (no native attention there), as does an aux head's step from the target
-            assert calls == [sum(q) for q, _, t, _ in steps[1:] if not (kind == "mtp-aux" and t)]
+        if fused:  # the prefill stays op by op (no native attention there)
+            assert calls == [sum(q) for q, _, _, _ in steps[1:]]
     (fused_steps, fused_kv), (torch_steps, torch_kv) = outs
     for (h_n, l_n), (h_t, l_t) in zip(fused_steps, torch_steps):
         torch.testing.assert_close(h_n, h_t, rtol=1e-5, atol=1e-5)

@@ -85,9 +85,11 @@ class MTPHead(ChainHead):
                     logits_indices: torch.Tensor | None) -> HeadOutput | None:
         """The features and the logits in one native call (`cpu_kernels.head_step`): where the head's layer runs in
         one call (`DecoderLayer.native_plan`: a Llama-family block on a CPU step's few rows), the fc and the lm_head
-        rows take the native gemv for these rows, and the norms share the layer's eps; not for an aux head's step
-        0 (its aux fc) nor a head whose lm_head reads anything but its output (`logit_input`). The same arithmetic
-        as `features` + `compute_logits`, without their ~15 dispatches, each slowed by caches the weights flushed."""
+        rows take the native gemv for these rows, and the norms share the layer's eps; not for a head whose lm_head
+        reads anything but its output (`logit_input`). An aux head's step from the target (a catch-up, the verify's
+        rows) first takes its aux fc, (T, k·H) → (T, H), as one few-row product, then the same call as a chained
+        step. The same arithmetic as `features` + `compute_logits`, without their ~15 dispatches, each slowed by
+        caches the weights flushed."""
         m, n = hidden.shape[0], 0 if logits_indices is None else logits_indices.shape[0]
         st = meta.backend_state
         # the step's own conditions of the layer's native_plan; the rest holds while the memo's key does
@@ -95,7 +97,9 @@ class MTPHead(ChainHead):
                 or not hidden.is_contiguous() or not kv_cache.is_contiguous()
                 or not cpu_kernels.serves(hidden, kv_cache)):
             return None
-        key = (cpu_kernels.generation(), streaming_generation(), torch.is_grad_enabled(), id(attn), from_target)
+        aux = self.aux_fc is not None and from_target
+        # one plan serves both inputs: after the aux fc, the call reads (T, H) rows as a chained step does
+        key = (cpu_kernels.generation(), streaming_generation(), torch.is_grad_enabled(), id(attn))
         memo = self._step_memo
         if memo is None or memo.key != key or not memo.valid():
             frozen = self.require_frozen()
@@ -103,11 +107,15 @@ class MTPHead(ChainHead):
             watched += [t for t in (frozen.lm_head, self.draft_vocab) if t is not None]  # the lm rows' sources
             memo = self._step_memo = PlanMemo(key, [*self.parameters(), frozen.embed, frozen.lm_head], watched)
         step = memo.plans.get((m, n))
-        if step is None:
-            step = memo.plans[(m, n)] = self._native_head_plan(hidden, attn, kv_cache, meta, from_target, n)
+        if step is None:  # the plan checks the layer's input rows: (m, H), what an aux head's fc gives
+            rows_in = hidden.new_empty((m, self.args.hidden_size)) if aux else hidden
+            step = memo.plans[(m, n)] = self._native_head_plan(rows_in, attn, kv_cache, meta, n)
         if not step:
             return None
         hp, avx512_m, avx512_n = step
+        if aux:
+            assert self.aux_fc is not None
+            hidden = self.aux_fc(self.aux_input(hidden)).contiguous()  # (m, k·H) → (m, H), as `features` does
         cos, sin = self.rope(meta.rotary_positions, torch.float32)
         rows = None if logits_indices is None else logits_indices.to(torch.int64).contiguous()
         out, logits = cpu_kernels.head_step(hp, hidden, token_ids.to(torch.int64).contiguous(), rows, cos, sin,
@@ -115,13 +123,13 @@ class MTPHead(ChainHead):
         return HeadOutput(out, logits)
 
     def _native_head_plan(self, hidden: torch.Tensor, attn: AttentionBackend | MLABackend,
-                          kv_cache: torch.Tensor, meta: AttentionMetadata, from_target: bool,
+                          kv_cache: torch.Tensor, meta: AttentionMetadata,
                           n: int) -> tuple[cpu_kernels.HeadPlan, bool, bool] | tuple[()]:
-        """`native_step`'s plan for hidden's rows and n logits rows (the head's `HeadPlan`, and whether the gemv's
-        AVX-512 body runs the m and the n rows), or () where the step runs op by op."""
+        """`native_step`'s plan for hidden's rows (m, H) and n logits rows (the head's `HeadPlan`, and whether the
+        gemv's AVX-512 body runs the m and the n rows), or () where the step runs op by op."""
         layer = self.layers[0]
         native_plan = getattr(layer, "native_plan", None)
-        if (native_plan is None or (self.aux_fc is not None and from_target) or self.dtype != torch.float32
+        if (native_plan is None or self.dtype != torch.float32
                 or type(self).logit_input is not ChainHead.logit_input):
             return ()
         m = hidden.shape[0]
