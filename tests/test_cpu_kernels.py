@@ -612,24 +612,27 @@ def test_a_link_to_a_private_folder_is_followed(tmp_path, kernel_settings):
 
 @needs_kernels
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("kind", ["mtp", "eagle1", "mtp-aux"])
+@pytest.mark.parametrize("kind", ["mtp", "eagle1", "mtp-aux", "eagle3", "eagle3.1"])
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
 def test_a_chain_heads_step_in_one_native_call_equals_its_step_op_by_op(tiny_checkpoints, family, kind, weights,
                                                                         monkeypatch):
     """Catch-up rows from the target, chained draft rows from the head's own output and a tree's rows: each head
     step runs as one `head_step` call (mtp with every norm and a draft vocabulary, eagle1 with none, an aux head's
-    steps from the target's aux layers through its aux fc and from its own output; bfloat16 and int8 copies as
-    `stream_weights` makes them), and gives the op-by-op step's features, logits and K/V pages."""
+    steps from the target's aux layers through its aux fc and from its own output, eagle3 with its layer over
+    [norm(e) ; norm(g)] and its pre-norm features, EAGLE-3.1 with its aux norms and normed features; bfloat16 and
+    int8 copies as `stream_weights` makes them), and gives the op-by-op step's features, logits and K/V pages."""
     from mtp_train.config import HeadConfig
     from mtp_train.engine.kv_cache import KVCache
     from mtp_train.heads import build_head
-    from mtp_train.heads.mtp import MTPHead
     from mtp_train.layers.attention import AttentionMetadata
 
     path = tiny_checkpoints[family][0]
     cfg = {"mtp": HeadConfig(type="mtp", draft_vocab_size=64),
            "eagle1": HeadConfig(type="eagle1"),
-           "mtp-aux": HeadConfig(type="mtp", features="aux", aux_layers=[1, 2])}[kind]
+           "mtp-aux": HeadConfig(type="mtp", features="aux", aux_layers=[1, 2]),
+           "eagle3": HeadConfig(type="eagle3", aux_layers=[1, 2], draft_vocab_size=64),
+           "eagle3.1": HeadConfig(type="eagle3", aux_layers=[1, 2], draft_vocab_size=64, aux_norm=True,
+                                  norm_output=True)}[kind]
     head = build_head(cfg, path, dtype="float32").eval()
     with torch.no_grad():  # weights away from their init (norms at 1, zero biases) so that every part counts
         for p in head.parameters():
@@ -651,7 +654,7 @@ def test_a_chain_heads_step_in_one_native_call_equals_its_step_op_by_op(tiny_che
     outs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(MTPHead, "native_step", lambda self, *a: None)
+            monkeypatch.setattr(type(head), "native_step", lambda self, *a: None)
         layers, layout = head.kv_shape
         kv = KVCache(layers, 16, 4, layout, dtype=torch.float32)
         pages = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]

@@ -59,8 +59,17 @@ from mtp_train.config.loss import UNROLL_ATTENTION
 from mtp_train.heads.chain_attention import chain_attention
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.packing import packed_shift, resolve_seq_lens
+from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, KVLayout, MLABackend
-from mtp_train.layers.linear import linear, stream_linears, tensor_version, weight_copy
+from mtp_train.layers.linear import (
+    Linear,
+    PlanMemo,
+    linear,
+    stream_linears,
+    streaming_generation,
+    tensor_version,
+    weight_copy,
+)
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.layers.rotary import RotaryEmbedding
 from mtp_train.models.config import ModelArgs, ModelConfigError
@@ -414,6 +423,64 @@ class DraftHead(nn.Module, ABC):
 class ChainHead(DraftHead):
     """A head that drafts one token per forward, each step reading the previous step's output (mtp, eagle1, eagle3):
     its training unroll is that chain (alignment and attention modes in the module docstring)."""
+
+    def __init__(self, cfg: HeadConfig, target_args: ModelArgs, frozen: FrozenTargetParts | None = None,
+                 backend: str = "torch") -> None:
+        super().__init__(cfg, target_args, frozen, backend)
+        self._head_plans = cpu_kernels.LayerPlans()  # the step as `native_step` runs it, per set of weights
+        self._step_memo: PlanMemo | None = None  # native_step's plans by (rows, logits rows), while nothing moved
+
+    def target_fc(self) -> Linear | None:
+        """The projection a step from the target takes first, (T, `input_width`) → (T, H) (an aux head's fc), or None
+        where the target's rows enter the step as they are."""
+        return None
+
+    def _native_head_plan(self, hidden: torch.Tensor, attn: AttentionBackend | MLABackend,
+                          kv_cache: torch.Tensor, meta: AttentionMetadata,
+                          n: int) -> tuple[cpu_kernels.HeadPlan, bool, bool] | tuple[()]:
+        """`native_step`'s plan for hidden's rows (m, H) and n logits rows (the head's `HeadPlan`, and whether the
+        gemv's AVX-512 body runs the m and the n rows), or () where the step runs op by op (the default)."""
+        return ()
+
+    def native_step(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
+                    kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend, from_target: bool,
+                    logits_indices: torch.Tensor | None) -> HeadOutput | None:
+        """The features and the logits in one native call (`cpu_kernels.head_step`) where the head type makes a plan
+        (`_native_head_plan`: its layer runs in one call on a CPU step's few rows, its products take the native
+        gemv for these rows, its norms share the layer's eps). A step from the target through `target_fc` (an aux
+        head's catch-up over the verify's rows) takes that fc first, as one few-row product, then the same call as
+        a chained step. The same arithmetic as `features` + `compute_logits`, without their ~15 dispatches, each
+        slowed by caches the weights flushed."""
+        m, n = hidden.shape[0], 0 if logits_indices is None else logits_indices.shape[0]
+        st = meta.backend_state
+        # the step's own conditions of the layer's native_plan; the rest holds while the memo's key does
+        if (kv_cache is None or not st.get("native") or st["native_args"].slots is None or hidden.dim() != 2
+                or not hidden.is_contiguous() or not kv_cache.is_contiguous()
+                or not cpu_kernels.serves(hidden, kv_cache)):
+            return None
+        fc = self.target_fc() if from_target else None
+        # one plan serves both inputs: after the fc, the call reads (T, H) rows as a chained step does
+        key = (cpu_kernels.generation(), streaming_generation(), torch.is_grad_enabled(), id(attn))
+        memo = self._step_memo
+        if memo is None or memo.key != key or not memo.valid():
+            frozen = self.require_frozen()
+            watched = [x.weight for x in self.modules() if isinstance(x, Linear) and x.w16 is not None]
+            watched += [t for t in (frozen.lm_head, self.draft_vocab) if t is not None]  # the lm rows' sources
+            memo = self._step_memo = PlanMemo(key, [*self.parameters(), frozen.embed, frozen.lm_head], watched)
+        step = memo.plans.get((m, n))
+        if step is None:  # the plan checks the layer's input rows: (m, H), what the fc gives
+            rows_in = hidden.new_empty((m, self.args.hidden_size)) if fc is not None else hidden
+            step = memo.plans[(m, n)] = self._native_head_plan(rows_in, attn, kv_cache, meta, n)
+        if not step:
+            return None
+        hp, avx512_m, avx512_n = step
+        if fc is not None:
+            hidden = fc(self.aux_input(hidden)).contiguous()  # (m, k·H) → (m, H), as `features` does
+        cos, sin = self.rope(meta.rotary_positions, torch.float32)
+        rows = None if logits_indices is None else logits_indices.to(torch.int64).contiguous()
+        out, logits = cpu_kernels.head_step(hp, hidden, token_ids.to(torch.int64).contiguous(), rows, cos, sin,
+                                            kv_cache, st["native_args"], avx512_m, avx512_n)
+        return HeadOutput(out, logits)
 
     def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
                steps: int, attention: str = "chain", chain_mode: str = "diagonal") -> list[torch.Tensor]:

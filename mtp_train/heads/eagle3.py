@@ -27,13 +27,15 @@ import torch
 from torch import nn
 
 from mtp_train.config import HeadConfig
+from mtp_train.config.device import on_cpu
 from mtp_train.heads.base import ChainHead
 from mtp_train.heads.frozen import FrozenTargetParts
-from mtp_train.layers.attention import AttentionBackend, AttentionMetadata
-from mtp_train.layers.linear import Linear
+from mtp_train.layers import cpu_kernels
+from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
+from mtp_train.layers.linear import Linear, gemv_avx512, gemv_operand
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs
-from mtp_train.models.families.llama import MLP, Attention
+from mtp_train.models.families.llama import MLP, Attention, native_layer_plan
 
 
 class Eagle3Layer(nn.Module):
@@ -49,6 +51,13 @@ class Eagle3Layer(nn.Module):
         a.qkv_proj = Linear(2 * h, a.q_size + 2 * a.kv_size, bias=args.qkv_bias)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(args)
+        self._plans = cpu_kernels.LayerPlans()  # the layer as a head step's one native call runs it
+
+    def native_plan(self, g: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor | None,
+                    meta: AttentionMetadata) -> cpu_kernels.LayerPlan | None:
+        """The layer's `LayerPlan` for a head step's one native call (`cpu_kernels.head_step`, which norms the
+        embedding and g itself: q/k/v read those 2H columns, g is the residual), or None; g: (M, H) the rows."""
+        return native_layer_plan(self, g, attn, kv_cache, meta, None, qkv_in=2 * g.shape[-1])
 
     def forward(self, embeds: torch.Tensor, g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend, kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
@@ -88,6 +97,36 @@ class Eagle3Head(ChainHead):
 
     def logit_input(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.cfg.norm_output else self.norm(out)  # norm_output: `features` has normed it already
+
+    def target_fc(self) -> Linear | None:
+        return self.fc  # a step from the target reads its k aux layers through the fc
+
+    def _native_head_plan(self, hidden: torch.Tensor, attn: AttentionBackend | MLABackend,
+                          kv_cache: torch.Tensor, meta: AttentionMetadata,
+                          n: int) -> tuple[cpu_kernels.HeadPlan, bool, bool] | tuple[()]:
+        """No fc in the call (a step from the target took it first): the layer over [input_layernorm(e) ;
+        hidden_norm(g)] with g its residual, the final norm, the head's own lm_head rows; the features the layer's
+        output before the final norm (after it with head.norm_output)."""
+        layer = self.layers[0]
+        if type(layer) is not Eagle3Layer or self.dtype != torch.float32:
+            return ()
+        plan = layer.native_plan(hidden, attn, kv_cache, meta)
+        if plan is None:
+            return ()
+        embed, lm = self.require_frozen().embed, self.draft_lm_head()
+        lm_w = gemv_operand(n, lm, self.lm_rows_copy(lm)) if n else lm
+        norms, eps = (layer.input_layernorm, layer.hidden_norm, self.norm), layer.post_attention_layernorm.eps
+        if (lm_w is None or embed.dtype != torch.float32 or not embed.is_contiguous() or not on_cpu(embed.device)
+                or any(type(x) is not RMSNorm or x.eps != eps for x in norms)):
+            return ()
+        key = (plan.address, lm_w.data_ptr(), embed.data_ptr())
+        hp = self._head_plans.get(key)
+        if hp is None:
+            en, hn, fn = (x.weight.detach().contiguous() for x in norms)
+            hp = self._head_plans.add(key, cpu_kernels.HeadPlan(
+                cpu_kernels.HeadWeights(embed.detach(), en, hn, fn, None, None, lm_w.detach()), plan, eps,
+                raw_out=not self.cfg.norm_output))
+        return hp, gemv_avx512(hidden.shape[0]), gemv_avx512(n) if n else False
 
     def draft_lm_head(self) -> torch.Tensor:
         return self.lm_head.weight

@@ -27,11 +27,11 @@ from torch import nn
 
 from mtp_train.config import HeadConfig
 from mtp_train.config.device import on_cpu
-from mtp_train.heads.base import ChainHead, HeadOutput
+from mtp_train.heads.base import ChainHead
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer, read_mtp_layer
 from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
-from mtp_train.layers.linear import Linear, PlanMemo, gemv_avx512, gemv_operand, gemv_weight, streaming_generation
+from mtp_train.layers.linear import Linear, gemv_avx512, gemv_operand, gemv_weight
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import family_of, titles
@@ -59,8 +59,6 @@ class MTPHead(ChainHead):
                              "have no MoE)")
         self.layers = nn.ModuleList([family.head_block(a, c.input_norm, c.moe)])
         self.norm = RMSNorm(h, eps) if c.final_norm else None
-        self._head_plans = cpu_kernels.LayerPlans()  # the step as `native_step` runs it, per set of weights
-        self._step_memo: PlanMemo | None = None  # native_step's plans by (rows, logits rows), while nothing moved
 
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend, *,
@@ -80,53 +78,14 @@ class MTPHead(ChainHead):
         x = self.layers[0](x, cos, sin, attn, kv_cache, meta)
         return x if self.norm is None else self.norm(x)
 
-    def native_step(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
-                    kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend, from_target: bool,
-                    logits_indices: torch.Tensor | None) -> HeadOutput | None:
-        """The features and the logits in one native call (`cpu_kernels.head_step`): where the head's layer runs in
-        one call (`DecoderLayer.native_plan`: a Llama-family block on a CPU step's few rows), the fc and the lm_head
-        rows take the native gemv for these rows, and the norms share the layer's eps; not for a head whose lm_head
-        reads anything but its output (`logit_input`). An aux head's step from the target (a catch-up, the verify's
-        rows) first takes its aux fc, (T, k·H) → (T, H), as one few-row product, then the same call as a chained
-        step. The same arithmetic as `features` + `compute_logits`, without their ~15 dispatches, each slowed by
-        caches the weights flushed."""
-        m, n = hidden.shape[0], 0 if logits_indices is None else logits_indices.shape[0]
-        st = meta.backend_state
-        # the step's own conditions of the layer's native_plan; the rest holds while the memo's key does
-        if (kv_cache is None or not st.get("native") or st["native_args"].slots is None or hidden.dim() != 2
-                or not hidden.is_contiguous() or not kv_cache.is_contiguous()
-                or not cpu_kernels.serves(hidden, kv_cache)):
-            return None
-        aux = self.aux_fc is not None and from_target
-        # one plan serves both inputs: after the aux fc, the call reads (T, H) rows as a chained step does
-        key = (cpu_kernels.generation(), streaming_generation(), torch.is_grad_enabled(), id(attn))
-        memo = self._step_memo
-        if memo is None or memo.key != key or not memo.valid():
-            frozen = self.require_frozen()
-            watched = [x.weight for x in self.modules() if isinstance(x, Linear) and x.w16 is not None]
-            watched += [t for t in (frozen.lm_head, self.draft_vocab) if t is not None]  # the lm rows' sources
-            memo = self._step_memo = PlanMemo(key, [*self.parameters(), frozen.embed, frozen.lm_head], watched)
-        step = memo.plans.get((m, n))
-        if step is None:  # the plan checks the layer's input rows: (m, H), what an aux head's fc gives
-            rows_in = hidden.new_empty((m, self.args.hidden_size)) if aux else hidden
-            step = memo.plans[(m, n)] = self._native_head_plan(rows_in, attn, kv_cache, meta, n)
-        if not step:
-            return None
-        hp, avx512_m, avx512_n = step
-        if aux:
-            assert self.aux_fc is not None
-            hidden = self.aux_fc(self.aux_input(hidden)).contiguous()  # (m, k·H) → (m, H), as `features` does
-        cos, sin = self.rope(meta.rotary_positions, torch.float32)
-        rows = None if logits_indices is None else logits_indices.to(torch.int64).contiguous()
-        out, logits = cpu_kernels.head_step(hp, hidden, token_ids.to(torch.int64).contiguous(), rows, cos, sin,
-                                            kv_cache, st["native_args"], avx512_m, avx512_n)
-        return HeadOutput(out, logits)
+    def target_fc(self) -> Linear | None:
+        return self.aux_fc  # an aux head's step from the target: (T, k·H) → (T, H) through its aux fc
 
     def _native_head_plan(self, hidden: torch.Tensor, attn: AttentionBackend | MLABackend,
                           kv_cache: torch.Tensor, meta: AttentionMetadata,
                           n: int) -> tuple[cpu_kernels.HeadPlan, bool, bool] | tuple[()]:
-        """`native_step`'s plan for hidden's rows (m, H) and n logits rows (the head's `HeadPlan`, and whether the
-        gemv's AVX-512 body runs the m and the n rows), or () where the step runs op by op."""
+        """The fc over [enorm(e) ; hnorm(h)], the family's layer with its input norm, the final norm, the frozen
+        (draft-vocabulary) lm_head rows; an aux head's step from the target takes its aux fc first."""
         layer = self.layers[0]
         native_plan = getattr(layer, "native_plan", None)
         if (native_plan is None or self.dtype != torch.float32

@@ -747,13 +747,14 @@ class LayerPlan:
     weights' addresses), for the layer to tell whether it still applies.
     """
 
-    __slots__ = ("key", "weights", "struct", "address")
+    __slots__ = ("key", "weights", "qkv_in", "struct", "address")
 
     def __init__(self, w: LayerWeights, heads: tuple[int, int, int], eps: float, scale: float,
-                 window: int | None) -> None:
+                 window: int | None, qkv_in: int | None = None) -> None:
         hq, hkv, d = heads
         h, i = w.wo.shape[0], w.wd.shape[1]
-        shapes = {"wqkv": (hq * d + 2 * hkv * d, h), "wo": (h, hq * d), "wgu": (2 * i, h), "wd": (h, i)}
+        # qkv_in: what q/k/v read, H (norm1(x)) or, in a head step only, EAGLE-3's 2H [e ; h] (`HeadPlan`)
+        shapes = {"wqkv": (hq * d + 2 * hkv * d, qkv_in or h), "wo": (h, hq * d), "wgu": (2 * i, h), "wd": (h, i)}
         for name, shape in shapes.items():
             t = getattr(w, name)
             if (tuple(t.shape) != shape or t.dtype not in (torch.float32, torch.bfloat16, torch.int8)
@@ -764,6 +765,7 @@ class LayerPlan:
                 _check_int8(f"decoder_layer: {name}", t)
         self.key = tuple(getattr(w, n).data_ptr() for n in shapes)
         self.weights = w  # kept alive for the addresses below
+        self.qkv_in = qkv_in or h
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
@@ -873,39 +875,50 @@ class _Head(ctypes.Structure):
     _fields_ = [("embed", ctypes.c_void_p), ("enorm", ctypes.c_void_p), ("hnorm", ctypes.c_void_p),
                 ("norm", ctypes.c_void_p), ("fc", ctypes.c_void_p), ("lm", ctypes.c_void_p),
                 ("fc_bias", ctypes.c_void_p), ("layer", ctypes.c_void_p), ("eps", ctypes.c_float),
-                ("wkinds", ctypes.c_int), ("H", ctypes.c_int), ("V", ctypes.c_int), ("vocab", ctypes.c_int)]
+                ("wkinds", ctypes.c_int), ("H", ctypes.c_int), ("V", ctypes.c_int), ("vocab", ctypes.c_int),
+                ("raw_out", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
 class HeadWeights:
-    """What `HeadPlan` reads of a chain head (`MTPHead`): all float32 CPU contiguous, except fc and lm, each float32,
-    bfloat16 or an `int8_copy`; None = absent.
+    """What `HeadPlan` reads of a chain head (`MTPHead`, `Eagle3Head`): all float32 CPU contiguous, except fc and lm,
+    each float32, bfloat16 or an `int8_copy`; None = absent.
 
     Attributes:
         embed: (vocab, H) the target's frozen embedding. enorm, hnorm, norm: (H,) RMSNorm weights, or None.
-        fc: (H, 2H) over [embedding ; features]; fc_bias: (H,) or None. lm: (V, H) the head's lm_head rows.
+        fc: (H, 2H) over [embedding ; features], or None (EAGLE-3: [embedding ; features] is what its layer's q/k/v
+            read, the features its residual); fc_bias: (H,) or None. lm: (V, H) the head's lm_head rows.
     """
 
     embed: torch.Tensor
     enorm: torch.Tensor | None
     hnorm: torch.Tensor | None
     norm: torch.Tensor | None
-    fc: torch.Tensor
+    fc: torch.Tensor | None
     fc_bias: torch.Tensor | None
     lm: torch.Tensor
 
 
 class HeadPlan:
     """A chain head's step as `head_step` runs it: its weights' addresses and its layer's `LayerPlan`, made once per
-    set of weights and kept by the head (the plan holds the tensors it points to, and the layer plan)."""
+    set of weights and kept by the head (the plan holds the tensors it points to, and the layer plan).
+
+    raw_out: the step returns its layer's output before the final norm, the logits reading its norm (EAGLE-3's
+    features); else the normed output, which the logits read (mtp, and EAGLE-3.1's `norm_output`)."""
 
     __slots__ = ("weights", "layer", "struct", "address")
 
-    def __init__(self, w: HeadWeights, layer: LayerPlan, eps: float) -> None:
+    def __init__(self, w: HeadWeights, layer: LayerPlan, eps: float, raw_out: bool = False) -> None:
         h = layer.struct.H
         v = w.lm.shape[0]
+        qkv_in = h if w.fc is not None else 2 * h  # without an fc the layer's q/k/v read [e ; h]
+        if layer.qkv_in != qkv_in or (w.fc is None and layer.weights.ln1 is not None):
+            raise ValueError(f"head_step: a head {'with' if w.fc is not None else 'without'} an fc needs a layer "
+                             f"whose q/k/v read {qkv_in} columns{'' if w.fc is not None else ' and no input norm'}")
         for name, shape in (("fc", (h, 2 * h)), ("lm", (v, h)), ("embed", (w.embed.shape[0], h))):
             t = getattr(w, name)
+            if t is None and name == "fc":
+                continue
             ok = (torch.float32,) if name == "embed" else (torch.float32, torch.bfloat16, torch.int8)
             if tuple(t.shape) != shape or t.dtype not in ok or not t.is_contiguous():
                 raise ValueError(f"head_step: {name} {tuple(t.shape)} {t.dtype} must be {shape}, contiguous, "
@@ -917,8 +930,9 @@ class HeadPlan:
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
+        kinds = _weight_kinds((w.lm if w.fc is None else w.fc, w.lm))  # bit 0 unread without an fc
         self.struct = _Head(ptr(w.embed), ptr(w.enorm), ptr(w.hnorm), ptr(w.norm), ptr(w.fc), ptr(w.lm),
-                            ptr(w.fc_bias), layer.address, eps, _weight_kinds((w.fc, w.lm)), h, v, w.embed.shape[0])
+                            ptr(w.fc_bias), layer.address, eps, kinds, h, v, w.embed.shape[0], int(raw_out))
         self.address = ctypes.addressof(self.struct)
 
 
@@ -927,7 +941,8 @@ def head_step(plan: HeadPlan, hidden: torch.Tensor, ids: torch.Tensor, rows: tor
               use512: bool, lm512: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A chain head's step over the few rows of a draft or catch-up step, in one native call: the features of
     `MTPHead.features` (embedding and features through their norms, the fc, the head's layer writing its K/V into
-    the pool, the final norm) and the logits of its lm_head rows at `rows`.
+    the pool, the final norm) or of `Eagle3Head.features` (the layer over [norm(embedding) ; norm(features)] with
+    the features as its residual), and the logits of its lm_head rows at `rows`.
 
     Args:
         plan: the head (`HeadPlan`).

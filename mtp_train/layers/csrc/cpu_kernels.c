@@ -1003,23 +1003,26 @@ static int layer_gemv(const float *x, long xs, const void *w, int kind, const fl
  * written into the cache at the step's slots. The attention arguments are mtp_paged_attention_f32's (the step's
  * tables, scratch and chunk); cos, sin: (M, D) the rows' RoPE. use512: the gemv's AVX-512 body (the caller checked
  * the CPU runs it). Returns 0, or -1 when its scratch could not be allocated (nothing written). */
-int mtp_decoder_layer_f32(const mtp_layer *L, const float *x, float *out, int M, const float *cos, const float *sin,
-                          float *cache, int ps, const int *block_tables, int max_pages, const int *qo_indptr, int B,
-                          const int64_t *positions, const int64_t *tree_bits, const int64_t *tree_pos,
-                          const int64_t *slots, float *scores, long max_kv, float *partials, long chunk, int use512,
-                          int num_threads) {
+/* The layer as mtp_decoder_layer_f32, where ain, when not NULL, is what q/k/v read in place of norm1(x): (M, ak)
+ * contiguous (EAGLE-3's [norm(embedding) ; norm(x)], 2H wide, its qkv weight (Nqkv, ak)); x stays the residual. */
+static int decoder_layer(const mtp_layer *L, const float *x, const float *ain, int ak, float *out, int M,
+                         const float *cos, const float *sin, float *cache, int ps, const int *block_tables,
+                         int max_pages, const int *qo_indptr, int B, const int64_t *positions,
+                         const int64_t *tree_bits, const int64_t *tree_pos, const int64_t *slots, float *scores,
+                         long max_kv, float *partials, long chunk, int use512, int num_threads) {
     int H = L->H, I = L->I, D = L->D, Nq = L->Hq * D, Nkv = L->Hkv * D, Nqkv = Nq + 2 * Nkv;
     size_t n = (size_t)M * ((size_t)H + Nqkv + Nq + 2 * Nkv + Nq + 2 * (size_t)I);
     float *buf = malloc(n * sizeof(float));
     if (!buf) return -1;
     float *h = buf, *qkv = h + (size_t)M * H, *q = qkv + (size_t)M * Nqkv, *k = q + (size_t)M * Nq,
           *v = k + (size_t)M * Nkv, *att = v + (size_t)M * Nkv, *gu = att + (size_t)M * Nq;
-    const float *hin = x;
-    if (L->ln1) {
+    const float *hin = ain ? ain : x;
+    int K = ain ? ak : H;
+    if (!ain && L->ln1) {
         mtp_rmsnorm_f32(x, H, L->ln1, h, M, H, L->eps);
         hin = h;
     }
-    layer_gemv(hin, H, L->wqkv, WKIND(L->wkinds, 0), L->bqkv, qkv, Nqkv, M, Nqkv, H, use512, num_threads);
+    layer_gemv(hin, K, L->wqkv, WKIND(L->wkinds, 0), L->bqkv, qkv, Nqkv, M, Nqkv, K, use512, num_threads);
     for (int m = 0; m < M; m++) {  /* the heads of each, contiguous: what the norms, RoPE and attention read */
         const float *r = qkv + (size_t)m * Nqkv;
         memcpy(q + (size_t)m * Nq, r, sizeof(float) * Nq);
@@ -1044,6 +1047,15 @@ int mtp_decoder_layer_f32(const mtp_layer *L, const float *x, float *out, int M,
     add_(out, h, (long)M * H);
     free(buf);
     return 0;
+}
+
+int mtp_decoder_layer_f32(const mtp_layer *L, const float *x, float *out, int M, const float *cos, const float *sin,
+                          float *cache, int ps, const int *block_tables, int max_pages, const int *qo_indptr, int B,
+                          const int64_t *positions, const int64_t *tree_bits, const int64_t *tree_pos,
+                          const int64_t *slots, float *scores, long max_kv, float *partials, long chunk, int use512,
+                          int num_threads) {
+    return decoder_layer(L, x, NULL, 0, out, M, cos, sin, cache, ps, block_tables, max_pages, qo_indptr, B, positions,
+                         tree_bits, tree_pos, slots, scores, max_kv, partials, chunk, use512, num_threads);
 }
 
 /* out (M, H) <- n decoder layers one after another over x (M, H), layer i on caches[i] (what n calls of
@@ -1082,14 +1094,18 @@ int mtp_decoder_stack_f32(const mtp_layer *const *layers, int n, float *const *c
  * `cpu_kernels.HeadPlan` fills it once per set of weights: the frozen embedding's rows of the next tokens and the
  * features, each through its RMSNorm where the head has one, concatenated [e ; h] into the fc, the head's decoder
  * layer, its final norm, and the (draft-vocabulary) lm_head rows. fc and lm are (N, K) contiguous, of the kinds
- * `wkinds` gives (WKIND: 0 fc, 1 lm); NULL norms and bias are absent. */
+ * `wkinds` gives (WKIND: 0 fc, 1 lm); NULL norms and bias are absent.
+ * Without an fc (EAGLE-3, mtp_train.heads.eagle3): [enorm(e) ; hnorm(h)] is what the layer's q/k/v read (its qkv
+ * weight (Nqkv, 2H), its own ln1 NULL) and h its residual; raw_out: the step's features are the layer's output
+ * before the final norm (the logits still read its norm), as EAGLE-3 feeds its next step. */
 typedef struct {
     const float *embed, *enorm, *hnorm, *norm;  /* (vocab, H) float32; (H,) RMSNorm weights */
-    const void *fc, *lm;                        /* (H, 2H); (V, H) */
+    const void *fc, *lm;                        /* (H, 2H) or NULL; (V, H) */
     const float *fc_bias;                       /* (H,) */
     const mtp_layer *layer;
     float eps;
     int wkinds, H, V, vocab;                    /* WKIND bits (0 fc, 1 lm); vocab: the embedding's rows */
+    int raw_out;
 } mtp_head;
 
 /* out (M, H) <- the head's features of M rows (hidden (M, H), row stride hs: the target's or the head's own; ids
@@ -1119,16 +1135,29 @@ int mtp_head_step_f32(const mtp_head *P, const float *hidden, long hs, const int
         if (P->hnorm) mtp_rmsnorm_f32(h, H, P->hnorm, ch, 1, H, P->eps);
         else memcpy(ch, h, sizeof(float) * H);
     }
-    layer_gemv(cat, 2 * H, P->fc, WKIND(P->wkinds, 0), P->fc_bias, x, H, M, H, 2 * H, use512, num_threads);
-    if (mtp_decoder_layer_f32(P->layer, x, y, M, cos, sin, cache, ps, block_tables, max_pages, qo_indptr, B,
-                              positions, tree_bits, tree_pos, slots, scores, max_kv, partials, chunk, use512,
-                              num_threads)) {
+    const float *ain = NULL;
+    if (P->fc) layer_gemv(cat, 2 * H, P->fc, WKIND(P->wkinds, 0), P->fc_bias, x, H, M, H, 2 * H, use512, num_threads);
+    else {  /* EAGLE-3: the rows themselves are the residual, [e ; h] the attention's input */
+        for (int m = 0; m < M; m++) memcpy(x + (size_t)m * H, hidden + (size_t)m * hs, sizeof(float) * H);
+        ain = cat;
+    }
+    if (decoder_layer(P->layer, x, ain, 2 * H, y, M, cos, sin, cache, ps, block_tables, max_pages, qo_indptr, B,
+                      positions, tree_bits, tree_pos, slots, scores, max_kv, partials, chunk, use512, num_threads)) {
         free(buf);
         return -1;
     }
-    if (P->norm) mtp_rmsnorm_f32(y, H, P->norm, out, M, H, P->eps);
-    else memcpy(out, y, sizeof(float) * (size_t)M * H);
-    for (int n = 0; n < N; n++) memcpy(sel + (size_t)n * H, out + (size_t)rows[n] * H, sizeof(float) * H);
+    if (P->raw_out) {  /* the features before the final norm; the chosen rows normed for the logits */
+        memcpy(out, y, sizeof(float) * (size_t)M * H);
+        for (int n = 0; n < N; n++) {
+            const float *r = y + (size_t)rows[n] * H;
+            if (P->norm) mtp_rmsnorm_f32(r, H, P->norm, sel + (size_t)n * H, 1, H, P->eps);
+            else memcpy(sel + (size_t)n * H, r, sizeof(float) * H);
+        }
+    } else {
+        if (P->norm) mtp_rmsnorm_f32(y, H, P->norm, out, M, H, P->eps);
+        else memcpy(out, y, sizeof(float) * (size_t)M * H);
+        for (int n = 0; n < N; n++) memcpy(sel + (size_t)n * H, out + (size_t)rows[n] * H, sizeof(float) * H);
+    }
     if (N > 0) layer_gemv(sel, H, P->lm, WKIND(P->wkinds, 1), NULL, logits, P->V, N, P->V, H, lm512, num_threads);
     free(buf);
     return 0;

@@ -228,32 +228,42 @@ class DecoderLayer(nn.Module):
                     meta: AttentionMetadata) -> cpu_kernels.LayerPlan | None:
         """The `LayerPlan` that `native` runs x's rows through in this step (made at first use of its weights), or
         None where the layer runs op by op; also what a head's step in one native call runs its layer with."""
-        m = x.shape[0]
-        st = meta.backend_state
-        a, mlp = self.self_attn, self.mlp
-        if (kv_cache is None or not st.get("native") or type(attn) is not TorchBackend
-                or attn.sliding_window != a.window or not cpu_kernels.serves(x, kv_cache) or x.dim() != 2
-                or not x.is_contiguous() or not kv_cache.is_contiguous() or st["native_args"].slots is None
-                or type(mlp) is not MLP or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None):
+        return native_layer_plan(self, x, attn, kv_cache, meta, self.input_layernorm)
+
+
+def native_layer_plan(layer: nn.Module, x: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor | None,
+                      meta: AttentionMetadata, ln1: RMSNorm | None,
+                      qkv_in: int | None = None) -> cpu_kernels.LayerPlan | None:
+    """`DecoderLayer.native_plan` for any block with its parts (`self_attn`, `mlp`, `post_attention_layernorm` and a
+    `_plans` memo): ln1 the norm q/k/v read x through (None: none, or applied by the caller), qkv_in the columns
+    q/k/v read (None: H; EAGLE-3's layer 2H, in a head step). x: (M, H) stands for the rows; None where the layer
+    runs op by op."""
+    m = x.shape[0]
+    st = meta.backend_state
+    a, mlp = layer.self_attn, layer.mlp
+    if (kv_cache is None or not st.get("native") or type(attn) is not TorchBackend
+            or attn.sliding_window != a.window or not cpu_kernels.serves(x, kv_cache) or x.dim() != 2
+            or not x.is_contiguous() or not kv_cache.is_contiguous() or st["native_args"].slots is None
+            or type(mlp) is not MLP or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None):
+        return None
+    ws = [gemv_weight(lin, m) for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(w is None for w in ws):
+        return None
+    key = tuple(w.data_ptr() for w in ws)  # type: ignore[union-attr]
+    plan = layer._plans.get(key)
+    if plan is None:
+        norms = (ln1, layer.post_attention_layernorm, a.q_norm, a.k_norm)
+        eps = layer.post_attention_layernorm.eps  # the kernel's one eps: every norm's here
+        if any(n is not None and (type(n) is not RMSNorm or n.eps != eps) for n in norms):
             return None
-        ws = [gemv_weight(lin, m) for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(w is None for w in ws):
-            return None
-        key = tuple(w.data_ptr() for w in ws)  # type: ignore[union-attr]
-        plan = self._plans.get(key)
-        if plan is None:
-            norms = (self.input_layernorm, self.post_attention_layernorm, a.q_norm, a.k_norm)
-            eps = self.post_attention_layernorm.eps  # the kernel's one eps: every norm's here
-            if any(n is not None and (type(n) is not RMSNorm or n.eps != eps) for n in norms):
-                return None
-            ln1, ln2, qn, kn = (None if n is None else n.weight.detach().contiguous() for n in norms)
-            wqkv, wo, wgu, wd = (w.detach() for w in ws)  # type: ignore[union-attr]
-            bias = [None if b is None else b.detach().contiguous() for b in (a.qkv_proj.bias, a.o_proj.bias)]
-            sinks = None if a.sinks is None else a.sinks.detach().to(torch.float32).contiguous()
-            plan = self._plans.add(key, cpu_kernels.LayerPlan(
-                cpu_kernels.LayerWeights(ln1, ln2, qn, kn, wqkv, wo, wgu, wd, *bias, sinks),
-                (a.num_heads, a.num_kv_heads, a.head_dim), eps, attn.scale, a.window))
-        return plan
+        w1, ln2, qn, kn = (None if n is None else n.weight.detach().contiguous() for n in norms)
+        wqkv, wo, wgu, wd = (w.detach() for w in ws)  # type: ignore[union-attr]
+        bias = [None if b is None else b.detach().contiguous() for b in (a.qkv_proj.bias, a.o_proj.bias)]
+        sinks = None if a.sinks is None else a.sinks.detach().to(torch.float32).contiguous()
+        plan = layer._plans.add(key, cpu_kernels.LayerPlan(
+            cpu_kernels.LayerWeights(w1, ln2, qn, kn, wqkv, wo, wgu, wd, *bias, sinks),
+            (a.num_heads, a.num_kv_heads, a.head_dim), eps, attn.scale, a.window, qkv_in))
+    return plan
 
 
 class LlamaBackbone(nn.Module):
