@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-remote bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-foreign clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-head-step bench-remote bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-foreign clean
 
 setup: $(STAMP)
 
@@ -88,6 +88,10 @@ bench-remote: model
 # untrained one: the costs are the same), e.g. `make bench-step HEAD=runs/demo/train/heads/step-600`.
 bench-step: model
 	$(PY) -m bench.step --model $(MODEL_DIR) $(if $(HEAD),--head $(HEAD)) $(BENCH_STEP_ARGS)
+
+# A chain head's step in one native call against op by op, per head type (untrained heads: the costs are the same).
+bench-head-step: model
+	$(PY) -m bench.head_step --model $(MODEL_DIR) $(BENCH_HEAD_STEP_ARGS)
 
 bench-tree: model
 	$(PY) -m bench.tree --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-600) --timed \
