@@ -12,8 +12,8 @@ with its native step switched off), alternately in one process, over a context o
 every call the caches are flushed by a pass over a buffer larger than the target's weights, as the target's verify
 flushes them in the engine, so the times are those of a cold step. The fastest of `--rounds` rounds counts (this
 machine's speed varies with its neighbours' load; the fastest round is the least disturbed one); the median is
-printed beside it. Prints ms per step and ratio = native / op by op (< 1: the one call is faster). The last line
-printed is one JSON object.
+printed beside it. Each round takes the heads in another order and the two paths in turn. Prints ms per step and
+ratio = native / op by op (< 1: the one call is faster). The last line printed is one JSON object.
 
 Usage: python -m bench.head_step [--model models/smollm2-135m-instruct] [--rounds 40] [--rows 2] [--context 200]
 """
@@ -70,14 +70,18 @@ def main(argv: list[str] | None = None) -> dict:
         for name, h in heads.items():
             layers, layout = h.kv_shape
             kvs[name] = KVCache(layers, len(pages), page, layout, dtype=torch.float32)
-        for _ in range(args.rounds):
-            for name, h in heads.items():
+        order = list(heads)
+        for r in range(args.rounds):
+            # every round in another order (heads rotated, the two paths swapped), so that a call's place in the
+            # round, right after a flush or after another head, falls on every head and path alike
+            for name in order[r % len(order):] + order[:r % len(order)]:
+                h = heads[name]
                 for step in ("catch-up", "draft"):
                     rows = args.rows if step == "catch-up" else 1
                     width = h.input_width if step == "catch-up" else h.args.hidden_size
                     hidden = torch.randn(rows, width, generator=gen)
                     ids = torch.randint(0, h.args.vocab_size, (rows,), generator=gen)
-                    for path in ("native", "op-by-op"):
+                    for path in ("native", "op-by-op") if r % 2 == 0 else ("op-by-op", "native"):
                         # the instance's own attribute shadows the type's method for the op-by-op path
                         h.native_step = real[name].__get__(h) if path == "native" else (lambda *a: None)
                         flush.add_(1.0)
