@@ -64,6 +64,9 @@ from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, KVLa
 from mtp_train.layers.linear import (
     Linear,
     PlanMemo,
+    gemv_avx512,
+    gemv_operand,
+    gemv_weight,
     linear,
     stream_linears,
     streaming_generation,
@@ -441,6 +444,38 @@ class ChainHead(DraftHead):
         """`native_step`'s plan for hidden's rows (m, H) and n logits rows (the head's `HeadPlan`, and whether the
         gemv's AVX-512 body runs the m and the n rows), or () where the step runs op by op (the default)."""
         return ()
+
+    def _head_plan(self, plan: cpu_kernels.LayerPlan, norms: Sequence[nn.Module | None], eps: float,
+                   fc: Linear | None, m: int, n: int,
+                   raw_out: bool = False) -> tuple[cpu_kernels.HeadPlan, bool, bool] | tuple[()]:
+        """What every type's `_native_head_plan` ends with: the `HeadPlan` over its layer's `plan` (kept per set of
+        weights), or () where a part has no native form here.
+
+        Args:
+            plan: the head's layer (`LayerPlan`).
+            norms: the embedding's, the features' and the final norm (None = absent), each an RMSNorm of `eps`, the
+                layer's.
+            eps: the layer's eps, the one the call uses.
+            fc: the fc over [embedding ; features] in the call, or None (EAGLE-3).
+            m, n: the step's rows and logits rows.
+            raw_out: `HeadPlan`'s (EAGLE-3's pre-norm features).
+        """
+        embed, lm = self.require_frozen().embed, self.draft_lm_head()
+        fc_w = None if fc is None else gemv_weight(fc, m)
+        lm_w = gemv_operand(n, lm, self.lm_rows_copy(lm)) if n else lm
+        if ((fc is not None and fc_w is None) or lm_w is None or embed.dtype != torch.float32
+                or not embed.is_contiguous() or not on_cpu(embed.device)
+                or any(x is not None and (type(x) is not RMSNorm or x.eps != eps) for x in norms)):
+            return ()
+        key = (plan.address, None if fc_w is None else fc_w.data_ptr(), lm_w.data_ptr(), embed.data_ptr())
+        hp = self._head_plans.get(key)
+        if hp is None:
+            en, hn, fn = (None if x is None else x.weight.detach().contiguous() for x in norms)
+            bias = None if fc is None or fc.bias is None else fc.bias.detach().contiguous()
+            hp = self._head_plans.add(key, cpu_kernels.HeadPlan(
+                cpu_kernels.HeadWeights(embed.detach(), en, hn, fn, None if fc_w is None else fc_w.detach(), bias,
+                                        lm_w.detach()), plan, eps, raw_out))
+        return hp, gemv_avx512(m), gemv_avx512(n) if n else False
 
     def native_step(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
                     kv_cache: torch.Tensor | None, attn: AttentionBackend | MLABackend, from_target: bool,

@@ -27,12 +27,11 @@ import torch
 from torch import nn
 
 from mtp_train.config import HeadConfig
-from mtp_train.config.device import on_cpu
 from mtp_train.heads.base import ChainHead
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
-from mtp_train.layers.linear import Linear, gemv_avx512, gemv_operand
+from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs
 from mtp_train.models.families.llama import MLP, Attention, native_layer_plan
@@ -113,20 +112,9 @@ class Eagle3Head(ChainHead):
         plan = layer.native_plan(hidden, attn, kv_cache, meta)
         if plan is None:
             return ()
-        embed, lm = self.require_frozen().embed, self.draft_lm_head()
-        lm_w = gemv_operand(n, lm, self.lm_rows_copy(lm)) if n else lm
-        norms, eps = (layer.input_layernorm, layer.hidden_norm, self.norm), layer.post_attention_layernorm.eps
-        if (lm_w is None or embed.dtype != torch.float32 or not embed.is_contiguous() or not on_cpu(embed.device)
-                or any(type(x) is not RMSNorm or x.eps != eps for x in norms)):
-            return ()
-        key = (plan.address, lm_w.data_ptr(), embed.data_ptr())
-        hp = self._head_plans.get(key)
-        if hp is None:
-            en, hn, fn = (x.weight.detach().contiguous() for x in norms)
-            hp = self._head_plans.add(key, cpu_kernels.HeadPlan(
-                cpu_kernels.HeadWeights(embed.detach(), en, hn, fn, None, None, lm_w.detach()), plan, eps,
-                raw_out=not self.cfg.norm_output))
-        return hp, gemv_avx512(hidden.shape[0]), gemv_avx512(n) if n else False
+        return self._head_plan(plan, (layer.input_layernorm, layer.hidden_norm, self.norm),
+                               layer.post_attention_layernorm.eps, None, hidden.shape[0], n,
+                               raw_out=not self.cfg.norm_output)
 
     def draft_lm_head(self) -> torch.Tensor:
         return self.lm_head.weight

@@ -26,12 +26,11 @@ import torch
 from torch import nn
 
 from mtp_train.config import HeadConfig
-from mtp_train.config.device import on_cpu
 from mtp_train.heads.base import ChainHead
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer, read_mtp_layer
 from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
-from mtp_train.layers.linear import Linear, gemv_avx512, gemv_operand, gemv_weight
+from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs, ModelConfigError
 from mtp_train.models.families import family_of, titles
@@ -91,30 +90,13 @@ class MTPHead(ChainHead):
         if (native_plan is None or self.dtype != torch.float32
                 or type(self).logit_input is not ChainHead.logit_input):
             return ()
-        m = hidden.shape[0]
         # hidden stands for the layer's input (the same rows): native_plan checks its shape, dtype and layout, and
-        # gemv_weight the fc's weight and bias
+        # gemv_weight (in `_head_plan`) the fc's weight and bias
         plan = native_plan(hidden, attn, kv_cache, meta)
         if plan is None:
             return ()
-        embed = self.require_frozen().embed
-        lm = self.draft_lm_head()
-        fc = gemv_weight(self.fc, m)
-        lm_w = gemv_operand(n, lm, self.lm_rows_copy(lm)) if n else lm
-        norms, eps = (self.enorm, self.hnorm, self.norm), layer.post_attention_layernorm.eps  # the layer's eps
-        if (fc is None or lm_w is None or embed.dtype != torch.float32 or not embed.is_contiguous()
-                or not on_cpu(embed.device)
-                or any(x is not None and (type(x) is not RMSNorm or x.eps != eps) for x in norms)):
-            return ()
-        key = (plan.address, fc.data_ptr(), lm_w.data_ptr(), embed.data_ptr())
-        hp = self._head_plans.get(key)
-        if hp is None:
-            nw = [None if x is None else x.weight.detach().contiguous() for x in norms]
-            bias = None if self.fc.bias is None else self.fc.bias.detach().contiguous()
-            hp = self._head_plans.add(key, cpu_kernels.HeadPlan(
-                cpu_kernels.HeadWeights(embed.detach(), nw[0], nw[1], nw[2], fc.detach(), bias, lm_w.detach()),
-                plan, eps))
-        return hp, gemv_avx512(m), gemv_avx512(n) if n else False
+        return self._head_plan(plan, (self.enorm, self.hnorm, self.norm), layer.post_attention_layernorm.eps,
+                               self.fc, hidden.shape[0], n)
 
     def init_from_target(self, target_dir: str | Path) -> None:
         """Copy target weights into the head, as `head.init` says: `last_layer` or `target_mtp`."""

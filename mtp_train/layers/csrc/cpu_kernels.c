@@ -1000,11 +1000,11 @@ static int layer_gemv(const float *x, long xs, const void *w, int kind, const fl
 }
 
 /* out (M, H) <- the layer over x (M, H): x + attention(norm1(x)), then + mlp(norm2(·)), the new tokens' K/V
- * written into the cache at the step's slots. The attention arguments are mtp_paged_attention_f32's (the step's
- * tables, scratch and chunk); cos, sin: (M, D) the rows' RoPE. use512: the gemv's AVX-512 body (the caller checked
- * the CPU runs it). Returns 0, or -1 when its scratch could not be allocated (nothing written). */
-/* The layer as mtp_decoder_layer_f32, where ain, when not NULL, is what q/k/v read in place of norm1(x): (M, ak)
- * contiguous (EAGLE-3's [norm(embedding) ; norm(x)], 2H wide, its qkv weight (Nqkv, ak)); x stays the residual. */
+ * written into the cache at the step's slots. ain, when not NULL, is what q/k/v read in place of norm1(x): (M, ak)
+ * contiguous (EAGLE-3's [norm(embedding) ; norm(x)], 2H wide, its qkv weight (Nqkv, ak)); x stays the residual.
+ * The attention arguments are mtp_paged_attention_f32's (the step's tables, scratch and chunk); cos, sin: (M, D)
+ * the rows' RoPE. use512: the gemv's AVX-512 body (the caller checked the CPU runs it). Returns 0, or -1 when its
+ * scratch could not be allocated (nothing written). */
 static int decoder_layer(const mtp_layer *L, const float *x, const float *ain, int ak, float *out, int M,
                          const float *cos, const float *sin, float *cache, int ps, const int *block_tables,
                          int max_pages, const int *qo_indptr, int B, const int64_t *positions,
@@ -1049,6 +1049,7 @@ static int decoder_layer(const mtp_layer *L, const float *x, const float *ain, i
     return 0;
 }
 
+/* decoder_layer with q/k/v over norm1(x). */
 int mtp_decoder_layer_f32(const mtp_layer *L, const float *x, float *out, int M, const float *cos, const float *sin,
                           float *cache, int ps, const int *block_tables, int max_pages, const int *qo_indptr, int B,
                           const int64_t *positions, const int64_t *tree_bits, const int64_t *tree_pos,
