@@ -46,7 +46,7 @@ def stage_overrides(cfg: DemoConfig, out: Path) -> dict[str, list[str]]:
     model = [f"model.path={cfg.model_path}"]
     regen = out / "regenerated.jsonl"
     return {
-        "regenerate": [*model, "data=demo", f"out={regen}", *cfg.regenerate],
+        "regenerate": [*model, f"data={cfg.data}", f"out={regen}", *cfg.regenerate],
         "precompute": [*model, "data=demo-regen", f"data.paths=[{regen}]", f"out={out / 'precompute'}",
                        *cfg.precompute],
         "train": [*model, "data=demo-regen", f"data.dir={out / 'precompute'}", f"out={out / 'train'}",

@@ -11,6 +11,7 @@ class DemoConfig:
 
     out: str = "runs/demo"
     model_path: str = "models/smollm2-135m-instruct"  # fetched on first use when it is the default folder
+    data: str = "demo"  # the prompt set (conf/data/<name>.yaml) the target answers for the head's training data
     regenerate: list[str] = field(default_factory=list)
     precompute: list[str] = field(default_factory=list)
     train: list[str] = field(default_factory=list)
