@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-head-step bench-remote bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-foreign clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-head-step bench-tau bench-remote bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-foreign clean
 
 setup: $(STAMP)
 
@@ -92,6 +92,11 @@ bench-step: model
 # A chain head's step in one native call against op by op, per head type (untrained heads: the costs are the same).
 bench-head-step: model
 	$(PY) -m bench.head_step --model $(MODEL_DIR) $(BENCH_HEAD_STEP_ARGS)
+
+# τ of trained heads on the same held-out prompts, untimed, each against the first paired by request, e.g.
+# `make bench-tau HEADS="runs/demo/train/heads/step-600 runs/demo2/train/heads/step-600"`.
+bench-tau: model
+	$(PY) -m bench.tau --model $(MODEL_DIR) $(HEADS) $(BENCH_TAU_ARGS)
 
 bench-tree: model
 	$(PY) -m bench.tree --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-600) --timed \
