@@ -16,8 +16,22 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from bench.common import DEFAULT_MODEL, parser, report
+
+
+def versus_first(points: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Every head after the first (in `points`' order) against the first: τ − τ_first over the requests both
+    answered (`requests`: {request: [steps, accepted]}, as `Evaluator.measure` gives them) and its paired SE."""
+    from mtp_train.speculative.metrics import paired_tau_difference
+
+    (first, base), *rest = points.items()
+    rows = {}
+    for head, p in rest:
+        diff, se = paired_tau_difference(p["requests"], base["requests"])
+        rows[head] = {"tau_minus_first": diff, "paired_se": se}
+    return rows
 
 
 def main() -> None:
@@ -30,12 +44,15 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     args = ap.parse_args()
-    missing = [h for h in args.heads if not (Path(h) / "config.json").is_file()]
-    if missing:
-        raise SystemExit(f"bench.tau: no head at {', '.join(missing)} (a heads/step-N folder with its config.json)")
-
     from bench.curve.measure import Evaluator
-    from mtp_train.speculative.metrics import paired_tau_difference
+    from mtp_train.heads import read_head_config
+    from mtp_train.models.config import ModelConfigError
+
+    try:  # every head folder checked before the target loads (minutes on a slow machine)
+        for head in args.heads:
+            read_head_config(head)
+    except ModelConfigError as e:
+        raise SystemExit(f"bench.tau: {e}") from None
 
     ev = SimpleNamespace(prompts=args.prompts.split(","), limit=args.limit, k=args.k,
                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
@@ -46,12 +63,11 @@ def main() -> None:
         points[head] = p
         print(f"{head}: τ {p['tau']:.4f} ± {p['tau_se']:.4f} (k = {args.k}, {len(p['requests'])} requests); "
               f"per position {' / '.join(f'{a:.3f}' for a in p['pos'])}", flush=True)
-    first = args.heads[0]
-    rows = {}
-    for head in args.heads[1:]:
-        diff, se = paired_tau_difference(points[head]["requests"], points[first]["requests"])
-        rows[head] = {"tau_minus_first": diff, "paired_se": se}
-        print(f"{head} − {first}: Δτ {diff:+.4f} ± {se if se is not None else float('nan'):.4f} (paired)", flush=True)
+    rows = versus_first(points)
+    for head, row in rows.items():
+        se = row["paired_se"]
+        print(f"{head} − {args.heads[0]}: Δτ {row['tau_minus_first']:+.4f} ± "
+              f"{se if se is not None else float('nan'):.4f} (paired)", flush=True)
     report({"k": args.k, "prompts": ev.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
             "heads": {h: {k: v for k, v in p.items() if k != "requests"} for h, p in points.items()},
             "versus_first": rows})
