@@ -558,6 +558,14 @@ CASES.update({
                                      ["out={tmp}/out holds files that no mtp command wrote", NOT_OURS]),
     "demo-out-a-file": ("demo", [], _out_file("out"), ["out={tmp}/out is a file, but mtp-demo writes a folder"]),
     "demo-locked": ("demo", [], _fresh("demo"), [HOLDS_LOCK]),
+    # Every stage's settings are composed before anything is written: a prompt set that does not exist, or a
+    # misspelt key in the last stage's list, is refused before the first stage runs.
+    "demo-unknown-prompt-set": ("demo", ["data=demo-6400"], _fresh("demo"),
+                                ["the regenerate stage does not compose", "Could not find 'data/demo-6400'",
+                                 "demo-640", "data="]),
+    "demo-misspelt-key-in-a-later-stage": ("demo", ["export=[formatt=native]"], _fresh("demo"),
+                                           ["the export stage does not compose", "Could not override 'formatt'",
+                                            "export=[...]"]),
     "eval-locked": ("eval", [], _fresh("eval"), [HOLDS_LOCK]),
     "export-locked": ("export", [], _fresh("export"), [HOLDS_LOCK]),
     # Values of the wrong type, named with the type the key takes.

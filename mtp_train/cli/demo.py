@@ -57,8 +57,17 @@ def stage_overrides(cfg: DemoConfig, out: Path) -> dict[str, list[str]]:
 
 
 def _compose(name: str, overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(name, overrides=overrides)
+    """conf/<name>.yaml with the stage's overrides. One Hydra cannot compose (a prompt set or key that does not
+    exist, a malformed override) is a ValueError naming the stage, on one line."""
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return compose(name, overrides=overrides)
+    except HydraException as exc:
+        why = " ".join(str(exc).split("Config search path")[0].split())  # Hydra's search path adds nothing here
+        raise ValueError(f"the {name} stage does not compose ({why}): fix its overrides in "
+                         f"conf/demo.yaml or on the command line ({name}=[...], data=, model_path=)") from None
 
 
 def _load_state(path: Path) -> dict[str, Any]:
@@ -68,11 +77,16 @@ def _load_state(path: Path) -> dict[str, Any]:
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run (or resume) the pipeline under `out`'s lock; returns the summary.
 
-    An `out` holding anything but an earlier demo's folder (another command's output, unrelated files, a file) is
-    refused before anything is written (`claim_output`).
+    Every stage's settings are composed first, so that one that does not compose (`_compose`) is refused before
+    anything is written; so is an `out` holding anything but an earlier demo's folder (another command's output,
+    unrelated files, a file: `claim_output`).
     """
     register_configs()
     out = Path(cfg.out)
+    overrides = stage_overrides(cfg, out)
+    for stage in STAGES:  # every stage's settings checked before anything is written (the last starts minutes in)
+        later = [f"head_ckpt={out / 'train'}"] if stage in ("eval", "export") else []
+        _compose(stage, later + overrides[stage])
     with claim_output(out, DEMO):
         state_path = out / "stages.json"
         if not state_path.is_file():  # marks the folder as the demo's before any stage writes into it
