@@ -311,3 +311,27 @@ def test_a_cut_line_is_reported_at_its_real_column(tmp_path):
     path.write_text(line + "\n")
     with pytest.raises(DataError, match=rf"{path}:1: invalid_json: Expecting ',' delimiter at column {len(line) + 1}"):
         read_conversations(_data(path))
+
+
+def test_the_shipped_demo_prompt_sets_read_whole_and_never_touch_the_held_out_prompts():
+    # Every conf/data set over the repository's own files reads through the reader with no bad row; ids are unique
+    # across all of them, and no training prompt is a held-out prompt or turn (the τ the demo reports would count it).
+    from omegaconf import OmegaConf
+
+    from mtp_train.cli.common import CONF_DIR
+
+    root = Path(CONF_DIR).parent
+    sets = {p.stem: OmegaConf.load(p) for p in sorted((Path(CONF_DIR) / "data").glob("demo*.yaml"))}
+    assert {"demo", "demo-640", "demo-960", "demo-heldout"} <= set(sets)
+    texts: dict[str, set[str]] = {}
+    ids: dict[str, str] = {}
+    for name, conf in sets.items():
+        if not all((root / p).is_file() for p in conf.paths):
+            continue  # demo-regen: the regenerated file a run writes
+        convs, stats = read_conversations(_data([str(root / p) for p in conf.paths]))
+        assert not stats.bad and convs and stats.kept == stats.rows, name
+        texts[name] = {m["content"] for c in convs for m in c.messages if m["role"] == "user"}
+        for c in convs:
+            assert ids.setdefault(c.id, c.source) == c.source, f"{c.id} in two files"
+    assert len(texts["demo-960"]) == 960 and texts["demo"] < texts["demo-640"] < texts["demo-960"]
+    assert not texts["demo-960"] & texts["demo-heldout"]
