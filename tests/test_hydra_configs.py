@@ -65,9 +65,10 @@ def test_demo_config_is_typed_and_its_stage_overrides_compose():
         name = "train" if stage == "train" else stage
         extra = ["head_ckpt=x"] if stage in ("eval", "export") else []
         compose(name, overrides=extra + overrides)
-    # The prompt set the target answers (the demo's data= key, demo-640): both files of it reach regenerate.
+    # The prompt set the target answers (the demo's data= key, demo-960): its three files reach regenerate.
     regen = compose("regenerate", overrides=stage_overrides(cfg, Path("runs/demo"))["regenerate"])
-    assert [Path(p).name for p in regen.data.paths] == ["demo_prompts.jsonl", "demo_prompts_extra.jsonl"]
+    assert [Path(p).name for p in regen.data.paths] == ["demo_prompts.jsonl", "demo_prompts_extra.jsonl",
+                                                        "demo_prompts_more.jsonl"]
     cfg.data = "demo"
     regen = compose("regenerate", overrides=stage_overrides(cfg, Path("runs/demo"))["regenerate"])
     assert [Path(p).name for p in regen.data.paths] == ["demo_prompts.jsonl"]

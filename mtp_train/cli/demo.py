@@ -5,7 +5,7 @@
 
 Stages, each the project's own command run in this process with the overrides of `conf/demo.yaml`:
 
-1. `mtp-regenerate` answers the project's demo prompts (`data=`, demo-640: data/demo_prompts*.jsonl) with the target;
+1. `mtp-regenerate` answers the project's demo prompts (`data=`, demo-960: data/demo_prompts*.jsonl) with the target;
 2. `mtp-precompute` stores the target's hidden states over those conversations;
 3. `mtp-train` trains the `mtp` head (DeepSpeed, CPU);
 4. `mtp-eval` runs speculative decoding with the head on the held-out prompts against plain decoding;

@@ -11,9 +11,10 @@ class DemoConfig:
 
     out: str = "runs/demo"
     model_path: str = "models/smollm2-135m-instruct"  # fetched on first use when it is the default folder
-    # The prompt set (conf/data/<name>.yaml) the target answers for the head's training data: demo-640 (the 320
-    # demo prompts and 320 more of the same mix; τ +0.03 to +0.07 over `demo` at the same steps, docs/results.md)
-    data: str = "demo-640"
+    # The prompt set (conf/data/<name>.yaml) the target answers for the head's training data: demo-960 (the 320
+    # demo prompts and 640 more of the same mix; at the same steps τ +0.08 from 320 to 640 and +0.03 from 640 to 960
+    # at k = 3, docs/results.md)
+    data: str = "demo-960"
     regenerate: list[str] = field(default_factory=list)
     precompute: list[str] = field(default_factory=list)
     train: list[str] = field(default_factory=list)
