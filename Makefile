@@ -78,14 +78,14 @@ bench-spec: model
 
 # A head's tau over the dynamic-tree grid (steps x topk x tokens) beside its chains, the verify cost by rows, and the
 # timed speed-up (with its interval) of the best trees and chain, e.g.
-# `make bench-tree HEAD=runs/demo/train/heads/step-600 BENCH_TREE_ARGS="--limit 8"`.
+# `make bench-tree HEAD=runs/demo/train/heads/step-1000 BENCH_TREE_ARGS="--limit 8"`.
 BENCH_TREE_ARGS ?=
 # The regeneration client's own CPU per request against a local mtp-serve (is it ever a fleet's bottleneck?).
 bench-remote: model
 	$(PY) -m bench.remote --model $(MODEL_DIR) $(BENCH_REMOTE_ARGS)
 
 # Where a speculative step goes, part by part, against a plain decode step (HEAD=dir for a trained head, else an
-# untrained one: the costs are the same), e.g. `make bench-step HEAD=runs/demo/train/heads/step-600`.
+# untrained one: the costs are the same), e.g. `make bench-step HEAD=runs/demo/train/heads/step-1000`.
 bench-step: model
 	$(PY) -m bench.step --model $(MODEL_DIR) $(if $(HEAD),--head $(HEAD)) $(BENCH_STEP_ARGS)
 
@@ -94,12 +94,12 @@ bench-head-step: model
 	$(PY) -m bench.head_step --model $(MODEL_DIR) $(BENCH_HEAD_STEP_ARGS)
 
 # τ of trained heads on the same held-out prompts, untimed, each against the first paired by request, e.g.
-# `make bench-tau HEADS="runs/demo/train/heads/step-600 runs/demo2/train/heads/step-600"`.
+# `make bench-tau HEADS="runs/demo/train/heads/step-1000 runs/demo2/train/heads/step-1000"`.
 bench-tau: model
 	$(PY) -m bench.tau --model $(MODEL_DIR) $(HEADS) $(BENCH_TAU_ARGS)
 
 bench-tree: model
-	$(PY) -m bench.tree --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-600) --timed \
+	$(PY) -m bench.tree --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-1000) --timed \
 		$(BENCH_TREE_ARGS)
 
 # The norm ablation (mtp vs eagle1) at the CPU-sized default; e.g. `make ablation ABLATION_ARGS="--steps 2000"`.

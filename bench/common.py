@@ -183,7 +183,7 @@ def head_run_args(doc: str | None) -> argparse.ArgumentParser:
     """The options of a run of a head on held-out prompts: model, head, prompts, limit, new tokens, batch."""
     ap = parser(doc)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
-    ap.add_argument("--head", default="runs/demo/train/heads/step-600", help="head folder (mtp-train's heads/step-N)")
+    ap.add_argument("--head", default="runs/demo/train/heads/step-1000", help="head folder (mtp-train's heads/step-N)")
     ap.add_argument("--prompts", default="demo-heldout")
     ap.add_argument("--limit", type=int, default=16, help="conversations")
     ap.add_argument("--max-new-tokens", type=int, default=96)

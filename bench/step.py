@@ -21,7 +21,7 @@ step in plain decode steps) and the floor: the same forward over one row (the pl
 runs through every row in turn, so that a drift of the machine's speed falls on all rows alike. Timings come from
 hooks around the parts (a few µs each, the same for every row), so read the shares, not the last decimal.
 
-Usage: python -m bench.step --model models/smollm2-135m-instruct [--head runs/demo/train/heads/step-600]
+Usage: python -m bench.step --model models/smollm2-135m-instruct [--head runs/demo/train/heads/step-1000]
        [--limit 4] [--max-new-tokens 64] [--ks 1,2,3,4]
 Without --head an untrained mtp head (the target's last layer, the demo's 8k draft vocabulary) drafts: its
 acceptance is low, its costs are the demo head's. Measure on a quiet machine: one competing process changes every

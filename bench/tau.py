@@ -7,7 +7,7 @@ after the first, τ − τ_first over the requests both answered with its paired
 timing, so the machine's load does not enter the figures: it says which head drafts better on these prompts, and
 the eval's `step_cost` then says what that is worth in time.
 
-Usage: python -m bench.tau runs/demo/train/heads/step-600 runs/other/train/heads/step-600 [--k 3]
+Usage: python -m bench.tau runs/demo/train/heads/step-1000 runs/other/train/heads/step-1000 [--k 3]
        [--prompts demo-heldout] [--limit N] [--max-new-tokens 96]
 The last line printed is one JSON object.
 """

@@ -18,7 +18,7 @@ The headline: `best_tree` is the tree (topk ≥ 2) of highest τ with tokens ≤
 the plain chain of highest τ (ties: fewer verified rows, then fewer levels); `tau_ratio` = best_tree.tau /
 best_chain.tau, the goal 1.25 (τ, not time: the gain a GPU user sees, where 8 rows cost about one).
 
-Usage: python -m bench.tree [--head runs/demo/train/heads/step-600] [--limit 16] [--steps 1,2,3,4]
+Usage: python -m bench.tree [--head runs/demo/train/heads/step-1000] [--limit 16] [--steps 1,2,3,4]
        [--topk 1,2,4] [--tokens 2,4,8,16] [--chains 1,2,3,4] [--max-new-tokens 96] [--no-rows] [--timed]
 The last line printed is one JSON object.
 """

@@ -20,7 +20,7 @@ badly" and "the head's candidates hold too little":
    estimates the smaller tree's τ rather than replaying it: `--check` also runs the real `eagle2` tree at the largest
    keep ≤ 7 for comparison).
 
-Usage: python -m bench.tree_rules [--head runs/demo/train/heads/step-600] [--steps 3] [--topk 4] [--keep 3,7,15]
+Usage: python -m bench.tree_rules [--head runs/demo/train/heads/step-1000] [--steps 3] [--topk 4] [--keep 3,7,15]
        [--limit 16] [--max-new-tokens 96] [--no-check]
 The last line printed is one JSON object.
 """
