@@ -99,7 +99,7 @@ bench-tau: model
 	$(PY) -m bench.tau --model $(MODEL_DIR) $(HEADS) $(BENCH_TAU_ARGS)
 
 bench-tree: model
-	$(PY) -m bench.tree --model $(MODEL_DIR) --head $(or $(HEAD),runs/demo/train/heads/step-1000) --timed \
+	$(PY) -m bench.tree --model $(MODEL_DIR) $(if $(HEAD),--head $(HEAD)) --timed \
 		$(BENCH_TREE_ARGS)
 
 # The norm ablation (mtp vs eagle1) at the CPU-sized default; e.g. `make ablation ABLATION_ARGS="--steps 2000"`.
