@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--ks", default="1,2,3,4")
-    ap.add_argument("--tree", default="2x2x4", help="a dynamic tree STEPSxTOPKxTOKENS ('none' to skip)")
+    ap.add_argument("--tree", default="2x3x4", help="a dynamic tree STEPSxTOPKxTOKENS ('none' to skip)")
     ap.add_argument("--head-weights", default="bf16",
                     help="what the head's few-row products stream (mtp-eval's head_weights): bf16, int8, fp32, or "
                          "several (bf16,int8: every head row once per kind, interleaved prompt by prompt, the A/B "
