@@ -179,11 +179,33 @@ def head_proposer(head: Any, **options: Any) -> Any:
     return head_type(head.cfg.type).drafter(head, options)
 
 
+def demo_head_dir(conf: Path = ROOT / "conf" / "demo.yaml") -> str:
+    """The head `make demo` trains, the benches' default: the one its `stages.json` records where the demo has run,
+    else where the demo config's training will write it (`<out>/train/heads/step-<train.max_steps>`).
+
+    Args:
+        conf: the demo's config (`conf/demo.yaml`); its `out` is relative to the working directory, as the demo's."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(conf)
+    out = Path(cfg.out)
+    stages = out / "stages.json"
+    if stages.is_file():
+        head = json.loads(stages.read_text()).get("train", {}).get("head_dir")
+        if head:
+            return str(head)
+    steps = [o.split("=", 1)[1] for o in cfg.train if str(o).startswith("train.max_steps=")]
+    if not steps:
+        raise ValueError(f"{conf}: its train overrides set no train.max_steps; pass --head")
+    return str(out / "train" / "heads" / f"step-{steps[-1]}")
+
+
 def head_run_args(doc: str | None) -> argparse.ArgumentParser:
     """The options of a run of a head on held-out prompts: model, head, prompts, limit, new tokens, batch."""
     ap = parser(doc)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
-    ap.add_argument("--head", default="runs/demo/train/heads/step-1000", help="head folder (mtp-train's heads/step-N)")
+    ap.add_argument("--head", default=demo_head_dir(),
+                    help="head folder (mtp-train's heads/step-N; default: the demo's, as its stages.json records it)")
     ap.add_argument("--prompts", default="demo-heldout")
     ap.add_argument("--limit", type=int, default=16, help="conversations")
     ap.add_argument("--max-new-tokens", type=int, default=96)
