@@ -179,21 +179,24 @@ def head_proposer(head: Any, **options: Any) -> Any:
     return head_type(head.cfg.type).drafter(head, options)
 
 
-def demo_head_dir(conf: Path = ROOT / "conf" / "demo.yaml") -> str:
+def demo_head_dir(conf: Path | None = None) -> str:
     """The head `make demo` trains, the benches' default: the one its `stages.json` records where the demo has run,
     else where the demo config's training will write it (`<out>/train/heads/step-<train.max_steps>`).
 
     Args:
-        conf: the demo's config (`conf/demo.yaml`); its `out` is relative to the working directory, as the demo's."""
+        conf: the demo's config (default `conf/demo.yaml`); its `out` is relative to the working directory, as the
+            demo's."""
     from omegaconf import OmegaConf
 
+    from mtp_train.cli.demo import recorded_head_dir
+    from mtp_train.config import CONF_DIR
+
+    conf = Path(CONF_DIR) / "demo.yaml" if conf is None else conf
     cfg = OmegaConf.load(conf)
     out = Path(cfg.out)
-    stages = out / "stages.json"
-    if stages.is_file():
-        head = json.loads(stages.read_text()).get("train", {}).get("head_dir")
-        if head:
-            return str(head)
+    recorded = recorded_head_dir(out)
+    if recorded:
+        return recorded
     steps = [o.split("=", 1)[1] for o in cfg.train if str(o).startswith("train.max_steps=")]
     if not steps:
         raise ValueError(f"{conf}: its train overrides set no train.max_steps; pass --head")
@@ -201,16 +204,29 @@ def demo_head_dir(conf: Path = ROOT / "conf" / "demo.yaml") -> str:
 
 
 def head_run_args(doc: str | None) -> argparse.ArgumentParser:
-    """The options of a run of a head on held-out prompts: model, head, prompts, limit, new tokens, batch."""
+    """The options of a run of a head on held-out prompts: model, head, prompts, limit, new tokens, batch; parse them
+    with `parse_head_run`, which fills the default head."""
     ap = parser(doc)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
-    ap.add_argument("--head", default=demo_head_dir(),
+    ap.add_argument("--head", default=None,
                     help="head folder (mtp-train's heads/step-N; default: the demo's, as its stages.json records it)")
     ap.add_argument("--prompts", default="demo-heldout")
     ap.add_argument("--limit", type=int, default=16, help="conversations")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=8, help="τ runs' batch (τ does not depend on it)")
     return ap
+
+
+def parse_head_run(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`ap.parse_args(argv)` with `--head` defaulting to the demo's head (`demo_head_dir`), looked up only when
+    `--head` is not given; a demo config that cannot name it is a usage error."""
+    args = ap.parse_args(argv)
+    if args.head is None:
+        try:
+            args.head = demo_head_dir()
+        except ValueError as exc:
+            ap.error(str(exc))
+    return args
 
 
 def load_head_run(args: argparse.Namespace, model: Any = None) -> tuple[Any, Any, Any, list[Any], list[int]]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.common import head_proposer, head_run_args, ints, load_head_run, report, verify_forward
+from bench.common import head_proposer, head_run_args, ints, load_head_run, parse_head_run, report, verify_forward
 from mtp_train.cli.common import configure_from_env
 from mtp_train.config import EvalConfig, NgramConfig
 from mtp_train.data.prompts import PromptSet
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--timed", action="store_true", help="measure the speed-up of the best trees and chain")
     ap.add_argument("--timed-top", type=int, default=3, help="trees --timed measures (best τ first)")
     ap.add_argument("--repeats", type=int, default=1, help="--timed: answer the prompts this many times over")
-    args = ap.parse_args(argv)
+    args = parse_head_run(ap, argv)
     configure_from_env()
     model = load_model(args.model, dtype="float32")
     result: dict[str, Any] = {"head": args.head, "prompts": args.prompts, "limit": args.limit,

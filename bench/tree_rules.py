@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bench.common import head_proposer, head_run_args, ints, load_head_run, report
+from bench.common import head_proposer, head_run_args, ints, load_head_run, parse_head_run, report
 from mtp_train.cli.common import configure_from_env
 from mtp_train.engine.sampling import SamplingParams
 from mtp_train.engine.turns import answer
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--topk", type=int, default=4, help="the candidate tree's children per node")
     ap.add_argument("--keep", default="3,7,15", help="verified nodes (tokens - 1) each rule keeps")
     ap.add_argument("--no-check", action="store_true", help="skip the real eagle2 tree at the largest keep <= 7")
-    args = ap.parse_args(argv)
+    args = parse_head_run(ap, argv)
     configure_from_env()
     model, tokenizer, head, sets, stops = load_head_run(args)
     convs = [c for ps in sets for c in ps.convs]

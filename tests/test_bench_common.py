@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from bench import common
-from bench.common import demo_head_dir
+from bench.common import demo_head_dir, head_run_args, parse_head_run
 
 
 def test_the_default_head_follows_the_demo_config(tmp_path, monkeypatch):
@@ -33,3 +33,12 @@ def test_a_demo_config_without_steps_is_refused_by_name(tmp_path, monkeypatch):
     conf.write_text("out: runs/x\ntrain:\n  - head=mtp\n")
     with pytest.raises(ValueError, match=r"demo\.yaml: .*train\.max_steps"):
         demo_head_dir(conf)
+
+
+
+def test_parsing_fills_the_default_head_and_keeps_a_given_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "stages.json").write_text(json.dumps({"train": {"head_dir": "runs/demo/h"}}))
+    assert parse_head_run(head_run_args(None), []).head == "runs/demo/h"
+    assert parse_head_run(head_run_args(None), ["--head", "mine"]).head == "mine"

@@ -74,6 +74,11 @@ def _load_state(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def recorded_head_dir(out: Path) -> str | None:
+    """The head a demo under `out` trained, as its `stages.json` records it; None before its training finished."""
+    return _load_state(out / "stages.json").get("train", {}).get("head_dir") or None
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run (or resume) the pipeline under `out`'s lock; returns the summary.
 
