@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -335,3 +336,54 @@ def test_the_shipped_demo_prompt_sets_read_whole_and_never_touch_the_held_out_pr
             assert ids.setdefault(c.id, c.source) == c.source, f"{c.id} in two files"
     assert len(texts["demo-960"]) == 960 and texts["demo"] < texts["demo-640"] < texts["demo-960"]
     assert not texts["demo-960"] & texts["demo-heldout"]
+
+
+GOOD = '{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}'
+
+
+def _nested(depth: int, close: bool = True) -> str:
+    """A chat record whose `messages` holds arrays `depth` levels deep (brackets in a string beside it do not count)."""
+    return '{"note": "[[[[{{", "messages": ' + "[" * depth + ("]" * depth + "}" if close else "")
+
+
+@pytest.mark.parametrize("depth", [101, 100_000])
+def test_a_record_nested_too_deep_is_a_bad_row_named_and_skippable(tmp_path, depth):
+    # Python's parser gives a RecursionError somewhere past ~1000 levels; the reader refuses past 100 either way.
+    path = tmp_path / "deep.jsonl"
+    path.write_text("\n".join([GOOD, _nested(depth), GOOD]) + "\n")
+    with pytest.raises(DataError, match=rf"^{path}:2: nested_too_deep: nested deeper than 100 levels \(arrays and "
+                                        rf"objects {depth + 1} deep\); flatten the record or leave the row out$"):
+        read_conversations(_data(path))
+    convs, stats = read_conversations(_data(path, on_bad_row="skip"))
+    assert [c.line for c in convs] == [1, 3] and dict(stats.bad) == {"nested_too_deep": 1}
+    assert stats.examples["nested_too_deep"] == [f"{path}:2"]
+
+
+def test_a_record_nested_to_the_limit_is_read(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text(_nested(99) + "\n")  # 100 levels with the record's own object
+    with pytest.raises(DataError, match=r":1: unrecognised_fields: messages\[0\] is list"):
+        read_conversations(_data(path))
+
+
+def test_a_json_array_goes_on_after_a_record_nested_too_deep(tmp_path):
+    # The element's end is found without the parser, so the rest of the file is still read.
+    path = tmp_path / "deep.json"
+    path.write_text("[\n" + ",\n".join([GOOD, _nested(150), _nested(100_000), GOOD.replace('"a"', '"b"')]) + "\n]\n")
+    convs, stats = read_conversations(_data(path, on_bad_row="skip"))
+    assert [(c.id, c.line) for c in convs] == [("a", 2), ("b", 5)]
+    assert stats.examples["nested_too_deep"] == [f"{path}:3", f"{path}:4"]
+
+
+@pytest.mark.parametrize("field, record", [
+    ("id", '{"id": 5001, "prompt": "hi"}'),
+    ("meta.scores[1]", '{"id": "x", "prompt": "hi", "meta": {"scores": [1, -5001]}}'),
+])
+def test_an_integer_too_long_for_python_is_a_bad_row_naming_its_field(tmp_path, field, record):
+    path = tmp_path / "long.jsonl"
+    path.write_text(GOOD + "\n" + record.replace("5001", "9" * 5001) + "\n")
+    with pytest.raises(DataError, match=rf"^{path}:2: integer_too_long: field {re.escape(field)} is an integer of "
+                                        rf"5001 digits, more than the \d+ Python converts; write it as a string"):
+        read_conversations(_data(path))
+    convs, stats = read_conversations(_data(path, on_bad_row="skip"))
+    assert [c.id for c in convs] == ["a"] and dict(stats.bad) == {"integer_too_long": 1}

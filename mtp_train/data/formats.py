@@ -52,6 +52,8 @@ EMPTY_CONTENT = "empty_content"
 ROLE_ORDER = "role_order"
 INVALID_TEXT = "invalid_text"  # a string that is not valid Unicode (a lone surrogate such as "\ud800" in JSON)
 CONFLICTING_REASONING = "conflicting_reasoning"  # `thinking` and `reasoning_content` holding different texts
+NESTED_TOO_DEEP = "nested_too_deep"  # arrays and objects nested past `sources.MAX_NESTING` levels
+INTEGER_TOO_LONG = "integer_too_long"  # more digits than Python converts (sys.get_int_max_str_digits)
 
 
 class DataError(ValueError):

@@ -1,25 +1,109 @@
 """Where records come from: files, folders, globs and saved datasets → (source, line, record) rows.
 
 `.jsonl` / `.json` are streamed by our own code so that every error names its line (a line that is not JSON, or
-not UTF-8, is a row holding a `BadRecord`); `.parquet` / `.csv` go through `datasets.load_dataset`; a folder
-written by `Dataset.save_to_disk` through `datasets.load_from_disk` (rows are numbered from 1 like lines). A plain
-folder stands for the data files directly inside it.
+not UTF-8, is a row holding a `BadRecord`, and so is a record Python cannot hold: arrays and objects nested past
+`MAX_NESTING` levels, an integer of more digits than `int` converts); `.parquet` / `.csv` go through
+`datasets.load_dataset`; a folder written by `Dataset.save_to_disk` through `datasets.load_from_disk` (rows are
+numbered from 1 like lines). A plain folder stands for the data files directly inside it.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import re
 import stat
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from mtp_train.data.formats import INVALID_JSON, BadRecord, DataError
+from mtp_train.data.formats import INTEGER_TOO_LONG, INVALID_JSON, NESTED_TOO_DEEP, BadRecord, DataError
 
 JSON_SUFFIXES = (".jsonl", ".json")
 DATASETS_SUFFIXES = {".parquet": "parquet", ".csv": "csv"}
 PathLike = str | Path
+# Arrays and objects inside each other: a conversation needs 4 levels; Python's parser (recursive, ~1000 frames of
+# stack) would fail with a RecursionError somewhere past the limit, and code that walks a record again later too.
+MAX_NESTING = 100
+_JSON_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'
+_STRING_OR_BRACKET = re.compile(_JSON_STRING + r"|[\[\]{}]")  # brackets inside strings do not nest
+
+
+class _LongInteger(str):
+    """The digits of a JSON integer too long for `int` (`sys.get_int_max_str_digits`), kept as text so that the
+    reader can name its field."""
+
+
+def _nesting(text: str, start: int = 0) -> tuple[int, int]:
+    """(levels, end): how deep arrays and objects nest in the JSON value at `start` of `text`, and where it ends
+    (the end of `text` when the value is not an array or object, or does not close)."""
+    depth = deepest = 0
+    for m in _STRING_OR_BRACKET.finditer(text, start):
+        c = m.group()
+        if c[0] == '"':
+            if depth == 0:
+                break
+            continue
+        depth += 1 if c in "[{" else -1
+        deepest = max(deepest, depth)
+        if depth == 0:
+            return deepest, m.end()
+    return deepest, len(text)
+
+
+def _field_of(value: Any, kind: type) -> str:
+    """The path (`messages[0].score`) of the first node of `kind` in a decoded record, depth first."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, kind):
+            return path or "the record"
+        if isinstance(node, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(node))))
+    return "the record"
+
+
+def _decode(text: str, start: int | None = None) -> tuple[Any, int]:
+    """(record, end): the JSON value of a whole line (`start` None) or the one at `start` of `text`, and where it
+    ends. A record Python cannot hold comes back as a `BadRecord` in its place: nested past `MAX_NESTING` levels
+    (the parser's RecursionError) or holding an integer too long to convert (Python's limit on digits), either of
+    which would otherwise stop the whole read naming no line. Text that is not JSON raises `json.JSONDecodeError`.
+    """
+    too_long: list[str] = []
+
+    def parse_int(digits: str) -> int | str:
+        try:
+            return int(digits)
+        except ValueError:  # past sys.get_int_max_str_digits()
+            too_long.append(digits)
+            return _LongInteger(digits)
+
+    decoder = json.JSONDecoder(parse_int=parse_int)
+    begin = 0 if start is None else start
+    try:
+        value, end = (decoder.decode(text), len(text)) if start is None else decoder.raw_decode(text, start)
+        overflowed = False
+    except RecursionError:
+        value, end, overflowed = None, len(text), True
+    piece = text[begin:end]
+    # Counting the brackets first spares ordinary records the scan.
+    if overflowed or piece.count("[") + piece.count("{") > MAX_NESTING:
+        levels, value_end = _nesting(text, begin + len(piece) - len(piece.lstrip()))
+        if levels > MAX_NESTING:
+            return BadRecord(NESTED_TOO_DEEP, f"nested deeper than {MAX_NESTING} levels (arrays and objects "
+                                              f"{levels} deep); flatten the record or leave the row out"), \
+                value_end if overflowed else end
+        if overflowed:  # within the limit, yet the stack ran out: not the record's doing
+            raise RecursionError(f"decoding a record of {levels} levels")
+    if too_long:
+        digits = len(too_long[0].lstrip("-"))
+        return BadRecord(INTEGER_TOO_LONG, f"field {_field_of(value, _LongInteger)} is an integer of {digits} "
+                                           f"digits, more than the {sys.get_int_max_str_digits()} Python converts; "
+                                           f"write it as a string (in quotes) or leave the row out"), end
+    return value, end
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -41,7 +125,7 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 continue
             try:
                 # Without its line break: a line cut short would otherwise fail "at column 1" of the next line.
-                yield lineno, json.loads(line.rstrip("\r\n"))
+                yield lineno, _decode(line.rstrip("\r\n"))[0]
             except json.JSONDecodeError as exc:
                 yield lineno, BadRecord(INVALID_JSON, f"{exc.msg} at column {exc.colno}")
 
@@ -49,7 +133,6 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
 def _json_array_rows(path: Path) -> Iterator[tuple[int, Any]]:
     """Elements of a top-level JSON array, each with the line it starts on. A syntax error ends the file."""
     text = path.read_text(encoding="utf-8-sig")
-    decoder = json.JSONDecoder()
     pos, line, counted = text.index("[") + 1, 1, 0
 
     def skip(p: int, chars: str) -> int:
@@ -74,7 +157,7 @@ def _json_array_rows(path: Path) -> Iterator[tuple[int, Any]]:
         line += text.count("\n", counted, pos)
         counted = pos
         try:
-            value, end = decoder.raw_decode(text, pos)
+            value, end = _decode(text, pos)
         except json.JSONDecodeError as exc:
             yield exc.lineno, BadRecord(INVALID_JSON, f"{exc.msg} at column {exc.colno} (rest of file not read)")
             return
