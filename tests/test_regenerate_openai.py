@@ -5,21 +5,26 @@ token, and an unreachable endpoint or a model not served is one clear line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI, Request
 
 from mtp_train.config import RegenerateConfig
 from mtp_train.data.readers import Conversation
 from mtp_train.engine import LLMEngine
 from mtp_train.engine.generator import EngineGenerator
+from mtp_train.engine.sampling import SamplingParams
 from mtp_train.engine.turns import stop_token_ids
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.regenerate import part_path, regenerate
@@ -213,3 +218,204 @@ def test_the_generator_setting_is_checked():
     with pytest.raises(ConfigError, match="choose one of engine, openai"):
         RegenerateConfig(generator="vllm")
     assert RegenerateConfig(generator="openai", endpoints=["http://127.0.0.1:8000"]).generator == "openai"
+
+
+# --- servers that misbehave --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def plain_server(app) -> Iterator[str]:
+    """A FastAPI app written for a test on uvicorn in a thread (its default settings); yields its base URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def misbehaving_app(answer, path, max_model_len=256):
+    """An OpenAI-style server written for these tests: `/health`, `/v1/models` (serving "tiny" from `path`, its
+    `max_model_len` as given) and `/v1/completions`, whose choice is `answer(body)` (the request's JSON)."""
+    app = FastAPI()
+
+    @app.get("/health")
+    def health() -> dict:
+        return {}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": "tiny", "root": str(path), "max_model_len": max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        return {"choices": [{"index": 0, "text": "", **answer(await request.json())}]}
+
+    return app
+
+
+def test_an_answer_a_server_should_not_give_is_refused_naming_the_endpoint_and_the_request(target):
+    model, tok, path = target
+    vocab, stop = model.args.vocab_size, stop_token_ids(tok, model.args.eos_token_ids)
+    cases = {  # what the server answers to max_tokens=8 → what the refusal says
+        "too long": ({"token_ids": [5] * 100001, "finish_reason": "length"}, "returned 100001 tokens for max_tokens=8"),
+        "huge id": ({"token_ids": [5, 10**12], "finish_reason": "length"}, r"token id 1000000000000, outside the "
+                                                                         rf"vocabulary \[0, {vocab}\)"),
+        "negative id": ({"token_ids": [5, -7], "finish_reason": "length"}, r"token id -7, outside"),
+        "no ids": ({"finish_reason": "stop"}, "returned no token_ids"),
+        "text ids": ({"token_ids": ["5"], "finish_reason": "length"}, "not a list of integers"),
+        "no reason": ({"token_ids": [5] * 8}, "finish_reason None"),
+        "unknown reason": ({"token_ids": [5] * 8, "finish_reason": "eos"}, "finish_reason 'eos'"),
+        "short length": ({"token_ids": [5, 6], "finish_reason": "length"}, r"'length' after 2 of max_tokens=8"),
+        "stop elsewhere": ({"token_ids": [5, 6], "finish_reason": "stop"}, "not a stop token of ours"),
+    }
+    said: dict[str, object] = {}
+    app = misbehaving_app(lambda body: said["answer"], path)
+    with plain_server(app) as url:
+        gen = OpenAIGenerator.connect([url], retries=0, concurrency=1)
+        assert gen.vocab_size == vocab  # read from the served folder's config.json
+        params = [SamplingParams(max_new_tokens=8, stop_token_ids=stop)] * 2
+        for name, (answer, match) in cases.items():
+            said["answer"] = answer
+            with pytest.raises(RemoteError, match=match) as e:
+                gen.generate([[1, 2, 3], [4, 5]], params)
+            msg = str(e.value)
+            assert msg.startswith(f"{url} answering request 1 of 2") and "\n" not in msg and len(msg) < 500, name
+        # a capture names its sample; the stop token may come on top of max_tokens; a good answer passes
+        said["answer"] = {"token_ids": [7] * 9, "finish_reason": "length"}
+        with pytest.raises(RemoteError, match=rf"{url} answering sample 'c3' returned 9 tokens"):
+            gen.generate([[1, 2]], params[:1], names=["sample 'c3'"])
+        said["answer"] = {"token_ids": [7] * 8 + [stop[0]], "finish_reason": "stop"}
+        assert gen.generate([[1, 2]], params[:1])[0].output_ids == [7] * 8 + [stop[0]]
+
+
+def test_a_max_model_len_that_is_not_an_integer_is_one_clear_line(target):
+    _, _, path = target
+    for bad, shown in (("1,8", '"1,8"'), (0, "0"), (2048.5, "2048.5")):
+        with plain_server(misbehaving_app(lambda body: {}, path, max_model_len=bad)) as url, \
+                pytest.raises(RemoteError) as e:
+            OpenAIGenerator.connect([url])
+        msg = str(e.value)
+        assert msg.startswith(f"{url}/v1/models gives max_model_len={shown} for model 'tiny': not a positive "
+                              "integer") and "invalid literal" not in msg and "\n" not in msg
+
+
+def test_the_command_refuses_a_bad_answer_in_one_line_and_exits_2(target, tmp_path):
+    _, _, path = target
+    data = tmp_path / "convs.jsonl"
+    data.write_text(json.dumps({"id": "hello", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    app = misbehaving_app(lambda body: {"token_ids": [5] * 100001, "finish_reason": "length"}, path)
+    with plain_server(app) as url:
+        r = subprocess.run([sys.executable, "-m", "mtp_train.cli.regenerate", "generator=openai",
+                            f"endpoints=[{url}]", f"model.path={path}", "model.fetch=null", f"data.paths=[{data}]",
+                            "template_check_rows=0", "max_new_tokens=8", "progress=false",
+                            f"out={tmp_path / 'out.jsonl'}"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("mtp-regenerate: error:")]
+    assert len(errors) == 1 and f"{url} answering request 1 of 1 returned 100001 tokens for max_tokens=8" in errors[0]
+    out = tmp_path / "out.jsonl"
+    assert not any(f.is_file() and f.read_text().strip() for f in (out, part_path(out, 0)))  # no record written
+
+
+# --- servers that die ---------------------------------------------------------------------------------------------
+
+
+def test_a_failing_endpoint_backs_off_as_one_probes_once_and_is_dead_after_dead_after():
+    from mtp_train.remote.health import LIVE, PROBE, EndpointHealth
+
+    h = EndpointHealth("http://a", backoff=1.0, dead_after=10.0)
+    assert h.admit(0.0) == LIVE
+    # four requests in flight when the server went: one round, one backoff for the endpoint
+    for at in (100.0, 100.1, 100.2, 100.3):
+        assert not h.failed(at, sent_at=99.0, reason="refused")
+    assert h.rounds == 1 and h.admit(100.5) == 0.5  # 1 s after the first failure, not 2^3 s
+    assert h.admit(101.0) == PROBE
+    h.start_probe()
+    assert h.admit(101.0) == math.inf  # the others wait for the probe's outcome
+    assert not h.failed(101.1, sent_at=101.0, reason="refused")
+    assert h.rounds == 2 and h.admit(102.0) == pytest.approx(1.1)  # the next probe 2 s later
+    h.succeeded()  # an answer: live again, the streak forgotten
+    assert h.admit(102.0) == LIVE and h.failing_since is None
+    assert not h.failed(200.0, sent_at=199.0, reason="HTTP 503")
+    for _ in range(5):  # 1 + 2 + 4 s, then the last probe at the deadline (not 8 s later)
+        at = h.next_try
+        assert h.admit(at) == PROBE
+        h.start_probe()
+        if h.failed(at + 0.01, sent_at=at, reason="refused"):
+            break
+    assert h.dead and h.admit(300.0) is None and h.failing_since == 200.0 and at == 210.0
+    assert h.describe(211.0) == "http://a (failing for 11.0 s, last: refused)"
+
+
+def test_a_server_that_dies_mid_run_and_stays_dead_stops_the_run_in_one_line(target, tmp_path):
+    model, tok, path = target
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_serve(path, port, log=tmp_path / "serve.log")
+    out = tmp_path / "remote.jsonl"
+    try:
+        wait_ready(url, server)
+        # retries far beyond what the bound needs: the endpoint's death, not the request's tries, ends the run
+        gen = OpenAIGenerator.connect([url], concurrency=2, retries=1000, backoff=0.1, dead_after=2.0, timeout=60)
+        failure: list[BaseException] = []
+
+        def client() -> None:
+            try:
+                regenerate(conversations(12), gen, tok, out, RegenerateConfig(max_new_tokens=48, progress=False),
+                           stop_ids=stop_token_ids(tok, model.args.eos_token_ids))
+            except BaseException as exc:  # noqa: BLE001 (reported by the test below)
+                failure.append(exc)
+
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
+        part = part_path(out, 0)
+        deadline = time.monotonic() + 120
+        while not (part.exists() and part.read_text().count("\n") >= 1):  # a record written: the run is under way
+            assert time.monotonic() < deadline and thread.is_alive(), failure
+            time.sleep(0.01)
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        thread.join(timeout=120)  # generous: the run stops about dead_after after the kill
+        assert not thread.is_alive(), "the run did not stop after its only endpoint died"
+    finally:
+        server.kill()
+        server.wait()
+    assert len(failure) == 1 and isinstance(failure[0], RemoteError), failure
+    msg = str(failure[0])
+    assert msg.startswith("no endpoint left") and f"{url} (failing for " in msg and "dead_after=2 s" in msg
+    assert "\n" not in msg and gen.live_endpoints() == []
+
+
+def test_with_two_endpoints_one_that_dies_the_run_finishes_on_the_other_with_every_record_once(target, tmp_path):
+    model, tok, path = target
+    convs = conversations(9)
+    cfg = RegenerateConfig(max_new_tokens=12, progress=False)
+    want = engine_records(model, tok, path, convs, cfg, tmp_path / "engine.jsonl")
+    port = free_port()
+    dying = f"http://127.0.0.1:{port}"
+    server = start_serve(path, port, log=tmp_path / "serve.log")
+    app, worker = served_app(model, tok, path)
+    try:
+        wait_ready(dying, server)
+        with app_server(app) as live:
+            # retries=1: the dead endpoint's probes are its own failures, not the requests'
+            gen = OpenAIGenerator.connect([dying, live], concurrency=2, retries=1, backoff=0.1, dead_after=1.0,
+                                          timeout=60)
+            server.send_signal(signal.SIGKILL)  # gone once the run has its endpoints
+            server.wait()
+            regenerate(convs, gen, tok, tmp_path / "remote.jsonl", cfg,
+                       stop_ids=stop_token_ids(tok, model.args.eos_token_ids))
+    finally:
+        server.kill()
+        server.wait()
+        worker.stop()
+    assert records(tmp_path / "remote.jsonl") == want  # every record once (`records` refuses a duplicate)
+    # it failed (and stayed failing, or was declared dead if the run lasted dead_after); the other answered
+    assert gen.retried >= 1 and gen.health[dying].failing_since is not None and not gen.health[live].dead

@@ -5,8 +5,9 @@ the command) and write their capture files into a folder this machine reads too 
 sends every conversation's prompt token ids to `/v1/completions` (a prefill: max_tokens=1, greedy) with
 `kv_transfer_params = {"sample_id", "tag"}`, through `OpenAIGenerator`: `vllm.concurrency` requests in flight per
 endpoint, a failed try (a dropped connection, a timeout, 429 / 5xx: a server killed or restarting) put back for any
-endpoint. The requests go from a thread, a chunk at a time in plan order, while the driver turns the files into
-shards as they appear.
+endpoint, an endpoint failing for `vllm.dead_after` seconds dropped (its requests go to the others) and, with none
+left, the run stopped in one line (`remote.generator`). The requests go from a thread, a chunk at a time in plan
+order, while the driver turns the files into shards as they appear.
 
 Before the first request of a run, `probe` asks every endpoint to capture one conversation and refuses, naming the
 endpoint and the fix, a server that does not run our connector, writes elsewhere than `vllm.spool_dir`, captures
@@ -67,7 +68,8 @@ class EndpointCapture:
         """Ask every endpoint what it serves (`OpenAIGenerator.connect`: one line each for one that does not
         answer or serves another model)."""
         gen = OpenAIGenerator.connect(v.endpoints, model=v.served_model, concurrency=v.concurrency,
-                                      timeout=v.timeout, retries=v.retries, backoff=v.backoff)
+                                      timeout=v.timeout, retries=v.retries, backoff=v.backoff,
+                                      dead_after=v.dead_after)
         return cls(gen, spool, tag, layer_ids, dtype, v.capture_timeout)
 
     def provenance(self) -> dict[str, Any]:
@@ -129,7 +131,8 @@ class EndpointCapture:
                     self.gen.generate([r.ids.tolist() for r in part], [PREFILL] * len(part),
                                       on_finish=lambda j, _out, ids=ids: self.answered.__setitem__(
                                           ids[j], time.monotonic()),
-                                      extra=[self._body(r.id) for r in part])
+                                      extra=[self._body(r.id) for r in part],
+                                      names=[f"sample {r.id!r}" for r in part])
             except BaseException as exc:  # noqa: BLE001 - reported by `check` in the driver's thread
                 self.error = exc
             finally:

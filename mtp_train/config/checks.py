@@ -61,6 +61,10 @@ LOWER_BOUNDS: dict[str, tuple[float, str]] = {
     "data.online.limit": (1, "null (everything) or a positive integer"),
     "vllm.max_num_seqs": (1, _POSITIVE), "vllm.max_num_batched_tokens": (1, "null (vLLM's default) or positive"),
     "vllm.tensor_parallel_size": (1, _POSITIVE), "vllm.cpu_kvcache_gb": (1, _POSITIVE),
+    "backoff": (0, "0 or more seconds"), "dead_after": (0, "0 or more seconds"),
+    "vllm.concurrency": (1, _POSITIVE), "vllm.retries": (0, "0 (no retry) or more"),
+    "vllm.timeout": (0.001, "a positive number of seconds"), "vllm.backoff": (0, "0 or more seconds"),
+    "vllm.dead_after": (0, "0 or more seconds"),
 }
 
 

@@ -22,8 +22,9 @@ class VllmCaptureConfig:
     served_model: str | None = None  # endpoints: the model id to ask for (null: the one they serve)
     concurrency: int = 8  # endpoints: requests in flight per endpoint
     timeout: float = 600.0  # endpoints: seconds one request may take
-    retries: int = 8  # endpoints: tries of a request after its first (dropped connection, timeout, 429, 5xx)
-    backoff: float = 1.0  # endpoints: seconds before a failed request's next try (doubled per failure in a row)
+    retries: int = 8  # endpoints: tries of a request after its first failed on a live endpoint (dropped, 5xx, ...)
+    backoff: float = 1.0  # endpoints: seconds a failing endpoint waits before its first probe (doubled, at most 60)
+    dead_after: float = 180.0  # endpoints: seconds of failures in a row after which an endpoint is dead
     capture_timeout: float = 120.0  # endpoints: seconds a capture file may take to appear once its request is answered
     serve_command: bool = False  # print the `vllm serve` command that captures for these settings, and exit
     max_num_seqs: int = 16  # requests vLLM runs at once

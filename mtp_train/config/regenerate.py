@@ -36,8 +36,9 @@ class RegenerateConfig:
     served_model: str | None = None  # generator=openai: the model id to ask for; None: the one model served
     concurrency: int = 8  # generator=openai: requests in flight per endpoint
     timeout: float = 600.0  # generator=openai: seconds one request may take before it is retried
-    retries: int = 8  # generator=openai: retries of a request (429, 5xx, timeout, dropped connection) before failing
-    backoff: float = 1.0  # generator=openai: seconds before the first retry, doubled per retry (at most 60)
+    retries: int = 8  # generator=openai: retries of a request failed on live endpoints (429, 5xx, timeout, dropped)
+    backoff: float = 1.0  # generator=openai: a failing endpoint's wait before its first probe (doubled, at most 60 s)
+    dead_after: float = 180.0  # generator=openai: seconds of failures in a row after which an endpoint is dead
     template_check_rows: int = 3  # generator=openai: rows whose prompt token ids each server must render like us
 
     def __post_init__(self) -> None:
@@ -48,6 +49,8 @@ class RegenerateConfig:
                               "or a router in front of them)")
         if self.backoff < 0:
             raise ConfigError(f"backoff must be >= 0 seconds, got {self.backoff}")
+        if self.dead_after < 0:
+            raise ConfigError(f"dead_after must be >= 0 seconds, got {self.dead_after}")
         if self.n < 1:
             raise ConfigError(f"n must be >= 1, got {self.n}")
         if self.n > 1 and self.temperature == 0:

@@ -30,6 +30,13 @@ class Retryable(Exception):
         return self.reason
 
 
+def one_line(text: str, limit: int = 300) -> str:
+    """`text` with its line breaks and runs of spaces folded, cut at `limit` characters (a server's error body or
+    a transport error can hold several lines; our errors are one)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def base_url(endpoint: str) -> str:
     """`http://host:port` of an endpoint given as that, with a trailing slash, or with `/v1`."""
     url = endpoint.strip().rstrip("/")
@@ -65,16 +72,16 @@ async def request_json(client: httpx.AsyncClient, method: str, url: str, body: A
     except httpx.TimeoutException as exc:
         raise Retryable(f"{url}: timed out ({type(exc).__name__})") from None
     except httpx.TransportError as exc:  # refused, reset, closed mid-answer: the server died or restarts
-        raise Retryable(f"{url}: {type(exc).__name__}: {exc}") from None
+        raise Retryable(one_line(f"{url}: {type(exc).__name__}: {exc}")) from None
     if r.status_code in RETRY_STATUS:
         after = r.headers.get("retry-after")
         try:
             wait = float(after) if after else None
         except ValueError:
             wait = None
-        raise Retryable(f"{url}: HTTP {r.status_code}: {_message(r)}", wait)
+        raise Retryable(one_line(f"{url}: HTTP {r.status_code}: {_message(r)}"), wait)
     if r.status_code >= 400:
-        raise RemoteError(f"{url} refused the request: HTTP {r.status_code}: {_message(r)}")
+        raise RemoteError(one_line(f"{url} refused the request: HTTP {r.status_code}: {_message(r)}", 800))
     try:
         return r.json()
     except ValueError:
