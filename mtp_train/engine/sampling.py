@@ -6,6 +6,7 @@ acceptance applies temperature/top-k/top-p to draft and target in exactly the sa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +25,9 @@ class SamplingParams:
     seed: int | None = None  # seeds this request's own generator exactly; None = torch's global RNG
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # a NaN fails this too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
@@ -44,6 +45,21 @@ class SamplingParams:
         g = torch.Generator(device=device)
         g.manual_seed(self.seed)
         return g
+
+
+class SamplingError(RuntimeError):
+    """Rows of a batch whose logits give no distribution to sample from (non-finite or all zero after temperature,
+    top-k and top-p); raised before any row is drawn, so that no generator has moved and the step can be run again
+    without them.
+
+    Args:
+        message: what failed, for the log and the clients.
+        params: the failing rows' own `SamplingParams` objects (a sequence's `params`, by identity).
+    """
+
+    def __init__(self, message: str, params: list[SamplingParams]) -> None:
+        super().__init__(message)
+        self.params = params
 
 
 @dataclass
@@ -75,8 +91,10 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     if top_p < 1.0:
         sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        # drop a token when the mass before it already reaches top_p; the first token always stays, even where
+        # top_p rounds to 0 in float32
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
@@ -88,11 +106,24 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if all(p.greedy for p in params):
         return greedy_ids(logits)
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    probs: dict[int, torch.Tensor] = {}
     for b, p in enumerate(params):
         if p.greedy:
             out[b] = greedy_ids(logits[b])
-            continue
-        probs = filtered_probs(logits[b], p.temperature, p.top_k, p.top_p)
+        else:
+            probs[b] = filtered_probs(logits[b], p.temperature, p.top_k, p.top_p)
+    # Every row is checked before any is drawn: a row that cannot be sampled fails alone, the others' generators
+    # untouched (a rerun of the step without it draws what it would have drawn). One check for all rows.
+    if probs:
+        rows = torch.stack(list(probs.values()))  # (S, V)
+        ok = (torch.isfinite(rows).all(-1) & (rows.sum(-1) > 0)).tolist()
+        bad = [b for b, good in zip(probs, ok) if not good]
+        if bad:
+            raise SamplingError(
+                "no distribution to sample from (non-finite or zero probabilities) in rows "
+                + ", ".join(f"{b} (temperature={params[b].temperature}, top_p={params[b].top_p})" for b in bad),
+                [params[b] for b in bad])
+    for b, row in probs.items():
         gen = batch.generators[b] if batch.generators else None
-        out[b] = torch.multinomial(probs, 1, generator=gen)[0]
+        out[b] = torch.multinomial(row, 1, generator=gen)[0]
     return out

@@ -4,7 +4,9 @@ The engine is not thread-safe and need not be: `EngineWorker` alone touches it. 
 sampling (from the event loop's thread); the worker admits every request waiting in its inbox before each step, so
 requests that arrive together are prefilled and decoded together by our scheduler (continuous batching), and after
 each step it posts each request's new token ids, then its finish, to the handler's asyncio queue. An aborted
-request (its client went away, a stop string appeared) is finished between steps and its pages come back.
+request (its client went away, a stop string appeared) is finished between steps and its pages come back. A request
+whose rows cannot be sampled (`SamplingError`) fails alone: the step changed no sequence (`Step.run`'s contract), so
+it is aborted and the others step again; any other failed step fails every request it held.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from mtp_train.engine.kv_cache import OutOfPagesError
 from mtp_train.engine.llm import LLMEngine
-from mtp_train.engine.sampling import SamplingParams
+from mtp_train.engine.sampling import SamplingError, SamplingParams
 from mtp_train.engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
@@ -148,6 +150,10 @@ class EngineWorker:
                 continue
             try:
                 engine.step()
+            except SamplingError as exc:  # those rows' requests fail; the rest run again in the next step
+                log.warning("sampling failed: %s", exc)
+                self._fail_rows(exc)
+                continue
             except Exception as exc:  # a failed step must not kill the server: fail what it held
                 log.exception("engine step failed")
                 self._fail_all(f"the engine step failed: {type(exc).__name__}: {exc}")
@@ -218,6 +224,23 @@ class EngineWorker:
                 req.post(Finished(seq.finish_reason or "stop", steps, accepted))
                 self.counters.finished += 1
         return advanced
+
+    def _fail_rows(self, exc: SamplingError) -> None:
+        """Fail the requests whose sampling parameters are `exc.params` (by identity), and only those; every request
+        when none of them is ours (stepping again would fail again)."""
+        failing = {id(p) for p in exc.params}
+        if not any(r.seq is not None and id(r.seq.params) in failing for r in self._active.values()):
+            self._fail_all(f"the engine step failed: {exc}")
+            return
+        for sid, req in list(self._active.items()):
+            seq = req.seq
+            if seq is None or id(seq.params) not in failing:
+                continue
+            self.engine.abort(seq)
+            self._spec_counts(seq)
+            del self._active[sid]
+            req.post(Failed(500, f"sampling this request failed: {exc}"))
+            self.counters.failed += 1
 
     def _fail_all(self, message: str) -> None:
         for req in list(self._active.values()):
