@@ -4,7 +4,9 @@ of its own (to be killed); both on a free localhost port, ready when `/health` a
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -24,11 +26,14 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 
 
 @contextlib.contextmanager
 def app_server(app) -> Iterator[str]:
-    """Serve a FastAPI app on uvicorn in a thread; yield its base URL."""
+    """Serve a FastAPI app from `build_app` on uvicorn in a thread, with mtp-serve's connection settings (its limits:
+    request timeout, header bound); yield its base URL."""
     import uvicorn
 
+    from mtp_train.serve.http import uvicorn_config
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -40,14 +45,45 @@ def app_server(app) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-def served_app(model, tokenizer, path, engine=None, start: bool = True, chat_template: str | None = None):
+def exchange(sock: socket.socket, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """One request on an open connection, left open for the next: (status, headers, body) of its response."""
+    head = (f"{method} {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    sock.sendall(head + body)
+    resp = http.client.HTTPResponse(sock)
+    resp.begin()
+    data = resp.read()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (bounded by the socket's own timeout)."""
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def metric_samples(text: str, name: str) -> dict[str, float]:
+    """The samples of one metric of a `/metrics` text: labels (as written) → value."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(f"mtp_serve_{name}{{") or line.startswith(f"mtp_serve_{name} "):
+            key, value = line.rsplit(" ", 1)
+            out[key[len(f"mtp_serve_{name}"):]] = float(value)
+    return out
+
+
+def served_app(model, tokenizer, path, engine=None, start: bool = True, chat_template: str | None = None,
+               limits=None):
     """(app, worker) serving `model` as "tiny" (plain decoding unless `engine` is given; the worker started unless
-    `start` is False). chat_template: serve with another template than the tokenizer's (a server that disagrees)."""
+    `start` is False). chat_template: serve with another template than the tokenizer's (a server that disagrees);
+    limits: a `ServeLimits` (default: mtp-serve's)."""
     import copy
 
     from mtp_train.engine import LLMEngine
     from mtp_train.engine.turns import stop_token_ids
-    from mtp_train.serve import EngineWorker, ServedModel, build_app
+    from mtp_train.serve import EngineWorker, ServedModel, ServeLimits, build_app
 
     engine = engine or LLMEngine(model, kv_cache_gb=0.01)
     worker = EngineWorker(engine, vocab_size=model.args.vocab_size)
@@ -57,7 +93,7 @@ def served_app(model, tokenizer, path, engine=None, start: bool = True, chat_tem
     served = ServedModel(model_id="tiny", root=str(path), tokenizer=tokenizer,
                          max_context=model.args.max_position_embeddings,
                          max_request_tokens=engine.scheduler.max_request_tokens,
-                         stop_ids=stop_token_ids(tokenizer, model.args.eos_token_ids))
+                         stop_ids=stop_token_ids(tokenizer, model.args.eos_token_ids), limits=limits or ServeLimits())
     if start:
         worker.start()
     return build_app(worker, served), worker

@@ -4,7 +4,8 @@
     mtp-serve head_ckpt=runs/train/heads/step-2000 k=3          # speculative decoding with a trained head
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
 
-Loads the target (and the head), starts the engine's thread, then serves until interrupted; prints one line
+Binds its port first (a port another process holds is an error, exit 2, before any weights are read), loads the
+target (and the head), starts the engine's thread, then serves until interrupted; prints one line
 `mtp-serve: serving <id> on http://host:port` once it listens. See `mtp_train.serve`.
 """
 
@@ -26,7 +27,7 @@ PROG = "mtp-serve"
 
 def build_server(sc: ServeConfig) -> tuple[Any, Any]:
     """(app, worker) for a typed config: the target (and head) loaded, the worker not yet started."""
-    from mtp_train.serve import EngineWorker, ServedModel, build_app
+    from mtp_train.serve import EngineWorker, ServedModel, ServeLimits, build_app
 
     ensure_model(sc.model)
     model, tokenizer, path = load_target(sc.model, resolve_device(sc.model.device))
@@ -46,7 +47,10 @@ def build_server(sc: ServeConfig) -> tuple[Any, Any]:
                          max_context=model.args.max_position_embeddings,
                          max_request_tokens=engine.scheduler.max_request_tokens,
                          stop_ids=stop_token_ids(tokenizer, model.args.eos_token_ids, sc.chat_template_kwargs),
-                         default_max_tokens=sc.max_tokens, template_kwargs=dict(sc.chat_template_kwargs))
+                         default_max_tokens=sc.max_tokens, template_kwargs=dict(sc.chat_template_kwargs),
+                         limits=ServeLimits(max_body_bytes=sc.max_body_bytes, request_timeout=sc.request_timeout,
+                                            max_header_bytes=sc.max_header_bytes,
+                                            trust_request_chat_template=sc.trust_request_chat_template))
     worker = EngineWorker(engine, vocab_size=model.args.vocab_size)
     return build_app(worker, served), worker
 
@@ -55,23 +59,29 @@ def serve_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-serve` with a composed config until interrupted; return what it served."""
     import uvicorn
 
+    from mtp_train.serve.http import bind, uvicorn_config
+
     sc = typed(check_config(cfg, "serve"), ServeConfig)
-    app, worker = build_server(sc)
-    worker.start()
-    server = uvicorn.Server(uvicorn.Config(app, host=sc.host, port=sc.port, log_level=sc.log_level,
-                                           timeout_graceful_shutdown=5))
-    original_startup = server.startup
-
-    async def startup(sockets: Any = None) -> None:
-        await original_startup(sockets)
-        if server.started:
-            print(f"{PROG}: serving {sc.model_id} on http://{sc.host}:{sc.port}", flush=True)
-
-    server.startup = startup  # type: ignore[method-assign]
+    sock = bind(sc.host, sc.port)  # before the weights load: a busy port is a one-line error at once
     try:
-        server.run()
+        app, worker = build_server(sc)
+        worker.start()
+        server = uvicorn.Server(uvicorn_config(app, sc.host, sc.port, sc.log_level))
+        original_startup = server.startup
+        port = sock.getsockname()[1]
+
+        async def startup(sockets: Any = None) -> None:
+            await original_startup(sockets)
+            if server.started:
+                print(f"{PROG}: serving {sc.model_id} on http://{sc.host}:{port}", flush=True)
+
+        server.startup = startup  # type: ignore[method-assign]
+        try:
+            server.run(sockets=[sock])
+        finally:
+            worker.stop()
     finally:
-        worker.stop()
+        sock.close()
     return {"model": sc.model_id, **worker.describe()}
 
 

@@ -28,6 +28,10 @@ class ServeConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the chat template of every chat
     # request (a request's own `chat_template_kwargs` are added over them)
     log_level: str = "warning"  # the HTTP server's log level (uvicorn's: critical | error | warning | info | debug)
+    trust_request_chat_template: bool = False  # take a request's chat_template_kwargs.chat_template (runs on our CPU)
+    request_timeout: float = 30.0  # seconds a client has to send a whole request (headers and body); then 408, closed
+    max_body_bytes: int = 4 * 2**20  # a larger request body gets a 413
+    max_header_bytes: int = 16 * 2**10  # request line and headers together; more gets a 400
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -39,6 +43,11 @@ class ServeConfig:
             raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1 or null, got {self.max_tokens}")
+        if not 0 < self.request_timeout < float("inf"):
+            raise ConfigError(f"request_timeout must be a positive number of seconds, got {self.request_timeout}")
+        if self.max_body_bytes < 1 or self.max_header_bytes < 1:
+            raise ConfigError(f"max_body_bytes and max_header_bytes must be >= 1, got {self.max_body_bytes} and "
+                              f"{self.max_header_bytes}")
 
     @property
     def model_id(self) -> str:

@@ -7,11 +7,20 @@ generation prompt, no extra special tokens), so the `prompt_token_ids` it return
 ids regeneration and the loss masks work with. Answer text follows the same module's rule (the stop token an
 answer ended on left out, special tokens kept). A request the server cannot take gets a 4xx whose body says why
 (OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`); nothing a client sends stops the server.
+
+Limits (`ServeLimits`): a body over `max_body_bytes` gets a 413 (read no further); a request may not choose the
+template the server renders (`chat_template_kwargs.chat_template`, refused unless `trust_request_chat_template`), nor
+pass the rendering's own parameters (`tokenize`, `tools`, ...); rendering and tokenizing run on a worker thread, so
+that a long render holds only its own request, never the event loop. What uvicorn's connections are allowed (the
+time to send a request, the header size) is `mtp_train.serve.http`'s.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -21,6 +30,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mtp_train.data.chat import ChatTemplateError
 from mtp_train.engine.sampling import SamplingParams
@@ -29,6 +40,28 @@ from mtp_train.serve.metrics import CONTENT_TYPE, RequestCounters, render_metric
 from mtp_train.serve.protocol import ChatCompletionRequest, CompletionRequest
 from mtp_train.serve.text import TextStream
 from mtp_train.serve.worker import EngineWorker, Failed, Finished, Tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one client may ask of the server (`ServeConfig`'s fields of the same names; docs/serving.md).
+
+    Args:
+        max_body_bytes: a request body larger than this gets a 413 (by Content-Length before it is read, or once
+            that many bytes have come).
+        request_timeout: seconds a connection has to send a whole request (request line, headers and body); then
+            it gets a 408 and is closed.
+        max_header_bytes: the request line and headers together (uvicorn's h11 limit; more gets a 400).
+        trust_request_chat_template: take a request's `chat_template_kwargs.chat_template` (it then runs on the
+            server's CPU for as long as it likes, on a worker thread).
+    """
+
+    max_body_bytes: int = 4 * 2**20
+    request_timeout: float = 30.0
+    max_header_bytes: int = 16 * 2**10
+    trust_request_chat_template: bool = False
 
 
 @dataclass
@@ -44,6 +77,7 @@ class ServedModel:
         stop_ids: what ends an answer unless `ignore_eos` (`engine.turns.stop_token_ids`).
         default_max_tokens: max_tokens of a request that names none (None: the rest of the context).
         template_kwargs: passed to the chat template of every chat request.
+        limits: what one client may ask (body size, timeouts, the request's template).
     """
 
     model_id: str
@@ -54,6 +88,7 @@ class ServedModel:
     stop_ids: list[int]
     default_max_tokens: int | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    limits: ServeLimits = field(default_factory=ServeLimits)
 
 
 class BadRequest(Exception):
@@ -64,11 +99,89 @@ class BadRequest(Exception):
         self.status, self.param = status, param
 
 
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+               413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape; the message made valid UTF-8 (an exception's text may quote a lone surrogate)."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
+
+
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-            503: "ServiceUnavailableError"}.get(status, "Error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+    # After a 413 the rest of the body is not wanted: closing beats reading it to find the next request.
+    headers = {"connection": "close"} if status == 413 else None
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+class _ClientGone(HTTPException):
+    """The connection closed before the body was whole (the client left, or `request_timeout` closed it, which
+    counts it): nobody to answer, nothing to count."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the connection before sending the whole body")
+
+
+class _Guard:
+    """The app's outer layer: a body over `max_body` is refused with a 413, a body cut short ends its request
+    quietly, and an exception the handlers did not turn into a response becomes a 500 in OpenAI's shape (counted),
+    so that the connection stays open for the client's next request.
+
+    Args:
+        app: the FastAPI app's inner stack.
+        max_body: bytes a request body may have.
+        counters: the app's request counters.
+    """
+
+    def __init__(self, app: ASGIApp, max_body: int, counters: RequestCounters) -> None:
+        self.app, self.max_body, self.counters = app, max_body, counters
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            self.counters.count(path, 413)
+            await self._too_large()(scope, receive, send)
+            return
+        started = False
+        received = 0
+        body_done = False
+
+        async def guarded_receive() -> Message:
+            nonlocal received, body_done
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+                if received > self.max_body:
+                    raise HTTPException(413, self._too_large_message())
+            elif message["type"] == "http.disconnect" and not body_done:
+                raise _ClientGone()
+            return message
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, guarded_receive, watched_send)
+        except Exception as exc:
+            if started:  # the response is half sent: only closing the connection can tell the client
+                raise
+            log.exception("request to %s failed", path)
+            self.counters.count(path, 500)
+            await _error(500, f"{type(exc).__name__}: {exc}")(scope, receive, send)
+
+    def _too_large_message(self) -> str:
+        return f"the request body is larger than this server's limit of {self.max_body} bytes (max_body_bytes)"
+
+    def _too_large(self) -> JSONResponse:
+        return _error(413, self._too_large_message())
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -84,7 +197,13 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
     """The FastAPI app answering for `served` through `worker` (started by the caller)."""
     app = FastAPI(title="mtp-serve", docs_url=None, redoc_url=None)
     counters = RequestCounters()
+    # The connections' layer (`serve.http`) reads the limits, and counts the requests it ends itself.
+    app.state.counters, app.state.limits = counters, served.limits
+    app.add_middleware(_Guard, max_body=served.limits.max_body_bytes, counters=counters)
     created = int(time.time())
+    # The template's own keyword parameters (`chat_template`, `tokenize`, `tools`, ...): how the server renders,
+    # which a request's `chat_template_kwargs` must not change; everything else is a variable of the template.
+    render_params = set(inspect.signature(served.tokenizer.apply_chat_template).parameters) - {"self", "kwargs"}
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -95,6 +214,17 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
     async def _bad(request: Request, exc: BadRequest) -> JSONResponse:
         counters.count(request.url.path, exc.status)
         return _error(exc.status, str(exc), exc.param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        if not isinstance(exc, _ClientGone):
+            counters.count(request.url.path, exc.status_code)
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return _error(exc.status_code, message)
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
@@ -122,7 +252,7 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
             raise BadRequest("the prompt is empty", param="prompt")
         problem = req.unsupported()
         if problem:
-            raise BadRequest(problem)
+            raise BadRequest(problem[1], param=problem[0])
         limit = req.limit()
         room = served.max_context - len(prompt)
         if limit is None:
@@ -280,15 +410,43 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
         counters.count(path, 200)
         return StreamingResponse(stream(), media_type="text/event-stream")
 
+    def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+        """The server's template variables with the request's over them; a request's template, or the rendering's
+        own parameters, refused."""
+        asked = req.chat_template_kwargs or {}
+        for key in asked:
+            if key == "chat_template" and served.limits.trust_request_chat_template:
+                continue
+            if key == "chat_template":
+                raise BadRequest("this server renders with its own chat template; it takes a request's "
+                                 "chat_template only when started with trust_request_chat_template=true",
+                                 param="chat_template_kwargs.chat_template")
+            if key in render_params:
+                raise BadRequest(f"`{key}` is a parameter of the server's rendering, not a variable of the chat "
+                                 f"template", param=f"chat_template_kwargs.{key}")
+        return {**served.template_kwargs, **asked}
+
+    async def off_loop(fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on a worker thread (rendering, tokenizing: CPU work that would hold every other client),
+        counted in the `preparing` gauge while it runs."""
+        counters.preparing += 1
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            counters.preparing -= 1
+
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Any:
         check_model(req.model)
-        kwargs = {**served.template_kwargs, **(req.chat_template_kwargs or {})}
+        kwargs = template_kwargs(req)
         try:
-            prompt = prompt_ids(served.tokenizer, [m.as_dict() for m in req.messages], kwargs)
+            prompt = await off_loop(prompt_ids, served.tokenizer, [m.as_dict() for m in req.messages], kwargs)
         except ChatTemplateError as exc:
             raise BadRequest(f"the chat template cannot render these messages: {exc}", param="messages") from None
         return await answer("/v1/chat/completions", req, prompt, chat=True)
+
+    def tokenize(text: str) -> list[int]:
+        return [int(t) for t in served.tokenizer(text, add_special_tokens=True)["input_ids"]]
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
@@ -297,13 +455,7 @@ def build_app(worker: EngineWorker, served: ServedModel) -> FastAPI:
         if one is None:
             raise BadRequest("one prompt per request (a string or a list of token ids); send a batch as "
                              "concurrent requests", param="prompt")
-        prompt = one if isinstance(one, list) else \
-            [int(t) for t in served.tokenizer(one, add_special_tokens=True)["input_ids"]]
+        prompt = one if isinstance(one, list) else await off_loop(tokenize, one)
         return await answer("/v1/completions", req, prompt, chat=False)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        counters.count(request.url.path, 500)
-        return _error(500, f"{type(exc).__name__}: {exc}")
 
     return app

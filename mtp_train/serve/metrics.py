@@ -9,15 +9,18 @@ from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "mtp_serve_"
+NO_ENDPOINT = "none"  # the endpoint label of a request that ended before its request line and headers were read
 
 
 @dataclass
 class RequestCounters:
-    """Requests answered, by endpoint and HTTP status (kept by the app's handlers, on the event loop's thread)."""
+    """Requests answered, by endpoint and HTTP status (kept by the app's handlers and the connections' layer, all on
+    the event loop's thread)."""
 
     by_status: Counter[tuple[str, int]] = field(default_factory=Counter)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    preparing: int = 0  # requests being rendered or tokenized (on worker threads) right now
 
     def count(self, endpoint: str, status: int) -> None:
         self.by_status[(endpoint, status)] += 1
@@ -48,11 +51,13 @@ def render_metrics(model_id: str, requests: RequestCounters, worker: dict[str, A
         out.append(f"# TYPE {PREFIX}{name} {kind}")
         out.extend(_line(name, v, {**m, **lab}) for v, lab in samples)
 
-    metric("requests_total", "counter", "HTTP requests answered, by endpoint and status.",
+    metric("requests_total", "counter", "HTTP requests answered, by endpoint and status (endpoint none: ended by "
+           "the server before its headers were whole).",
            [(n, {"endpoint": e, "status": s}) for (e, s), n in sorted(requests.by_status.items())])
     metric("prompt_tokens_total", "counter", "Prompt tokens of answered requests.", [(requests.prompt_tokens, {})])
     metric("generation_tokens_total", "counter", "Tokens generated for answered requests.",
            [(requests.completion_tokens, {})])
+    metric("requests_preparing", "gauge", "Requests being rendered or tokenized.", [(requests.preparing, {})])
     metric("requests_running", "gauge", "Requests in the engine.", [(worker["running"], {})])
     metric("requests_waiting", "gauge", "Requests submitted, not yet taken by the engine.", [(worker["waiting"], {})])
     metric("engine_steps_total", "counter", "Engine steps (forwards of the target).", [(worker["steps"], {})])
