@@ -20,6 +20,8 @@ import os
 import re
 import shutil
 import socket
+import stat
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -149,6 +151,11 @@ def _bytes(n: int) -> str:
     return f"{n} bytes" if unit == "bytes" else f"{size:.1f} {unit} ({n} bytes)"
 
 
+def human_bytes(n: int) -> str:
+    """`n` bytes for a reader, in the unit that fits: "1.5 GiB (1610612736 bytes)"."""
+    return _bytes(n)
+
+
 class DiskFullError(OSError):
     """A write found no room (see NO_ROOM_ERRNOS); the message names the folder, the file, the bytes it needs and
     what to do. The file it was writing is left as it was (the temporary is removed): a re-run resumes."""
@@ -195,6 +202,75 @@ def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
         for block in iter(lambda: fh.read(chunk), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# --- what a path really is, before a reader opens it ---------------------------------------------------------
+
+
+def _kind(mode: int) -> str:
+    return ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else
+            "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "not a plain file")
+
+
+def file_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be read as a regular file, as the words that follow its name in a message ("does not
+    exist", "is not a regular file: it is a FIFO (named pipe)", "is a link loop ..."), or None when it is one (a
+    link to one counts).
+
+    Readers check this before they open a file: opening a FIFO for reading blocks until a writer comes, and
+    `Path.is_file()` is False alike for a missing file, a FIFO and a link loop, which a message must tell apart.
+    """
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a link loop (following its links leads back to one of them), not a file"
+        if exc.errno == errno.ENOENT and os.path.islink(path):
+            return f"is a link to {os.readlink(path)}, which does not exist"
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "does not exist"
+        return f"cannot be read ({exc.strerror})"
+    return None if stat.S_ISREG(mode) else f"is not a regular file: it is {_kind(mode)}"
+
+
+def safetensors_problem(path: str | Path) -> str | None:
+    """Why `path` is not a whole safetensors file, as the words that follow its name in a message ("is empty (0
+    bytes)", "is truncated: ...", "is not a safetensors file: ..."), or None when its header reads and every tensor
+    it describes lies inside the file. The tensors' bytes themselves are not read (a checksum is the check for
+    those); `file_problem` first, so that nothing blocks on a FIFO.
+    """
+    path = Path(path)
+    problem = file_problem(path)
+    if problem:
+        return problem
+    size = path.stat().st_size
+    if size == 0:
+        return "is empty (0 bytes)"
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"is not a safetensors file: {size} bytes, less than the 8 of a header's length"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            # A header longer than the file: cut short, or not the format at all (text reads as a huge length).
+            return (f"is truncated or not a safetensors file: its first 8 bytes give a header of {n} bytes, the "
+                    f"file holds {size}")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return "is not a safetensors file: its header is not JSON"
+    if not isinstance(header, dict):
+        return "is not a safetensors file: its header is not a JSON object"
+    ends = [entry["data_offsets"][1] for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
+            and len(entry["data_offsets"]) == 2 and isinstance(entry["data_offsets"][1], int)]
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        return f"is truncated: its header describes {need} bytes, the file holds {size}"
+    return None
 
 
 # --- one run per output -----------------------------------------------------------------------------------------

@@ -119,3 +119,44 @@ def test_checkpoint_reader_reads_parts_of_a_tensor(tiny_checkpoints):
         assert torch.equal(ckpt.read(name, torch.float32, (slice(None), slice(37, 101))), full[:, 37:101])
         assert torch.equal(ckpt.read(name, torch.float32, (slice(5, 9),)), full[5:9])
         assert ckpt.read(name, torch.bfloat16).dtype == torch.bfloat16
+
+
+# One value of another JSON type per kind a key of FIELD_TYPES may have.
+_WRONG = {"int": "576", "float": "1e-6", "bool": "false", "str": 3, "dict": "yes", "list": "1,8"}
+
+
+def test_every_config_key_a_family_reads_is_refused_by_name_when_its_json_type_is_wrong():
+    """`check_field_types` is the one place: each key of FIELD_TYPES, given text or a value of another kind, is
+    refused naming the source and the key before any family converts it (a number as text passes int())."""
+    from mtp_train.models.config import FIELD_TYPES
+
+    base = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "vocab_size": 4}
+    for key, (kinds, _) in FIELD_TYPES.items():
+        if key == "model_type":  # the registry's look-up names it first (no family runs model_type 3)
+            continue
+        with pytest.raises(ModelConfigError, match=rf"^t/config.json: {key} is .*, not "):
+            args_from_hf_config({**base, key: _WRONG[kinds[0]]}, source="t/config.json")
+    with pytest.raises(ModelConfigError, match=r'hidden_size is "576" \(a string\), not an integer; write it '
+                                               r'without quotes \("hidden_size": 576\)'):
+        args_from_hf_config({**base, "hidden_size": "576"}, source="t/config.json")
+    with pytest.raises(ModelConfigError, match=r"eos_token_id is \[2, \"3\"\] .*not an integer or a list of"):
+        args_from_hf_config({**base, "eos_token_id": [2, "3"]}, source="t/config.json")
+    assert args_from_hf_config({**base, "rms_norm_eps": 1, "eos_token_id": [2, 3], "head_dim": None}).rms_norm_eps == 1
+
+
+def test_a_target_config_that_is_text_or_not_a_file_names_the_file_and_key(tiny_checkpoints, tmp_path):
+    import os
+
+    p = _copy(tiny_checkpoints, tmp_path)
+    _edit_config(p, hidden_size="32")
+    with pytest.raises(ModelConfigError, match=r"llama/config.json: hidden_size is \"32\" \(a string\)"):
+        load_model(p)
+    (p / "config.json").unlink()
+    os.mkfifo(p / "config.json")  # never opened: a read would block
+    with pytest.raises(ModelConfigError, match=r"config.json is not a regular file: it is a FIFO \(named pipe\)"):
+        load_model(p)
+    (p / "config.json").unlink()
+    (p / "config.json").symlink_to("config.json")
+    with pytest.raises(ModelConfigError, match=r"config.json is a link loop"):
+        load_model(p)

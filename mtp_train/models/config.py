@@ -6,7 +6,9 @@ subclasses it, e.g. `DeepseekV2Args`). The family registry (`mtp_train.models.fa
 so that every family can import it. Here are the parsing pieces families share: reading config.json
 (`read_config_json`), the keys every family reads (`shared_fields`), and RoPE in both the classic (`rope_theta`,
 `rope_scaling`) and the newer `rope_parameters` form. Anything a family cannot run is rejected with a message
-that names the key.
+that names the key. The JSON type of every key a family reads is checked in one place (`FIELD_TYPES`,
+`check_field_types`) before any of them is converted: `"hidden_size": "576"` would pass our `int()` and then fail
+inside transformers' strict config classes with a traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtp_train.fileio import file_problem
 from mtp_train.layers.attention.base import KVLayout
 from mtp_train.layers.rotary import RopeConfig
 
@@ -26,6 +29,83 @@ REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_a
 
 class ModelConfigError(ValueError):
     """A model folder or config.json that the project cannot load; the message says what to do."""
+
+
+# The JSON type of each config.json key some family reads (`int` never accepts a bool or a float, `float` takes an
+# integer too): (kinds, whether null stands for "absent"). Keys a reader turns with `int(...)` or `float(...)`
+# without an `or` fallback are not nullable.
+_INT, _NUM, _BOOL, _STR, _OBJ, _LIST = "int", "float", "bool", "str", "dict", "list"
+SHARED_FIELD_TYPES: dict[str, tuple[tuple[str, ...], bool]] = {
+    # every target, ours or one only vLLM runs (`shared_fields`, `rope_from_config`, models/foreign.py)
+    "model_type": ((_STR,), True), "hidden_size": ((_INT,), True), "intermediate_size": ((_INT,), True),
+    "num_hidden_layers": ((_INT,), True), "num_attention_heads": ((_INT,), True), "vocab_size": ((_INT,), True),
+    "num_key_value_heads": ((_INT,), True), "head_dim": ((_INT,), True), "rms_norm_eps": ((_NUM,), False),
+    "max_position_embeddings": ((_INT,), False), "tie_word_embeddings": ((_BOOL,), True),
+    "hidden_act": ((_STR,), True), "torch_dtype": ((_STR,), True), "dtype": ((_STR,), True),
+    "bos_token_id": ((_INT,), True), "eos_token_id": ((_INT, _LIST), True), "rope_theta": ((_NUM,), True),
+    "rope_scaling": ((_OBJ,), True), "rope_parameters": ((_OBJ,), True),
+}
+FIELD_TYPES: dict[str, tuple[tuple[str, ...], bool]] = {
+    **SHARED_FIELD_TYPES,
+    # the families' own keys (models/families/*.py)
+    "mlp_bias": ((_BOOL,), True), "attention_bias": ((_BOOL,), True), "partial_rotary_factor": ((_NUM,), True),
+    "sliding_window": ((_INT,), True), "use_sliding_window": ((_BOOL,), True), "max_window_layers": ((_INT,), True),
+    "layer_types": ((_LIST,), True),
+    "qk_rope_head_dim": ((_INT,), True), "qk_nope_head_dim": ((_INT,), True), "v_head_dim": ((_INT,), True),
+    "kv_lora_rank": ((_INT,), True), "q_lora_rank": ((_INT,), True), "moe_intermediate_size": ((_INT,), True),
+    "n_routed_experts": ((_INT,), True), "n_shared_experts": ((_INT,), True), "num_experts_per_tok": ((_INT,), True),
+    "first_k_dense_replace": ((_INT,), False), "n_group": ((_INT,), True), "topk_group": ((_INT,), True),
+    "routed_scaling_factor": ((_NUM,), False), "norm_topk_prob": ((_BOOL,), True),
+    "num_nextn_predict_layers": ((_INT,), True), "topk_method": ((_STR,), False),
+    "num_local_experts": ((_INT,), True), "num_experts": ((_INT,), True), "swiglu_alpha": ((_NUM,), False),
+    "swiglu_limit": ((_NUM,), False), "decoder_sparse_step": ((_INT,), False), "mlp_only_layers": ((_LIST,), True),
+}
+_KIND_WORDS = {_INT: "an integer", _NUM: "a number", _BOOL: "true or false", _STR: "a string", _OBJ: "an object",
+               _LIST: "a list"}
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON type of a parsed value, in the words of `FIELD_TYPES`."""
+    return (_BOOL if isinstance(value, bool) else _INT if isinstance(value, int) else
+            _NUM if isinstance(value, float) else _STR if isinstance(value, str) else
+            _OBJ if isinstance(value, dict) else _LIST if isinstance(value, list) else "null")
+
+
+def check_field_types(cfg: dict[str, Any], source: str, types: dict[str, tuple[tuple[str, ...], bool]] = FIELD_TYPES
+                      ) -> None:
+    """Refuse, naming the file and the key, a key of `types` whose value in `cfg` has another JSON type.
+
+    Args:
+        cfg: the config.json as read.
+        source: the file, named in the message.
+        types: key → (the kinds it may have, whether it may be null); `FIELD_TYPES` by default.
+    """
+    for key, (kinds, nullable) in types.items():
+        if key not in cfg:
+            continue
+        value = cfg[key]
+        kind = _json_kind(value)
+        if kind in kinds or (kind == "null" and nullable) or (kind == _INT and _NUM in kinds):
+            if kind == _LIST and key == "eos_token_id" and not all(_json_kind(v) == _INT for v in value):
+                kind = "list holding something other than integers"
+            else:
+                continue
+        want = " or a list of integers" if key == "eos_token_id" else ""
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        is_ = "null" if kind == "null" else f"{shown} ({_KIND_WORDS.get(kind, kind)})"
+        fix = (f"write it without quotes ({json.dumps(key)}: {value})" if kind == _STR and _looks_numeric(value)
+               and (_INT in kinds or _NUM in kinds) else f"write {_KIND_WORDS[kinds[0]]}{want} there")
+        raise ModelConfigError(f"{source}: {key} is {is_}, not {_KIND_WORDS[kinds[0]]}{want}; {fix}, or copy or "
+                               "fetch the model folder again")
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -87,8 +167,12 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
             "(or `make model`), or point `model.path` at a Hugging Face model folder"
         )
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
+    problem = file_problem(cfg_file)  # before it is opened: a FIFO would block the read
+    if problem == "does not exist":
         raise ModelConfigError(f"{cfg_file} is missing: {path} is not a Hugging Face model folder")
+    if problem:
+        raise ModelConfigError(f"{cfg_file} {problem}; put the model's config.json file there (copy or fetch the "
+                               "model folder again)")
     try:
         cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -99,6 +183,7 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise ModelConfigError(f"{cfg_file}: expected a JSON object, found {type(cfg).__name__}; repair the "
                                "file, or copy or fetch the model folder again")
+    check_field_types(cfg, str(cfg_file), SHARED_FIELD_TYPES)  # every target's; a family's own in `shared_fields`
     return cfg
 
 
@@ -107,7 +192,8 @@ def rope_from_config(cfg: dict[str, Any], head_dim: int, source: str) -> RopeCon
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     merged = {**params, **scaling}
-    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    # null is absent here (its type is checked by `check_field_types`)
+    theta = float(next((t for t in (merged.get("rope_theta"), cfg.get("rope_theta")) if t is not None), 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelConfigError(f"{source}: partial_rotary_factor != 1 is not supported")
@@ -124,6 +210,7 @@ def shared_fields(cfg: dict[str, Any], source: str, required: Sequence[str] = RE
     vocab_size, rms_norm_eps, max_position_embeddings, tie_word_embeddings, mlp_bias, hidden_act, torch_dtype,
     bos_token_id, eos_token_ids, raw.
     """
+    check_field_types(cfg, source)
     missing = [k for k in required if cfg.get(k) is None]
     if missing:
         raise ModelConfigError(f"{source}: missing required key(s) {', '.join(missing)}")

@@ -89,7 +89,7 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> GptOssArgs
     experts = cfg.get("num_local_experts", cfg.get("num_experts"))
     if not experts:
         raise ModelConfigError(f"{source}: a gpt_oss config needs num_local_experts")
-    k = int(cfg.get("num_experts_per_tok", 1))
+    k = int(cfg.get("num_experts_per_tok") or 1)  # null: one, as for DeepSeek
     if not 1 <= k <= int(experts):
         raise ModelConfigError(f"{source}: num_experts_per_tok={k} must be in 1..num_local_experts ({experts})")
     bias = bool(cfg.get("attention_bias", True))

@@ -76,7 +76,7 @@ def parse_config(cfg: dict[str, Any], source: str = "config.json") -> Qwen3MoeAr
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 saves the latter
     if not experts or not cfg.get("moe_intermediate_size"):
         raise ModelConfigError(f"{source}: a qwen3_moe config needs num_experts and moe_intermediate_size")
-    k = int(cfg.get("num_experts_per_tok", 1))
+    k = int(cfg.get("num_experts_per_tok") or 1)  # null: one, as for DeepSeek
     if not 1 <= k <= int(experts):
         raise ModelConfigError(f"{source}: num_experts_per_tok={k} must be in 1..num_experts ({experts})")
     step = cfg.get("decoder_sparse_step", 1)
