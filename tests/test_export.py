@@ -202,3 +202,72 @@ def test_stitch_refuses_a_target_family_without_mtp_layers(tiny_checkpoints, tmp
     with pytest.raises(LayoutError, match="stitch: a Llama-family target declares no MTP layers"):
         stitch_head(head_dir, tiny_checkpoints["llama"][0], tmp_path / "stitched")
     assert not (tmp_path / "stitched").exists()
+
+
+def _trained_in(folder, target_name="tgt"):
+    """A dflash head of a chat target in `folder/models/<target_name>`, saved where mtp-train run in `folder` with
+    `model.path=models/<target_name> out=runs/t` saves it: runs/t/heads/step-1, its train_config.yaml beside it."""
+    from omegaconf import OmegaConf
+
+    from mtp_train.train.checkpoint import export_head as save_step
+    from tests.conftest import compose_config, make_chat_target
+
+    target = make_chat_target(folder / "models" / target_name)
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type="dflash", block_size=4, mask_token_id=1, aux_layers=[1]), target,
+                      dtype="float32")
+    run = compose_config("train", [f"model.path=models/{target_name}", "out=runs/t", "head=dflash"])
+    return save_step(head, folder / "runs" / "t", 1, OmegaConf.to_yaml(run), target_fingerprint=None), target
+
+
+def test_an_export_names_the_target_the_head_records_from_any_folder(tmp_path, monkeypatch, capsys):
+    """Run from another folder without model.path, mtp-export reads the head's target from its train_config.yaml
+    (model.path, relative to where mtp-train ran), says so, and names it resolved as the speculators verifier;
+    model.path given is resolved too; verifier_name, when given, is the name written instead."""
+    from mtp_train.cli.export import export_main
+    from tests.conftest import compose_config
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    head_dir, target = _trained_in(a)
+    b.mkdir()
+
+    def verifier(overrides, out):
+        export_main(compose_config("export", [f"head_ckpt={head_dir}", "format=speculators-dflash",
+                                              "model.device=cpu", f"out={out}", *overrides]))
+        return json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+
+    monkeypatch.chdir(b)
+    capsys.readouterr()
+    assert verifier([], tmp_path / "e1") == str(target.resolve())
+    said = capsys.readouterr().out
+    assert f"mtp-export: target {target.resolve()}, as the head records it ({head_dir}/train_config.yaml" in said
+    assert not (b / "models").exists()  # nothing fetched into the working folder
+    monkeypatch.chdir(a)
+    assert verifier(["model.path=models/tgt"], tmp_path / "e2") == str(target.resolve())
+    assert verifier(["verifier_name=org/served-id"], tmp_path / "e3") == "org/served-id"
+    native = tmp_path / "native"
+    export_main(compose_config("export", [f"head_ckpt={head_dir}", f"out={native}", "model.device=cpu"]))
+    monkeypatch.chdir(b)  # a native export records its target itself: it exports from anywhere too
+    assert verifier([f"head_ckpt={native}"], tmp_path / "e4") == str(target.resolve())
+
+
+def test_a_recorded_target_that_cannot_be_placed_or_has_moved_is_refused_naming_the_record(tmp_path, monkeypatch):
+    """A head copied out of its run no longer tells where a relative model.path started; a target moved away is
+    named with the file that records it. Both ask for model.path."""
+    import shutil
+
+    from mtp_train.cli.export import export_main
+    from tests.conftest import compose_config
+
+    head_dir, target = _trained_in(tmp_path / "a")
+    copied = shutil.copytree(head_dir, tmp_path / "elsewhere")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelConfigError, match=r"records model.path=models/tgt, relative to the folder mtp-train ran "
+                                               r"in.*pass model.path="):
+        export_main(compose_config("export", [f"head_ckpt={copied}", f"out={tmp_path / 'x1'}"]))
+    target.rename(tmp_path / "moved")
+    with pytest.raises(ModelConfigError, match=r"the head's target .*/a/models/tgt, as .*train_config.yaml "
+                                               r"\(model.path=models/tgt, from .*/a, where mtp-train ran\) records "
+                                               r"it: .*config.json does not exist; pass model.path="):
+        export_main(compose_config("export", [f"head_ckpt={head_dir}", f"out={tmp_path / 'x2'}"]))
+    assert not (tmp_path / "x1").exists() and not (tmp_path / "x2").exists()

@@ -11,6 +11,9 @@
     formats: native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp | speculators | sglang-eagle3 |
         dflash | dspark
 
+The target is the one the head records (its train_config.yaml, or the config.json of a head mtp-export wrote),
+resolved to an absolute path and named on the console; `model.path=DIR` exports for another folder. The
+speculators formats name the verifier by that folder, or by `verifier_name` (the model id a server serves it as).
 The export is loaded back and its logits compared with the trained head's before the command reports success.
 See `mtp_train.export.layouts` for each layout's tensor names. `out` is never the head itself; an `out` holding an
 export of another head, or a head mtp-train saved, is replaced only with `overwrite=true`, and then as a whole:
@@ -19,6 +22,7 @@ the new export is written beside it and swapped in once it has been read back (`
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -28,6 +32,9 @@ from mtp_train.cli.outputs import EXPORT, claim_output, staged_folder
 from mtp_train.config import check_config
 from mtp_train.config.export import check_import
 from mtp_train.export import describe, export_head, stitch_head, verify_round_trip, verify_stitched
+from mtp_train.fileio import file_problem
+from mtp_train.heads.checkpoint import TARGET_KEY, recorded_target
+from mtp_train.models.config import ModelConfigError
 
 PROG = "mtp-export"
 
@@ -56,8 +63,9 @@ def _export_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
         return _stitch_main(cfg, out_dir)
     if cfg.get("import_from"):
         return _import_main(cfg, out_dir)
-    target_dir = ensure_model(cfg.model)
-    out = export_head(cfg.head_ckpt, target_dir, cfg.format, out_dir, verify_fingerprint=cfg.verify_fingerprint)
+    target_dir = export_target(cfg)
+    out = export_head(cfg.head_ckpt, target_dir, cfg.format, out_dir, verify_fingerprint=cfg.verify_fingerprint,
+                      verifier_name=cfg.get("verifier_name"))
     diff = verify_round_trip(cfg.head_ckpt, out, target_dir)
     # Exact for every layout but Qwen3-Next's, whose norm weights are stored as w − 1 (one rounding at most);
     # the EAGLE-3 layouts also give the draft vocabulary back (d2t / t2d), so the draft logits match too.
@@ -67,6 +75,34 @@ def _export_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     print(f"{PROG}: {info['head']} head → {cfg.format} ({info['tensors']} tensors) in {cfg.out}; loaded back: "
           f"features within {diff:.1e}", flush=True)
     return {"out": str(out), **info, "max_abs_diff": diff}
+
+
+def export_target(cfg: DictConfig) -> Path:
+    """The target folder of an export or import, absolute: `model.path` when given (a missing default folder
+    fetched, `ensure_model`), else the one the head records (`recorded_target`), said on the console."""
+    if cfg.model.path:
+        config = Path(cfg.model.path) / "config.json"
+        problem = file_problem(config)  # a FIFO or a link loop is no missing folder to fetch
+        if problem and problem != "does not exist":
+            raise ModelConfigError(f"{config} {problem}; put the model's config.json file there (copy or fetch the "
+                                   "model folder again)")
+        return ensure_model(cfg.model).resolve()
+    if cfg.get("import_from"):
+        raise ModelConfigError(f"import_from={cfg.import_from} needs model.path=<the target's folder>: a drafter "
+                               "trained elsewhere records no target this command can read")
+    record = recorded_target(cfg.head_ckpt)
+    if record is None:
+        raise ModelConfigError(f"{cfg.head_ckpt} records no target (no train_config.yaml beside it, no "
+                               f"extra.{TARGET_KEY} in its config.json): pass model.path=<the folder of the target "
+                               "it was trained on>")
+    target = record.path.resolve()
+    problem = file_problem(target / "config.json")
+    if problem:
+        raise ModelConfigError(f"the head's target {target}, as {record.source} records it: {target / 'config.json'} "
+                               f"{problem}; pass model.path=<the target's folder> if it has moved")
+    print(f"{PROG}: target {target}, as the head records it ({record.source}); model.path=DIR exports for "
+          "another", flush=True)
+    return target
 
 
 def _import_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
@@ -80,9 +116,10 @@ def _import_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     from mtp_train.heads import load_head, save_head
     from mtp_train.models.fingerprint import weights_fingerprint
 
-    target_dir = ensure_model(cfg.model)
+    target_dir = export_target(cfg)
     head = import_drafter(cfg.import_from, cfg.head_ckpt, target_dir, dtype=torch.float32)
-    save_head(head, out_dir, extra_config={"imported_from": str(cfg.head_ckpt), "layout": cfg.import_from},
+    save_head(head, out_dir, extra_config={"imported_from": str(cfg.head_ckpt), "layout": cfg.import_from,
+                                           TARGET_KEY: str(target_dir)},
               target_fingerprint=weights_fingerprint(target_dir))
     diff = probe_difference(head, load_head(out_dir, target_dir, dtype=torch.float32))
     if diff > 0:

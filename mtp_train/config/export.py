@@ -14,7 +14,9 @@ IMPORT_LAYOUTS = ("dflash", "speculators-dflash", "dspark")
 class ExportConfig:
     """`mtp-export`: a trained head in a layout serving engines load."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)  # the target the head was trained for
+    # The target the head was trained for. model.path empty (conf/export.yaml): the target the head records
+    # (`heads.checkpoint.recorded_target`: its train_config.yaml or config.json), resolved; set it to use another.
+    model: ModelConfig = field(default_factory=ModelConfig)
     head_ckpt: str | None = None  # head folder (mtp-train's heads/step-N)
     # native (any head) | vllm-eagle, sglang-eagle (eagle1) | deepseek-mtp, qwen3-next-mtp (mtp) |
     # speculators, sglang-eagle3 (eagle3) | dflash (dflash) | dspark (dspark)
@@ -26,6 +28,9 @@ class ExportConfig:
     # (format=deepseek-mtp; shards linked, not copied: mtp_train/export/stitch.py); the head is loaded against it
     stitch: str | None = None
     verify_fingerprint: bool = True  # refuse a head trained for other target weights
+    # The model id a server serves the target under (e.g. `vllm serve ... --served-model-name`), written as the
+    # verifier's name (speculators formats: speculators_config.verifier.name_or_path); null = the target's folder
+    verifier_name: str | None = None
     # The command in reverse: dflash = head_ckpt is a DFlash drafter in z-lab's layout, dspark = a DSpark drafter
     # in vLLM's Qwen3 layout (trained elsewhere, as vLLM loads them), read into our dflash / dspark head and written
     # as a native head (format=native) that mtp-eval evaluates and mtp-train fine-tunes; null = one of our heads

@@ -30,6 +30,7 @@ from mtp_train.fileio import atomic_write, atomic_write_text, tensor_bytes
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.checkpoint import (
     CONFIG_DIGEST,
+    TARGET_KEY,
     config_digest,
     file_checksums,
     head_dims,
@@ -41,7 +42,7 @@ from mtp_train.heads.checkpoint import (
 )
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.registry import new_head
-from mtp_train.models.config import ModelConfigError
+from mtp_train.models.config import ModelConfigError, read_config_json
 from mtp_train.models.foreign import head_target_args
 
 log = logging.getLogger(__name__)
@@ -126,18 +127,31 @@ def head_sha256(head_config: dict[str, Any]) -> str | None:
 
 
 def export_head(head_dir: str | Path, target_dir: str | Path, fmt: str, out: str | Path, *,
-                verify_fingerprint: bool = True) -> Path:
-    """Export the head in `head_dir` (trained for the target in `target_dir`) as `fmt` into `out`."""
+                verify_fingerprint: bool = True, verifier_name: str | None = None) -> Path:
+    """Export the head in `head_dir` (trained for the target in `target_dir`) as `fmt` into `out`.
+
+    Args:
+        head_dir: a head folder (`save_head`).
+        target_dir: the target's folder; a native export records it, resolved, as `extra.target_path`.
+        fmt: `export_formats()`.
+        out: the export's folder.
+        verify_fingerprint: refuse a target whose weights are not the ones the head records.
+        verifier_name: the verifier's name in the configs that record one (speculators' `verifier.name_or_path`),
+            e.g. the model id a server serves the target under; None = the target's folder, resolved (never a path
+            relative to this process's working folder, which names nothing once the export is moved).
+    """
     if fmt not in export_formats():
         raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(export_formats())}")
     cfg = read_head_config(head_dir)
     head = load_head(head_dir, target_dir, verify_fingerprint=verify_fingerprint)
     out = Path(out)
+    target = Path(target_dir).resolve()
     if fmt == "native":
-        return save_head(head, out, extra_config=cfg.get("extra"), target_fingerprint=cfg.get("target_fingerprint"))
+        extra = cfg["extra"] if isinstance(cfg.get("extra"), dict) else {}
+        extra = {**extra, TARGET_KEY: str(target)}  # the export's own record of its target (`recorded_target`)
+        return save_head(head, out, extra_config=extra, target_fingerprint=cfg.get("target_fingerprint"))
     tensors = layout_tensors(head, fmt)
-    # The verifier's name in configs that record one (speculators); the target's own `_name_or_path` wins.
-    target_cfg = {"_name_or_path": str(target_dir), **json.loads((Path(target_dir) / "config.json").read_text())}
+    target_cfg = {**read_config_json(target), "_name_or_path": verifier_name or str(target)}
     config = _layout(fmt).config(head, target_cfg)
     config["mtp_train"] = {"format": fmt, "head": head.cfg.to_dict(), "dims": head_dims(head.target_args),
                            "target_fingerprint": cfg.get("target_fingerprint"), "num_params": head.num_params(),

@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from mtp_train.config.head import HeadConfig
 from mtp_train.export import dflash, dspark, speculators_dflash
+from mtp_train.fileio import file_problem, safetensors_problem
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.registry import new_head
@@ -35,32 +36,83 @@ from mtp_train.models.families import args_from_dir
 _SHARED = ("embed_tokens.", "lm_head.", "model.embed_tokens.")  # the target's, never the draft's own here
 
 
+def _read_json(path: Path, what: str, todo: str) -> Any:
+    """The JSON in `path`, checked to be a regular file first (a FIFO would block the read); ModelConfigError naming
+    the file, what it should be (`what`) and what to do (`todo`) otherwise."""
+    problem = file_problem(path)
+    if problem:
+        raise ModelConfigError(f"{path} {problem}: {what}; {todo}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg}); {todo}") from None
+    except UnicodeDecodeError as e:
+        raise ModelConfigError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); {todo}") from None
+
+
 def _tensors(folder: Path, noun: str = "DFlash", keep: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    todo = "copy the drafter's folder again from where it came from"
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else ["model.safetensors"]
+    if file_problem(index) == "does not exist":
+        files = ["model.safetensors"]
+    else:
+        weight_map = _read_json(index, "the shards' index of the drafter's weights", todo)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelConfigError(f"{index}: weight_map is not an object of file names; {todo}")
+        files = sorted(set(weight_map.values()))
     out: dict[str, torch.Tensor] = {}
-    missing = [name for name in files if not (folder / name).is_file()]
+    missing = [name for name in files if file_problem(folder / name) == "does not exist"]
     if missing:
         raise ModelConfigError(f"{folder}: no {', '.join(missing)}: a {noun} drafter's folder holds its weights "
                                "(model.safetensors, or the shards model.safetensors.index.json names)")
     for name in files:
+        problem = safetensors_problem(folder / name)  # the library's own errors name no file; a FIFO would block
+        if problem:
+            raise ModelConfigError(f"{folder / name} {problem}: the {noun} drafter's weights are not readable; "
+                                   f"{todo}")
         with safe_open(str(folder / name), framework="pt", device="cpu") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()  # noqa: SIM118
                         if k in keep or not k.startswith(_SHARED)})
     return out
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def integer(value: Any, key: str) -> int:
+    """`value` of config.json's `key` as an int; ModelConfigError naming the key when JSON holds no integer there
+    (`"16"` is text: int() would take it, and `"1,8"` would fail with a message that names nothing)."""
+    if not _is_int(value):
+        raise ModelConfigError(f"{key} is {json.dumps(value)}, not an integer; write an integer there")
+    return value
+
+
+def integers(value: Any, key: str) -> list[int]:
+    """`value` of config.json's `key` as a list of ints; ModelConfigError naming the key otherwise."""
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        shown = f"[{value.replace(',', ', ')}]" if isinstance(value, str) else "[1, 8]"
+        raise ModelConfigError(f"{key} is {json.dumps(value)}, not a list of integers; write a JSON list there, "
+                               f"e.g. {shown}")
+    return list(value)
+
+
 def dflash_head_config(cfg: dict[str, Any]) -> HeadConfig:
     """A z-lab DFlash config.json → our HeadConfig (aux_layers = target_layer_ids + 1, `export/dflash.py`)."""
     sub = cfg.get("dflash_config") or {}
+    if not isinstance(sub, dict):
+        raise ModelConfigError(f"dflash_config is {json.dumps(sub)}, not an object")
     ids = sub.get("target_layer_ids")
     block = sub.get("block_size", cfg.get("block_size"))
     if not ids or block is None or sub.get("mask_token_id") is None:
         raise ModelConfigError("not a DFlash drafter's config.json: dflash_config needs target_layer_ids, "
                                "block_size (or a top-level block_size) and mask_token_id")
-    return HeadConfig(type="dflash", layers=int(cfg["num_hidden_layers"]), block_size=int(block),
-                      mask_token_id=int(sub["mask_token_id"]), aux_layers=dflash.aux_layers_of(ids))
+    where = "dflash_config.block_size" if "block_size" in sub else "block_size"
+    return HeadConfig(type="dflash", layers=integer(cfg.get("num_hidden_layers"), "num_hidden_layers"),
+                      block_size=integer(block, where),
+                      mask_token_id=integer(sub["mask_token_id"], "dflash_config.mask_token_id"),
+                      aux_layers=dflash.aux_layers_of(integers(ids, "dflash_config.target_layer_ids")))
 
 
 def dspark_head_config(cfg: dict[str, Any]) -> HeadConfig:
@@ -83,7 +135,8 @@ def dspark_head_config(cfg: dict[str, Any]) -> HeadConfig:
     base = dflash_head_config({**cfg, "dflash_config": sub})
     return HeadConfig(type="dspark", layers=base.layers, block_size=base.block_size,
                       mask_token_id=base.mask_token_id, aux_layers=base.aux_layers,
-                      markov_rank=int(cfg["markov_rank"]), confidence_head=bool(cfg.get("enable_confidence_head")),
+                      markov_rank=integer(cfg["markov_rank"], "markov_rank"),
+                      confidence_head=bool(cfg.get("enable_confidence_head")),
                       confidence_with_markov=bool(cfg.get("confidence_head_with_markov")))
 
 
@@ -144,14 +197,12 @@ def import_drafter(layout: str, folder: str | Path, target_dir: str | Path, devi
     noun = reader.noun
     folder = Path(folder)
     cfg_file = folder / "config.json"
-    if not cfg_file.is_file():
-        raise ModelConfigError(f"{cfg_file} does not exist: head_ckpt is a {noun} drafter's folder here ("
-                               f"{reader.origin}'s layout: config.json and model.safetensors)")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelConfigError(f"{cfg_file}: not valid JSON ({e}); restore it from where the drafter came "
-                               "from") from None
+    cfg = _read_json(cfg_file, f"head_ckpt is a {noun} drafter's folder here ({reader.origin}'s layout: "
+                     "config.json and model.safetensors as plain files)",
+                     "restore it from where the drafter came from")
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{cfg_file}: a JSON {type(cfg).__name__}, not an object; restore it from where the "
+                               "drafter came from")
     if not reader.recognises(cfg):
         other = [name for name, r in LAYOUTS.items() if name != layout and r.recognises(cfg)]
         raise ModelConfigError(f"{cfg_file}: no {reader.expected} ({reader.origin}'s {noun} layout)"
@@ -174,7 +225,7 @@ def import_drafter(layout: str, folder: str | Path, target_dir: str | Path, devi
     tensors = _tensors(folder, noun, reader.keep)
     try:
         head_cfg = reader.head_config(cfg, tensors)
-    except ModelConfigError as e:
+    except ValueError as e:  # ModelConfigError naming the key, or a value HeadConfig refuses (its bounds)
         raise ModelConfigError(f"{cfg_file}: {e}") from None
     frozen = FrozenTargetParts.from_pretrained(target_dir, device=device)
     head = new_head(head_cfg, args, frozen)

@@ -22,6 +22,7 @@ Two facts of vLLM's adapter the fields rest on:
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,7 +100,7 @@ def head_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     ValueError naming what is missing when it is not one."""
     if cfg.get("speculators_model_type") != MODEL_TYPE:
         raise ValueError(f"speculators_model_type {cfg.get('speculators_model_type')!r} is not {MODEL_TYPE!r}")
-    layer = cfg.get("transformer_layer_config") or {}
+    layer = cfg.get("transformer_layer_config") if isinstance(cfg.get("transformer_layer_config"), dict) else {}
     missing = [k for k in ("block_size", "mask_token_id", "aux_hidden_state_layer_ids") if cfg.get(k) is None]
     missing += ["transformer_layer_config.num_hidden_layers"] if layer.get("num_hidden_layers") is None else []
     if missing:
@@ -107,6 +108,14 @@ def head_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("sample_from_anchor"):
         raise ValueError("sample_from_anchor=true: the anchor drafts too (B speculative tokens); ours verifies the "
                          "anchor and drafts B − 1")
-    return {"layers": int(layer["num_hidden_layers"]), "block_size": int(cfg["block_size"]),
-            "mask_token_id": int(cfg["mask_token_id"]),
-            "aux_layers": [int(j) for j in cfg["aux_hidden_state_layer_ids"]]}
+    ints = {"transformer_layer_config.num_hidden_layers": layer["num_hidden_layers"],
+            "block_size": cfg["block_size"], "mask_token_id": cfg["mask_token_id"]}
+    for key, value in ints.items():  # JSON text such as "16" is not a number here, as it is not in vLLM's
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} is {json.dumps(value)}, not an integer; write an integer there")
+    ids = cfg["aux_hidden_state_layer_ids"]
+    if not isinstance(ids, list) or any(isinstance(j, bool) or not isinstance(j, int) for j in ids):
+        raise ValueError(f"aux_hidden_state_layer_ids is {json.dumps(ids)}, not a list of integers; write a JSON "
+                         "list there, e.g. [2, 8]")
+    return {"layers": layer["num_hidden_layers"], "block_size": cfg["block_size"],
+            "mask_token_id": cfg["mask_token_id"], "aux_layers": list(ids)}

@@ -9,15 +9,17 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from mtp_train.config.head import HeadConfig
-from mtp_train.fileio import atomic_write, atomic_write_text, sha256_file, tensor_bytes
+from mtp_train.fileio import atomic_write, atomic_write_text, file_problem, sha256_file, tensor_bytes
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.registry import new_head
@@ -63,8 +65,10 @@ def verify_files(folder: str | Path, files: dict[str, Any] | None, config: str |
             sha, size = str(want["sha256"]), int(want["bytes"])
         except (KeyError, TypeError, ValueError):
             raise ModelConfigError(f"{config}: malformed checksum entry for {name!r}") from None
-        if not path.is_file():
-            raise ModelConfigError(f"{path} is missing (its checksum is in {config}); {todo}")
+        problem = file_problem(path)  # a FIFO would block the hash
+        if problem:
+            raise ModelConfigError(f"{path} {'is missing' if problem == 'does not exist' else problem} (its "
+                                   f"checksum is in {config}); {todo}")
         if path.stat().st_size != size:
             raise ModelConfigError(f"{path} has {path.stat().st_size} bytes, {config} records {size}: {todo}")
         if sha256_file(path) != sha:
@@ -133,7 +137,12 @@ def check_draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, weights: 
 
 
 def read_json_config(path: Path) -> dict[str, Any]:
-    """A JSON object from `path`, with a ModelConfigError naming the file (line, column) when it is not one."""
+    """A JSON object from `path`, with a ModelConfigError naming the file (line, column) when it is not one, or
+    what the path is when it is not a regular file (never opened then: a FIFO would block)."""
+    problem = file_problem(path)
+    if problem:
+        raise ModelConfigError(f"{path} {problem}; copy or export the head again (a head folder holds config.json "
+                               "and model.safetensors as plain files)")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -150,7 +159,7 @@ def read_json_config(path: Path) -> dict[str, Any]:
 def read_head_config(head_dir: str | Path) -> dict[str, Any]:
     """The config.json of a head folder, checked to be one of ours."""
     path = Path(head_dir) / "config.json"
-    if not path.is_file():
+    if file_problem(path) == "does not exist":
         raise ModelConfigError(f"{path} is missing: {head_dir} is not a head checkpoint (see save_head)")
     cfg = read_json_config(path)
     if cfg.get("format") != HEAD_FORMAT:
@@ -167,6 +176,68 @@ def read_head_config(head_dir: str | Path) -> dict[str, Any]:
         raise ModelConfigError(f"{path}: {', '.join(bad)} missing or not an object; the file is damaged: copy or "
                                "export the head again")
     return cfg
+
+
+TARGET_KEY = "target_path"  # in a head's config.json `extra`: its target's folder, absolute (export, import)
+TRAIN_CONFIG = "train_config.yaml"  # beside a head mtp-train saved: the run's resolved settings
+
+
+@dataclass(frozen=True)
+class RecordedTarget:
+    """The target a head records it was trained on."""
+
+    path: Path  # the target's folder, absolute
+    source: str  # where the head records it (file and key), for messages
+
+
+def recorded_target(head_dir: str | Path) -> RecordedTarget | None:
+    """The target folder the head in `head_dir` records, or None when it records none (a head saved by `save_head`
+    alone).
+
+    Read from config.json's `extra.target_path` (written by mtp-export for the heads it writes), else from
+    `train_config.yaml` beside a head mtp-train saved: its `model.path`, which a relative path names from the folder
+    mtp-train ran in. That folder is where the run's `out` (relative too) leads to the head's `heads/<tag>`, so it
+    is told from where the head lies, not from the folder this process runs in. Raises ModelConfigError naming the
+    file when the record cannot be read or a relative path cannot be placed.
+    """
+    head_dir = Path(head_dir)
+    cfg = read_head_config(head_dir)
+    extra = cfg.get("extra")
+    if isinstance(extra, dict) and isinstance(extra.get(TARGET_KEY), str) and extra[TARGET_KEY]:
+        return RecordedTarget(Path(extra[TARGET_KEY]), f"{head_dir / 'config.json'} (extra.{TARGET_KEY})")
+    record = head_dir / TRAIN_CONFIG
+    if file_problem(record):
+        return None
+    try:
+        run = yaml.safe_load(record.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{record}: not readable YAML ({str(e).splitlines()[0]}); pass model.path=<the "
+                               "target's folder>, or copy the head again from its run") from None
+    model = run.get("model") if isinstance(run, dict) else None
+    path = model.get("path") if isinstance(model, dict) else None
+    if not isinstance(path, str) or not path:
+        return None
+    if Path(path).is_absolute():
+        return RecordedTarget(Path(path), f"{record} (model.path)")
+    ran_in = _training_folder(head_dir, run.get("out"))
+    if ran_in is None:
+        raise ModelConfigError(f"{record} records model.path={path}, relative to the folder mtp-train ran in, which "
+                               f"cannot be told from where the head lies now (its run's out: {run.get('out')}); "
+                               "pass model.path=<the target's folder>")
+    return RecordedTarget(ran_in / path, f"{record} (model.path={path}, from {ran_in}, where mtp-train ran)")
+
+
+def _training_folder(head_dir: Path, out: Any) -> Path | None:
+    """The folder a run with a relative `out` ran in, when `head_dir` is its `<out>/heads/<tag>`; else None."""
+    if not isinstance(out, str) or not out or Path(out).is_absolute() or ".." in Path(out).parts:
+        return None
+    parts = Path(out).parts
+    head = head_dir.resolve()
+    run = head.parent.parent
+    # "heads": mtp-train's HEADS_DIR (mtp_train/train/checkpoint.py, which imports this module)
+    if head.parent.name != "heads" or len(run.parts) <= len(parts) or run.parts[-len(parts):] != parts:
+        return None  # copied elsewhere: where it was trained is not in its path any more
+    return Path(*run.parts[:-len(parts)])
 
 
 def load_head(head_dir: str | Path, target_dir: str | Path, device: str | torch.device = "cpu",
