@@ -8,6 +8,11 @@
     torchrun --nproc_per_node 8 -m mtp_train.cli.train model=llama3.1-8b data.dir=/data/pc out=/runs/mtp
     launch/train_1node.sh ... | launch/train_multinode.sh ... | sbatch launch/train.sbatch ...
 
+`model.path` is saved as an absolute path (in `config.yaml` and each head's `train_config.yaml`): the head's record
+of its target then names it from any folder (mtp-export reads it). The head's settings are checked against the
+target before anything is written: a block drafter's `head.block_size` within the target's max_position_embeddings,
+and the memory its micro-batch's blocks take at least within what the device has.
+
 A re-run with the same `out` resumes from its latest checkpoint (`resume=auto`). Rank 0 holds `<out>/.lock` for
 the whole run (a second run into the same `out` refuses, naming the first one's pid and host), saves the resolved
 config as `<out>/config.yaml` once the data, the target and the checkpoint to resume from have been checked, logs
@@ -22,14 +27,26 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from mtp_train import dist
-from mtp_train.cli.common import distributed, ensure_model, has_wandb_key, hydra_entry, run_device, save_config
+from mtp_train.cli.common import (
+    distributed,
+    ensure_model,
+    has_wandb_key,
+    hydra_entry,
+    launch_env,
+    run_device,
+    save_config,
+)
 from mtp_train.cli.outputs import claim_output
-from mtp_train.config import ConfigError, TrainConfig, bf16_enabled, check_config, typed
+from mtp_train.config import ConfigError, TrainConfig, bf16_enabled, check_config, rank_device, typed
+from mtp_train.config.head import block_bytes
 from mtp_train.data.prompts import load_prompt_sets
 from mtp_train.data.readers import DataError
+from mtp_train.fileio import human_bytes
+from mtp_train.models.foreign import head_target_args
 from mtp_train.speculative.validator import SpeculativeValidator
 from mtp_train.train.foreign import check_foreign_target
 from mtp_train.train.logging import resolve_wandb_mode
@@ -46,6 +63,8 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
     on_step(trainer, step, metrics) is called on every rank after each optimizer step (see Trainer).
     """
     check_config(cfg, "train")
+    if cfg.model.path and not Path(cfg.model.path).is_absolute():  # a head's record names its target from anywhere
+        cfg.model.path = str(Path(cfg.model.path).absolute())
     tc = typed(cfg, TrainConfig)  # a wrong value type fails here, before any process group or model is touched
     source = source_class(tc.data.source)
     source.check_config(tc)  # before the target folder is looked for: an empty model.path is named as such
@@ -55,6 +74,7 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
             load_prompt_sets(list(tc.spec_eval.prompts), tc.spec_eval.limit)
         except DataError as exc:
             raise ConfigError(f"spec_eval.prompts: {exc}") from None
+    check_head_fits(tc)
     with distributed(tc.model) as (info, stack):
         # DeepSpeed reads LOCAL_RANK from the environment, which only launchers set (see train/deepspeed_setup.py).
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
@@ -83,6 +103,49 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
                   + (f", eval top-1 {top1:.3f}" if top1 is not None else "")
                   + f"; head → {result['head_dir']}", flush=True)
         return result
+
+
+def check_head_fits(tc: TrainConfig) -> None:
+    """Refuse, naming the key, the bound and why, head settings the target or the memory cannot hold: a block
+    drafter's head.block_size past the target's max_position_embeddings (a block's positions run from its anchor
+    to anchor + block_size - 1, all of them positions the target's RoPE knows), or blocks whose memory alone
+    (`block_bytes`, a lower bound) is over what the device has free. A target folder still to be fetched is
+    checked against `MAX_BLOCK_SIZE` only (HeadConfig's own bound)."""
+    head = tc.head
+    config = Path(tc.model.path) / "config.json"
+    if not head.spec.block or not config.is_file():
+        return
+    args = head_target_args(tc.model.path)
+    if head.block_size > args.max_position_embeddings:
+        raise ConfigError(f"head.block_size={head.block_size} is over the target's max_position_embeddings "
+                          f"({args.max_position_embeddings}, {config}): a block's positions run from its anchor to "
+                          f"anchor + block_size - 1, and the target knows no position past that; choose at most "
+                          f"{args.max_position_embeddings}")
+    launch = launch_env()
+    device = rank_device(tc.model.device, launch.world, launch.local_rank)
+    need, free = block_bytes(head, args.hidden_size), free_memory(device)
+    if free is not None and need > free:
+        raise ConfigError(f"head.block_size={head.block_size} with head.max_anchors={head.max_anchors}: the blocks of "
+                          f"one micro-batch alone take at least {human_bytes(need)}: {head.max_anchors} blocks of "
+                          f"{head.block_size} rows of {args.hidden_size} values per draft layer, more than the "
+                          f"{human_bytes(free)} free on {device}; lower head.block_size or head.max_anchors")
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device`: the GPU's free memory, or the host's available memory for the CPU (None when the
+    system does not say)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
 
 
 main = hydra_entry(PROG, "train", train_main)

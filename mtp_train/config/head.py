@@ -240,6 +240,11 @@ class HeadConfig:
                 raise ValueError(f"{', '.join(set_)}: only a block drafter ({'/'.join(takes) or 'none registered'}) "
                                  f"takes block settings; {self.type} heads draft one token per forward")
             return
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"head.block_size={self.block_size} is over {MAX_BLOCK_SIZE}, the most a block drafter "
+                             f"takes: a block drafts block_size - 1 tokens in one forward, and every block of a "
+                             f"training micro-batch holds block_size rows per layer; choose at most {MAX_BLOCK_SIZE} "
+                             "(DFlash drafters use 8 to 16)")
         if self.layers < 1 or self.block_size < 2 or self.max_anchors < 1:
             raise ValueError(f"a {self.type} head needs head.layers >= 1, head.block_size >= 2 (one draft per mask "
                              f"slot) and head.max_anchors >= 1; got {self.layers}, {self.block_size}, "
@@ -292,6 +297,27 @@ class HeadConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self.resolved())
+
+
+# The largest head.block_size: far past where drafts are still accepted (the chance that all of a block's B - 1 drafts
+# are right falls geometrically with B), and small enough that a block's rows and its attention over itself stay a
+# small part of a micro-batch. The target's max_position_embeddings bounds it too (mtp-train checks it).
+MAX_BLOCK_SIZE = 256
+
+
+def block_bytes(cfg: HeadConfig, hidden_size: int, bytes_per_value: int = 4) -> int:
+    """A lower bound of the memory the blocks of one training micro-batch take: head.max_anchors blocks of
+    head.block_size rows of `hidden_size` values, kept once per draft layer for the backward pass (attention scores,
+    the MLP and the logits come on top); 0 for a head that is not a block drafter.
+
+    Args:
+        cfg: the head's settings.
+        hidden_size: the target's H (the draft layers' width).
+        bytes_per_value: 4 for the fp32 activations of mixed-precision training.
+    """
+    if not cfg.spec.block:
+        return 0
+    return cfg.max_anchors * cfg.block_size * hidden_size * cfg.layers * bytes_per_value
 
 
 BLOCK_DEFAULTS = {"layers": 1, "block_size": 8, "mask_token_id": None, "max_anchors": 512}  # HeadConfig's
