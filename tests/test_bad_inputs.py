@@ -984,3 +984,116 @@ def test_atomic_writes_and_locks_never_write_through_a_link(tmp_path):
     with pytest.raises(LinkError, match=r"\.lock is a link"), output_lock(out):
         pass
     assert victim.read_text() == "mine\n"
+
+
+# --- what a target, a drafter folder or a head's settings bring that only looks like the real thing: exports of the
+# head's own target, config.json keys of another JSON type, drafter files that are not files or are cut short, and
+# block settings past what the target and the memory hold. One line, exit 2, nothing written.
+
+
+def _zlab(w: World, tmp: Path) -> Path:
+    """A DFlash drafter of the world's target in z-lab's layout, as a folder written elsewhere (no block of ours)."""
+    from mtp_train.config import HeadConfig
+    from mtp_train.export import export_head
+    from mtp_train.heads import build_head, save_head
+
+    head = build_head(HeadConfig(type="dflash", block_size=4, mask_token_id=1, aux_layers=[1]), w.target,
+                      dtype="float32")
+    folder = export_head(save_head(head, tmp / "dflash-head"), w.target, "dflash", tmp / "zlab")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["mtp_train"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def _drafter(damage: Callable[[Path], None]) -> Prepare:
+    """`mtp-export import_from=dflash` of a z-lab folder that `damage` has changed."""
+    def prepare(w: World, tmp: Path) -> tuple[Path, list[str]]:
+        folder = _zlab(w, tmp)
+        damage(folder)
+        return tmp / "out", [f"head_ckpt={folder}", "import_from=dflash", "model.device=cpu"]
+    return prepare
+
+
+def _replace_with(make: Callable[[Path], None]) -> Callable[[Path], None]:
+    """Damage: the folder's config.json replaced by what `make(path)` puts there."""
+    def damage(folder: Path) -> None:
+        (folder / "config.json").unlink()
+        make(folder / "config.json")
+    return damage
+
+
+def _edit_json(name: str, edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def damage(folder: Path) -> None:
+        cfg = json.loads((folder / name).read_text())
+        edit(cfg)
+        (folder / name).write_text(json.dumps(cfg))
+    return damage
+
+
+def _text_hidden_size(cfg: dict) -> None:
+    cfg["hidden_size"] = str(cfg["hidden_size"])
+
+
+def _max_positions(n: int) -> Callable[[dict], None]:
+    return lambda cfg: cfg.update(max_position_embeddings=n)
+
+
+WEIGHTS = "model.safetensors"
+LOOKS_LIKE = {
+    # mtp-export import_from=dflash
+    "import-truncated-weights": ("export", [], _drafter(lambda f: _cut(f / WEIGHTS)),
+                                 ["{tmp}/zlab/model.safetensors is truncated", "copy the drafter's folder again"]),
+    "import-empty-weights": ("export", [], _drafter(lambda f: (f / WEIGHTS).write_bytes(b"")),
+                             ["{tmp}/zlab/model.safetensors is empty (0 bytes)", "copy the drafter's folder again"]),
+    "import-text-weights": ("export", [], _drafter(lambda f: (f / WEIGHTS).write_text("not tensors at all\n")),
+                            ["{tmp}/zlab/model.safetensors is truncated or not a safetensors file",
+                             "copy the drafter's folder again"]),
+    "import-fifo-config": ("export", [], _drafter(_replace_with(os.mkfifo)),
+                           ["{tmp}/zlab/config.json is not a regular file: it is a FIFO (named pipe)",
+                            "restore it from where the drafter came from"]),
+    "import-config-link-loop": ("export", [], _drafter(_replace_with(lambda p: p.symlink_to(p.name))),
+                                ["{tmp}/zlab/config.json is a link loop", "restore it from where the drafter came"]),
+    "import-layer-ids-as-text": ("export", [], _drafter(_edit_json(
+        "config.json", lambda c: c["dflash_config"].update(target_layer_ids="1,8"))),
+        ["{tmp}/zlab/config.json: dflash_config.target_layer_ids is \"1,8\", not a list of integers",
+         "write a JSON list there, e.g. [1, 8]"]),
+    # a target config.json whose number is text: transformers' strict config classes would raise a traceback
+    "precompute-text-hidden-size": ("precompute", [], _broken_target(_edit_json("config.json", _text_hidden_size)),
+                                    ['{tmp}/target/config.json: hidden_size is "32" (a string), not an integer',
+                                     'write it without quotes ("hidden_size": 32)']),
+    "eval-text-hidden-size": ("eval", [], _broken_target(_edit_json("config.json", _text_hidden_size)),
+                              ['{tmp}/target/config.json: hidden_size is "32" (a string), not an integer']),
+    "export-text-hidden-size": ("export", [], _broken_target(_edit_json("config.json", _text_hidden_size)),
+                                ['{tmp}/target/config.json: hidden_size is "32" (a string), not an integer']),
+    "export-fifo-target-config": ("export", [], _broken_target(_replace_with(os.mkfifo)),
+                                  ["{tmp}/target/config.json is not a regular file: it is a FIFO"]),
+    # mtp-export of a head that records no target, without model.path
+    "export-head-without-a-recorded-target": ("export", ["model.path=''"], _fresh("export"),
+                                              ["records no target", "pass model.path="]),
+    # block settings past the target's positions, past a sane maximum, past the memory
+    "train-block-past-the-maximum": ("train", ["head=dflash", "head.block_size=1000000"], _fresh("train"),
+                                     ["head.block_size=1000000 is over 256", "choose at most 256"]),
+    "train-block-past-the-targets-positions": (
+        "train", ["head=dflash", "head.block_size=100"], _broken_target(_edit_json("config.json", _max_positions(64))),
+        ["head.block_size=100 is over the target's max_position_embeddings (64, {tmp}/target/config.json)",
+         "choose at most 64"]),
+    "train-blocks-past-the-memory": ("train", ["head=dflash", f"head.max_anchors={10 ** 13}"], _fresh("train"),
+                                     [f"head.max_anchors={10 ** 13}: the blocks of one micro-batch alone take at "
+                                      "least", "free on cpu; lower head.block_size or head.max_anchors"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOOKS_LIKE))
+def test_what_only_looks_like_the_real_thing_is_one_line_exit_2_and_writes_nothing(world, tmp_path, capsys, case):
+    module, overrides, prepare, fragments = LOOKS_LIKE[case]
+    out, extra = prepare(world, tmp_path)
+    args = _base(module, world, out) + extra + [o.format(tmp=tmp_path) for o in overrides]
+    before = tree(out)
+    res = run_cli(module, args, capsys)
+    errors = [line for line in res.err.splitlines() if line.startswith(f"mtp-{module}: error: ")]
+    assert res.code == 2 and len(errors) == 1, (res.code, res.err[-3000:])
+    assert "Traceback" not in res.err + res.out, res.err[-3000:]
+    for fragment in fragments:
+        assert fragment.format(tmp=tmp_path) in errors[0], (fragment, errors[0])
+    assert tree(out) == before, f"{out} changed"
