@@ -5,9 +5,10 @@
     mtp-export head_ckpt=runs/eagle3/heads/step-1000 format=speculators out=runs/export/eagle3  # eagle3 heads
     mtp-export head_ckpt=runs/ds3/heads/step-1000 format=deepseek-mtp stitch=models/deepseek-v3 out=runs/ds3-mtp
         # the target's checkpoint folder with the fine-tuned head as its MTP layer (shards linked, not copied)
-    mtp-export import_from=dflash head_ckpt=downloads/dflash-drafter out=runs/imported  # the command in reverse:
-        # a DFlash drafter trained elsewhere (z-lab's layout) as a native head for mtp-eval and mtp-train
-    mtp-export import_from=dspark head_ckpt=downloads/dspark-drafter out=runs/imported  # vLLM's Qwen3 DSpark layout
+    mtp-export import_from=dflash head_ckpt=downloads/dflash-drafter model.path=models/Qwen3-8B out=runs/imported
+        # the command in reverse: a DFlash drafter trained elsewhere (z-lab's layout) as a native head for mtp-eval
+        # and mtp-train (model.path required: such a drafter records no target of ours)
+    mtp-export import_from=dspark head_ckpt=downloads/dspark-drafter model.path=models/Qwen3-8B out=runs/imported
     formats: native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp | speculators | sglang-eagle3 |
         dflash | dspark
 
