@@ -305,3 +305,102 @@ def test_ctrl_c_in_training_says_where_it_stopped_and_a_re_run_resumes_exactly(w
     assert _cli("train", args).returncode == 0
     head = "heads/step-2/model.safetensors"
     assert tree(run)[head] == tree(reference["run"])[head]
+
+
+# ----------------------------------------------------- records Python cannot hold, configs that do not compose
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch) -> Path:
+    """An empty working folder for the command, whose listing a test compares after the run."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    return folder
+
+
+@pytest.mark.parametrize("row, fragment", [
+    ('{"id": "deep", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     ":2: nested_too_deep: nested deeper than 100 levels (arrays and objects 100001 deep); flatten the record"),
+    ('{"id": ' + "9" * 5001 + ', "prompt": "hi"}',
+     ":2: integer_too_long: field id is an integer of 5001 digits, more than the 4300 Python converts; write it as a "
+     "string"),
+], ids=["nested-100k-deep", "id-of-5001-digits"])
+def test_a_record_python_cannot_hold_is_a_bad_row_and_skip_skips_it(world, tmp_path, capsys, work, row, fragment):
+    data = _jsonl(tmp_path / "odd.jsonl", [_chat(0, "tea"), row, _chat(2, "owls")])
+    out = tmp_path / "pc"
+    res = run_cli("precompute", precompute_args(world, out, data), capsys)
+    assert one_error(res, "mtp-precompute") == f"mtp-precompute: error: {data}{fragment}" + \
+        one_error(res, "mtp-precompute").split(fragment, 1)[1]
+    assert res.err.strip().count("\n") == 0 and not out.exists()
+    res = run_cli("precompute", precompute_args(world, out, data) + ["data.on_bad_row=skip"], capsys)
+    assert res.code == 0, res.err[-3000:]
+    reason = fragment.split(": ")[1]
+    assert json.loads((out / "manifest.json").read_text())["data"]["bad_rows"] == {reason: 1}
+    assert f"1 bad row(s) skipped ({reason}=1)" in res.out and f"{data}:2" in res.out
+    assert _listing(work) == []
+
+
+def _user_configs(tmp: Path) -> Path:
+    """A folder of the user's configs: links to a text that is no config and to a binary, broken YAML, a link to
+    nothing, and a good copy of conf/export.yaml without its `hydra:` settings."""
+    folder = tmp / "cfg"
+    folder.mkdir()
+    secret = tmp / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n")
+    (folder / "evil.yaml").symlink_to(secret)
+    (folder / "binary.yaml").symlink_to(sys.executable)
+    (folder / "broken.yaml").write_text("format: [native\nout: x\n")
+    (folder / "gone.yaml").symlink_to(tmp / "nothing-here")
+    own = (ROOT / "conf" / "export.yaml").read_text().split("\nhydra:")[0]
+    (folder / "mine.yaml").write_text("\n".join(line for line in own.splitlines()
+                                                if "override hydra/" not in line and "- model:" not in line))
+    return folder
+
+
+@pytest.mark.parametrize("name, fragments", [
+    ("evil", ["evil.yaml: a top-level key of 79 characters that is not a setting name",
+              "pass one shaped like conf/export.yaml"]),
+    ("binary", ["binary.yaml (or a config its defaults list names) is not UTF-8 text"]),
+    ("broken", ["broken.yaml: not YAML that can be read: ", "at line 2, column 4", "fix the file"]),
+    ("gone", ["gone.yaml: no such file (or a link to none); check --config-path and --config-name"]),
+])
+def test_a_config_of_the_users_that_does_not_compose_is_one_line_naming_the_file_not_its_content(
+        tmp_path, capsys, work, name, fragments):
+    folder = _user_configs(tmp_path)
+    res = run_cli("export", ["--config-path", str(folder), "--config-name", name], capsys)
+    line = one_error(res, "mtp-export")
+    assert res.err.strip() == line and str(folder) in line
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
+    assert "root:" not in res.err + res.out and "nologin" not in res.err + res.out
+    assert _listing(work) == []
+
+
+def test_a_config_of_the_users_runs_with_nothing_of_hydras_in_the_working_folder(tmp_path, capsys, work):
+    # Its run folder, .hydra copy and job log would go to ./outputs/<date>/<time>/ by Hydra's defaults.
+    folder = _user_configs(tmp_path)
+    res = run_cli("export", ["--config-path", os.path.relpath(folder, work), "--config-name", "mine",
+                             f"head_ckpt={tmp_path / 'no-head'}", f"out={tmp_path / 'out'}"], capsys)
+    assert one_error(res, "mtp-export").endswith(f"{tmp_path / 'no-head'} is not a head checkpoint (see save_head)")
+    assert _listing(work) == []
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["-m"], "-m/--multirun (a Hydra sweep) is not supported: each run writes one `out`: run the command once per "
+             "setting, each with its own out="),
+    (["hydra.mode=MULTIRUN"], "hydra.mode=MULTIRUN (a Hydra sweep) is not supported"),
+    (["format=native,deepseek-mtp"], "argument 'format=native,deepseek-mtp' is a sweep (one run per value), which "
+                                     "is not supported: give a list as key=[a,b]"),
+    (["--experimental-rerun", "config.pickle"], "--experimental-rerun is not supported (it loads a pickle)"),
+], ids=["-m", "hydra.mode", "sweep-value", "rerun-pickle"])
+def test_a_sweep_is_refused_in_one_line_and_leaves_the_working_folder_as_it_was(world, tmp_path, capsys, work,
+                                                                                 args, fragment):
+    res = run_cli("export", [f"head_ckpt={world.head}", f"out={tmp_path / 'out'}", *args], capsys)
+    assert fragment in one_error(res, "mtp-export")
+    assert res.err.strip().count("\n") == 0
+    assert _listing(work) == [] and not (tmp_path / "out").exists()

@@ -9,7 +9,10 @@ Every command follows the same shape:
 shard or checkpoint, an output another run holds) into one line on stderr and exit code 2; anything else keeps its
 traceback. `HYDRA_FULL_ERROR=1`, Hydra's own switch for full tracebacks, also shows them for our errors.
 `hydra_entry` also refuses, the same way, command-line keys and values the command's schema does not have
-(`mtp_train.config.check_overrides` / `check_config`), before anything is loaded or written.
+(`mtp_train.config.check_overrides` / `check_config`), and any config that does not compose (a config file of the
+user's given with `--config-path` / `--config-name` included: the error names the file and the line or key, never
+its content), before anything is loaded or written. Hydra writes nothing (no run or sweep folder, no `.hydra`, no
+job log: `HYDRA_NO_OUTPUTS`); `-m` (a sweep) is refused, since every run writes one `out`.
 
 The environment is read here, by the commands, and handed to the library as settings (library code reads none):
 torchrun's RANK / WORLD_SIZE / LOCAL_RANK (`launch_env`), and the native CPU kernels' switch, build folder and
@@ -20,23 +23,25 @@ by every command (`configure_from_env`).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import netrc
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mtp_train import dist
 from mtp_train.config import (
     CONF_DIR,
+    ConfigError,
     Interrupted,
     ModelConfig,
     check_config,
@@ -44,6 +49,7 @@ from mtp_train.config import (
     rank_device,
     register_configs,
 )
+from mtp_train.config.checks import parse_overrides
 from mtp_train.data.chat import ChatTemplateError, load_tokenizer
 from mtp_train.data.readers import DataError
 from mtp_train.dist import DistInfo, Launch
@@ -77,6 +83,14 @@ ENV_KERNEL_DIR = "MTP_TRAIN_KERNEL_DIR"
 ENV_CC = "CC"
 ENV_KERNEL_ISA = "MTP_TRAIN_KERNEL_ISA"
 ENV_KERNEL_CHOICE = "MTP_TRAIN_KERNEL_CHOICE"
+
+# Hydra's own outputs, none of which the commands need (each writes only into its `out`): the run folder, the
+# `.hydra` copy of the config and the job's log file. conf/ sets them so; a primary config of the user's
+# (--config-name, --config-path) gets them from the command line. A user's own `hydra.run.dir=...` stays.
+HYDRA_NO_OUTPUTS = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra.job.chdir=false",
+                    "hydra/job_logging=stdout")
+_SETTING_NAME = re.compile(r"[A-Za-z_][\w-]{0,63}")
+_MESSAGE_CHARS = 300  # what one error line quotes of a message Hydra or YAML wrote
 
 
 def to_dict(cfg: DictConfig | dict[str, Any] | None) -> dict[str, Any]:
@@ -238,31 +252,140 @@ def run_command(prog: str, fn: Callable[[DictConfig], Any], cfg: DictConfig | No
                     f"re-run the same command: it goes on from what was finished")
 
 
-def command_line_overrides(argv: list[str]) -> list[str]:
-    """The `key=value` overrides of a Hydra command line (its flags, e.g. `--cfg job`, left out)."""
-    from hydra._internal.utils import get_args_parser
+def _primary_config(args: argparse.Namespace, config_name: str) -> str:
+    """The file the primary config is read from, for error messages (a `pkg://` folder stays as written)."""
+    name = args.config_name or config_name
+    return f"{args.config_path.rstrip('/')}/{name if name.endswith('.yaml') else name + '.yaml'}"
 
+
+def _composition_error(exc: BaseException, args: argparse.Namespace, config_name: str) -> str:
+    """One line for a config that does not compose: the file and line (YAML), the file (unreadable, not text) or
+    Hydra's first sentence (a defaults entry, a group choice: the names it quotes are keys, not content).
+
+    Args:
+        exc: what composing raised (YAML's, Hydra's, OmegaConf's or the file system's error).
+        args: the checked parse of the command line (`hydra_args`), for the primary config's file.
+        config_name: the command's root config, when the command line names none.
+    """
+    import yaml
+
+    primary = _primary_config(args, config_name)
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        context = (f" ({exc.context} at line {exc.context_mark.line + 1})"
+                   if exc.context and exc.context_mark is not None else "")
+        return (f"{mark.name}: not YAML that can be read: {exc.problem} at line {mark.line + 1}, column "
+                f"{mark.column + 1}{context}; fix the file")
+    if isinstance(exc, UnicodeDecodeError):
+        return (f"{primary} (or a config its defaults list names) is not UTF-8 text ({exc.reason} at byte "
+                f"{exc.start}): a config is a YAML text file; check --config-path and --config-name")
+    if "://" not in primary and not os.path.isfile(primary) and "Cannot find primary config" in str(exc):
+        return f"{primary}: no such file (or a link to none); check --config-path and --config-name"
+    if isinstance(exc, OSError) and exc.filename:  # unreadable (permissions), a folder
+        return f"{exc.filename}: {exc.strerror}; check --config-path and --config-name"
+    first = " ".join(str(exc).split("Config search path")[0].split()) or type(exc).__name__
+    if len(first) > _MESSAGE_CHARS:
+        first = first[:_MESSAGE_CHARS] + "…"
+    return (f"the config does not compose ({first}); check --config-path, --config-name, the files they name and "
+            f"the overrides")
+
+
+def _compose(args: argparse.Namespace, config_name: str) -> DictConfig:
+    """The config `args` describe, composed as Hydra's run composes it (same search path and overrides), or a
+    ConfigError naming the file and line or key of what fails (`_composition_error`)."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    search_path = create_automatic_config_search_path(None, None, args.config_path)
+    if args.config_dir is not None:
+        extra = os.path.abspath(args.config_dir)
+        if not os.path.isdir(extra):
+            raise ConfigError(f"--config-dir {args.config_dir}: no such folder")
+        search_path.prepend(provider="command-line", path=f"file://{extra}", anchor=SearchPathQuery(provider="schema"))
     try:
-        args, _ = get_args_parser().parse_known_args(argv)
-    except SystemExit:  # a malformed command line: Hydra reports it itself
-        return []
-    return list(args.overrides or [])
+        hydra = Hydra.create_main_hydra2(task_name=config_name, config_search_path=search_path)
+        try:
+            return hydra.compose_config(args.config_name or config_name, args.overrides, run_mode=RunMode.RUN,
+                                        with_log_configuration=False)
+        finally:
+            GlobalHydra.instance().clear()
+    except Exception as exc:  # YAML's, Hydra's, OmegaConf's and the file system's errors: one line each
+        raise ConfigError(_composition_error(exc, args, config_name)) from exc
+
+
+def hydra_args(argv: list[str], config_name: str) -> argparse.Namespace:
+    """Hydra's parse of a command line of the command with root config `conf/<config_name>.yaml`, checked before
+    Hydra runs anything: keys and values against the schema (`check_overrides`), the whole config composed
+    (`_compose`), its top-level keys setting names. What Hydra would write is switched off (`HYDRA_NO_OUTPUTS`),
+    and a relative `--config-path` is taken from the working folder (Hydra would look in this package).
+
+    Raises ConfigError (one line) for `-m` / `hydra.mode=MULTIRUN` (a sweep runs the command several times into
+    the same `out`), a sweep value (`k=1,2`), `--experimental-rerun` (it unpickles a file), and a config that does
+    not compose.
+
+    Args:
+        argv: the command line after the program's name.
+        config_name: the command's root config (`conf/<config_name>.yaml`) and schema (`SCHEMAS`).
+    """
+    from hydra._internal.utils import get_args_parser
+    from hydra.types import RunMode
+
+    args = get_args_parser().parse_args(argv)  # a malformed command line: argparse's usage and error, exit 2
+    once = "each run writes one `out`: run the command once per setting, each with its own out="
+    if args.multirun:
+        raise ConfigError(f"-m/--multirun (a Hydra sweep) is not supported: {once}")
+    if args.experimental_rerun is not None:
+        raise ConfigError("--experimental-rerun is not supported (it loads a pickle): re-run the command with its "
+                          "settings instead")
+    if args.shell_completion:
+        return args
+    if args.config_path is None:
+        args.config_path = CONF_DIR
+    elif not os.path.isabs(args.config_path) and not args.config_path.startswith("pkg://"):
+        args.config_path = os.path.abspath(args.config_path)
+    overrides = list(args.overrides or [])
+    parsed = parse_overrides(overrides)
+    for arg, o in zip(overrides, parsed, strict=True):
+        if o.is_sweep_override():
+            raise ConfigError(f"argument {arg!r} is a sweep (one run per value), which is not supported: give a "
+                              f"list as key=[a,b] where the setting takes one, quote a text holding a comma as "
+                              f"key='a,b', or {once.split(': ', 1)[1]}")
+    check_overrides(overrides, config_name)
+    given = {o.key_or_group for o in parsed}
+    args.overrides = overrides + [o for o in HYDRA_NO_OUTPUTS if o.split("=")[0] not in given]
+    cfg = _compose(args, config_name)
+    if cfg.hydra.mode == RunMode.MULTIRUN:
+        raise ConfigError(f"hydra.mode=MULTIRUN (a Hydra sweep) is not supported: {once}")
+    for key in cfg:
+        if key != "hydra" and not _SETTING_NAME.fullmatch(str(key)):
+            # Never quoted: a file that is not a config (a link to another file) reads as one long key.
+            raise ConfigError(f"{_primary_config(args, config_name)}: a top-level key of {len(str(key))} "
+                              f"characters that is not a setting name: the file is not a config of this command; "
+                              f"pass one shaped like conf/{config_name}.yaml")
+    return args
 
 
 def hydra_entry(prog: str, config_name: str, fn: Callable[[DictConfig], Any]) -> Callable[[], None]:
     """The console entry point of a Hydra command: read the environment (`configure_from_env`), register the
-    schemas, check the command line's keys against the schema, parse it with the root config
-    `conf/<config_name>.yaml`, check the composed config, then `run_command(prog, fn, cfg)`."""
+    schemas, check the command line and compose it with the root config `conf/<config_name>.yaml` (`hydra_args`),
+    then run Hydra, which composes it again and calls `run_command(prog, fn, cfg)` on the config `check_config`
+    passes."""
 
-    @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)
-    def _hydra_main(cfg: DictConfig) -> None:
+    def task(cfg: DictConfig) -> None:
         run_command(prog, lambda c: fn(check_config(c, config_name)), cfg)
 
     def main() -> None:
+        from hydra._internal.utils import _run_hydra, get_args_parser
+
         configure_from_env()
         register_configs()
-        # Before Hydra composes: its own error for a mistyped key is a multi-line hint to add it with `+`.
-        run_command(prog, lambda _: check_overrides(command_line_overrides(sys.argv[1:]), config_name), None)
-        _hydra_main()
+        # Before Hydra runs: its own errors are several lines and exit 1, a mistyped key's a hint to add it with `+`.
+        args = run_command(prog, lambda _: hydra_args(sys.argv[1:], config_name), None)
+        # What `@hydra.main` runs, given the checked parse (and never its pickle-loading --experimental-rerun).
+        _run_hydra(args=args, args_parser=get_args_parser(), task_function=task, config_path=CONF_DIR,
+                   config_name=config_name)
 
     return main
