@@ -4,12 +4,18 @@ re-run skips every finished stage; an `out` that is not the demo's is refused un
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from mtp_train.cli.demo import STAGES, run_demo
 from mtp_train.cli.outputs import OutputError
 from mtp_train.config import DemoConfig
+from tests.conftest import make_chat_target
 
 
 @pytest.mark.parametrize("files, says", [
@@ -64,3 +70,31 @@ def test_demo_runs_every_stage_then_skips_them(default_model_dir, tmp_path, caps
     lines = capsys.readouterr().out.splitlines()
     assert sum("skipped" in line for line in lines) == len(STAGES)
     assert again["tau"] == summary["tau"] and again["minutes_this_run"] < summary["minutes"]
+
+
+def test_ctrl_c_in_a_stage_is_one_line_naming_the_stage_and_exit_2(tmp_path):
+    """SIGINT once the demo has started its first stage (the line it prints for it): one line naming the stage
+    and how to go on, exit 2, no traceback, nothing written in the working folder."""
+    root = Path(__file__).resolve().parents[1]
+    target = make_chat_target(tmp_path / "target")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "data").symlink_to(root / "data")  # the demo's prompt sets name files under data/
+    before = sorted(p.name for p in work.iterdir())
+    env = {**os.environ, "PYTHONPATH": str(root), "MTP_TRAIN_CPU_KERNELS": "0", "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "mtp_train.cli.demo", f"model_path={target}",
+                             f"out={tmp_path / 'demo'}", "regenerate=[progress=false,model.device=cpu]"],
+                            cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = next((line for line in proc.stdout if line.startswith("mtp-demo: regenerate")), None)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert started is not None, err[-3000:]
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.strip().count("\n") == 0 and err.startswith("mtp-demo: interrupted in its regenerate stage "), err
+    assert "re-run the same command" in err, err
+    assert sorted(p.name for p in work.iterdir()) == before

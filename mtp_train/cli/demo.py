@@ -31,9 +31,9 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from mtp_train.cli.common import EXIT_USER_ERROR, USER_ERRORS, configure_from_env
+from mtp_train.cli.common import configure_from_env, run_command
 from mtp_train.cli.outputs import DEMO, claim_output
-from mtp_train.config import CONF_DIR, DemoConfig, register_configs
+from mtp_train.config import CONF_DIR, ConfigError, DemoConfig, Interrupted, register_configs
 from mtp_train.fileio import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -124,10 +124,15 @@ def _run_stages(cfg: DemoConfig, out: Path, state_path: Path) -> dict[str, Any]:
         if done is not None and done.get("overrides") == ov and outputs_exist:
             rows.append((stage, "skipped", done["minutes"], done["outputs"][0]))
             continue
-        print(f"{PROG}: {stage} …", flush=True)
         name, fn = mains[stage]
         t0 = time.perf_counter()
-        result = fn(_compose(name, ov))
+        try:
+            print(f"{PROG}: {stage} …", flush=True)  # inside: Ctrl-C right after the line names the stage too
+            result = fn(_compose(name, ov))
+        except KeyboardInterrupt as exc:  # Ctrl-C: the stage says where it stopped, the demo which stage it was
+            where = str(exc) if isinstance(exc, Interrupted) and str(exc) else \
+                "before it finished; re-run the same command to go on from there"
+            raise Interrupted(f"in its {stage} stage {where} (finished stages are kept)") from exc
         minutes = (time.perf_counter() - t0) / 60
         record: dict[str, Any] = {"overrides": ov, "minutes": minutes}
         if stage == "regenerate":
@@ -199,25 +204,25 @@ def print_summary(rows: list[tuple[str, str, float, str]], s: dict[str, Any]) ->
           flush=True)
 
 
+def demo_config(args: list[str]) -> DemoConfig:
+    """conf/demo.yaml with the command line's `key=value` overrides; a key it does not have, or a value of the
+    wrong type, is a ConfigError naming it (OmegaConf's own error is several lines)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        base = OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.load(Path(CONF_DIR) / "demo.yaml"))
+        return OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.from_dotlist(args)))  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(" ".join(str(exc).split())) from None
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`mtp-demo [key=value ...]`: overrides of conf/demo.yaml (e.g. out=runs/demo2)."""
+    """`mtp-demo [key=value ...]`: overrides of conf/demo.yaml (e.g. out=runs/demo2). An error a user can fix and
+    Ctrl-C end it as they end the stage commands: one line, exit 2 (`run_command`)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     configure_from_env()
     args = sys.argv[1:] if argv is None else argv
-    try:
-        base = OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.load(Path(CONF_DIR) / "demo.yaml"))
-        cfg = OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.from_dotlist(args)))
-        run_demo(cfg)  # type: ignore[arg-type]
-    except USER_ERRORS as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USER_ERROR)
-    except Exception as exc:  # a misspelt key is an OmegaConf error: name it, no traceback
-        from omegaconf.errors import OmegaConfBaseException
-
-        if isinstance(exc, OmegaConfBaseException):
-            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USER_ERROR)
-        raise
+    run_command(PROG, lambda _: run_demo(demo_config(args)), None)
 
 
 if __name__ == "__main__":
