@@ -341,8 +341,11 @@ def test_a_failing_endpoint_backs_off_as_one_probes_once_and_is_dead_after_dead_
     assert h.admit(101.0) == math.inf  # the others wait for the probe's outcome
     assert not h.failed(101.1, sent_at=101.0, reason="refused")
     assert h.rounds == 2 and h.admit(102.0) == pytest.approx(1.1)  # the next probe 2 s later
-    h.succeeded()  # an answer: live again, the streak forgotten
-    assert h.admit(102.0) == LIVE and h.failing_since is None
+    h.succeeded(sent_at=99.5)  # an answer to a try sent before the server went says nothing of it now
+    assert h.failing_since == 100.0 and h.admit(103.1) == PROBE
+    h.start_probe()
+    h.succeeded(sent_at=103.1)  # the probe's answer: live again, the streak forgotten
+    assert h.admit(103.2) == LIVE and h.failing_since is None
     assert not h.failed(200.0, sent_at=199.0, reason="HTTP 503")
     for _ in range(5):  # 1 + 2 + 4 s, then the last probe at the deadline (not 8 s later)
         at = h.next_try

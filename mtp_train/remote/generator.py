@@ -299,14 +299,16 @@ class OpenAIGenerator(Generator):
             """Request i's answer from `url`; None when the endpoint was declared dead meanwhile."""
             body = self.completion_body(prompts[i], params[i]) | (extra[i] if extra is not None else {})
             task = asyncio.ensure_future(request_json(client, "POST", f"{url}/v1/completions", body))
+            # its failure is read below, or dropped with the task when the run stops: never an unread exception
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
             stop = asyncio.ensure_future(gone[url].wait())
             try:
                 await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 stop.cancel()
-            if not task.done():  # dead: the request goes elsewhere
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                if not task.done():  # dead (or the run stops): the request goes elsewhere
+                    task.cancel()
+            if task.cancelled():
                 return None
             return self._output(url, names[i], prompts[i], params[i], task.result())
 
@@ -353,7 +355,7 @@ class OpenAIGenerator(Generator):
                     notify()
                     return
                 was_failing = h.failing_since is not None
-                h.succeeded()
+                h.succeeded(sent_at)
                 results[i] = out
                 self._prompt_tokens += len(out.prompt_ids)
                 self._generated_tokens += len(out.output_ids)

@@ -3,8 +3,9 @@
 A failed try (a dropped or refused connection, a timeout, 429, 5xx) starts a failing streak. While it lasts, the
 endpoint sends one try at a time (a probe), each after a backoff that doubles per round of failures (at most
 `http.MAX_BACKOFF`), and its other workers send nothing: the requests queued behind a failing endpoint go to the
-other endpoints instead of each paying the backoff in turn. Any answer ends the streak. An endpoint still failing
-`dead_after` seconds after the streak's first failure is dead: nothing more is sent to it for the rest of the run.
+other endpoints instead of each paying the backoff in turn. An answer to a try sent after the streak's last
+failure ends the streak. An endpoint still failing `dead_after` seconds after the streak's first failure is dead:
+nothing more is sent to it for the rest of the run.
 
 Times are `time.monotonic()` seconds passed in by the caller, so the rules are plain functions of what happened
 when (and are tested so, without a clock).
@@ -58,8 +59,12 @@ class EndpointHealth:
         """A worker sends the probe: the endpoint's other workers wait for its outcome."""
         self.probing = True
 
-    def succeeded(self) -> None:
-        """An answer came: the endpoint is live again (a dead one stays dead: its requests went elsewhere)."""
+    def succeeded(self, sent_at: float) -> None:
+        """A try sent at `sent_at` was answered: the endpoint is live again, unless the try left before the last
+        failure (an answer started before the server went says nothing of it now). A dead one stays dead: its
+        requests went elsewhere."""
+        if sent_at < self.last_failure:
+            return
         self.failing_since, self.rounds, self.next_try, self.probing = None, 0, -math.inf, False
 
     def failed(self, now: float, sent_at: float, reason: str, retry_after: float | None = None) -> bool:
