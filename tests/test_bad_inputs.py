@@ -768,6 +768,20 @@ CASES.update({
 })
 
 
+# --- data a user has: an eval or a precompute folder is never replaced by a run that measures or captures other
+# things, or nothing at all
+CASES.update({
+    "eval-no-prompts-into-a-finished-eval": ("eval", ["prompts=[]"], _finished_eval,
+                                             ["prompts=[] names no prompt set", "give one or more",
+                                              "prompts=[demo-heldout]"]),
+    "eval-other-settings-into-a-finished-eval": (
+        "eval", ["max_new_tokens=6", "seed=3"], _finished_eval,
+        ["out={tmp}/out holds the report of an evaluation of other settings (", "seed 0, this run 3",
+         "max_new_tokens 4, this run 6", "replaces only a report of the same settings",
+         "choose another `out`, or pass overwrite=true"]),
+})
+
+
 # --- links: nothing written through one, nothing read through one that leads out of the folder
 
 
@@ -984,6 +998,21 @@ def test_atomic_writes_and_locks_never_write_through_a_link(tmp_path):
     with pytest.raises(LinkError, match=r"\.lock is a link"), output_lock(out):
         pass
     assert victim.read_text() == "mine\n"
+
+
+# --- a run that has nothing to do, or is refused by the servers it captures through, leaves every byte as it was
+
+
+def test_eval_replaces_a_report_of_its_own_settings_and_another_only_with_overwrite(world, tmp_path, capsys):
+    """A re-run of the same settings measures again (how it shows itself, progress or plots, aside); a report of
+    other settings is replaced with overwrite=true, and then describes this run."""
+    out, extra = _finished_eval(world, tmp_path)
+    res = run_cli("eval", _base("eval", world, out) + extra + ["progress=true", "plots=false"], capsys)
+    assert res.code == 0, res.err[-3000:]
+    res = run_cli("eval", _base("eval", world, out) + extra + ["seed=3", "overwrite=true"], capsys)
+    assert res.code == 0, res.err[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["seed"] == 3 and report["config"]["overwrite"] is True
 
 
 # --- what a target, a drafter folder or a head's settings bring that only looks like the real thing: exports of the

@@ -32,11 +32,19 @@ from mtp_train.cli.common import (
 from mtp_train.cli.outputs import claims_output
 from mtp_train.config import EvalConfig, rank_device, typed
 from mtp_train.data.prompts import PromptSet, load_prompt_sets
+from mtp_train.engine.sampling import SamplingParams
 from mtp_train.engine.turns import stop_token_ids
 from mtp_train.eval.acceptance import RunResult, evaluate
 from mtp_train.eval.methods import MethodSet
 from mtp_train.eval.options import expand_grid
-from mtp_train.eval.report import markdown_table, output_records, plot, write_jsonl
+from mtp_train.eval.report import (
+    check_earlier_report,
+    markdown_table,
+    output_records,
+    plot,
+    remove_stale_plots,
+    write_jsonl,
+)
 from mtp_train.eval.rows import attach_ngram, best_row, overall_rows, result_row
 from mtp_train.eval.vllm import evaluate_vllm
 from mtp_train.fileio import atomic_write_text
@@ -52,6 +60,8 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-eval` with a composed config; returns the report (also written to `<out>/report.json`)."""
     ec = typed(cfg, EvalConfig)  # the grid's values are checked here, before anything loads
     points = expand_grid(ec)  # an unknown method too
+    for temperature in ec.grid("temperature"):  # the decoding values, as every run will take them
+        SamplingParams(temperature=temperature, top_k=ec.top_k, top_p=ec.top_p, max_new_tokens=ec.max_new_tokens)
     prompt_sets = load_prompt_sets(list(ec.prompts), ec.limit)  # data errors before the model loads
     ensure_model(ec.model)
     if ec.backend == "vllm":
@@ -61,6 +71,8 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
     target, tokenizer, target_dir = load_target(ec.model, rank_device(ec.model.device))
     methods = MethodSet.load(ec, target, tokenizer, target_dir, points)  # a bad option value fails here
     out = Path(ec.out)
+    # Once every setting has passed (a bad value is named as such), before anything is written.
+    check_earlier_report(out, to_dict(cfg), ec.overwrite)
     out.mkdir(parents=True, exist_ok=True)
     stop_ids = stop_token_ids(tokenizer, target.args.eos_token_ids, ec.chat_template_kwargs)
     ids = {ps.name: [c.id for c in ps.convs] for ps in prompt_sets}
@@ -92,6 +104,7 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
     table = markdown_table(rows)
     atomic_write_text(out / "report.md", f"# mtp-eval: {ec.method}\n\n{table}\n")
     files = plot(rows, out) if ec.plots and pairs else []
+    remove_stale_plots(out, files)
     print(table, flush=True)
     if best is not None:
         floor = (f" (prompt lookup: tau {best['tau_ngram']:.2f}, speed-up {best['speedup_ngram']:.2f})"
@@ -105,6 +118,7 @@ def eval_main(cfg: DictConfig) -> dict[str, Any]:
 def vllm_main(cfg: DictConfig, ec: EvalConfig, prompt_sets: list[PromptSet]) -> dict[str, Any]:
     """`backend=vllm`: the head exported and measured inside vLLM (`mtp_train.eval.vllm`); the same files."""
     out = Path(ec.out)
+    check_earlier_report(out, to_dict(cfg), ec.overwrite)  # before the export is written into it
     out.mkdir(parents=True, exist_ok=True)
     rows, outputs = evaluate_vllm(ec, prompt_sets, environ=dict(os.environ))
     report = {"config": to_dict(cfg), "rows": rows, "best": None, "target": str(ec.model.path), "backend": "vllm",
@@ -114,6 +128,7 @@ def vllm_main(cfg: DictConfig, ec: EvalConfig, prompt_sets: list[PromptSet]) -> 
     write_jsonl(out / "outputs.jsonl", outputs)
     table = markdown_table(rows)
     atomic_write_text(out / "report.md", f"# mtp-eval: {ec.method} in vLLM\n\n{table}\n")
+    remove_stale_plots(out, [])  # vLLM's one point has no plots
     print(table, flush=True)
     last = rows[-1]
     print(f"{PROG}: vLLM {last.get('vllm_version')}: {last['label']} (k={last['k']}) tau {last.get('tau', 1.0):.2f}, "

@@ -81,7 +81,9 @@ class EvalConfig:
     # flashinfer), false = eager everywhere
     verify_fingerprint: bool = True  # refuse a head trained for other target weights
     out: str = "runs/eval"  # report.json, report.md, outputs.jsonl, *.png
-    overwrite: bool = False  # remove links found in `out` that lead outside it (else refused by name)
+    # replace the report of an evaluation of other settings in `out`, remove links there that lead outside it
+    # (else both are refused by name)
+    overwrite: bool = False
     plots: bool = True
     progress: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -93,6 +95,9 @@ class EvalConfig:
     vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)  # backend=vllm: its engine settings
 
     def __post_init__(self) -> None:
+        if not self.prompts:  # nothing to measure: the run would only replace a report with an empty one
+            raise ConfigError("prompts=[] names no prompt set: mtp-eval measures on prompts; give one or more, e.g. "
+                              "prompts=[demo-heldout] or prompts=[data/my_prompts.jsonl]")
         for axis in GRID_AXES:
             self.grid(axis)  # a value of the wrong kind, or an empty list, fails here
         bad = [t for t in self.grid("tree") if not TREE_SHAPE.fullmatch(t)]

@@ -1,4 +1,5 @@
-"""Write an evaluation's results: report.json, outputs.jsonl, report.md and PNG plots, each atomically."""
+"""Write an evaluation's results: report.json, outputs.jsonl, report.md and PNG plots, each atomically; and judge
+an earlier evaluation's report found in `out` before any of them is replaced (`check_earlier_report`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mtp_train.config.errors import ConfigError
 from mtp_train.engine.turns import answer_text
 from mtp_train.eval.acceptance import RunResult
 from mtp_train.eval.methods import method_spec
 from mtp_train.fileio import atomic_write, atomic_write_text
+
+REPORT = "report.json"
+PLOTS = ("acceptance_per_position.png", "tau_speedup_vs_k.png")
+# Settings that change how a run shows itself, not what it measures: a re-run differing only in them replaces the
+# report as one of the same settings does.
+PRESENTATION = ("out", "overwrite", "progress", "plots")
 
 # The table's columns around the methods' own option columns (each method's axes beyond k and temperature).
 LEADING = ("dataset", "method", "k")
@@ -69,8 +77,7 @@ def plot(rows: Sequence[Mapping[str, Any]], out: Path) -> list[Path]:
     if not overall_rows_of(rows):
         return []
     written = []
-    for fig, name in ((per_position_figure(rows), "acceptance_per_position.png"),
-                      (vs_k_figure(rows), "tau_speedup_vs_k.png")):
+    for fig, name in zip((per_position_figure(rows), vs_k_figure(rows)), PLOTS):
         written.append(_save(fig, out / name))
         plt.close(fig)
     return written
@@ -156,3 +163,71 @@ def _pyplot() -> Any:
 def _save(fig: Any, path: Path) -> Path:
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     return path
+
+
+def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys → values (`model.path`, `ngram.n_max`, ...)."""
+    flat: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def settings_changed(earlier: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
+    """What differs between an earlier evaluation's resolved config and this run's, in words (`k 4, this run 3`),
+    PRESENTATION keys aside. A key only one of them has (a setting added or removed between versions) is not
+    compared: there is nothing to compare it with.
+
+    Args:
+        earlier: the resolved config the earlier report records.
+        config: this run's resolved config.
+    """
+    old, new = _flat(earlier), _flat(config)
+    return [f"{key} {old[key]}, this run {new[key]}" for key in new
+            if key in old and key.split(".")[0] not in PRESENTATION and old[key] != new[key]]
+
+
+def check_earlier_report(out: Path, config: Mapping[str, Any], overwrite: bool) -> None:
+    """Refuse (ConfigError) to replace the report of an evaluation of other settings that `out` holds, naming what
+    differs; a re-run of the same settings measures again and replaces it, and `overwrite=true` replaces any.
+
+    The earlier settings are read from the report itself (the resolved config it records): config.yaml is saved with
+    it, but a folder whose report.json is missing holds no finished evaluation to keep.
+
+    Args:
+        out: the evaluation's output folder (`mtp_train.cli.outputs.check_output` has found it mtp-eval's or new).
+        config: this run's resolved config (`mtp_train.cli.common.to_dict`).
+        overwrite: the run's `overwrite`.
+    """
+    report = out / REPORT
+    if overwrite or not (report.is_file() or report.is_symlink()):
+        return
+    try:
+        earlier = None if report.is_symlink() else json.loads(report.read_text(encoding="utf-8")).get("config")
+    except (OSError, ValueError, AttributeError):
+        earlier = None
+    if not isinstance(earlier, Mapping):
+        raise ConfigError(f"{report}: not a report mtp-eval can read (no `config` in it), so it cannot tell whether "
+                          "this run measures the same: choose another `out`, or pass overwrite=true to replace it")
+    changed = settings_changed(earlier, config)
+    if changed:
+        more = f"; and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise ConfigError(f"out={out} holds the report of an evaluation of other settings ({'; '.join(changed[:3])}"
+                          f"{more}): mtp-eval replaces only a report of the same settings; choose another `out`, or "
+                          "pass overwrite=true to replace it")
+
+
+def remove_stale_plots(out: Path, written: Sequence[Path]) -> None:
+    """Remove the plots an earlier run left in `out` that this one did not write (`plots=false`, or no drafting
+    method): they would show the replaced report's figures beside the new one.
+
+    Args:
+        out: the evaluation's output folder.
+        written: the plot files this run wrote there (`plot`'s answer).
+    """
+    for name in PLOTS:
+        if out / name not in written:
+            (out / name).unlink(missing_ok=True)
