@@ -770,6 +770,9 @@ CASES.update({
 
 # --- data a user has: an eval or a precompute folder is never replaced by a run that measures or captures other
 # things, or nothing at all
+DEAD = "http://127.0.0.1:9"  # nothing listens there: an endpoint that refuses every connection
+CAPTURE = ["backend=vllm", f"vllm.endpoints=[{DEAD}]", "vllm.spool_dir={tmp}/shared/spool"]
+
 CASES.update({
     "eval-no-prompts-into-a-finished-eval": ("eval", ["prompts=[]"], _finished_eval,
                                              ["prompts=[] names no prompt set", "give one or more",
@@ -779,6 +782,12 @@ CASES.update({
         ["out={tmp}/out holds the report of an evaluation of other settings (", "seed 0, this run 3",
          "max_new_tokens 4, this run 6", "replaces only a report of the same settings",
          "choose another `out`, or pass overwrite=true"]),
+    "precompute-vllm-into-a-finished-engine-folder": (
+        "precompute", CAPTURE, _rerun_pc,
+        ["{tmp}/pc holds a finished precompute of other settings (backend engine, this run vllm)",
+         "replaces it only with overwrite=true"]),
+    "precompute-vllm-endpoint-refused-into-a-new-folder": ("precompute", CAPTURE, _fresh("precompute"),
+                                                           [f"endpoint {DEAD}"]),
 })
 
 
@@ -1001,6 +1010,36 @@ def test_atomic_writes_and_locks_never_write_through_a_link(tmp_path):
 
 
 # --- a run that has nothing to do, or is refused by the servers it captures through, leaves every byte as it was
+
+
+def test_a_capture_refused_by_its_endpoint_leaves_nothing_behind(world, tmp_path, capsys):
+    """backend=vllm through an endpoint that refuses the connection: neither `out` nor the capture folder the run
+    would have made is left; into a finished folder with overwrite=true the folder stays byte for byte (nothing
+    was captured, so neither its manifest nor its config.yaml claims a capture)."""
+    spool = tmp_path / "shared" / "spool"
+    capture = [o.format(tmp=tmp_path) for o in CAPTURE]
+    res = run_cli("precompute", _base("precompute", world, tmp_path / "out") + capture, capsys)
+    errors = [line for line in res.err.splitlines() if line.startswith("mtp-precompute: error: ")]
+    assert res.code == 2 and len(errors) == 1 and DEAD in errors[0], res.err[-3000:]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "shared").exists()
+
+    pc = _rerun_pc(world, tmp_path)[0]
+    before = tree(pc)
+    res = run_cli("precompute", _base("precompute", world, pc) + capture + ["overwrite=true"], capsys)
+    errors = [line for line in res.err.splitlines() if line.startswith("mtp-precompute: error: ")]
+    assert res.code == 2 and len(errors) == 1 and DEAD in errors[0], res.err[-3000:]
+    assert tree(pc) == before and not spool.exists()
+
+
+def test_a_precompute_rerun_into_its_finished_folder_says_so_and_changes_nothing(world, tmp_path, capsys):
+    pc = _rerun_pc(world, tmp_path)[0]
+    before = tree(pc)
+    res = run_cli("precompute", _base("precompute", world, pc), capsys)
+    assert res.code == 0, res.err[-3000:]
+    said = [line for line in res.out.splitlines() if line.startswith("mtp-precompute: ")]
+    assert len(said) == 1 and f"{pc} already holds this precompute (" in said[0], res.out
+    assert "backend=engine" in said[0] and "nothing to do, nothing changed" in said[0]
+    assert tree(pc) == before
 
 
 def test_eval_replaces_a_report_of_its_own_settings_and_another_only_with_overwrite(world, tmp_path, capsys):

@@ -100,7 +100,8 @@ def precompute(
     skipped): see `FolderWriter`. barrier_timeout: how long ranks wait for each other at the end (a resumed rank
     may have nothing to do). on_start(): called on rank 0 once the samples and settings have been checked, before
     anything in `cfg.out` changes (the place to save the run's config: a refused run leaves the folder as it
-    was). With world > 1, torch.distributed must be initialised (`mtp_train.dist`).
+    was); never when `cfg.out` already holds this very folder, finished (the run returns its manifest and writes
+    nothing). With world > 1, torch.distributed must be initialised (`mtp_train.dist`).
     Tensor parallelism: rank / world are the data-parallel rank and world (one per TP group of tp_size
     processes); every member of a group runs the same shards (its forward is collective), and only the group's
     tp_rank 0 writes them. The manifest is written by data-parallel rank 0's tp_rank 0.
@@ -123,14 +124,18 @@ def precompute(
     rows = to_rows(samples, model.args.vocab_size)
     if not rows:
         raise ValueError("no samples to precompute")
-    group = mdist.cpu_group(barrier_timeout) if procs > 1 else None
     spec = folder_spec(model.args, model.dtype, model_dir, cfg.hidden_dtype, aux_layers)
     plans = plan_rank(rows, rank, world, cfg.shard_tokens, spec.settings)
     every = [p for r in range(world) for p in (plans if r == rank else plan_rank(rows, r, world, cfg.shard_tokens,
                                                                                spec.settings))]
     # Every rank reads the same folder and refuses alike, before anything in it changes.
-    check_replaces(Path(cfg.out), spec, every, world, cfg)
+    finished = check_replaces(Path(cfg.out), spec, every, world, cfg)
     owner = rank == 0 and tp_rank == 0
+    if finished is not None:  # already this run's folder: every rank returns, nothing is written (on_start unused)
+        if owner:
+            log.debug("%s already holds this precompute (finished %s): nothing to do", cfg.out, finished.created_at)
+        return finished if owner else None
+    group = mdist.cpu_group(barrier_timeout) if procs > 1 else None  # every rank gets here or returned above
     # The group's other members compute the same shards and write nothing.
     writer = FolderWriter(cfg.out, spec, plans, rank=rank, writes=tp_rank == 0, verify=cfg.verify_on_resume,
                           on_shard=on_shard)

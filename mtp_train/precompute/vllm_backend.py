@@ -93,7 +93,9 @@ def check_vllm_python(python: str | Path) -> Path:
 
 
 def capture_tag(settings: dict[str, Any], vllm_ids: tuple[int, ...]) -> str:
-    """What a capture file must have been made with to be used (the shards' settings and vLLM's layer ids)."""
+    """What a capture file must have been made with to be used (the shards' settings and vLLM's layer ids). The
+    settings' `backend` is left out: every capture file is vLLM's, so it says nothing a file must match."""
+    settings = {k: v for k, v in settings.items() if k != "backend"}
     return hashlib.sha256(json.dumps([settings, list(vllm_ids)], sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -192,7 +194,9 @@ def precompute_vllm(cfg: PrecomputeConfig, *, environ: Mapping[str, str], config
             vllm.*).
         environ: the environment vLLM's process starts from (its PYTHONPATH is replaced, see `launch.child_env`).
         config_dict: the resolved config, recorded in the manifest's provenance.
-        on_start: called once the data is read and the settings checked, before anything in `cfg.out` changes.
+        on_start: called once the data is read, the settings checked and the servers of `vllm.endpoints` probed,
+            before anything in `cfg.out` changes; never when `cfg.out` already holds this capture, finished (its
+            manifest is returned and nothing is written).
     """
     try:
         return capture_stage(cfg, environ, config_dict, on_start)
@@ -218,9 +222,12 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
         raise ValueError("no samples to precompute")
     out = Path(cfg.out)
     spool = Path(cfg.vllm.spool_dir) if cfg.vllm.spool_dir else out / "capture"
-    spec = folder_spec(args, dtype, model_dir, cfg.hidden_dtype, aux_layers)
+    spec = folder_spec(args, dtype, model_dir, cfg.hidden_dtype, aux_layers, backend="vllm")
     plans = plan_rank(rows, 0, 1, cfg.shard_tokens, spec.settings)
-    check_replaces(out, spec, plans, 1, cfg)
+    finished = check_replaces(out, spec, plans, 1, cfg)
+    if finished is not None:  # this very capture, finished: nothing to ask vLLM, nothing to write
+        log.debug("%s already holds this precompute (finished %s): nothing to do", out, finished.created_at)
+        return finished
     norm = final_norm(model_dir, args, dtype)
     tag = capture_tag(spec.settings, lmap.vllm_ids)
     by_name = {p.name: p for p in plans}
@@ -230,20 +237,26 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
             (spool / file_name(r.id)).unlink(missing_ok=True)
 
     writer = FolderWriter(out, spec, plans, rank=0, verify=cfg.verify_on_resume, on_shard=drop_captures)
+    writer.scan()  # what is left to capture, known before anything is written
+    todo = [r for p in writer.todo for r in p.rows]
+    missing = [r for r in todo if not usable(spool / file_name(r.id), tag, r)]
+    served: dict[str, Any] | None = None  # the endpoints captured through (provenance)
+    made = [d for d in (spool, *spool.parents) if not d.exists()]  # the capture folders this run creates
+    remote: EndpointCapture | None = None
     try:
-        writer.begin(owner=True, on_start=on_start)
         check_writable(spool)
         remove_torn(spool)
-        todo = [r for p in writer.todo for r in p.rows]
-        served: dict[str, Any] | None = None  # the endpoints captured through (provenance)
-        missing = [r for r in todo if not usable(spool / file_name(r.id), tag, r)]
-        log.info("precompute through vLLM: %d of %d shards to write, %d conversations to capture (%d captured "
-                 "before)", len(writer.todo), len(plans), len(missing), len(todo) - len(missing))
         if missing and cfg.vllm.endpoints:
+            # The servers are asked and probed before the run writes anything: a refused one leaves no config.yaml
+            # and no folder behind.
             remote = EndpointCapture.connect(cfg.vllm, spool, tag, lmap.vllm_ids, dtype)
             remote.check_lengths(missing)
             remote.probe(missing[0])
             served = remote.provenance()
+        writer.begin(owner=True, on_start=on_start)
+        log.info("precompute through vLLM: %d of %d shards to write, %d conversations to capture (%d captured "
+                 "before)", len(writer.todo), len(plans), len(missing), len(todo) - len(missing))
+        if remote is not None:
             remote.start(missing)
             try:
                 convert(writer, spool, lmap, norm, remote)
@@ -265,9 +278,17 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
         else:
             convert(writer, spool, lmap, norm, None)
         writer.finish()
-    except KeyboardInterrupt:
-        raise Interrupted(f"after {len(writer.done)} of {len(plans)} shards were written to {out}; re-run the same "
-                          f"command to go on from there (finished shards and captures in {spool} are kept)") from None
+    except BaseException as exc:
+        for d in made:  # deepest first; one that holds captures stays for the re-run
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        if isinstance(exc, KeyboardInterrupt):
+            raise Interrupted(f"after {len(writer.done)} of {len(plans)} shards were written to {out}; re-run the "
+                              f"same command to go on from there (finished shards and captures in {spool} are "
+                              "kept)") from None
+        raise
     finally:
         writer.close()
     remove_torn(spool)

@@ -145,13 +145,16 @@ class FolderSpec:
     target: TargetInfo
     hidden: HiddenInfo
     storage: str  # a key of STORAGE_DTYPES
+    backend: str = "engine"  # who computes the hidden states: engine (ours) | vllm (captured inside vLLM)
 
     @property
     def settings(self) -> dict[str, Any]:
         """Everything that changes a shard's bytes (enters every plan hash): a shard written under other settings
-        is redone."""
+        is redone. vLLM's kernels give other bytes than ours, so a shard one backend wrote is never another's;
+        the engine's own entry is left out, so that its folders keep the plan hashes they were written with."""
+        backend = {} if self.backend == "engine" else {"backend": self.backend}
         return {"format_version": FORMAT_VERSION, "target_fingerprint": self.target.fingerprint,
-                "target_dtype": self.target.dtype, "hidden": self.hidden.__dict__}
+                "target_dtype": self.target.dtype, "hidden": self.hidden.__dict__, **backend}
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -161,14 +164,15 @@ class FolderSpec:
 
 
 def folder_spec(args: ModelArgs, dtype: torch.dtype, model_dir: str | Path, storage: str,
-                aux_layers: Sequence[int]) -> FolderSpec:
-    """The FolderSpec of a target (config `args`, computing in `dtype`, weights in `model_dir`)."""
+                aux_layers: Sequence[int], backend: str = "engine") -> FolderSpec:
+    """The FolderSpec of a target (config `args`, computing in `dtype`, weights in `model_dir`) whose hidden states
+    `backend` computes."""
     target = TargetInfo(path=str(Path(model_dir).resolve()), fingerprint=weights_fingerprint(model_dir),
                         model_type=target_model_type(args), hidden_size=args.hidden_size, num_layers=args.num_layers,
                         vocab_size=args.vocab_size, dtype=dtype_name(dtype))
     hidden = HiddenInfo(kind="final_norm", dtype=dtype_name(STORAGE_DTYPES[storage]),
                         aux_layers=[int(j) for j in aux_layers])
-    return FolderSpec(target, hidden, storage)
+    return FolderSpec(target, hidden, storage, backend)
 
 
 def assemble_manifest(out_dir: Path, plans: Sequence[ShardPlan], rows: Sequence[Row], spec: FolderSpec, *,
@@ -208,11 +212,12 @@ def check_aux_layers(aux_layers: Sequence[int], num_layers: int, prefix: str = "
                          f"target (its hidden states are 0..{num_layers}, transformers' hidden_states numbering)")
 
 
-def _settings_changed(manifest: Manifest, spec: FolderSpec, plans: Sequence[ShardPlan], world: int,
-                      cfg: PrecomputeConfig) -> list[str]:
-    """What a finished folder's manifest says that this run would change, in words (the first differences)."""
+def _settings_changed(manifest: Manifest, spec: FolderSpec, world: int, cfg: PrecomputeConfig) -> list[str]:
+    """What a finished folder's manifest says that this run would change, in words; [] when the settings agree (the
+    samples may still differ)."""
     was = manifest.provenance.get("settings") or {}
-    pairs = [("target weights", manifest.target.fingerprint, spec.target.fingerprint),
+    pairs = [("backend", was.get("backend", "engine"), spec.backend),  # a folder that records none is the engine's
+             ("target weights", manifest.target.fingerprint, spec.target.fingerprint),
              ("target dtype", manifest.target.dtype, spec.target.dtype),
              ("hidden_dtype", manifest.hidden.dtype, spec.hidden.dtype),
              ("aux_layers", manifest.hidden.aux_layers, spec.hidden.aux_layers),
@@ -220,28 +225,41 @@ def _settings_changed(manifest: Manifest, spec: FolderSpec, plans: Sequence[Shar
              ("seed", manifest.split.seed, cfg.seed),
              ("shard_tokens", was.get("shard_tokens", cfg.shard_tokens), cfg.shard_tokens),
              ("ranks", was.get("world", world), world)]
-    changed = [f"{key} {old}, this run {new}" for key, old, new in pairs if old != new]
-    return changed or [f"other samples ({len(manifest.shards)} shards of {manifest.totals.samples} samples, this "
-                       f"run {len(plans)} of {sum(len(p.rows) for p in plans)}: data, limit, max_seq_len or the "
-                       "chat template)"]
+    return [f"{key} {old}, this run {new}" for key, old, new in pairs if old != new]
 
 
 def check_replaces(out_dir: Path, spec: FolderSpec, plans: Sequence[ShardPlan], world: int,
-                   cfg: PrecomputeConfig) -> None:
-    """Refuse (PrecomputeError) to replace a finished folder that is not what this run writes (`plans`, every
-    rank's in manifest order): its manifest is read and describes other shards. A resumable folder (no manifest
-    yet, or a damaged one a re-run repairs) and a re-run of the same settings pass; `overwrite=true` replaces."""
+                   cfg: PrecomputeConfig) -> Manifest | None:
+    """Judge a finished folder in `out_dir` against what this run writes (`plans`, every rank's in manifest order)
+    before anything in it changes. Returns its manifest when it already is exactly that folder: nothing is to be
+    done, and the run writes nothing (not even its config or a new manifest: the folder's provenance stays the
+    run's that made it). Refuses (PrecomputeError, naming what differs) a finished folder of other settings or
+    samples, the backend that computed its states included. Returns None when the run goes on: no folder or
+    manifest yet, a damaged manifest a re-run repairs, or `overwrite=true` (which redoes any).
+
+    Args:
+        out_dir: the run's output folder.
+        spec: what this run's shards are (target, stored states, backend).
+        plans: every rank's shards, in manifest order.
+        world: the run's data-parallel ranks.
+        cfg: the run's settings (split, shard size, overwrite).
+    """
     if cfg.overwrite or not (out_dir / MANIFEST_NAME).is_file():
-        return
+        return None
     try:
         manifest = Manifest.load(out_dir)
     except ManifestError:
-        return
-    if folder_complete(out_dir, plans):
-        return
-    changed = "; ".join(_settings_changed(manifest, spec, plans, world, cfg))
-    raise PrecomputeError(f"{out_dir} holds a finished precompute of other settings ({changed}): a re-run replaces "
-                          "it only with overwrite=true; choose another `out`, or re-run with the settings that made it")
+        return None
+    changed = _settings_changed(manifest, spec, world, cfg)
+    if not changed:
+        if folder_complete(out_dir, plans):
+            return manifest
+        changed = [f"other samples ({len(manifest.shards)} shards of {manifest.totals.samples} samples, this run "
+                   f"{len(plans)} of {sum(len(p.rows) for p in plans)}: data, limit, max_seq_len or the chat "
+                   "template)"]
+    raise PrecomputeError(f"{out_dir} holds a finished precompute of other settings ({'; '.join(changed)}): a "
+                          "re-run replaces it only with overwrite=true; choose another `out`, or re-run with the "
+                          "settings that made it")
 
 
 def folder_complete(out_dir: Path, plans: Sequence[ShardPlan]) -> bool:
@@ -284,6 +302,7 @@ class FolderWriter:
                 row += int(r.ids.size)
         self.by_index = {p.index: p for p in self.plans}
         self.done: set[int] = set()  # shard indices finished on disk (or handed to the writer thread)
+        self._found: dict[int, ShardInfo] | None = None  # what `scan` found finished on disk
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}  # shard index → its tensors being filled
         self._filled: dict[int, set[str]] = {}  # shard index → ids stored so far
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
@@ -299,10 +318,23 @@ class FolderWriter:
         slot = self.slots.get(sample_id)
         return slot is not None and slot[0] not in self.done
 
+    def scan(self) -> None:
+        """Find the shards a previous run finished (file and sidecar match the plan), writing nothing: `todo` is
+        then what is left to do, known before the run commits to anything. `begin` scans when this was not called."""
+        self._found = {}
+        for p in self.plans:
+            info = finished_shard(self.out_dir, p, verify=self.verify)
+            if info is not None:
+                self._found[p.index] = info
+        self.done = set(self._found)
+
     def begin(self, *, owner: bool, on_start: Callable[[], None] | None = None) -> None:
         """Open the folder: owner (the one process writing the manifest) calls on_start() and removes a stale
         manifest (it would vouch for shards about to be rewritten); a writing rank removes its torn temporaries
         and the sidecars of shards that will be redone. Call a barrier after it, before any rank records."""
+        if self._found is None:
+            self.scan()
+        assert self._found is not None
         if self.writes:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         if owner:
@@ -314,9 +346,8 @@ class FolderWriter:
             for tmp in self.out_dir.glob(f"{TMP_PREFIX}shard-r{self.rank}-*"):
                 tmp.unlink(missing_ok=True)  # torn temporaries of a killed run
         for p in self.plans:
-            info = finished_shard(self.out_dir, p, verify=self.verify)
+            info = self._found.get(p.index)
             if info is not None:
-                self.done.add(p.index)
                 if self.on_shard is not None:
                     self.on_shard(info, True)
             elif self.writes:
