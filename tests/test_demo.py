@@ -71,6 +71,14 @@ def test_demo_runs_every_stage_then_skips_them(default_model_dir, tmp_path, caps
     assert sum("skipped" in line for line in lines) == len(STAGES)
     assert again["tau"] == summary["tau"] and again["minutes_this_run"] < summary["minutes"]
 
+    # Another eval setting re-runs the eval alone, over the report the demo made (mtp-eval alone refuses that).
+    cfg.eval = [*cfg.eval, "max_new_tokens=10"]
+    third = run_demo(cfg)
+    lines = capsys.readouterr().out.splitlines()
+    assert sum("skipped" in line for line in lines) == len(STAGES) - 1
+    assert 1.0 <= third["tau"] <= 3.0
+    assert json.loads((out / "stages.json").read_text())["eval"]["overrides"][-1] == "max_new_tokens=10"
+
 
 def test_ctrl_c_in_a_stage_is_one_line_naming_the_stage_and_exit_2(tmp_path):
     """SIGINT once the demo has started its first stage (the line it prints for it): one line naming the stage

@@ -128,7 +128,11 @@ def _run_stages(cfg: DemoConfig, out: Path, state_path: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             print(f"{PROG}: {stage} …", flush=True)  # inside: Ctrl-C right after the line names the stage too
-            result = fn(_compose(name, ov))
+            # The demo owns its eval and export folders and `stages.json` decides what is stale: a stage re-run
+            # (a new head, other settings) replaces the report or export it made before, which the commands
+            # themselves replace only when told to.
+            owned = ["overwrite=true"] if stage in ("eval", "export") else []
+            result = fn(_compose(name, ov + owned))
         except KeyboardInterrupt as exc:  # Ctrl-C: the stage says where it stopped, the demo which stage it was
             where = str(exc) if isinstance(exc, Interrupted) and str(exc) else \
                 "before it finished; re-run the same command to go on from there"
