@@ -1136,6 +1136,11 @@ LOOKS_LIKE = {
                                 ['{tmp}/target/config.json: hidden_size is "32" (a string), not an integer']),
     "export-fifo-target-config": ("export", [], _broken_target(_replace_with(os.mkfifo)),
                                   ["{tmp}/target/config.json is not a regular file: it is a FIFO"]),
+    "precompute-fifo-target-config": ("precompute", [], _broken_target(_replace_with(os.mkfifo)),
+                                      ["{tmp}/target has a config.json that is not a regular file: it is a FIFO"]),
+    "precompute-fifo-target-weights": ("precompute", [], _broken_target(
+        lambda f: (f / WEIGHTS).unlink() or os.mkfifo(f / WEIGHTS)),
+        ["{tmp}/target/model.safetensors is not a regular file: it is a FIFO", "copy, fetch or save them again"]),
     # mtp-export of a head that records no target, without model.path
     "export-head-without-a-recorded-target": ("export", ["model.path=''"], _fresh("export"),
                                               ["records no target", "pass model.path="]),

@@ -54,7 +54,7 @@ from mtp_train.data.chat import ChatTemplateError, load_tokenizer
 from mtp_train.data.readers import DataError
 from mtp_train.dist import DistInfo, Launch
 from mtp_train.fetch import REGISTRY, ModelFetchError, fetch_model
-from mtp_train.fileio import DiskFullError, OutputLockedError, atomic_write_text, disk_errno
+from mtp_train.fileio import DiskFullError, OutputLockedError, atomic_write_text, disk_errno, file_problem
 from mtp_train.layers import cpu_kernels
 from mtp_train.models.config import ModelConfigError
 from mtp_train.precompute.reader import ShardError
@@ -189,7 +189,13 @@ def ensure_model(model_cfg: ModelConfig | DictConfig) -> Path:
         # fetch_model refuses a non-empty folder it did not make, so nothing of the user's is overwritten.
         log.info("model folder %s is missing; fetching %s into it (`model.fetch`)", path, name)
         return fetch_model(name, out=path)
-    what = "does not exist" if not path.exists() else "has no config.json"
+    config_problem = file_problem(path / "config.json")
+    if not path.exists():
+        what = "does not exist"
+    elif config_problem and config_problem != "does not exist":  # a FIFO or a link loop is not "missing"
+        what = f"has a config.json that {config_problem}"
+    else:
+        what = "has no config.json"
     if spec is not None:
         todo = (f"check `model.path`, or fetch {name} there with `mtp-model fetch {name} --out {path}` "
                 f"(it is fetched by itself only into its default folder, {spec.default_dir})")

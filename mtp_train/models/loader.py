@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from mtp_train.fileio import file_problem
 from mtp_train.layers.attention import AttentionBackend, MLABackend
 from mtp_train.layers.linear import prepack_linears
 from mtp_train.models.base import CausalLM
@@ -69,6 +71,10 @@ def resolve_dtype(dtype: str | torch.dtype, args: ModelArgs | None = None) -> to
 def open_safetensors(path: str | Path, device: str = "cpu") -> Iterator[Any]:
     """`safe_open(path)`, with a ModelConfigError naming the file when it is missing, truncated or not safetensors
     (the library's own error names no file)."""
+    problem = file_problem(path)  # before opening: a FIFO would block the open
+    if problem:
+        raise ModelConfigError(f"{path} {problem}: the weights must be a safetensors file; copy, fetch or save "
+                               "them again")
     try:
         handle = safe_open(str(path), framework="pt", device=device)
     except (SafetensorError, OSError) as exc:
@@ -89,10 +95,12 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
             raise ModelConfigError(f"{index}: not a valid safetensors index ({e})") from None
         files = {name: path / fname for name, fname in weight_map.items()}
         for f in set(files.values()):
-            if not f.is_file():
-                raise ModelConfigError(f"{index} names {f.name}, which is missing from {path}")
+            problem = file_problem(f)
+            if problem:
+                raise ModelConfigError(f"{index} names {f.name}, which {problem} in {path}: copy, fetch or save "
+                                       "the model again")
         return files
-    if single.is_file():
+    if single.is_file() or os.path.lexists(single):  # something that is not a file is named, not "missing"
         with open_safetensors(single) as f:
             return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
     raise ModelConfigError(
