@@ -5,7 +5,9 @@ token, and an unreachable endpoint or a model not served is one clear line."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import json
 import math
 import re
@@ -18,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 
 from mtp_train.config import RegenerateConfig
 from mtp_train.data.readers import Conversation
@@ -229,7 +231,9 @@ def plain_server(app) -> Iterator[str]:
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # a request the app still holds at the end is cancelled after 1 s (a server written to hang, say)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -243,7 +247,8 @@ def plain_server(app) -> Iterator[str]:
 
 def misbehaving_app(answer, path, max_model_len=256):
     """An OpenAI-style server written for these tests: `/health`, `/v1/models` (serving "tiny" from `path`, its
-    `max_model_len` as given) and `/v1/completions`, whose choice is `answer(body)` (the request's JSON)."""
+    `max_model_len` as given) and `/v1/completions`, whose choice is `answer(body)` (the request's JSON; awaited
+    when it is a coroutine)."""
     app = FastAPI()
 
     @app.get("/health")
@@ -256,7 +261,10 @@ def misbehaving_app(answer, path, max_model_len=256):
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> dict:
-        return {"choices": [{"index": 0, "text": "", **answer(await request.json())}]}
+        choice = answer(await request.json())
+        if inspect.isawaitable(choice):
+            choice = await choice
+        return {"choices": [{"index": 0, "text": "", **choice}]}
 
     return app
 
@@ -347,13 +355,18 @@ def test_a_failing_endpoint_backs_off_as_one_probes_once_and_is_dead_after_dead_
     h.succeeded(sent_at=103.1)  # the probe's answer: live again, the streak forgotten
     assert h.admit(103.2) == LIVE and h.failing_since is None
     assert not h.failed(200.0, sent_at=199.0, reason="HTTP 503")
-    for _ in range(5):  # 1 + 2 + 4 s, then the last probe at the deadline (not 8 s later)
-        at = h.next_try
+    probes = []
+    while h.next_try < h.deadline:  # 1, 2, 4 s apart
+        probes.append(at := h.next_try)
         assert h.admit(at) == PROBE
         h.start_probe()
-        if h.failed(at + 0.01, sent_at=at, reason="refused"):
-            break
-    assert h.dead and h.admit(300.0) is None and h.failing_since == 200.0 and at == 210.0
+        assert not h.failed(at + 0.01, sent_at=at, reason="refused")
+    assert probes == pytest.approx([201.0, 203.01, 207.02]) and h.deadline == 210.0
+    h.start_probe()  # a try in flight when dead_after runs out does not keep the endpoint alive
+    assert not h.expired(209.9) and h.expired(210.0)
+    h.declare_dead()
+    assert h.admit(300.0) is None and not h.expired(300.0)
+    assert h.failed(300.0, sent_at=205.0, reason="refused")  # a late failure of a try sent before: still dead
     assert h.describe(211.0) == "http://a (failing for 11.0 s, last: refused)"
 
 
@@ -422,3 +435,27 @@ def test_with_two_endpoints_one_that_dies_the_run_finishes_on_the_other_with_eve
     assert records(tmp_path / "remote.jsonl") == want  # every record once (`records` refuses a duplicate)
     # it failed (and stayed failing, or was declared dead if the run lasted dead_after); the other answered
     assert gen.retried >= 1 and gen.health[dying].failing_since is not None and not gen.health[live].dead
+
+
+def test_a_dead_endpoints_requests_still_in_flight_go_to_the_live_one(target):
+    _, _, path = target
+    posts: list[int] = []
+
+    async def hangs_then_fails(body: dict) -> dict:
+        posts.append(len(body["prompt"]))
+        if len(posts) == 1:  # the first request is never answered: a server that stopped answering
+            await asyncio.sleep(3600)
+        raise HTTPException(503, "overloaded")
+
+    good = {"token_ids": [7] * 8, "finish_reason": "length"}
+    with plain_server(misbehaving_app(hangs_then_fails, path)) as dying, \
+            plain_server(misbehaving_app(lambda body: good, path)) as live:
+        gen = OpenAIGenerator.connect([dying, live], concurrency=2, retries=1, backoff=0.05, dead_after=0.5)
+        done: list = []
+        thread = threading.Thread(target=lambda: done.append(gen.generate(
+            [[1, 2, 3]] * 6, [SamplingParams(max_new_tokens=8)] * 6)), daemon=True)
+        thread.start()
+        thread.join(timeout=120)  # generous: without the hand-over the held request waits out `timeout` (600 s)
+        assert not thread.is_alive(), "a request held by the dead endpoint was never handed over"
+    assert [o.output_ids for o in done[0]] == [[7] * 8] * 6
+    assert gen.live_endpoints() == [live] and len(posts) >= 2

@@ -295,20 +295,43 @@ class OpenAIGenerator(Generator):
             changed.set()
             changed = asyncio.Event()
 
+        def declare_dead(url: str) -> None:
+            """Send nothing more to `url`, hand its requests in flight back; RemoteError when none is left."""
+            h = self.health[url]
+            h.declare_dead()
+            if gone[url].is_set():
+                return
+            now = time.monotonic()
+            log.warning("endpoint %s is dead (failing for %.1f s, last: %s); the %d requests left go to %s", url,
+                        now - (h.failing_since or now), h.last_error, left,
+                        ", ".join(self.live_endpoints()) or "no endpoint")
+            gone[url].set()
+            notify()
+            self._check_alive(left)
+
         async def send(client: httpx.AsyncClient, url: str, i: int) -> GenerationOutput | None:
-            """Request i's answer from `url`; None when the endpoint was declared dead meanwhile."""
+            """Request i's answer from `url`; None when the endpoint is declared dead meanwhile (by another worker,
+            or here, when its `dead_after` runs out while this try is in flight)."""
+            h = self.health[url]
             body = self.completion_body(prompts[i], params[i]) | (extra[i] if extra is not None else {})
             task = asyncio.ensure_future(request_json(client, "POST", f"{url}/v1/completions", body))
             # its failure is read below, or dropped with the task when the run stops: never an unread exception
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
             stop = asyncio.ensure_future(gone[url].wait())
             try:
-                await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+                while not task.done() and not stop.done():
+                    deadline = h.deadline  # a streak may start (or end) while this try is in flight
+                    await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED,
+                                       timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0))
+                    if not task.done() and h.expired(time.monotonic()):
+                        declare_dead(url)
+                        break
             finally:
                 stop.cancel()
-                if not task.done():  # dead (or the run stops): the request goes elsewhere
+                dropped = not task.done()
+                if dropped:  # dead (or the run stops): the request goes elsewhere
                     task.cancel()
-            if task.cancelled():
+            if dropped:
                 return None
             return self._output(url, names[i], prompts[i], params[i], task.result())
 
@@ -316,15 +339,20 @@ class OpenAIGenerator(Generator):
             nonlocal left
             h = self.health[url]
             while left:
-                turn = h.admit(time.monotonic())
+                now = time.monotonic()
+                if h.expired(now):
+                    declare_dead(url)
+                turn = h.admit(now)
                 if turn is None:
                     return  # dead
                 if not isinstance(turn, str) or not pending:
                     # until something changes (an answer, a failure, a request back in the queue) or, for a
-                    # failing endpoint, until its next probe is due
-                    timeout = turn if isinstance(turn, float) and turn != math.inf else None
+                    # failing endpoint, until its next probe is due or its dead_after runs out
+                    timeout = turn if isinstance(turn, float) else math.inf
+                    if h.deadline is not None:
+                        timeout = min(timeout, max(h.deadline - now, 0.0))
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(changed.wait(), timeout)
+                        await asyncio.wait_for(changed.wait(), None if timeout == math.inf else timeout)
                     continue
                 i = pending.popleft()
                 probe = turn == PROBE
@@ -342,12 +370,8 @@ class OpenAIGenerator(Generator):
                         raise RemoteError(f"{names[i]} failed {tries[i]} times on live endpoints (retries="
                                           f"{self.retries}), the last: {exc}") from None
                     pending.appendleft(i)  # first in line for whichever endpoint sends next
-                    if h.failed(now, sent_at, str(exc), exc.retry_after) and not gone[url].is_set():
-                        log.warning("endpoint %s is dead (failing for %.1f s, last: %s); %d requests go to %s",
-                                    url, now - (h.failing_since or now), exc, left,
-                                    ", ".join(self.live_endpoints()) or "no endpoint")
-                        gone[url].set()
-                        self._check_alive(left)
+                    if h.failed(now, sent_at, str(exc), exc.retry_after):
+                        declare_dead(url)
                     notify()
                     continue
                 if out is None:

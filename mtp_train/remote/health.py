@@ -4,8 +4,9 @@ A failed try (a dropped or refused connection, a timeout, 429, 5xx) starts a fai
 endpoint sends one try at a time (a probe), each after a backoff that doubles per round of failures (at most
 `http.MAX_BACKOFF`), and its other workers send nothing: the requests queued behind a failing endpoint go to the
 other endpoints instead of each paying the backoff in turn. An answer to a try sent after the streak's last
-failure ends the streak. An endpoint still failing `dead_after` seconds after the streak's first failure is dead:
-nothing more is sent to it for the rest of the run.
+failure ends the streak. An endpoint that has answered nothing `dead_after` seconds after the streak's first
+failure is dead (`expired`), whether a try is in flight or not: nothing more is sent to it for the rest of the run,
+and the client hands the requests it still holds to the live endpoints.
 
 Times are `time.monotonic()` seconds passed in by the caller, so the rules are plain functions of what happened
 when (and are tested so, without a clock).
@@ -68,7 +69,7 @@ class EndpointHealth:
         self.failing_since, self.rounds, self.next_try, self.probing = None, 0, -math.inf, False
 
     def failed(self, now: float, sent_at: float, reason: str, retry_after: float | None = None) -> bool:
-        """Record a failed try sent at `sent_at` that failed at `now`; True when it makes the endpoint dead.
+        """Record a failed try sent at `sent_at` that failed at `now`; True when the endpoint is dead.
 
         Tries that were already in flight when the previous failure came (a server that died with `concurrency`
         requests on it) are the same round: they do not lengthen the backoff.
@@ -83,12 +84,23 @@ class EndpointHealth:
         elif retry_after:  # the same round, a server asking for a longer pause
             self.next_try = max(self.next_try, now + retry_after)
         self.last_failure = now
-        deadline = self.failing_since + self.dead_after
-        if now >= deadline:
-            self.dead = True
-            return True
-        self.next_try = min(self.next_try, deadline)  # the last probe goes at the deadline, not a backoff after it
-        return False
+        if self.expired(now):
+            self.declare_dead()
+        return self.dead
+
+    @property
+    def deadline(self) -> float | None:
+        """When a failing endpoint is dead unless it answers before; None while it is live."""
+        return None if self.failing_since is None else self.failing_since + self.dead_after
+
+    def expired(self, now: float) -> bool:
+        """Whether a failing endpoint's `dead_after` has run out at `now` (it is not dead yet: `declare_dead`)."""
+        deadline = self.deadline
+        return not self.dead and deadline is not None and now >= deadline
+
+    def declare_dead(self) -> None:
+        """Nothing more goes to this endpoint."""
+        self.dead, self.probing = True, False
 
     def describe(self, now: float) -> str:
         """`url` and why it is not answering, for a one-line message."""
