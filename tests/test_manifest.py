@@ -392,3 +392,47 @@ def test_a_folder_reached_through_a_link_opens(good, tmp_path):
     """The folder itself may be a link (data.dir on another disk): containment is checked on resolved paths."""
     os.symlink(good, tmp_path / "linked")
     assert len(PrecomputedDataset(tmp_path / "linked", split="all")) > 0
+
+
+# --------------------------------------------------------------------------------------------- token counts
+
+
+def _direct_counts(rows: list[Row], split: str) -> torch.Tensor:
+    """(VOCAB,) occurrences of each token id under the loss mask over `split`'s rows (seed 3, val_fraction 0.25)."""
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    for r in rows:
+        if split == "all" or (split == "val") == is_val(r.id, 3, 0.25):
+            counts += torch.bincount(torch.from_numpy(r.ids[r.mask.astype(bool)]).long(), minlength=VOCAB)
+    return counts
+
+
+def test_token_counts_are_read_and_damage_is_named(good, tmp_path):
+    from mtp_train.precompute.manifest import TOKEN_COUNTS_NAME, read_token_counts, write_token_counts
+
+    assert read_token_counts(good, "train", VOCAB) is None  # a folder written before the file existed
+    pc, m = _copy(good, tmp_path)
+    rows = _rows(12)
+    m["token_counts"] = write_token_counts(pc, _direct_counts(rows, "train"), _direct_counts(rows, "val"))
+    _save(pc, m)
+    assert Manifest.load(pc).token_counts == m["token_counts"]
+    for split in ("train", "val", "all"):
+        got = read_token_counts(pc, split, VOCAB)
+        assert got is not None and got.dtype == torch.int64 and torch.equal(got, _direct_counts(rows, split))
+    assert int(read_token_counts(pc, "all", VOCAB).sum()) == m["totals"]["loss_tokens"]
+
+    with pytest.raises(ManifestError, match=rf"{TOKEN_COUNTS_NAME} counts a vocabulary of {VOCAB} token ids, this "
+                                            "target has 51"):
+        read_token_counts(pc, "train", VOCAB + 1)
+    _flip = bytearray((pc / TOKEN_COUNTS_NAME).read_bytes())
+    _flip[-3] ^= 0x01
+    (pc / TOKEN_COUNTS_NAME).write_bytes(bytes(_flip))
+    with pytest.raises(ManifestError, match=rf"{TOKEN_COUNTS_NAME} is damaged: sha256 .* re-run mtp-precompute"):
+        read_token_counts(pc, "val", VOCAB)
+    (pc / TOKEN_COUNTS_NAME).write_bytes(b"not safetensors")
+    del m["token_counts"]["sha256"]  # without a recorded hash the file's own shape is what is checked
+    _save(pc, m)
+    with pytest.raises(ManifestError, match=rf"{TOKEN_COUNTS_NAME} is damaged: not a readable safetensors file"):
+        read_token_counts(pc, "val", VOCAB)
+    (pc / TOKEN_COUNTS_NAME).unlink()
+    with pytest.raises(ManifestError, match=rf"{TOKEN_COUNTS_NAME} is missing, though .*manifest.json names it"):
+        read_token_counts(pc, "train", VOCAB)

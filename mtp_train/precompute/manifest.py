@@ -14,6 +14,12 @@ Shard file (safetensors), S samples of T tokens in total, H = hidden size, k = n
     aux_hidden_scale  f32  (T, k)  hidden = fp8 · scale (`precompute.quant`); one scale per aux layer
     offsets     int64  (S+1,)    sample s is rows offsets[s]:offsets[s+1]
     metadata: {"format_version": "1", "sample_ids": JSON list of S ids, "hidden_dtype", "aux_layers": JSON}
+
+Beside it, `token_counts.safetensors` (written by rank 0 just before the manifest, which names it with its sha256)
+holds what a draft vocabulary is chosen from, so that no reader opens every shard for it:
+
+    train  int64  (V,)  occurrences of each token id under the loss mask, over the train split's samples
+    val    int64  (V,)  the same over the val split's samples (V = target.vocab_size)
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from mtp_train.fileio import atomic_write_text, leads_outside
+import torch
+
+from mtp_train.fileio import atomic_write, atomic_write_text, leads_outside, sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+TOKEN_COUNTS_NAME = "token_counts.safetensors"  # per-split counts of loss-masked token ids (module docstring)
 # What a shard entry's `file` may be: the plain name precompute gives a shard (`plan.shard_name`), nothing that
 # could lead out of the folder.
 SHARD_FILE = re.compile(r"shard-r[0-9]+-[0-9]{5,}\.safetensors")
@@ -175,11 +184,17 @@ class Manifest:
     provenance: dict[str, Any]  # package version, settings, caller's command/config
     created_at: str = ""  # ISO 8601 UTC
     format_version: int = FORMAT_VERSION
+    # {"file": TOKEN_COUNTS_NAME, "sha256", "bytes"}; None in a folder written before the file existed
+    token_counts: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        # format_version and created_at first: what a person opening the file looks for.
-        return {"format_version": d.pop("format_version"), "created_at": d.pop("created_at"), **d}
+        counts = d.pop("token_counts")
+        provenance = d.pop("provenance")
+        # format_version and created_at first: what a person opening the file looks for. A manifest without token
+        # counts is written as before they existed.
+        return {"format_version": d.pop("format_version"), "created_at": d.pop("created_at"), **d,
+                **({"token_counts": counts} if counts is not None else {}), "provenance": provenance}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = MANIFEST_NAME) -> Manifest:
@@ -201,8 +216,9 @@ class Manifest:
                 shards=[ShardInfo.from_dict(s) for s in d["shards"]],
                 totals=Totals(**d["totals"]),
                 provenance=dict(d.get("provenance") or {}),
+                token_counts=dict(d["token_counts"]) if d.get("token_counts") is not None else None,
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{source}: malformed manifest ({type(e).__name__}: {e}); re-run precompute") from None
 
     def save(self, directory: str | Path) -> Path:
@@ -219,7 +235,7 @@ class Manifest:
             raise ManifestError(f"precompute folder {directory} does not exist; point at the folder precompute wrote")
         path = directory / MANIFEST_NAME
         if not path.is_file():
-            shards = sorted(directory.glob("shard-r*.safetensors"))
+            shards = sorted(p for p in directory.glob("shard-r*.safetensors") if SHARD_FILE.fullmatch(p.name))
             if shards:
                 why = (f"it holds {len(shards)} shard(s) but no {MANIFEST_NAME}: the precompute run did not finish; "
                        "re-run it with the same settings (finished shards are kept)")
@@ -359,6 +375,99 @@ def _name_problem(file: Any) -> str:
     if "/" in file or "\\" in file:
         return "is a path, not a file name"
     return "is not a shard file name"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# token counts
+
+
+def write_token_counts(directory: str | Path, train: torch.Tensor, val: torch.Tensor) -> dict[str, Any]:
+    """Write `<directory>/token_counts.safetensors` atomically from int64 counts train (V,) and val (V,); returns
+    the manifest's entry for it: {"file", "sha256", "bytes"}."""
+    from mtp_train.precompute.shards import write_safetensors  # shards imports this module
+
+    path = Path(directory) / TOKEN_COUNTS_NAME
+    tensors = {"train": train.to(torch.int64).contiguous(), "val": val.to(torch.int64).contiguous()}
+    digest: list[str] = []
+
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as fh:
+            digest.append(write_safetensors(fh, tensors, {"format_version": str(FORMAT_VERSION)}))
+
+    atomic_write(path, write)
+    return {"file": TOKEN_COUNTS_NAME, "sha256": digest[0], "bytes": path.stat().st_size}
+
+
+def read_token_counts(folder: Path, split: str, vocab_size: int) -> torch.Tensor | None:
+    """(vocab_size,) int64 occurrences of each token id under the loss mask over `split`'s samples ("train", "val",
+    or "all": their sum), as the folder's `token_counts.safetensors` records them; None for a folder written
+    before the file existed (its manifest names none, and it holds none).
+
+    Raises ManifestError naming the file when it is damaged (unreadable, not the sha256 its manifest records, a
+    tensor missing, misshapen or negative), is a link leading outside the folder, is missing though the manifest
+    names it, or counts another vocabulary than `vocab_size`.
+
+    Args:
+        folder: the precompute folder.
+        split: "train", "val" or "all".
+        vocab_size: the target's vocabulary size V the counts must have.
+    """
+    from safetensors import safe_open
+
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    folder = Path(folder)
+    path = folder / TOKEN_COUNTS_NAME
+    entry = _manifest_entry(folder)
+    todo = (f"re-run mtp-precompute on {folder} with the settings that made it (its finished shards are kept and "
+            "the counts written anew)")
+    if not path.exists() and not path.is_symlink():
+        if entry is None:
+            return None
+        raise ManifestError(f"{path} is missing, though {folder / MANIFEST_NAME} names it; {todo}")
+    refuse_outside(folder, path, "the folder's token counts")
+    if entry is not None and isinstance(entry.get("sha256"), str):
+        try:
+            have = sha256_file(path)
+        except OSError as e:
+            raise ManifestError(f"{path} cannot be read ({e}); {todo}") from None
+        if have != entry["sha256"]:
+            raise ManifestError(f"{path} is damaged: sha256 {have}, {folder / MANIFEST_NAME} records "
+                                f"{entry['sha256']}; {todo}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+            missing = [k for k in ("train", "val") if k not in names]
+            if missing:
+                raise ManifestError(f"{path} is damaged: it holds no `{missing[0]}` tensor; {todo}")
+            counts = {k: f.get_tensor(k) for k in ("train", "val")}
+    except ManifestError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a file that is not one
+        raise ManifestError(f"{path} is damaged: not a readable safetensors file ({type(e).__name__}: {e}); "
+                            f"{todo}") from None
+    for name, t in counts.items():
+        if t.dtype != torch.int64 or t.dim() != 1:
+            raise ManifestError(f"{path} is damaged: its `{name}` tensor is {str(t.dtype).removeprefix('torch.')} "
+                                f"{list(t.shape)}, expected int64 (vocab_size,); {todo}")
+        if t.numel() != vocab_size:
+            raise ManifestError(f"{path} counts a vocabulary of {t.numel()} token ids, this target has {vocab_size}: "
+                                f"the folder was precomputed for another target; point at its own folder or {todo}")
+        if bool((t < 0).any()):
+            raise ManifestError(f"{path} is damaged: its `{name}` tensor holds negative counts; {todo}")
+    if split == "all":
+        return counts["train"] + counts["val"]
+    return counts[split]
+
+
+def _manifest_entry(folder: Path) -> dict[str, Any] | None:
+    """The manifest's `token_counts` entry, or None (no manifest, an unreadable one, an older one without it)."""
+    try:
+        d = json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    entry = d.get("token_counts") if isinstance(d, dict) else None
+    return entry if isinstance(entry, dict) else None
 
 
 def write_json(path: Path, obj: Any) -> None:
