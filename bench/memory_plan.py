@@ -16,29 +16,41 @@ online training (`mtp-train data.source=online`, or epoch 0 of hybrid): the trai
     held on every rank (bf16 weights / `model.tp`) and the temporaries of its prefill over one micro-batch (the
     precompute formula with `micro_batch_tokens` rows), against each rank's budget (`--gpu-gib`, an H100's 79.6 GiB);
     the frozen embedding and lm_head are counted twice, as the trainer holds its own copy beside the target's.
-disk: stored hidden states in bf16, 2·H bytes + 5 bytes of token id and mask per token (+ 2·H per aux layer).
+disk: per token, 5 bytes of token id (int32) and loss mask (uint8), and per stored layer (the final hidden and each of
+    the k aux layers the head type reads: `conf/head/*.yaml` resolved against the target's layer count) b·H bytes of
+    values (b = 2 in bf16 / fp16, 4 in fp32, 1 in fp8) plus, in fp8, one float32 scale (4 bytes):
+    5 + (b·H + s)·(1 + k), i.e. 5 + 2·H·(1 + k) in bf16 and 5 + (H + 4)·(1 + k) in fp8 (`disk_bytes_per_token`);
+    each shard adds its safetensors header and 8 bytes of offsets per sample.
 KV cache (inference, speculative decoding): bytes per cached token in bf16 of the target's pool on one rank (its
     KV heads under `model.tp`) and of the `mtp` head's one-layer pool (`KVCache.bytes_per_token` of each layout):
     2·Hkv·D per layer for the Llama family, one latent row of kv_lora_rank + qk_rope_head_dim for DeepSeek-V2's MLA.
 
-Usage: python -m bench.memory_plan [--world 8] [--micro-batch-tokens N] [--gpu-gib 79.6]   (last line: one JSON object)
+Usage: python -m bench.memory_plan [--world 8] [--micro-batch-tokens N] [--gpu-gib 79.6]
+       [--conversations 1000000 --tokens-per-conversation 2048 --hidden 4096 --aux 3]   (last line: one JSON object)
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import yaml
 
 from bench.common import ROOT, parser, report
 from mtp_train.config import HeadConfig
+from mtp_train.config.head import HEAD_TYPES
 from mtp_train.engine import KVCache
 from mtp_train.heads import head_class
 from mtp_train.models.config import ModelArgs
 from mtp_train.models.families import args_from_dir, args_from_hf_config
 from mtp_train.models.loader import model_class
 from mtp_train.models.tensor_parallel import local_args
+from mtp_train.precompute.writer import FP8_STORAGE, STORAGE_DTYPES
 
 GIB = 2**30
+TB = 10**12
+ID_MASK_BYTES = 5  # per token: input_ids (int32) + loss_mask (uint8)
+FP8_SCALE_BYTES = 4  # fp8 storage: one float32 scale per token and stored layer (precompute/quant.py)
 
 # Public config.json values (Hugging Face model cards), used when the folder is not on this machine.
 LLAMA31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -108,6 +120,50 @@ def count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def disk_bytes_per_token(hidden_size: int, aux_layers: int, storage: str = "bfloat16") -> int:
+    """Bytes one token takes in a precompute folder's shards, headers and per-sample offsets left out.
+
+    Args:
+        hidden_size: H, the target's hidden width.
+        aux_layers: k, the aux layers stored beside the final hidden (each as wide as it).
+        storage: the folder's `hidden_dtype` (bfloat16 | float16 | float32 | float8_e4m3).
+
+    5 + (b·H + s)·(1 + k): token id and mask, then b bytes per value of each of the 1 + k stored layers and, in fp8,
+    one float32 scale per token and layer (s = 4).
+    """
+    value = STORAGE_DTYPES[storage].itemsize
+    scale = FP8_SCALE_BYTES if storage == FP8_STORAGE else 0
+    return ID_MASK_BYTES + (value * hidden_size + scale) * (1 + aux_layers)
+
+
+def head_names() -> list[str]:
+    """The head types with a shipped config (`conf/head/<name>.yaml`), in the registry's order."""
+    return [name for name in HEAD_TYPES.names() if (ROOT / "conf" / "head" / f"{name}.yaml").is_file()]
+
+
+def stored_aux_layers(head: str, num_layers: int) -> list[int]:
+    """The aux layers a precompute folder must store for head type `head` at its shipped config
+    (`conf/head/<head>.yaml`) on a target of `num_layers` layers: its `aux_layers`, or the type's default when []
+    ([2, L//2, L-3] for eagle3, five spread for the block drafters); [] for a head that reads the final hidden only."""
+    conf = yaml.safe_load((ROOT / "conf" / "head" / f"{head}.yaml").read_text())
+    conf = conf.get("head", conf)  # the types that bring a recipe nest their head settings under `head:`
+    fields = {k: v for k, v in conf.items() if k in HeadConfig.__dataclass_fields__}
+    resolved = HeadConfig(**fields).resolved(num_layers)
+    return list(resolved.aux_layers) if resolved.features == "aux" else []
+
+
+def disk_plan(hidden_size: int, num_layers: int) -> dict[str, dict]:
+    """Per shipped head type: the aux layers its folder stores, bytes per token and GiB per million tokens in each
+    storage dtype."""
+    out = {}
+    for head in head_names():
+        k = len(stored_aux_layers(head, num_layers))
+        per_token = {s: disk_bytes_per_token(hidden_size, k, s) for s in STORAGE_DTYPES}
+        out[head] = {"aux_layers": k, "bytes_per_token": per_token,
+                     "gib_per_million_tokens": {s: round(b * 1e6 / GIB, 2) for s, b in per_token.items()}}
+    return out
+
+
 def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int, steps: int,
          gpu_gib: float = 79.6) -> dict:
     args, source = target_args(name)
@@ -140,19 +196,64 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
     kv_head = KVCache.bytes_per_token(*head.kv_shape, torch.bfloat16)
     train = frozen + head_w + grads + adam + act
     online = train + pre_weights + prefill_temporaries(micro_tokens)
+    disk = disk_plan(h, args.num_layers)
     return {
         "model": name, "config": source, "target_params_b": round(p_target / 1e9, 2),
         "head_params_m": round(p_head / 1e6, 1), "tp": tp,
         "precompute_gib_per_rank": round((pre_weights + pre_act) / GIB, 1),
         "train_gib_per_rank": round(train / GIB, 1),
         "train_frozen_gib": round(frozen / GIB, 2), "train_activations_gib": round(act / GIB, 2),
-        "disk_gib_per_million_tokens": round((2 * h + 5) * 1e6 / GIB, 2),
+        "hidden_size": h, "disk": disk,
+        "disk_gib_per_million_tokens": {head: d["gib_per_million_tokens"]["bfloat16"] for head, d in disk.items()},
         "kv_kib_per_token_target": round(kv_target / 1024, 1), "kv_kib_per_token_head": round(kv_head / 1024, 1),
         "online_target_gib_per_rank": round(pre_weights / GIB, 1),
         "online_prefill_gib": round(prefill_temporaries(micro_tokens) / GIB, 2),
         "online_gib_per_rank": round(online / GIB, 1), "online_headroom_gib": round(gpu_gib - online / GIB, 1),
         "online_fits": online / GIB <= gpu_gib,
     }
+
+
+def disk_total(conversations: int, tokens_per_conversation: int, hidden_size: int, aux_layers: int) -> dict:
+    """Bytes of a whole folder of `conversations` × `tokens_per_conversation` tokens, per storage dtype.
+
+    Args:
+        conversations: samples in the folder.
+        tokens_per_conversation: tokens per sample.
+        hidden_size: H.
+        aux_layers: k, stored beside the final hidden.
+    """
+    tokens = conversations * tokens_per_conversation
+    return {s: disk_bytes_per_token(hidden_size, aux_layers, s) * tokens for s in STORAGE_DTYPES}
+
+
+def print_disk(rows: list[dict], args: argparse.Namespace) -> dict:
+    """The disk table of every model by the aux layers its head types store, the formula, and the total of the
+    `--conversations` × `--tokens-per-conversation` example; returns that total's figures."""
+    print("\ndisk per token: 5 + (b·H + s)·(1 + k) bytes (token id int32 + loss mask uint8; per stored layer, the "
+          "final hidden and k aux layers, b bytes per value and s bytes of scale):")
+    print("  bf16 / fp16: 5 + 2·H·(1 + k)    fp32: 5 + 4·H·(1 + k)    fp8 (float8_e4m3): 5 + (H + 4)·(1 + k)  "
+          "(one float32 scale per token and stored layer)")
+    print("  plus, per shard, its safetensors header and 8 bytes of offsets per sample\n")
+    print("| model | H | head types (aux layers k) | bf16 / fp16 B/token | fp8 B/token | bf16 GiB / 1M tokens "
+          "| fp8 GiB / 1M tokens |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        by_k: dict[int, list[str]] = {}
+        for head, d in r["disk"].items():
+            by_k.setdefault(d["aux_layers"], []).append(head)
+        for k, heads in sorted(by_k.items()):
+            d = r["disk"][heads[0]]
+            print(f"| {r['model']} | {r['hidden_size']} | {', '.join(heads)} (k={k}) | "
+                  f"{d['bytes_per_token']['bfloat16']} | {d['bytes_per_token'][FP8_STORAGE]} | "
+                  f"{d['gib_per_million_tokens']['bfloat16']} | {d['gib_per_million_tokens'][FP8_STORAGE]} |")
+    total = disk_total(args.conversations, args.tokens_per_conversation, args.hidden, args.aux)
+    print(f"\n{args.conversations:,} conversations × {args.tokens_per_conversation} tokens at H {args.hidden} with "
+          f"{args.aux} aux layers: " + ", ".join(f"{s} {b / TB:.1f} TB ({b / 2**40:.1f} TiB)"
+                                                  for s, b in total.items()))
+    return {"conversations": args.conversations, "tokens_per_conversation": args.tokens_per_conversation,
+            "hidden_size": args.hidden, "aux_layers": args.aux,
+            "bytes_per_token": {s: disk_bytes_per_token(args.hidden, args.aux, s) for s in STORAGE_DTYPES},
+            "tb": {s: round(b / TB, 1) for s, b in total.items()}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -163,19 +264,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch-tokens", type=int, default=int(pre["batch_tokens"]))
     ap.add_argument("--micro-batch-tokens", type=int, default=int(train["train"]["micro_batch_tokens"]))
     ap.add_argument("--gpu-gib", type=float, default=79.6, help="memory per GPU (H100 80 GB: 79.6 GiB)")
+    ap.add_argument("--conversations", type=int, default=10**6, help="the disk total's samples")
+    ap.add_argument("--tokens-per-conversation", type=int, default=2048, help="the disk total's tokens per sample")
+    ap.add_argument("--hidden", type=int, default=4096, help="the disk total's hidden width H")
+    ap.add_argument("--aux", type=int, default=3, help="the disk total's aux layers k (eagle3 stores 3)")
     args = ap.parse_args(argv)
     chunk, steps = int(train["loss"]["chunk_size"]), int(train["loss"]["steps"])
     rows = [plan(m, args.world, args.batch_tokens, args.micro_batch_tokens, chunk, steps, args.gpu_gib)
             for m in MODELS]
     print(f"precompute: batch_tokens={args.batch_tokens}, bf16; training: micro_batch_tokens="
           f"{args.micro_batch_tokens}, loss.steps={steps}, chunk_size={chunk}, ZeRO-2 over {args.world} ranks\n")
+    heads = head_names()
     print("| model | target params | tp | precompute GiB/rank | head params | train GiB/rank | disk GiB / 1M tokens "
-          "| KV cache KiB/token (target per rank + head) |")
+          f"bf16 ({' / '.join(heads)}) | KV cache KiB/token (target per rank + head) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        disk = " / ".join(str(r["disk_gib_per_million_tokens"][h]) for h in heads)
         print(f"| {r['model']} | {r['target_params_b']}B | {r['tp']} | {r['precompute_gib_per_rank']} | "
-              f"{r['head_params_m']}M | {r['train_gib_per_rank']} | {r['disk_gib_per_million_tokens']} | "
+              f"{r['head_params_m']}M | {r['train_gib_per_rank']} | {disk} | "
               f"{r['kv_kib_per_token_target']} + {r['kv_kib_per_token_head']} |")
+    disk_example = print_disk(rows, args)
     print(f"\nonline training (data.source=online, hybrid's epoch 0): the target on every rank, {args.world} ranks of "
           f"{args.gpu_gib} GiB\n")
     print("| model | tp | target GiB/rank | prefill temporaries GiB | training GiB/rank | online GiB/rank | "
@@ -185,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {r['model']} | {r['tp']} | {r['online_target_gib_per_rank']} | {r['online_prefill_gib']} | "
               f"{r['train_gib_per_rank']} | {r['online_gib_per_rank']} | {r['online_headroom_gib']} |")
     result = {"world": args.world, "gpu_gib": args.gpu_gib, "batch_tokens": args.batch_tokens,
-              "micro_batch_tokens": args.micro_batch_tokens,
+              "micro_batch_tokens": args.micro_batch_tokens, "disk_example": disk_example,
               "models": {r["model"]: r for r in rows}}
     report(result)
     return result
