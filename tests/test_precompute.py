@@ -139,8 +139,9 @@ def test_manifest_records_target_split_and_totals(ref, model, model_dir, samples
     assert manifest.totals.bytes == sum((out / s.file).stat().st_size for s in manifest.shards)
     assert all(s.tokens <= 256 for s in manifest.shards) and len(manifest.shards) > 3
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["manifest.json"] + [s.file for s in manifest.shards] + [s.file.replace(".safetensors", ".json")
-                                                                 for s in manifest.shards])
+        ["manifest.json", "token_counts.safetensors"]
+        + [s.file.replace(".safetensors", end) for s in manifest.shards
+           for end in (".safetensors", ".json", ".counts.safetensors")])
 
     train, val = PrecomputedDataset(out, split="train"), PrecomputedDataset(out, split="val")
     want_val = {s.id for s in samples if is_val(s.id, 7, 0.25)}

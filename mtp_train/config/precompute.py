@@ -47,6 +47,7 @@ class PrecomputeConfig:
     overwrite: bool = False
     max_seq_len: int = 2048  # longer samples are truncated (keeping the start)
     limit: int | None = None  # use only the first N conversations
+    window: int = 1024  # conversations read and tokenized at a time (host memory; the shards do not depend on it)
     shard_tokens: int = 131072  # tokens per shard (2·H bytes each for the hidden states)
     batch_tokens: int = 8192  # tokens per packed prefill forward
     aux_layers: list[int] = field(default_factory=list)  # extra HF hidden_states[j] to store (EAGLE-3 features)

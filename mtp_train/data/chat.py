@@ -20,7 +20,7 @@ import hashlib
 import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mtp_train.data.fingerprints import load_tokenizer as load_tokenizer
@@ -71,6 +71,16 @@ class TokenizeStats:
     @property
     def dropped(self) -> int:
         return self.dropped_no_assistant + self.dropped_truncated + self.dropped_template_error
+
+    def add(self, other: TokenizeStats) -> None:
+        """Count `other`'s conversations too (a stream tokenized window by window): the sums of the two runs,
+        and the first few template-error examples of both, in order."""
+        for f in fields(self):
+            if f.name == "template_error_examples":
+                room = EXAMPLES_KEPT - len(self.template_error_examples)
+                self.template_error_examples.extend(other.template_error_examples[:max(room, 0)])
+            else:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 # ---------------------------------------------------------------------------------------------- tokenization

@@ -70,11 +70,12 @@ class ReadStats:
         return f"read {self.rows} rows, kept {self.kept}, skipped {self.num_bad}: " + "; ".join(parts)
 
 
-def iter_conversations(data: DataConfig, limit: int | None = None,
-                       stats: ReadStats | None = None) -> Iterator[Conversation]:
+def iter_conversations(data: DataConfig, limit: int | None = None, stats: ReadStats | None = None, *,
+                       warn: bool = True) -> Iterator[Conversation]:
     """Stream the conversations `data` names, read as it says (see the module docstring).
 
-    `stats`, when given, is updated as rows are read; skipped rows are logged once, when the stream ends.
+    `stats`, when given, is updated as rows are read; skipped rows are logged once, when the stream ends (unless
+    `warn` is False: a second read of the same data, which the first already reported).
     `limit` stops after that many conversations. Settings and paths are checked at once (`ValueError`,
     `FileNotFoundError` naming the path); a bad row raises `DataError` while streaming unless
     `data.on_bad_row="skip"`.
@@ -84,10 +85,11 @@ def iter_conversations(data: DataConfig, limit: int | None = None,
     if data.on_bad_row not in ON_BAD_ROW:
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {data.on_bad_row!r}")
     resolved = resolve_paths(data.paths)
-    return _stream(resolved, data, limit, stats if stats is not None else ReadStats())
+    return _stream(resolved, data, limit, stats if stats is not None else ReadStats(), warn)
 
 
-def _stream(resolved: list[Path], data: DataConfig, limit: int | None, stats: ReadStats) -> Iterator[Conversation]:
+def _stream(resolved: list[Path], data: DataConfig, limit: int | None, stats: ReadStats,
+            warn: bool = True) -> Iterator[Conversation]:
     """The generator behind `iter_conversations`."""
     for path in resolved:
         if limit is not None and stats.kept >= limit:
@@ -109,7 +111,7 @@ def _stream(resolved: list[Path], data: DataConfig, limit: int | None, stats: Re
                 stats.kept += 1
                 yield Conversation(id=conv_id or f"{Path(source).name}:{line}", messages=messages,
                                    source=source, line=line, metadata=metadata)
-    if stats.num_bad:
+    if stats.num_bad and warn:
         log.warning("skipped bad rows: %s", stats.summary())
 
 

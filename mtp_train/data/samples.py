@@ -1,17 +1,20 @@
 """The samples of stage one before any hidden state: conversations → chat template + loss masks → validated rows,
 and a split of them that a training run batches.
 
-One code path from conversation to batch: `mtp-precompute` writes shards of exactly these rows (`build_samples`,
-then `to_rows`), and `mtp-train data.source=online|hybrid` batches the same rows (`load_rows`, `TokenDataset`),
-selected by the split rule a folder records (`precompute.in_split`) and batched by the same
-`LengthBucketedBatchSampler` (`mtp_train.data.sampler`).
+One code path from conversation to batch: `mtp-precompute` writes shards of exactly these rows (`SampleStream`,
+then `checked_rows`, a window of conversations at a time), and `mtp-train data.source=online|hybrid` batches the
+same rows (`load_rows`, `TokenDataset`: `build_samples` is the stream collected), selected by the split rule a
+folder records (`precompute.in_split`) and batched by the same `LengthBucketedBatchSampler`
+(`mtp_train.data.sampler`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
-from collections import Counter
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +22,15 @@ import numpy as np
 import torch
 
 from mtp_train.config import PrecomputeConfig
-from mtp_train.data.chat import tokenize_conversations
-from mtp_train.data.readers import read_conversations
+from mtp_train.data.chat import TokenizeStats, tokenize_conversations
+from mtp_train.data.readers import ReadStats, iter_conversations
 
 log = logging.getLogger(__name__)
 
 EXAMPLES = 5  # renamed ids named in the manifest and the summary
+WINDOW = 1024  # conversations read and tokenized at a time, when the caller does not say
+# The ids a repeat can be renamed to: "x#2", "x#3", ... (what `_unique_ids` must know of the whole data).
+RENAMED_FORM = re.compile(r"#[0-9]+\Z")
 
 
 @dataclass(frozen=True)
@@ -45,25 +51,67 @@ class Row:
     mask: np.ndarray  # (L,) uint8
 
 
+class IdSet:
+    """A set of ids held as 8-byte digests (blake2b): about 8 bytes an id, where a Python set of the strings takes
+    ~100. Two ids of one digest read as one (with 10**6 ids, a chance of about 3e-8)."""
+
+    MERGE = 1 << 16  # recent digests kept in a Python set before they are merged into the sorted array
+
+    def __init__(self) -> None:
+        self._sorted = np.zeros(0, dtype=np.uint64)  # (n,) every digest but the recent ones, sorted
+        self._recent: set[int] = set()
+
+    @staticmethod
+    def digest(sample_id: str) -> int:
+        return int.from_bytes(hashlib.blake2b(sample_id.encode(), digest_size=8).digest(), "little")
+
+    def __len__(self) -> int:
+        return int(self._sorted.size) + len(self._recent)
+
+    def add(self, sample_id: str) -> bool:
+        """Add `sample_id`; False when it was already in."""
+        h = self.digest(sample_id)
+        if h in self._recent:
+            return False
+        if self._sorted.size:
+            at = int(np.searchsorted(self._sorted, np.uint64(h)))
+            if at < self._sorted.size and int(self._sorted[at]) == h:
+                return False
+        self._recent.add(h)
+        if len(self._recent) >= self.MERGE:
+            new = np.sort(np.fromiter(self._recent, dtype=np.uint64, count=len(self._recent)))
+            self._sorted = np.insert(self._sorted, np.searchsorted(self._sorted, new), new)
+            self._recent.clear()
+        return True
+
+
+def to_row(s: Sample, vocab_size: int) -> Row:
+    """Validate one sample (equal lengths, ids in vocab, 0/1 mask) and convert it to arrays."""
+    ids = np.asarray(s.input_ids, dtype=np.int64)
+    mask = np.asarray(s.loss_mask, dtype=np.int64)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"sample {s.id!r}: input_ids must be a non-empty list of ints")
+    if mask.shape != ids.shape:
+        raise ValueError(f"sample {s.id!r}: {ids.size} input_ids but {mask.size} loss_mask entries")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"sample {s.id!r}: token ids must be in 0..{vocab_size - 1}")
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError(f"sample {s.id!r}: loss_mask must hold only 0 and 1")
+    return Row(s.id, ids.astype(np.int32), mask.astype(np.uint8))
+
+
+def checked_rows(samples: Iterable[Sample], vocab_size: int) -> Iterator[Row]:
+    """`to_row` of each sample as it comes, refusing a repeated id (held as an `IdSet`, not the ids)."""
+    seen = IdSet()
+    for s in samples:
+        if not seen.add(s.id):
+            raise ValueError(f"duplicate sample id {s.id!r}: ids must be unique (they decide resume and the split)")
+        yield to_row(s, vocab_size)
+
+
 def to_rows(samples: Sequence[Sample], vocab_size: int) -> list[Row]:
     """Validate samples (unique ids, equal lengths, ids in vocab, 0/1 mask) and convert them to arrays."""
-    rows, seen = [], set()
-    for s in samples:
-        if s.id in seen:
-            raise ValueError(f"duplicate sample id {s.id!r}: ids must be unique (they decide resume and the split)")
-        seen.add(s.id)
-        ids = np.asarray(s.input_ids, dtype=np.int64)
-        mask = np.asarray(s.loss_mask, dtype=np.int64)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"sample {s.id!r}: input_ids must be a non-empty list of ints")
-        if mask.shape != ids.shape:
-            raise ValueError(f"sample {s.id!r}: {ids.size} input_ids but {mask.size} loss_mask entries")
-        if ids.min() < 0 or ids.max() >= vocab_size:
-            raise ValueError(f"sample {s.id!r}: token ids must be in 0..{vocab_size - 1}")
-        if ((mask != 0) & (mask != 1)).any():
-            raise ValueError(f"sample {s.id!r}: loss_mask must hold only 0 and 1")
-        rows.append(Row(s.id, ids.astype(np.int32), mask.astype(np.uint8)))
-    return rows
+    return list(checked_rows(samples, vocab_size))
 
 
 def _unique_ids(ids: list[str], wheres: Sequence[str | None]) -> tuple[list[str], list[str], list[str]]:
@@ -73,26 +121,56 @@ def _unique_ids(ids: list[str], wheres: Sequence[str | None]) -> tuple[list[str]
 
     Returns the ids, the ones that were repeated (each once, in order of first repeat), and for each renamed
     conversation "file:line: 'x' kept as 'x#3'" (`wheres` are the conversations' file:line, or None).
+    `UniqueIds` applies the same rule one id at a time.
     """
-    taken = set(ids)
-    seen: Counter[str] = Counter()
-    out, repeated, renamed = [], [], []
-    for i, where in zip(ids, wheres):
-        seen[i] += 1
-        if seen[i] == 1:
-            out.append(i)
-            continue
-        if seen[i] == 2:
-            repeated.append(i)
-        k = seen[i]
-        while f"{i}#{k}" in taken:
+    unique = UniqueIds(lambda: {i for i in ids if RENAMED_FORM.search(i)}, examples=len(ids))
+    out = [unique(i, where) for i, where in zip(ids, wheres)]
+    return out, unique.repeated, unique.renamed
+
+
+class UniqueIds:
+    """`_unique_ids`'s rule as a stream: call it with each conversation's id, in order, for the id it is kept under.
+
+    Whether "x#k" is some conversation's id must be known of the whole data, but only ids of that form can be: so
+    `renamed_form_ids()` (every kept id of the data matching `RENAMED_FORM`) is asked for at the first repeat, and
+    never when the data has none. The ids seen are held as an `IdSet` (8 bytes each); the repeated ones and the
+    new names in full.
+
+    Args:
+        renamed_form_ids: every kept conversation id of the data of the form "x#<digits>".
+        examples: how many repeated ids and renamed rows to keep for the summary.
+    """
+
+    def __init__(self, renamed_form_ids: Callable[[], set[str]], examples: int = EXAMPLES) -> None:
+        self._renamed_form_ids, self._examples = renamed_form_ids, examples
+        self._taken: set[str] | None = None  # kept ids of the form x#k, over the whole data (at the first repeat)
+        self._seen = IdSet()  # every id met
+        self._last: dict[str, int] = {}  # a repeated id → the k its last repeat took
+        self._new: set[str] = set()  # names given to repeats
+        self.count = 0  # ids met
+        self.duplicates = 0  # ids met more than once
+        self.repeated: list[str] = []  # the first `examples` of them, in order of first repeat
+        self.renamed: list[str] = []  # "file:line: 'x' kept as 'x#3'" of the first `examples` renamed rows
+
+    def __call__(self, i: str, where: str | None) -> str:
+        self.count += 1
+        if i not in self._last and self._seen.add(i):
+            return i
+        if i not in self._last:
+            self.duplicates += 1
+            if len(self.repeated) < self._examples:
+                self.repeated.append(i)
+        if self._taken is None:
+            self._taken = self._renamed_form_ids()
+        k = self._last.get(i, 1) + 1
+        while f"{i}#{k}" in self._taken or f"{i}#{k}" in self._new:
             k += 1
-        seen[i] = k  # the next repeat of i starts after the number this one took
+        self._last[i] = k  # the next repeat of i starts after the number this one took
         new = f"{i}#{k}"
-        taken.add(new)
-        out.append(new)
-        renamed.append(f"{where or 'row ' + str(len(out))}: {i!r} kept as {new!r}")
-    return out, repeated, renamed
+        self._new.add(new)
+        if len(self.renamed) < self._examples:
+            self.renamed.append(f"{where or 'row ' + str(self.count)}: {i!r} kept as {new!r}")
+        return new
 
 
 def dropped_summary(info: Mapping[str, Any]) -> str:
@@ -116,56 +194,103 @@ def dropped_summary(info: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
+class SampleStream:
+    """The conversations `cfg.data` names as samples, read and tokenized `window` conversations at a time: the
+    first `cfg.limit`, cut to `cfg.max_seq_len` tokens, rendered with `cfg.chat_template_kwargs`, their ids made
+    unique (`UniqueIds`). Iterate it once; `info` (what happened to the rows: the manifest's `data`) is complete
+    when the iteration has ended, and `tokenized` counts the conversations tokenized so far.
+
+    Host memory: one window of tokenized conversations (about 60 bytes a token as Python lists) and 8 bytes an id
+    (`IdSet`), whatever the number of conversations. Data whose ids repeat is read once more, tokenizing only the
+    conversations whose id has the form "x#<digits>" (`UniqueIds`).
+
+    Args:
+        tokenizer: the target's (fast) tokenizer, with its chat template.
+        cfg: data, limit, max_seq_len and chat_template_kwargs are read.
+        window: conversations read and tokenized at a time.
+    """
+
+    def __init__(self, tokenizer: Any, cfg: PrecomputeConfig, window: int = WINDOW) -> None:
+        if not cfg.data.paths:
+            raise ValueError("data.paths is empty: give the conversation files, e.g. data.paths=[convs.jsonl]")
+        if window < 1:
+            raise ValueError(f"window must be positive, got {window}")
+        self.tokenizer, self.cfg, self.window = tokenizer, cfg, window
+        self.info: dict[str, Any] = {}
+        self.tokenized = 0
+
+    def _tokenize(self, convs: Iterable[Any], on_bad_row: str) -> tuple[list[Any], TokenizeStats]:
+        return tokenize_conversations(self.tokenizer, convs, self.cfg.max_seq_len,
+                                      template_kwargs=dict(self.cfg.chat_template_kwargs), on_bad_row=on_bad_row)
+
+    def _renamed_form_ids(self) -> set[str]:
+        """Every kept id of the form "x#<digits>" in the data: a second read, tokenizing only those."""
+        data = self.cfg.data
+        convs = (c for c in iter_conversations(data, limit=self.cfg.limit, warn=False) if RENAMED_FORM.search(c.id))
+        # Skipped here whatever on_bad_row says: the main read reports a template error where it meets it.
+        tokenized, _ = self._tokenize(convs, on_bad_row="skip")
+        return {t.id for t in tokenized if t.id is not None}
+
+    def __iter__(self) -> Iterator[Sample]:
+        data, cfg = self.cfg.data, self.cfg
+        read_stats, tok_stats = ReadStats(), TokenizeStats()
+        convs = iter_conversations(data, limit=cfg.limit, stats=read_stats)
+        unique = UniqueIds(self._renamed_form_ids)
+        n = 0
+        while window := list(itertools.islice(convs, self.window)):
+            tokenized, stats = self._tokenize(window, on_bad_row=data.on_bad_row)
+            tok_stats.add(stats)
+            self.tokenized += len(window)
+            del window
+            for t in tokenized:
+                yield Sample(unique(t.id or f"sample-{n}", t.where), t.input_ids, t.loss_mask)
+                n += 1
+        if tok_stats.dropped_template_error:
+            log.warning("skipped %d conversation(s) the chat template failed on: %s", tok_stats.dropped_template_error,
+                        "; ".join(tok_stats.template_error_examples))
+        if not n:
+            raise ValueError(
+                f"no usable sample in {list(data.paths)}: {read_stats.summary()}; "
+                f"{tok_stats.dropped_no_assistant} conversations had no assistant turn (regenerate prompt-only data "
+                f"with mtp-regenerate first), {tok_stats.dropped_truncated} lost every assistant token to "
+                f"max_seq_len, {tok_stats.dropped_template_error} failed in the chat template"
+            )
+        self.info.update({
+            "name": data.name,
+            "sources": [str(p) for p in data.paths],
+            "format": data.format,
+            "max_seq_len": cfg.max_seq_len,
+            "limit": cfg.limit,
+            "rows": read_stats.rows,
+            "bad_rows": dict(read_stats.bad),
+            "bad_row_examples": {r: list(e) for r, e in read_stats.examples.items()},  # reason → first file:lines
+            "conversations": tok_stats.conversations,
+            "samples": tok_stats.kept,
+            "truncated": tok_stats.truncated,
+            "dropped_no_assistant": tok_stats.dropped_no_assistant,
+            "dropped_truncated": tok_stats.dropped_truncated,
+            "dropped_template_error": tok_stats.dropped_template_error,
+            "duplicate_ids": unique.duplicates,  # ids met more than once (renamed id#2, id#3, ...)
+            "duplicate_id_examples": unique.repeated,
+            "duplicate_id_rows": unique.renamed,  # "file:line: 'x' kept as 'x#2'" of the first renamed rows
+        })
+
+
 def build_samples(tokenizer: Any, cfg: PrecomputeConfig) -> tuple[list[Sample], dict[str, Any]]:
     """Read and tokenize the conversations `cfg.data` names (the first `cfg.limit`, cut to `cfg.max_seq_len`
-    tokens, rendered with `cfg.chat_template_kwargs`); returns samples and what happened to the rows."""
-    data = cfg.data
-    if not data.paths:
-        raise ValueError("data.paths is empty: give the conversation files, e.g. data.paths=[convs.jsonl]")
-    convs, read_stats = read_conversations(data, limit=cfg.limit)
-    tokenized, tok_stats = tokenize_conversations(tokenizer, convs, cfg.max_seq_len,
-                                                  template_kwargs=dict(cfg.chat_template_kwargs),
-                                                  on_bad_row=data.on_bad_row)
-    if tok_stats.dropped_template_error:
-        log.warning("skipped %d conversation(s) the chat template failed on: %s", tok_stats.dropped_template_error,
-                    "; ".join(tok_stats.template_error_examples))
-    ids, repeated, renamed = _unique_ids([t.id or f"sample-{i}" for i, t in enumerate(tokenized)],
-                                         [t.where for t in tokenized])
-    samples = [Sample(i, t.input_ids, t.loss_mask) for i, t in zip(ids, tokenized)]
-    if not samples:
-        raise ValueError(
-            f"no usable sample in {list(data.paths)}: {read_stats.summary()}; "
-            f"{tok_stats.dropped_no_assistant} conversations had no assistant turn (regenerate prompt-only data "
-            f"with mtp-regenerate first), {tok_stats.dropped_truncated} lost every assistant token to max_seq_len, "
-            f"{tok_stats.dropped_template_error} failed in the chat template"
-        )
-    info = {
-        "name": data.name,
-        "sources": [str(p) for p in data.paths],
-        "format": data.format,
-        "max_seq_len": cfg.max_seq_len,
-        "limit": cfg.limit,
-        "rows": read_stats.rows,
-        "bad_rows": dict(read_stats.bad),
-        "bad_row_examples": {r: list(e) for r, e in read_stats.examples.items()},  # reason → first few file:line
-        "conversations": tok_stats.conversations,
-        "samples": tok_stats.kept,
-        "truncated": tok_stats.truncated,
-        "dropped_no_assistant": tok_stats.dropped_no_assistant,
-        "dropped_truncated": tok_stats.dropped_truncated,
-        "dropped_template_error": tok_stats.dropped_template_error,
-        "duplicate_ids": len(repeated),  # ids met more than once (renamed id#2, id#3, ...)
-        "duplicate_id_examples": repeated[:EXAMPLES],
-        "duplicate_id_rows": renamed[:EXAMPLES],  # "file:line: 'x' kept as 'x#2'" of the first renamed rows
-    }
-    return samples, info
+    tokens, rendered with `cfg.chat_template_kwargs`); returns samples and what happened to the rows. Every sample
+    in memory: `SampleStream` gives them a window at a time."""
+    stream = SampleStream(tokenizer, cfg)
+    samples = list(stream)
+    return samples, stream.info
 
 
 def load_rows(tokenizer: Any, cfg: PrecomputeConfig, vocab_size: int) -> tuple[list[Row], dict[str, Any]]:
     """`build_samples`, validated against a vocabulary of `vocab_size` (`to_rows`, as `precompute` does):
     every sample of the data in its order, and what happened to the rows (the manifest's `data`)."""
-    samples, info = build_samples(tokenizer, cfg)
-    return to_rows(samples, vocab_size), info
+    stream = SampleStream(tokenizer, cfg)
+    rows = list(checked_rows(stream, vocab_size))
+    return rows, stream.info
 
 
 def row_item(r: Row) -> dict[str, Any]:

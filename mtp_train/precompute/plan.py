@@ -9,6 +9,9 @@ already written and skips them (resume, see `mtp_train.precompute.shards.finishe
   (a longer sample gets a shard of its own);
 * batches: a shard's samples, in order, are cut the same way by `batch_tokens` into packed prefills.
 
+Both cuts are greedy in order, so a rank plans its shards as the samples stream in (`plan_stream`): the same plans
+as `plan_rank` over the whole list, with one shard's rows in memory at a time.
+
 `plan_shards` is the one cut of rows into shards: precompute cuts single samples, hybrid training cuts its
 epoch-0 micro-batches (a batch is never split).
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,3 +94,22 @@ def plan_rank(rows: Sequence[Row], rank: int, world: int, shard_tokens: int, set
         ShardPlan]:
     """The shards rank `rank` of `mtp-precompute` writes, in order (`RANK_ASSIGNMENT`, cut by `shard_tokens`)."""
     return plan_shards(rank, [[rows[i]] for i in rank_slice(len(rows), rank, world)], shard_tokens, settings)
+
+
+def plan_stream(rows: Iterable[Row], rank: int, world: int, shard_tokens: int, settings: dict[str, Any]) -> Iterator[
+        ShardPlan]:
+    """`plan_rank` as the rows come: each of rank `rank`'s shards as soon as its last sample is known (the next
+    one would not fit, or the rows ended). `rows` is every rank's, in order; the others' are passed over."""
+    shard: list[Row] = []
+    total = index = 0
+    for g, r in enumerate(rows):
+        if g % world != rank:  # RANK_ASSIGNMENT
+            continue
+        n = int(r.ids.size)
+        if shard and total + n > shard_tokens:  # as `plan_runs`: a sample over budget runs alone
+            yield shard_plan(rank, index, shard, settings)
+            shard, total, index = [], 0, index + 1
+        shard.append(r)
+        total += n
+    if shard:
+        yield shard_plan(rank, index, shard, settings)

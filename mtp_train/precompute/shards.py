@@ -4,6 +4,11 @@ Each shard is written to `.tmp-<name>`, fsynced and renamed; then its sidecar `<
 hash, plan hash) is written the same way. A shard counts as done only when its sidecar matches the plan, so a
 re-run skips exactly the shards a previous run finished (see `mtp_train.precompute.plan` for why the plans of
 two runs agree). The tensors a shard holds are listed in `mtp_train.precompute.manifest`.
+
+Beside them, `<name without .safetensors>.counts.safetensors` holds the shard's samples counted by split (the
+split rule's seed and val_fraction in its metadata): for train and val, the token ids under the loss mask, sparse
+(`<split>_ids` int32 (U,) sorted, `<split>_counts` int64 (U,)), and the split's samples, tokens and loss tokens.
+Rank 0 sums them into the folder's `token_counts.safetensors` and `split.counts` without opening a shard.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +25,7 @@ import numpy as np
 import torch
 
 from mtp_train.fileio import atomic_write, sha256_file, tensor_bytes
-from mtp_train.precompute.manifest import FORMAT_VERSION, ShardInfo, read_json, write_json
+from mtp_train.precompute.manifest import FORMAT_VERSION, ShardInfo, is_val, read_json, write_json
 from mtp_train.precompute.plan import ShardPlan
 from mtp_train.precompute.quant import FP8_NAME
 
@@ -162,6 +168,8 @@ def write_safetensors(fh: Any, tensors: dict[str, torch.Tensor], metadata: dict[
         fh.write(block)
         h.update(block)
     for k in order:
+        if tensors[k].numel() == 0:  # no bytes (and a view of none cannot be taken)
+            continue
         buf = tensors[k].contiguous().view(-1).view(torch.uint8).numpy()  # the tensor's own memory, no copy
         fh.write(memoryview(buf))
         h.update(buf)
@@ -183,3 +191,104 @@ def write_shard(out_dir: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor]
     side = _sidecar(plan, digest[0], path.stat().st_size)
     write_json(sidecar_path(path), side)
     return ShardInfo.from_dict(side)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# per-shard counts
+
+COUNTS_SUFFIX = ".counts.safetensors"
+SPLIT_NAMES = ("train", "val")
+
+
+def counts_path(shard: Path) -> Path:
+    """Where the counts of the shard at `shard` go: `shard-r0-00000.counts.safetensors` beside it."""
+    return shard.with_name(shard.name.removesuffix(".safetensors") + COUNTS_SUFFIX)
+
+
+@dataclass
+class ShardCounts:
+    """A shard's samples counted by split (module docstring)."""
+
+    ids: dict[str, np.ndarray]  # split → (U,) int32 token ids under the loss mask, sorted, unique
+    counts: dict[str, np.ndarray]  # split → (U,) int64 occurrences of each
+    split: dict[str, int]  # {train,val}_{samples,tokens,loss_tokens}, as the manifest's `split.counts`
+
+    def add_to(self, dense: dict[str, torch.Tensor]) -> None:
+        """Add the counts into dense (V,) int64 tensors, one per split."""
+        for s in SPLIT_NAMES:
+            dense[s].index_add_(0, torch.from_numpy(self.ids[s].astype(np.int64)), torch.from_numpy(self.counts[s]))
+
+
+def count_samples(samples: Iterable[tuple[str, np.ndarray, np.ndarray]], seed: int, val_fraction: float) -> ShardCounts:
+    """The counts of (id, input_ids (L,), loss_mask (L,)) samples under the split rule (`manifest.is_val`)."""
+    split = {f"{s}_{k}": 0 for s in SPLIT_NAMES for k in ("samples", "tokens", "loss_tokens")}
+    masked: dict[str, list[np.ndarray]] = {s: [] for s in SPLIT_NAMES}
+    for sample_id, ids, mask in samples:
+        s = "val" if is_val(sample_id, seed, val_fraction) else "train"
+        kept = ids[mask.astype(bool)]
+        split[f"{s}_samples"] += 1
+        split[f"{s}_tokens"] += int(ids.size)
+        split[f"{s}_loss_tokens"] += int(kept.size)
+        masked[s].append(kept)
+    ids_of, counts_of = {}, {}
+    for s in SPLIT_NAMES:
+        flat = np.concatenate(masked[s]) if masked[s] else np.zeros(0, dtype=np.int32)
+        u, c = np.unique(flat.astype(np.int32), return_counts=True)
+        ids_of[s], counts_of[s] = u.astype(np.int32), c.astype(np.int64)
+    return ShardCounts(ids_of, counts_of, split)
+
+
+def write_shard_counts(out_dir: Path, plan: ShardPlan, seed: int, val_fraction: float) -> ShardCounts:
+    """Atomically write the counts of `plan`'s samples beside its shard (tied to it by the plan hash)."""
+    counts = count_samples(((r.id, r.ids, r.mask) for r in plan.rows), seed, val_fraction)
+    tensors = {}
+    for s in SPLIT_NAMES:
+        tensors[f"{s}_ids"] = torch.from_numpy(counts.ids[s])  # (U,) int32
+        tensors[f"{s}_counts"] = torch.from_numpy(counts.counts[s])  # (U,) int64
+    meta = {"format_version": str(FORMAT_VERSION), "plan_sha256": plan.plan_sha256, "seed": str(seed),
+            "val_fraction": repr(float(val_fraction)), "split_counts": json.dumps(counts.split, sort_keys=True)}
+
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as fh:
+            write_safetensors(fh, tensors, meta)
+
+    atomic_write(counts_path(out_dir / plan.name), write)
+    return counts
+
+
+def read_shard_counts(out_dir: Path, name: str, plan_sha256: str, seed: int, val_fraction: float,
+                      ) -> ShardCounts | None:
+    """The counts beside shard `name` when they are of that plan and split rule; None when missing, torn, a link,
+    or of another plan or rule (then `counts_from_shard` counts the shard itself)."""
+    from safetensors import safe_open
+
+    path = counts_path(out_dir / name)
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            if (meta.get("format_version") != str(FORMAT_VERSION) or meta.get("plan_sha256") != plan_sha256
+                    or meta.get("seed") != str(seed) or meta.get("val_fraction") != repr(float(val_fraction))):
+                return None
+            ids = {s: f.get_tensor(f"{s}_ids").numpy().astype(np.int32) for s in SPLIT_NAMES}
+            counts = {s: f.get_tensor(f"{s}_counts").numpy().astype(np.int64) for s in SPLIT_NAMES}
+            split = {k: int(v) for k, v in json.loads(meta["split_counts"]).items()}
+    except Exception:  # noqa: BLE001 - unreadable: counted again from the shard
+        return None
+    if any(ids[s].shape != counts[s].shape or ids[s].ndim != 1 for s in SPLIT_NAMES):
+        return None
+    return ShardCounts(ids, counts, split)
+
+
+def counts_from_shard(path: Path, seed: int, val_fraction: float) -> ShardCounts:
+    """Count a shard's samples from its own ids, masks and offsets (no hidden state is read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        layout = shard_layout(f)
+        ids = f.get_tensor("input_ids").numpy()
+        mask = f.get_tensor("loss_mask").numpy()
+    o = layout.offsets
+    return count_samples(((sid, ids[o[k]:o[k + 1]], mask[o[k]:o[k + 1]]) for k, sid in enumerate(layout.ids)),
+                         seed, val_fraction)

@@ -236,7 +236,8 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
         for r in by_name[shard.file].rows:  # on disk in a shard: its captures are not needed any more
             (spool / file_name(r.id)).unlink(missing_ok=True)
 
-    writer = FolderWriter(out, spec, plans, rank=0, verify=cfg.verify_on_resume, on_shard=drop_captures)
+    writer = FolderWriter(out, spec, plans, rank=0, verify=cfg.verify_on_resume, on_shard=drop_captures,
+                          split=(cfg.seed, cfg.val_fraction))
     writer.scan()  # what is left to capture, known before anything is written
     todo = [r for p in writer.todo for r in p.rows]
     missing = [r for r in todo if not usable(spool / file_name(r.id), tag, r)]

@@ -1,19 +1,21 @@
 """Writing a precompute folder: `FolderWriter`, the one writer of hidden-state shards and their manifest.
 
-A writer holds one rank's shard plans (`mtp_train.precompute.plan`). `begin` forgets a stale manifest and torn
-temporaries and keeps the shards a previous run finished (their sidecars match the plan); `record` takes the
-target's rows of any samples, in any grouping, and stores each in its shard; a shard whose every sample is in
-goes to a writer thread that writes it and its sidecar atomically (`mtp_train.precompute.shards`) while the
-target computes on; `finish` waits for the last write, and rank 0's `write_manifest` assembles `manifest.json`
-from the sidecars, last. `mtp-precompute` (`pipeline.precompute`) and hybrid training (`mtp_train.train.sources.hybrid`)
-both write their folders with it, so they write one format.
+A writer holds one rank's shard plans (`mtp_train.precompute.plan`), given all at once or `add`ed one by one as a
+stream plans them. `begin` forgets a stale manifest and torn temporaries and keeps the shards a previous run
+finished (their sidecars match the plan); `record` takes the target's rows of any samples, in any grouping, and
+stores each in its shard; a shard whose every sample is in goes to a writer thread that writes it and its sidecar
+atomically (`mtp_train.precompute.shards`), then its counts by split, while the target computes on; `finish`
+waits for the last write, and rank 0 assembles `token_counts.safetensors` and `manifest.json` from the sidecars
+and counts files, last (`write_manifest` from every plan and row, `write_streamed_manifest` from every rank's
+`ShardEntry` list, holding no row). `mtp-precompute` (`pipeline.precompute`) and hybrid training
+(`mtp_train.train.sources.hybrid`) both write their folders with it, so they write one format.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -30,22 +32,34 @@ from mtp_train.models.foreign import target_model_type
 from mtp_train.precompute.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
+    TOKEN_COUNTS_NAME,
     HiddenInfo,
     Manifest,
     ManifestError,
+    ShardInfo,
     SplitInfo,
     TargetInfo,
     TokenizerInfo,
     Totals,
     is_val,
+    read_json,
+    write_token_counts,
 )
 from mtp_train.precompute.quant import FP8, dequantize_fp8, quantize_fp8
-from mtp_train.precompute.shards import finished_shard, sidecar_path, write_shard
+from mtp_train.precompute.shards import (
+    SPLIT_NAMES,
+    count_samples,
+    counts_from_shard,
+    finished_shard,
+    read_shard_counts,
+    sidecar_path,
+    write_shard,
+    write_shard_counts,
+)
 
 if TYPE_CHECKING:  # annotations only
     from mtp_train.data.samples import Row
     from mtp_train.models.config import ModelArgs
-    from mtp_train.precompute.manifest import ShardInfo
     from mtp_train.precompute.plan import ShardPlan
 
 log = logging.getLogger(__name__)
@@ -175,19 +189,46 @@ def folder_spec(args: ModelArgs, dtype: torch.dtype, model_dir: str | Path, stor
     return FolderSpec(target, hidden, storage, backend)
 
 
-def assemble_manifest(out_dir: Path, plans: Sequence[ShardPlan], rows: Sequence[Row], spec: FolderSpec, *,
-                      tokenizer_fingerprint: str, chat_template_fingerprint: str, data_info: dict[str, Any],
-                      val_fraction: float, seed: int, provenance: dict[str, Any],
-                      redo: str = "re-run precompute to redo it") -> Manifest:
-    """The manifest of a folder whose shards `plans` (every rank's, in manifest order) are all finished; raises
-    PrecomputeError naming the first one that is not (and `redo`, what to do). `rows`: every sample, for the split
-    counts."""
-    shards = []
-    for p in plans:
-        info = finished_shard(out_dir, p, verify=False)  # each rank hashed its own shards
-        if info is None:
-            raise PrecomputeError(f"rank {p.rank} did not finish {out_dir / p.name}; {redo}")
-        shards.append(info)
+@dataclass(frozen=True)
+class ShardEntry:
+    """What rank 0 needs of another rank's shard to list it: which plan it was written for (its sidecar must
+    match) and its counts. A few hundred bytes, where the plan holds every row."""
+
+    name: str
+    rank: int
+    index: int
+    plan_sha256: str
+    ids_sha256: str
+    samples: int
+    tokens: int
+    loss_tokens: int
+
+    @classmethod
+    def of(cls, plan: ShardPlan) -> ShardEntry:
+        return cls(plan.name, plan.rank, plan.index, plan.plan_sha256, plan.ids_sha256, len(plan.rows), plan.tokens,
+                   plan.loss_tokens)
+
+
+def entry_finished(out_dir: Path, e: ShardEntry) -> ShardInfo | None:
+    """The shard's info when its file and sidecar are those of entry `e` (`finished_shard` without the rows)."""
+    path = out_dir / e.name
+    side = sidecar_path(path)
+    if path.is_symlink() or side.is_symlink() or not (path.is_file() and side.is_file()):
+        return None
+    try:
+        d = read_json(side)
+        info = ShardInfo.from_dict(d)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    same = (d.get("format_version") == FORMAT_VERSION and d.get("plan_sha256") == e.plan_sha256
+            and d.get("ids_sha256") == e.ids_sha256 and info.samples == e.samples and info.tokens == e.tokens
+            and info.loss_tokens == e.loss_tokens and info.bytes == path.stat().st_size)
+    return info if same else None
+
+
+def _manifest(out_dir: Path, shards: list[ShardInfo], spec: FolderSpec, counts: dict[str, int], token_counts: Any,
+              *, tokenizer_fingerprint: str, chat_template_fingerprint: str, data_info: dict[str, Any],
+              val_fraction: float, seed: int, provenance: dict[str, Any]) -> Manifest:
     totals = Totals(samples=sum(s.samples for s in shards), tokens=sum(s.tokens for s in shards),
                     loss_tokens=sum(s.loss_tokens for s in shards), bytes=sum(s.bytes for s in shards))
     return Manifest(
@@ -195,12 +236,65 @@ def assemble_manifest(out_dir: Path, plans: Sequence[ShardPlan], rows: Sequence[
         tokenizer=TokenizerInfo(fingerprint=tokenizer_fingerprint, chat_template_fingerprint=chat_template_fingerprint),
         hidden=spec.hidden,
         data=dict(data_info),
-        split=SplitInfo(val_fraction=val_fraction, seed=seed, counts=split_counts(rows, seed, val_fraction)),
+        split=SplitInfo(val_fraction=val_fraction, seed=seed, counts=counts),
         shards=shards,
         totals=totals,
         provenance=provenance,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        token_counts=token_counts,
     )
+
+
+def _dense(vocab_size: int) -> dict[str, torch.Tensor]:
+    return {s: torch.zeros(vocab_size, dtype=torch.int64) for s in SPLIT_NAMES}  # split → (V,)
+
+
+def assemble_manifest(out_dir: Path, plans: Sequence[ShardPlan], rows: Sequence[Row], spec: FolderSpec, *,
+                      tokenizer_fingerprint: str, chat_template_fingerprint: str, data_info: dict[str, Any],
+                      val_fraction: float, seed: int, provenance: dict[str, Any],
+                      redo: str = "re-run precompute to redo it") -> Manifest:
+    """The manifest of a folder whose shards `plans` (every rank's, in manifest order) are all finished; raises
+    PrecomputeError naming the first one that is not (and `redo`, what to do). `rows`: every sample, for the split
+    counts and the token counts, whose file (`TOKEN_COUNTS_NAME`) is written here, before the manifest."""
+    shards = []
+    for p in plans:
+        info = finished_shard(out_dir, p, verify=False)  # each rank hashed its own shards
+        if info is None:
+            raise PrecomputeError(f"rank {p.rank} did not finish {out_dir / p.name}; {redo}")
+        shards.append(info)
+    dense = _dense(spec.target.vocab_size)
+    count_samples(((r.id, r.ids, r.mask) for r in rows), seed, val_fraction).add_to(dense)
+    entry = write_token_counts(out_dir, dense["train"], dense["val"])
+    return _manifest(out_dir, shards, spec, split_counts(rows, seed, val_fraction), entry,
+                     tokenizer_fingerprint=tokenizer_fingerprint, chat_template_fingerprint=chat_template_fingerprint,
+                     data_info=data_info, val_fraction=val_fraction, seed=seed, provenance=provenance)
+
+
+def assemble_streamed(out_dir: Path, entries: Sequence[ShardEntry], spec: FolderSpec, *,
+                      tokenizer_fingerprint: str, chat_template_fingerprint: str, data_info: dict[str, Any],
+                      val_fraction: float, seed: int, provenance: dict[str, Any],
+                      redo: str = "re-run precompute to redo it") -> Manifest:
+    """`assemble_manifest` from what the shards record: `entries` are every rank's shards in manifest order; the
+    split counts and `token_counts.safetensors` are the sums of the shards' counts files (a shard whose counts file
+    is missing or of another plan or split rule is counted from its own ids and masks). Holds no row."""
+    shards = []
+    counts = {f"{s}_{k}": 0 for s in SPLIT_NAMES for k in ("samples", "tokens", "loss_tokens")}
+    dense = _dense(spec.target.vocab_size)
+    for e in entries:
+        info = entry_finished(out_dir, e)
+        if info is None:
+            raise PrecomputeError(f"rank {e.rank} did not finish {out_dir / e.name}; {redo}")
+        shards.append(info)
+        sc = read_shard_counts(out_dir, e.name, e.plan_sha256, seed, val_fraction)
+        if sc is None:
+            sc = counts_from_shard(out_dir / e.name, seed, val_fraction)
+        for k in counts:
+            counts[k] += sc.split[k]
+        sc.add_to(dense)
+    entry = write_token_counts(out_dir, dense["train"], dense["val"])
+    return _manifest(out_dir, shards, spec, counts, entry, tokenizer_fingerprint=tokenizer_fingerprint,
+                     chat_template_fingerprint=chat_template_fingerprint, data_info=data_info,
+                     val_fraction=val_fraction, seed=seed, provenance=provenance)
 
 
 def check_aux_layers(aux_layers: Sequence[int], num_layers: int, prefix: str = "") -> None:
@@ -228,19 +322,17 @@ def _settings_changed(manifest: Manifest, spec: FolderSpec, world: int, cfg: Pre
     return [f"{key} {old}, this run {new}" for key, old, new in pairs if old != new]
 
 
-def check_replaces(out_dir: Path, spec: FolderSpec, plans: Sequence[ShardPlan], world: int,
-                   cfg: PrecomputeConfig) -> Manifest | None:
-    """Judge a finished folder in `out_dir` against what this run writes (`plans`, every rank's in manifest order)
-    before anything in it changes. Returns its manifest when it already is exactly that folder: nothing is to be
-    done, and the run writes nothing (not even its config or a new manifest: the folder's provenance stays the
-    run's that made it). Refuses (PrecomputeError, naming what differs) a finished folder of other settings or
-    samples, the backend that computed its states included. Returns None when the run goes on: no folder or
-    manifest yet, a damaged manifest a re-run repairs, or `overwrite=true` (which redoes any).
+def finished_of_same_settings(out_dir: Path, spec: FolderSpec, world: int, cfg: PrecomputeConfig,
+                              ) -> Manifest | None:
+    """The first half of `check_replaces`, which needs no sample: refuses (PrecomputeError, naming what differs) a
+    finished folder in `out_dir` of other settings, the backend that computed its states included; returns its
+    manifest when its settings are this run's (whether its samples are is for `first_difference` to say); None when
+    the run goes on whatever its samples: no folder or manifest yet, a damaged manifest a re-run repairs, or
+    `overwrite=true` (which redoes any).
 
     Args:
         out_dir: the run's output folder.
         spec: what this run's shards are (target, stored states, backend).
-        plans: every rank's shards, in manifest order.
         world: the run's data-parallel ranks.
         cfg: the run's settings (split, shard size, overwrite).
     """
@@ -251,15 +343,78 @@ def check_replaces(out_dir: Path, spec: FolderSpec, plans: Sequence[ShardPlan], 
     except ManifestError:
         return None
     changed = _settings_changed(manifest, spec, world, cfg)
-    if not changed:
-        if folder_complete(out_dir, plans):
-            return manifest
-        changed = [f"other samples ({len(manifest.shards)} shards of {manifest.totals.samples} samples, this run "
-                   f"{len(plans)} of {sum(len(p.rows) for p in plans)}: data, limit, max_seq_len or the chat "
-                   "template)"]
+    if changed:
+        refuse_other(out_dir, changed)
+    return manifest
+
+
+def refuse_other(out_dir: Path, changed: Sequence[str]) -> None:
+    """Raise the PrecomputeError of a finished folder of other settings or samples (`changed`, in words)."""
     raise PrecomputeError(f"{out_dir} holds a finished precompute of other settings ({'; '.join(changed)}): a "
                           "re-run replaces it only with overwrite=true; choose another `out`, or re-run with the "
                           "settings that made it")
+
+
+def other_samples(manifest: Manifest, where: str) -> str:
+    """`refuse_other`'s words for a folder of the same settings and other samples (`where`: the first shard that
+    differs, in words)."""
+    return (f"other samples ({len(manifest.shards)} shards of {manifest.totals.samples} samples; {where}: data, "
+            "limit, max_seq_len or the chat template)")
+
+
+def first_difference(out_dir: Path, manifest: Manifest, plans: Iterable[ShardPlan], rank: int, world: int, *,
+                     to_the_end: bool = False) -> str | None:
+    """Compare rank `rank`'s shards, as they stream in, with the finished folder's: None when `manifest` lists
+    exactly them (the shards of other ranks and the ranks' order are checked here too, from the manifest alone),
+    else the first difference in words. Nothing is written and no row is kept. to_the_end: read every plan even
+    after a difference (ranks that read the same data then fail alike on a bad row anywhere in it).
+    """
+    if any(s.rank not in range(world) for s in manifest.shards) or [s.rank for s in manifest.shards] != sorted(
+            s.rank for s in manifest.shards):
+        return "its shards are not this run's ranks in order"
+    mine = [s for s in manifest.shards if s.rank == rank]
+    diff: str | None = None
+    k = 0
+    for k, plan in enumerate(plans, start=1):
+        if diff is None:
+            have = mine[k - 1] if k <= len(mine) else None
+            if have is None:
+                diff = f"this run has more shards than its {len(mine)} of rank {rank}"
+            elif have.file != plan.name or finished_shard(out_dir, plan, verify=False) != have:
+                diff = f"this run's {plan.name} holds other samples"
+        if diff is not None and not to_the_end:
+            break
+    if diff is None and k < len(mine):
+        diff = f"this run has {k} shards of rank {rank}, the folder {len(mine)}"
+    return diff
+
+
+def check_replaces(out_dir: Path, spec: FolderSpec, plans: Sequence[ShardPlan], world: int,
+                   cfg: PrecomputeConfig) -> Manifest | None:
+    """Judge a finished folder in `out_dir` against what this run writes (`plans`, every rank's in manifest order)
+    before anything in it changes. Returns its manifest when it already is exactly that folder: nothing is to be
+    done, and the run writes nothing (not even its config or a new manifest: the folder's provenance stays the
+    run's that made it). Refuses (PrecomputeError, naming what differs) a finished folder of other settings or
+    samples, the backend that computed its states included. Returns None when the run goes on: no folder or
+    manifest yet, a damaged manifest a re-run repairs, or `overwrite=true` (which redoes any). A run that plans as
+    it streams uses its two halves, `finished_of_same_settings` and `first_difference`.
+
+    Args:
+        out_dir: the run's output folder.
+        spec: what this run's shards are (target, stored states, backend).
+        plans: every rank's shards, in manifest order.
+        world: the run's data-parallel ranks.
+        cfg: the run's settings (split, shard size, overwrite).
+    """
+    manifest = finished_of_same_settings(out_dir, spec, world, cfg)
+    if manifest is None:
+        return None
+    if folder_complete(out_dir, plans):
+        return manifest
+    refuse_other(out_dir, [f"other samples ({len(manifest.shards)} shards of {manifest.totals.samples} samples, this "
+                           f"run {len(plans)} of {sum(len(p.rows) for p in plans)}: data, limit, max_seq_len or the "
+                           "chat template)"])
+    return None  # not reached: refuse_other raises
 
 
 def folder_complete(out_dir: Path, plans: Sequence[ShardPlan]) -> bool:
@@ -279,28 +434,31 @@ ShardHook = Callable[["ShardInfo", bool], None]  # (the shard's sidecar info, sk
 
 class FolderWriter:
     """One rank's shards of a precompute folder (the module docstring): plan → `begin` → `record` rows →
-    `finish` → (rank 0, after every rank finished) `write_manifest`; `close` always.
+    `finish` → (rank 0, after every rank finished) `write_manifest`; `close` always. Or, as a stream plans the
+    shards: `begin` → for each plan `add` (and, when it returns True, `record` its rows) → `finish` →
+    `write_streamed_manifest` from every rank's `entries`.
 
-    plans: this rank's shards, in order, each sample in one of them. writes=False: a tensor-parallel member that
-    computes the same shards as its group's writer and writes nothing (it only learns which shards are done).
-    verify: re-hash finished shards before keeping them. on_shard(info, skipped): after each shard is written
-    (skipped=False, called in the caller's thread when the write is collected) or found done at `begin`
-    (skipped=True); an exception from it stops the run, which resumes later. Host memory: the shards being
-    filled (one when rows come in shard order) and the one being written, about
-    2 · shard_tokens · (k+1) · H storage bytes.
+    plans: this rank's shards, in order, each sample in one of them (none when they are `add`ed). writes=False: a
+    tensor-parallel member that computes the same shards as its group's writer and writes nothing (it only learns
+    which shards are done). verify: re-hash finished shards before keeping them. on_shard(info, skipped): after
+    each shard is written (skipped=False, called in the caller's thread when the write is collected) or found done
+    at `begin` / `add` (skipped=True); an exception from it stops the run, which resumes later. split: the split
+    rule's (seed, val_fraction): each shard's counts by split are written beside it (`shards.write_shard_counts`),
+    for `write_streamed_manifest`; None writes none. Host memory: the shards being filled (one when rows come in
+    shard order) and the one being written, about 2 · shard_tokens · (k+1) · H storage bytes; a plan's rows are
+    let go once its shard is written.
     """
 
-    def __init__(self, out_dir: str | Path, spec: FolderSpec, plans: Sequence[ShardPlan], *, rank: int,
-                 writes: bool = True, verify: bool = False, on_shard: ShardHook | None = None) -> None:
+    def __init__(self, out_dir: str | Path, spec: FolderSpec, plans: Sequence[ShardPlan] = (), *, rank: int,
+                 writes: bool = True, verify: bool = False, on_shard: ShardHook | None = None,
+                 split: tuple[int, float] | None = None) -> None:
         self.out_dir, self.spec, self.plans = Path(out_dir), spec, list(plans)
-        self.rank, self.writes, self.verify, self.on_shard = rank, writes, verify, on_shard
+        self.rank, self.writes, self.verify, self.on_shard, self.split = rank, writes, verify, on_shard, split
         self.slots: dict[str, tuple[int, int]] = {}  # sample id → (shard index, its first row in the shard)
+        self.by_index: dict[int, ShardPlan] = {}  # the plans whose shards are not written yet
+        self.entries: list[ShardEntry] = []  # every shard of this rank so far, in order (what rank 0 lists)
         for p in self.plans:
-            row = 0
-            for r in p.rows:
-                self.slots[r.id] = (p.index, row)
-                row += int(r.ids.size)
-        self.by_index = {p.index: p for p in self.plans}
+            self._register(p)
         self.done: set[int] = set()  # shard indices finished on disk (or handed to the writer thread)
         self._found: dict[int, ShardInfo] | None = None  # what `scan` found finished on disk
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}  # shard index → its tensors being filled
@@ -308,9 +466,23 @@ class FolderWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
         self._pending: Future[ShardInfo] | None = None
 
+    def _register(self, p: ShardPlan) -> None:
+        row = 0
+        for r in p.rows:
+            self.slots[r.id] = (p.index, row)
+            row += int(r.ids.size)
+        self.by_index[p.index] = p
+        self.entries.append(ShardEntry.of(p))
+
+    def _release(self, p: ShardPlan) -> None:
+        """Forget a plan whose shard is on disk (or on its way there): its rows are not needed any more."""
+        for r in p.rows:
+            self.slots.pop(r.id, None)
+        self.by_index.pop(p.index, None)
+
     @property
     def todo(self) -> list[ShardPlan]:
-        """This rank's shards not finished yet, in order."""
+        """This rank's shards not finished yet, in order (of the plans given at construction)."""
         return [p for p in self.plans if p.index not in self.done]
 
     def needs(self, sample_id: str) -> bool:
@@ -330,8 +502,9 @@ class FolderWriter:
 
     def begin(self, *, owner: bool, on_start: Callable[[], None] | None = None) -> None:
         """Open the folder: owner (the one process writing the manifest) calls on_start() and removes a stale
-        manifest (it would vouch for shards about to be rewritten); a writing rank removes its torn temporaries
-        and the sidecars of shards that will be redone. Call a barrier after it, before any rank records."""
+        manifest (it would vouch for shards about to be rewritten) and token counts; a writing rank removes its
+        torn temporaries and the sidecars of shards that will be redone. Call a barrier after it, before any rank
+        records."""
         if self._found is None:
             self.scan()
         assert self._found is not None
@@ -340,18 +513,41 @@ class FolderWriter:
         if owner:
             if on_start is not None:
                 on_start()
-            for stale in (self.out_dir / MANIFEST_NAME, self.out_dir / (TMP_PREFIX + MANIFEST_NAME)):
-                stale.unlink(missing_ok=True)
+            for name in (MANIFEST_NAME, TOKEN_COUNTS_NAME):
+                for stale in (self.out_dir / name, self.out_dir / (TMP_PREFIX + name)):
+                    stale.unlink(missing_ok=True)
         if self.writes:
             for tmp in self.out_dir.glob(f"{TMP_PREFIX}shard-r{self.rank}-*"):
                 tmp.unlink(missing_ok=True)  # torn temporaries of a killed run
         for p in self.plans:
             info = self._found.get(p.index)
             if info is not None:
-                if self.on_shard is not None:
-                    self.on_shard(info, True)
+                self._kept(p, info)
             elif self.writes:
                 sidecar_path(self.out_dir / p.name).unlink(missing_ok=True)  # it no longer describes the file
+
+    def add(self, plan: ShardPlan) -> bool:
+        """Take the next shard of a stream of plans (after `begin`); True when it is to be computed (`record` its
+        rows), False when a previous run finished it (on_shard(info, True) is called)."""
+        self._register(plan)
+        info = finished_shard(self.out_dir, plan, verify=self.verify)
+        if info is not None:
+            self.done.add(plan.index)
+            self._kept(plan, info)
+            return False
+        if self.writes:
+            sidecar_path(self.out_dir / plan.name).unlink(missing_ok=True)  # it no longer describes the file
+        return True
+
+    def _kept(self, plan: ShardPlan, info: ShardInfo) -> None:
+        """A shard a previous run finished: its counts are written again unless they are of this plan and split."""
+        if self.writes and self.split is not None:
+            seed, val_fraction = self.split
+            if read_shard_counts(self.out_dir, plan.name, plan.plan_sha256, seed, val_fraction) is None:
+                write_shard_counts(self.out_dir, plan, seed, val_fraction)
+        self._release(plan)
+        if self.on_shard is not None:
+            self.on_shard(info, True)
 
     def record(self, ids: Sequence[str], seq_lens: Sequence[int], hidden: torch.Tensor,
                aux: torch.Tensor | None) -> None:
@@ -380,8 +576,17 @@ class FolderWriter:
     def _write(self, plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> None:
         # At most one shard waits for the disk: the next one blocks here until it is written.
         self.flush()
-        self._pending = self._pool.submit(write_shard, self.out_dir, plan, tensors, self.spec.metadata)
+        self._pending = self._pool.submit(self._write_files, plan, tensors)
         self.done.add(plan.index)
+        self._release(plan)
+
+    def _write_files(self, plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> ShardInfo:
+        """The writer thread's work: the shard and its sidecar, then its counts (a shard whose counts a kill lost
+        gets them when a re-run finds it done)."""
+        info = write_shard(self.out_dir, plan, tensors, self.spec.metadata)
+        if self.split is not None:
+            write_shard_counts(self.out_dir, plan, *self.split)
+        return info
 
     def flush(self) -> None:
         """Wait for the shard being written (e.g. before a checkpoint: what it counts as done is on disk)."""
@@ -397,14 +602,21 @@ class FolderWriter:
         if self._buffers:
             raise RuntimeError(f"shards {sorted(self._buffers)} of rank {self.rank} in {self.out_dir} are "
                                "incomplete: some of their samples were never recorded")
-        if self.writes and len(self.done) != len(self.plans):
-            missing = [p.name for p in self.todo]
+        missing = [e.name for e in self.entries if e.index not in self.done]
+        if self.writes and missing:
             raise RuntimeError(f"rank {self.rank} never recorded the samples of {missing[:3]} in {self.out_dir}")
 
     def write_manifest(self, plans: Sequence[ShardPlan], rows: Sequence[Row], **fields: Any) -> Manifest:
         """Rank 0, once every rank has finished: assemble and save `manifest.json` (`assemble_manifest`, with
         `plans` every rank's shards in manifest order and `rows` every sample); returns it."""
         manifest = assemble_manifest(self.out_dir, plans, rows, self.spec, **fields)
+        manifest.save(self.out_dir)
+        return manifest
+
+    def write_streamed_manifest(self, entries: Sequence[ShardEntry], **fields: Any) -> Manifest:
+        """Rank 0, once every rank has finished: `write_manifest` from `entries`, every rank's shards in manifest
+        order (each rank's `entries`), with the counts their counts files hold (`assemble_streamed`)."""
+        manifest = assemble_streamed(self.out_dir, entries, self.spec, **fields)
         manifest.save(self.out_dir)
         return manifest
 
