@@ -1,9 +1,10 @@
 """Synthetic precompute folders of any size, for tests and benchmarks of the reading side (no target runs).
 
-`make_folder` writes real shards and a real manifest through precompute's own code (`shard_plan`,
-`new_shard_tensors` / `store_rows`, `write_shard`, `split_counts`, `Manifest.save`), so a reader sees exactly what
-`mtp-precompute` would have written for such samples; only the tokens and hidden states are random. It works
-shard by shard, so making a folder of 10^6 samples holds one shard's rows at a time.
+`make_folder` writes real shards, `token_counts.safetensors` and a real manifest through precompute's own code
+(`shard_plan`, `new_shard_tensors` / `store_rows`, `write_shard`, `split_counts`, `write_token_counts`,
+`Manifest.save`), so a reader sees exactly what `mtp-precompute` would have written for such samples; only the
+tokens and hidden states are random. It works shard by shard, so making a folder of 10^6 samples holds one
+shard's rows at a time.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from mtp_train.precompute.manifest import (
     TargetInfo,
     TokenizerInfo,
     Totals,
+    is_val,
+    write_token_counts,
 )
 from mtp_train.precompute.plan import plan_runs, shard_plan
 from mtp_train.precompute.shards import write_shard
@@ -58,7 +61,7 @@ def _spec(target: Path | None, hidden_size: int, num_layers: int, vocab_size: in
 def make_folder(out: Path, samples: int, *, target: Path | None = None, hidden_size: int = 16, num_layers: int = 4,
                 vocab_size: int = 256, aux_layers: Sequence[int] = (), min_len: int = 4, max_len: int = 12,
                 loss_fraction: float = 0.7, shard_tokens: int = 65536, val_fraction: float = 0.05, seed: int = 0,
-                storage: str = "bfloat16") -> Manifest:
+                storage: str = "bfloat16", token_counts: bool = True) -> Manifest:
     """Write a finished precompute folder of `samples` random samples to `out`; returns its manifest.
 
     Sample i has id `s{i:08d}`, a length drawn uniformly from min_len..max_len, token ids skewed towards low ids
@@ -84,6 +87,8 @@ def make_folder(out: Path, samples: int, *, target: Path | None = None, hidden_s
         seed: the random draws and the split's seed.
         storage: the hidden states' storage dtype (a `hidden_dtype` of precompute: bfloat16, float16, float32,
             float8_e4m3).
+        token_counts: write `token_counts.safetensors` (and name it in the manifest); False makes a folder as a
+            precompute from before that file wrote it.
     """
     if samples < 1 or not 1 <= min_len <= max_len:
         raise ValueError(f"need samples >= 1 and 1 <= min_len <= max_len, got {samples}, {min_len}, {max_len}")
@@ -97,6 +102,7 @@ def make_folder(out: Path, samples: int, *, target: Path | None = None, hidden_s
     ids = [f"s{i:0{max(8, width)}d}" for i in range(samples)]
     shards: list[ShardInfo] = []
     counts: dict[str, int] = {}
+    masked = {s: torch.zeros(vocab, dtype=torch.long) for s in ("train", "val")}  # (V,) loss-masked token counts
     for index, run in enumerate(plan_runs(lengths.tolist(), shard_tokens)):
         n = lengths[run.start:run.stop]
         t = int(n.sum())
@@ -113,6 +119,10 @@ def make_folder(out: Path, samples: int, *, target: Path | None = None, hidden_s
         shards.append(write_shard(out, plan, tensors, spec.metadata))
         for key, v in split_counts(rows, seed, val_fraction).items():
             counts[key] = counts.get(key, 0) + v
+        if token_counts:
+            val = np.repeat([is_val(r.id, seed, val_fraction) for r in rows], n)  # (T,) the split of each token
+            for s, where in (("train", ~val), ("val", val)):
+                masked[s] += torch.bincount(torch.from_numpy(tokens[where & (mask == 1)]).long(), minlength=vocab)
     totals = Totals(samples=sum(s.samples for s in shards), tokens=sum(s.tokens for s in shards),
                     loss_tokens=sum(s.loss_tokens for s in shards), bytes=sum(s.bytes for s in shards))
     settings = {"samples": samples, "min_len": min_len, "max_len": max_len, "loss_fraction": loss_fraction,
@@ -127,6 +137,7 @@ def make_folder(out: Path, samples: int, *, target: Path | None = None, hidden_s
         totals=totals,
         provenance={"version": mtp_train.__version__, "synthetic": settings},
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        token_counts=write_token_counts(out, masked["train"], masked["val"]) if token_counts else None,
     )
     manifest.save(out)
     return manifest
