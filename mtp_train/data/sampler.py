@@ -6,8 +6,10 @@ online run (`mtp_train.data.samples.TokenDataset`) with the same samples get the
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,85 +30,98 @@ class LengthBucketedBatchSampler(torch.utils.data.Sampler[list[int]]):
     the loop has taken as position, not the sampler's own count.
     """
 
-    def __init__(self, lengths: Sequence[int], max_tokens: int, shuffle: bool = True, seed: int = 0, rank: int = 0,
-                 world: int = 1, drop_last: bool = False) -> None:
+    def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens: int, shuffle: bool = True, seed: int = 0,
+                 rank: int = 0, world: int = 1, drop_last: bool = False) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in 0..{world - 1}")
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.lengths = np.asarray(lengths, dtype=np.int64)  # (N,)
         self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
         self.rank, self.world, self.drop_last = rank, world, drop_last
         self.epoch = 0
         self.position = 0
-        self._cache: tuple[int, list[list[int]], int] | None = None
+        self._cache: _Plan | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its first batch."""
         self.epoch, self.position = epoch, 0
 
-    def _all_batches(self) -> list[list[int]]:
-        """All ranks' batches of the current epoch, in order, before the per-rank split."""
+    def _plan(self) -> _Plan:
+        """The current epoch's plan, computed once per epoch (len() and iter() of one epoch share it)."""
+        if self._cache is None or self._cache.epoch != self.epoch:
+            self._cache = self._make_plan()
+        return self._cache
+
+    def _make_plan(self) -> _Plan:
         n = len(self.lengths)
         rng = np.random.default_rng([self.seed, self.epoch])
         tie = rng.permutation(n) if self.shuffle else np.arange(n)
-        order = np.lexsort((tie, self.lengths))  # by length, then tie-break
-        batches: list[list[int]] = []
-        cur: list[int] = []
-        longest = 0
-        for i in order.tolist():
-            n_i = int(self.lengths[i])
-            if cur and max(longest, n_i) * (len(cur) + 1) > self.max_tokens:
-                batches.append(cur)
-                cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, n_i)
-        if cur:
-            batches.append(cur)
-        if self.shuffle:
-            batches = [batches[k] for k in rng.permutation(len(batches))]
-        return batches
-
-    def _rank_batches(self) -> list[list[int]]:
-        return self._plan()[0]
-
-    def _plan(self) -> tuple[list[list[int]], int]:
-        """(this rank's batches of the epoch, the number of batches before the list was evened out over ranks)."""
-        if self._cache is not None and self._cache[0] == self.epoch:
-            return self._cache[1], self._cache[2]
-        batches = self._all_batches()
-        distinct = len(batches)
+        order = np.lexsort((tie, self.lengths))  # (N,) by length, then tie-break
+        starts = _cut(self.lengths[order].tolist(), self.max_tokens)
+        distinct = len(starts) - 1
+        seq = rng.permutation(distinct) if self.shuffle else np.arange(distinct)  # the batches' order
         if self.drop_last:
-            batches = batches[: len(batches) - len(batches) % self.world]
-        elif batches and len(batches) % self.world:
-            want = math.ceil(len(batches) / self.world) * self.world
-            batches = batches + [batches[i % len(batches)] for i in range(want - len(batches))]
-        mine = batches[self.rank::self.world]
-        self._cache = (self.epoch, mine, distinct)  # len() and iter() of one epoch share one plan
-        return mine, distinct
+            seq = seq[: distinct - distinct % self.world]
+        elif distinct and distinct % self.world:
+            want = math.ceil(distinct / self.world) * self.world
+            seq = np.concatenate([seq, seq[np.arange(want - distinct) % distinct]])  # the first ones again
+        return _Plan(self.epoch, order, np.asarray(starts, dtype=np.int64), seq[self.rank::self.world], distinct)
+
+    def _batch(self, plan: _Plan, b: int) -> list[int]:
+        return plan.order[plan.starts[b]:plan.starts[b + 1]].tolist()
 
     def rank_batches(self) -> list[tuple[list[int], bool]]:
         """This rank's batches of the current epoch, in order, each with whether it is the batch's first
         appearance in the epoch (False for the copies added to even the ranks out; each sample is in exactly
         one first appearance over all ranks)."""
-        mine, distinct = self._plan()
-        return [(b, self.rank + p * self.world < distinct) for p, b in enumerate(mine)]
+        plan = self._plan()
+        return [(self._batch(plan, int(b)), self.rank + p * self.world < plan.distinct)
+                for p, b in enumerate(plan.mine)]
 
     def __len__(self) -> int:
-        return len(self._rank_batches())
+        return len(self._plan().mine)
 
     def __iter__(self) -> Iterator[list[int]]:
-        batches = self._rank_batches()
-        while self.position < len(batches):
-            b = batches[self.position]
+        plan = self._plan()
+        while self.position < len(plan.mine):
+            b = self._batch(plan, int(plan.mine[self.position]))
             self.position += 1
             yield b
         # A finished epoch restarts from its beginning if iterated again without set_epoch.
         self.position = 0
 
     def state_dict(self) -> dict[str, int]:
+        """Two integers whatever the number of samples: the plan is recomputed from the seed and the epoch."""
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at batch `position` of epoch `epoch` (same lengths, max_tokens, seed, rank and world)."""
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+@dataclass
+class _Plan:
+    """One epoch's batches as arrays: batch b is samples order[starts[b]:starts[b+1]]."""
+
+    epoch: int
+    order: np.ndarray  # (N,) sample indices by length, then tie-break
+    starts: np.ndarray  # (B+1,) where each batch starts in `order`
+    mine: np.ndarray  # this rank's batches, in order (indices into starts)
+    distinct: int  # B: batches before the list was evened out over ranks
+
+
+def _cut(lengths: list[int], max_tokens: int) -> list[int]:
+    """Where the batches of samples sorted by length start (and N at the end): each batch is cut as late as
+    len(batch) · longest <= max_tokens allows, a longer sample alone.
+
+    Sorted ascending, a batch from s that takes sample i holds (i - s + 1) samples of at most lengths[i] tokens,
+    which only grows with i: the cut is a binary search per batch, not a step per sample.
+    """
+    n = len(lengths)
+    starts, s = [0], 0
+    while s < n:
+        s = s + 1 + bisect.bisect_left(range(s + 1, n), True,
+                                       key=lambda i, s=s: lengths[i] * (i - s + 1) > max_tokens)
+        starts.append(s)
+    return starts

@@ -1,8 +1,11 @@
 """Reading a precompute folder: a memory-mapped, per-sample dataset (batches: `mtp_train.data.sampler`).
 
-Nothing is loaded whole: building the dataset reads each shard's header and `offsets` (a few KB), and
-`ds[i]` reads only sample i's rows through safetensors' memory map. A shard's file is opened the first
-time one of its samples is read, then kept open.
+Nothing is loaded whole. `FolderIndex` reads the manifest and each shard's header and `offsets` (a few KB a
+shard) once, closing each file as soon as it is read, and keeps what it needs per sample in numpy arrays and
+bytes (about 21 bytes a sample plus its id's length, no Python object per sample); the train and val datasets of
+a run share one index. `ds[i]` reads only sample i's rows through safetensors' memory map; a dataset keeps at
+most `max_open` shards open (the least recently read is closed), and `verify="first_open"` hashes a shard the
+first time its samples are read, not before.
 
 Opening checks the manifest against the folder before a sample is read: shard entries are plain file names
 inside it, each listed once (`Manifest.check_listing`); each shard's header must hold the format's tensors
@@ -14,6 +17,9 @@ a manifest that disagrees with good shards is the one named, with what to do tha
 from __future__ import annotations
 
 import json
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,14 +34,18 @@ from mtp_train.precompute.manifest import (
     Manifest,
     ManifestError,
     ShardInfo,
-    in_split,
+    is_val,
+    read_token_counts,
     refuse_outside,
     restore_advice,
 )
 from mtp_train.precompute.quant import FP8_NAME, dequantize_fp8
 from mtp_train.precompute.shards import ShardLayout, ShardLayoutError, shard_layout, sidecar_path
 
+log = logging.getLogger(__name__)
+
 VERIFY_MODES = ("first_open", "never", "always")
+MAX_OPEN = 32  # shard files a dataset keeps open at once (the least recently read is closed first)
 
 
 class ShardError(RuntimeError):
@@ -55,77 +65,110 @@ def _advice(path: Path) -> str:
 
 
 @dataclass
-class _ShardIndex:
+class ReadCounts:
+    """What the datasets over one `FolderIndex` have read so far (the counters only grow): set-up costs are
+    checked against them in tests and benchmarks."""
+
+    headers: int = 0  # shard headers parsed (each shard once, when the index is built)
+    opens: int = 0  # shard files opened to read samples (at most `max_open` per dataset at once)
+    hashes: int = 0  # shards hashed in full (verify)
+    scans: int = 0  # shards whose token columns were read to count tokens (a folder without stored counts)
+
+
+@dataclass
+class _Shard:
     info: ShardInfo
     path: Path
-    ids: list[str]  # (S,)
-    offsets: np.ndarray  # (S+1,) int64
+    offsets: np.ndarray  # (S+1,) int64: sample j is rows offsets[j]:offsets[j+1]
+    id_bytes: bytes  # the sample ids, UTF-8, one after the other
+    id_ends: np.ndarray  # (S,) int64: id j is id_bytes[id_ends[j-1]:id_ends[j]] (from 0 for j = 0)
+
+    @classmethod
+    def make(cls, info: ShardInfo, path: Path, offsets: np.ndarray, ids: list[str]) -> _Shard:
+        encoded = [sid.encode() for sid in ids]
+        ends = np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
+        return cls(info, path, offsets, b"".join(encoded), ends)
+
+    def id(self, j: int) -> str:
+        return self.id_bytes[int(self.id_ends[j - 1]) if j else 0:int(self.id_ends[j])].decode()
 
 
-class PrecomputedDataset(torch.utils.data.Dataset):
-    """Random access to the samples of a precompute folder.
+class FolderIndex:
+    """A precompute folder checked against its manifest and indexed once, for any number of datasets over it.
 
-    `ds[i]` → {"id": str, "input_ids": LongTensor (L,), "loss_mask": uint8 (L,), "hidden": (L, H) in the
-    storage dtype (bf16; an fp8 folder's rows come back dequantised, in bf16), and "aux_hidden": (L, k*H) when
-    the folder has aux layers}.
+    Reads `manifest.json`, every shard's sidecar and header (`offsets` and the sample ids of its metadata, never a
+    hidden state), each file closed as soon as it is read, and keeps per sample, in manifest order, only numpy
+    arrays: the sample's length, whether it is in the val split, and its id as UTF-8 bytes. Sample p of the folder
+    is row p - starts[k] of shard k, where starts[k] <= p < starts[k+1].
 
-    expect_*_fingerprint: refuse a folder made for another target / tokenizer / chat template (None = do
-    not check). split: "train", "val" or "all", by the manifest's recorded rule. verify: "first_open" hashes
-    a shard the first time this object opens it, "always" hashes every shard here, before any sample is
-    read, "never" only checks sizes. rank / world: this rank keeps every world-th sample of the split,
-    starting at rank (disjoint, and the same whatever the shard layout).
-
-    Worker processes get a copy without open files (they reopen lazily) but with the set of shards
-    already verified, so verifying before the DataLoader starts avoids hashing again in each worker.
+    Args:
+        directory: the precompute folder.
+        expect_target_fingerprint: refuse a folder made for other target weights (None = do not check).
+        expect_tokenizer_fingerprint: the same for the tokenizer.
+        expect_chat_template_fingerprint: the same for the chat template.
     """
 
-    def __init__(
-        self,
-        directory: str | Path,
-        expect_target_fingerprint: str | None = None,
-        expect_tokenizer_fingerprint: str | None = None,
-        expect_chat_template_fingerprint: str | None = None,
-        split: str = "train",
-        verify: str = "first_open",
-        rank: int = 0,
-        world: int = 1,
-    ) -> None:
-        if split not in SPLITS:
-            raise ValueError(f"split must be train|val|all, got {split!r}")
-        if verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {'|'.join(VERIFY_MODES)}, got {verify!r}")
-        if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is not in 0..{world - 1}")
+    def __init__(self, directory: str | Path, expect_target_fingerprint: str | None = None,
+                 expect_tokenizer_fingerprint: str | None = None,
+                 expect_chat_template_fingerprint: str | None = None) -> None:
         self.directory = Path(directory)
-        self.where = str(self.directory)  # named in errors (a TokenDataset names its data.paths)
         self.manifest = Manifest.load(self.directory)
-        self.manifest.check(target_fingerprint=expect_target_fingerprint,
-                            tokenizer_fingerprint=expect_tokenizer_fingerprint,
-                            chat_template_fingerprint=expect_chat_template_fingerprint,
-                            where=f"precompute folder {self.directory}")
-        self.split, self.verify, self.rank, self.world = split, verify, rank, world
-        self._shards = [self._index_shard(s) for s in self.manifest.shards]
-        self._check_ids_unique()
-        self.manifest.check_totals(self.directory)
-        self._handles: dict[int, Any] = {}
-        self._verified: set[int] = set()
-        if verify == "always":
-            for k in range(len(self._shards)):
-                self._verify(k)
-
-        # (shard, row) of every selected sample, in manifest order, then this rank's share.
+        self.check(expect_target_fingerprint, expect_tokenizer_fingerprint, expect_chat_template_fingerprint)
+        self.reads = ReadCounts()
+        self.verified: set[int] = set()  # shards whose sha256 was checked (shared by every dataset over the index)
         sel = self.manifest.split
-        picked: list[tuple[int, int]] = []
-        for k, sh in enumerate(self._shards):
-            for j, sid in enumerate(sh.ids):
-                if in_split(sid, split, sel.seed, sel.val_fraction):
-                    picked.append((k, j))
-        picked = picked[rank::world]
-        self._shard_of = np.array([k for k, _ in picked], dtype=np.int32)
-        self._row_of = np.array([j for _, j in picked], dtype=np.int64)
-        self.lengths: list[int] = [int(self._shards[k].offsets[j + 1] - self._shards[k].offsets[j])
-                                   for k, j in picked]
-        self.ids: list[str] = [self._shards[k].ids[j] for k, j in picked]
+        shards: list[_Shard] = []
+        lengths, val, keys = [], [], []
+        for info in self.manifest.shards:
+            shard, ids = self._index_shard(info)
+            shards.append(shard)
+            lengths.append(np.diff(shard.offsets).astype(np.int32))
+            val.append(np.fromiter((is_val(sid, sel.seed, sel.val_fraction) for sid in ids), dtype=bool,
+                                   count=len(ids)))
+            # hash() is stable within a process, which is all a duplicate check needs; equal keys are compared
+            # as strings before anything is refused.
+            keys.append(np.fromiter((hash(sid) for sid in ids), dtype=np.int64, count=len(ids)))
+        self.shards = shards
+        self.starts = np.zeros(len(shards) + 1, dtype=np.int64)  # (K+1,) first sample of each shard
+        np.cumsum([s.offsets.size - 1 for s in shards], out=self.starts[1:])
+        self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)  # (N,) int32
+        self.val = np.concatenate(val) if val else np.zeros(0, bool)  # (N,) bool
+        self._check_ids_unique(np.concatenate(keys) if keys else np.zeros(0, np.int64))
+        self.manifest.check_totals(self.directory)
+
+    def check(self, target_fingerprint: str | None, tokenizer_fingerprint: str | None,
+              chat_template_fingerprint: str | None) -> None:
+        """Refuse the folder when it was made for another target, tokenizer or chat template (None = skip)."""
+        self.manifest.check(target_fingerprint=target_fingerprint, tokenizer_fingerprint=tokenizer_fingerprint,
+                            chat_template_fingerprint=chat_template_fingerprint,
+                            where=f"precompute folder {self.directory}")
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def select(self, split: str) -> np.ndarray:
+        """(n,) int64 positions of the samples of `split` ("train", "val" or "all"), in manifest order."""
+        if split == "all":
+            return np.arange(len(self), dtype=np.int64)
+        return np.flatnonzero(self.val if split == "val" else ~self.val).astype(np.int64)
+
+    def shard_of(self, positions: np.ndarray) -> np.ndarray:
+        """(n,) int32 shard index of each sample position."""
+        return (np.searchsorted(self.starts, positions, side="right") - 1).astype(np.int32)
+
+
+    def verify(self, k: int) -> None:
+        """Check shard k's sha256 against the manifest, once (CorruptShardError naming it otherwise)."""
+        if k in self.verified:
+            return
+        sh = self.shards[k]
+        self.reads.hashes += 1
+        actual = sha256_file(sh.path)
+        if actual != sh.info.sha256:
+            raise CorruptShardError(
+                f"{sh.path} is corrupt: sha256 {actual}, the manifest expects {sh.info.sha256}; {_advice(sh.path)}"
+            )
+        self.verified.add(k)
 
     def _check_sidecar(self, info: ShardInfo, path: Path) -> dict[str, Any] | None:
         """Refuse a manifest that describes other shards than the folder's (e.g. one copied from another run);
@@ -153,9 +196,9 @@ class PrecomputedDataset(torch.utils.data.Dataset):
             )
         return d if isinstance(d, dict) else None
 
-    def _index_shard(self, info: ShardInfo) -> _ShardIndex:
-        """Check a shard against its own header, its sidecar and the manifest, and read its ids and offsets
-        (header only, no hidden states)."""
+    def _index_shard(self, info: ShardInfo) -> tuple[_Shard, list[str]]:
+        """Check a shard against its own header, its sidecar and the manifest; returns it with its sample ids
+        (read from the header and `offsets` only, no hidden states)."""
         path = self.directory / info.file  # a plain name inside the folder (Manifest.check_listing)
         if not path.is_file():
             raise MissingShardError(
@@ -167,6 +210,7 @@ class PrecomputedDataset(torch.utils.data.Dataset):
         if size != info.bytes:
             raise CorruptShardError(f"{path} has {size} bytes, the manifest says {info.bytes}: {_advice(path)}")
         try:
+            self.reads.headers += 1
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 layout = shard_layout(f)
         except ShardLayoutError as e:
@@ -174,7 +218,7 @@ class PrecomputedDataset(torch.utils.data.Dataset):
         except (SafetensorError, ValueError, OSError) as e:
             raise CorruptShardError(f"{path}: unreadable header ({e}): {_advice(path)}") from None
         self._check_against_manifest(info, path, layout, side, size)
-        return _ShardIndex(info=info, path=path, ids=layout.ids, offsets=layout.offsets)
+        return _Shard.make(info, path, layout.offsets, layout.ids), layout.ids
 
     def _check_against_manifest(self, info: ShardInfo, path: Path, layout: ShardLayout, side: dict[str, Any] | None,
                                 size: int) -> None:
@@ -211,40 +255,142 @@ class PrecomputedDataset(torch.utils.data.Dataset):
                     f"another folder, the shard is not at fault; {todo}"
                 )
 
-    def _check_ids_unique(self) -> None:
+    def _check_ids_unique(self, keys: np.ndarray) -> None:
         """Refuse a folder where a sample appears in two shards (a shard copied under another name, or mixed runs):
-        it would be trained on twice."""
-        first: dict[str, int] = {}
-        for k, sh in enumerate(self._shards):
-            for sid in sh.ids:
-                j = first.setdefault(sid, k)
-                if j != k:
-                    raise ManifestError(
-                        f"{self.directory / 'manifest.json'} lists sample {sid!r} twice: in "
-                        f"{self._shards[j].path.name} and in {sh.path.name} (a shard copied under another name, or "
-                        "shards of two runs); "
-                        f"{restore_advice(self.directory)}"
-                    )
-
-    def _verify(self, k: int) -> None:
-        if k in self._verified:
+        it would be trained on twice. keys: (N,) a hash of each sample id; only samples whose key is met twice are
+        looked at by id."""
+        ordered = np.sort(keys)
+        twice = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+        if not twice.size:
             return
-        sh = self._shards[k]
-        actual = sha256_file(sh.path)
-        if actual != sh.info.sha256:
-            raise CorruptShardError(
-                f"{sh.path} is corrupt: sha256 {actual}, the manifest expects {sh.info.sha256}; {_advice(sh.path)}"
-            )
-        self._verified.add(k)
+        first: dict[str, int] = {}
+        for p in np.flatnonzero(np.isin(keys, twice)).tolist():  # in manifest order, as a walk over the shards
+            k = int(self.shard_of(np.array([p]))[0])
+            sid = self.shards[k].id(p - int(self.starts[k]))
+            j = first.setdefault(sid, k)
+            if j != k:
+                raise ManifestError(
+                    f"{self.directory / 'manifest.json'} lists sample {sid!r} twice: in "
+                    f"{self.shards[j].path.name} and in {self.shards[k].path.name} (a shard copied under another "
+                    "name, or shards of two runs); "
+                    f"{restore_advice(self.directory)}"
+                )
+
+
+class PrecomputedDataset(torch.utils.data.Dataset):
+    """Random access to the samples of a precompute folder.
+
+    `ds[i]` → {"id": str, "input_ids": LongTensor (L,), "loss_mask": uint8 (L,), "hidden": (L, H) in the
+    storage dtype (bf16; an fp8 folder's rows come back dequantised, in bf16), and "aux_hidden": (L, k*H) when
+    the folder has aux layers}. `lengths`: (n,) int64 numpy array of the samples' lengths.
+
+    Building one costs the folder's `FolderIndex` (pass `index=` another split's `ds.index` to share it) and a few
+    numpy arrays (16 bytes a sample); no shard is opened for data until a sample is read.
+
+    Args:
+        directory: the precompute folder.
+        expect_target_fingerprint: refuse a folder made for another target (None = do not check); likewise
+            expect_tokenizer_fingerprint and expect_chat_template_fingerprint.
+        split: "train", "val" or "all", by the manifest's recorded rule.
+        verify: "first_open" hashes a shard the first time a sample of it is read, "always" hashes every shard
+            here, before any sample is read, "never" only checks sizes.
+        rank, world: this rank keeps every world-th sample of the split, starting at rank (disjoint, and the same
+            whatever the shard layout).
+        index: the folder already indexed (by another split's dataset); None = index it here.
+        max_open: shard files kept open at once; the least recently read is closed when another opens.
+
+    Worker processes get a copy without open files (they reopen lazily) but with the set of shards
+    already verified, so verifying before the DataLoader starts avoids hashing again in each worker.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        expect_target_fingerprint: str | None = None,
+        expect_tokenizer_fingerprint: str | None = None,
+        expect_chat_template_fingerprint: str | None = None,
+        split: str = "train",
+        verify: str = "first_open",
+        rank: int = 0,
+        world: int = 1,
+        *,
+        index: FolderIndex | None = None,
+        max_open: int = MAX_OPEN,
+    ) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be train|val|all, got {split!r}")
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {'|'.join(VERIFY_MODES)}, got {verify!r}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in 0..{world - 1}")
+        if max_open < 1:
+            raise ValueError(f"max_open must be >= 1, got {max_open}")
+        expect = (expect_target_fingerprint, expect_tokenizer_fingerprint, expect_chat_template_fingerprint)
+        if index is None:
+            index = FolderIndex(directory, *expect)
+        elif Path(directory).resolve() != index.directory.resolve():
+            raise ValueError(f"index= is the index of {index.directory}, not of {directory}")
+        else:
+            index.check(*expect)
+        self.index = index
+        self.directory = index.directory
+        self.where = str(self.directory)  # named in errors (a TokenDataset names its data.paths)
+        self.manifest = index.manifest
+        self.split, self.verify, self.rank, self.world, self.max_open = split, verify, rank, world, max_open
+        self._handles: OrderedDict[int, Any] = OrderedDict()  # shard → its open file, least recently read first
+        if verify == "always":
+            for k in range(len(index.shards)):
+                index.verify(k)
+        pos = index.select(split)[rank::world]  # (n,) folder positions, in manifest order
+        self._shard_of = index.shard_of(pos)  # (n,) int32
+        self._row_of = (pos - index.starts[self._shard_of]).astype(np.int32)  # (n,) row in its shard
+        self.lengths: np.ndarray = index.lengths[pos].astype(np.int64)  # (n,)
+
+    @property
+    def reads(self) -> ReadCounts:
+        """The index's read counters (shared with the other datasets over it)."""
+        return self.index.reads
+
+    @property
+    def _verified(self) -> set[int]:
+        return self.index.verified
+
+    @property
+    def ids(self) -> list[str]:
+        """The samples' ids, in order (made at each call: a list of n strings)."""
+        shards = self.index.shards
+        return [shards[k].id(j) for k, j in zip(self._shard_of.tolist(), self._row_of.tolist())]
+
+    def _runs(self) -> Iterator[tuple[int, int, int]]:
+        """(shard, lo, hi): samples lo:hi of this dataset are in shard `shard` (they come in manifest order)."""
+        cuts = np.flatnonzero(np.diff(self._shard_of)) + 1
+        bounds = [0, *cuts.tolist(), len(self)]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi > lo:
+                yield int(self._shard_of[lo]), lo, hi
 
     def _handle(self, k: int) -> Any:
-        h = self._handles.get(k)
-        if h is None:
-            if self.verify == "first_open":
-                self._verify(k)
-            h = safe_open(str(self._shards[k].path), framework="pt", device="cpu")
-            self._handles[k] = h
-        return h
+        """Shard k open for reading; opens it (verifying it first under first_open) and closes the least recently
+        read shard beyond `max_open`."""
+        got = self._handles.get(k)
+        if got is not None:
+            self._handles.move_to_end(k)
+            return got
+        if self.verify == "first_open":
+            self.index.verify(k)
+        self.index.reads.opens += 1
+        got = safe_open(str(self.index.shards[k].path), framework="pt", device="cpu")
+        self._handles[k] = got
+        while len(self._handles) > self.max_open:
+            _, old = self._handles.popitem(last=False)
+            old.__exit__(None, None, None)  # tensors already read keep their own reference to the mapping
+        return got
+
+    def close(self) -> None:
+        """Close the open shard files (a later read reopens them)."""
+        while self._handles:
+            _, f = self._handles.popitem()
+            f.__exit__(None, None, None)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -254,12 +400,12 @@ class PrecomputedDataset(torch.utils.data.Dataset):
             raise IndexError(f"sample {i} out of range for {len(self)} samples")
         i = i % len(self)
         k, j = int(self._shard_of[i]), int(self._row_of[i])
-        sh = self._shards[k]
+        sh = self.index.shards[k]
         a, b = int(sh.offsets[j]), int(sh.offsets[j + 1])
         f = self._handle(k)
         # get_slice reads only rows a:b of each tensor from the memory map.
         item = {
-            "id": sh.ids[j],
+            "id": sh.id(j),
             "input_ids": f.get_slice("input_ids")[a:b].long(),  # (L,)
             "loss_mask": f.get_slice("loss_mask")[a:b],  # (L,) uint8
             "hidden": self._hidden(f, "hidden", a, b),  # (L, H)
@@ -278,18 +424,42 @@ class PrecomputedDataset(torch.utils.data.Dataset):
     def token_counts(self, vocab_size: int, masked_only: bool = True) -> torch.Tensor:
         """(vocab_size,) int64 occurrences of each token id over this dataset's samples (its split and rank share).
 
-        masked_only counts only tokens under the loss mask (the assistant tokens a head learns to draft).
-        Reads the token and mask columns shard by shard, never the hidden states.
+        masked_only counts only tokens under the loss mask (the assistant tokens a head learns to draft). A whole
+        split's loss-masked counts come from the folder's `token_counts.safetensors` when it has one (no shard is
+        read); otherwise the token and mask columns are read shard by shard, each file closed after it, never the
+        hidden states and without hashing (a shard is verified when its samples are first read).
         """
+        if masked_only and self.world == 1:
+            # The file counts the folder's own target vocabulary; a caller may count in a wider one.
+            stored = read_token_counts(self.directory, self.split, self.manifest.target.vocab_size)
+            if stored is not None:
+                return self._resized(stored, vocab_size)
+            log.warning("%s has no token_counts.safetensors (made by an older mtp-precompute): counting the "
+                        "tokens of its %s split reads input_ids and loss_mask of %d shards (%.1f MB)", self.directory,
+                        self.split, len(set(self._shard_of.tolist())),
+                        5 * sum(self.index.shards[k].info.tokens for k, _, _ in self._runs()) / 1e6)
+        return self._count_tokens(vocab_size, masked_only)
+
+    def _resized(self, counts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """counts (V,) as (vocab_size,): padded with zeros, or cut where it counts no id (ValueError otherwise)."""
+        if vocab_size >= counts.numel():
+            return torch.nn.functional.pad(counts, (0, vocab_size - counts.numel()))
+        seen = torch.nonzero(counts[vocab_size:]).flatten()
+        if seen.numel():
+            raise ValueError(f"{self.directory}: token id {vocab_size + int(seen[-1])} >= vocabulary size {vocab_size}")
+        return counts[:vocab_size].clone()
+
+    def _count_tokens(self, vocab_size: int, masked_only: bool) -> torch.Tensor:
+        """`token_counts` from the shards' own token and mask columns (one shard open at a time)."""
         counts = torch.zeros(vocab_size, dtype=torch.long)
-        for k in np.unique(self._shard_of).tolist():
-            sh = self._shards[k]
-            f = self._handle(k)
-            ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
-            rows = self._row_of[self._shard_of == k]
-            keep = torch.zeros(ids.shape[0], dtype=torch.bool)
-            for j in rows.tolist():
-                keep[int(sh.offsets[j]):int(sh.offsets[j + 1])] = True
+        for k, lo, hi in self._runs():
+            sh = self.index.shards[k]
+            self.index.reads.scans += 1
+            with safe_open(str(sh.path), framework="pt", device="cpu") as f:
+                ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()  # (T,), (T,)
+            take = np.zeros(sh.offsets.size - 1, dtype=bool)  # (S,) this dataset's samples of the shard
+            take[self._row_of[lo:hi]] = True
+            keep = torch.from_numpy(np.repeat(take, np.diff(sh.offsets)))  # (T,)
             if masked_only:
                 keep &= mask
             sel = ids[keep]
@@ -300,4 +470,4 @@ class PrecomputedDataset(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         # Open safetensors handles cannot be pickled (DataLoader workers); they reopen lazily.
-        return {**self.__dict__, "_handles": {}}
+        return {**self.__dict__, "_handles": OrderedDict()}

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, ClassVar
+
+import numpy as np
 
 from mtp_train.config import TrainConfig
 from mtp_train.config.data import SOURCES as SOURCE_NAMES
@@ -24,7 +27,8 @@ from mtp_train.train.data import MicroBatchStream, PackedBatch, SampleDataset
 log = logging.getLogger(__name__)
 
 
-def make_sampler(lengths: list[int], cfg: TrainConfig, rank: int, world: int) -> LengthBucketedBatchSampler:
+def make_sampler(lengths: Sequence[int] | np.ndarray, cfg: TrainConfig, rank: int,
+                 world: int) -> LengthBucketedBatchSampler:
     """The training batch plan of every source (and of the hybrid shard layout): batches of at most
     `train.micro_batch_tokens` padded tokens, shuffled from `train.seed`."""
     return LengthBucketedBatchSampler(lengths, cfg.train.micro_batch_tokens, shuffle=True, seed=cfg.train.seed,

@@ -41,8 +41,9 @@ class OfflineSource(DataSource):
                         c.data.dir, made_from)
         if len(train_set) == 0:
             raise ValueError(f"{c.data.dir} has no training samples (every sample is in the val split?)")
-        val_set = PrecomputedDataset(c.data.dir, expect_target_fingerprint=fingerprint, split="val",
-                                     verify=c.data.verify) if c.train.eval_batches > 0 else None
+        # The val split reads the train split's index: the manifest and shard headers are parsed once.
+        val_set = PrecomputedDataset(c.data.dir, split="val", verify=c.data.verify,
+                                     index=train_set.index) if c.train.eval_batches > 0 else None
         stream = MicroBatchStream(train_set, make_sampler(train_set.lengths, c, info.rank, info.world),
                                   num_workers=c.data.num_workers, pin_memory=on_cuda(device))
         super().__init__(c, train_set, val_or_none(val_set, c.data.dir), stream, manifest.target.fingerprint,
