@@ -87,8 +87,8 @@ def test_provenance_is_plain_data_a_stage_can_record(model):
 
 
 ENGINE_NAMES_REGENERATION_MAY_USE = {
-    "mtp_train.engine.generator": {"Generator"},
-    "mtp_train.engine.turns": {"Dialogue", "Generate", "OnFinish", "answer_turns"},
+    "mtp_train.engine.generator": {"Generator", "Request"},
+    "mtp_train.engine.turns": {"Dialogue", "DialogueWindow", "Generate", "OnFinish", "answer_turns"},
     "mtp_train.engine.llm": {"GenerationOutput"},
     "mtp_train.engine.sampling": {"SamplingParams"},
 }

@@ -327,7 +327,9 @@ def test_the_command_refuses_a_bad_answer_in_one_line_and_exits_2(target, tmp_pa
                             f"out={tmp_path / 'out.jsonl'}"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("mtp-regenerate: error:")]
-    assert len(errors) == 1 and f"{url} answering request 1 of 1 returned 100001 tokens for max_tokens=8" in errors[0]
+    # the request named by its conversation and turn
+    assert len(errors) == 1 and f"{url} answering conversation hello turn 1 returned 100001 tokens for max_tokens=8" \
+        in errors[0]
     out = tmp_path / "out.jsonl"
     assert not any(f.is_file() and f.read_text().strip() for f in (out, part_path(out, 0)))  # no record written
 

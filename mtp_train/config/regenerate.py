@@ -28,6 +28,7 @@ class RegenerateConfig:
     seed: int = 0  # base of the per-request sampling seeds (per prompt, sample index and turn)
     limit: int | None = None  # use only the first N conversations
     max_batch_size: int = 32  # sequences decoded together
+    window: int = 1024  # conversations (samples, n > 1) in flight: read, tokenised and answered at a time
     max_prompt_tokens: int = 4096  # longer prompts are skipped and counted
     progress: bool = True  # progress bar on rank 0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -51,6 +52,8 @@ class RegenerateConfig:
             raise ConfigError(f"backoff must be >= 0 seconds, got {self.backoff}")
         if self.dead_after < 0:
             raise ConfigError(f"dead_after must be >= 0 seconds, got {self.dead_after}")
+        if self.window < 1:
+            raise ConfigError(f"window must be >= 1 (conversations in flight), got {self.window}")
         if self.n < 1:
             raise ConfigError(f"n must be >= 1, got {self.n}")
         if self.n > 1 and self.temperature == 0:

@@ -24,6 +24,22 @@ from mtp_train.engine.sampling import SamplingParams
 OnFinish = Callable[[int, GenerationOutput], None]
 
 
+@dataclass
+class Request:
+    """One request of a `Generator.stream`: what to answer, how, and what the caller and its errors call it."""
+
+    prompt: list[int]  # the prompt's token ids (the chat template already applied)
+    params: SamplingParams  # its sampling settings, with its own seed (None: greedy or unseeded)
+    key: Any = None  # the caller's handle, handed back with the answer
+    name: str | None = None  # what an error calls the request (e.g. "conversation c3 turn 2"); None: a number
+
+
+# feed(): the requests ready now ([]: none yet, more may follow an answer), or None when none will ever come
+Feed = Callable[[], list[Request] | None]
+# on_answer(request, output): a request of the stream is answered (once per request, in completion order)
+OnAnswer = Callable[[Request, GenerationOutput], None]
+
+
 @dataclass(frozen=True)
 class GeneratorLimits:
     """How long a request may be, so that a caller skips (and counts) what a generator would refuse."""
@@ -65,6 +81,27 @@ class Generator(ABC):
             finish reason, "stop" or "length".
         """
 
+    def stream(self, feed: Feed, on_answer: OnAnswer) -> None:
+        """Answer requests handed in as the run goes, until `feed` has no more and every one is answered.
+
+        The caller keeps a bounded window of work in flight: `feed()` is asked whenever the generator can take
+        more (at least once after each answer), and `on_answer` may make the next requests ready (a dialogue's next
+        turn, the next conversation). Each request is answered as `generate` would answer it alone: its output
+        depends on its prompt and params, not on what it was fed with.
+
+        This default answers each feed's requests as one batch; generators that batch continuously (our engine)
+        or keep requests in flight (servers) take them as they come.
+
+        Args:
+            feed: the requests ready now; [] when none is (there must then be requests in flight); None at the end.
+            on_answer: called as each request completes, with its output.
+        """
+        while (requests := feed()) is not None:
+            if not requests:
+                raise RuntimeError("the feed gave no request while none was in flight")
+            self.generate([r.prompt for r in requests], [r.params for r in requests],
+                          on_finish=lambda i, out, batch=requests: on_answer(batch[i], out))
+
     @property
     @abstractmethod
     def limits(self) -> GeneratorLimits:
@@ -99,6 +136,16 @@ class EngineGenerator(Generator):
         if isinstance(params, SamplingParams):
             raise TypeError("a Generator takes one SamplingParams per request (each with its own seed)")
         return self.engine.generate(prompts, list(params), on_finish=on_finish)
+
+    def stream(self, feed: Feed, on_answer: OnAnswer) -> None:
+        """Requests enter the engine's queue as they are fed (`LLMEngine.stream`): its continuous batching keeps
+        the batch full while the caller's window refills."""
+
+        def engine_feed() -> list[tuple[list[int], SamplingParams, Request]] | None:
+            requests = feed()
+            return None if requests is None else [(r.prompt, r.params, r) for r in requests]
+
+        self.engine.stream(engine_feed, on_answer)
 
     @property
     def limits(self) -> GeneratorLimits:

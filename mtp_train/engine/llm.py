@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -202,8 +203,9 @@ class LLMEngine:
         """Generate for every prompt (token ids); outputs come back in prompt order.
 
         params: one SamplingParams for all (prompt i seeded with seed + i), or one per prompt (seeds as
-        given). on_finish(index, output) is called as
-        each request completes (for streaming results to disk).
+        given). on_finish(index, output) is called as each request completes (for streaming results to disk).
+        Requests enter the engine through `stream`, a batch's worth ahead of the scheduler: the batches are the
+        ones all prompts queued at once would give, without a `Sequence` per prompt up front.
         """
         if params is None or isinstance(params, SamplingParams):
             # One setting for all: prompt i is seeded with seed + i, so prompts never share a random stream
@@ -214,9 +216,6 @@ class LLMEngine:
                       for i in range(len(prompts))]
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        index = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            index[self.add_request(prompt, p).seq_id] = i
         results: list[GenerationOutput | None] = [None] * len(prompts)
         bar = None
         if progress:
@@ -224,17 +223,72 @@ class LLMEngine:
 
             bar = tqdm(total=len(prompts), desc="generate", unit="req")
         t0 = time.perf_counter()
-        while self.has_unfinished():
-            for seq in self.step():
-                res = GenerationOutput(seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.finish_reason)
-                i = index[seq.seq_id]
-                results[i] = res
-                if on_finish:
-                    on_finish(i, res)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(tok_s=f"{self.stats.generated_tokens / (time.perf_counter() - t0):.1f}")
-        self.stats.seconds += time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
+        queued = 0
+
+        def feed() -> list[tuple[Seq[int], SamplingParams, int]] | None:
+            nonlocal queued
+            if queued == len(prompts):
+                return None
+            end = min(queued + self.max_batch_size, len(prompts))
+            batch = [(prompts[i], params[i], i) for i in range(queued, end)]
+            queued = end
+            return batch
+
+        def finished(i: int, res: GenerationOutput) -> None:
+            results[i] = res
+            if on_finish:
+                on_finish(i, res)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{self.stats.generated_tokens / (time.perf_counter() - t0):.1f}")
+
+        try:
+            self.stream(feed, finished)
+        finally:
+            if bar is not None:
+                bar.close()
         return results  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def stream(self, feed: Callable[[], Seq[tuple[Seq[int], SamplingParams, Any]] | None],
+               on_finish: Callable[[Any, GenerationOutput], None]) -> None:
+        """Generate for requests handed in as the run goes, until `feed` has no more and every one is answered.
+
+        Before each step, while fewer than `max_batch_size` requests wait, `feed()` is asked for more: a list of
+        (prompt ids, sampling params, tag) to queue now (empty: none ready yet; more may follow an answer), or None
+        when none will ever come. on_finish(tag, output) is called as each request completes; it may make more
+        requests ready for the next `feed()` (a dialogue's next turn). Keeping a batch's worth waiting gives the
+        scheduler the batches that queuing everything at once would, while only the requests in flight are held.
+
+        Raises RuntimeError when `feed` gives nothing while nothing is in flight and more is to come (it would
+        wait forever).
+        """
+        inflight: dict[int, tuple[Sequence, Any]] = {}  # seq_id → (its sequence, the caller's tag)
+        exhausted = False
+        t0 = time.perf_counter()
+        try:
+            while True:
+                while not exhausted and len(self.waiting) < self.max_batch_size:
+                    got = feed()
+                    if got is None:
+                        exhausted = True
+                    elif not got:
+                        break
+                    else:
+                        for prompt, p, tag in got:
+                            seq = self.add_request(prompt, p)
+                            inflight[seq.seq_id] = (seq, tag)
+                if not self.has_unfinished():
+                    if exhausted:
+                        return
+                    raise RuntimeError("the feed gave no request while none was in flight")
+                for seq in self.step():
+                    res = GenerationOutput(seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.finish_reason)
+                    on_finish(inflight.pop(seq.seq_id)[1], res)
+        except BaseException:
+            # A stopped run (an error in a callback, Ctrl-C) leaves nothing queued: the engine stays usable.
+            for seq, _ in inflight.values():
+                self.abort(seq)
+            raise
+        finally:
+            self.stats.seconds += time.perf_counter() - t0

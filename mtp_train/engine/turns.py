@@ -2,10 +2,13 @@
 
 A conversation's assistant turns are dropped and its user turns answered one at a time: answer 1 is generated
 for [system?, user 1], answer 2 for [system?, user 1, answer 1, user 2], and so on. Turn t of every dialogue still
-answering goes through one `generate` call (continuous batching), then turn t+1 for those that have one. Both
-self-distillation (`mtp_train.regenerate`) and evaluation (`mtp_train.eval`) answer through `answer_turns`, so the
-second prompt of a conversation is the same in both; `answer` is that loop over an engine, for evaluation and the
-training run's speculative validation.
+answering goes through one `generate` call (continuous batching), then turn t+1 for those that have one.
+Evaluation (`mtp_train.eval`) answers through `answer_turns`; `answer` is that loop over an engine, for evaluation
+and the training run's speculative validation. Self-distillation (`mtp_train.regenerate`) reads data sets too large
+to hold and answers through `DialogueWindow`, the same loop over a stream: at most `size` dialogues at a time, each
+one's turn t+1 asked as soon as its answer t is in, the window refilled from the stream as dialogues end. Both render
+and answer a dialogue alike (the same prompts, the same per-request params), so the second prompt of a conversation
+is the same in both.
 
 The special-token rule, one for every stage:
 
@@ -22,12 +25,13 @@ The special-token rule, one for every stage:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_train.data.chat import ChatTemplateError, render
 from mtp_train.data.readers import Conversation
+from mtp_train.engine.generator import Request
 from mtp_train.engine.llm import GenerationOutput, LLMEngine
 from mtp_train.engine.sampling import SamplingParams
 
@@ -153,6 +157,92 @@ def answer_turns(dialogues: Sequence[Dialogue], generate: Generate, tokenizer: A
         turn_params = params if isinstance(params, SamplingParams) else [params(d, turn) for d in batch]
         active = _generate_turn(batch, prompts, turn_params, generate, tokenizer, on_answer, on_done)
         turn += 1
+
+
+class DialogueWindow:
+    """Dialogues answered turn by turn, at most `size` at a time, taken from a stream as earlier ones end.
+
+    The streaming form of `answer_turns`, for `Generator.stream(window.feed, window.answered)`: `feed` returns the
+    next turn's request of every dialogue whose previous answer came in (rendered, tokenized and admitted as
+    `answer_turns` does) and fills the window from `dialogues` as dialogues end; `answered` records an answer. Turn
+    t+1 of a dialogue is asked once its answer t is in, so every prompt holds the model's own earlier answers. A
+    request's params come from params(dialogue, turn) alone (a seed of its own), so a dialogue's answers do not
+    depend on the window's size or on which dialogues it shared a batch with. Only the window's dialogues are held;
+    the stream is read no further than the window needs (`read` counts what was taken).
+
+    Args:
+        dialogues: the dialogues, read lazily (a generator over a data set); those without a user turn are passed by.
+        size: dialogues in flight at most (>= 1).
+        tokenizer: renders and tokenizes the prompts (the module's rule).
+        params: params(dialogue, turn) of each request, turn counted from 0.
+        template_kwargs: the chat template's extra variables.
+        admit, on_template_error, on_answer, on_done: the hooks of `answer_turns`, with the same meaning.
+        name: name(dialogue, turn) of a request, for the generator's errors; None: the generator numbers them.
+    """
+
+    def __init__(self, dialogues: Iterable[Dialogue], size: int, tokenizer: Any,
+                 params: Callable[[Dialogue, int], SamplingParams], *,
+                 template_kwargs: Mapping[str, Any] | None = None,
+                 admit: Callable[[Dialogue, list[int]], bool] | None = None,
+                 on_template_error: Callable[[Dialogue, ChatTemplateError], None] | None = None,
+                 on_answer: Callable[[Dialogue, GenerationOutput, str], bool] | None = None,
+                 on_done: Callable[[Dialogue], None] | None = None,
+                 name: Callable[[Dialogue, int], str] | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"a window holds at least one dialogue, got size={size}")
+        self.size, self.tokenizer, self.params, self.template_kwargs = size, tokenizer, params, template_kwargs
+        self.admit, self.on_template_error, self.on_answer, self.on_done = admit, on_template_error, on_answer, on_done
+        self.name = name
+        self.read = 0  # dialogues taken from the stream so far
+        self.active = 0  # dialogues in the window: a request in flight, or their next turn ready
+        self._source = iter(dialogues)
+        self._ready: list[Dialogue] = []  # dialogues whose next turn is to be asked, in the order they got ready
+        self._exhausted = False
+
+    def feed(self) -> list[Request] | None:
+        """The requests ready now: the next turn of every dialogue answered since the last call, then the first turn
+        of new dialogues while the window has room. [] when every dialogue in the window waits for an answer; None
+        when the stream is read and every dialogue has ended."""
+        requests: list[Request] = []
+        while True:
+            while self.active < self.size and not self._exhausted:
+                d = next(self._source, None)
+                if d is None:
+                    self._exhausted = True
+                    break
+                self.read += 1
+                if not d.done:
+                    self.active += 1
+                    self._ready.append(d)
+            if not self._ready:
+                break
+            ready, self._ready = self._ready, []
+            batch, prompts = _prompts(ready, self.tokenizer, self.template_kwargs, self.admit, self.on_template_error)
+            self.active -= len(ready) - len(batch)  # refused dialogues leave room for the stream's next ones
+            for d, ids in zip(batch, prompts):
+                turn = len(d.answers)
+                requests.append(Request(ids, self.params(d, turn), key=d,
+                                        name=None if self.name is None else self.name(d, turn)))
+        if not requests and not self.active and self._exhausted:
+            return None
+        return requests
+
+    def answered(self, request: Request, out: GenerationOutput) -> None:
+        """Record the answer to a request of `feed`: the dialogue's next turn becomes ready, or it ends."""
+        d: Dialogue = request.key
+        text = answer_text(self.tokenizer, out)
+        if self.on_answer is not None and not self.on_answer(d, out, text):
+            self.active -= 1
+            return
+        d.answers.append(text)
+        d.finish_reasons.append(out.finish_reason)
+        d.gen_tokens.append(len(out.output_ids))
+        if not d.done:
+            self._ready.append(d)
+            return
+        self.active -= 1
+        if self.on_done is not None:
+            self.on_done(d)
 
 
 def _prompts(active: list[Dialogue], tokenizer: Any, template_kwargs: Mapping[str, Any] | None,

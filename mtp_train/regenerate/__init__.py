@@ -34,6 +34,7 @@ an empty answer, a template error, a repeated id): `stats`. The settings are `mt
 supplies the readers and chat rendering.
 """
 
+from mtp_train.regenerate.ids import IdSet, RecordOrder, record_id
 from mtp_train.regenerate.provenance import PROVENANCE_VOLATILE, flatten, make_provenance, provenance_differences
 from mtp_train.regenerate.records import (
     AFTER_ALL,
@@ -42,9 +43,9 @@ from mtp_train.regenerate.records import (
     RegenerateError,
     consolidate,
     find_parts,
+    iter_records,
     part_path,
     plan_order,
-    record_id,
     scan_records,
 )
 from mtp_train.regenerate.sampling import request_params, request_seed
@@ -52,7 +53,8 @@ from mtp_train.regenerate.stage import regenerate
 from mtp_train.regenerate.stats import RegenerateStats
 
 __all__ = [
-    "AFTER_ALL", "PROVENANCE_VOLATILE", "RecordLine", "RecordWriter", "RegenerateError", "RegenerateStats",
-    "consolidate", "find_parts", "flatten", "make_provenance", "part_path", "plan_order", "provenance_differences",
-    "record_id", "regenerate", "request_params", "request_seed", "scan_records",
+    "AFTER_ALL", "PROVENANCE_VOLATILE", "IdSet", "RecordLine", "RecordOrder", "RecordWriter", "RegenerateError",
+    "RegenerateStats", "consolidate", "find_parts", "flatten", "iter_records", "make_provenance", "part_path",
+    "plan_order", "provenance_differences", "record_id", "regenerate", "request_params", "request_seed",
+    "scan_records",
 ]

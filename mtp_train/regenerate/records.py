@@ -1,9 +1,11 @@
 """The output file of a regeneration run: record ids, per-rank part files, the merge, and what a killed run left.
 
 Rank r appends each finished record to its part file `<out>.rank<r>` (`RecordWriter`: flushed per record, fsynced
-every few records). `consolidate` merges `<out>` and every part into `<out>` in conversation order (temporary file
-+ rename) and removes the parts; `scan_records` indexes a file's complete records, dropping a torn last line with a
-warning and refusing records made with other settings.
+every few records). `consolidate` merges `<out>` and every part into `<out>` (temporary file + rename), in
+conversation order when given the order (`ids.RecordOrder`), else in the order met, and removes the parts;
+`iter_records` reads a file's complete records one at a time, dropping a torn last line with a warning and refusing
+records made with other settings. Nothing here holds more than a few numbers per record: outputs of millions of
+records are merged and resumed in tens of megabytes.
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from mtp_train.data.readers import Conversation
+from mtp_train.regenerate.ids import IdSet, RecordOrder
 from mtp_train.regenerate.provenance import provenance_differences
 
 log = logging.getLogger(__name__)
@@ -29,21 +35,19 @@ class RegenerateError(ValueError):
     """No conversations to answer, or an output file that cannot be resumed; the message says why."""
 
 
-def record_id(conv_id: str, k: int, n: int) -> str:
-    """`<conv id>` for a single sample, `<conv id>#<k>` (k from 0) for one of n > 1."""
-    return conv_id if n == 1 else f"{conv_id}#{k}"
+class Order(Protocol):
+    """What the merge asks of an order: record id → (conversation position, sample index), or None."""
+
+    def get(self, rid: str, default: None = None, /) -> tuple[int, int] | None: ...
 
 
-def plan_order(conversations: Sequence[Conversation], n: int) -> dict[str, tuple[int, int]]:
+def plan_order(conversations: Iterable[Conversation], n: int) -> RecordOrder:
     """Record id → (conversation position, sample index): the order of the merged output (first id wins)."""
-    order: dict[str, tuple[int, int]] = {}
-    seen: set[str] = set()
+    order = RecordOrder(n)
+    seen = IdSet()
     for i, conv in enumerate(conversations):
-        if conv.id in seen:
-            continue
-        seen.add(conv.id)
-        for k in range(n):
-            order[record_id(conv.id, k, n)] = (i, k)
+        if seen.add(conv.id):
+            order.add(conv.id, i)
     return order
 
 
@@ -113,19 +117,26 @@ class RecordWriter:
 
 def scan_records(path: str | Path, expect: Mapping[str, Any] | None = None, *, part: bool = False,
                  ) -> list[RecordLine]:
-    """Index the complete records of a JSONL output file (`part`: a rank's part file).
+    """The complete records of a JSONL output file in a list (`iter_records`, for small files)."""
+    return list(iter_records(path, expect, part=part))
+
+
+def iter_records(path: str | Path, expect: Mapping[str, Any] | None = None, *, part: bool = False,
+                 ) -> Iterator[RecordLine]:
+    """The complete records of a JSONL output file (`part`: a rank's part file), one at a time.
 
     A last line without its newline, or a last line that is not a JSON record, is a write cut short by a kill: it
-    is left out with a warning. A bad line anywhere else means the file is damaged (RegenerateError, file:line).
-    A file that is not ours is refused before anything of it is dropped: `out` (not a part) whose first line is
-    not a whole record, or any file whose first record has no provenance (data, or another tool's output).
-    With `expect` (a provenance), every record must have been made with matching settings.
+    is left out with a warning. A bad line anywhere else means the file is damaged (RegenerateError, file:line,
+    raised when the line after it is read). A file that is not ours is refused before anything of it is dropped:
+    `out` (not a part) whose first line is not a whole record, or any file whose first record has no provenance
+    (data, or another tool's output). With `expect` (a provenance), every record must have been made with matching
+    settings.
     """
     path = Path(path)
     if path.is_dir():
         raise RegenerateError(f"out={path} is a folder; mtp-regenerate writes a JSONL file: choose a file name, "
                               f"e.g. out={path / 'regenerated.jsonl'}")
-    lines: list[RecordLine] = []
+    count = 0
     bad: tuple[int, str] | None = None  # a bad line is only forgivable if nothing follows it
     offset = 0
     foreign = ("is not a record of mtp-regenerate ({}): the file holds something else, which would be lost; "
@@ -149,7 +160,7 @@ def scan_records(path: str | Path, expect: Mapping[str, Any] | None = None, *, p
             except (ValueError, KeyError, TypeError) as exc:
                 bad = (lineno, f"not a record ({type(exc).__name__}: {exc})")
                 continue
-            if not lines and not isinstance(record.get("provenance"), dict):
+            if not count and not isinstance(record.get("provenance"), dict):
                 raise RegenerateError(f"{path}:{lineno} " + foreign.format("no provenance"))
             if expect is not None:
                 diff = provenance_differences(record.get("provenance") or {}, expect)
@@ -158,53 +169,66 @@ def scan_records(path: str | Path, expect: Mapping[str, Any] | None = None, *, p
                         f"{path}:{lineno} (record {rid!r}) was made with other settings: {'; '.join(diff[:4])}. "
                         "Resuming needs the same target, tokenizer, chat template and sampling; choose another "
                         "`out` or remove the file")
-            lines.append(RecordLine(rid, path, start, len(raw)))
-    if bad is not None and not lines and not part:  # `out` is written whole by the merge: never torn alone
+            count += 1
+            yield RecordLine(rid, path, start, len(raw))
+    if bad is not None and not count and not part:  # `out` is written whole by the merge: never torn alone
         raise RegenerateError(f"{path}:{bad[0]} " + foreign.format(bad[1]))
     if bad is not None:
         log.warning("%s:%d: dropping a torn last line (%s), left by an interrupted write; its record is "
                     "generated again", path, bad[0], bad[1])
-    return lines
 
 
-def consolidate(out: str | Path, order: Mapping[str, tuple[int, int]], expect: Mapping[str, Any] | None = None,
-                ) -> int:
+def consolidate(out: str | Path, order: Order | None = None, expect: Mapping[str, Any] | None = None) -> int:
     """Merge `out` and its part files into `out`, in the order given by `order` (record id → sort key).
 
     Records whose id is not in `order` (other data, a smaller `limit`) are kept after the others, in their previous
-    order; a record present twice is kept once (the copy in `out`). `out` is rewritten through a temporary file
-    and a rename, then the parts are removed; when there are no parts and nothing to repair, `out` is left as it
-    is. Returns the number of records in `out`.
+    order; without an order (start-up, before the data is read) every record keeps the order met: `out`'s, then
+    each part's. A record present twice is kept once (the copy met first: `out`'s). `out` is rewritten through a
+    temporary file and a rename, then the parts are removed; when there are no parts and nothing to repair, `out` is
+    left as it is. Returns the number of records in `out`. Holds a few numbers per record, never the records.
     """
     out = Path(out)
     parts = find_parts(out)
+    files = [out, *parts] if out.exists() else list(parts)
     size = out.stat().st_size if out.exists() else 0
-    existing = scan_records(out, expect) if out.exists() else []
-    clean = (existing[-1].offset + existing[-1].length if existing else 0) == size  # nothing cut off at the end
-    if not parts and clean:
-        return len(existing)
-    merged: dict[str, tuple[tuple[int, int], RecordLine]] = {}
+    # One row per record kept: its file, offset and length, and its sort key (position, sample index, met).
+    where, offsets, lengths = array("q"), array("q"), array("q")
+    pos, sample = array("q"), array("q")
+    seen = IdSet()
     unknown = 0
-    for line in [*existing, *(line for p in parts for line in scan_records(p, expect, part=True))]:
-        if line.id in merged:
-            continue
-        key = order.get(line.id)
-        if key is None:
-            unknown += 1
-            key = (AFTER_ALL, unknown)  # after every known record, in the order met
-        merged[line.id] = (key, line)
+    end_of_out = 0
+    for f, path in enumerate(files):
+        for line in iter_records(path, expect, part=path != out):
+            if path == out:
+                end_of_out = line.offset + line.length
+            if not seen.add(line.id):
+                continue
+            key = order.get(line.id) if order is not None else None
+            if key is None:
+                unknown += order is not None
+                key = (AFTER_ALL, len(seen))  # after every known record, in the order met
+            where.append(f)
+            offsets.append(line.offset)
+            lengths.append(line.length)
+            pos.append(key[0])
+            sample.append(key[1])
+    total = len(where)
+    if not parts and end_of_out == size:  # nothing cut off at the end
+        return total
     if unknown:
         log.warning("%d record(s) in %s are not in the current data selection; they are kept at the end", unknown, out)
+    rows = np.lexsort((np.asarray(sample, dtype=np.int64), np.asarray(pos, dtype=np.int64))) if total else []
 
     # A unique sibling opened normally (mkstemp's 0600 mode would survive the rename); same file system as `out`.
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.merge")
-    handles: dict[Path, Any] = {}
+    handles: dict[int, Any] = {}
     try:
         with tmp.open("xb") as dst:
-            for _, line in sorted(merged.values(), key=lambda kv: kv[0]):
-                src = handles.get(line.path) or handles.setdefault(line.path, line.path.open("rb"))
-                src.seek(line.offset)
-                dst.write(src.read(line.length))  # byte for byte: a resumed record never changes
+            for r in rows:
+                f = where[r]
+                src = handles.get(f) or handles.setdefault(f, files[f].open("rb"))
+                src.seek(offsets[r])
+                dst.write(src.read(lengths[r]))  # byte for byte: a resumed record never changes
             dst.flush()
             os.fsync(dst.fileno())
         os.replace(tmp, out)
@@ -217,4 +241,4 @@ def consolidate(out: str | Path, order: Mapping[str, tuple[int, int]], expect: M
     # Only once the merged file is in place: a kill before this leaves parts that the next merge de-duplicates.
     for p in parts:
         p.unlink(missing_ok=True)
-    return len(merged)
+    return total

@@ -1,7 +1,9 @@
 """`OpenAIGenerator`: the `Generator` interface over one or more OpenAI-compatible endpoints.
 
-A batch (one turn of many dialogues) goes into one queue; every endpoint runs `concurrency` workers that take the
-next request, send it to `/v1/completions` as token ids and hand the answer to `on_finish` as it arrives. Each
+Requests go into one queue: a batch at once (`generate`), or as the caller's window makes them ready (`stream`: the
+queue is refilled from its `feed` after every answer, so it never holds more than the window); every endpoint runs
+`concurrency` workers that take the next request, send it to `/v1/completions` as token ids and hand the answer on
+as it arrives. Each
 endpoint has its health (`health.EndpointHealth`): a failed try (a dropped or refused connection, a timeout, 429,
 5xx: a server killed, restarting or overloaded) puts the request back at the head of the queue for any endpoint
 and starts the endpoint's failing streak, during which it sends one probe at a time after a backoff of its own
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -32,7 +35,15 @@ from typing import Any
 import httpx
 
 from mtp_train.data.readers import Conversation
-from mtp_train.engine.generator import Generator, GeneratorLimits, GeneratorStats, OnFinish
+from mtp_train.engine.generator import (
+    Feed,
+    Generator,
+    GeneratorLimits,
+    GeneratorStats,
+    OnAnswer,
+    OnFinish,
+    Request,
+)
 from mtp_train.engine.llm import GenerationOutput
 from mtp_train.engine.sampling import SamplingParams
 from mtp_train.engine.turns import prompt_ids
@@ -207,13 +218,34 @@ class OpenAIGenerator(Generator):
         if names is not None and len(names) != len(prompts):
             raise ValueError(f"{len(names)} names for {len(prompts)} prompts")
         n = len(prompts)
+        if not n:
+            return []
         labels = list(names) if names is not None else [f"request {i + 1} of {n}" for i in range(n)]
-        t0 = time.perf_counter()
-        try:
-            return asyncio.run(self._generate([list(p) for p in prompts], list(params), on_finish,
-                                              list(extra) if extra is not None else None, labels))
-        finally:
-            self._seconds += time.perf_counter() - t0
+        requests = [Request(list(p), q, key=i, name=label) for i, (p, q, label) in enumerate(zip(prompts, params,
+                                                                                                  labels))]
+        results: list[GenerationOutput | None] = [None] * n
+        fed = False
+
+        def feed() -> list[Request] | None:
+            nonlocal fed
+            if fed:
+                return None
+            fed = True
+            return requests
+
+        def answered(r: Request, out: GenerationOutput) -> None:
+            results[r.key] = out
+            if on_finish is not None:
+                on_finish(r.key, out)
+
+        self._run(feed, answered, list(extra) if extra is not None else None)
+        return results  # type: ignore[return-value]
+
+    def stream(self, feed: Feed, on_answer: OnAnswer) -> None:
+        """`Generator.stream`: the fed requests wait in one queue (no longer than the caller's window), from which
+        every endpoint's `concurrency` workers take the next; `feed` is asked again after every answer. Retries,
+        probes and dead endpoints as for a batch (module docstring); an error names the request by its `name`."""
+        self._run(feed, on_answer, None)
 
     def post(self, url: str, path: str, body: dict[str, Any]) -> Any:
         """POST `body` to `path` (e.g. "/v1/completions") of the endpoint `url` (one of `endpoints`), retried like
@@ -275,19 +307,52 @@ class OpenAIGenerator(Generator):
         return check_answer(answer, prompt, p, vocab_size=self.vocab_size or MAX_TOKEN_ID,
                             max_context=self.max_context, where=f"{url} answering {name}")
 
-    async def _generate(self, prompts: list[list[int]], params: list[SamplingParams], on_finish: OnFinish | None,
-                        extra: list[dict[str, Any]] | None, names: list[str]) -> list[GenerationOutput]:
-        """Answer every request through the live endpoints (module docstring)."""
-        results: list[GenerationOutput | None] = [None] * len(prompts)
-        pending = collections.deque(range(len(prompts)))  # requests not answered nor in flight, in order
-        tries = [0] * len(prompts)  # failed tries of each request on live endpoints
-        left = len(prompts)
+    def _run(self, feed: Feed, on_answer: OnAnswer, extra: list[dict[str, Any]] | None) -> None:
+        """`_stream` in an event loop of its own, its time counted."""
+        t0 = time.perf_counter()
+        try:
+            asyncio.run(self._stream(feed, on_answer, extra))
+        finally:
+            self._seconds += time.perf_counter() - t0
+
+    async def _stream(self, feed: Feed, on_answer: OnAnswer, extra: list[dict[str, Any]] | None) -> None:
+        """Answer every request `feed` gives through the live endpoints (module docstring); `extra[request.key]`:
+        further body fields of a request."""
+        jobs: dict[int, Request] = {}  # requests fed and not answered yet, by number
+        pending: collections.deque[int] = collections.deque()  # numbers neither answered nor in flight, in order
+        tries: dict[int, int] = {}  # failed tries of each request on live endpoints
+        numbers = itertools.count()
+        left = 0  # requests fed and not answered
+        exhausted = False  # feed said no more will come
         changed = asyncio.Event()  # set (and replaced) whenever a worker may have something new to do
         gone = {url: asyncio.Event() for url in self.endpoints}  # set when the endpoint is declared dead
         for h in self.health.values():
             h.probing = False  # no probe of an earlier call is in flight
-        if not prompts:
-            return []
+
+        def refill() -> int:
+            """Queue what `feed` has ready; the number queued."""
+            nonlocal left, exhausted
+            if exhausted:
+                return 0
+            got = feed()
+            if got is None:
+                exhausted = True
+                return 0
+            for r in got:
+                i = next(numbers)
+                jobs[i], tries[i] = r, 0
+                pending.append(i)
+            left += len(got)
+            if not left and not exhausted:
+                raise RuntimeError("the feed gave no request while none was in flight")
+            return len(got)
+
+        def name(i: int) -> str:
+            return jobs[i].name or f"request {i + 1}"
+
+        refill()
+        if not left:
+            return
         self._check_alive(left)
 
         def notify() -> None:
@@ -313,7 +378,8 @@ class OpenAIGenerator(Generator):
             """Request i's answer from `url`; None when the endpoint is declared dead meanwhile (by another worker,
             or here, when its `dead_after` runs out while this try is in flight)."""
             h = self.health[url]
-            body = self.completion_body(prompts[i], params[i]) | (extra[i] if extra is not None else {})
+            r = jobs[i]
+            body = self.completion_body(r.prompt, r.params) | (extra[r.key] if extra is not None else {})
             task = asyncio.ensure_future(request_json(client, "POST", f"{url}/v1/completions", body))
             # its failure is read below, or dropped with the task when the run stops: never an unread exception
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -333,7 +399,7 @@ class OpenAIGenerator(Generator):
                     task.cancel()
             if dropped:
                 return None
-            return self._output(url, names[i], prompts[i], params[i], task.result())
+            return self._output(url, name(i), r.prompt, r.params, task.result())
 
         async def work(client: httpx.AsyncClient, url: str) -> None:
             nonlocal left
@@ -367,7 +433,7 @@ class OpenAIGenerator(Generator):
                     if not probe:
                         tries[i] += 1
                     if tries[i] > self.retries:
-                        raise RemoteError(f"{names[i]} failed {tries[i]} times on live endpoints (retries="
+                        raise RemoteError(f"{name(i)} failed {tries[i]} times on live endpoints (retries="
                                           f"{self.retries}), the last: {exc}") from None
                     pending.appendleft(i)  # first in line for whichever endpoint sends next
                     if h.failed(now, sent_at, str(exc), exc.retry_after):
@@ -380,13 +446,13 @@ class OpenAIGenerator(Generator):
                     return
                 was_failing = h.failing_since is not None
                 h.succeeded(sent_at)
-                results[i] = out
+                r = jobs.pop(i)
+                del tries[i]
                 self._prompt_tokens += len(out.prompt_ids)
                 self._generated_tokens += len(out.output_ids)
-                if on_finish is not None:
-                    on_finish(i, out)
                 left -= 1
-                if was_failing or not left:
+                on_answer(r, out)
+                if refill() or was_failing or not left:  # new requests queued, or a change the others wait for
                     notify()
 
         async with self._client() as client:
@@ -397,7 +463,6 @@ class OpenAIGenerator(Generator):
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-        return results  # type: ignore[return-value]
 
     def _check_alive(self, left: int) -> None:
         """RemoteError, naming every endpoint and its last error, when none is left."""
