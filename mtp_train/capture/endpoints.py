@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,27 +119,52 @@ class EndpointCapture:
             if cap.token_ids.tolist() != row.ids.tolist():
                 raise RemoteError(f"{url} ran other token ids than the ones sent (sample {row.id!r})")
 
-    def start(self, rows: Sequence[Row]) -> None:
-        """Send every row's request from a thread (module docstring)."""
-        def send() -> None:
+    def send(self, part: Sequence[tuple[str, Row]]) -> None:
+        """Capture `part` now, blocking until every request is answered: (name, row) pairs, each request naming
+        its capture `name` (a row's id, or another name for a row captured more than once, as `sources.fleet`
+        does per epoch)."""
+        names = [n for n, _ in part]
+        self.gen.generate([r.ids.tolist() for _, r in part], [PREFILL] * len(part),
+                          on_finish=lambda j, _out: self.answered.__setitem__(names[j], time.monotonic()),
+                          extra=[self._body(n) for n in names], names=[f"sample {n!r}" for n in names])
+
+    def serve(self, feed: Callable[[], Sequence[tuple[str, Row]] | None]) -> None:
+        """Send, from a thread, what `feed` hands over a part at a time (`send`) until it returns None or `stop`
+        is called; `feed` runs in that thread and may block until it has something to send."""
+        def loop() -> None:
             try:
-                for i in range(0, len(rows), self.chunk):
-                    if self._stop.is_set():
+                while not self._stop.is_set():
+                    part = feed()
+                    if part is None:
                         return
-                    part = rows[i:i + self.chunk]
-                    ids = [r.id for r in part]
-                    self.gen.generate([r.ids.tolist() for r in part], [PREFILL] * len(part),
-                                      on_finish=lambda j, _out, ids=ids: self.answered.__setitem__(
-                                          ids[j], time.monotonic()),
-                                      extra=[self._body(r.id) for r in part],
-                                      names=[f"sample {r.id!r}" for r in part])
+                    if part:
+                        self.send(part)
             except BaseException as exc:  # noqa: BLE001 - reported by `check` in the driver's thread
                 self.error = exc
             finally:
                 self._done.set()
 
-        self._thread = threading.Thread(target=send, name="mtp-capture-requests", daemon=True)
+        self._thread = threading.Thread(target=loop, name="mtp-capture-requests", daemon=True)
         self._thread.start()
+
+    def start(self, rows: Sequence[Row]) -> None:
+        """Send every row's request from a thread, `chunk` at a time in order (module docstring)."""
+        starts = iter(range(0, len(rows), self.chunk))
+
+        def feed() -> list[tuple[str, Row]] | None:
+            i = next(starts, None)
+            return None if i is None else [(r.id, r) for r in rows[i:i + self.chunk]]
+
+        self.serve(feed)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether `stop` was called."""
+        return self._stop.is_set()
+
+    def join(self, seconds: float) -> bool:
+        """Wait at most `seconds` for the sending thread to end (the part in flight answered); True when it has."""
+        return self._done.wait(seconds) if self._thread is not None else True
 
     # --- the driver's wait for a capture file (`vllm_backend.wait_for`) --------------------------------------
 

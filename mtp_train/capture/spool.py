@@ -21,6 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 PREFIX, SUFFIX, TMP = "req-", ".safetensors", ".tmp-"
+# Bytes of a capture file's safetensors header besides its sample id, tag and layer ids: the two tensors' names,
+# dtypes, shapes and offsets, the metadata's keys, the length prefix and the alignment padding (about 300 in fact).
+HEADER_BOUND = 1024
 
 
 def file_name(sample_id: str) -> str:
@@ -69,6 +72,29 @@ def read_capture(path: str | Path) -> Captured:
         meta = f.metadata() or {}
         return Captured(sample_id=meta["sample_id"], token_ids=f.get_tensor("token_ids"),
                         hidden_states=f.get_tensor("hidden_states"), layer_ids=json.loads(meta["layer_ids"]))
+
+
+def capture_bound(num_tokens: int, num_layers: int, hidden_size: int, itemsize: int, sample_id: str,
+                  tag: str = "") -> int:
+    """The most bytes the capture file of a `num_tokens`-token request can take on disk (its temporary as well):
+    the states (n · k · H · itemsize), the token ids (8 · n) and the header (the sample id and tag as JSON, at most
+    6 bytes per byte escaped, 8 bytes per layer id, and `HEADER_BOUND`).
+
+    Args:
+        num_tokens: the request's prompt tokens (a capture holds every prompt token).
+        num_layers: k, the captured layers (vLLM's aux ids).
+        hidden_size: H.
+        itemsize: bytes per value of the served dtype.
+        sample_id: the name the request gives its capture.
+        tag: the run's tag.
+    """
+    text = 6 * (len(sample_id.encode()) + len(tag.encode())) + 8 * num_layers
+    return num_tokens * (num_layers * hidden_size * itemsize + 8) + text + HEADER_BOUND
+
+
+def torn_of(folder: str | Path, sample_id: str) -> list[Path]:
+    """The temporaries of one sample's capture in `folder` (a writer killed midway, or one still writing)."""
+    return list(Path(folder).glob(f"{TMP}*-{file_name(sample_id)}"))
 
 
 def remove_torn(folder: str | Path) -> None:
