@@ -20,7 +20,8 @@ class DataConfig:
     on_bad_row: str = "error"  # error (stop, naming file:line) | skip (count and report)
 
 
-SOURCES = ("offline", "online", "hybrid")  # where training's target hidden states come from (`data.source`)
+SOURCES = ("offline", "online", "hybrid", "fleet")  # where training's target hidden states come from (`data.source`)
+TRANSPORTS = ("spool",)  # how a fleet's captures reach the trainer (`data.fleet.transport`)
 
 
 @dataclass
@@ -41,6 +42,30 @@ class OnlineDataConfig:
 
 
 @dataclass
+class FleetConfig:
+    """`data.source=fleet`: the running `vllm serve` processes (started with our capture connector) whose captures
+    training consumes as they land, and the bound on the spool folder they write to (docs/training.md)."""
+
+    endpoints: list[str] = field(default_factory=list)  # base URLs of the servers (http://host:port)
+    spool_dir: str | None = None  # the folder the servers write captures to, as this machine sees it (one per run)
+    max_spool_bytes: int = 20 * 2**30  # most bytes of captures on disk or on their way at any moment
+    window: int = 64  # most requests sent at once (a part; the next part goes once it is answered)
+    transport: str = "spool"  # how captures reach the trainer: spool (files in spool_dir)
+    served_model: str | None = None  # the model id to ask for (null: the one the servers serve)
+    concurrency: int = 8  # requests in flight per endpoint
+    timeout: float = 600.0  # seconds one request may take
+    retries: int = 8  # tries of a request after its first failed on a live endpoint (dropped, 5xx, ...)
+    backoff: float = 1.0  # seconds a failing endpoint waits before its first probe (doubled, at most 60)
+    dead_after: float = 180.0  # seconds of failures in a row before an endpoint is dead (restart quicker)
+    capture_timeout: float = 120.0  # seconds a capture file may take to appear once its request is answered
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"data.fleet.transport={self.transport!r}: choose one of {' | '.join(TRANSPORTS)} "
+                              "(docs/serving.md says where Mooncake stands)")
+
+
+@dataclass
 class TrainDataConfig(DataConfig):
     """Training data: where the target's hidden states come from (`source`) and the precompute folder `dir`.
 
@@ -55,10 +80,12 @@ class TrainDataConfig(DataConfig):
     dir: str = "runs/precompute"  # precompute folder: shards + manifest.json for this target (hybrid writes it)
     num_workers: int = 0  # DataLoader worker processes per rank (0 = read in the training process)
     verify: str = "first_open"  # shard checksums: first_open | always (before training) | never (sizes only)
-    online: OnlineDataConfig = field(default_factory=OnlineDataConfig)  # samples of online and hybrid runs
+    online: OnlineDataConfig = field(default_factory=OnlineDataConfig)  # samples of online, hybrid and fleet runs
+    fleet: FleetConfig = field(default_factory=FleetConfig)  # the servers and spool of a fleet run
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ConfigError(f"data.source={self.source!r}: choose one of {' | '.join(SOURCES)} (offline reads the "
                              "precompute folder data.dir, online computes hidden states from data.paths, hybrid "
-                             "does epoch 0 online and writes data.dir for the later epochs)")
+                             "does epoch 0 online and writes data.dir for the later epochs, fleet trains from "
+                             "running vLLM servers' captures)")

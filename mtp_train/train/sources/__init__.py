@@ -12,6 +12,9 @@ state:
 * hybrid (`hybrid.HybridSource`): online in epoch 0, recording every batch's hidden states into
   `data.dir` as a precompute folder (precompute's `FolderWriter`); from epoch 1 on, each batch's rows are read
   from that folder by sample id.
+* fleet (`fleet.FleetSource`): the conversations of `data.paths` as online, their hidden states captured by
+  running vLLM servers (`data.fleet.endpoints`) into a spool folder kept under `data.fleet.max_spool_bytes`, each
+  capture consumed as it lands and deleted once a checkpoint covers it.
 
 `source_class(name)` is the one look-up of a name; `build_source` builds the configured one once.
 """
@@ -25,6 +28,7 @@ from mtp_train.config import ConfigError, TrainConfig
 from mtp_train.config.data import SOURCES as SOURCE_NAMES
 from mtp_train.dist import DistInfo
 from mtp_train.train.sources.base import SOURCES, DataSource, register_source
+from mtp_train.train.sources.fleet import FleetSource
 from mtp_train.train.sources.hybrid import HybridSource
 from mtp_train.train.sources.offline import OfflineSource
 from mtp_train.train.sources.online import OnlineSource
@@ -46,5 +50,5 @@ def build_source(cfg: TrainConfig, info: DistInfo, device: torch.device) -> Data
     return source
 
 
-__all__ = ["SOURCES", "DataSource", "HybridSource", "OfflineSource", "OnlineSource", "build_source",
+__all__ = ["SOURCES", "DataSource", "FleetSource", "HybridSource", "OfflineSource", "OnlineSource", "build_source",
            "register_source", "source_class"]
