@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-head-step bench-tau bench-remote bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-foreign clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-head-step bench-tau bench-remote bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-fleet check-vllm-foreign clean
 
 setup: $(STAMP)
 
@@ -148,6 +148,12 @@ vllm-venv: $(VLLM_STAMP)
 # same few conversations, fp32 both: identical ids / masks, every stored layer within a relative error of 1e-3.
 check-vllm-capture: model $(VLLM_STAMP)
 	$(PY) -m checks.check_vllm_capture --model $(MODEL_DIR) --vllm-python $(VLLM_VENV)/bin/python $(CHECK_CAPTURE_ARGS)
+
+# mtp-train data.source=fleet from a real vllm serve with our connector (200 conversations, the spool capped at 20 MB,
+# the server killed and restarted mid-run) against data.source=offline on a backend=vllm precompute of the same
+# conversations: the same head within 1e-3; prints the spool's peak bytes. Not part of `make test`.
+check-vllm-fleet: model $(VLLM_STAMP)
+	$(PY) -m checks.check_vllm_fleet --model $(MODEL_DIR) --vllm-python $(VLLM_VENV)/bin/python $(CHECK_FLEET_ARGS)
 
 # A target family our engine does not implement (a tiny random Granite with SmolLM2's tokenizer): its hidden states
 # captured inside vLLM, an eagle3 head trained on them (only its embedding and lm_head read), measured by
