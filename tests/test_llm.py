@@ -65,3 +65,36 @@ def test_on_finish_streams_results(model):
     outs = LLMEngine(model, num_pages=32).generate(_prompts(3), SamplingParams(max_new_tokens=3, ignore_eos=True),
                                                    on_finish=lambda i, o: seen.setdefault(i, o))
     assert [seen[i] for i in range(3)] == outs
+
+
+def test_stream_takes_requests_as_they_are_fed_and_answers_as_generate_does(model):
+    prompts = _prompts(9, seed=2)
+    params = [SamplingParams(temperature=0.9, max_new_tokens=5, ignore_eos=True, seed=100 + i) for i in range(9)]
+    want = LLMEngine(model, num_pages=64).generate(prompts, params)
+    eng = LLMEngine(model, num_pages=64, max_batch_size=2)
+    queued, got, waiting = [0], {}, []
+
+    def feed():
+        # one request per call, a new one only once the previous ones are answered: a window of two
+        waiting.append(len(eng.waiting))
+        if queued[0] == len(prompts):
+            return None
+        if queued[0] - len(got) >= 2:
+            return []
+        queued[0] += 1
+        return [(prompts[queued[0] - 1], params[queued[0] - 1], queued[0] - 1)]
+
+    eng.stream(feed, lambda i, out: got.setdefault(i, out))
+    assert [got[i].output_ids for i in range(9)] == [o.output_ids for o in want]
+    assert max(waiting) <= 2 and not eng.has_unfinished()
+
+    with pytest.raises(RuntimeError, match="no request while none was in flight"):
+        eng.stream(lambda: [], lambda i, out: None)
+    boom = iter([[(prompts[0], params[0], 0), (prompts[1], params[1], 1)]])
+
+    def fail(i, out):
+        raise KeyError(i)
+
+    with pytest.raises(KeyError):  # a callback's error stops the run and leaves nothing queued
+        eng.stream(lambda: next(boom, None), fail)
+    assert not eng.has_unfinished() and eng.runner.kv.allocator.num_free == 64

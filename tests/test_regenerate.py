@@ -307,6 +307,23 @@ def test_n_samples_are_distinct_records_and_reproducible(tiny, convs, tmp_path):
     assert request_seed(3, "p0", 0, 0) != request_seed(3, "p0", 1, 0) != request_seed(3, "p0", 0, 1)
 
 
+@pytest.mark.parametrize("settings", [dict(max_new_tokens=6),
+                                      dict(n=2, temperature=0.8, top_p=0.95, max_new_tokens=6, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_the_window_does_not_change_the_records(tiny, convs, tmp_path, settings):
+    """One conversation in flight, three, or the whole input at once (the default window): the same records, in the
+    same merged order (each request's seed is its own, each turn asked after the dialogue's own answers)."""
+    runs = []
+    for window in (1, 3, RegenerateConfig().window):
+        out = tmp_path / f"w{window}.jsonl"
+        stats = _run(tiny, convs, out, settings=RegenerateConfig(window=window, **settings))
+        runs.append(_timeless(_records(out)))
+        assert stats.written == len(convs) * settings.get("n", 1) and stats.requests == (len(convs) + 1) * \
+            settings.get("n", 1)
+    assert runs[0] == runs[1] == runs[2]
+    assert [r["source"]["id"] for r in runs[0]][:: settings.get("n", 1)] == [c.id for c in convs]
+
+
 def test_n_above_one_needs_temperature():
     with pytest.raises(ConfigError, match="temperature > 0"):
         RegenerateConfig(n=2, temperature=0.0)

@@ -95,6 +95,25 @@ def test_regenerating_through_mtp_serve_equals_our_engine(target, tmp_path):
     assert prov == {"served_model": "tiny", "path": str(path), "weights_fingerprint": weights_fingerprint(path)}
 
 
+def test_the_window_does_not_change_the_records_through_mtp_serve(target, tmp_path):
+    """One conversation in flight, three, or the whole input: the records our engine gives (greedy, multi-turn),
+    whatever order the server answers in."""
+    model, tok, path = target
+    convs = conversations(7)
+    want = engine_records(model, tok, path, convs, RegenerateConfig(max_new_tokens=12, progress=False),
+                          tmp_path / "engine.jsonl")
+    app, worker = served_app(model, tok, path)
+    with app_server(app) as url:
+        gen = OpenAIGenerator.connect([url], concurrency=3, retries=0)
+        for window in (1, 3, len(convs)):
+            cfg = RegenerateConfig(max_new_tokens=12, progress=False, window=window)
+            out = tmp_path / f"w{window}.jsonl"
+            regenerate(convs, gen, tok, out, cfg, stop_ids=stop_token_ids(tok, model.args.eos_token_ids))
+            assert records(out) == want, window
+            assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [c.id for c in convs]
+    worker.stop()
+
+
 def test_a_server_whose_template_disagrees_is_refused_at_the_first_differing_token(target):
     model, tok, path = target
     other = tok.chat_template.replace("<|im_start|>{{ m['role'] }}\n", "<|im_start|>{{ m['role'] }}:\n")

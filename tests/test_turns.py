@@ -8,7 +8,14 @@ import pytest
 from mtp_train.data.chat import ChatTemplateError, render
 from mtp_train.engine.llm import GenerationOutput
 from mtp_train.engine.sampling import SamplingParams
-from mtp_train.engine.turns import Dialogue, answer_text, answer_turns, end_of_turn_token_id, stop_token_ids
+from mtp_train.engine.turns import (
+    Dialogue,
+    DialogueWindow,
+    answer_text,
+    answer_turns,
+    end_of_turn_token_id,
+    stop_token_ids,
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +103,38 @@ def test_hooks_drop_dialogues(tok):
     # Without the hook the template's error propagates.
     with pytest.raises(ChatTemplateError, match="boom"):
         answer_turns([Dialogue.of([{"role": "user", "content": "boom"}])], gen, tok, SamplingParams())
+
+
+def test_a_window_answers_like_answer_turns_and_reads_no_further_than_it_needs(tok):
+    """`DialogueWindow` over a stream, answered in reverse order of asking: the answers of `answer_turns`, whatever
+    the window's size; the stream is read as dialogues end."""
+
+    def reply(prompt: list[int]) -> GenerationOutput:
+        # an answer that depends on the prompt alone: its length, written out, and the stop token
+        return GenerationOutput(prompt, tok(f"n{len(prompt)}", add_special_tokens=False)["input_ids"] + [2], "stop")
+
+    def make() -> list[Dialogue]:
+        return [Dialogue.of([{"role": "user", "content": f"q{i}"}] * (1 + i % 3), key=i) for i in range(7)]
+
+    want = make()
+    answer_turns(want, lambda prompts, params, on_finish: [on_finish(i, reply(p)) for i, p in enumerate(prompts)],
+                 tok, lambda d, t: SamplingParams(seed=t))
+    for size in (1, 3, 7):
+        taken = []
+
+        def stream(dialogues, taken=taken):
+            for d in dialogues:
+                taken.append(d.key)
+                yield d
+
+        done = []
+        window = DialogueWindow(stream(make()), size, tok, lambda d, t: SamplingParams(seed=100 * d.key + t),
+                                on_done=done.append, name=lambda d, t: f"conversation {d.key} turn {t + 1}")
+        while (requests := window.feed()) is not None:
+            assert requests and window.active <= size and len(taken) - len(done) <= size
+            for r in reversed(requests):
+                assert r.params.seed == 100 * r.key.key + len(r.key.answers)
+                assert r.name == f"conversation {r.key.key} turn {len(r.key.answers) + 1}"
+                window.answered(r, reply(r.prompt))
+        assert sorted(d.key for d in done) == list(range(7)) and window.read == 7
+        assert {d.key: d.answers for d in done} == {d.key: d.answers for d in want}, size
