@@ -12,21 +12,27 @@ Output: messages JSONL, one record per (conversation, sample):
      "source": {"file", "line", "id"}, "finish_reasons": ["stop" | "length", ...per turn],
      "gen_tokens": [...per turn, the end-of-turn token included], "provenance": {...}}
 
-Files, resume and ranks (`records`): rank r answers conversations r, r + world, ... and appends each record to the
-part file `<out>.rank<r>` as soon as all its turns are done (flushed per record, fsynced every few records). After
-a barrier, rank 0 merges `<out>` and every part into `<out>` in the original conversation order (temporary file +
-rename) and removes the parts. The same merge runs at start-up, before anything is generated, so a killed run (of
-any world size) is folded in first; a torn last line is dropped there with a warning. Records already in `<out>`
-are then skipped: only conversations whose record is missing, e.g. multi-turn ones cut short, are answered again.
-A resumed run must use the same target, tokenizer, chat template and sampling settings (`provenance`, checked per
-record).
+Streaming (`stage`): the conversations are read as they are answered, `window` at a time (`engine.turns.
+DialogueWindow`), so memory follows the window and not the data; what is kept per conversation is a few numbers
+(`ids`: 64-bit hashes of the records done before and of the ids seen, and rank 0's merge order).
+
+Files, resume and ranks (`records`): every rank streams all conversations, answers r, r + world, ... and appends
+each record to the part file `<out>.rank<r>` as soon as all its turns are done (flushed per record, fsynced every
+few records), in the order they complete. After a barrier, rank 0 merges `<out>` and every part into `<out>` in the
+original conversation order, which it learnt while reading (temporary file + rename), and removes the parts. A merge
+also runs at start-up, before anything is read or generated, so a killed run (of any world size) is folded in first
+(in the order met; the final merge sorts); a torn last line is dropped there with a warning. Records already in
+`<out>` are then skipped: only conversations whose record is missing, e.g. multi-turn ones cut short, are answered
+again. A resumed run must use the same target, tokenizer, chat template and sampling settings (`provenance`,
+checked per record).
 
 Seeds (`sampling`): every request gets its own seed from (seed, conversation id, sample index, turn), so that the
-text does not depend on batching, on the rank split or on what an earlier run already did.
+text does not depend on batching, on the window, on the rank split or on what an earlier run already did.
 
-Generator (`mtp_train.engine.generator`): the stage asks it for answers (token ids and finish reasons per request of
-a turn), for its limits (context, KV pages), its counters and its provenance (recorded as `provenance.target`), and
-reads nothing else of it; `EngineGenerator` is our engine behind that interface.
+Generator (`mtp_train.engine.generator`): the stage asks it for answers (`Generator.stream`: requests fed from the
+window, token ids and finish reasons back as each completes), for its limits (context, KV pages), its counters and
+its provenance (recorded as `provenance.target`), and reads nothing else of it; `EngineGenerator` is our engine
+behind that interface.
 
 Counters, and why a record was not produced (a prompt too long for `max_prompt_tokens`, the KV pool or the context,
 an empty answer, a template error, a repeated id): `stats`. The settings are `mtp_train.config.RegenerateConfig`;
