@@ -25,8 +25,10 @@ from mtp_train.precompute.pipeline import precompute
 from mtp_train.precompute.plan import ShardPlan, plan_runs, plan_shards
 from mtp_train.precompute.reader import (
     CorruptShardError,
+    FolderIndex,
     MissingShardError,
     PrecomputedDataset,
+    ReadCounts,
     ShardError,
 )
 from mtp_train.precompute.writer import (
@@ -44,6 +46,7 @@ __all__ = [
     "MANIFEST_NAME",
     "CorruptShardError",
     "FolderSpec",
+    "FolderIndex",
     "FolderWriter",
     "HiddenInfo",
     "Manifest",
@@ -52,6 +55,7 @@ __all__ = [
     "MissingShardError",
     "PrecomputeError",
     "PrecomputedDataset",
+    "ReadCounts",
     "Sample",
     "ShardError",
     "ShardInfo",
