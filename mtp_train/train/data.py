@@ -149,7 +149,9 @@ def draft_vocab_from_data(dataset: SampleDataset, size: int, vocab_size: int,
                           always: Sequence[int] = ()) -> torch.Tensor:
     """(size,) ascending ids of the `size` most frequent assistant tokens of `dataset`, plus the `always` ids (EOS).
 
-    Ties go to the lower id, and every rank reads the same (whole) split, so every rank picks the same set.
+    Ties go to the lower id, and every rank reads the same (whole) split, so every rank picks the same set. A
+    precompute folder's counts come from its `token_counts.safetensors` (no shard is read); an older folder's are
+    counted from its shards (`PrecomputedDataset.token_counts`).
     """
     counts = dataset.token_counts(vocab_size)
     keep = [int(t) for t in always if 0 <= int(t) < vocab_size]
