@@ -220,6 +220,7 @@ CASES: dict[str, tuple[str, list[str], Prepare, list[str]]] = {
                              ["`max_seq_lenn`", "did you mean `max_seq_len`"]),
     "precompute-typo": ("precompute", ["max_seq_lenn=3"], _fresh("precompute"), ["did you mean `max_seq_len`"]),
     "precompute-negative-limit": ("precompute", ["limit=-1"], _fresh("precompute"), ["limit=-1", "positive"]),
+    "precompute-zero-window": ("precompute", ["window=0"], _fresh("precompute"), ["window=0", "positive integer"]),
     "precompute-unknown-model-choice": ("precompute", ["model=smollm3"], _fresh("precompute"),
                                         ["conf/model/smollm3.yaml", "did you mean `model=smollm2-135m`"]),
     "regenerate-plus-typo": ("regenerate", ["+max_new_token=3"], _fresh("regenerate"),

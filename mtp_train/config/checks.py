@@ -65,6 +65,7 @@ LOWER_BOUNDS: dict[str, tuple[float, str]] = {
     "vllm.concurrency": (1, _POSITIVE), "vllm.retries": (0, "0 (no retry) or more"),
     "vllm.timeout": (0.001, "a positive number of seconds"), "vllm.backoff": (0, "0 or more seconds"),
     "vllm.dead_after": (0, "0 or more seconds"),
+    "window": (1, "a positive integer (conversations read and tokenized at a time)"),
 }
 
 
