@@ -1,7 +1,7 @@
 """Record ids kept compactly, for runs over millions of conversations: a set (resume: which records are done; which
 conversation ids were seen) and a map from record id to its place in the merged output.
 
-Both hold 64-bit hashes of the ids, never the strings: a set costs 8 to 16 bytes an id, the order 24 bytes a record,
+Both hold 64-bit hashes of the ids, never the strings: a set costs 16 to 32 bytes an id, the order 24 bytes a record,
 where Python's set and dict of strings cost over 100. Two ids share a hash with probability about n^2 / 2^65 (under
 3e-8 for a million ids); the merge and the resume check treat them as one id then.
 """
