@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-head-step bench-tau bench-remote bench-tree bench-memory bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-fleet check-vllm-foreign clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-head-step bench-tau bench-remote bench-tree bench-memory bench-scale bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-fleet check-vllm-foreign clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,12 @@ bench-regenerate: model
 # GPU memory per rank (precompute, training) and disk per million tokens at the shipped configs (no GPU needed).
 bench-memory: setup
 	$(PY) -m bench.memory_plan $(BENCH_MEMORY_ARGS)
+
+# Seconds to the first sample and peak RSS of mtp-regenerate, mtp-precompute and mtp-train (eagle3, mtp) run as the
+# commands on 10^4, 10^5 and 10^6 synthetic conversations / samples, e.g. `make bench-scale
+# BENCH_SCALE_ARGS="--sizes 1000,10000 --stages train"` (the 10^6 train folder takes ~34 GiB of disk: --work DIR).
+bench-scale: model
+	$(PY) -m bench.scale --model $(MODEL_DIR) $(BENCH_SCALE_ARGS)
 
 # Speculative decoding with a trained head of any type (HEAD=dir; default: the newest under runs/, e.g. after
 # `make demo`), e.g. `make bench-spec HEAD=runs/eagle3/heads/step-400`.
