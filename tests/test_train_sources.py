@@ -359,7 +359,7 @@ def test_sources_are_registered_by_name_and_an_unknown_one_is_refused():
 
     assert sorted(SOURCES) == sorted(NAMES) and all(cls.name == name for name, cls in SOURCES.items())
     assert [n for n, cls in SOURCES.items() if cls.writes_folder] == ["hybrid"]
-    assert {n for n, cls in SOURCES.items() if cls.plans_from_conversations} == {"online", "hybrid"}
+    assert {n for n, cls in SOURCES.items() if cls.plans_from_conversations} == {"online", "hybrid", "fleet"}
     with pytest.raises(ConfigError) as e:
         source_class("streaming")
     assert "data.source='streaming'" in str(e.value) and "choose one of offline | online | hybrid" in str(e.value)
