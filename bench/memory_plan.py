@@ -20,7 +20,8 @@ disk: per token, 5 bytes of token id (int32) and loss mask (uint8), and per stor
     the k aux layers the head type reads: `conf/head/*.yaml` resolved against the target's layer count) b·H bytes of
     values (b = 2 in bf16 / fp16, 4 in fp32, 1 in fp8) plus, in fp8, one float32 scale (4 bytes):
     5 + (b·H + s)·(1 + k), i.e. 5 + 2·H·(1 + k) in bf16 and 5 + (H + 4)·(1 + k) in fp8 (`disk_bytes_per_token`);
-    each shard adds its safetensors header and 8 bytes of offsets per sample.
+    each shard adds its safetensors header and 8 bytes of offsets per sample, and the token counts beside the shards
+    are vocabulary-sized (per shard and per folder, not per token).
 KV cache (inference, speculative decoding): bytes per cached token in bf16 of the target's pool on one rank (its
     KV heads under `model.tp`) and of the `mtp` head's one-layer pool (`KVCache.bytes_per_token` of each layout):
     2·Hkv·D per layer for the Llama family, one latent row of kv_lora_rank + qk_rope_head_dim for DeepSeek-V2's MLA.
@@ -233,7 +234,8 @@ def print_disk(rows: list[dict], args: argparse.Namespace) -> dict:
           "final hidden and k aux layers, b bytes per value and s bytes of scale):")
     print("  bf16 / fp16: 5 + 2·H·(1 + k)    fp32: 5 + 4·H·(1 + k)    fp8 (float8_e4m3): 5 + (H + 4)·(1 + k)  "
           "(one float32 scale per token and stored layer)")
-    print("  plus, per shard, its safetensors header and 8 bytes of offsets per sample\n")
+    print("  plus, per shard, its safetensors header and 8 bytes of offsets per sample, and vocabulary-sized token "
+          "counts\n")
     print("| model | H | head types (aux layers k) | bf16 / fp16 B/token | fp8 B/token | bf16 GiB / 1M tokens "
           "| fp8 GiB / 1M tokens |")
     print("|---|---:|---|---:|---:|---:|---:|")
