@@ -36,7 +36,8 @@ from mtp_train.precompute import (
 from mtp_train.precompute.manifest import MANIFEST_NAME
 from mtp_train.precompute.plan import plan_runs, shard_plan
 from mtp_train.precompute.quant import FP8_NAME, quantize_fp8
-from mtp_train.precompute.shards import sidecar_path, write_safetensors, write_shard
+from mtp_train.precompute.safetensors_file import write_safetensors
+from mtp_train.precompute.shards import sidecar_path, write_shard
 
 H, LAYERS, VOCAB = 8, 4, 50
 ST_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32, FP8_NAME: torch.float8_e4m3fn}

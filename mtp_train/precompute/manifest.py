@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from mtp_train.fileio import atomic_write, atomic_write_text, leads_outside, sha256_file
+from mtp_train.precompute.safetensors_file import write_safetensors
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -384,7 +385,6 @@ def _name_problem(file: Any) -> str:
 def write_token_counts(directory: str | Path, train: torch.Tensor, val: torch.Tensor) -> dict[str, Any]:
     """Write `<directory>/token_counts.safetensors` atomically from int64 counts train (V,) and val (V,); returns
     the manifest's entry for it: {"file", "sha256", "bytes"}."""
-    from mtp_train.precompute.shards import write_safetensors  # shards imports this module
 
     path = Path(directory) / TOKEN_COUNTS_NAME
     tensors = {"train": train.to(torch.int64).contiguous(), "val": val.to(torch.int64).contiguous()}

@@ -13,9 +13,7 @@ Rank 0 sums them into the folder's `token_counts.safetensors` and `split.counts`
 
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +26,9 @@ from mtp_train.fileio import atomic_write, sha256_file, tensor_bytes
 from mtp_train.precompute.manifest import FORMAT_VERSION, ShardInfo, is_val, read_json, write_json
 from mtp_train.precompute.plan import ShardPlan
 from mtp_train.precompute.quant import FP8_NAME
+from mtp_train.precompute.safetensors_file import write_safetensors
 
 # safetensors dtype names of the tensors a shard can hold
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-              torch.int32: "I32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 # safetensors dtype of stored hidden states → the manifest's `hidden.dtype`
 _HIDDEN_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": FP8_NAME}
 
@@ -143,37 +140,6 @@ def finished_shard(out_dir: Path, plan: ShardPlan, verify: bool) -> ShardInfo | 
     if not same or (verify and sha256_file(path) != info.sha256):
         return None
     return info
-
-
-def write_safetensors(fh: Any, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
-    """Write `tensors` to the open binary file `fh` in the safetensors format; returns the bytes' sha256.
-
-    Written here rather than with `safetensors.torch.save_file` because the library orders the metadata
-    map arbitrarily (so two runs would not give byte-identical shards) and first copies every tensor to
-    a bytes object. Tensors go in order of decreasing element size, then name (as the library does), so
-    each is naturally aligned after the 8-byte aligned header.
-    """
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
-    start = 0
-    for k in order:
-        t = tensors[k]
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [start, start + n]}
-        start += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # spaces pad the header so the data starts 8-byte aligned
-    h = hashlib.sha256()
-    for block in (struct.pack("<Q", len(raw)), raw):
-        fh.write(block)
-        h.update(block)
-    for k in order:
-        if tensors[k].numel() == 0:  # no bytes (and a view of none cannot be taken)
-            continue
-        buf = tensors[k].contiguous().view(-1).view(torch.uint8).numpy()  # the tensor's own memory, no copy
-        fh.write(memoryview(buf))
-        h.update(buf)
-    return h.hexdigest()
 
 
 def write_shard(out_dir: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor],
