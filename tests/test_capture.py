@@ -308,12 +308,17 @@ def test_command_line_backend_errors_are_one_line(target, convs, tmp_path):
         assert not (tmp_path / "x").exists()  # refused before anything was written
 
 
-def test_vllm_side_takes_prompts_in_chunks_with_our_connector(tmp_path):
+def test_vllm_side_takes_prompts_a_part_at_a_time_with_our_connector():
     from mtp_train.capture import vllm_run
 
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"id": f"s{i}", "token_ids": [i]}) + "\n" for i in range(5)) + "\n")
-    assert [[p["id"] for p in c] for c in vllm_run.chunks(path, 2)] == [["s0", "s1"], ["s2", "s3"], ["s4"]]
+    def part(ids: range) -> str:
+        return json.dumps([{"id": f"s{i}", "token_ids": [i]} for i in ids]) + "\n"
+
+    lines = iter([part(range(2)), "\n", part(range(2, 5)), "[]\n", part(range(5, 6))])
+    parts = vllm_run.parts(lines)
+    # Each part is handed over as soon as its line is read (the driver is still reading the data behind it).
+    assert [p["id"] for p in next(parts)] == ["s0", "s1"] and next(lines) == "\n"
+    assert [[p["id"] for p in c] for c in parts] == [["s2", "s3", "s4"], ["s5"]]
     args = vllm_run.engine_args({"model": "m", "max_model_len": 9, "layer_ids": [2, 30], "spool_dir": "d",
                                  "tag": "t", "engine": {"max_num_seqs": 3}})
     assert args["enable_prefix_caching"] is False  # a cached prefix would never reach the capture cache

@@ -7,7 +7,9 @@ sends every conversation's prompt token ids to `/v1/completions` (a prefill: max
 endpoint, a failed try (a dropped connection, a timeout, 429 / 5xx: a server killed or restarting) put back for any
 endpoint, an endpoint failing for `vllm.dead_after` seconds dropped (its requests go to the others) and, with none
 left, the run stopped in one line (`remote.generator`). The requests go from a thread, a chunk at a time in plan
-order, while the driver turns the files into shards as they appear.
+order, while the driver turns the files into shards as they appear: `mtp-precompute` hands them over a window at
+a time as it reads the data (`open`, `put`, `close`), so the servers start on the first conversations before the
+rest is read.
 
 Before the first request of a run, `probe` asks every endpoint to capture one conversation and refuses, naming the
 endpoint and the fix, a server that does not run our connector, writes elsewhere than `vllm.spool_dir`, captures
@@ -16,6 +18,7 @@ other layers, runs another dtype or other token ids.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +64,8 @@ class EndpointCapture:
         self._done = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # What `put` hands the sending thread (see `open`), in chunks; None: no more.
+        self._parts: queue.Queue[list[tuple[str, Row]] | None] = queue.Queue()
 
     @classmethod
     def connect(cls, v: VllmCaptureConfig, spool: Path, tag: str, layer_ids: Sequence[int],
@@ -147,15 +152,28 @@ class EndpointCapture:
         self._thread = threading.Thread(target=loop, name="mtp-capture-requests", daemon=True)
         self._thread.start()
 
-    def start(self, rows: Sequence[Row]) -> None:
-        """Send every row's request from a thread, `chunk` at a time in order (module docstring)."""
-        starts = iter(range(0, len(rows), self.chunk))
+    def open(self) -> None:
+        """Start the sending thread on what `put` hands over, until `close` (module docstring)."""
+        self.serve(self._parts.get)
 
-        def feed() -> list[tuple[str, Row]] | None:
-            i = next(starts, None)
-            return None if i is None else [(r.id, r) for r in rows[i:i + self.chunk]]
+    def put(self, rows: Sequence[Row]) -> None:
+        """Send `rows` (after `open`), `chunk` at a time in order, without blocking the caller."""
+        for i in range(0, len(rows), self.chunk):
+            self._parts.put([(r.id, r) for r in rows[i:i + self.chunk]])
 
-        self.serve(feed)
+    def close(self) -> None:
+        """No more rows: the thread ends once the ones handed over are answered."""
+        self._parts.put(None)
+
+    def taken(self, sample_id: str) -> None:
+        """The driver has read `sample_id`'s capture: forget when it was answered (the bookkeeping stays as large
+        as the requests in flight, not the conversations of the run)."""
+        self.answered.pop(sample_id, None)
+
+    def finish(self) -> None:
+        """After `close`, once every capture was read: CaptureError when the sending thread failed."""
+        if self.error is not None:
+            raise CaptureError(f"capturing through {', '.join(self.gen.endpoints)} failed: {self.error}")
 
     @property
     def stopped(self) -> bool:
@@ -190,3 +208,4 @@ class EndpointCapture:
     def stop(self) -> None:
         """Send no further chunk (the one in flight ends on its own: the thread is a daemon)."""
         self._stop.set()
+        self._parts.put(None)  # a thread waiting for the next part (`open`) ends too

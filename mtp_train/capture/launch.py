@@ -1,9 +1,13 @@
-"""Our side of the vLLM process: its environment, the capture modules it imports, its request, its end.
+"""Our side of the vLLM process: its environment, the capture modules it imports, its request, its prompts, its end.
 
 vLLM runs in its own environment (`vllm_python`), in a child process, so our package need not be installed there
 and its dependencies never meet vLLM's. The child's PYTHONPATH is a temporary folder holding a copy of only the
 modules vLLM's side imports (`CHILD_MODULES`), so a `vllm_python` that cannot import the rest of our package still
 loads the connector, and nothing of our environment (a site-packages folder) shadows vLLM's torch.
+
+The prompts go to the child's stdin as the driver reads them (`VllmProcess.put`, one line per part, written by a
+thread of ours so that a full pipe never blocks the driver), so vLLM starts on the first conversations while the
+rest of the data is still being read.
 """
 
 from __future__ import annotations
@@ -11,15 +15,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import mtp_train
+
+if TYPE_CHECKING:  # annotations only: vLLM's side imports this module's siblings, never this one
+    from mtp_train.data.samples import Row
 
 PACKAGE_DIR = Path(mtp_train.__file__).parent
 # What vLLM's processes import of ours: the package's (empty) inits and the capture modules the connector uses.
@@ -75,7 +84,17 @@ def error_line(text: str, most: int = 240) -> str:
 
 @dataclass
 class VllmProcess:
-    """The running vLLM side: its process, request / result files and log."""
+    """The running vLLM side: its process, result file and log, and the thread writing its prompts to its stdin.
+
+    Args:
+        proc: the child (its stdin a pipe).
+        python: vLLM's python.
+        result_path: where the child writes its result.
+        log_path: the child's stdout and stderr.
+        model: the model it serves (named in errors).
+        log_file: the open log (closed by `stop`).
+        max_model_len: the longest prompt plus its one sampled token the child's engine takes.
+    """
 
     proc: subprocess.Popen[bytes]
     python: Path
@@ -83,6 +102,52 @@ class VllmProcess:
     log_path: Path
     model: str
     log_file: IO[bytes]
+    max_model_len: int
+    # The parts `put` hands over, written by the feeding thread; None ends the child's input. Unbounded: the
+    # driver sends at most about two windows of conversations ahead of the ones it converts.
+    _parts: queue.Queue[str | None] = field(default_factory=queue.Queue)
+    _feeder: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        self._feeder = threading.Thread(target=self._feed, name="mtp-vllm-prompts", daemon=True)
+        self._feeder.start()
+
+    def _feed(self) -> None:
+        stdin = self.proc.stdin
+        assert stdin is not None
+        try:
+            while (line := self._parts.get()) is not None:
+                stdin.write(line.encode())
+                stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            return  # the child has ended (or was stopped): `check` reports why
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                stdin.close()
+
+    def check_lengths(self, rows: Sequence[Row]) -> None:
+        """Refuse a conversation the engine cannot take (longer than max_model_len - 1: one token is sampled)."""
+        longest = max(rows, key=lambda r: r.ids.size)
+        if longest.ids.size + 1 > self.max_model_len:
+            raise CaptureError(f"sample {longest.id!r} has {longest.ids.size} tokens; vLLM was started with "
+                               f"max_model_len={self.max_model_len} (the target's positions or max_seq_len + 1): "
+                               "lower max_seq_len")
+
+    def put(self, rows: Sequence[Row]) -> None:
+        """Send `rows` as one part (one `generate` call of the child: `vllm_run`), in order, without blocking."""
+        self._parts.put(json.dumps([{"id": r.id, "token_ids": r.ids.tolist()} for r in rows]) + "\n")
+
+    def close(self) -> None:
+        """No more prompts: the child ends once it has run the ones sent."""
+        self._parts.put(None)
+
+    def taken(self, sample_id: str) -> None:
+        """The driver has read `sample_id`'s capture (nothing is kept of it here)."""
+
+    def finish(self) -> None:
+        """After `close`, once every capture was read: wait for the child's end; CaptureError when it failed."""
+        if self.proc.wait() != 0:
+            raise self.error()
 
     def result(self) -> dict[str, Any]:
         """The child's result once it has exited (an error dict when it wrote none)."""
@@ -118,6 +183,7 @@ class VllmProcess:
     def stop(self) -> None:
         """End the child and the engine processes it spawned (its own process group) if it still runs (a refused
         or interrupted run), then close its log."""
+        self._parts.put(None)  # the feeding thread ends (a write blocked on a full pipe ends with the child)
         if self.proc.poll() is None:
             end_group(self.proc)
         self.log_file.close()
@@ -134,29 +200,26 @@ def end_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def start(python: Path, request: dict[str, Any], prompts: Iterable[dict[str, Any]], workdir: Path,
-          env: Mapping[str, str], log_path: Path) -> VllmProcess:
-    """Write `request` and `prompts` (the `vllm_run` formats) to workdir and start vLLM's side on them, its output
-    to log_path.
+def start(python: Path, request: dict[str, Any], workdir: Path, env: Mapping[str, str],
+          log_path: Path) -> VllmProcess:
+    """Write `request` (the `vllm_run` format) to workdir and start vLLM's side on it, its output to log_path; the
+    prompts follow through `VllmProcess.put` and `close`.
 
     Args:
         python: vLLM's python.
-        request: the settings (`vllm_run`'s request without "prompts").
-        prompts: {"id", "token_ids"} per conversation, in the order vLLM should take them.
-        workdir: a private folder for the request files (the child's working directory).
+        request: the settings (`vllm_run`'s request).
+        workdir: a private folder for the request and result files (the child's working directory).
         env: the child's environment (`child_env`).
         log_path: the child's stdout and stderr.
     """
-    req_path, prompts_path, result_path = workdir / "request.json", workdir / "prompts.jsonl", workdir / "result.json"
-    with open(prompts_path, "w") as f:
-        for p in prompts:
-            f.write(json.dumps(p) + "\n")
-    req_path.write_text(json.dumps({**request, "prompts": str(prompts_path)}))
+    req_path, result_path = workdir / "request.json", workdir / "result.json"
+    req_path.write_text(json.dumps(request))
     result_path.unlink(missing_ok=True)
     log_file = open(log_path, "wb")  # noqa: SIM115 - closed by VllmProcess.stop
     # A session of its own: stopping it reaches vLLM's engine processes too, and a Ctrl-C meant for the driver
     # reaches only the driver, which then stops it.
     proc = subprocess.Popen([str(python), "-m", RUN_MODULE, "--request", str(req_path), "--out", str(result_path)],
-                            env=dict(env), stdout=log_file, stderr=subprocess.STDOUT, cwd=workdir,
-                            start_new_session=True)
-    return VllmProcess(proc, python, result_path, log_path, str(request["model"]), log_file)
+                            env=dict(env), stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
+                            cwd=workdir, start_new_session=True)
+    return VllmProcess(proc, python, result_path, log_path, str(request["model"]), log_file,
+                       int(request["max_model_len"]))

@@ -3,17 +3,19 @@
 Runs in vLLM's own environment, with our checkout on PYTHONPATH so that vLLM can import
 `mtp_train.capture.vllm_connector`; it imports only vLLM and the standard library. Request and result are JSON:
 
-    request: {"model": DIR, "dtype": "float32", "max_model_len": 2048, "layer_ids": [2, 15, 30],
-              "spool_dir": FOLDER, "tag": TAG, "engine": {vllm.LLM keyword arguments: enforce_eager, max_num_seqs, ...},
-              "prompts": PROMPTS_JSONL, "chunk": 4096}
-    prompts: one JSON object a line, {"id": SAMPLE_ID, "token_ids": [...]}
+    request: {"model": DIR, "dtype": "float32", "max_model_len": 2049, "layer_ids": [2, 15, 30],
+              "spool_dir": FOLDER, "tag": TAG, "engine": {vllm.LLM keyword arguments: enforce_eager, max_num_seqs, ...}}
+    stdin:   one part a line, a JSON list of prompts [{"id": SAMPLE_ID, "token_ids": [...]}, ...]; its end ends the run
     result:  {"vllm_version", "requests"} or {"error": "<exception>", "stage": "import" | "load" | "run"} (exit code 2)
 
 Every prompt is one request of max_tokens=1 (a prefill; the one sampled token is dropped), named by its sample id
-in `kv_transfer_params`; the connector writes `spool_dir/req-<hash>.safetensors` for each. Prompts are read and
-handed to vLLM `chunk` at a time, in file order, so a million conversations never sit in memory at once.
+in `kv_transfer_params`; the connector writes `spool_dir/req-<hash>.safetensors` for each. Each part is one
+`generate` call, run as soon as its line arrives: the driver sends the conversations a window at a time as it reads
+them (`launch.VllmProcess.put`), so vLLM starts before the data has been read to its end and a million
+conversations never sit in memory at once. `max_model_len` is the run's (max_seq_len + 1, at most the target's
+positions), not the longest conversation's: it is known before any is read.
 
-    python -m mtp_train.capture.vllm_run --request req.json --out result.json
+    python -m mtp_train.capture.vllm_run --request req.json --out result.json < parts.jsonl
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import argparse
 import json
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +63,9 @@ def engine_args(req: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run(req: dict[str, Any]) -> dict[str, Any]:
-    """Load vLLM and prefill every prompt; returns the result (or the error and the stage it happened at)."""
+def run(req: dict[str, Any], lines: Iterable[str]) -> dict[str, Any]:
+    """Load vLLM and prefill every prompt of every part in `lines` (stdin); returns the result (or the error and the
+    stage it happened at)."""
     try:
         import vllm
         from vllm import LLM, SamplingParams
@@ -75,7 +78,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
         return {"error": f"{type(e).__name__}: {e}", "stage": "load", "traceback": traceback.format_exc()}
     done = 0
     try:
-        for chunk in chunks(Path(req["prompts"]), int(req.get("chunk", 4096))):
+        for chunk in parts(lines):
             prompts = [TokensPrompt(prompt_token_ids=list(p["token_ids"])) for p in chunk]
             params = [SamplingParams(max_tokens=1, temperature=0.0,
                                      extra_args={"kv_transfer_params": {"sample_id": p["id"]}}) for p in chunk]
@@ -86,18 +89,14 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     return {"vllm_version": vllm.__version__, "requests": done}
 
 
-def chunks(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
-    """The prompts of a JSONL file, `size` at a time."""
-    batch: list[dict[str, Any]] = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                batch.append(json.loads(line))
-            if len(batch) == size:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
+def parts(lines: Iterable[str]) -> Iterator[list[dict[str, Any]]]:
+    """The parts of the driver's input, one JSON list of prompts a line (blank lines and empty parts skipped), each
+    as soon as its line is read."""
+    for line in lines:
+        if line.strip():
+            part = json.loads(line)
+            if part:
+                yield part
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    result = run(json.loads(Path(a.request).read_text()))
+    result = run(json.loads(Path(a.request).read_text()), sys.stdin)
     Path(a.out).write_text(json.dumps(result))
     if "error" in result:
         print(result.get("traceback", result["error"]), file=sys.stderr)

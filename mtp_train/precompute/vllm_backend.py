@@ -1,12 +1,18 @@
 """`mtp-precompute backend=vllm`: stage one with the hidden states captured inside vLLM.
 
-Our side renders the conversations and their loss masks exactly as `backend=engine` does (`build_samples`: same
-ids, masks, plans and shard names), opens the folder with the same `FolderWriter` and asks vLLM only for the
-hidden states: it launches vLLM in its own environment (`mtp_train.capture.launch`) over the prompt token ids of
-the conversations not yet in a finished shard (the whole conversation, prefill only, max_tokens=1), with our
-connector (`mtp_train.capture.vllm_connector`) writing one capture file per conversation. The driver turns them,
-shard by shard in plan order, into rows while vLLM runs on (a conversation's file is deleted once its shard is on
-disk), then stops vLLM and writes the manifest.
+Our side renders the conversations and their loss masks exactly as `backend=engine` does, and streams them the
+same way: `SampleStream` reads and tokenizes `window` conversations at a time, `plan_stream` cuts them into the
+same shards under the same names, and the same `FolderWriter` takes each shard as it is planned (`add`). vLLM is
+asked only for the hidden states, of the conversations of shards not yet finished whose capture is not on disk
+(the whole conversation, prefill only, max_tokens=1): through running servers (`vllm.endpoints`,
+`mtp_train.capture.endpoints`) or a vLLM launched in its own environment (`mtp_train.capture.launch`), with our
+connector (`mtp_train.capture.vllm_connector`) writing one capture file per conversation. `Streamer` sends a
+window of conversations at a time, about two windows ahead of the shard it turns into rows, in plan order, while
+vLLM runs on (a conversation's file is deleted once its shard is on disk); at the end vLLM is stopped and the
+manifest is written as the engine backend writes it, from the shards' sidecars and counts files. So vLLM starts
+within seconds whatever the input's size, and host memory does not grow with the number of conversations: a
+launched vLLM is started with the run's `max_seq_len` (at most the target's positions), not the longest
+conversation's length, which is not known before the data has been read.
 
 Why files between the two: the connector runs inside vLLM's engine processes, in vLLM's environment, where our
 package is not installed; the shard plans, masks and the writer are ours. A capture file is whole or absent
@@ -21,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import tempfile
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,21 +48,25 @@ from mtp_train.config import Interrupted
 from mtp_train.config.precompute import PrecomputeConfig
 from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
 from mtp_train.data.fingerprints import load_tokenizer
-from mtp_train.data.samples import Row, build_samples, to_rows
+from mtp_train.data.samples import Row, SampleStream, checked_rows
 from mtp_train.layers.norm import RMSNorm
 from mtp_train.models.config import ModelArgs
 from mtp_train.models.foreign import FINAL_NORM_NAMES, head_target_args, pick_name
 from mtp_train.models.loader import CheckpointReader, checkpoint_files, resolve_dtype
 from mtp_train.precompute.manifest import Manifest, ShardInfo
-from mtp_train.precompute.plan import RANK_ASSIGNMENT, plan_rank
+from mtp_train.precompute.plan import RANK_ASSIGNMENT, ShardPlan, plan_stream
+from mtp_train.precompute.shards import finished_shard
 from mtp_train.precompute.writer import (
     FolderWriter,
     PrecomputeError,
     check_aux_layers,
-    check_replaces,
     check_settings,
     dtype_name,
+    finished_of_same_settings,
+    first_difference,
     folder_spec,
+    other_samples,
+    refuse_other,
 )
 from mtp_train.remote.http import RemoteError
 
@@ -146,9 +158,16 @@ def check_writable(folder: Path) -> None:
                               "writes there; choose vllm.spool_dir=<a writable folder>") from None
 
 
+def max_model_len(cfg: PrecomputeConfig, args: ModelArgs) -> int:
+    """The launched vLLM's max_model_len: a conversation of the run's `max_seq_len` tokens (the most `SampleStream`
+    keeps) and its one sampled token, at most the target's positions (vLLM refuses a longer context). Known before
+    any conversation is read, so prompts are sent as they are read."""
+    return min(cfg.max_seq_len + 1, args.max_position_embeddings)
+
+
 def vllm_request(cfg: PrecomputeConfig, model_dir: Path, dtype: torch.dtype, lmap: LayerMap, spool: Path,
-                 tag: str, rows: list[Row]) -> dict[str, Any]:
-    """The `vllm_run` request (without its prompts) for `rows`."""
+                 tag: str, context: int) -> dict[str, Any]:
+    """The `vllm_run` request (its prompts go to the child's stdin); context: its max_model_len (`max_model_len`)."""
     v = cfg.vllm
     engine: dict[str, Any] = {"enforce_eager": v.enforce_eager, "max_num_seqs": v.max_num_seqs,
                               "tensor_parallel_size": v.tensor_parallel_size}
@@ -158,8 +177,7 @@ def vllm_request(cfg: PrecomputeConfig, model_dir: Path, dtype: torch.dtype, lma
         engine["gpu_memory_utilization"] = v.gpu_memory_utilization
     engine.update(v.engine_args)
     return {"model": str(model_dir.resolve()), "dtype": dtype_name(dtype), "layer_ids": list(lmap.vllm_ids),
-            "max_model_len": max(int(r.ids.size) for r in rows) + 1, "spool_dir": str(spool.resolve()),
-            "tag": tag, "engine": engine}
+            "max_model_len": int(context), "spool_dir": str(spool.resolve()), "tag": tag, "engine": engine}
 
 
 class CaptureSource(Protocol):
@@ -169,6 +187,22 @@ class CaptureSource(Protocol):
     def wait(self, seconds: float) -> None: ...
 
     def check(self, sample_id: str, path: Path) -> None: ...
+
+
+class CaptureSink(CaptureSource, Protocol):
+    """A `CaptureSource` the driver hands conversations to as it reads them (`Streamer`)."""
+
+    def check_lengths(self, rows: Sequence[Row]) -> None: ...  # refuses a conversation it cannot take
+
+    def put(self, rows: Sequence[Row]) -> None: ...  # capture these, in order, without blocking the driver
+
+    def close(self) -> None: ...  # no more conversations
+
+    def taken(self, sample_id: str) -> None: ...  # the driver has read this capture
+
+    def finish(self) -> None: ...  # after close, every capture read: raises what failed meanwhile
+
+    def stop(self) -> None: ...  # end now (always called)
 
 
 def wait_for(path: Path, source: CaptureSource | None, sample_id: str) -> Path:
@@ -194,9 +228,10 @@ def precompute_vllm(cfg: PrecomputeConfig, *, environ: Mapping[str, str], config
             vllm.*).
         environ: the environment vLLM's process starts from (its PYTHONPATH is replaced, see `launch.child_env`).
         config_dict: the resolved config, recorded in the manifest's provenance.
-        on_start: called once the data is read, the settings checked and the servers of `vllm.endpoints` probed,
-            before anything in `cfg.out` changes; never when `cfg.out` already holds this capture, finished (its
-            manifest is returned and nothing is written).
+        on_start: called once the first window of the data is read, the settings checked and the servers of
+            `vllm.endpoints` probed (when the first window has a conversation to capture), before anything in
+            `cfg.out` changes; never when `cfg.out` already holds this capture, finished (its manifest is returned
+            and nothing is written).
     """
     try:
         return capture_stage(cfg, environ, config_dict, on_start)
@@ -216,82 +251,87 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
     lmap = layer_map(aux_layers, args.num_layers)
     dtype = resolve_dtype(cfg.model.dtype, args)
     tokenizer = load_tokenizer(model_dir)
-    samples, info = build_samples(tokenizer, cfg)
-    rows = to_rows(samples, args.vocab_size)
-    if not rows:
+    stream = SampleStream(tokenizer, cfg, window=cfg.window)
+    rows = checked_rows(stream, args.vocab_size)
+    first = next(rows, None)  # the first window is read here: its bad rows are refused before any write
+    if first is None:
         raise ValueError("no samples to precompute")
     out = Path(cfg.out)
     spool = Path(cfg.vllm.spool_dir) if cfg.vllm.spool_dir else out / "capture"
     spec = folder_spec(args, dtype, model_dir, cfg.hidden_dtype, aux_layers, backend="vllm")
-    plans = plan_rank(rows, 0, 1, cfg.shard_tokens, spec.settings)
-    finished = check_replaces(out, spec, plans, 1, cfg)
-    if finished is not None:  # this very capture, finished: nothing to ask vLLM, nothing to write
+    plans = plan_stream(itertools.chain([first], rows), 0, 1, cfg.shard_tokens, spec.settings)
+    finished = finished_of_same_settings(out, spec, 1, cfg)
+    if finished is not None:
+        # Compared shard by shard as they are planned, writing nothing: this very capture, finished, is returned
+        # (nothing to ask vLLM, nothing to write), another is refused naming its first differing shard.
+        diff = first_difference(out, finished, plans, 0, 1)
+        if diff is not None:
+            refuse_other(out, [other_samples(finished, diff)])
         log.debug("%s already holds this precompute (finished %s): nothing to do", out, finished.created_at)
         return finished
     norm = final_norm(model_dir, args, dtype)
     tag = capture_tag(spec.settings, lmap.vllm_ids)
-    by_name = {p.name: p for p in plans}
 
     def drop_captures(shard: ShardInfo, skipped: bool) -> None:
-        for r in by_name[shard.file].rows:  # on disk in a shard: its captures are not needed any more
-            (spool / file_name(r.id)).unlink(missing_ok=True)
+        for sample_id in streamer.shard_ids.pop(shard.file, ()):  # on disk in a shard: its captures go
+            (spool / file_name(sample_id)).unlink(missing_ok=True)
 
-    writer = FolderWriter(out, spec, plans, rank=0, verify=cfg.verify_on_resume, on_shard=drop_captures,
+    writer = FolderWriter(out, spec, rank=0, verify=cfg.verify_on_resume, on_shard=drop_captures,
                           split=(cfg.seed, cfg.val_fraction))
-    writer.scan()  # what is left to capture, known before anything is written
-    todo = [r for p in writer.todo for r in p.rows]
-    missing = [r for r in todo if not usable(spool / file_name(r.id), tag, r)]
-    served: dict[str, Any] | None = None  # the endpoints captured through (provenance)
     made = [d for d in (spool, *spool.parents) if not d.exists()]  # the capture folders this run creates
-    remote: EndpointCapture | None = None
-    try:
-        check_writable(spool)
-        remove_torn(spool)
-        if missing and cfg.vllm.endpoints:
-            # The servers are asked and probed before the run writes anything: a refused one leaves no config.yaml
-            # and no folder behind.
-            remote = EndpointCapture.connect(cfg.vllm, spool, tag, lmap.vllm_ids, dtype)
-            remote.check_lengths(missing)
-            remote.probe(missing[0])
-            served = remote.provenance()
-        writer.begin(owner=True, on_start=on_start)
-        log.info("precompute through vLLM: %d of %d shards to write, %d conversations to capture (%d captured "
-                 "before)", len(writer.todo), len(plans), len(missing), len(todo) - len(missing))
-        if remote is not None:
-            remote.start(missing)
-            try:
-                convert(writer, spool, lmap, norm, remote)
-            finally:
-                remote.stop()
-        elif missing:
+    served: dict[str, Any] | None = None  # the endpoints captured through (provenance)
+    context = max_model_len(cfg, args)
+    with contextlib.ExitStack() as stack:
+
+        def open_sink() -> CaptureSink:
+            """Start capturing (at the first conversation without a usable capture file): probe the servers of
+            `vllm.endpoints`, or launch vLLM."""
+            nonlocal served
+            if cfg.vllm.endpoints:
+                remote = EndpointCapture.connect(cfg.vllm, spool, tag, lmap.vllm_ids, dtype)
+                stack.callback(remote.stop)
+                remote.check_lengths([streamer.first_missing])
+                remote.probe(streamer.first_missing)
+                served = remote.provenance()
+                remote.open()
+                return remote
             assert python is not None
-            with tempfile.TemporaryDirectory(prefix="mtp-capture-") as tmp:
-                env = launch.child_env(environ, launch.stage_modules(Path(tmp)), cfg.vllm.cpu_kvcache_gb)
-                prompts = ({"id": r.id, "token_ids": r.ids.tolist()} for r in missing)
-                proc = launch.start(python, vllm_request(cfg, model_dir, dtype, lmap, spool, tag, missing), prompts,
-                                    Path(tmp), env, out / "vllm-capture.log")
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mtp-capture-")))
+            env = launch.child_env(environ, launch.stage_modules(tmp / "modules"), cfg.vllm.cpu_kvcache_gb)
+            proc = launch.start(python, vllm_request(cfg, model_dir, dtype, lmap, spool, tag, context), tmp, env,
+                                out / "vllm-capture.log")
+            # A refused or interrupted run stops vLLM (and its engine processes) here.
+            stack.callback(proc.stop)
+            return proc
+
+        streamer = Streamer(writer, spool, tag, lmap, norm, open_sink, cfg.window)
+        try:
+            check_writable(spool)
+            remove_torn(spool)
+            plans = streamer.peek(plans, out)
+            if cfg.vllm.endpoints and streamer.first_missing is not None:
+                # The servers are asked and probed before the run writes anything: a refused one leaves no
+                # config.yaml and no folder behind.
+                streamer.open()
+            writer.begin(owner=True, on_start=on_start)
+            log.info("precompute through vLLM: %s → %s, %d conversations read and tokenized at a time",
+                     list(cfg.data.paths), out, cfg.window)
+            streamer.run(plans)
+            writer.finish()
+        except BaseException as exc:
+            for d in made:  # deepest first; one that holds captures stays for the re-run
                 try:
-                    convert(writer, spool, lmap, norm, proc)
-                    if proc.proc.wait() != 0:
-                        raise proc.error()
-                finally:
-                    proc.stop()  # a refused or interrupted run stops vLLM (and its engine processes) here
-        else:
-            convert(writer, spool, lmap, norm, None)
-        writer.finish()
-    except BaseException as exc:
-        for d in made:  # deepest first; one that holds captures stays for the re-run
-            try:
-                d.rmdir()
-            except OSError:
-                break
-        if isinstance(exc, KeyboardInterrupt):
-            raise Interrupted(f"after {len(writer.done)} of {len(plans)} shards were written to {out}; re-run the "
-                              f"same command to go on from there (finished shards and captures in {spool} are "
-                              "kept)") from None
-        raise
-    finally:
-        writer.close()
+                    d.rmdir()
+                except OSError:
+                    break
+            if isinstance(exc, KeyboardInterrupt):
+                raise Interrupted(f"after {len(writer.done)} shards were written to {out}; re-run the same command "
+                                  f"to go on from there (finished shards and captures in {spool} are kept)") from None
+            raise
+        finally:
+            writer.close()
+    log.info("precompute through vLLM: %d conversations captured, %d shards kept from before",
+             streamer.captured, streamer.kept)
     remove_torn(spool)
     if cfg.vllm.spool_dir is None:
         # The folder is ours and every shard is written: what is left are captures of conversations no longer in
@@ -305,21 +345,115 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
                          "rank_assignment": RANK_ASSIGNMENT, "backend": "vllm", "vllm_layer_ids": list(lmap.vllm_ids),
                          **({"servers": served} if served else {})},
             "package": "mtp_train", "version": mtp_train.__version__, "config": config_dict}
-    return writer.write_manifest(plans, rows, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                                 chat_template_fingerprint=chat_template_fingerprint(tokenizer), data_info=info,
-                                 val_fraction=cfg.val_fraction, seed=cfg.seed, provenance=prov)
+    # From what the shards record (their sidecars and counts files), as the engine backend writes it: no row held.
+    return writer.write_streamed_manifest(
+        writer.entries, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        chat_template_fingerprint=chat_template_fingerprint(tokenizer), data_info=dict(stream.info),
+        val_fraction=cfg.val_fraction, seed=cfg.seed, provenance=prov)
 
 
-def convert(writer: FolderWriter, spool: Path, lmap: LayerMap, norm: Callable[[torch.Tensor], torch.Tensor],
-            source: CaptureSource | None) -> None:
-    """Record every conversation of the writer's unfinished shards from its capture file, in plan order (waiting
-    for `source` to write it, when there is one); a shard goes to disk as soon as its last conversation is in."""
-    for plan in writer.todo:
+class Streamer:
+    """Captures the conversations of the shards as they are planned and turns the captures into rows, in plan
+    order (module docstring): the conversations of about one window are sent to vLLM at a time, and the shards
+    are converted once about two windows of conversations are planned ahead of them, so vLLM always has the next
+    window while the driver converts, and at most about three windows of rows are held (with the stream's own).
+
+    Args:
+        writer: the folder's writer, after `begin` when `run` is called.
+        spool: the capture folder.
+        tag: the run's tag (`capture_tag`): a capture file of another is captured again.
+        lmap: the run's layers in vLLM's numbering.
+        norm: the target's final norm (`final_norm`).
+        open_sink: starts capturing (probes the servers or launches vLLM); called once, at the first conversation
+            without a usable capture (`first_missing`), never when every conversation has one.
+        window: conversations sent at a time.
+    """
+
+    def __init__(self, writer: FolderWriter, spool: Path, tag: str, lmap: LayerMap,
+                 norm: Callable[[torch.Tensor], torch.Tensor], open_sink: Callable[[], CaptureSink],
+                 window: int) -> None:
+        self.writer, self.spool, self.tag, self.lmap, self.norm = writer, spool, tag, lmap, norm
+        self.open_sink, self.window = open_sink, max(1, window)
+        self.sink: CaptureSink | None = None
+        self.first_missing: Row | None = None  # the first conversation to capture (the probe's)
+        self.shard_ids: dict[str, list[str]] = {}  # shard file → its sample ids, until the shard is on disk
+        self._pending: deque[ShardPlan] = deque()  # planned shards to convert, in order
+        self._ahead = 0  # conversations of the pending shards
+        self._unsent: list[Row] = []  # conversations to capture, not yet handed to the sink
+        self.captured = 0  # conversations sent to vLLM
+        self.kept = 0  # shards a previous run finished
+
+    def _missing(self, plan: ShardPlan) -> list[Row]:
+        return [r for r in plan.rows if not usable(self.spool / file_name(r.id), self.tag, r)]
+
+    def peek(self, plans: Iterable[ShardPlan], out: Path) -> Iterator[ShardPlan]:
+        """Read `plans` up to the first conversation to capture of a shard not finished yet (`first_missing`), or
+        about a window of conversations, writing nothing; returns the same plans, from the first."""
+        plans = iter(plans)
+        seen: list[ShardPlan] = []
+        rows = 0
+        for plan in plans:
+            seen.append(plan)
+            rows += len(plan.rows)
+            if finished_shard(out, plan, verify=False) is None:
+                self.first_missing = next(iter(self._missing(plan)), None)
+            if self.first_missing is not None or rows >= self.window:
+                break
+        return itertools.chain(seen, plans)
+
+    def open(self) -> CaptureSink:
+        """The sink, started at the first call."""
+        if self.sink is None:
+            self.sink = self.open_sink()
+        return self.sink
+
+    def run(self, plans: Iterable[ShardPlan]) -> None:
+        """Capture and record every shard of `plans` not finished yet (`FolderWriter.add`), then end the sink."""
+        for plan in plans:
+            # Known before `add`: a shard a previous run finished drops its leftover captures there.
+            self.shard_ids[plan.name] = [r.id for r in plan.rows]
+            if not self.writer.add(plan):
+                self.kept += 1
+                continue
+            self._pending.append(plan)
+            self._ahead += len(plan.rows)
+            self._unsent += self._missing(plan)
+            if len(self._unsent) >= self.window:
+                self._send()
+            if self._ahead >= 2 * self.window:
+                while self._pending and self._ahead > self.window:
+                    self._convert(self._pending.popleft())
+        self._send()
+        if self.sink is not None:
+            self.sink.close()
+        while self._pending:
+            self._convert(self._pending.popleft())
+        if self.sink is not None:
+            self.sink.finish()
+
+    def _send(self) -> None:
+        if not self._unsent:
+            return
+        if self.first_missing is None:
+            self.first_missing = self._unsent[0]
+        sink = self.open()
+        sink.check_lengths(self._unsent)
+        sink.put(self._unsent)
+        self.captured += len(self._unsent)
+        self._unsent = []
+
+    def _convert(self, plan: ShardPlan) -> None:
+        """Record `plan`'s conversations from their capture files (waiting for them); its shard then goes to
+        disk."""
+        self._ahead -= len(plan.rows)
+        self._send()  # its conversations may still be waiting to be sent
         for row in plan.rows:
-            cap = read_capture(wait_for(spool / file_name(row.id), source, row.id))
+            cap = read_capture(wait_for(self.spool / file_name(row.id), self.sink, row.id))
+            if self.sink is not None:
+                self.sink.taken(row.id)
             with torch.inference_mode():
-                hidden, aux = rows_of(cap, row, lmap, norm)
-            writer.record([row.id], [int(row.ids.size)], hidden, aux)
+                hidden, aux = rows_of(cap, row, self.lmap, self.norm)
+            self.writer.record([row.id], [int(row.ids.size)], hidden, aux)
 
 
 def serve_command(cfg: PrecomputeConfig) -> str:
