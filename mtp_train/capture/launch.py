@@ -104,7 +104,7 @@ class VllmProcess:
     log_file: IO[bytes]
     max_model_len: int
     # The parts `put` hands over, written by the feeding thread; None ends the child's input. Unbounded: the
-    # driver sends at most about two windows of conversations ahead of the ones it converts.
+    # driver sends about a window of conversations ahead of the shard it converts.
     _parts: queue.Queue[str | None] = field(default_factory=queue.Queue)
     _feeder: threading.Thread | None = None
 

@@ -7,7 +7,7 @@ asked only for the hidden states, of the conversations of shards not yet finishe
 (the whole conversation, prefill only, max_tokens=1): through running servers (`vllm.endpoints`,
 `mtp_train.capture.endpoints`) or a vLLM launched in its own environment (`mtp_train.capture.launch`), with our
 connector (`mtp_train.capture.vllm_connector`) writing one capture file per conversation. `Streamer` sends a
-window of conversations at a time, about two windows ahead of the shard it turns into rows, in plan order, while
+window of conversations at a time, at least a window ahead of the shard it turns into rows, in plan order, while
 vLLM runs on (a conversation's file is deleted once its shard is on disk); at the end vLLM is stopped and the
 manifest is written as the engine backend writes it, from the shards' sidecars and counts files. So vLLM starts
 within seconds whatever the input's size, and host memory does not grow with the number of conversations: a
@@ -219,7 +219,8 @@ def wait_for(path: Path, source: CaptureSource | None, sample_id: str) -> Path:
 
 
 def precompute_vllm(cfg: PrecomputeConfig, *, environ: Mapping[str, str], config_dict: dict[str, Any],
-                    on_start: Callable[[], None] | None = None) -> Manifest:
+                    on_start: Callable[[], None] | None = None, stream: SampleStream | None = None,
+                    on_shard: Callable[[ShardInfo, bool], None] | None = None) -> Manifest:
     """Run stage one through vLLM as `cfg` says (one process; module docstring); returns the manifest. vLLM's
     failures (not installed, a model it cannot serve, a crash) are PrecomputeErrors naming its log.
 
@@ -232,15 +233,21 @@ def precompute_vllm(cfg: PrecomputeConfig, *, environ: Mapping[str, str], config
             `vllm.endpoints` probed (when the first window has a conversation to capture), before anything in
             `cfg.out` changes; never when `cfg.out` already holds this capture, finished (its manifest is returned
             and nothing is written).
+        stream: the samples, read once (None: `SampleStream` over `cfg.data`, `cfg.window` conversations at a
+            time); its `info` is the manifest's `data`.
+        on_shard: called with (the shard's sidecar info, skipped) after each shard is written (skipped=False) or
+            found finished by a previous run (skipped=True), as `FolderWriter` calls it; an exception from it stops
+            the run, which resumes later.
     """
     try:
-        return capture_stage(cfg, environ, config_dict, on_start)
+        return capture_stage(cfg, environ, config_dict, on_start, stream, on_shard)
     except (launch.CaptureError, RemoteError) as e:
         raise PrecomputeError(str(e)) from None
 
 
 def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict: dict[str, Any],
-                  on_start: Callable[[], None] | None) -> Manifest:
+                  on_start: Callable[[], None] | None, stream: SampleStream | None = None,
+                  on_shard: Callable[[ShardInfo, bool], None] | None = None) -> Manifest:
     """`precompute_vllm`'s work, raising CaptureError for vLLM's failures."""
     check_settings(cfg)
     python = None if cfg.vllm.endpoints else launch.check_python(cfg.vllm_python)  # servers run elsewhere
@@ -251,7 +258,7 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
     lmap = layer_map(aux_layers, args.num_layers)
     dtype = resolve_dtype(cfg.model.dtype, args)
     tokenizer = load_tokenizer(model_dir)
-    stream = SampleStream(tokenizer, cfg, window=cfg.window)
+    stream = SampleStream(tokenizer, cfg, window=cfg.window) if stream is None else stream
     rows = checked_rows(stream, args.vocab_size)
     first = next(rows, None)  # the first window is read here: its bad rows are refused before any write
     if first is None:
@@ -275,6 +282,8 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
     def drop_captures(shard: ShardInfo, skipped: bool) -> None:
         for sample_id in streamer.shard_ids.pop(shard.file, ()):  # on disk in a shard: its captures go
             (spool / file_name(sample_id)).unlink(missing_ok=True)
+        if on_shard is not None:
+            on_shard(shard, skipped)
 
     writer = FolderWriter(out, spec, rank=0, verify=cfg.verify_on_resume, on_shard=drop_captures,
                           split=(cfg.seed, cfg.val_fraction))
@@ -354,9 +363,10 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
 
 class Streamer:
     """Captures the conversations of the shards as they are planned and turns the captures into rows, in plan
-    order (module docstring): the conversations of about one window are sent to vLLM at a time, and the shards
-    are converted once about two windows of conversations are planned ahead of them, so vLLM always has the next
-    window while the driver converts, and at most about three windows of rows are held (with the stream's own).
+    order (module docstring). The conversations to capture go to vLLM a window at a time; a shard is converted
+    once at least a window of conversations is planned (and sent) after it, so vLLM always has the next window
+    while the driver waits for a shard's captures, and the rows held are the shard being converted, about a window
+    after it and the stream's own window.
 
     Args:
         writer: the folder's writer, after `begin` when `run` is called.
@@ -377,9 +387,10 @@ class Streamer:
         self.sink: CaptureSink | None = None
         self.first_missing: Row | None = None  # the first conversation to capture (the probe's)
         self.shard_ids: dict[str, list[str]] = {}  # shard file → its sample ids, until the shard is on disk
-        self._pending: deque[ShardPlan] = deque()  # planned shards to convert, in order
+        self._pending: deque[tuple[ShardPlan, int]] = deque()  # planned shards to convert, with their send number
         self._ahead = 0  # conversations of the pending shards
         self._unsent: list[Row] = []  # conversations to capture, not yet handed to the sink
+        self._sends = 0  # parts handed to the sink so far
         self.captured = 0  # conversations sent to vLLM
         self.kept = 0  # shards a previous run finished
 
@@ -415,19 +426,19 @@ class Streamer:
             if not self.writer.add(plan):
                 self.kept += 1
                 continue
-            self._pending.append(plan)
-            self._ahead += len(plan.rows)
             self._unsent += self._missing(plan)
+            # The part that will carry this shard's last conversations to capture (the next one sent).
+            self._pending.append((plan, self._sends + 1))
+            self._ahead += len(plan.rows)
             if len(self._unsent) >= self.window:
                 self._send()
-            if self._ahead >= 2 * self.window:
-                while self._pending and self._ahead > self.window:
-                    self._convert(self._pending.popleft())
+            while self._pending and self._ahead - len(self._pending[0][0].rows) >= self.window:
+                self._convert(*self._pending.popleft())
         self._send()
         if self.sink is not None:
             self.sink.close()
         while self._pending:
-            self._convert(self._pending.popleft())
+            self._convert(*self._pending.popleft())
         if self.sink is not None:
             self.sink.finish()
 
@@ -439,14 +450,16 @@ class Streamer:
         sink = self.open()
         sink.check_lengths(self._unsent)
         sink.put(self._unsent)
+        self._sends += 1
         self.captured += len(self._unsent)
         self._unsent = []
 
-    def _convert(self, plan: ShardPlan) -> None:
+    def _convert(self, plan: ShardPlan, part: int) -> None:
         """Record `plan`'s conversations from their capture files (waiting for them); its shard then goes to
-        disk."""
+        disk. part: the number of the part that carries its conversations."""
         self._ahead -= len(plan.rows)
-        self._send()  # its conversations may still be waiting to be sent
+        if part > self._sends:  # its conversations are still waiting to be sent
+            self._send()
         for row in plan.rows:
             cap = read_capture(wait_for(self.spool / file_name(row.id), self.sink, row.id))
             if self.sink is not None:
@@ -458,7 +471,7 @@ class Streamer:
 
 def serve_command(cfg: PrecomputeConfig) -> str:
     """`vllm.serve_command=true`: the shell line that starts a `vllm serve` capturing for these settings (their
-    layers, dtype and longest conversation) into `vllm.spool_dir`, with the capture modules staged in
+    layers, dtype and max_seq_len + 1 as its context) into `vllm.spool_dir`, with the capture modules staged in
     `<spool_dir>/.modules` (the servers see that folder already: they write beside it)."""
     if not cfg.vllm.spool_dir:
         raise ValueError("vllm.serve_command needs vllm.spool_dir: the shared folder the servers will write to")
