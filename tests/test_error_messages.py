@@ -287,7 +287,7 @@ def test_ctrl_c_in_precompute_says_where_it_stopped_and_a_re_run_finishes_exactl
     stopped = _cli("precompute", precompute_args(world, out), interrupt_at="shard-r0-00002.safetensors")
     lines = _lines(stopped, "mtp-precompute: interrupted ")
     assert stopped.returncode == 2 and len(lines) == 1, stopped.stderr[-3000:]
-    assert f"of 6 shards were written to {out}; re-run the same command to go on from there" in lines[0], lines[0]
+    assert f" shards were written to {out}; re-run the same command to go on from there" in lines[0], lines[0]
     assert "KeyboardInterrupt" not in stopped.stderr and not (out / "manifest.json").exists()
     assert _cli("precompute", precompute_args(world, out)).returncode == 0
     assert _shards(out) == _shards(reference["pc"])
