@@ -297,6 +297,7 @@ def capture_stage(cfg: PrecomputeConfig, environ: Mapping[str, str], config_dict
             `vllm.endpoints`, or launch vLLM."""
             nonlocal served
             if cfg.vllm.endpoints:
+                assert streamer.first_missing is not None  # set before the sink is opened
                 remote = EndpointCapture.connect(cfg.vllm, spool, tag, lmap.vllm_ids, dtype)
                 stack.callback(remote.stop)
                 remote.check_lengths([streamer.first_missing])
