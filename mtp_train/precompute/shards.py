@@ -124,7 +124,26 @@ def _sidecar(plan: ShardPlan, sha256: str, size: int) -> dict[str, Any]:
 def finished_shard(out_dir: Path, plan: ShardPlan, verify: bool) -> ShardInfo | None:
     """The shard's info if file + sidecar exist and match the plan (and the file's sha256 when verify). A shard or
     sidecar that is a link is never done: the reader refuses links, so the shard is written in the folder itself."""
-    path = out_dir / plan.name
+    info = matching_sidecar(out_dir, plan.name, plan_sha256=plan.plan_sha256, ids_sha256=plan.ids_sha256,
+                            samples=len(plan.rows), tokens=plan.tokens, loss_tokens=plan.loss_tokens)
+    if info is None or (verify and sha256_file(out_dir / plan.name) != info.sha256):
+        return None
+    return info
+
+
+def matching_sidecar(out_dir: Path, name: str, *, plan_sha256: str, ids_sha256: str, samples: int, tokens: int,
+                     loss_tokens: int) -> ShardInfo | None:
+    """The info of shard `name` when its file and sidecar are there (not links) and the sidecar records this plan
+    (hashes and counts) and the file's size; None otherwise (a torn or foreign sidecar: the shard is redone).
+
+    Args:
+        out_dir: the folder.
+        name: the shard's file name.
+        plan_sha256: the plan hash the sidecar must record (settings and every row).
+        ids_sha256: the hash of the shard's sample ids.
+        samples, tokens, loss_tokens: the counts the sidecar must record.
+    """
+    path = out_dir / name
     side = sidecar_path(path)
     if path.is_symlink() or side.is_symlink() or not (path.is_file() and side.is_file()):
         return None
@@ -132,14 +151,11 @@ def finished_shard(out_dir: Path, plan: ShardPlan, verify: bool) -> ShardInfo | 
         d = read_json(side)
         info = ShardInfo.from_dict(d)
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # torn or foreign sidecar: redo the shard
-    same = (d.get("format_version") == FORMAT_VERSION and d.get("plan_sha256") == plan.plan_sha256
-            and d.get("ids_sha256") == plan.ids_sha256 and info.samples == len(plan.rows)
-            and info.tokens == plan.tokens and info.loss_tokens == plan.loss_tokens
-            and info.bytes == path.stat().st_size)
-    if not same or (verify and sha256_file(path) != info.sha256):
         return None
-    return info
+    same = (d.get("format_version") == FORMAT_VERSION and d.get("plan_sha256") == plan_sha256
+            and d.get("ids_sha256") == ids_sha256 and info.samples == samples and info.tokens == tokens
+            and info.loss_tokens == loss_tokens and info.bytes == path.stat().st_size)
+    return info if same else None
 
 
 def write_shard(out_dir: Path, plan: ShardPlan, tensors: dict[str, torch.Tensor],

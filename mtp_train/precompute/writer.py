@@ -42,7 +42,6 @@ from mtp_train.precompute.manifest import (
     TokenizerInfo,
     Totals,
     is_val,
-    read_json,
     write_token_counts,
 )
 from mtp_train.precompute.quant import FP8, dequantize_fp8, quantize_fp8
@@ -51,6 +50,7 @@ from mtp_train.precompute.shards import (
     count_samples,
     counts_from_shard,
     finished_shard,
+    matching_sidecar,
     read_shard_counts,
     sidecar_path,
     write_shard,
@@ -211,19 +211,8 @@ class ShardEntry:
 
 def entry_finished(out_dir: Path, e: ShardEntry) -> ShardInfo | None:
     """The shard's info when its file and sidecar are those of entry `e` (`finished_shard` without the rows)."""
-    path = out_dir / e.name
-    side = sidecar_path(path)
-    if path.is_symlink() or side.is_symlink() or not (path.is_file() and side.is_file()):
-        return None
-    try:
-        d = read_json(side)
-        info = ShardInfo.from_dict(d)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    same = (d.get("format_version") == FORMAT_VERSION and d.get("plan_sha256") == e.plan_sha256
-            and d.get("ids_sha256") == e.ids_sha256 and info.samples == e.samples and info.tokens == e.tokens
-            and info.loss_tokens == e.loss_tokens and info.bytes == path.stat().st_size)
-    return info if same else None
+    return matching_sidecar(out_dir, e.name, plan_sha256=e.plan_sha256, ids_sha256=e.ids_sha256, samples=e.samples,
+                            tokens=e.tokens, loss_tokens=e.loss_tokens)
 
 
 def _manifest(out_dir: Path, shards: list[ShardInfo], spec: FolderSpec, counts: dict[str, int], token_counts: Any,
