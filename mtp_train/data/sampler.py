@@ -79,6 +79,11 @@ class LengthBucketedBatchSampler(torch.utils.data.Sampler[list[int]]):
         return [(self._batch(plan, int(b)), self.rank + p * self.world < plan.distinct)
                 for p, b in enumerate(plan.mine)]
 
+    def batch_at(self, position: int) -> list[int]:
+        """This rank's batch `position` of the current epoch (what iterating from that position yields first)."""
+        plan = self._plan()
+        return self._batch(plan, int(plan.mine[position]))
+
     def __len__(self) -> int:
         return len(self._plan().mine)
 

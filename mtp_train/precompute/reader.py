@@ -5,7 +5,8 @@ shard) once, closing each file as soon as it is read, and keeps what it needs pe
 bytes (about 21 bytes a sample plus its id's length, no Python object per sample); the train and val datasets of
 a run share one index. `ds[i]` reads only sample i's rows through safetensors' memory map; a dataset keeps at
 most `max_open` shards open (the least recently read is closed), and `verify="first_open"` hashes a shard the
-first time its samples are read, not before.
+first time its samples are read, not before (`verify_ahead` may start that hashing early, in background threads,
+for the shards a first batch will read: a sample is still never returned before its shard's hash is checked).
 
 Opening checks the manifest against the folder before a sample is read: shard entries are plain file names
 inside it, each listed once (`Manifest.check_listing`); each shard's header must hold the format's tensors
@@ -16,10 +17,13 @@ a manifest that disagrees with good shards is the one named, with what to do tha
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +38,6 @@ from mtp_train.precompute.manifest import (
     Manifest,
     ManifestError,
     ShardInfo,
-    is_val,
     read_token_counts,
     refuse_outside,
     restore_advice,
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 
 VERIFY_MODES = ("first_open", "never", "always")
 MAX_OPEN = 32  # shard files a dataset keeps open at once (the least recently read is closed first)
+HASH_THREADS = 8  # most shards `FolderIndex.verify_ahead` hashes at once (hashlib and reads release the GIL)
 
 
 class ShardError(RuntimeError):
@@ -84,13 +88,27 @@ class _Shard:
     id_ends: np.ndarray  # (S,) int64: id j is id_bytes[id_ends[j-1]:id_ends[j]] (from 0 for j = 0)
 
     @classmethod
-    def make(cls, info: ShardInfo, path: Path, offsets: np.ndarray, ids: list[str]) -> _Shard:
-        encoded = [sid.encode() for sid in ids]
+    def make(cls, info: ShardInfo, path: Path, offsets: np.ndarray, encoded: list[bytes]) -> _Shard:
         ends = np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
         return cls(info, path, offsets, b"".join(encoded), ends)
 
     def id(self, j: int) -> str:
         return self.id_bytes[int(self.id_ends[j - 1]) if j else 0:int(self.id_ends[j])].decode()
+
+
+def _split_keys(encoded: list[bytes], seed: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(S,) bool whether each id (UTF-8) is in the val split, by `is_val`'s rule, and (S,) int64 keys for the
+    duplicate check (equal ids, equal keys), hashing each id once.
+
+    `is_val` compares the digest's first 8 bytes, big-endian, over 2^64 with val_fraction; numpy converts them to
+    float64 with the same rounding as Python does, so the flags are `is_val`'s exactly.
+    """
+    if val_fraction <= 0.0:
+        # hash() is stable within a process, which is all a duplicate check needs.
+        return np.zeros(len(encoded), bool), np.fromiter(map(hash, encoded), dtype=np.int64, count=len(encoded))
+    prefix = f"{seed}:".encode()
+    heads = np.frombuffer(b"".join([hashlib.sha256(prefix + e).digest()[:8] for e in encoded]), dtype=">u8")  # (S,)
+    return heads.astype(np.float64) / 2.0**64 < val_fraction, heads.view(np.int64)
 
 
 class FolderIndex:
@@ -116,18 +134,21 @@ class FolderIndex:
         self.check(expect_target_fingerprint, expect_tokenizer_fingerprint, expect_chat_template_fingerprint)
         self.reads = ReadCounts()
         self.verified: set[int] = set()  # shards whose sha256 was checked (shared by every dataset over the index)
+        # Shard → its sha256 being computed in the background (`verify_ahead`), by this process's threads.
+        self._pending: dict[int, Future[str]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._owner = os.getpid()
         sel = self.manifest.split
         shards: list[_Shard] = []
         lengths, val, keys = [], [], []
         for info in self.manifest.shards:
-            shard, ids = self._index_shard(info)
+            shard, encoded = self._index_shard(info)
             shards.append(shard)
             lengths.append(np.diff(shard.offsets).astype(np.int32))
-            val.append(np.fromiter((is_val(sid, sel.seed, sel.val_fraction) for sid in ids), dtype=bool,
-                                   count=len(ids)))
-            # hash() is stable within a process, which is all a duplicate check needs; equal keys are compared
-            # as strings before anything is refused.
-            keys.append(np.fromiter((hash(sid) for sid in ids), dtype=np.int64, count=len(ids)))
+            # Equal keys are compared as strings before anything is refused.
+            flags, key = _split_keys(encoded, sel.seed, sel.val_fraction)
+            val.append(flags)
+            keys.append(key)
         self.shards = shards
         self.starts = np.zeros(len(shards) + 1, dtype=np.int64)  # (K+1,) first sample of each shard
         np.cumsum([s.offsets.size - 1 for s in shards], out=self.starts[1:])
@@ -162,13 +183,44 @@ class FolderIndex:
         if k in self.verified:
             return
         sh = self.shards[k]
-        self.reads.hashes += 1
-        actual = sha256_file(sh.path)
+        ahead = self._pending.pop(k, None)  # hashed or being hashed by `verify_ahead` (counted there)
+        if ahead is None or (os.getpid() != self._owner and not ahead.done()):
+            # Not started ahead, or a forked copy, where the hashing thread is not: hashed here.
+            self.reads.hashes += 1
+            ahead = None
+        # A future cancelled by close() before it ran has hashed nothing yet.
+        actual = sha256_file(sh.path) if ahead is None or ahead.cancelled() else ahead.result()
         if actual != sh.info.sha256:
             raise CorruptShardError(
                 f"{sh.path} is corrupt: sha256 {actual}, the manifest expects {sh.info.sha256}; {_advice(sh.path)}"
             )
         self.verified.add(k)
+
+    def verify_ahead(self, shards: Iterable[int]) -> None:
+        """Start hashing `shards` (those neither verified nor under way) in background threads, in the order given.
+
+        Nothing is decided here: `verify(k)` waits for shard k's hash and checks it as it would its own, so the
+        same shards are refused with the same errors; only the hashing overlaps what the caller does meanwhile
+        (and other shards' hashing, on several cores).
+        """
+        todo = [k for k in dict.fromkeys(int(k) for k in shards) if k not in self.verified and k not in self._pending]
+        if not todo or os.getpid() != self._owner:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(min(HASH_THREADS, os.cpu_count() or 1), thread_name_prefix="shard-sha256")
+        for k in todo:
+            self.reads.hashes += 1
+            self._pending[k] = self._pool.submit(sha256_file, self.shards[k].path)
+
+    def close(self) -> None:
+        """Stop the background hashing `verify_ahead` started (a shard not hashed yet is hashed when read)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Threads and futures stay in this process; a copy hashes what it reads itself.
+        return {**self.__dict__, "_pending": {}, "_pool": None}
 
     def _check_sidecar(self, info: ShardInfo, path: Path) -> dict[str, Any] | None:
         """Refuse a manifest that describes other shards than the folder's (e.g. one copied from another run);
@@ -196,9 +248,9 @@ class FolderIndex:
             )
         return d if isinstance(d, dict) else None
 
-    def _index_shard(self, info: ShardInfo) -> tuple[_Shard, list[str]]:
-        """Check a shard against its own header, its sidecar and the manifest; returns it with its sample ids
-        (read from the header and `offsets` only, no hidden states)."""
+    def _index_shard(self, info: ShardInfo) -> tuple[_Shard, list[bytes]]:
+        """Check a shard against its own header, its sidecar and the manifest; returns it with its sample ids in
+        UTF-8 (read from the header and `offsets` only, no hidden states)."""
         path = self.directory / info.file  # a plain name inside the folder (Manifest.check_listing)
         if not path.is_file():
             raise MissingShardError(
@@ -218,7 +270,8 @@ class FolderIndex:
         except (SafetensorError, ValueError, OSError) as e:
             raise CorruptShardError(f"{path}: unreadable header ({e}): {_advice(path)}") from None
         self._check_against_manifest(info, path, layout, side, size)
-        return _Shard.make(info, path, layout.offsets, layout.ids), layout.ids
+        encoded = [sid.encode() for sid in layout.ids]
+        return _Shard.make(info, path, layout.offsets, encoded), encoded
 
     def _check_against_manifest(self, info: ShardInfo, path: Path, layout: ShardLayout, side: dict[str, Any] | None,
                                 size: int) -> None:
@@ -385,6 +438,13 @@ class PrecomputedDataset(torch.utils.data.Dataset):
             _, old = self._handles.popitem(last=False)
             old.__exit__(None, None, None)  # tensors already read keep their own reference to the mapping
         return got
+
+    def verify_ahead(self, indices: Iterable[int]) -> None:
+        """Under verify="first_open", start hashing the shards of samples `indices` (say, the first batch) in the
+        background (`FolderIndex.verify_ahead`); reading a sample still waits for its shard's check."""
+        if self.verify == "first_open":
+            idx = np.asarray(list(indices), dtype=np.int64)  # (b,)
+            self.index.verify_ahead(self._shard_of[idx].tolist())
 
     def close(self) -> None:
         """Close the open shard files (a later read reopens them)."""

@@ -112,6 +112,8 @@ class Trainer:
         try:
             check_keep_best(cfg, self.val_set is not None)
             resume_from = self._check_resume()  # before the engine: a damaged checkpoint fails fast
+            if resume_from is None:
+                self.data.read_ahead()  # the first batch's reading overlaps the engine's set-up
             self._setup_engine()
             self._resume_step = self._maybe_resume(resume_from)
             if on_start is not None and info.is_main:

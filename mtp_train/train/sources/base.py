@@ -93,6 +93,10 @@ class DataSource:
         """`batch` with its hidden states (and aux_hidden): (T, H) / (T, k·H) in the storage dtype."""
         return batch
 
+    def read_ahead(self) -> None:
+        """Called on every rank of a run that starts afresh (epoch 0, batch 0), before the engine is built: may
+        start, in the background, reading what the first batch needs. Changes nothing the run sees."""
+
     def begin(self, epoch: int, position: int) -> None:
         """Called on every rank once the run's start (or resume) position is known, after the run's config is
         saved and before the first step."""

@@ -49,5 +49,15 @@ class OfflineSource(DataSource):
         super().__init__(c, train_set, val_or_none(val_set, c.data.dir), stream, manifest.target.fingerprint,
                          list(manifest.hidden.aux_layers), c.data.dir)
 
+    def read_ahead(self) -> None:
+        # The first batch reads every shard its samples lie in, and each is hashed in full first
+        # (data.verify=first_open): on a big folder that is most of the time to the first step, and it can run
+        # while the engine is built. Workers (data.num_workers > 0) hash what they read themselves.
+        if self.cfg.data.num_workers == 0 and len(self.stream.sampler):
+            self.train_set.verify_ahead(self.stream.sampler.batch_at(0))
+
+    def close(self) -> None:
+        self.train_set.index.close()
+
     def record(self) -> dict[str, Any]:
         return {**super().record(), "data_dir": str(self.cfg.data.dir)}
