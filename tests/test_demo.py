@@ -80,6 +80,12 @@ def test_demo_runs_every_stage_then_skips_them(default_model_dir, tmp_path, caps
     assert json.loads((out / "stages.json").read_text())["eval"]["overrides"][-1] == "max_new_tokens=10"
 
 
+def _sigint_default() -> None:
+    """In the child before it runs: SIGINT's default disposition, so that Python installs its Ctrl-C handler even
+    when the test runner was started with SIGINT ignored (a background job of a non-interactive shell)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_in_a_stage_is_one_line_naming_the_stage_and_exit_2(tmp_path):
     """SIGINT once the demo has started its first stage (the line it prints for it): one line naming the stage
     and how to go on, exit 2, no traceback, nothing written in the working folder."""
@@ -93,7 +99,8 @@ def test_ctrl_c_in_a_stage_is_one_line_naming_the_stage_and_exit_2(tmp_path):
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.Popen([sys.executable, "-m", "mtp_train.cli.demo", f"model_path={target}",
                              f"out={tmp_path / 'demo'}", "regenerate=[progress=false,model.device=cpu]"],
-                            cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_sigint_default)
     try:
         started = next((line for line in proc.stdout if line.startswith("mtp-demo: regenerate")), None)
         proc.send_signal(signal.SIGINT)

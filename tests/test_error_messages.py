@@ -21,6 +21,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -217,6 +218,9 @@ def _cli(module: str, args: list[str], *, fsize: int | None = None, interrupt_at
     def limit() -> None:
         if fsize is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        # Python installs its Ctrl-C handler only where SIGINT is not ignored, as it is under a runner started as
+        # a background job of a non-interactive shell.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MTP_TRAIN_CPU_KERNELS": "0", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

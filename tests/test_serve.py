@@ -323,13 +323,14 @@ def test_a_long_render_holds_only_its_own_request(target):
 
     model, tok, path = target
     app, worker = served_app(model, tok, path, limits=ServeLimits(trust_request_chat_template=True))
-    loops = "{% for i in range(6000) %}{% for j in range(6000) %}{% endfor %}{% endfor %}"
+    # Long enough (several times a greedy answer's time, even on a loaded machine) that the answer comes first.
+    loops = "{% for i in range(48000) %}{% for j in range(6000) %}{% endfor %}{% endfor %}"
     heavy = loops + tok.chat_template
     prompt = prompt_ids(tok, MESSAGES)
     done: dict[str, int] = {}
     with app_server(app) as url:
         def slow() -> None:
-            done["heavy"] = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            done["heavy"] = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
                 "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"chat_template": heavy}}).status_code
 
         thread = threading.Thread(target=slow)
@@ -341,7 +342,7 @@ def test_a_long_render_holds_only_its_own_request(target):
         # the other request was answered while the render still ran
         assert metric_samples(httpx.get(f"{url}/metrics").text, "requests_preparing") == {'{model="tiny"}': 1}
         assert "heavy" not in done
-        thread.join(timeout=120)
+        thread.join(timeout=600)
     worker.stop()
     assert done["heavy"] == 200
 
