@@ -135,7 +135,8 @@ _DEEPSEEK = dict(moe_intermediate_size=16, kv_lora_rank=16, qk_nope_head_dim=8, 
     (_cfg("qwen2", use_sliding_window=True, sliding_window=0), "sliding_window=0 must be a positive integer"),
     (_cfg("qwen2", layer_types=["full_attention", "chunked_attention", "full_attention"]),
      "layer_types must list 3 of sliding_attention, full_attention"),
-    (_cfg("deepseek_v2", **{**_DEEPSEEK, "first_k_dense_replace": None}), "first_k_dense_replace is null, not an integer"),
+    (_cfg("deepseek_v2", **{**_DEEPSEEK, "first_k_dense_replace": None}),
+     "first_k_dense_replace is null, not an integer"),
 ])
 def test_per_layer_keys_a_family_does_not_read_are_refused_by_name(cfg, message):
     with pytest.raises(ModelConfigError, match=message):
