@@ -25,24 +25,41 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 
 
 
 @contextlib.contextmanager
-def app_server(app) -> Iterator[str]:
-    """Serve a FastAPI app from `build_app` on uvicorn in a thread, with mtp-serve's connection settings (its limits:
-    request timeout, header bound); yield its base URL."""
+def _in_thread(config) -> Iterator[str]:
+    """Run a `uvicorn.Config` on a thread of the test's process until the block ends; yield its base URL."""
     import uvicorn
 
-    from mtp_train.serve.http import uvicorn_config
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port))
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{config.host}:{config.port}"
     try:
         wait_ready(url)
         yield url
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def app_server(app) -> Iterator[str]:
+    """Serve a FastAPI app from `build_app` on uvicorn in a thread, with mtp-serve's connection settings (its limits:
+    request timeout, header bound); yield its base URL."""
+    from mtp_train.serve.http import uvicorn_config
+
+    with _in_thread(uvicorn_config(app, "127.0.0.1", free_port())) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def plain_server(app) -> Iterator[str]:
+    """A FastAPI app written for a test on uvicorn in a thread (its default settings); yields its base URL."""
+    import uvicorn
+
+    # a request the app still holds at the end is cancelled after 1 s (a server written to hang, say)
+    with _in_thread(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
+                                   timeout_graceful_shutdown=1)) as url:
+        yield url
 
 
 def exchange(sock: socket.socket, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:

@@ -6,7 +6,6 @@ token, and an unreachable endpoint or a model not served is one clear line."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import json
 import math
@@ -16,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,7 +29,7 @@ from mtp_train.engine.turns import stop_token_ids
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.regenerate import part_path, regenerate
 from mtp_train.remote import OpenAIGenerator, RemoteError
-from tests._serve import app_server, free_port, served_app, start_serve, wait_ready
+from tests._serve import app_server, free_port, plain_server, served_app, start_serve, wait_ready
 from tests.conftest import TOPICS, make_chat_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -155,6 +153,17 @@ def test_the_command_says_an_endpoint_is_unreachable_in_one_line_and_exits_2(tar
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def _kill_at_first_record(victim: subprocess.Popen, part: Path, alive, why: object, timeout: float) -> None:
+    """SIGKILL `victim` once `part` holds a whole record (the run is under way), waiting while `alive()` (bounded by
+    `timeout` seconds; `why` is the failure message otherwise)."""
+    deadline = time.monotonic() + timeout
+    while not (part.exists() and part.read_text().count("\n") >= 1):
+        assert time.monotonic() < deadline and alive(), why
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+
+
 def test_a_server_killed_and_restarted_mid_run_loses_and_duplicates_nothing(target, tmp_path):
     model, tok, path = target
     convs = conversations(12)
@@ -178,12 +187,7 @@ def test_a_server_killed_and_restarted_mid_run_loses_and_duplicates_nothing(targ
         thread = threading.Thread(target=client)
         thread.start()
         part = part_path(out, 0)
-        deadline = time.monotonic() + 120
-        while not (part.exists() and part.read_text().count("\n") >= 1):  # a record written: the run is under way
-            assert time.monotonic() < deadline and thread.is_alive(), failure
-            time.sleep(0.01)
-        server.send_signal(signal.SIGKILL)
-        server.wait()
+        _kill_at_first_record(server, part, thread.is_alive, failure, timeout=120)
         done_at_kill = part.read_text().count("\n")
         server = start_serve(path, port, log=log)
         thread.join(timeout=300)
@@ -214,12 +218,8 @@ def test_a_client_killed_mid_run_resumes_without_losing_or_duplicating(target, t
                "max_new_tokens=48", "progress=false", f"out={out}"]
         client = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         part = part_path(out, 0)
-        deadline = time.monotonic() + 300
-        while not (part.exists() and part.read_text().count("\n") >= 1):
-            assert time.monotonic() < deadline and client.poll() is None, "the client ended before a record"
-            time.sleep(0.01)
-        client.send_signal(signal.SIGKILL)
-        client.wait()
+        _kill_at_first_record(client, part, lambda: client.poll() is None, "the client ended before a record",
+                              timeout=300)
         done = part.read_text().count("\n")
         assert done < len(convs)  # killed mid-run
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -242,26 +242,6 @@ def test_the_generator_setting_is_checked():
 
 
 # --- servers that misbehave --------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def plain_server(app) -> Iterator[str]:
-    """A FastAPI app written for a test on uvicorn in a thread (its default settings); yields its base URL."""
-    import uvicorn
-
-    port = free_port()
-    # a request the app still holds at the end is cancelled after 1 s (a server written to hang, say)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def misbehaving_app(answer, path, max_model_len=256):
@@ -413,12 +393,7 @@ def test_a_server_that_dies_mid_run_and_stays_dead_stops_the_run_in_one_line(tar
         thread = threading.Thread(target=client, daemon=True)
         thread.start()
         part = part_path(out, 0)
-        deadline = time.monotonic() + 120
-        while not (part.exists() and part.read_text().count("\n") >= 1):  # a record written: the run is under way
-            assert time.monotonic() < deadline and thread.is_alive(), failure
-            time.sleep(0.01)
-        server.send_signal(signal.SIGKILL)
-        server.wait()
+        _kill_at_first_record(server, part, thread.is_alive, failure, timeout=120)
         thread.join(timeout=120)  # generous: the run stops about dead_after after the kill
         assert not thread.is_alive(), "the run did not stop after its only endpoint died"
     finally:
