@@ -1,16 +1,15 @@
 """Synthetic precompute folders of any size, for tests and benchmarks of the reading side (no target runs).
 
 `make_folder` writes real shards, `token_counts.safetensors` and a real manifest through precompute's own code
-(`shard_plan`, `new_shard_tensors` / `store_rows`, `write_shard`, `split_counts`, `write_token_counts`,
-`Manifest.save`), so a reader sees exactly what `mtp-precompute` would have written for such samples; only the
-tokens and hidden states are random. It works shard by shard, so making a folder of 10^6 samples holds one
-shard's rows at a time.
+(`shard_plan`, `new_shard_tensors` / `store_rows`, `write_shard`, `count_samples`, `write_token_counts`,
+`folder_manifest`, `Manifest.save`), so a reader sees exactly what `mtp-precompute` would have written for such
+samples; only the tokens and hidden states are random. It works shard by shard, so making a folder of 10^6
+samples holds one shard's rows at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -22,22 +21,18 @@ from mtp_train.precompute.manifest import (
     HiddenInfo,
     Manifest,
     ShardInfo,
-    SplitInfo,
     TargetInfo,
-    TokenizerInfo,
-    Totals,
-    is_val,
     write_token_counts,
 )
 from mtp_train.precompute.plan import plan_runs, shard_plan
-from mtp_train.precompute.shards import write_shard
+from mtp_train.precompute.shards import count_samples, write_shard
 from mtp_train.precompute.writer import (
     STORAGE_DTYPES,
     FolderSpec,
     dtype_name,
+    folder_manifest,
     folder_spec,
     new_shard_tensors,
-    split_counts,
     store_rows,
 )
 
@@ -117,27 +112,17 @@ def make_folder(out: Path, samples: int, *, target: Path | None = None, hidden_s
         store_rows(tensors, 0, t, torch.randn(t, h, generator=g),
                    torch.randn(t, k * h, generator=g) if k else None, storage)
         shards.append(write_shard(out, plan, tensors, spec.metadata))
-        for key, v in split_counts(rows, seed, val_fraction).items():
+        shard_counts = count_samples(((r.id, r.ids, r.mask) for r in rows), seed, val_fraction)  # precompute's own
+        for key, v in shard_counts.split.items():
             counts[key] = counts.get(key, 0) + v
         if token_counts:
-            val = np.repeat([is_val(r.id, seed, val_fraction) for r in rows], n)  # (T,) the split of each token
-            for s, where in (("train", ~val), ("val", val)):
-                masked[s] += torch.bincount(torch.from_numpy(tokens[where & (mask == 1)]).long(), minlength=vocab)
-    totals = Totals(samples=sum(s.samples for s in shards), tokens=sum(s.tokens for s in shards),
-                    loss_tokens=sum(s.loss_tokens for s in shards), bytes=sum(s.bytes for s in shards))
+            shard_counts.add_to(masked)
     settings = {"samples": samples, "min_len": min_len, "max_len": max_len, "loss_fraction": loss_fraction,
                 "shard_tokens": shard_tokens, "seed": seed, "storage": storage}
-    manifest = Manifest(
-        target=spec.target,
-        tokenizer=TokenizerInfo(fingerprint=SYNTHETIC_FINGERPRINT, chat_template_fingerprint=SYNTHETIC_FINGERPRINT),
-        hidden=spec.hidden,
-        data={"name": "synthetic", "samples": samples},
-        split=SplitInfo(val_fraction=val_fraction, seed=seed, counts=counts),
-        shards=shards,
-        totals=totals,
-        provenance={"version": mtp_train.__version__, "synthetic": settings},
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        token_counts=write_token_counts(out, masked["train"], masked["val"]) if token_counts else None,
-    )
+    manifest = folder_manifest(
+        shards, spec, counts, write_token_counts(out, masked["train"], masked["val"]) if token_counts else None,
+        tokenizer_fingerprint=SYNTHETIC_FINGERPRINT, chat_template_fingerprint=SYNTHETIC_FINGERPRINT,
+        data_info={"name": "synthetic", "samples": samples}, val_fraction=val_fraction, seed=seed,
+        provenance={"version": mtp_train.__version__, "synthetic": settings})
     manifest.save(out)
     return manifest

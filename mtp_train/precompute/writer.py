@@ -41,7 +41,6 @@ from mtp_train.precompute.manifest import (
     TargetInfo,
     TokenizerInfo,
     Totals,
-    is_val,
     write_token_counts,
 )
 from mtp_train.precompute.quant import FP8, dequantize_fp8, quantize_fp8
@@ -127,17 +126,6 @@ def store_rows(tensors: dict[str, torch.Tensor], a: int, b: int, hidden: torch.T
             tensors["aux_hidden"][a:b].copy_(aux)
 
 
-def split_counts(rows: Sequence[Row], seed: int, val_fraction: float) -> dict[str, int]:
-    """Samples, tokens and loss tokens of each split (the manifest's `split.counts`)."""
-    c = {f"{s}_{k}": 0 for s in ("train", "val") for k in ("samples", "tokens", "loss_tokens")}
-    for r in rows:
-        s = "val" if is_val(r.id, seed, val_fraction) else "train"
-        c[f"{s}_samples"] += 1
-        c[f"{s}_tokens"] += r.ids.size
-        c[f"{s}_loss_tokens"] += int(r.mask.sum())
-    return c
-
-
 def check_settings(cfg: PrecomputeConfig, prefix: str = "") -> None:
     """Refuse stage-one settings that cannot be used, naming the key as `prefix` + its name ("" for
     mtp-precompute, "data.online." for mtp-train's online and hybrid sources)."""
@@ -215,9 +203,11 @@ def entry_finished(out_dir: Path, e: ShardEntry) -> ShardInfo | None:
                             tokens=e.tokens, loss_tokens=e.loss_tokens)
 
 
-def _manifest(out_dir: Path, shards: list[ShardInfo], spec: FolderSpec, counts: dict[str, int], token_counts: Any,
-              *, tokenizer_fingerprint: str, chat_template_fingerprint: str, data_info: dict[str, Any],
-              val_fraction: float, seed: int, provenance: dict[str, Any]) -> Manifest:
+def folder_manifest(shards: list[ShardInfo], spec: FolderSpec, counts: dict[str, int], token_counts: Any, *,
+                    tokenizer_fingerprint: str, chat_template_fingerprint: str, data_info: dict[str, Any],
+                    val_fraction: float, seed: int, provenance: dict[str, Any]) -> Manifest:
+    """The manifest of a folder holding `shards` (in order), its totals summed from them; `counts` are the split's
+    sample counts, `token_counts` the entry of its token_counts.safetensors (None: none written)."""
     totals = Totals(samples=sum(s.samples for s in shards), tokens=sum(s.tokens for s in shards),
                     loss_tokens=sum(s.loss_tokens for s in shards), bytes=sum(s.bytes for s in shards))
     return Manifest(
@@ -252,11 +242,12 @@ def assemble_manifest(out_dir: Path, plans: Sequence[ShardPlan], rows: Sequence[
             raise PrecomputeError(f"rank {p.rank} did not finish {out_dir / p.name}; {redo}")
         shards.append(info)
     dense = _dense(spec.target.vocab_size)
-    count_samples(((r.id, r.ids, r.mask) for r in rows), seed, val_fraction).add_to(dense)
+    counts = count_samples(((r.id, r.ids, r.mask) for r in rows), seed, val_fraction)  # one pass: split and tokens
+    counts.add_to(dense)
     entry = write_token_counts(out_dir, dense["train"], dense["val"])
-    return _manifest(out_dir, shards, spec, split_counts(rows, seed, val_fraction), entry,
-                     tokenizer_fingerprint=tokenizer_fingerprint, chat_template_fingerprint=chat_template_fingerprint,
-                     data_info=data_info, val_fraction=val_fraction, seed=seed, provenance=provenance)
+    return folder_manifest(shards, spec, counts.split, entry, tokenizer_fingerprint=tokenizer_fingerprint,
+                           chat_template_fingerprint=chat_template_fingerprint, data_info=data_info,
+                           val_fraction=val_fraction, seed=seed, provenance=provenance)
 
 
 def assemble_streamed(out_dir: Path, entries: Sequence[ShardEntry], spec: FolderSpec, *,
@@ -281,9 +272,9 @@ def assemble_streamed(out_dir: Path, entries: Sequence[ShardEntry], spec: Folder
             counts[k] += sc.split[k]
         sc.add_to(dense)
     entry = write_token_counts(out_dir, dense["train"], dense["val"])
-    return _manifest(out_dir, shards, spec, counts, entry, tokenizer_fingerprint=tokenizer_fingerprint,
-                     chat_template_fingerprint=chat_template_fingerprint, data_info=data_info,
-                     val_fraction=val_fraction, seed=seed, provenance=provenance)
+    return folder_manifest(shards, spec, counts, entry, tokenizer_fingerprint=tokenizer_fingerprint,
+                           chat_template_fingerprint=chat_template_fingerprint, data_info=data_info,
+                           val_fraction=val_fraction, seed=seed, provenance=provenance)
 
 
 def check_aux_layers(aux_layers: Sequence[int], num_layers: int, prefix: str = "") -> None:
