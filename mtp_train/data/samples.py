@@ -10,7 +10,6 @@ folder records (`precompute.in_split`) and batched by the same `LengthBucketedBa
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import re
@@ -23,6 +22,7 @@ import torch
 
 from mtp_train.config import PrecomputeConfig
 from mtp_train.data.chat import TokenizeStats, tokenize_conversations
+from mtp_train.data.ids import IdSet
 from mtp_train.data.readers import ReadStats, iter_conversations
 
 log = logging.getLogger(__name__)
@@ -49,40 +49,6 @@ class Row:
     id: str
     ids: np.ndarray  # (L,) int32
     mask: np.ndarray  # (L,) uint8
-
-
-class IdSet:
-    """A set of ids held as 8-byte digests (blake2b): about 8 bytes an id, where a Python set of the strings takes
-    ~100. Two ids of one digest read as one (with 10**6 ids, a chance of about 3e-8)."""
-
-    MERGE = 1 << 16  # recent digests kept in a Python set before they are merged into the sorted array
-
-    def __init__(self) -> None:
-        self._sorted = np.zeros(0, dtype=np.uint64)  # (n,) every digest but the recent ones, sorted
-        self._recent: set[int] = set()
-
-    @staticmethod
-    def digest(sample_id: str) -> int:
-        return int.from_bytes(hashlib.blake2b(sample_id.encode(), digest_size=8).digest(), "little")
-
-    def __len__(self) -> int:
-        return int(self._sorted.size) + len(self._recent)
-
-    def add(self, sample_id: str) -> bool:
-        """Add `sample_id`; False when it was already in."""
-        h = self.digest(sample_id)
-        if h in self._recent:
-            return False
-        if self._sorted.size:
-            at = int(np.searchsorted(self._sorted, np.uint64(h)))
-            if at < self._sorted.size and int(self._sorted[at]) == h:
-                return False
-        self._recent.add(h)
-        if len(self._recent) >= self.MERGE:
-            new = np.sort(np.fromiter(self._recent, dtype=np.uint64, count=len(self._recent)))
-            self._sorted = np.insert(self._sorted, np.searchsorted(self._sorted, new), new)
-            self._recent.clear()
-        return True
 
 
 def to_row(s: Sample, vocab_size: int) -> Row:
@@ -133,7 +99,7 @@ class UniqueIds:
 
     Whether "x#k" is some conversation's id must be known of the whole data, but only ids of that form can be: so
     `renamed_form_ids()` (every kept id of the data matching `RENAMED_FORM`) is asked for at the first repeat, and
-    never when the data has none. The ids seen are held as an `IdSet` (8 bytes each); the repeated ones and the
+    never when the data has none. The ids seen are held as an `IdSet` (16 to 32 bytes each); the repeated ones and the
     new names in full.
 
     Args:
@@ -200,7 +166,7 @@ class SampleStream:
     unique (`UniqueIds`). Iterate it once; `info` (what happened to the rows: the manifest's `data`) is complete
     when the iteration has ended, and `tokenized` counts the conversations tokenized so far.
 
-    Host memory: one window of tokenized conversations (about 60 bytes a token as Python lists) and 8 bytes an id
+    Host memory: one window of tokenized conversations (about 60 bytes a token as Python lists) and 16 to 32 bytes an id
     (`IdSet`), whatever the number of conversations. Data whose ids repeat is read once more, tokenizing only the
     conversations whose id has the form "x#<digits>" (`UniqueIds`).
 

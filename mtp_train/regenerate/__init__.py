@@ -40,7 +40,8 @@ an empty answer, a template error, a repeated id): `stats`. The settings are `mt
 supplies the readers and chat rendering.
 """
 
-from mtp_train.regenerate.ids import IdSet, RecordOrder, record_id
+from mtp_train.data.ids import IdSet
+from mtp_train.regenerate.ids import RecordOrder, record_id
 from mtp_train.regenerate.provenance import PROVENANCE_VOLATILE, flatten, make_provenance, provenance_differences
 from mtp_train.regenerate.records import (
     AFTER_ALL,

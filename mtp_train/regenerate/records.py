@@ -22,8 +22,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mtp_train.data.ids import IdSet
 from mtp_train.data.readers import Conversation
-from mtp_train.regenerate.ids import IdSet, RecordOrder
+from mtp_train.regenerate.ids import RecordOrder
 from mtp_train.regenerate.provenance import provenance_differences
 
 log = logging.getLogger(__name__)

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from mtp_train.config import Interrupted, RegenerateConfig
 from mtp_train.data.chat import ChatTemplateError
+from mtp_train.data.ids import IdSet
 from mtp_train.data.readers import Conversation
 from mtp_train.engine.generator import Generator
 from mtp_train.engine.turns import Dialogue, DialogueWindow
-from mtp_train.regenerate.ids import IdSet, RecordOrder, record_id
+from mtp_train.regenerate.ids import RecordOrder, record_id
 from mtp_train.regenerate.provenance import make_provenance
 from mtp_train.regenerate.records import RecordWriter, consolidate, iter_records, part_path
 from mtp_train.regenerate.sampling import request_params, request_seed
