@@ -69,8 +69,18 @@ class LoopConfig:
     # (needs spec_eval.prompts) or eval/loss; each improvement logs best/<metric> and best/step (train/best.py).
     keep_best: str = ""
     keep_best_mode: str = "auto"  # max | min | auto (min for a name ending in loss, else max)
+    # Ranks that share one sample's positions (Ulysses attention for chain heads, gathered context K/V for block
+    # drafters); the world must be a multiple of it, data parallel over world / sequence_parallel (1 = off).
+    sequence_parallel: int = 1
+    # Recompute each unrolled step's head forward (each draft layer of a block drafter) in the backward instead
+    # of keeping its activations: less memory, one more forward per step.
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.sequence_parallel, bool) or not isinstance(self.sequence_parallel, int) \
+                or self.sequence_parallel < 1:
+            raise ConfigError(f"train.sequence_parallel={self.sequence_parallel!r}: give a whole number of ranks "
+                              "≥ 1 that divides the world size (1 = off), e.g. train.sequence_parallel=2")
         if self.keep_best_mode not in KEEP_BEST_MODES:
             raise ConfigError(f"train.keep_best_mode={self.keep_best_mode!r}: give one of "
                               f"{' | '.join(KEEP_BEST_MODES)} (auto = min for a metric ending in loss, else max)")
