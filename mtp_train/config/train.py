@@ -16,6 +16,7 @@ from mtp_train.config.model import ModelConfig
 from mtp_train.config.precompute import PrecomputeConfig
 
 KEEP_BEST_MODES = ("auto", "max", "min")  # train.keep_best_mode
+PLAN_DEVICES = ("", "cuda", "cpu")  # plan_device
 
 
 @dataclass
@@ -147,6 +148,23 @@ class TrainConfig:
     # Also resume from a checkpoint in DeepSpeed's pickle format (`*.pt`, written by earlier versions): loading it
     # unpickles it, which runs any code the file names. Only for folders whose origin you trust.
     resume_trust_pickles: bool = False
+    # The memory plan (train/memory_plan.py): the predicted peak memory per rank, term by term. plan=true prints it
+    # and exits without training or writing anything; every run checks it against the device's memory first.
+    plan: bool = False
+    plan_world: int = 0  # ranks to plan for (0 = this launch's world size), e.g. 8 to plan an 8-GPU job from one
+    plan_length: int = 0  # tokens of the longest sample (0 = the data's longest when readable, else micro_batch_tokens)
+    plan_device: str = ""  # cuda | cpu: the device to plan for ("" = the run's, model.device)
+    # Memory a rank may use in GiB (0 = the device's: a GPU's total memory, or the memory available to this process
+    # on the CPU); a run whose plan is over it is refused before anything is written.
+    memory_limit_gib: float = 0.0
+    memory_check: bool = True  # false = run even when the plan is over memory_limit_gib (the plan is only logged)
+
+    def __post_init__(self) -> None:
+        if self.plan_world < 0 or self.plan_length < 0 or self.memory_limit_gib < 0:
+            raise ConfigError(f"plan_world={self.plan_world}, plan_length={self.plan_length}, memory_limit_gib="
+                              f"{self.memory_limit_gib}: each must be 0 (the run's own) or more")
+        if self.plan_device not in PLAN_DEVICES:
+            raise ConfigError(f"plan_device={self.plan_device!r}: give one of cuda | cpu, or \"\" for the run's device")
 
     def precompute_config(self, aux_layers: Sequence[int] = ()) -> PrecomputeConfig:
         """The `mtp-precompute` settings whose samples (and folder, for hybrid) an online or hybrid run reads:
