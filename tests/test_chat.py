@@ -162,13 +162,14 @@ def test_qwen3_thinking_multi_turn_uses_per_turn_diff(families):
     upto_first = render(tok, QWEN3_THINKING[:3])
     assert not text.startswith(upto_first)
     assert spans_method(tok, QWEN3_THINKING) == "diff"
-    expected = ["The answer is 4.<|im_end|>", QWEN3_THINKING[4]["content"] + "<|im_end|>"]
-    check_golden(tok, QWEN3_THINKING, expected)
+    # The first answer was produced after its reasoning, which this rendering drops: it stays out of the loss.
+    check_golden(tok, QWEN3_THINKING, [QWEN3_THINKING[4]["content"] + "<|im_end|>"])
 
 
 def test_qwen3_inserted_empty_think_block_is_not_masked(families):
     tok = families["qwen3"]
-    messages = [*QWEN3_THINKING[:4], {"role": "assistant", "content": "It is 9."}]
+    messages = [*QWEN3_THINKING[:2], {"role": "assistant", "content": "The answer is 4."}, QWEN3_THINKING[3],
+                {"role": "assistant", "content": "It is 9."}]
     assert "<think>\n\n</think>\n\nIt is 9." in render(tok, messages)  # the template adds it, the data did not
     check_golden(tok, messages, ["The answer is 4.<|im_end|>", "It is 9.<|im_end|>"])
     # A single turn renders as a plain prefix: the fast path, same answer.
@@ -182,7 +183,7 @@ def test_qwen3_template_kwargs_reach_the_template(families):
     prompt = QWEN3_THINKING[:2]
     assert render(tok, prompt, add_generation_prompt=True, template_kwargs={"enable_thinking": False}).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    check_golden(tok, QWEN3_THINKING, ["The answer is 4.<|im_end|>", QWEN3_THINKING[4]["content"] + "<|im_end|>"],
+    check_golden(tok, QWEN3_THINKING, [QWEN3_THINKING[4]["content"] + "<|im_end|>"],
                  template_kwargs={"enable_thinking": False})
 
 
@@ -200,12 +201,12 @@ QWEN3_REASONING = [*QWEN3_THINKING[:2],
 def test_qwen3_reasoning_content_field_renders_and_is_in_the_loss(families):
     """Qwen3's template reads `reasoning_content`: the last turn's <think> block renders as from the content's own
     block, and its reasoning, `</think>` and the answer are in the loss (one run; the template's `<think>` opener
-    stays outside like the empty block it inserts); the earlier turn's reasoning is dropped by the template."""
+    stays outside like the empty block it inserts); the earlier turn's reasoning is dropped by the template, and
+    with it that turn leaves the loss."""
     tok = families["qwen3"]
     text = render(tok, QWEN3_REASONING)
     assert text == render(tok, QWEN3_THINKING)
-    sample = check_golden(tok, QWEN3_REASONING,
-                          ["The answer is 4.<|im_end|>", "Three times three is nine.\n</think>\n\nIt is 9.<|im_end|>"])
+    sample = check_golden(tok, QWEN3_REASONING, ["Three times three is nine.\n</think>\n\nIt is 9.<|im_end|>"])
     assert "Two plus two" not in masked_text(tok, sample)
     assert spans_method(tok, QWEN3_REASONING) == "diff"  # the window renders the first turn's reasoning
     assert assistant_char_spans(tok, QWEN3_REASONING) == prefix_char_spans(tok, QWEN3_REASONING)
@@ -253,8 +254,12 @@ def test_end_of_conversation_token_after_the_last_turn(families):
 
 def test_assistant_spans_end_at_the_marker(families):
     tok = families["qwen3"]
-    text, spans, _ = assistant_char_spans(tok, QWEN3_THINKING)
-    assert [text[a:b] for a, b in spans] == ["The answer is 4.<|im_end|>", QWEN3_THINKING[4]["content"] + "<|im_end|>"]
+    text, spans, _, rerendered = assistant_char_spans(tok, QWEN3_THINKING)
+    assert [text[a:b] for a, b in spans] == [QWEN3_THINKING[4]["content"] + "<|im_end|>"]
+    assert rerendered == 1
+    plain = [{"role": m["role"], "content": m["content"].split("\n\n")[-1]} for m in QWEN3_THINKING]
+    text, spans, _, rerendered = assistant_char_spans(tok, plain)
+    assert [text[a:b] for a, b in spans] == ["The answer is 4.<|im_end|>", "It is 9.<|im_end|>"] and rerendered == 0
     assert all(text[b] == "\n" for _, b in spans)  # the newline the template writes after <|im_end|> is outside
 
 
@@ -370,7 +375,8 @@ class _CountingTemplate:
         return self.inner(conversation, *args, **kwargs)
 
 
-def _rendered_messages(tok, turns: int, reasoning: bool = False, runs: int | None = None) -> int:
+def _rendered_messages(tok, turns: int, reasoning: bool = False, runs: int | None = None, supervised: int | None = None,
+                       ) -> int:
     counter = _CountingTemplate(tok)
     tok.apply_chat_template = counter
     try:
@@ -382,7 +388,8 @@ def _rendered_messages(tok, turns: int, reasoning: bool = False, runs: int | Non
         sample = tokenize_conversation(tok, messages)
     finally:
         del tok.apply_chat_template
-    assert sample is not None and mask_runs(sample.loss_mask) == turns + (runs or 0)
+    expected = (turns if supervised is None else supervised) + (runs or 0)
+    assert sample is not None and mask_runs(sample.loss_mask) == expected
     return counter.messages
 
 
@@ -397,7 +404,9 @@ def test_loss_mask_renders_grow_linearly_with_the_turns(families, family, reason
     only (harmony: one more run, the analysis channel; Qwen3: the same run) or never (Llama-3)."""
     tok = copy.deepcopy(families[family])
     extra = 1 if reasoning and family == "harmony" else 0
-    counts = [_rendered_messages(tok, n, reasoning, extra) for n in (25, 50, 100)]
+    # Qwen3 and harmony drop the reasoning of earlier turns: those turns leave the loss, the last one stays.
+    last_only = 1 if reasoning and family in ("qwen3", "harmony") else None
+    counts = [_rendered_messages(tok, n, reasoning, extra, last_only) for n in (25, 50, 100)]
     per_turn = [c / n for c, n in zip(counts, (25, 50, 100))]
     # four renderings of the whole conversation and two windows a turn; harmony's earlier turns, which close
     # otherwise as the last one, four windows more (the turn with a generation prompt: `_closing_before_next`);
@@ -437,11 +446,12 @@ def test_linear_spans_equal_the_prefix_method(families, family):
     for _ in range(12):
         messages = _random_conversation(rng, family)
         counter.calls = 0
-        text, spans, _ = assistant_char_spans(tok, messages)
+        text, spans, _, rerendered = assistant_char_spans(tok, messages)
         turns = sum(m["role"] == "assistant" for m in messages)
         with_reasoning = sum("thinking" in m for m in messages)
         # the linear method answered, not the fallback (two more renderings for a turn with two fields, four for
         # a harmony turn closed otherwise as the last one)
         per_turn = 6 if family == "harmony" else 2
         assert counter.calls <= 4 + per_turn * turns + 2 * with_reasoning, messages
-        assert (text, spans) == prefix_char_spans(tok, messages)[:2], messages
+        reference = prefix_char_spans(tok, messages)
+        assert (text, spans, rerendered) == (reference[0], reference[1], reference[3]), messages

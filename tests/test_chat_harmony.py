@@ -107,12 +107,15 @@ def test_the_analysis_channel_and_its_end_token_are_in_the_loss(harmony):
 
 
 def test_the_reasoning_of_earlier_turns_is_dropped_by_the_template_and_outside_the_loss(harmony):
-    """harmony renders the analysis of the last turn only: an earlier turn's `thinking` is neither in the text
-    nor in the loss, and the masks are those of the conversation without it."""
+    """harmony renders the analysis of the last turn only: an earlier turn's `thinking` is not in the text, and
+    that turn, which the target answered after its reasoning, is outside the loss (docs/stages.md)."""
     messages = [dict(m) for m in MULTI_TURN]
     messages[2]["thinking"] = "Recall the capital."
     assert "Recall" not in render(harmony, messages)
-    assert tokenize_conversation(harmony, messages) == tokenize_conversation(harmony, MULTI_TURN)
+    sample = tokenize_conversation(harmony, messages)
+    assert sample.input_ids == tokenize_conversation(harmony, MULTI_TURN).input_ids
+    last = MULTI_TURN[-1]
+    assert masked_text(harmony, sample) == f"{last['thinking']}<|end|>{last['content']}<|return|>"
 
 
 def test_the_linear_method_equals_the_reference_method_with_reasoning(harmony):

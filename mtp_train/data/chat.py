@@ -3,10 +3,13 @@
 `loss_mask` is 1 on the tokens of every assistant turn's content and on that turn's end-of-turn marker as the
 template renders it (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...), and 0 everywhere else: system and user turns, role
 headers (`<|im_start|>assistant\\n`), text a template inserts before the content (an empty `<think></think>`), and
-whitespace after the end marker. A turn's reasoning (`thinking` / `reasoning_content`), where the template renders
-it, is 1 too, with the text that closes it before the next header (harmony's `<|end|>`, Qwen3's `</think>`). Where
-each assistant turn sits in the rendering comes from the template itself (`mtp_train.data.spans`, in time linear
-in the conversation's length; no marker string is known here).
+whitespace after the end marker. A turn's reasoning (`thinking` / `reasoning_content`, or a `<think>` block at the
+start of its content), where the template renders it, is 1 too, with the text that closes it before the next
+header (harmony's `<|end|>`, Qwen3's `</think>`). A turn that the template renders otherwise in the conversation
+than as its last message (Qwen3 and harmony drop the reasoning of turns before the last user message) is 0
+throughout: those tokens follow a context the target never answered from (`TokenizeStats.history_turns_unsupervised`
+counts them; docs/stages.md). Where each assistant turn sits in the rendering comes from the template itself
+(`mtp_train.data.spans`, in time linear in the conversation's length; no marker string is known here).
 
 Tokens are mapped to characters with the fast tokenizer's offsets; a token is masked when its characters overlap
 an assistant span and do not run past its end. (A token that straddles a header and the content, e.g. `\\n\\n` when
@@ -65,6 +68,9 @@ class TokenizeStats:
     dropped_template_error: int = 0  # the chat template failed on it (on_bad_row="skip")
     template_error_examples: list[str] = field(default_factory=list)  # the first few "file:line: error"
     diff_method: int = 0  # conversations whose turn ends came from the per-turn diff (history re-rendering)
+    # assistant turns left out of the loss: the template renders them otherwise in the conversation than when the
+    # target produced them (their reasoning dropped from later history)
+    history_turns_unsupervised: int = 0
     tokens: int = 0  # tokens of kept samples
     loss_tokens: int = 0  # masked tokens of kept samples
 
@@ -105,10 +111,10 @@ def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple
 
 
 def _encode(tokenizer: Any, convs: Sequence[Messages], template_kwargs: Mapping[str, Any] | None,
-            ) -> list[tuple[list[int], list[int], str] | ChatTemplateError]:
-    """(input_ids, loss_mask, method) of each whole conversation, untruncated, or the ChatTemplateError that one
-    conversation's rendering raised; one tokenizer call for all."""
-    rendered: list[tuple[str, list[tuple[int, int]], str] | ChatTemplateError] = []
+            ) -> list[tuple[list[int], list[int], str, int] | ChatTemplateError]:
+    """(input_ids, loss_mask, method, turns left out of the loss) of each whole conversation, untruncated, or the
+    ChatTemplateError that one conversation's rendering raised; one tokenizer call for all."""
+    rendered: list[tuple[str, list[tuple[int, int]], str, int] | ChatTemplateError] = []
     for messages in convs:
         try:
             rendered.append(assistant_char_spans(tokenizer, messages, template_kwargs))
@@ -123,14 +129,14 @@ def _encode(tokenizer: Any, convs: Sequence[Messages], template_kwargs: Mapping[
     except NotImplementedError as exc:
         raise ChatTemplateError("loss masks need a fast tokenizer (character offsets)") from exc
     encoded = iter(zip(enc["input_ids"], enc["offset_mapping"]))
-    out: list[tuple[list[int], list[int], str] | ChatTemplateError] = []
+    out: list[tuple[list[int], list[int], str, int] | ChatTemplateError] = []
     for r in rendered:
         if isinstance(r, ChatTemplateError):
             out.append(r)
             continue
-        _, spans, method = r
+        _, spans, method, rerendered = r
         ids, offsets = next(encoded)
-        out.append((list(ids), _mask_from_offsets([tuple(o) for o in offsets], spans), method))
+        out.append((list(ids), _mask_from_offsets([tuple(o) for o in offsets], spans), method, rerendered))
     return out
 
 
@@ -175,7 +181,7 @@ def tokenize_conversation(tokenizer: Any, messages: Messages | Conversation, max
     encoded = _encode(tokenizer, [msgs], template_kwargs)[0]
     if isinstance(encoded, ChatTemplateError):
         raise encoded
-    ids, mask, _ = encoded
+    ids, mask, _, _ = encoded
     return _finish(ids, mask, conv_id, max_seq_len, _where(messages))[0]
 
 
@@ -207,8 +213,9 @@ def tokenize_conversations(tokenizer: Any, convs: Iterable[Messages | Conversati
                 if len(stats.template_error_examples) < EXAMPLES_KEPT:
                     stats.template_error_examples.append(f"{conv.source}:{conv.line}: {result}")
                 continue
-            ids, mask, method = result
+            ids, mask, method, rerendered = result
             stats.diff_method += method == "diff"
+            stats.history_turns_unsupervised += rerendered
             sample, outcome = _finish(ids, mask, conv_id, max_seq_len, _where(conv))
             if sample is None:
                 if outcome == "no_assistant":

@@ -328,58 +328,66 @@ def _by_turn(located: Sequence[tuple[Slot, Span]]) -> list[tuple[int, list[tuple
 
 
 def _linear_spans(tokenizer: Any, messages: Messages, full: str, turns: Sequence[int],
-                  kw: Mapping[str, Any] | None) -> tuple[list[Span], str] | None:
+                  kw: Mapping[str, Any] | None) -> tuple[list[Span], str, int] | None:
     """The spans of `prefix_char_spans` from `_rendered_fields` and two renderings of a short window per turn
     (`_window`, the turn last, alone and with its last field probed: its closing; two more for a turn with two
     rendered fields: the generation prompt that starts a next message; one for a field the conversation does not
     render: whether the window does), so the work grows linearly with the conversation; None when a check fails.
 
     The method is "diff" when a turn renders differently as the last message of its window than in the
-    conversation (history re-rendered) or its closing does not follow its content whole.
+    conversation (history re-rendered) or its closing does not follow its content whole. A turn whose fields
+    render otherwise as the last message than in the conversation (`_rerendered`) has no span; their number is
+    returned last.
     """
     located = _rendered_fields(tokenizer, messages, full, [(i, keys) for i in turns for keys in _fields(messages[i])],
                                kw)
     if located is None:
         return None
     spans: list[Span] = []
-    method, bound = "prefix", 0
+    method, bound, last_end, rerendered = "prefix", 0, 0, 0
     for i, fields in _by_turn(located):
         window = _window(messages, i)
         hidden = [keys for keys in _fields(messages[i]) if keys not in dict(fields)]
         prompt = _generation_prompt(tokenizer, window[:-1], kw) if len(fields) > 1 and len(window) > 1 else ""
+        turn: list[Span] = []
         for n, (keys, (c0, c1)) in enumerate(fields):
             start = _raw_start(full, c0, c1, messages[i][keys[0]], bound)
-            if spans and start < spans[-1][1]:
+            if start < last_end:
                 return None
             bound = c1
             if n + 1 < len(fields):
-                spans.append((start, _gap_end(full, c1, fields[n + 1][1][0], prompt)))
+                turn.append((start, _gap_end(full, c1, fields[n + 1][1][0], prompt)))
+                last_end = turn[-1][1]
                 continue
             upto = render(tokenizer, window, template_kwargs=kw)
             alt_upto = render(tokenizer, _with_field(window, len(window) - 1, _probe_for(messages[i][keys[0]]), keys),
                               template_kwargs=kw)
             w0 = _common_prefix(upto, alt_upto)
             w1 = max(w0, len(upto) - _common_suffix(upto, alt_upto))
-            if upto[w0:w1] != full[c0:c1]:
-                method = "diff"
+            changed = upto[w0:w1] != full[c0:c1]
             for keys_hidden in hidden:  # a field the conversation drops and the window renders: history re-rendered
                 probe = _probe_for(messages[i][keys_hidden[0]])
-                if render(tokenizer, _with_field(window, len(window) - 1, probe, keys_hidden),
-                          template_kwargs=kw) != upto:
-                    method = "diff"
+                changed |= render(tokenizer, _with_field(window, len(window) - 1, probe, keys_hidden),
+                                  template_kwargs=kw) != upto
             closing = upto[w1:]
-            if full.startswith(closing, c1):
+            if full.startswith(closing, c1) and not changed:
                 turn_end = c1 + len(closing)
             else:
                 method = "diff"
-                turn_end = _diff_turn_end(tokenizer, full, c1, upto, alt_upto, window, kw, keys)
-            spans.append((start, c1 + len(full[c1:turn_end].rstrip())))
-    return _merged(spans), method
+                turn_end = c1 + len(closing) if full.startswith(closing, c1) else \
+                    _diff_turn_end(tokenizer, full, c1, upto, alt_upto, window, kw, keys)
+            turn.append((start, c1 + len(full[c1:turn_end].rstrip())))
+            last_end = turn[-1][1]
+            if changed:
+                rerendered += 1
+            else:
+                spans.extend(turn)
+    return _merged(spans), method, rerendered
 
 
 def assistant_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mapping[str, Any] | None = None,
-                         ) -> tuple[str, list[Span], str]:
-    """Render `messages`; return (text, [start, end) of every assistant span in it, method).
+                         ) -> tuple[str, list[Span], str, int]:
+    """Render `messages`; return (text, [start, end) of every assistant span in it, method, rerendered).
 
     A span runs from the first character of a rendered field (the content, or the reasoning where the template
     renders it) to the end of the end-of-turn marker after it (trailing whitespace after the marker excluded); a
@@ -387,12 +395,17 @@ def assistant_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Ma
     "prefix", or "diff" when any turn needed the per-turn diff because the template re-renders history or closes
     the last turn differently.
 
+    `rerendered` counts the turns left without a span: those whose fields the template renders otherwise in the
+    conversation than as its last message, i.e. than when the target produced the turn (Qwen3 and harmony drop
+    the reasoning of turns before the last user message; a <think> block in a content is cut from it). The tokens
+    of such a turn in this rendering follow a context the target never answered from; they stay out of the loss.
+
     Linear in the conversation's length (`_linear_spans`); `prefix_char_spans` for templates that fail its checks.
     """
     full = render(tokenizer, messages, template_kwargs=template_kwargs)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
-        return full, [], "prefix"
+        return full, [], "prefix", 0
     try:
         linear = _linear_spans(tokenizer, messages, full, turns, template_kwargs)
     except ChatTemplateError:  # a probe or window rendering the template refuses: the reference method decides
@@ -406,16 +419,16 @@ def assistant_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Ma
 
 
 def prefix_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mapping[str, Any] | None = None,
-                      ) -> tuple[str, list[Span], str]:
+                      ) -> tuple[str, list[Span], str, int]:
     """`assistant_char_spans` by the reference method: per field of a turn, the conversation rendered with that
     field probed, and per turn the generation prompt before it and `messages[:i+1]`, whose cost grows with the
     square of the number of turns. Where `messages[:i+1]` does not render as a prefix of the full text (history
     re-rendered, as Qwen3 drops the reasoning of earlier turns), the turn's closing comes from the per-turn diff
-    ("diff")."""
+    ("diff"); a turn whose fields render otherwise there than in the full text has no span (counted last)."""
     kw = template_kwargs
     full = render(tokenizer, messages, template_kwargs=kw)
     spans: list[Span] = []
-    method = "prefix"
+    method, rerendered = "prefix", 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -430,36 +443,46 @@ def prefix_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mappi
             start_bound = _common_prefix(full, render(tokenizer, messages[:i], template_kwargs=kw))
 
         # Field spans: what changes when only that field changes; a field that changes nothing is not rendered.
-        fields = []
+        fields, hidden = [], []
         for keys in _fields(message):
             probe = _probe_for(message[keys[0]])
             alt = render(tokenizer, _with_field(messages, i, probe, keys), template_kwargs=kw)
             if alt == full and keys != CONTENT:
+                hidden.append((keys, probe))
                 continue
             c0 = _common_prefix(full, alt)
             c1 = max(c0, len(full) - _common_suffix(full, alt))
-            c0 = _raw_start(full, c0, c1, message[keys[0]], start_bound)
-            if c0 < start_bound:
+            raw = _raw_start(full, c0, c1, message[keys[0]], start_bound)
+            if raw < start_bound:
                 raise ChatTemplateError(f"{where}: its {keys[0]} changes the rendering before the turn starts")
-            fields.append((c0, c1, keys, probe))
+            fields.append((raw, c1, keys, probe, c0))
         fields.sort()
         prompt = _generation_prompt(tokenizer, messages[:i], kw) if len(fields) > 1 and i else ""
-        for (c0, c1, _, _), (n0, _, _, _) in zip(fields, fields[1:]):
+        turn: list[Span] = []
+        for (c0, c1, *_), (n0, *_) in zip(fields, fields[1:]):
             if spans and c0 < spans[-1][1]:
                 raise ChatTemplateError(f"{where}: span overlaps the previous assistant span")
-            spans.append((c0, _gap_end(full, c1, n0, prompt)))
-        c0, c1, keys, probe = fields[-1]
+            turn.append((c0, _gap_end(full, c1, n0, prompt)))
+        c0, c1, keys, probe, diff0 = fields[-1]
 
         # Turn end: from the prefix rendering when it is a prefix of the full text, else per-turn diff.
         upto = render(tokenizer, messages[: i + 1], template_kwargs=kw)
+        alt_upto = render(tokenizer, _with_field(messages[: i + 1], i, probe, keys), template_kwargs=kw)
+        w0 = _common_prefix(upto, alt_upto)
+        changed = upto[w0:max(w0, len(upto) - _common_suffix(upto, alt_upto))] != full[diff0:c1]
+        changed |= any(render(tokenizer, _with_field(messages[: i + 1], i, p, k), template_kwargs=kw) != upto
+                       for k, p in hidden)
         if full.startswith(upto) and len(upto) >= c1:
             turn_end = len(upto)
         else:
             method = "diff"
-            alt_upto = render(tokenizer, _with_field(messages[: i + 1], i, probe, keys), template_kwargs=kw)
             turn_end = _diff_turn_end(tokenizer, full, c1, upto, alt_upto, messages[: i + 1], kw, keys)
         end = c1 + len(full[c1:turn_end].rstrip())
         if spans and c0 < spans[-1][1]:
             raise ChatTemplateError(f"{where}: span overlaps the previous assistant span")
-        spans.append((c0, end))
-    return full, _merged(spans), method
+        turn.append((c0, end))
+        if changed:
+            rerendered += 1
+        else:
+            spans.extend(turn)
+    return full, _merged(spans), method, rerendered
