@@ -1,6 +1,6 @@
 """What the benchmarks share: the checkout's paths, the argument parser, robust timing, the one-JSON-line report,
 Hydra composition as the commands do it, the machine's matmul peak, a small precompute folder, a head run on
-held-out prompts, and a verify forward of new rows over a cached prefix.
+held-out prompts.
 
 Heavy imports (hydra, transformers, the package's models) are made inside the functions that need them, so that
 importing this module costs a benchmark nothing it does not use.
@@ -12,7 +12,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -242,33 +242,3 @@ def load_head_run(args: argparse.Namespace, model: Any = None) -> tuple[Any, Any
     head = load_head(args.head, args.model, dtype=torch.float32)
     sets = load_prompt_sets([args.prompts], args.limit)
     return model, tokenizer, head, sets, stop_token_ids(tokenizer, model.args.eos_token_ids)
-
-
-# --- a verify forward over a cached prefix (bench.engine, bench.tree, checks.gpu.tree_cost) ----------------------
-
-
-def verify_forward(runner: Any, seqs: Sequence[Any], tokens: Sequence[int], prefix: int,
-                   tree: list[list[int]] | None = None, sync: bool = False) -> float:
-    """Seconds of one target forward over `tokens` as new rows of every sequence after its `prefix` cached tokens
-    (`StepRows`: the sequences are read, never changed, so the next call starts from the same prefix).
-
-    Args:
-        runner: the `ModelRunner` whose cache holds the prefixes.
-        seqs: engine `Sequence`s of `prefix` cached tokens each, with pages for `prefix + len(tokens)` slots.
-        tokens: (r,) the new rows' token ids, the same for every sequence.
-        prefix: the cached length the rows follow.
-        tree: per sequence the rows' parents (a tree step) or None (the rows causal, a chain).
-        sync: synchronise CUDA around the forward (asynchronous devices), so the time is the step's.
-    """
-    from mtp_train.engine import StepRows
-
-    for s in seqs:
-        runner.kv.ensure(s.pages, prefix + len(tokens))
-    rows = StepRows([list(tokens) for _ in seqs], [prefix] * len(seqs), [list(s.pages) for s in seqs], tree)
-    if sync:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    runner.forward(rows, logits="all")
-    if sync:
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from bench.common import compare, parser, report, verify_forward
+from bench.common import compare, parser, report
 from mtp_train.engine import LLMEngine, ModelRunner, SamplingParams, Sequence, prefill_hidden
+from mtp_train.engine.timing import verify_seconds
 from mtp_train.layers import cpu_kernels, kernel_choice
 from mtp_train.models import load_model, resolve_dtype
 
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     runner.run([seq])
 
     def verify(k: int) -> float:
-        return verify_forward(runner, [seq], ctx[:k], len(ctx))
+        return verify_seconds(runner, [seq], ctx[:k], len(ctx))
 
     # rounds over all k, each k's cost relative to k=1 of the same round (robust to changing load)
     ks = (1, 2, 4, 8, 16)

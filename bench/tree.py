@@ -31,12 +31,13 @@ from typing import Any
 
 import torch
 
-from bench.common import head_proposer, head_run_args, ints, load_head_run, parse_head_run, report, verify_forward
+from bench.common import head_proposer, head_run_args, ints, load_head_run, parse_head_run, report
 from mtp_train.cli.common import configure_from_env
 from mtp_train.config import EvalConfig, NgramConfig
 from mtp_train.data.prompts import PromptSet
 from mtp_train.engine import ModelRunner
 from mtp_train.engine import Sequence as EngineSeq
+from mtp_train.engine.timing import verify_seconds
 from mtp_train.eval.acceptance import evaluate
 from mtp_train.eval.methods import MethodSet
 from mtp_train.eval.options import expand_grid
@@ -59,7 +60,7 @@ def rows_cost(model, rows: list[int], rounds: int = 30, prefix: int = 300) -> di
     times: dict[int, list[float]] = {r: [] for r in rows}
     for i in range(rounds + 2):
         for r in rows:
-            seconds = verify_forward(runner, [seq], [(500 + j) % vocab for j in range(r)], prefix)
+            seconds = verify_seconds(runner, [seq], [(500 + j) % vocab for j in range(r)], prefix)
             if i >= 2:  # two warm-up rounds
                 times[r].append(seconds)
     one = statistics.median(times[1])

@@ -102,3 +102,23 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     assert make_targets_named(doc.read_text(encoding="utf-8")) == {"no-such-target", "demo"}
     assert "demo" in makefile_targets() and "test" in makefile_targets() and "VENV" not in makefile_targets()
     assert FORBIDDEN.search(b"an Excellent result") and not FORBIDDEN.search(b"a quiet machine")
+
+
+def _listed(index: Path, names: list[str]) -> list[str]:
+    """The names that the package index's docstring (`index`, an __init__.py) does not mention."""
+    text = index.read_text(encoding="utf-8")
+    return [n for n in names if n not in text]
+
+
+def test_bench_and_checks_indexes_list_every_module() -> None:
+    """bench/__init__.py and checks/__init__.py name every module and folder beside them, and checks never import the
+    benchmarks (a GPU node runs the checks from a checkout that needs nothing of bench/)."""
+    bench = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem not in ("__init__", "common"))
+    bench += sorted(p.name for p in (ROOT / "bench").iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert not _listed(ROOT / "bench" / "__init__.py", bench), "bench/__init__.py does not list them"
+    checks = sorted(p.name for p in (ROOT / "checks").glob("*.py") if p.stem != "__init__")
+    checks += sorted(p.name for p in (ROOT / "checks").iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert not _listed(ROOT / "checks" / "__init__.py", checks), "checks/__init__.py does not list them"
+    importing = [p.relative_to(ROOT).as_posix() for p in (ROOT / "checks").rglob("*.py")
+                 if re.search(r"^\s*(from|import) bench\b", p.read_text(encoding="utf-8"), re.M)]
+    assert not importing, f"{importing} import bench/"

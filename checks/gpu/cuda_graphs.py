@@ -8,9 +8,8 @@ import time
 
 import torch
 
-from bench.common import head_proposer
 from checks.gpu.common import DT, Checks, Target, agreement
-from mtp_train.config import HeadConfig
+from mtp_train.config import HeadConfig, head_type
 from mtp_train.engine import LLMEngine, SamplingParams
 from mtp_train.heads import build_head
 from mtp_train.speculative.engine import SpecEngine
@@ -43,7 +42,7 @@ def cuda_graph_checks(check: Checks, target: Target, goal: float | None) -> None
           f"{agree}/{len(seqs)} identical, {ties} at near-ties; {g.captures} captures, {g.replays} replays")
     head = build_head(HeadConfig(type="mtp", init="last_layer"), target.path, device="cuda", dtype=DT,
                       backend="flashinfer")
-    proposer = head_proposer(head)
+    proposer = head_type(head.cfg.type).drafter(head, {})
     spec = SpecEngine(model, proposer, 3, kv_cache_gb=1, max_batch_size=8, cuda_graphs=True)
     out = spec.generate(seqs, params)
     agree, ties = agreement(model, seqs, eager, out)
@@ -58,7 +57,8 @@ def cuda_graph_checks(check: Checks, target: Target, goal: float | None) -> None
     n = 256
     plain = decode_tokens_per_s(LLMEngine(model, kv_cache_gb=1, max_batch_size=1, cuda_graphs=False), seqs[0], n)
     fast = decode_tokens_per_s(LLMEngine(model, kv_cache_gb=1, max_batch_size=1, cuda_graphs=True), seqs[0], n)
-    spec1 = SpecEngine(model, head_proposer(head), 3, kv_cache_gb=1, max_batch_size=1, cuda_graphs=True)
+    spec1 = SpecEngine(model, head_type(head.cfg.type).drafter(head, {}), 3, kv_cache_gb=1, max_batch_size=1,
+                       cuda_graphs=True)
     spec_tps = decode_tokens_per_s(spec1, seqs[0], n)
     detail = (f"batch-1 decode {fast:.0f} tok/s with graphs, {plain:.0f} without ({fast / plain:.2f}x); "
               f"speculative mtp k=3 with graphs {spec_tps:.0f} tok/s (untrained head, tau "

@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from bench.common import head_proposer
 from checks.gpu.common import DT, TOL, Checks, rel_err, teacher_forced
-from mtp_train.config import HeadConfig
+from mtp_train.config import HeadConfig, head_type
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.heads import build_head
 from mtp_train.models import load_model
@@ -66,7 +65,8 @@ def deepseek_checks(check: Checks, tmp: Path, device: str = "cuda") -> None:
           f"{same}/{len(seqs)} identical (bf16: one divergence at a near-tie is tolerated)")
     head = build_head(HeadConfig(type="mtp", moe=True, init="last_layer"), tmp / "ds", device=device, dtype=DT,
                       backend="auto")
-    spec = SpecEngine(ours_f, head_proposer(head), 3, kv_cache_gb=1).generate(seqs, params)
+    proposer = head_type(head.cfg.type).drafter(head, {})
+    spec = SpecEngine(ours_f, proposer, 3, kv_cache_gb=1).generate(seqs, params)
     same = sum(a.output_ids == b.output_ids for a, b in zip(spec, out))
     check("deepseek-v2 speculative (mtp head, flashinfer MLA pools) = plain greedy", same >= len(seqs) - 1,
           f"{same}/{len(seqs)} identical")

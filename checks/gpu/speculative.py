@@ -5,9 +5,8 @@ fused chain sampling (`chain_speculative_sampling`) runs for unseeded requests."
 
 from __future__ import annotations
 
-from bench.common import head_proposer
 from checks.gpu.common import DT, Checks, Target
-from mtp_train.config import HeadConfig
+from mtp_train.config import HeadConfig, head_type
 from mtp_train.engine import SamplingParams
 from mtp_train.heads import build_head
 from mtp_train.speculative.engine import SpecEngine
@@ -20,7 +19,8 @@ def speculative_checks(check: Checks, target: Target) -> None:
     _, gf, _, ties = target.greedy
     head = build_head(HeadConfig(type="mtp", init="last_layer"), target.path, device="cuda", dtype=DT,
                       backend="flashinfer")
-    for pname, prop, k in (("self-draft", DraftModelProposer(ours_f), 3), ("mtp head", head_proposer(head), 4)):
+    drafter = head_type(head.cfg.type).drafter  # (head, options) -> its proposer
+    for pname, prop, k in (("self-draft", DraftModelProposer(ours_f), 3), ("mtp head", drafter(head, {}), 4)):
         eng = SpecEngine(ours_f, prop, k, kv_cache_gb=1)
         out = eng.generate(seqs, target.GREEDY)
         same = sum(a.output_ids == b.output_ids for a, b in zip(out, gf))
@@ -30,7 +30,7 @@ def speculative_checks(check: Checks, target: Target) -> None:
               f"{same}/{len(seqs)} identical, tau {tau:.2f}, draft {eng.stats.draft_seconds:.2f}s verify "
               f"{eng.stats.verify_seconds:.2f}s")
     # first-draft alternatives: every verify step is a tree (FlashInfer's custom mask), output still plain greedy's
-    eng = SpecEngine(ours_f, head_proposer(head, draft_width=4), 2, kv_cache_gb=1)
+    eng = SpecEngine(ours_f, drafter(head, {"draft_width": 4}), 2, kv_cache_gb=1)
     out = eng.generate(seqs, target.GREEDY)
     same = sum(a.output_ids == b.output_ids for a, b in zip(out, gf))
     m = eng.stats.metrics

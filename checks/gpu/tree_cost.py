@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.common import verify_forward
 from mtp_train.config.device import on_cuda
 from mtp_train.engine import ModelRunner
 from mtp_train.engine import Sequence as EngineSeq
+from mtp_train.engine.timing import verify_seconds
 
 ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # verify rows per sequence, the root included
 KINDS = ("chain", "chain_mask", "tree")
@@ -72,7 +72,7 @@ def verify_times(model, rows: Sequence[int] = ROWS, *, topk: int = 4, batch: int
         for r in rows:
             for kind in KINDS:
                 parents = trees[kind](r)
-                seconds = verify_forward(runner, seqs, [(500 + j) % vocab for j in range(r)], prefix,
+                seconds = verify_seconds(runner, seqs, [(500 + j) % vocab for j in range(r)], prefix,
                                          tree=None if parents is None else [parents] * batch, sync=cuda)
                 if i >= warmup:
                     times[r][kind].append(seconds)
