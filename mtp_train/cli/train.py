@@ -50,6 +50,16 @@ from mtp_train.models.foreign import head_target_args
 from mtp_train.speculative.validator import SpeculativeValidator
 from mtp_train.train.foreign import check_foreign_target
 from mtp_train.train.logging import resolve_wandb_mode
+from mtp_train.train.memory_plan import (
+    MemoryPlan,
+    check_plan,
+    device_memory,
+    plan_memory,
+    plan_settings,
+    planned_world,
+    runtime_bytes,
+    sample_length,
+)
 from mtp_train.train.sources import source_class
 from mtp_train.train.trainer import StepHook, train
 
@@ -75,6 +85,9 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
         except DataError as exc:
             raise ConfigError(f"spec_eval.prompts: {exc}") from None
     check_head_fits(tc)
+    if tc.plan:  # the plan alone: nothing is trained, written or fetched
+        return show_plan(tc)
+    check_memory(tc)
     with distributed(tc.model) as (info, stack):
         # DeepSpeed reads LOCAL_RANK from the environment, which only launchers set (see train/deepspeed_setup.py).
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
@@ -129,6 +142,56 @@ def check_head_fits(tc: TrainConfig) -> None:
                           f"one micro-batch alone take at least {human_bytes(need)}: {head.max_anchors} blocks of "
                           f"{head.block_size} rows of {args.hidden_size} values per draft layer, more than the "
                           f"{human_bytes(free)} free on {device}; lower head.block_size or head.max_anchors")
+
+
+def run_plan(tc: TrainConfig) -> MemoryPlan | None:
+    """The memory plan of this run (plan_* settings over the launch's), or None when the target's config.json is
+    not there yet (a folder still to be fetched)."""
+    if not (Path(tc.model.path) / "config.json").is_file():
+        return None
+    launch = launch_env()
+    device = tc.plan_device or rank_device(tc.model.device, launch.world, launch.local_rank).type
+    length, _ = sample_length(tc)
+    args = head_target_args(tc.model.path)
+    return plan_memory(plan_settings(tc, args, device, planned_world(tc, launch.world), length,
+                                     runtime_bytes(device)), args)
+
+
+def show_plan(tc: TrainConfig) -> dict[str, Any]:
+    """`plan=true`: print the plan (rank 0) and return it, without training or writing anything."""
+    if not (Path(tc.model.path) / "config.json").is_file():
+        raise ConfigError(f"plan=true needs the target's config.json: {Path(tc.model.path) / 'config.json'} is "
+                          "missing; point model.path at a folder holding it (the weights are not needed)")
+    plan = run_plan(tc)
+    assert plan is not None
+    _, source = sample_length(tc)
+    if launch_env().rank == 0:
+        print("\n".join(plan.lines()), flush=True)
+        print(f"(sample length from {source}; nothing was trained or written)", flush=True)
+    return {"plan": {t.name: t.bytes for t in plan.terms}, "plan_total": plan.total}
+
+
+def check_memory(tc: TrainConfig) -> None:
+    """Refuse, before anything is written, a run whose memory plan is over what a rank may use (memory_limit_gib,
+    else the device's: a GPU's total memory, or the CPU memory available to this process shared by the launch's
+    ranks); memory_check=false only logs it."""
+    plan = run_plan(tc)
+    if plan is None:
+        return
+    launch = launch_env()
+    if tc.memory_limit_gib > 0:
+        limit, what = int(tc.memory_limit_gib * 2**30), f"memory_limit_gib={tc.memory_limit_gib:g}"
+    else:
+        found, what = device_memory(plan.settings.device)
+        if found is None:
+            return
+        # CPU ranks of one launch share the host's memory
+        ranks = launch.world if plan.settings.device == "cpu" else 1
+        limit = found // ranks
+        what += f" / {ranks} ranks" if ranks > 1 else ""
+    log.info("memory plan: %s per rank of %s (%s)", human_bytes(plan.total), human_bytes(limit), what)
+    if tc.memory_check:
+        check_plan(plan, limit, what)
 
 
 def free_memory(device: torch.device) -> int | None:

@@ -1,0 +1,172 @@
+"""Training memory measured against the memory plan: peak RSS of real `mtp-train` processes on the CPU.
+
+For each head type and sample length, a synthetic precompute folder of samples of exactly that length for the target
+(`mtp_train.precompute.synthetic.make_folder`, the aux layers the head reads) is trained on for a few steps by an
+`mtp-train` subprocess (one micro-batch = one sample: `train.micro_batch_tokens` = the length; evaluation, W&B and
+periodic saves off), and the same command with `plan=true` prints its plan. The measured peak is the process's
+`ru_maxrss` (its VmHWM, the peak resident set, from `os.wait4`); with `--sp N` the run is N CPU ranks under torchrun
+(`train.sequence_parallel=N`) and the peak is the largest rank's, read from each rank's own VmHWM.
+
+Prints measured, planned and planned / measured per (head, length); the last line is one JSON object.
+
+Usage: python -m bench.train_memory [--model DIR] [--heads mtp,eagle3,dflash] [--lengths 1024,2048,4096,8192]
+       [--steps 2] [--sp 1] [--work DIR]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.common import DEFAULT_MODEL, ints, parser, report
+
+GIB = 2**30
+TOTAL_LINE = re.compile(r"^peak per rank\s+([0-9.]+) GiB \((\d+) bytes\)", re.M)
+HWM_LINE = re.compile(r"^train_memory rank (\d+) VmHWM (\d+)$", re.M)
+# a rank's own peak, printed at exit by the `sitecustomize` of --sp runs (torchrun's children are not ours to wait4)
+HWM_HOOK = """import atexit, os
+def _hwm():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM:'):
+            print(f"train_memory rank {os.environ.get('RANK', '0')} VmHWM {int(line.split()[1]) * 1024}", flush=True)
+if os.environ.get('TRAIN_MEMORY_HWM'):
+    atexit.register(_hwm)
+"""
+
+
+@dataclass
+class Row:
+    """One measurement: a head type at a sample length, its measured and planned peak per rank (bytes)."""
+
+    head: str
+    length: int
+    sp: int
+    measured: int
+    planned: int
+
+    @property
+    def ratio(self) -> float:
+        return self.planned / self.measured
+
+
+def head_overrides(head: str) -> list[str]:
+    """The head group and its recipe as `mtp-train` takes them (eagle3's 3-step unroll is its recipe's default)."""
+    return [f"head={head}"]
+
+
+def folder_for(work: Path, model: Path, head: str, length: int, samples: int) -> Path:
+    """A synthetic precompute folder for `head` on `model` of `samples` samples of exactly `length` tokens, made once
+    under `work` (the aux layers the head type reads at its shipped config)."""
+    from bench.memory_plan import stored_aux_layers
+    from mtp_train.models.families import args_from_dir
+    from mtp_train.precompute.synthetic import make_folder
+
+    aux = stored_aux_layers(head, args_from_dir(model).num_layers)
+    out = work / f"data-{'-'.join(map(str, aux)) or 'final'}-{length}-all"
+    if not (out / "manifest.json").is_file():
+        # every token under the loss: the plan assumes every row counted (the loss's chunk is then full)
+        make_folder(out, samples, target=model, aux_layers=aux, min_len=length, max_len=length, val_fraction=0.0,
+                    shard_tokens=max(65536, length), loss_fraction=1.0)
+    return out
+
+
+def overrides(model: Path, head: str, folder: Path, out: Path, length: int, steps: int, sp: int) -> list[str]:
+    """`mtp-train`'s overrides of one measurement: `steps` steps of one sample each, nothing else run or saved that
+    a real run at these settings would not hold at its peak."""
+    return [f"model.path={model}", *head_overrides(head), f"data.dir={folder}", f"out={out}",
+            f"train.max_steps={steps}", f"train.micro_batch_tokens={length}", "train.eval_batches=0",
+            "train.save_every=0", "train.progress=false", "optim.warmup_steps=1", "wandb.mode=disabled",
+            "spec_eval.prompts=[]", *([f"train.sequence_parallel={sp}"] if sp > 1 else [])]
+
+
+def measure(args: list[str], sp: int, work: Path) -> int:
+    """The peak RSS in bytes of `mtp-train args`: the process's own (sp = 1), or the largest of its sp CPU ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if sp == 1:
+        proc = subprocess.Popen([sys.executable, "-m", "mtp_train.cli.train", *args], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out = proc.stdout.read() if proc.stdout else ""
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            raise RuntimeError(f"mtp-train {' '.join(args)} failed ({proc.returncode}):\n{out[-3000:]}")
+        return int(usage.ru_maxrss) * 1024  # KiB on Linux
+    hook = work / "hwm_hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(HWM_HOOK)
+    env.update(TRAIN_MEMORY_HWM="1", PYTHONPATH=os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={sp}",
+                          "-m", "mtp_train.cli.train", *args, "model.device=cpu"], env=env, capture_output=True,
+                         text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"torchrun mtp-train {' '.join(args)} failed ({run.returncode}):\n"
+                           f"{(run.stdout + run.stderr)[-3000:]}")
+    peaks = [int(b) for _, b in HWM_LINE.findall(run.stdout)]
+    if len(peaks) != sp:
+        raise RuntimeError(f"expected {sp} ranks' peaks, got {len(peaks)}")
+    return max(peaks)
+
+
+def planned(args: list[str], sp: int) -> int:
+    """The peak per rank `mtp-train args plan=true` prints, in bytes (world = sp, as the measured run's)."""
+    extra = [f"plan_world={sp}"] if sp > 1 else []
+    run = subprocess.run([sys.executable, "-m", "mtp_train.cli.train", *args, "plan=true", *extra],
+                         capture_output=True, text=True)
+    found = TOTAL_LINE.search(run.stdout)
+    if run.returncode != 0 or found is None:
+        raise RuntimeError(f"mtp-train plan=true failed ({run.returncode}):\n{(run.stdout + run.stderr)[-3000:]}")
+    return int(found.group(2))
+
+
+def run_one(model: Path, head: str, length: int, steps: int, sp: int, work: Path, samples: int = 4) -> Row:
+    """Measure and plan one (head, length, sp)."""
+    folder = folder_for(work, model, head, length, max(samples, steps * sp))
+    out = work / f"run-{head}-{length}-sp{sp}"
+    args = overrides(model, head, folder, out, length, steps, sp)
+    row = Row(head, length, sp, measure(args + ["overwrite=true", "resume=none"], sp, work), planned(args, sp))
+    for p in sorted(out.rglob("*"), reverse=True):  # a run's checkpoint is not needed once its peak is read
+        p.unlink() if not p.is_dir() or p.is_symlink() else p.rmdir()
+    return row
+
+
+def print_rows(rows: list[Row]) -> None:
+    print("| head | tokens | SP | measured GiB | planned GiB | planned / measured |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r.head} | {r.length} | {r.sp} | {r.measured / GIB:.2f} | {r.planned / GIB:.2f} | {r.ratio:.3f} |",
+              flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = parser(__doc__)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the target's folder")
+    ap.add_argument("--heads", default="mtp,eagle3,dflash", help="head types, comma-separated")
+    ap.add_argument("--lengths", type=ints, default=[1024, 2048, 4096, 8192], help="sample lengths in tokens")
+    ap.add_argument("--steps", type=int, default=2, help="training steps per run")
+    ap.add_argument("--sp", type=int, default=1, help="train.sequence_parallel (that many CPU ranks)")
+    ap.add_argument("--work", type=Path, default=None, help="where folders and runs go (default: a temporary one)")
+    args = ap.parse_args(argv)
+    model = args.model.resolve()
+    with tempfile.TemporaryDirectory(prefix="train-memory-") as tmp:
+        work = (args.work or Path(tmp)).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for head in args.heads.split(","):
+            for length in args.lengths:
+                rows.append(run_one(model, head, length, args.steps, args.sp, work))
+                print(f"{head} {length}: measured {rows[-1].measured / GIB:.2f} GiB, planned "
+                      f"{rows[-1].planned / GIB:.2f} GiB ({rows[-1].ratio:.3f})", flush=True)
+    print_rows(rows)
+    result = {"model": str(model), "steps": args.steps, "sp": args.sp,
+              "rows": [{**asdict(r), "ratio": round(r.ratio, 4)} for r in rows]}
+    report(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

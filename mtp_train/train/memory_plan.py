@@ -1,0 +1,444 @@
+"""The training memory plan: the predicted peak memory of one rank of `mtp-train`, term by term.
+
+A pure function of the settings and the target's config.json (no weights are read; nothing is allocated). The
+peak is the sum of what is alive at once in the step that peaks: the loss of the last unrolled step, when every
+step's activations are still kept for the backward and one vocabulary chunk of logits exists.
+
+    runtime        the process before any tensor: a CUDA context and the kernels' workspace (CUDA), or this
+                   process's own resident set after torch and deepspeed are imported (CPU: measured, passed in)
+    frozen         the target's embedding and lm_head the trainer holds (one matrix when tied): bf16 on CUDA, fp32
+                   on the CPU
+    batch          the stored states of one micro-batch (final hidden and aux layers, as stored): every
+                   sequence-parallel rank holds the batch whole; on the CPU the shard pages read stay mapped too
+    weights        the head's parameters in the compute dtype, plus DeepSpeed's fp32 master copy (its partition
+                   under ZeRO 1/2)
+    gradients      ZeRO-2: the rank's fp32 partition plus the reduction bucket (CUDA: `reduce_bucket_size`
+                   elements, allocated whole; CPU: the pages written); ZeRO 0/1: whole
+    optimizer      AdamW's two fp32 moments, partitioned over the data-parallel ranks under ZeRO 1/2
+    activations    per token and unrolled step, the tensors autograd keeps for the head's layer(s) and the loss's
+                   per-row tensors, over the rank's share of the tokens (divided by train.sequence_parallel);
+                   train.activation_checkpointing keeps only each step's inputs and recomputes one step at a time
+    loss chunk     `loss.chunk_size` rows × the (draft) vocabulary of fp32 logits, the copies the token loss holds
+    online target  data.source=online|hybrid: the target's weights / model.tp and its prefill over one micro-batch
+
+The coefficients of the activation and loss terms are counts of the tensors the code keeps (module docstrings
+below), checked against measured peaks of real runs (`python -m bench.train_memory`, tests/test_memory_plan.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mtp_train.config import HeadConfig, TrainConfig
+from mtp_train.config.errors import ConfigError
+from mtp_train.fileio import human_bytes
+from mtp_train.heads import head_class
+from mtp_train.models.config import ModelArgs
+
+GIB = 2**30
+FP32, BF16 = 4, 2
+# CUDA: the context, cuBLAS / cuDNN workspaces and the caching allocator's slack (a fresh process that has run a
+# step of a small model holds about this much beyond its tensors)
+CUDA_RUNTIME_BYTES = int(1.5 * GIB)
+# The token loss's (rows, V) fp32 tensors alive at its peak, per `loss.ce_impl`: checkpoint (the default) holds the
+# head's and the target's logits, the target's softmax, their product, the head's softmax inside α and the
+# recomputation's pair in the backward; fused holds the logits, the target's and the gradient written into one of
+# them. Measured on the CPU (bench.train_memory) and rounded up.
+LOSS_CHUNK_COPIES = {"checkpoint": 6.0, "fused": 3.0}
+# The backward's own temporaries of a layer beyond what the forward kept: the gradients of its widest products
+# (the MLP's gate / up and their activation), alive while the saved tensors still are.
+BACKWARD_WIDTHS = 3  # × the MLP's intermediate size
+
+
+@dataclass(frozen=True)
+class Term:
+    """One term of the plan: its name, bytes per rank, and how it was counted (shown beside it)."""
+
+    name: str
+    bytes: int
+    how: str
+
+
+@dataclass
+class PlanSettings:
+    """What the plan depends on besides the target's shapes.
+
+    Args:
+        head: the head's settings, resolved against the target (`HeadConfig.resolved`).
+        steps: unrolled steps (`loss.steps`).
+        chunk_size: rows of logits at a time (`loss.chunk_size`).
+        ce_impl: the token loss's implementation (`loss.ce_impl`).
+        w_feat: the feature loss's weight (its per-row tensors exist only when > 0).
+        length: tokens of the longest sample.
+        micro_batch_tokens: the micro-batch's token budget (`train.micro_batch_tokens`).
+        sequence_parallel: ranks sharing one sample's positions (`train.sequence_parallel`).
+        activation_checkpointing: recompute each step's forward in the backward.
+        world: ranks of the job.
+        zero_stage: DeepSpeed's `zero_optimization.stage` (0, 1, 2).
+        reduce_bucket_size: DeepSpeed's gradient bucket in elements (ZeRO 1/2 with contiguous_gradients).
+        device: "cuda" or "cpu" (dtype and runtime differ).
+        runtime: bytes of the process before any tensor (see the module docstring).
+        storage_bytes: bytes per stored hidden value (2 for bf16 folders).
+        online: the trainer holds the target (data.source online / hybrid).
+        tp: the online target's tensor-parallel ranks (`model.tp`).
+    """
+
+    head: HeadConfig
+    steps: int
+    chunk_size: int
+    ce_impl: str
+    w_feat: float
+    length: int
+    micro_batch_tokens: int
+    sequence_parallel: int
+    activation_checkpointing: bool
+    world: int
+    zero_stage: int
+    reduce_bucket_size: int
+    device: str
+    runtime: int
+    storage_bytes: int = BF16
+    online: bool = False
+    tp: int = 1
+
+
+@dataclass
+class MemoryPlan:
+    """The predicted peak of one rank: its terms (their sum is the peak) and what it was planned for."""
+
+    terms: list[Term]
+    settings: PlanSettings
+    head_params: int
+    tokens: int = 0  # tokens of one micro-batch
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    def largest(self) -> Term:
+        return max(self.terms, key=lambda t: t.bytes)
+
+    def lines(self) -> Iterator[str]:
+        """The plan as text: one line per term, then the peak per rank."""
+        s = self.settings
+        yield (f"memory plan per rank: head {s.head.type} ({self.head_params / 1e6:.1f}M parameters), {s.device}, "
+               f"{self.tokens} tokens per micro-batch (longest sample {s.length}), loss.steps={s.steps}, "
+               f"world {s.world}, ZeRO-{s.zero_stage}, sequence_parallel={s.sequence_parallel}, "
+               f"activation_checkpointing={str(s.activation_checkpointing).lower()}")
+        for t in self.terms:
+            yield f"  {t.name:<15}{t.bytes / GIB:9.3f} GiB  {t.how}"
+        for note in self.notes:
+            yield f"  ({note})"
+        yield f"peak per rank {self.total / GIB:.3f} GiB ({self.total} bytes)"
+
+
+# --- the head's shapes -----------------------------------------------------------------------------------------
+
+
+def head_params(head: HeadConfig, args: ModelArgs) -> int:
+    """The head's trainable parameters, counted on the meta device (exact, nothing allocated)."""
+    with torch.device("meta"):
+        module = head_class(head.type)(head, args, None)
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def draft_vocab(head: HeadConfig, args: ModelArgs) -> int:
+    """The vocabulary the loss's logits span: the draft vocabulary when set, else the target's."""
+    return min(head.draft_vocab_size, args.vocab_size) if head.draft_vocab_size > 0 else args.vocab_size
+
+
+def layer_values(args: ModelArgs, rows_in: int) -> int:
+    """Values per row a Llama-family decoder layer keeps for its backward: its input and input norm, q/k/v and
+    the rotated q/k, the attention's output (a fused kernel keeps q, k, v, out and a logsumexp), o_proj's output,
+    the residual and the post-attention norm, gate/up, the activation and the product, the MLP's output; plus the
+    backward's temporaries (`BACKWARD_WIDTHS` × the intermediate size). rows_in: the width q/k/v read (H, or 2H for
+    EAGLE-3's layer)."""
+    h, inter = args.hidden_size, args.intermediate_size
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    return rows_in + h + (q + 2 * kv) + (q + kv) + q + 4 * h + 4 * inter + BACKWARD_WIDTHS * inter
+
+
+def chain_step_values(head: HeadConfig, args: ModelArgs, w_feat: float) -> int:
+    """Values per row and unrolled step a chain head (mtp, eagle1, eagle3) keeps: its layer, what surrounds it
+    (the embedding, the norms around the fc and the fc's input, the final norm) and the loss's per-row tensors
+    (the step's shifted targets, the counted rows gathered, the feature loss's elementwise terms)."""
+    h = args.hidden_size
+    eagle3 = head.type == "eagle3"
+    around = 6 * h if eagle3 else 7 * h  # eagle3: e, its norm, g's norm, [e ; g] (2H), the final norm
+    loss = 3 * h + (2 * h if w_feat > 0 else 0)
+    return layer_values(args, 2 * h if eagle3 else h) + around + loss
+
+
+def block_rows(head: HeadConfig, tokens: int) -> int:
+    """Rows a block drafter's draft layers run: max_anchors blocks of block_size rows (fewer on a short batch)."""
+    return min(head.max_anchors, tokens) * head.block_size
+
+
+# --- the plan --------------------------------------------------------------------------------------------------
+
+
+def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
+    """The predicted peak memory of one rank training head `s.head` on a target of shapes `args`.
+
+    Args:
+        s: the settings (`PlanSettings`; `plan_settings` builds them from a TrainConfig).
+        args: the target's shapes (its config.json, `models.foreign.head_target_args`).
+    Returns the plan (terms in bytes).
+    """
+    cuda = s.device == "cuda"
+    act = BF16 if cuda else FP32  # the engine's compute dtype: bf16 on CUDA, fp32 on the CPU
+    h, vocab = args.hidden_size, args.vocab_size
+    head = s.head
+    k = len(head.aux_layers) if head.features == "aux" else 0
+    params = head_params(head, args)
+    tokens = max(s.length, s.micro_batch_tokens)  # a packed micro-batch: its budget, or one longer sample
+    sp = max(1, s.sequence_parallel)
+    share = -(-tokens // sp)  # rows of this rank
+    dp = max(1, s.world)  # ZeRO partitions over every rank (sequence-parallel ranks hold the same gradients)
+    terms = [Term("runtime", s.runtime, "CUDA context and workspaces" if cuda else
+                  "this process after torch and deepspeed are imported (measured)")]
+
+    tied = bool(args.tie_word_embeddings)
+    frozen = (1 if tied else 2) * vocab * h * act
+    terms.append(Term("frozen", frozen, f"embedding{'' if tied else ' + lm_head'} {vocab} × {h}, "
+                                        f"{'bf16' if cuda else 'fp32'}"))
+
+    stored = tokens * (1 + k) * h * s.storage_bytes
+    copies = 1 if cuda else 2  # CPU: the shard's mapped pages and the batch's copy
+    terms.append(Term("batch", copies * stored + tokens * 16,
+                      f"{tokens} tokens × (1 + {k}) × {h} stored values, whole on every SP rank"
+                      + ("" if cuda else "; mapped pages + the batch")))
+
+    master = params * FP32 // (dp if s.zero_stage >= 1 else 1)
+    weights = params * act + (master if s.zero_stage >= 1 or cuda else 0)
+    terms.append(Term("weights", weights, f"{params / 1e6:.1f}M × {act} B"
+                      + (f" + fp32 master / {dp if s.zero_stage >= 1 else 1}" if s.zero_stage >= 1 or cuda else "")))
+
+    if s.zero_stage >= 2:
+        bucket = s.reduce_bucket_size * act if cuda else min(s.reduce_bucket_size, params) * act
+        grads = params * FP32 // dp + bucket
+        how = f"fp32 partition / {dp} + bucket of " + (f"{s.reduce_bucket_size} elements" if cuda else "the gradients")
+    else:
+        bucket = (s.reduce_bucket_size * FP32 if cuda else 0) if s.zero_stage == 1 else 0
+        grads = params * act + (params * FP32 // dp if s.zero_stage == 1 else 0) + bucket
+        how = "whole" + (f" + fp32 partition / {dp} + bucket" if s.zero_stage == 1 else "")
+    terms.append(Term("gradients", grads, how))
+    terms.append(Term("optimizer", 2 * params * FP32 // (dp if s.zero_stage >= 1 else 1),
+                      f"AdamW moments, 2 × fp32{f' / {dp}' if s.zero_stage >= 1 else ''}"))
+
+    terms.append(activation_term(s, args, share, tokens, act))
+    rows = loss_rows(s, share, tokens)
+    v_loss = draft_vocab(head, args)
+    chunk = min(s.chunk_size, max(rows, 1))
+    copies_l = LOSS_CHUNK_COPIES.get(s.ce_impl, LOSS_CHUNK_COPIES["checkpoint"])
+    terms.append(Term("loss chunk", int(copies_l * chunk * v_loss * FP32),
+                      f"{copies_l:g} × {chunk} rows × {v_loss} vocabulary, fp32 ({s.ce_impl})"))
+
+    if s.online:
+        terms.append(online_term(args, tokens, s.tp, act))
+    plan = MemoryPlan(terms, s, params, tokens)
+    if sp > 1:
+        plan.notes.append(f"each of the {sp} sequence-parallel ranks runs {share} of the {tokens} rows")
+    return plan
+
+
+def loss_rows(s: PlanSettings, share: int, tokens: int) -> int:
+    """Rows one step's loss scores on this rank: its share of the tokens, or a block drafter's anchors."""
+    if s.head.spec.block:
+        return min(s.head.max_anchors, tokens)
+    return share
+
+
+def activation_term(s: PlanSettings, args: ModelArgs, share: int, tokens: int, act: int) -> Term:
+    """The activations of one micro-batch on this rank (see `chain_step_values`, `block_values`)."""
+    head, h = s.head, args.hidden_size
+    k = len(head.aux_layers) if head.features == "aux" else 0
+    if head.spec.block:
+        per_layer = block_rows(head, tokens) * layer_values(args, h)
+        # the context: fc over the aux layers and its norm, each draft layer's context K/V, over every row
+        kv = args.num_kv_heads * args.head_dim
+        context = tokens * (k * h + 2 * h + head.layers * 4 * kv)
+        outs = s.steps * tokens * h * 3  # per drafted slot: its (T, H) output, shifted targets, gathered rows
+        layers = 1 if s.activation_checkpointing else head.layers
+        kept = (layers * per_layer + (head.layers - layers) * block_rows(head, tokens) * h
+                + context // max(1, s.sequence_parallel) + outs)
+        how = (f"{head.layers} draft layer(s) × {min(head.max_anchors, tokens)} anchors × {head.block_size} rows, "
+               f"context {tokens} rows, {s.steps} slots")
+    else:
+        per_step = chain_step_values(head, args, s.w_feat)
+        step0 = share * (k * h if k else 0)  # an aux head's step 0 reads (T, k·H) through its fc
+        if s.activation_checkpointing:
+            kv = 2 * args.num_kv_heads * args.head_dim
+            # every step's input and its K/V (later steps attend to them) stay; one step is recomputed at a time
+            kept = share * (s.steps * (h + kv) + per_step) + step0
+        else:
+            kept = share * s.steps * per_step + step0
+        how = f"{share} rows × {s.steps} step(s) × {per_step} values"
+    if s.activation_checkpointing:
+        how += ", checkpointed"
+    return Term("activations", kept * act, how + f", {'bf16' if act == BF16 else 'fp32'}")
+
+
+def online_term(args: ModelArgs, tokens: int, tp: int, act: int) -> Term:
+    """The target held for data.source=online|hybrid: its weights / tp in the compute dtype and the temporaries
+    of a cache-free prefill over one micro-batch (the widest layer's, and the hidden it returns)."""
+    h, inter = args.hidden_size, args.intermediate_size
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    layer = 4 * h * h + 3 * h * inter  # attention and a dense MLP per layer
+    params = args.num_layers * layer + (1 if args.tie_word_embeddings else 2) * args.vocab_size * h
+    prefill = tokens * (4 * h + (q + 2 * kv) // tp + 3 * inter // tp) * act + tokens * h * act
+    return Term("online target", params * act // tp + prefill, f"~{params / 1e9:.2f}B parameters / tp {tp} + "
+                                                               f"prefill of {tokens} tokens")
+
+
+# --- from the run's settings -----------------------------------------------------------------------------------
+
+
+def process_rss() -> int:
+    """This process's resident set in bytes (VmRSS), 0 where /proc does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def runtime_bytes(device: str) -> int:
+    """The runtime term: `CUDA_RUNTIME_BYTES` on CUDA; on the CPU this process's resident set once torch and
+    deepspeed are imported (a training process has imported both before its first tensor)."""
+    if device == "cuda":
+        return CUDA_RUNTIME_BYTES
+    import deepspeed  # noqa: F401  (what a training process holds before its first tensor)
+
+    return process_rss()
+
+
+def longest_sample(folder: str | Path) -> int | None:
+    """The longest sample of a finished precompute folder, from its shards' offsets (None when unreadable)."""
+    from safetensors import safe_open
+
+    from mtp_train.precompute.manifest import Manifest, ManifestError
+
+    try:
+        manifest = Manifest.load(folder)
+        longest = 0
+        for shard in manifest.shards:
+            with safe_open(str(Path(folder) / shard.file), "np") as f:
+                offsets = f.get_tensor("offsets")
+            if offsets.size > 1:
+                longest = max(longest, int(np.diff(offsets).max()))
+        return longest or None
+    except (ManifestError, OSError, KeyError, ValueError):
+        return None
+
+
+def sample_length(tc: TrainConfig) -> tuple[int, str]:
+    """The sample length to plan for and where it came from: `plan_length`, the data's longest sample (a readable
+    precompute folder; online data's max_seq_len), else train.micro_batch_tokens."""
+    if tc.plan_length > 0:
+        return tc.plan_length, "plan_length"
+    if tc.data.source in ("online", "fleet"):
+        return tc.data.online.max_seq_len, "data.online.max_seq_len"
+    found = longest_sample(tc.data.dir)
+    if found is not None:
+        return found, f"the longest sample of {tc.data.dir}"
+    return tc.train.micro_batch_tokens, "train.micro_batch_tokens (the data is not readable)"
+
+
+def plan_settings(tc: TrainConfig, args: ModelArgs, device: str, world: int, length: int,
+                  runtime: int) -> PlanSettings:
+    """The plan's settings from a run's config.
+
+    Args:
+        tc: the run's settings.
+        args: the target's shapes.
+        device: "cuda" or "cpu".
+        world: ranks of the job.
+        length: tokens of the longest sample (`sample_length`).
+        runtime: the runtime term in bytes (`runtime_bytes`).
+    """
+    zero = dict(tc.deepspeed.zero_optimization)
+    stage = int(zero.get("stage", 0))
+    bucket = int(float(zero.get("reduce_bucket_size", 500_000_000))) if zero.get("contiguous_gradients", True) else 0
+    storage = 1 if tc.data.online.hidden_dtype == "float8_e4m3" else BF16
+    return PlanSettings(
+        head=tc.head.resolved(args.num_layers), steps=tc.loss.steps, chunk_size=tc.loss.chunk_size,
+        ce_impl=tc.loss.ce_impl, w_feat=tc.loss.w_feat, length=length, micro_batch_tokens=tc.train.micro_batch_tokens,
+        sequence_parallel=int(getattr(tc.train, "sequence_parallel", 1)),
+        activation_checkpointing=bool(getattr(tc.train, "activation_checkpointing", False)), world=world,
+        zero_stage=stage, reduce_bucket_size=bucket, device=device, runtime=runtime, storage_bytes=storage,
+        online=tc.data.source in ("online", "hybrid"), tp=max(1, tc.model.tp))
+
+
+# --- the check -------------------------------------------------------------------------------------------------
+
+ADVICE = {
+    "activations": "raise train.sequence_parallel, set train.activation_checkpointing=true or lower "
+                   "train.micro_batch_tokens",
+    "loss chunk": "lower loss.chunk_size",
+    "batch": "lower train.micro_batch_tokens (or raise train.sequence_parallel only for the activations: every SP "
+             "rank holds the batch whole)",
+    "optimizer": "use ZeRO-2 (deepspeed=zero2) over more ranks",
+    "gradients": "use ZeRO-2 over more ranks, or lower deepspeed.zero_optimization.reduce_bucket_size",
+    "weights": "use ZeRO-1/2 over more ranks",
+    "online target": "raise model.tp or precompute the hidden states (data.source=offline)",
+    "frozen": "use a device with more memory",
+    "runtime": "use a device with more memory",
+}
+
+
+def device_memory(device: str) -> tuple[int | None, str]:
+    """Bytes one rank may use on `device` and what they are: a GPU's total memory, or for the CPU the memory
+    available to this process (MemAvailable plus this process's own resident set, capped by its cgroup's limit)."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return None, "no CUDA device here"
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory), "the GPU's total"
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024 + process_rss()
+    except (OSError, ValueError):
+        pass
+    limit = cgroup_limit()
+    if limit is not None and (available is None or limit < available):
+        return limit, "the cgroup's memory limit"
+    return available, "MemAvailable + this process"
+
+
+def cgroup_limit() -> int | None:
+    """This process's cgroup memory limit in bytes (v2 memory.max, or v1's limit), None when unlimited."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:
+            return int(text)
+    return None
+
+
+def check_plan(plan: MemoryPlan, limit: int, what: str) -> None:
+    """Refuse a plan over `limit` bytes: one message naming the peak, the largest term and the setting to change."""
+    if plan.total <= limit:
+        return
+    big = plan.largest()
+    raise ConfigError(
+        f"the memory plan of this run needs {human_bytes(plan.total)} per rank, over the {human_bytes(limit)} it may "
+        f"use ({what}); the largest term is {big.name} ({human_bytes(big.bytes)}: {big.how}): "
+        f"{ADVICE.get(big.name, 'use a device with more memory')}. `mtp-train ... plan=true` prints every term; "
+        f"memory_limit_gib=N sets the limit, memory_check=false runs anyway")
+
+
+def planned_world(tc: TrainConfig, launch_world: int) -> int:
+    """The world size to plan for: plan_world, or the launch's."""
+    return tc.plan_world if tc.plan_world > 0 else launch_world
