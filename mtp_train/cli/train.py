@@ -6,12 +6,15 @@
     mtp-train head=eagle1 deepspeed=zero1 loss.steps=3 optim.lr=3e-4 wandb.mode=offline
     mtp-train data.source=online data.paths=[convs.jsonl] train.max_steps=1000000 train.max_seconds=240  # by the clock
     torchrun --nproc_per_node 8 -m mtp_train.cli.train model=llama3.1-8b data.dir=/data/pc out=/runs/mtp
+    mtp-train model=llama3.1-8b head=eagle3 plan=true plan_world=8 plan_length=32768 plan_device=cuda  # memory only
     launch/train_1node.sh ... | launch/train_multinode.sh ... | sbatch launch/train.sbatch ...
 
 `model.path` is saved as an absolute path (in `config.yaml` and each head's `train_config.yaml`): the head's record
 of its target then names it from any folder (mtp-export reads it). The head's settings are checked against the
 target before anything is written: a block drafter's `head.block_size` within the target's max_position_embeddings,
-and the memory its micro-batch's blocks take at least within what the device has.
+and the memory its micro-batch's blocks take at least within what the device has. The run's memory plan
+(`mtp_train.train.memory_plan`: the predicted peak per rank, term by term) is checked against the device's memory
+before anything is written (`memory_limit_gib`, `memory_check`); `plan=true` prints it and exits.
 
 A re-run with the same `out` resumes from its latest checkpoint (`resume=auto`). Rank 0 holds `<out>/.lock` for
 the whole run (a second run into the same `out` refuses, naming the first one's pid and host), saves the resolved
@@ -175,7 +178,11 @@ def check_memory(tc: TrainConfig) -> None:
     """Refuse, before anything is written, a run whose memory plan is over what a rank may use (memory_limit_gib,
     else the device's: a GPU's total memory, or the CPU memory available to this process shared by the launch's
     ranks); memory_check=false only logs it."""
-    plan = run_plan(tc)
+    try:
+        plan = run_plan(tc)
+    except (ConfigError, ValueError) as exc:  # settings the run's own checks refuse, by name, further on
+        log.debug("no memory plan: %s", exc)
+        return
     if plan is None:
         return
     launch = launch_env()
