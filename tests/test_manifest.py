@@ -261,8 +261,8 @@ EDITS: dict[str, tuple[Callable[[Path, dict], None], list[str]]] = {
     "dtype-unknown": (_set("hidden.dtype", "int4"), ["hidden.dtype is 'int4', expected one of bfloat16"]),
     "aux-layers": (_set("hidden.aux_layers", [1]), ["hidden.aux_layers is [1], but",
                                                     "shard-r0-00000.safetensors holds aux layers []"]),
-    "aux-layers-out-of-range": (_set("hidden.aux_layers", [9]), ["hidden.aux_layers [9] are not distinct layers in "
-                                                                 "0..4 (target.num_layers=4)"]),
+    "aux-layers-out-of-range": (_set("hidden.aux_layers", [9]), ["hidden.aux_layers=[9]: 9 is not a layer of this "
+                                                                 "target (its hidden states are 0..4"]),
     "split-counts": (lambda pc, m: _set("split.counts.train_samples", m["split"]["counts"]["train_samples"] + 1)(
         pc, m), ["split.counts train_samples + val_samples is"]),
 }

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mtp_train.config.head import check_aux_layers
+
 
 @dataclass(frozen=True)
 class LayerMap:
@@ -34,12 +36,10 @@ class LayerMap:
 def layer_map(aux_layers: Sequence[int], num_layers: int) -> LayerMap:
     """The LayerMap of a target of `num_layers` layers storing `aux_layers` (HF `hidden_states[j]` numbering).
 
-    Raises ValueError for a j outside 0..num_layers.
+    Raises ValueError for a j outside 0..num_layers, or one given twice (`check_aux_layers`).
     """
     aux = tuple(int(j) for j in aux_layers)
-    bad = [j for j in aux if not 0 <= j <= num_layers]
-    if bad:
-        raise ValueError(f"aux_layers {bad} are not hidden states of a {num_layers}-layer target (0..{num_layers})")
+    check_aux_layers(aux, num_layers)
     # Id L is always asked for: the shard's `hidden` is its normed output.
     ids = tuple(sorted({j for j in aux if j < num_layers} | {num_layers}))
     last = ids.index(num_layers)

@@ -11,7 +11,7 @@ own); a head type can also be registered at run time (`HEAD_TYPES.add`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -138,6 +138,31 @@ def head_types_taking(accepts: Callable[[HeadTypeSpec], bool]) -> list[str]:
     return [name for name, t in HEAD_TYPES.items() if accepts(t.spec)]
 
 
+def aux_layers_problem(aux_layers: Sequence[int], num_layers: int | None = None) -> str | None:
+    """Why `aux_layers` cannot be the aux layers of a target of `num_layers` layers, in words, or None: each is a hidden
+    state in transformers' `hidden_states[j]` numbering, 0 (the embeddings) .. num_layers (the last layer's output),
+    each once. Without a layer count only the lower bound and the repeats are checked. The one rule the head's
+    settings, the precompute, its manifest and a capture inside vLLM apply (each names its own key)."""
+    layers = [int(j) for j in aux_layers]
+    bad = [j for j in layers if j < 0 or (num_layers is not None and j > num_layers)]
+    if bad:
+        where = (f"this target (its hidden states are 0..{num_layers}, transformers' hidden_states numbering)"
+                 if num_layers is not None else "any target (hidden states are numbered from 0, the embeddings)")
+        return f"{', '.join(map(str, bad))} {'is' if len(bad) == 1 else 'are'} not a layer of {where}"
+    repeated = sorted({j for j in layers if layers.count(j) > 1})
+    if repeated:
+        return f"{', '.join(map(str, repeated))} {'is' if len(repeated) == 1 else 'are'} given twice (each layer once)"
+    return None
+
+
+def check_aux_layers(aux_layers: Sequence[int], num_layers: int | None, key: str = "aux_layers",
+                     error: type[Exception] = ValueError) -> None:
+    """Raise `error` naming `key` where `aux_layers_problem` finds one."""
+    problem = aux_layers_problem(aux_layers, num_layers)
+    if problem is not None:
+        raise error(f"{key}={list(aux_layers)}: {problem}")
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low / mid / high target layers in `hidden_states[j]` numbering: [2, L//2, L-3] (vLLM's default)."""
     return [2, num_layers // 2, num_layers - 3]
@@ -214,8 +239,7 @@ class HeadConfig:
                              "> 0 (conf/head/eagle3.yaml: 32000, capped at the target's vocabulary)")
         if self.aux_layers and self.resolved_features != "aux":
             raise ValueError(f"head.aux_layers={list(self.aux_layers)} needs head.features=aux")
-        if len(set(self.aux_layers)) != len(self.aux_layers) or any(int(j) < 0 for j in self.aux_layers):
-            raise ValueError(f"head.aux_layers {list(self.aux_layers)} must be distinct layer indices >= 0")
+        check_aux_layers(self.aux_layers, None, "head.aux_layers")
         if self.aux_norm and self.resolved_features != "aux":
             raise ValueError("head.aux_norm=true needs head.features=aux: it norms each aux layer's slice before the "
                              "fc, and a head over the final hidden state has no aux layers")
@@ -288,10 +312,8 @@ class HeadConfig:
         if num_layers is not None and out.features == "aux":
             default = self.spec.aux_default or default_aux_layers
             layers = out.aux_layers or default(num_layers)
-            bad = [j for j in layers if not 0 <= j <= num_layers]
-            if bad or len(set(layers)) != len(layers):
-                raise ValueError(f"aux layers {layers} do not fit a target of {num_layers} layers (distinct, in "
-                                 f"0..{num_layers}, hidden_states numbering): set head.aux_layers")
+            check_aux_layers(layers, num_layers, "head.aux_layers" if out.aux_layers else
+                             f"head.aux_layers (the {self.type} default)")
             out.aux_layers = layers
         return out
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from mtp_train.config.head import aux_layers_problem
 from mtp_train.fileio import atomic_write, atomic_write_text, leads_outside, sha256_file
 from mtp_train.precompute.safetensors_file import write_safetensors
 
@@ -323,10 +324,10 @@ class Manifest:
         aux = self.hidden.aux_layers
         if not isinstance(aux, list) or any(not isinstance(j, int) or isinstance(j, bool) for j in aux):
             raise ManifestError(f"{source}: hidden.aux_layers is {aux!r}, expected a list of layer indices; {todo}")
-        # HF hidden_states numbering: 0 is the embeddings, num_layers the last layer's output.
-        if len(set(aux)) != len(aux) or any(not 0 <= j <= t.num_layers for j in aux):
-            raise ManifestError(f"{source}: hidden.aux_layers {aux} are not distinct layers in 0..{t.num_layers} "
-                                f"(target.num_layers={t.num_layers}); {todo}")
+        problem = aux_layers_problem(aux, t.num_layers)
+        if problem is not None:
+            raise ManifestError(f"{source}: hidden.aux_layers={aux}: {problem} (target.num_layers={t.num_layers}); "
+                                f"{todo}")
 
     def check_totals(self, directory: str | Path) -> None:
         """Refuse totals and split counts that are not the sums over the listed shards (ManifestError)."""

@@ -29,8 +29,9 @@ from tqdm.auto import tqdm
 import mtp_train
 from mtp_train import dist as mdist
 from mtp_train.config import Interrupted, PrecomputeConfig
+from mtp_train.config.head import check_aux_layers
 from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
-from mtp_train.data.samples import Sample, SampleStream, checked_rows
+from mtp_train.data.samples import Sample, SampleStream, check_context, checked_rows
 from mtp_train.engine.runner import prefill_hidden
 from mtp_train.models.base import CausalLM
 from mtp_train.precompute.manifest import Manifest, ShardInfo
@@ -39,7 +40,6 @@ from mtp_train.precompute.writer import (
     FolderWriter,
     PrecomputeError,
     ShardEntry,
-    check_aux_layers,
     check_settings,
     finished_of_same_settings,
     first_difference,
@@ -61,7 +61,11 @@ def run_precompute(model: CausalLM, tokenizer: Any, model_dir: str | Path, cfg: 
     command's resolved config, recorded in the manifest's provenance. on_start: see `precompute` (called once the
     first `cfg.window` conversations have been read, tokenized and checked).
     """
-    stream = SampleStream(tokenizer, cfg, window=cfg.window)
+    # Positions past the target's context were never trained: such a sample is refused before the target runs,
+    # or cut as data.over_context says.
+    context = model.args.max_position_embeddings
+    check_context(tokenizer, cfg, context)
+    stream = SampleStream(tokenizer, cfg, window=cfg.window, context=context)
     if rank == 0 and tp_rank == 0:
         log.info("precompute: %s → %s, %d conversations read and tokenized at a time", list(cfg.data.paths),
                  cfg.out, cfg.window)

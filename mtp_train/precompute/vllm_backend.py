@@ -45,6 +45,7 @@ from mtp_train.capture.endpoints import EndpointCapture
 from mtp_train.capture.layers import LayerMap, layer_map
 from mtp_train.capture.spool import PREFIX, SUFFIX, Captured, file_name, read_capture, remove_torn
 from mtp_train.config import Interrupted
+from mtp_train.config.head import check_aux_layers
 from mtp_train.config.precompute import PrecomputeConfig
 from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
 from mtp_train.data.fingerprints import load_tokenizer
@@ -59,7 +60,6 @@ from mtp_train.precompute.shards import finished_shard
 from mtp_train.precompute.writer import (
     FolderWriter,
     PrecomputeError,
-    check_aux_layers,
     check_settings,
     dtype_name,
     finished_of_same_settings,

@@ -277,15 +277,6 @@ def assemble_streamed(out_dir: Path, entries: Sequence[ShardEntry], spec: Folder
                            val_fraction=val_fraction, seed=seed, provenance=provenance)
 
 
-def check_aux_layers(aux_layers: Sequence[int], num_layers: int, prefix: str = "") -> None:
-    """Refuse aux layers that are not hidden states of a target of `num_layers` layers (transformers'
-    `hidden_states[j]` numbering: 0 the embeddings, num_layers the last layer's output), naming the key."""
-    bad = [int(j) for j in aux_layers if not 0 <= int(j) <= num_layers]
-    if bad:
-        raise ValueError(f"{prefix}aux_layers={list(aux_layers)}: {', '.join(map(str, bad))} is not a layer of this "
-                         f"target (its hidden states are 0..{num_layers}, transformers' hidden_states numbering)")
-
-
 def _settings_changed(manifest: Manifest, spec: FolderSpec, world: int, cfg: PrecomputeConfig) -> list[str]:
     """What a finished folder's manifest says that this run would change, in words; [] when the settings agree (the
     samples may still differ)."""
