@@ -7,6 +7,8 @@ from typing import Any
 
 from mtp_train.config.errors import ConfigError
 
+OVER_CONTEXT = ("error", "split", "truncate")  # what a sample longer than the target's context becomes
+
 
 @dataclass
 class DataConfig:
@@ -18,6 +20,15 @@ class DataConfig:
     field_map: dict[str, str] = field(default_factory=dict)  # our field name → the file's field name
     system_prompt: str | None = None  # added to every conversation that has no system turn
     on_bad_row: str = "error"  # error (stop, naming file:line) | skip (count and report)
+    # A sample longer than the target's context (after the max_seq_len cut): error (refused, naming file:line,
+    # id and length) | split (consecutive windows of at most the context, each its own sample, positions from 0)
+    # | truncate (its first context tokens)
+    over_context: str = "error"
+
+    def __post_init__(self) -> None:
+        if self.over_context not in OVER_CONTEXT:
+            raise ConfigError(f"data.over_context={self.over_context!r}: choose one of {' | '.join(OVER_CONTEXT)} "
+                              "(what a sample longer than the target's context becomes: docs/stages.md)")
 
 
 SOURCES = ("offline", "online", "hybrid", "fleet")  # where training's target hidden states come from (`data.source`)
@@ -84,6 +95,7 @@ class TrainDataConfig(DataConfig):
     fleet: FleetConfig = field(default_factory=FleetConfig)  # the servers and spool of a fleet run
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.source not in SOURCES:
             raise ConfigError(f"data.source={self.source!r}: choose one of {' | '.join(SOURCES)} (offline reads the "
                              "precompute folder data.dir, online computes hidden states from data.paths, hybrid "

@@ -139,6 +139,43 @@ class UniqueIds:
         return new
 
 
+class ContextError(ValueError):
+    """A sample longer than the target's context, refused (`data.over_context=error`); the message names its
+    file:line, id, length, the context and the settings that change what happens."""
+
+
+def fit_context(sample: Sample, where: str | None, context: int, over: str, max_seq_len: str) -> list[Sample]:
+    """`sample` as the target's context takes it: itself when it fits, else as `over` says (`data.over_context`).
+
+    error raises ContextError; truncate keeps its first `context` tokens; split cuts it into consecutive windows
+    of at most `context` tokens (ids "<id>@0", "<id>@1", ...), each a sample of its own whose positions start at 0,
+    and leaves out the windows without an assistant token (their masks add up to the sample's). A cut that leaves
+    no assistant token gives [].
+
+    Args:
+        sample: (L,) ids and loss mask.
+        where: its "file:line", named in the error (None: its id alone).
+        context: the target's positions (its max_position_embeddings).
+        over: error | split | truncate.
+        max_seq_len: the name and value of the length setting, for the error ("max_seq_len=32768").
+    """
+    n = len(sample.input_ids)
+    if n <= context:
+        return [sample]
+    if over == "truncate":
+        cut = Sample(sample.id, sample.input_ids[:context], sample.loss_mask[:context])
+        return [cut] if any(cut.loss_mask) else []
+    if over == "split":
+        windows = [Sample(f"{sample.id}@{k}", sample.input_ids[a:a + context], sample.loss_mask[a:a + context])
+                   for k, a in enumerate(range(0, n, context))]
+        return [w for w in windows if any(w.loss_mask)]
+    raise ContextError(
+        f"{where + ' ' if where else ''}conversation {sample.id!r}: {n} tokens, longer than the target's context "
+        f"of {context} positions (its max_position_embeddings): the target was never trained on positions past "
+        f"it. Set data.over_context=split (consecutive windows of at most {context} tokens, each its own sample) "
+        f"or data.over_context=truncate (its first {context} tokens), or lower {max_seq_len} to {context} or less")
+
+
 def dropped_summary(info: Mapping[str, Any]) -> str:
     """One line on what `build_samples` left out or renamed (its `info`), or "" when nothing was."""
     parts = []
@@ -148,7 +185,11 @@ def dropped_summary(info: Mapping[str, Any]) -> str:
                      + ", ".join(f"{r}={n}" for r, n in sorted(bad.items())) + ")")
     for key, what in (("dropped_no_assistant", "conversation(s) without an assistant turn dropped"),
                       ("dropped_truncated", "conversation(s) dropped: every assistant token was past max_seq_len"),
-                      ("dropped_template_error", "conversation(s) the chat template failed on dropped")):
+                      ("dropped_template_error", "conversation(s) the chat template failed on dropped"),
+                      ("longer_than_context", "sample(s) longer than the target's context cut as "
+                       "data.over_context says"),
+                      ("history_turns_unsupervised", "assistant turn(s) left out of the loss: the template "
+                       "renders them otherwise in later history (docs/stages.md)")):
         if info.get(key):
             parts.append(f"{info[key]} {what}")
     dups = int(info.get("duplicate_ids") or 0)
@@ -170,18 +211,28 @@ class SampleStream:
     (`IdSet`), whatever the number of conversations. Data whose ids repeat is read once more, tokenizing only the
     conversations whose id has the form "x#<digits>" (`UniqueIds`).
 
+    A sample longer than `context` (after the max_seq_len cut) is what `cfg.data.over_context` says (`fit_context`):
+    refused (ContextError) when met, or split or truncated.
+
     Args:
         tokenizer: the target's (fast) tokenizer, with its chat template.
         cfg: data, limit, max_seq_len and chat_template_kwargs are read.
         window: conversations read and tokenized at a time.
+        context: the target's positions (max_position_embeddings); None: not checked.
+        prefix: where `max_seq_len` sits in the command's settings, for the errors ("data.online." in training).
+        quiet: no warnings about skipped rows (a second read of data another read reports).
     """
 
-    def __init__(self, tokenizer: Any, cfg: PrecomputeConfig, window: int = WINDOW) -> None:
+    def __init__(self, tokenizer: Any, cfg: PrecomputeConfig, window: int = WINDOW, *, context: int | None = None,
+                 prefix: str = "", quiet: bool = False) -> None:
         if not cfg.data.paths:
             raise ValueError("data.paths is empty: give the conversation files, e.g. data.paths=[convs.jsonl]")
         if window < 1:
             raise ValueError(f"window must be positive, got {window}")
-        self.tokenizer, self.cfg, self.window = tokenizer, cfg, window
+        if context is not None and context < 1:
+            raise ValueError(f"context must be positive, got {context}")
+        self.tokenizer, self.cfg, self.window, self.context, self.prefix = tokenizer, cfg, window, context, prefix
+        self.quiet = quiet
         self.info: dict[str, Any] = {}
         self.tokenized = 0
 
@@ -197,21 +248,31 @@ class SampleStream:
         tokenized, _ = self._tokenize(convs, on_bad_row="skip")
         return {t.id for t in tokenized if t.id is not None}
 
+    def _fit(self, sample: Sample, where: str | None) -> list[Sample]:
+        if self.context is None:
+            return [sample]
+        return fit_context(sample, where, self.context, self.cfg.data.over_context,
+                           f"{self.prefix}max_seq_len={self.cfg.max_seq_len}")
+
     def __iter__(self) -> Iterator[Sample]:
         data, cfg = self.cfg.data, self.cfg
         read_stats, tok_stats = ReadStats(), TokenizeStats()
-        convs = iter_conversations(data, limit=cfg.limit, stats=read_stats)
+        convs = iter_conversations(data, limit=cfg.limit, stats=read_stats, warn=not self.quiet)
         unique = UniqueIds(self._renamed_form_ids)
-        n = 0
+        n = over = 0
         while window := list(itertools.islice(convs, self.window)):
             tokenized, stats = self._tokenize(window, on_bad_row=data.on_bad_row)
             tok_stats.add(stats)
             self.tokenized += len(window)
             del window
             for t in tokenized:
-                yield Sample(unique(t.id or f"sample-{n}", t.where), t.input_ids, t.loss_mask)
-                n += 1
-        if tok_stats.dropped_template_error:
+                sample = Sample(unique(t.id or f"sample-{n}", t.where), t.input_ids, t.loss_mask)
+                fitted = self._fit(sample, t.where)
+                over += fitted != [sample]
+                for s in fitted:
+                    yield s
+                    n += 1
+        if tok_stats.dropped_template_error and not self.quiet:
             log.warning("skipped %d conversation(s) the chat template failed on: %s", tok_stats.dropped_template_error,
                         "; ".join(tok_stats.template_error_examples))
         if not n:
@@ -236,10 +297,24 @@ class SampleStream:
             "dropped_no_assistant": tok_stats.dropped_no_assistant,
             "dropped_truncated": tok_stats.dropped_truncated,
             "dropped_template_error": tok_stats.dropped_template_error,
+            "history_turns_unsupervised": tok_stats.history_turns_unsupervised,
+            "context": self.context,  # the target's positions the samples were checked against (None: unchecked)
+            "over_context": self.cfg.data.over_context,  # what a longer sample became
+            "longer_than_context": over,  # samples longer than it, split or truncated
             "duplicate_ids": unique.duplicates,  # ids met more than once (renamed id#2, id#3, ...)
             "duplicate_id_examples": unique.repeated,
             "duplicate_id_rows": unique.renamed,  # "file:line: 'x' kept as 'x#2'" of the first renamed rows
         })
+
+
+def check_context(tokenizer: Any, cfg: PrecomputeConfig, context: int, prefix: str = "") -> None:
+    """Refuse (ContextError) data holding a sample longer than `context` before any work on it: a read of the
+    whole data when `max_seq_len` lets such a sample through and `data.over_context` is error (otherwise nothing to
+    do). Costs one more tokenization of the data; the target has not run yet."""
+    if cfg.max_seq_len <= context or cfg.data.over_context != "error":
+        return
+    for _ in SampleStream(tokenizer, cfg, cfg.window, context=context, prefix=prefix, quiet=True):
+        pass
 
 
 def build_samples(tokenizer: Any, cfg: PrecomputeConfig) -> tuple[list[Sample], dict[str, Any]]:
@@ -251,10 +326,12 @@ def build_samples(tokenizer: Any, cfg: PrecomputeConfig) -> tuple[list[Sample], 
     return samples, stream.info
 
 
-def load_rows(tokenizer: Any, cfg: PrecomputeConfig, vocab_size: int) -> tuple[list[Row], dict[str, Any]]:
+def load_rows(tokenizer: Any, cfg: PrecomputeConfig, vocab_size: int, *, context: int | None = None,
+              prefix: str = "") -> tuple[list[Row], dict[str, Any]]:
     """`build_samples`, validated against a vocabulary of `vocab_size` (`to_rows`, as `precompute` does):
-    every sample of the data in its order, and what happened to the rows (the manifest's `data`)."""
-    stream = SampleStream(tokenizer, cfg)
+    every sample of the data in its order, and what happened to the rows (the manifest's `data`). A sample longer
+    than `context` is what `cfg.data.over_context` says (`SampleStream`; `prefix`: where max_seq_len is set)."""
+    stream = SampleStream(tokenizer, cfg, context=context, prefix=prefix)
     rows = list(checked_rows(stream, vocab_size))
     return rows, stream.info
 

@@ -172,7 +172,8 @@ class OnlineSource(DataSource):
         self.settings = c.precompute_config(aux_layers)  # precompute's settings for these samples
         check_settings(self.settings, prefix="data.online.")
         tokenizer = load_tokenizer(target_dir)
-        rows, self.data_info = load_rows(tokenizer, self.settings, args.vocab_size)
+        rows, self.data_info = load_rows(tokenizer, self.settings, args.vocab_size,
+                                         context=args.max_position_embeddings, prefix="data.online.")
         o = c.data.online
         train_set = split_rows(rows, "train", c)
         if len(train_set) == 0:
