@@ -8,14 +8,17 @@ Memory is an estimate from those counts:
 
 precompute (bf16, cache-free packed prefill of `batch_tokens`, tensor parallel over `model.tp` ranks):
     weights / tp + the largest per-layer temporaries of one step (hidden, q/k/v, the MLP's 2·I/tp) + output rows
-training (head in bf16 with fp32 master weights, DeepSpeed ZeRO-2 over `world` ranks, AdamW):
-    frozen embedding + lm_head (bf16) + head weights (bf16 + fp32 master) + gradients (fp32, sharded)
-    + AdamW moments (2 × fp32, sharded) + activations of `micro_batch_tokens` rows (~12·H + 3·I bf16 values per row
-    and unrolled step) + one vocabulary chunk of the soft cross-entropy (3 × chunk × V fp32)
-online training (`mtp-train data.source=online`, or epoch 0 of hybrid): the training memory above plus the target
-    held on every rank (bf16 weights / `model.tp`) and the temporaries of its prefill over one micro-batch (the
-    precompute formula with `micro_batch_tokens` rows), against each rank's budget (`--gpu-gib`, an H100's 79.6 GiB);
-    the frozen embedding and lm_head are counted twice, as the trainer holds its own copy beside the target's.
+training: the memory plan of `mtp-train` (`mtp_train.train.memory_plan.plan_memory`, what `mtp-train ... plan=true`
+    prints) of the `mtp` head at the shipped settings on CUDA in bf16, DeepSpeed ZeRO-2 over `world` ranks: the CUDA
+    runtime, frozen embedding + lm_head, the micro-batch's stored states, head weights with fp32 master, gradients,
+    AdamW moments, activations of `micro_batch_tokens` rows and one vocabulary chunk of the token loss
+online training (`mtp-train data.source=online`, or epoch 0 of hybrid): the same plan with the target held on
+    every rank (bf16 weights / `model.tp`) and the temporaries of its prefill over one micro-batch, against each
+    rank's budget (`--gpu-gib`, an H100's 79.6 GiB); the frozen embedding and lm_head are counted twice, as the
+    trainer holds its own copy beside the target's.
+--training-table: the plan's peak per rank for Llama-3.1-8B and Qwen3-32B targets with eagle3 and dflash heads at
+    8k and 32k tokens on 8 GPUs (ZeRO-2, bf16), sequence parallelism 1 and 4, with and without activation
+    checkpointing, and the `mtp-train ... plan=true` command of each row (docs/training.md "Memory plan").
 disk: per token, 5 bytes of token id (int32) and loss mask (uint8), and per stored layer (the final hidden and each of
     the k aux layers the head type reads: `conf/head/*.yaml` resolved against the target's layer count) b·H bytes of
     values (b = 2 in bf16 / fp16, 4 in fp32, 1 in fp8) plus, in fp8, one float32 scale (4 bytes):
@@ -28,16 +31,20 @@ KV cache (inference, speculative decoding): bytes per cached token in bf16 of th
 
 Usage: python -m bench.memory_plan [--world 8] [--micro-batch-tokens N] [--gpu-gib 79.6]
        [--conversations 1000000 --tokens-per-conversation 2048 --hidden 4096 --aux 3]   (last line: one JSON object)
+       python -m bench.memory_plan --training-table
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
+from pathlib import Path
 
 import torch
 import yaml
 
-from bench.common import ROOT, parser, report
+from bench.common import ROOT, compose_train, parser, report
 from mtp_train.config import HeadConfig
 from mtp_train.config.head import HEAD_TYPES
 from mtp_train.engine import KVCache
@@ -47,6 +54,7 @@ from mtp_train.models.families import args_from_dir, args_from_hf_config
 from mtp_train.models.loader import model_class
 from mtp_train.models.tensor_parallel import local_args
 from mtp_train.precompute.writer import FP8_STORAGE, STORAGE_DTYPES
+from mtp_train.train.memory_plan import CUDA_RUNTIME_BYTES, MemoryPlan, plan_memory, plan_settings
 
 GIB = 2**30
 TB = 10**12
@@ -100,6 +108,11 @@ GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=288
                    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                  "truncate": False, "original_max_position_embeddings": 4096})
 GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128}
+# Qwen3-32B's public config.json values (the memory plan's table; no conf/model entry ships for it).
+QWEN3_32B = dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                 num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                 rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False)
+TABLE_TARGETS = {"Llama-3.1-8B": LLAMA31_8B, "Qwen3-32B": QWEN3_32B}
 MODELS = {"llama3.1-8b": LLAMA31_8B, "llama3.1-70b": LLAMA31_70B, "deepseek-v2-lite": DEEPSEEK_V2_LITE,
           "qwen3-30b-a3b": QWEN3_30B_A3B, "deepseek-v3": DEEPSEEK_V3, "kimi-k2": KIMI_K2,
           "gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B}
@@ -173,13 +186,13 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
         target = model_class(args)(args)
         head = head_class("mtp")(HeadConfig(type="mtp"), args, None)
     p_target, p_head = count(target), count(head)
-    h, v = args.hidden_size, args.vocab_size
+    h = args.hidden_size
     inter = args.intermediate_size
     # the widest MLP of a step: the dense layers', or an MoE layer's active (and shared) experts'
     active = getattr(args, "num_experts_per_tok", 0) + getattr(args, "n_shared_experts", 0)
     inter = max(inter, getattr(args, "moe_intermediate_size", 0) * active)
     qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
-    bf16, fp32 = 2, 4
+    bf16 = 2
 
     pre_weights = p_target * bf16 / tp
 
@@ -187,16 +200,16 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
         return rows * (4 * h + qkv / tp + 3 * inter / tp) * bf16 + rows * h * bf16
 
     pre_act = prefill_temporaries(batch_tokens)
-    frozen = (1 if args.tie_word_embeddings else 2) * v * h * bf16
-    head_w = p_head * (bf16 + fp32)
-    grads = p_head * fp32 / world
-    adam = 2 * p_head * fp32 / world
-    act = micro_tokens * steps * (12 * h + 3 * args.intermediate_size) * bf16 + 3 * chunk * v * fp32
+    overrides = [f"train.micro_batch_tokens={micro_tokens}", f"loss.chunk_size={chunk}", f"loss.steps={steps}",
+                 f"model.tp={tp}"]
+    train_plan = training_plan(args, overrides, world, micro_tokens)
+    online_plan = training_plan(args, overrides + ["data.source=online"], world, micro_tokens)
+    train, online = train_plan.total, online_plan.total
+    frozen = next(t.bytes for t in train_plan.terms if t.name == "frozen")
+    act = next(t.bytes for t in train_plan.terms if t.name == "activations")
     rank_args = local_args(args, tp) if tp > 1 else args
     kv_target = KVCache.bytes_per_token(args.num_layers, rank_args.kv_layout, torch.bfloat16)
     kv_head = KVCache.bytes_per_token(*head.kv_shape, torch.bfloat16)
-    train = frozen + head_w + grads + adam + act
-    online = train + pre_weights + prefill_temporaries(micro_tokens)
     disk = disk_plan(h, args.num_layers)
     return {
         "model": name, "config": source, "target_params_b": round(p_target / 1e9, 2),
@@ -209,9 +222,67 @@ def plan(name: str, world: int, batch_tokens: int, micro_tokens: int, chunk: int
         "kv_kib_per_token_target": round(kv_target / 1024, 1), "kv_kib_per_token_head": round(kv_head / 1024, 1),
         "online_target_gib_per_rank": round(pre_weights / GIB, 1),
         "online_prefill_gib": round(prefill_temporaries(micro_tokens) / GIB, 2),
+        "train_terms_gib": {t.name: round(t.bytes / GIB, 3) for t in train_plan.terms},
         "online_gib_per_rank": round(online / GIB, 1), "online_headroom_gib": round(gpu_gib - online / GIB, 1),
         "online_fits": online / GIB <= gpu_gib,
     }
+
+
+def training_plan(args: ModelArgs, overrides: list[str], world: int, length: int, head: str = "mtp") -> MemoryPlan:
+    """`mtp-train`'s memory plan on CUDA (bf16) for a target of shapes `args`: the train config composed with
+    `head=<head>` and `overrides`, planned for `world` ranks and samples of `length` tokens."""
+    cfg = compose_train([f"head={head}", *overrides])
+    from mtp_train.config import TrainConfig, typed
+
+    tc = typed(cfg, TrainConfig)
+    return plan_memory(plan_settings(tc, args, "cuda", world, length, CUDA_RUNTIME_BYTES), args)
+
+
+TABLE_HEADS = ("eagle3", "dflash")
+TABLE_LENGTHS = (8192, 32768)
+TABLE_SP = (1, 4)
+
+
+def training_table(world: int = 8) -> list[dict]:
+    """The plan's peak per rank for each `TABLE_TARGETS` target, head, length, SP degree and activation
+    checkpointing on `world` GPUs (ZeRO-2, bf16), with the `mtp-train ... plan=true` command that prints each
+    (its target folder: a temporary one holding the public config.json only)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="memory-plan-") as tmp:
+        for name, config in TABLE_TARGETS.items():
+            folder = Path(tmp) / name
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps(config))
+            args = args_from_dir(folder)
+            for head in TABLE_HEADS:
+                for length in TABLE_LENGTHS:
+                    for sp in TABLE_SP:
+                        for ckpt in (False, True):
+                            over = [f"train.micro_batch_tokens={length}", f"train.sequence_parallel={sp}",
+                                    f"train.activation_checkpointing={str(ckpt).lower()}"]
+                            plan = training_plan(args, over, world, length, head)
+                            terms = {t.name: round(t.bytes / GIB, 2) for t in plan.terms}
+                            command = (f"mtp-train model.path=<folder with {name}'s config.json> head={head} plan=true "
+                                       f"plan_world={world} plan_length={length} plan_device=cuda " + " ".join(over))
+                            rows.append({"target": name, "head": head, "tokens": length, "sp": sp,
+                                         "activation_checkpointing": ckpt, "peak_gib": round(plan.total / GIB, 1),
+                                         "largest": plan.largest().name, "terms_gib": terms, "command": command})
+    return rows
+
+
+def print_training_table(rows: list[dict], world: int, gpu_gib: float) -> None:
+    print(f"predicted peak per rank (GiB), {world} GPUs, ZeRO-2, bf16; one sample per micro-batch "
+          f"(train.micro_batch_tokens = its length); a GPU of {gpu_gib} GiB\n")
+    print("| target | head | tokens | SP | act. ckpt | peak GiB/rank | activations | loss chunk | largest | fits |")
+    print("|---|---|---:|---:|---|---:|---:|---:|---|---|")
+    for r in rows:
+        t = r["terms_gib"]
+        print(f"| {r['target']} | {r['head']} | {r['tokens']} | {r['sp']} | "
+              f"{'on' if r['activation_checkpointing'] else 'off'} | {r['peak_gib']} | {t['activations']} | "
+              f"{t['loss chunk']} | {r['largest']} | {'yes' if r['peak_gib'] <= gpu_gib else 'no'} |")
+    print("\ncommands:")
+    for r in rows:
+        print(f"  {r['command']}")
 
 
 def disk_total(conversations: int, tokens_per_conversation: int, hidden_size: int, aux_layers: int) -> dict:
@@ -270,7 +341,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens-per-conversation", type=int, default=2048, help="the disk total's tokens per sample")
     ap.add_argument("--hidden", type=int, default=4096, help="the disk total's hidden width H")
     ap.add_argument("--aux", type=int, default=3, help="the disk total's aux layers k (eagle3 stores 3)")
+    ap.add_argument("--training-table", action="store_true",
+                    help="only the training plan's table (Llama-3.1-8B, Qwen3-32B; eagle3, dflash; 8k, 32k; SP 1, 4)")
     args = ap.parse_args(argv)
+    if args.training_table:
+        rows = training_table(args.world)
+        print_training_table(rows, args.world, args.gpu_gib)
+        result = {"world": args.world, "gpu_gib": args.gpu_gib, "training_table": rows}
+        report(result)
+        return result
     chunk, steps = int(train["loss"]["chunk_size"]), int(train["loss"]["steps"])
     rows = [plan(m, args.world, args.batch_tokens, args.micro_batch_tokens, chunk, steps, args.gpu_gib)
             for m in MODELS]

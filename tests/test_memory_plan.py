@@ -84,8 +84,11 @@ def test_the_activations_grow_linearly_with_the_tokens_and_the_steps():
 def test_cpu_plans_fp32_and_the_loss_chunk_follows_chunk_size():
     cuda, cpu = plan_memory(settings(), llama_args()), plan_memory(settings(device="cpu"), llama_args())
     assert term(cpu, "frozen") == 2 * term(cuda, "frozen") == 2 * 2 * 128256 * 4096 * 2
-    half = plan_memory(settings(chunk_size=512), llama_args())
-    assert term(half, "loss chunk") * 2 == term(cuda, "loss chunk")
+    full, half = plan_memory(settings("mtp"), llama_args()), plan_memory(settings("mtp", chunk_size=512), llama_args())
+    assert term(half, "loss chunk") * 2 == term(full, "loss chunk")
+    # eagle3 trains its own lm_head rows: their gradient builds up in the loss's backward
+    assert term(cuda, "loss chunk") - 2 * 32000 * 4096 * 4 == pytest.approx(term(full, "loss chunk") * 32000 / 128256,
+                                                                             rel=1e-6)
 
 
 def test_the_refusal_names_the_largest_term_and_the_setting():

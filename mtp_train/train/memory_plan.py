@@ -141,11 +141,31 @@ class MemoryPlan:
 # --- the head's shapes -----------------------------------------------------------------------------------------
 
 
-def head_params(head: HeadConfig, args: ModelArgs) -> int:
-    """The head's trainable parameters, counted on the meta device (exact, nothing allocated)."""
+@dataclass(frozen=True)
+class HeadShape:
+    """What the plan reads off the head's module, built on the meta device (exact, nothing allocated).
+
+    params: trainable parameters; qkv_in: the width its layer's q/k/v read (H, or 2H for EAGLE-3's layer);
+    own_lm_head: values of a trainable lm_head of its own (its gradient builds up in the loss's backward), 0 when it
+    reads the target's frozen one; layers: its draft decoder layers.
+    """
+
+    params: int
+    qkv_in: int
+    own_lm_head: int
+    layers: int
+
+
+def head_shape(head: HeadConfig, args: ModelArgs) -> HeadShape:
+    """The head's `HeadShape` on a target of shapes `args`."""
     with torch.device("meta"):
         module = head_class(head.type)(head, args, None)
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    qkv = [m.in_features for n, m in module.named_modules() if n.endswith("qkv_proj") and hasattr(m, "in_features")]
+    lm = getattr(module, "lm_head", None)
+    own = sum(p.numel() for p in lm.parameters() if p.requires_grad) if isinstance(lm, torch.nn.Module) else 0
+    layers = len(module.layers) if isinstance(getattr(module, "layers", None), torch.nn.ModuleList) else 1
+    return HeadShape(params, qkv[0] if qkv else args.hidden_size, own, layers)
 
 
 def draft_vocab(head: HeadConfig, args: ModelArgs) -> int:
@@ -153,26 +173,28 @@ def draft_vocab(head: HeadConfig, args: ModelArgs) -> int:
     return min(head.draft_vocab_size, args.vocab_size) if head.draft_vocab_size > 0 else args.vocab_size
 
 
-def layer_values(args: ModelArgs, rows_in: int) -> int:
+def layer_values(args: ModelArgs, qkv_in: int) -> int:
     """Values per row a Llama-family decoder layer keeps for its backward: its input and input norm, q/k/v and
     the rotated q/k, the attention's output (a fused kernel keeps q, k, v, out and a logsumexp), o_proj's output,
     the residual and the post-attention norm, gate/up, the activation and the product, the MLP's output; plus the
-    backward's temporaries (`BACKWARD_WIDTHS` × the intermediate size). rows_in: the width q/k/v read (H, or 2H for
+    backward's temporaries (`BACKWARD_WIDTHS` × the intermediate size). qkv_in: the width q/k/v read (H, or 2H for
     EAGLE-3's layer)."""
     h, inter = args.hidden_size, args.intermediate_size
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    return rows_in + h + (q + 2 * kv) + (q + kv) + q + 4 * h + 4 * inter + BACKWARD_WIDTHS * inter
+    return qkv_in + h + (q + 2 * kv) + (q + kv) + q + 4 * h + 4 * inter + BACKWARD_WIDTHS * inter
 
 
-def chain_step_values(head: HeadConfig, args: ModelArgs, w_feat: float) -> int:
-    """Values per row and unrolled step a chain head (mtp, eagle1, eagle3) keeps: its layer, what surrounds it
-    (the embedding, the norms around the fc and the fc's input, the final norm) and the loss's per-row tensors
-    (the step's shifted targets, the counted rows gathered, the feature loss's elementwise terms)."""
+def chain_around_values(args: ModelArgs) -> int:
+    """Values per row and step around a chain head's layer: the embedding and its norm, the features and their
+    norm, their concatenation (2H, the fc's or the attention's input), the final norm."""
+    return 7 * args.hidden_size
+
+
+def loss_values(args: ModelArgs, w_feat: float) -> int:
+    """Values per row and step the loss keeps outside the logits: the step's shifted targets, the counted rows
+    gathered (prediction and target), and the feature loss's elementwise terms when it is on."""
     h = args.hidden_size
-    eagle3 = head.type == "eagle3"
-    around = 6 * h if eagle3 else 7 * h  # eagle3: e, its norm, g's norm, [e ; g] (2H), the final norm
-    loss = 3 * h + (2 * h if w_feat > 0 else 0)
-    return layer_values(args, 2 * h if eagle3 else h) + around + loss
+    return 3 * h + (2 * h if w_feat > 0 else 0)
 
 
 def block_rows(head: HeadConfig, tokens: int) -> int:
@@ -196,7 +218,8 @@ def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
     h, vocab = args.hidden_size, args.vocab_size
     head = s.head
     k = len(head.aux_layers) if head.features == "aux" else 0
-    params = head_params(head, args)
+    shape = head_shape(head, args)
+    params = shape.params
     tokens = max(s.length, s.micro_batch_tokens)  # a packed micro-batch: its budget, or one longer sample
     sp = max(1, s.sequence_parallel)
     share = -(-tokens // sp)  # rows of this rank
@@ -232,13 +255,16 @@ def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
     terms.append(Term("optimizer", 2 * params * FP32 // (dp if s.zero_stage >= 1 else 1),
                       f"AdamW moments, 2 × fp32{f' / {dp}' if s.zero_stage >= 1 else ''}"))
 
-    terms.append(activation_term(s, args, share, tokens, act))
+    terms.append(activation_term(s, args, shape, share, tokens, act))
     rows = loss_rows(s, share, tokens)
     v_loss = draft_vocab(head, args)
     chunk = min(s.chunk_size, max(rows, 1))
     copies_l = LOSS_CHUNK_COPIES.get(s.ce_impl, LOSS_CHUNK_COPIES["checkpoint"])
-    terms.append(Term("loss chunk", int(copies_l * chunk * v_loss * FP32),
-                      f"{copies_l:g} × {chunk} rows × {v_loss} vocabulary, fp32 ({s.ce_impl})"))
+    # a trainable lm_head of the head's own: its gradient builds up over the chunks, beside one chunk's share
+    own = 2 * shape.own_lm_head * FP32
+    terms.append(Term("loss chunk", int(copies_l * chunk * v_loss * FP32) + own,
+                      f"{copies_l:g} × {chunk} rows × {v_loss} vocabulary, fp32 ({s.ce_impl})"
+                      + (f" + the own lm_head's gradient, 2 × {shape.own_lm_head / 1e6:.1f}M fp32" if own else "")))
 
     if s.online:
         terms.append(online_term(args, tokens, s.tp, act))
@@ -255,46 +281,68 @@ def loss_rows(s: PlanSettings, share: int, tokens: int) -> int:
     return share
 
 
-def activation_term(s: PlanSettings, args: ModelArgs, share: int, tokens: int, act: int) -> Term:
-    """The activations of one micro-batch on this rank (see `chain_step_values`, `block_values`)."""
+def activation_term(s: PlanSettings, args: ModelArgs, shape: HeadShape, share: int, tokens: int,
+                    act: int) -> Term:
+    """The activations of one micro-batch on this rank.
+
+    A chain head: per row and step its layer (`layer_values`), what surrounds it (`chain_around_values`) and the
+    loss's rows (`loss_values`), plus an aux head's (T, k·H) step-0 input; checkpointed, each step's output, its
+    K/V (later steps attend to them) and the loss's rows stay, and one step's layer at a time is recomputed. A block
+    drafter: its draft layers over max_anchors × block_size rows, the context (fc over the aux layers, its norm,
+    each draft layer's context K/V) over every row, and per drafted slot a (T, H) output and the loss's rows;
+    checkpointed, one draft layer's activations at a time (the others keep their input).
+
+    Args:
+        s: the plan's settings.
+        args: the target's shapes.
+        shape: the head's (`head_shape`).
+        share: this rank's rows (tokens / train.sequence_parallel).
+        tokens: the micro-batch's tokens.
+        act: bytes per value of the compute dtype.
+    """
     head, h = s.head, args.hidden_size
     k = len(head.aux_layers) if head.features == "aux" else 0
+    sp = max(1, s.sequence_parallel)
+    kv = args.num_kv_heads * args.head_dim
     if head.spec.block:
-        per_layer = block_rows(head, tokens) * layer_values(args, h)
-        # the context: fc over the aux layers and its norm, each draft layer's context K/V, over every row
-        kv = args.num_kv_heads * args.head_dim
-        context = tokens * (k * h + 2 * h + head.layers * 4 * kv)
-        outs = s.steps * tokens * h * 3  # per drafted slot: its (T, H) output, shifted targets, gathered rows
-        layers = 1 if s.activation_checkpointing else head.layers
-        kept = (layers * per_layer + (head.layers - layers) * block_rows(head, tokens) * h
-                + context // max(1, s.sequence_parallel) + outs)
-        how = (f"{head.layers} draft layer(s) × {min(head.max_anchors, tokens)} anchors × {head.block_size} rows, "
-               f"context {tokens} rows, {s.steps} slots")
+        rows = block_rows(head, tokens)
+        per_layer = rows * layer_values(args, shape.qkv_in)
+        context = tokens * (k * h + 2 * h + shape.layers * 2 * kv) // sp
+        outs = s.steps * share * (h + loss_values(args, s.w_feat))
+        kept = (per_layer + (shape.layers - 1) * rows * h if s.activation_checkpointing
+                else shape.layers * per_layer)
+        kept += context + outs
+        how = (f"{shape.layers} draft layer(s) × {rows} rows ({min(head.max_anchors, tokens)} anchors × "
+               f"{head.block_size}), context {tokens} rows, {s.steps} slots")
     else:
-        per_step = chain_step_values(head, args, s.w_feat)
-        step0 = share * (k * h if k else 0)  # an aux head's step 0 reads (T, k·H) through its fc
+        layer = layer_values(args, shape.qkv_in) + chain_around_values(args)
+        loss = loss_values(args, s.w_feat)
+        step0 = share * k * h  # an aux head's step 0 reads (T, k·H) through its fc
         if s.activation_checkpointing:
-            kv = 2 * args.num_kv_heads * args.head_dim
-            # every step's input and its K/V (later steps attend to them) stay; one step is recomputed at a time
-            kept = share * (s.steps * (h + kv) + per_step) + step0
+            kept = share * (s.steps * (h + 2 * kv + loss) + layer) + step0
         else:
-            kept = share * s.steps * per_step + step0
-        how = f"{share} rows × {s.steps} step(s) × {per_step} values"
+            kept = share * s.steps * (layer + loss) + step0
+        how = f"{share} rows × {s.steps} step(s) × {layer + loss} values"
     if s.activation_checkpointing:
         how += ", checkpointed"
     return Term("activations", kept * act, how + f", {'bf16' if act == BF16 else 'fp32'}")
 
 
 def online_term(args: ModelArgs, tokens: int, tp: int, act: int) -> Term:
-    """The target held for data.source=online|hybrid: its weights / tp in the compute dtype and the temporaries
-    of a cache-free prefill over one micro-batch (the widest layer's, and the hidden it returns)."""
-    h, inter = args.hidden_size, args.intermediate_size
-    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    layer = 4 * h * h + 3 * h * inter  # attention and a dense MLP per layer
-    params = args.num_layers * layer + (1 if args.tie_word_embeddings else 2) * args.vocab_size * h
-    prefill = tokens * (4 * h + (q + 2 * kv) // tp + 3 * inter // tp) * act + tokens * h * act
-    return Term("online target", params * act // tp + prefill, f"~{params / 1e9:.2f}B parameters / tp {tp} + "
-                                                               f"prefill of {tokens} tokens")
+    """The target held for data.source=online|hybrid: its weights / tp in the compute dtype (counted on the meta
+    device) and the temporaries of a cache-free prefill over one micro-batch (the widest layer's: hidden, q/k/v,
+    the MLP's, or an MoE layer's active and shared experts', 3 × its width / tp; and the hidden it returns)."""
+    from mtp_train.models.loader import model_class
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in model_class(args)(args).parameters())
+    h = args.hidden_size
+    qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+    active = getattr(args, "num_experts_per_tok", 0) + getattr(args, "n_shared_experts", 0)
+    inter = max(args.intermediate_size, getattr(args, "moe_intermediate_size", 0) * active)
+    prefill = tokens * (4 * h + qkv // tp + 3 * inter // tp) * act + tokens * h * act
+    return Term("online target", params * act // tp + prefill,
+                f"{params / 1e9:.2f}B parameters / tp {tp} + prefill of {tokens} tokens")
 
 
 # --- from the run's settings -----------------------------------------------------------------------------------
