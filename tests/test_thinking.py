@@ -145,7 +145,8 @@ def test_regeneration_passes_the_thinking_switch_and_stores_what_the_target_gene
 
     convs, _ = read_conversations(cfg.data)
     out = tmp_path / "regen.jsonl"
-    regenerate(convs, target, tok, out, cfg, stop_ids=target.ids[-1:])
+    stats = regenerate(convs, target, tok, out, cfg, stop_ids=target.ids[-1:])
+    assert stats.not_rendered_back == 0
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     # The switch reached the template: thinking off puts the empty block into the prompt, on leaves it out.
     (prompt,) = target.prompts
@@ -159,6 +160,21 @@ def test_regeneration_passes_the_thinking_switch_and_stores_what_the_target_gene
     # ... and the loss covers the generated tokens: the trace, its </think>, the answer and the end token.
     assert sample.loss_mask[len(prompt):len(prompt) + len(target.ids)] == [1] * len(target.ids)
     assert masked(tok, sample) == tok.decode(target.ids, skip_special_tokens=False)
+
+
+def test_an_answer_the_template_rewrites_is_counted(qwen3, tmp_path, caplog):
+    """Qwen3's template strips the newlines around a trace: an answer with more of them is kept as generated, and
+    counted and named, since its conversation no longer renders to the tokens the target wrote."""
+    from mtp_train.data.readers import read_conversations
+
+    _, tok = qwen3
+    target = ScriptedTarget(tok, "<think>\n\nTwo plus two.\n\n</think>\n\n4.", tok.convert_tokens_to_ids("<|im_end|>"))
+    data = write_rows(tmp_path / "q.jsonl", [{"id": "q", "messages": QUESTION}])
+    cfg = RegenerateConfig(data=DataConfig(paths=[str(data)]))
+    convs, _ = read_conversations(cfg.data)
+    stats = regenerate(convs, target, tok, tmp_path / "regen.jsonl", cfg, stop_ids=target.ids[-1:])
+    assert stats.not_rendered_back == 1 and "answers render back otherwise" in stats.summary()
+    assert "record q turn 1 does not render back" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------------ serving

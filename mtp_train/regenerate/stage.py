@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtp_train.config import Interrupted, RegenerateConfig
-from mtp_train.data.chat import ChatTemplateError
+from mtp_train.data.chat import ChatTemplateError, render
 from mtp_train.data.ids import IdSet
 from mtp_train.data.readers import Conversation
 from mtp_train.engine.generator import Generator
@@ -156,6 +156,21 @@ def _record(d: Dialogue, provenance: Mapping[str, Any]) -> dict[str, Any]:
             "finish_reasons": list(d.finish_reasons), "gen_tokens": list(d.gen_tokens), "provenance": dict(provenance)}
 
 
+def renders_back(tokenizer: Any, prompt: Sequence[Mapping[str, str]], text: str, out: GenerationOutput,
+                 template_kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether the conversation `prompt` + the answer `text`, rendered and tokenized as stage one does, starts with
+    the tokens the target saw and generated (`out.prompt_ids` + `out.output_ids`, its end token included). An
+    answer is stored verbatim (`engine.turns.answer_text`, a thinking block and all), so this holds unless the
+    template rewrites it (Qwen3's strips the newlines around a trace)."""
+    try:
+        whole = render(tokenizer, [*prompt, {"role": "assistant", "content": text}], template_kwargs=template_kwargs)
+    except ChatTemplateError:
+        return False
+    ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
+    want = [*out.prompt_ids, *out.output_ids]
+    return list(ids[:len(want)]) == want
+
+
 def _answer(dialogues: Iterator[Dialogue], generator: Generator, tokenizer: Any, cfg: RegenerateConfig,
             stop_ids: list[int], stats: RegenerateStats, progress: bool, write: Callable[[Dialogue], None]) -> None:
     """Turn by turn through a `DialogueWindow` of `cfg.window` dialogues; a record the generator cannot take, or an
@@ -189,6 +204,13 @@ def _answer(dialogues: Iterator[Dialogue], generator: Generator, tokenizer: Any,
         if not text.strip():
             stats.skipped[EMPTY_ANSWER] += 1
             return False
+        if not renders_back(tokenizer, d.prompt_messages(), text, out, cfg.chat_template_kwargs):
+            stats.not_rendered_back += 1
+            if stats.not_rendered_back == 1:  # the same template rewrites the same way on many answers
+                log.warning("%s:%d: record %s turn %d does not render back to the tokens the target generated (the "
+                            "chat template rewrites the answer, e.g. the whitespace around a reasoning trace); it "
+                            "is kept as generated, its samples differ there", d.key.conv.source, d.key.conv.line,
+                            d.key.rid, len(d.answers) + 1)
         return True
 
     def params(d: Dialogue, turn: int) -> SamplingParams:

@@ -30,6 +30,9 @@ class RegenerateStats:
     seconds: float = 0.0  # time inside generate
     skipped: Counter = field(default_factory=Counter)  # reason → records not produced
     finish_reasons: Counter = field(default_factory=Counter)  # "stop" / "length" → turns
+    # answers kept whose conversation does not render back to the prompt and the tokens generated (the template
+    # rewrites the answer: a reasoning trace it normalises, channels it renders otherwise)
+    not_rendered_back: int = 0
     records: int = 0  # records in the merged output (set on rank 0 after the merge)
 
     @property
@@ -38,7 +41,8 @@ class RegenerateStats:
 
     def merge(self, other: RegenerateStats) -> None:
         """Add another rank's counters (seconds: the slowest rank, since ranks run side by side)."""
-        for name in ("conversations", "done_before", "written", "requests", "prompt_tokens", "generated_tokens"):
+        for name in ("conversations", "done_before", "written", "requests", "prompt_tokens", "generated_tokens",
+                     "not_rendered_back"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.seconds = max(self.seconds, other.seconds)
         self.skipped.update(other.skipped)
@@ -63,4 +67,6 @@ class RegenerateStats:
                 f"({self.done_before} already there, {self.written} written now); "
                 f"{self.generated_tokens} tokens generated in {self.seconds:.1f} s ({self.tokens_per_s:.1f} tokens/s) "
                 f"over {self.requests} requests; turns ending on stop/length: {self.finish_reasons.get('stop', 0)}/"
-                f"{self.finish_reasons.get('length', 0)}; skipped records: {skipped}")
+                f"{self.finish_reasons.get('length', 0)}; skipped records: {skipped}"
+                + (f"; {self.not_rendered_back} answers render back otherwise than generated"
+                   if self.not_rendered_back else ""))
