@@ -177,6 +177,36 @@ def test_an_answer_the_template_rewrites_is_counted(qwen3, tmp_path, caplog):
     assert "record q turn 1 does not render back" in caplog.text
 
 
+@pytest.mark.parametrize("kwargs", [ON, OFF])
+def test_the_switch_reaches_an_openai_compatible_server(qwen3, tmp_path, kwargs):
+    """Through OpenAI-compatible servers (mtp-serve here, as vLLM / SGLang): the prompts are our token ids,
+    rendered with the kwargs, and the template check sends the kwargs in the chat request body, so a server that
+    renders them otherwise is refused before any answer."""
+    from mtp_train.data.readers import Conversation
+    from mtp_train.engine.turns import stop_token_ids
+    from mtp_train.remote import OpenAIGenerator
+    from tests._serve import served_app
+
+    path, tok = qwen3
+    model = load_model(path, dtype="float32", device="cpu")
+    convs = [Conversation("q", QUESTION, "q.jsonl", 1)]
+    cfg = RegenerateConfig(max_new_tokens=4, progress=False, chat_template_kwargs=dict(kwargs))
+    app, worker = served_app(model, tok, path)
+    try:
+        with app_server(app) as url:
+            gen = OpenAIGenerator.connect([url], retries=0)
+            assert gen.check_template(convs, tok, dict(kwargs)) == 1  # the server rendered with the kwargs too
+            out = tmp_path / "regen.jsonl"
+            regenerate(convs, gen, tok, out, cfg, stop_ids=stop_token_ids(tok, model.args.eos_token_ids))
+    finally:
+        worker.stop()
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["provenance"]["chat_template_kwargs"] == kwargs
+    rendered = tokenize_conversation(tok, record["messages"], template_kwargs=kwargs).input_ids
+    prompt = prompt_ids(tok, QUESTION, kwargs)
+    assert rendered[:len(prompt)] == prompt
+
+
 # ------------------------------------------------------------------------------------------------ serving
 
 
