@@ -13,27 +13,38 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from mtp_train.heads.block_attention import fold_query, sink_columns, sink_keys, unfold_sink
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend
 from mtp_train.models.config import ModelArgs
 from mtp_train.models.families import family_of
 
 CHAIN_MODES = ("diagonal", "masked")  # how ChainTrainAttention computes a step (same result)
+STEP_KEY = "chain_step"  # the step a forward ran, in its metadata's backend_state (a recomputation finds it)
 
 
 class ChainTrainAttention(AttentionBackend):
     """Training attention of an unrolled chain, one instance per `unroll` call (EAGLE-3's training-time test).
 
-    Call j (step j) of the instance keeps that step's keys/values (T, Hkv, D); row i of step j attends to the
-    step-0 keys of rows 0..i of its sequence and to its own keys of steps 1..j, one each. That is what draft
-    step j at position i+j attends to at inference, when the head's KV cache holds the entries computed from
-    the target's hidden states up to position i and the chain's own entries after it. Step 0 is the plain
-    causal prefill. The caller gives step j the positions i + j (keys carry RoPE at their own positions).
+    Step j of the instance keeps that step's keys/values (T, Hkv, D); row i of step j attends to the step-0 keys
+    of rows 0..i of its sequence and to its own keys of steps 1..j, one each. That is what draft step j at
+    position i+j attends to at inference, when the head's KV cache holds the entries computed from the target's
+    hidden states up to position i and the chain's own entries after it. Step 0 is the plain causal prefill. The
+    caller gives step j the positions i + j (keys carry RoPE at their own positions).
 
-    `mode` says how a later step is computed; both give the same attention. `diagonal` (the default) scores the
-    step-0 keys as one causal (n, n) block and the chain's own keys as j dot products per row (its keys of steps
-    1..j at the same row: the only ones it may see), so a step costs about one causal attention whatever j is.
-    `masked` concatenates all (j+1)·n keys of the sequence and masks all but those: a step costs j+1 of them,
-    and a 7-step test ~4x its attention (`python -m bench.chain_attention` times the two; a test checks they agree).
+    `mode` says how a step is computed; both give the same attention. `diagonal` (the default) keeps nothing of
+    size n × n, forward or backward: row i's own keys (its step-0 key k_0[i] and k_s[i], s = 1..j) are scored as
+    j + 1 dot products, and their softmax group joins one causal SDPA over the earlier step-0 keys as a single
+    extra key (the sink, `heads/block_attention.py`); with a sliding window the SDPA runs blocks of rows over
+    their band only. A step costs about one causal attention whatever j is, and memory linear in n (O(n · W)
+    with a window W). `masked` concatenates all (j+1)·n keys of the sequence under a dense mask: the quadratic
+    reference (`python -m bench.chain_attention` times the two, `python -m bench.attention_memory` counts what
+    each keeps; a test checks they agree).
+
+    Recomputation (activation checkpointing): `begin_step(j)` before step j's forward says which step it is; the
+    forward stores its K/V at index j (replacing what a recomputation finds there), attends keys of steps 0..j
+    only and records j in its metadata's `backend_state`, so a recomputation of that forward with the same
+    metadata is step j again, with or without another `begin_step`. Without either, forwards are steps 0, 1, ...
+    in order.
     """
 
     name = "chain-train"
@@ -46,9 +57,30 @@ class ChainTrainAttention(AttentionBackend):
         self.mode = mode
         self.keys: list[torch.Tensor] = []  # per step (T, Hkv, D)
         self.values: list[torch.Tensor] = []
+        self._next_step: int | None = None  # set by begin_step, taken by the next forward
+
+    def begin_step(self, step: int) -> None:
+        """The next forward is step `step` (0-based): it stores its K/V at index `step` and attends steps 0..step.
+        Steps before it must have run (a recomputation may come back to any of them)."""
+        if not 0 <= step <= len(self.keys):
+            raise ValueError(f"chain step {step} cannot run: steps 0..{len(self.keys) - 1} have run, so the next "
+                             f"is at most {len(self.keys)}")
+        self._next_step = step
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to plan: masks depend on the step, built in `forward`."""
+
+    def _step(self, meta: AttentionMetadata) -> int:
+        """This forward's step: `begin_step`'s, else the one its metadata records (a recomputation), else the
+        next in order; recorded in the metadata."""
+        if self._next_step is not None:
+            step, self._next_step = self._next_step, None
+        else:
+            step = meta.backend_state.get(STEP_KEY, len(self.keys))
+        meta.backend_state[STEP_KEY] = step
+        return step
+
+    # -- masked: the quadratic reference --
 
     def _visible(self, n: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Which keys row i of step `step` sees, over one sequence of n rows with contiguous positions (step-0 key r
@@ -73,8 +105,8 @@ class ChainTrainAttention(AttentionBackend):
 
     def _masked(self, q: torch.Tensor, sl: slice, step: int) -> torch.Tensor:
         """One sequence's rows `sl` over all its (step+1)·n keys, masked: q (n, Hq, D) → (n, Hq, Dv)."""
-        keys = torch.cat([x[sl] for x in self.keys], 0)  # ((step+1)·n, Hkv, D)
-        values = torch.cat([x[sl] for x in self.values], 0)
+        keys = torch.cat([x[sl] for x in self.keys[:step + 1]], 0)  # ((step+1)·n, Hkv, D)
+        values = torch.cat([x[sl] for x in self.values[:step + 1]], 0)
         mask = self._mask(q.shape[0], step, q.device)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
@@ -83,54 +115,135 @@ class ChainTrainAttention(AttentionBackend):
         )  # (1, Hq, n, Dv)
         return out[0].transpose(0, 1)
 
-    def _diagonal(self, q: torch.Tensor, sl: slice, step: int) -> torch.Tensor:
-        """One sequence's rows `sl` at step >= 1: q (n, Hq, D) → (n, Hq, Dv).
+    # -- diagonal: linear memory --
 
-        Row i's own keys k_s[i] (s = 1..step) are scored as dot products d_s; their softmax group enters the one
-        SDPA over the causal step-0 block as a single extra key whose score is the group's logsumexp (an extra
-        q/k dimension carries it) and whose value is an indicator column: that column's output is the group's
-        share u_i of the joint softmax, and out = SDPA's value part + u_i · Σ_s softmax(d)_s v_s[i], exactly the
-        attention over all the keys, at the cost of one causal attention over n + 1 keys.
-        """
+    def _own(self, q: torch.Tensor, sl: slice, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row i's own group, explicit: its keys k_s[i] of steps s = 0..step (those the window keeps), scored
+        as dot products. q (n, Hq, D) → (its softmax-weighted values (n, Hq, Dv), its logsumexp (n, Hq)),
+        float32."""
         n, hkv, g = q.shape[0], self.num_kv_heads, self.num_q_heads // self.num_kv_heads
-        k0, v0 = self.keys[0][sl], self.values[0][sl]  # (n, Hkv, D), (n, Hkv, Dv)
-        ks = torch.stack([x[sl] for x in self.keys[1:]], 1)  # (n, step, Hkv, D)
-        vs = torch.stack([x[sl] for x in self.values[1:]], 1)  # (n, step, Hkv, Dv)
-        block, own_seen = self._visible(n, step, q.device)
-        d = torch.einsum("nkgd,nskd->nkgs", q.view(n, hkv, g, -1), ks) * self.scale  # (n, Hkv, g, step)
-        d = d.masked_fill(~own_seen, float("-inf"))
+        ks = torch.stack([x[sl] for x in self.keys[:step + 1]], 1).float()  # (n, step+1, Hkv, D)
+        vs = torch.stack([x[sl] for x in self.values[:step + 1]], 1).float()  # (n, step+1, Hkv, Dv)
+        d = torch.einsum("nkgd,nskd->nkgs", q.view(n, hkv, g, -1).float(), ks) * self.scale  # (n, Hkv, g, s)
+        if self.sliding_window is not None:  # key of step s sits at i + s, the query at i + step
+            seen = torch.arange(step + 1, device=q.device) > step - self.sliding_window  # step's own: always
+            d = d.masked_fill(~seen, float("-inf"))
         own = torch.einsum("nkgs,nskv->nkgv", torch.softmax(d, -1), vs).reshape(n, self.num_q_heads, -1)
-        lse = torch.logsumexp(d, -1).reshape(n, self.num_q_heads, 1)  # the group's score
-        # The extra columns: one on CPU; eight on CUDA, whose fused kernels want head dims in multiples of 8.
-        extra = 8 if q.is_cuda else 1
-        q_ext = torch.cat([q, F.pad(lse / self.scale, (0, extra - 1))], -1)  # (n, Hq, D+e): · the sink's 1 → lse
-        sink_k = torch.zeros(1, hkv, k0.shape[-1] + extra, dtype=k0.dtype, device=k0.device)
-        sink_k[..., k0.shape[-1]] = 1
-        sink_v = torch.zeros(1, hkv, v0.shape[-1] + extra, dtype=v0.dtype, device=v0.device)
-        sink_v[..., v0.shape[-1]] = 1
-        k_ext = torch.cat([F.pad(k0, (0, extra)), sink_k], 0)  # (n+1, Hkv, D+e)
-        v_ext = torch.cat([F.pad(v0, (0, extra)), sink_v], 0)  # (n+1, Hkv, Dv+e)
-        mask = torch.cat([block, torch.ones(n, 1, dtype=torch.bool, device=q.device)], 1)  # (n, n+1): the sink seen
+        return own, torch.logsumexp(d, -1).reshape(n, self.num_q_heads)
+
+    def _diagonal(self, q: torch.Tensor, sl: slice, step: int) -> torch.Tensor:
+        """One sequence's rows `sl`: q (n, Hq, D) → (n, Hq, Dv).
+
+        Step 0 is one causal SDPA. A later step folds row i's own group (`_own`) into one SDPA over the step-0
+        keys it sees before itself as the sink (key t = 0): [sink, k_0[0], ..., k_0[n-2]] with `is_causal` (n
+        keys for n queries, top-left: row i sees the sink and k_0[0..i-1]), no mask at all. The sink's value
+        column gives the group's share u_i of the joint softmax: out = the SDPA's value part + u_i · own,
+        exactly the attention over all the keys. Under a window that hides keys, `_banded` runs the SDPA part.
+        """
+        n = q.shape[0]
+        k0, v0 = self.keys[0][sl], self.values[0][sl]
+        windowed = self.sliding_window is not None and n - 1 + step >= self.sliding_window  # the widest reach
+        if step == 0 and not windowed:
+            return self._causal(q, k0, v0)
+        width, extra = max(q.shape[-1], v0.shape[-1]), sink_columns(q)  # CPU's flash kernel: q, k, v equally wide
+        own, lse = self._own(q, sl, step)
+        q_ext = fold_query(q, lse, self.scale, width, extra)  # (n, Hq, W+e)
+        if windowed:
+            out = self._banded(q_ext, k0, v0, step, width, extra)
+        else:
+            k_ext, v_ext = sink_keys(k0[:n - 1], v0[:n - 1], width, extra)  # (n, Hkv, W+e)
+            out = F.scaled_dot_product_attention(
+                q_ext.transpose(0, 1)[None], k_ext.transpose(0, 1)[None], v_ext.transpose(0, 1)[None],
+                is_causal=True, scale=self.scale, enable_gqa=self.num_q_heads != self.num_kv_heads,
+            )[0].transpose(0, 1)  # (n, Hq, W+e)
+        return unfold_sink(out, own, width).to(q.dtype)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Step 0 without a window: one causal SDPA, no mask. q (n, Hq, D), k (n, Hkv, D), v (n, Hkv, Dv) →
+        (n, Hq, Dv); values narrower than the keys (MLA's latent) are zero-padded, which keeps CPU's flash
+        kernel (it wants q, k, v equally wide) instead of a kernel that materialises the scores."""
+        dv = v.shape[-1]
+        if dv < k.shape[-1]:
+            v = F.pad(v, (0, k.shape[-1] - dv))
         out = F.scaled_dot_product_attention(
-            q_ext.transpose(0, 1)[None], k_ext.transpose(0, 1)[None], v_ext.transpose(0, 1)[None],
-            attn_mask=mask, scale=self.scale, enable_gqa=g > 1,
-        )[0].transpose(0, 1)  # (n, Hq, Dv+e)
-        dv = v0.shape[-1]
-        return out[..., :dv] + out[..., dv:dv + 1] * own
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+            scale=self.scale, enable_gqa=self.num_q_heads != self.num_kv_heads,
+        )  # (1, Hq, n, ·)
+        return out[0].transpose(0, 1)[..., :dv]
+
+    def _banded(self, q_ext: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, step: int, width: int,
+                extra: int) -> torch.Tensor:
+        """The SDPA part under a sliding window: row i sees the sink and k_0[r] for i - w <= r <= i - 1, where
+        w = window - step - 1 (the step-0 keys within the window before the row's own).
+
+        Rows go in blocks of R, keys in segments of R + 1 (a sink, then the step-0 keys of the same R rows),
+        laid out once. Block m reads its own segment and the S - 1 before it, a strided view, under one
+        (R, S·(R+1)) mask shared by all blocks (its own segment's sink and the band); blocks m >= S - 1 run as
+        one batch, the first S - 1 (fewer segments before them) one each under the mask's right-hand part. So
+        the memory is the rows, the segments and one mask: O(n + R · w).
+
+        Args:
+            q_ext: (n, Hq, W+e) `fold_query`'s rows.
+            k0, v0: (n, Hkv, ·) the sequence's step-0 keys and values.
+            step: the step (w follows from it).
+            width, extra: as `fold_query` took them.
+        Returns (n, Hq, W+e), the SDPA's output over [sink ; band] per row.
+        """
+        n, hq, we = q_ext.shape
+        band = self.sliding_window - step - 1
+        if band <= 0:  # no step-0 key left before the row: all of its attention is its own group
+            out = q_ext.new_zeros(n, hq, we)
+            out[..., width] = 1
+            return out
+        seg = min(512, max(64, 1 << (band // 4 - 1).bit_length()))  # R + 1: a multiple of 16 (CUDA's masks)
+        rows = seg - 1
+        nseg = -(-band // rows) + 1  # S: the segments the band reaches, and the block's own
+        blocks = -(-n // rows)
+        hkv, dev = k0.shape[1], q_ext.device
+        sink_k, sink_v = sink_keys(k0[:0], v0[:0], width, extra)  # (1, Hkv, W+e): the sink alone
+
+        def segments(x: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+            """(n, Hkv, ·) → (blocks · (R+1), Hkv, W+e): per block, the sink then its rows (zeros past n)."""
+            x = F.pad(x, (0, we - x.shape[-1], 0, 0, 0, blocks * rows - n)).view(blocks, rows, hkv, we)
+            return torch.cat([sink[None].expand(blocks, 1, hkv, we), x], 1).view(blocks * seg, hkv, we)
+
+        ks, vs = segments(k0, sink_k), segments(v0, sink_v)
+        col = torch.arange(nseg * seg, device=dev)
+        t, p = col // seg, col % seg  # each column's segment (S - 1: the block's own) and place in it
+        x = torch.arange(rows, device=dev)[:, None]
+        ahead = (t - nseg + 1) * rows + p - 1 - x  # key row - query row
+        seen = torch.where(p == 0, t == nseg - 1, (ahead < 0) & (ahead >= -band))  # (R, S·(R+1))
+        mask = torch.zeros(seen.shape, dtype=q_ext.dtype, device=dev).masked_fill(~seen, float("-inf"))
+        qb = F.pad(q_ext, (0, 0, 0, 0, 0, blocks * rows - n)).view(blocks, rows, hq, we).transpose(1, 2)
+        gqa = hq != hkv
+        outs = []
+        for m in range(min(nseg - 1, blocks)):  # the first blocks: fewer segments before them
+            keys = (ks[:(m + 1) * seg].transpose(0, 1)[None], vs[:(m + 1) * seg].transpose(0, 1)[None])
+            outs.append(F.scaled_dot_product_attention(qb[m:m + 1], *keys, attn_mask=mask[:, (nseg - 1 - m) * seg:],
+                                                       scale=self.scale, enable_gqa=gqa))
+        if blocks >= nseg:  # the rest as one batch: block m reads segments m - S + 1 .. m, a strided view
+            keys = tuple(x.unfold(0, nseg * seg, seg).permute(0, 1, 3, 2) for x in (ks, vs))  # (·, Hkv, S·seg, W+e)
+            outs.append(F.scaled_dot_product_attention(qb[nseg - 1:], *keys, attn_mask=mask, scale=self.scale,
+                                                       enable_gqa=gqa))
+        out = torch.cat(outs).transpose(1, 2).reshape(blocks * rows, hq, we)
+        return out[:n]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
         """q: (T, Hq, D); k, v: (T, Hkv, D) of this step → (T, Hq, Dv); no KV cache."""
         if kv_cache is not None:
             raise ValueError("training attention takes no KV cache")
-        self.keys.append(k)
-        self.values.append(v)
-        step = len(self.keys) - 1
+        step = self._step(meta)
+        if step < len(self.keys):  # a recomputation: the same step again
+            self.keys[step], self.values[step] = k, v
+        else:
+            self.keys.append(k)
+            self.values.append(v)
         outs = []
         for b, n in enumerate(meta.qo_lens):
             lo = int(meta.qo_indptr[b])
             sl = slice(lo, lo + n)
-            if step == 0 or self.mode == "masked":
+            if self.mode == "masked":
                 outs.append(self._masked(q[sl], sl, step))
             else:
                 outs.append(self._diagonal(q[sl], sl, step))
@@ -147,6 +260,7 @@ def attend_chain(attn: ChainTrainAttention, qkv: Sequence[tuple[torch.Tensor, to
         meta = AttentionMetadata.build(list(lens), device=device)
         meta.positions = meta.positions + j
         attn.prepare(meta)
+        attn.begin_step(j)
         outs.append(attn.forward(q, k, v, None, meta))
     return outs
 
