@@ -243,6 +243,32 @@ def test_the_served_prompt_is_the_prefix_of_the_trained_sample(qwen3, kwargs):
         worker.stop()
 
 
+def test_the_server_takes_the_kwargs_the_head_was_trained_with_or_warns(qwen3, tmp_path, caplog):
+    """A head records where its samples came from: an online run's settings, an offline run's precompute folder
+    (whose manifest keeps the command's config). mtp-serve renders with those kwargs when none are set, and warns
+    when the ones set differ."""
+    from mtp_train.config import HeadConfig
+    from mtp_train.heads import build_head
+    from mtp_train.heads.checkpoint import save_head
+    from mtp_train.serve.template import served_template_kwargs, trained_template_kwargs
+
+    path, _ = qwen3
+    head = build_head(HeadConfig(type="mtp", init="last_layer"), path)
+    online = save_head(head, tmp_path / "online", {"data_online": {"chat_template_kwargs": OFF}})
+    folder = tmp_path / "pc"
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps({"provenance": {"config": {"chat_template_kwargs": ON}}}))
+    offline = save_head(head, tmp_path / "offline", {"data_dir": str(folder)})
+    unknown = save_head(head, tmp_path / "unknown", {"data_dir": str(tmp_path / "gone")})
+    assert trained_template_kwargs(online) == OFF and trained_template_kwargs(offline) == ON
+    assert trained_template_kwargs(unknown) is None
+    assert served_template_kwargs(online, {}) == OFF  # none set: the head's
+    assert served_template_kwargs(None, {}) == {} and served_template_kwargs(unknown, ON) == ON
+    assert "trained on conversations rendered with" not in caplog.text
+    assert served_template_kwargs(offline, OFF) == OFF  # set: kept, and the difference named
+    assert f"{offline} was trained on conversations rendered with chat_template_kwargs={ON}" in caplog.text
+
+
 # ------------------------------------------------------------------------------------------------ context
 
 

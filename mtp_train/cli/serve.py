@@ -28,6 +28,7 @@ PROG = "mtp-serve"
 def build_server(sc: ServeConfig) -> tuple[Any, Any]:
     """(app, worker) for a typed config: the target (and head) loaded, the worker not yet started."""
     from mtp_train.serve import EngineWorker, ServedModel, ServeLimits, build_app
+    from mtp_train.serve.template import served_template_kwargs
 
     ensure_model(sc.model)
     model, tokenizer, path = load_target(sc.model, resolve_device(sc.model.device))
@@ -43,11 +44,13 @@ def build_server(sc: ServeConfig) -> tuple[Any, Any]:
         engine: LLMEngine = SpecEngine(model, head_type(head.cfg.type).drafter(head, {}), sc.k, **engine_kw)
     else:
         engine = LLMEngine(model, **engine_kw)
+    # The head's own kwargs when none are set; a warning when the ones set differ (prompts unlike the trained ones).
+    template_kwargs = served_template_kwargs(sc.head_ckpt, sc.chat_template_kwargs)
     served = ServedModel(model_id=sc.model_id, root=str(path.resolve()), tokenizer=tokenizer,
                          max_context=model.args.max_position_embeddings,
                          max_request_tokens=engine.scheduler.max_request_tokens,
-                         stop_ids=stop_token_ids(tokenizer, model.args.eos_token_ids, sc.chat_template_kwargs),
-                         default_max_tokens=sc.max_tokens, template_kwargs=dict(sc.chat_template_kwargs),
+                         stop_ids=stop_token_ids(tokenizer, model.args.eos_token_ids, template_kwargs),
+                         default_max_tokens=sc.max_tokens, template_kwargs=template_kwargs,
                          limits=ServeLimits(max_body_bytes=sc.max_body_bytes, request_timeout=sc.request_timeout,
                                             max_header_bytes=sc.max_header_bytes,
                                             trust_request_chat_template=sc.trust_request_chat_template))
