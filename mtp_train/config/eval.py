@@ -8,6 +8,7 @@ from typing import Any
 
 from mtp_train.config.errors import ConfigError
 from mtp_train.config.model import ModelConfig
+from mtp_train.config.vllm import VllmEngineConfig
 
 GRID_AXES = ("k", "draft_threshold", "catch_up", "draft_width", "tree", "temperature")  # a value or a list each
 GRID_KINDS: dict[str, type] = {"k": int, "draft_threshold": float, "catch_up": str, "draft_width": int, "tree": str,
@@ -33,15 +34,11 @@ class NgramConfig:
 
 
 @dataclass
-class VllmEvalConfig:
-    """`backend=vllm`: the vLLM engine mtp-eval launches to run the exported head."""
+class VllmEvalConfig(VllmEngineConfig):
+    """`backend=vllm`: the vLLM engine mtp-eval launches to run the exported head (VllmEngineConfig's settings and
+    its context)."""
 
     max_model_len: int | None = None  # the context vLLM reserves per sequence (null: the target's own)
-    enforce_eager: bool = True  # no torch.compile or CUDA graphs (the CPU build needs it; quicker to start)
-    tensor_parallel_size: int = 1  # GPUs per vLLM engine
-    gpu_memory_utilization: float | None = None  # GPU share vLLM takes (null: vLLM's default)
-    cpu_kvcache_gb: int = 2  # CPU build: VLLM_CPU_KVCACHE_SPACE when the environment does not set it
-    engine_args: dict[str, Any] = field(default_factory=dict)  # further vllm.LLM keyword arguments
 
 
 @dataclass

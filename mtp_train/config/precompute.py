@@ -7,10 +7,11 @@ from typing import Any
 
 from mtp_train.config.data import DataConfig
 from mtp_train.config.model import ModelConfig
+from mtp_train.config.vllm import VllmEngineConfig
 
 
 @dataclass
-class VllmCaptureConfig:
+class VllmCaptureConfig(VllmEngineConfig):
     """`backend=vllm`: the vLLM engine mtp-precompute launches to capture the hidden states, or the running
     servers it captures through (`endpoints`)."""
 
@@ -29,11 +30,7 @@ class VllmCaptureConfig:
     serve_command: bool = False  # print the `vllm serve` command that captures for these settings, and exit
     max_num_seqs: int = 16  # requests vLLM runs at once
     max_num_batched_tokens: int | None = None  # tokens per vLLM step (null: vLLM's default)
-    enforce_eager: bool = True  # no torch.compile or CUDA graphs (the CPU build needs it; quicker to start)
-    tensor_parallel_size: int = 1  # GPUs per vLLM engine
-    gpu_memory_utilization: float | None = None  # GPU share vLLM takes (null: vLLM's default)
-    cpu_kvcache_gb: int = 2  # CPU build: VLLM_CPU_KVCACHE_SPACE when the environment does not set it
-    engine_args: dict[str, Any] = field(default_factory=dict)  # further vllm.LLM keyword arguments
+    # and VllmEngineConfig's: enforce_eager, tensor_parallel_size, gpu_memory_utilization, cpu_kvcache_gb, engine_args
 
 
 @dataclass

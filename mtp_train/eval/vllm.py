@@ -140,17 +140,11 @@ def settings(ec: EvalConfig, point: EvalPoint, export_dir: Path, dtype: torch.dt
              stop_ids: list[int]) -> dict[str, Any]:
     """The `vllm_generate` settings: the target, the head as vLLM's eagle3 drafter, sampling as mtp-eval's."""
     v = ec.vllm
-    engine: dict[str, Any] = {
-        "model": str(Path(ec.model.path).resolve()), "dtype": str(dtype).replace("torch.", ""),
-        "enforce_eager": v.enforce_eager, "max_num_seqs": ec.batch_size,
-        "tensor_parallel_size": v.tensor_parallel_size, "seed": ec.seed, "disable_log_stats": False,
-        "speculative_config": {"method": VLLM_METHOD, "model": str(export_dir.resolve()),
-                               "num_speculative_tokens": point.k}}
-    if v.max_model_len is not None:
-        engine["max_model_len"] = v.max_model_len
-    if v.gpu_memory_utilization is not None:
-        engine["gpu_memory_utilization"] = v.gpu_memory_utilization
-    engine.update(v.engine_args)
+    engine = v.llm_kwargs(
+        model=str(Path(ec.model.path).resolve()), dtype=str(dtype).replace("torch.", ""), max_num_seqs=ec.batch_size,
+        seed=ec.seed, disable_log_stats=False, max_model_len=v.max_model_len,
+        speculative_config={"method": VLLM_METHOD, "model": str(export_dir.resolve()),
+                            "num_speculative_tokens": point.k})
     return {"engine": engine, "stop_token_ids": stop_ids, "max_tokens": ec.max_new_tokens,
             "temperature": point.temperature, "top_p": ec.top_p, "top_k": ec.top_k}
 

@@ -169,13 +169,7 @@ def vllm_request(cfg: PrecomputeConfig, model_dir: Path, dtype: torch.dtype, lma
                  tag: str, context: int) -> dict[str, Any]:
     """The `vllm_run` request (its prompts go to the child's stdin); context: its max_model_len (`max_model_len`)."""
     v = cfg.vllm
-    engine: dict[str, Any] = {"enforce_eager": v.enforce_eager, "max_num_seqs": v.max_num_seqs,
-                              "tensor_parallel_size": v.tensor_parallel_size}
-    if v.max_num_batched_tokens is not None:
-        engine["max_num_batched_tokens"] = v.max_num_batched_tokens
-    if v.gpu_memory_utilization is not None:
-        engine["gpu_memory_utilization"] = v.gpu_memory_utilization
-    engine.update(v.engine_args)
+    engine = v.llm_kwargs(max_num_seqs=v.max_num_seqs, max_num_batched_tokens=v.max_num_batched_tokens)
     return {"model": str(model_dir.resolve()), "dtype": dtype_name(dtype), "layer_ids": list(lmap.vllm_ids),
             "max_model_len": int(context), "spool_dir": str(spool.resolve()), "tag": tag, "engine": engine}
 
