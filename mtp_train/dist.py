@@ -2,7 +2,8 @@
 
 Entry points read torchrun's environment (`mtp_train.cli.common.launch_env`) and call `init_distributed()` once;
 library code takes `rank` / `world` as arguments and never reads the environment itself. Without torchrun
-(WORLD_SIZE unset, or 1) everything is a no-op and the process is rank 0 of 1.
+(WORLD_SIZE unset, or 1) everything is a no-op and the process is rank 0 of 1. `sequence_groups` splits the job
+into sequence-parallel groups (training's `train.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mtp_train.config.device import device_kind
+from mtp_train.config.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -102,3 +104,34 @@ def destroy() -> None:
     """Tear the process group down at the end of an entry point (no-op without one)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class SequenceGroups:
+    """This rank's place in sequence parallelism (`train.sequence_parallel`): groups of `size` consecutive ranks
+    share each sample's positions; the groups are data parallel among themselves."""
+
+    size: int  # N, ranks per sequence-parallel group
+    index: int  # this rank's index inside its group, 0..N-1 (its rows of every batch)
+    dp_rank: int  # which group: the data-parallel rank (rank // N), whose batches the group reads
+    dp_world: int  # number of groups: the data-parallel degree (world / N)
+    group: dist.ProcessGroup | None  # the group's ranks [dp_rank·N, (dp_rank+1)·N); None when N = 1
+
+
+def sequence_groups(size: int, rank: int, world: int) -> SequenceGroups:
+    """The sequence-parallel groups of a job of `world` ranks: ranks [g·size, (g+1)·size) form group g.
+
+    Every rank creates every group, in the same order (`new_group` is collective); size 1 creates none.
+    """
+    if size < 1 or world % size:
+        raise ConfigError(f"train.sequence_parallel={size} does not divide the world size {world}: give a divisor "
+                          f"of {world} (the ranks of a sequence-parallel group share one sample), or launch a "
+                          "multiple of it with torchrun --nproc_per_node")
+    if size == 1:
+        return SequenceGroups(1, 0, rank, world, None)
+    mine = None
+    for g in range(world // size):
+        group = dist.new_group(list(range(g * size, (g + 1) * size)))
+        if g == rank // size:
+            mine = group
+    return SequenceGroups(size, rank % size, rank // size, world // size, mine)

@@ -45,6 +45,7 @@ The head's block, attention backend, KV layout and RoPE are those of the target'
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +53,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from mtp_train.config.device import on_cpu
 from mtp_train.config.head import HeadConfig, HeadTypeSpec
@@ -59,6 +61,7 @@ from mtp_train.config.loss import UNROLL_ATTENTION
 from mtp_train.heads.chain_attention import chain_attention
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.packing import packed_shift, resolve_seq_lens
+from mtp_train.heads.sequence import SequenceShard, ulysses_heads
 from mtp_train.layers import cpu_kernels
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, KVLayout, MLABackend
 from mtp_train.layers.linear import (
@@ -414,7 +417,18 @@ class DraftHead(nn.Module, ABC):
                 attention's mode); a head that does not chain may ignore them.
         Returns one (T, H) tensor per step: row i of step j estimates h_{i+j+1}, whatever the head computes it from
         (a chain of forwards, or one forward for a whole block); the loss scores every head type the same way.
+
+        Two keyword-only arguments are passed only when in use, so a head type that takes neither still trains
+        without them (and is refused by name when they are set: `accepts_unroll_option`): `shard`
+        (`heads.sequence.SequenceShard`, train.sequence_parallel: hidden and the returned tensors are this rank's
+        rows of the padded batch that input_ids and seq_lens describe whole) and `checkpoint`
+        (train.activation_checkpointing: recompute each step's forward in the backward).
         """
+
+    @classmethod
+    def accepts_unroll_option(cls, name: str) -> bool:
+        """Whether this head type's `unroll` takes the keyword `name` (`shard`, `checkpoint`)."""
+        return name in inspect.signature(cls.unroll).parameters
 
     def extra_repr(self) -> str:
         c = self.cfg
@@ -518,7 +532,8 @@ class ChainHead(DraftHead):
         return HeadOutput(out, logits)
 
     def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
-               steps: int, attention: str = "chain", chain_mode: str = "diagonal") -> list[torch.Tensor]:
+               steps: int, attention: str = "chain", chain_mode: str = "diagonal", *,
+               shard: SequenceShard | None = None, checkpoint: bool = False) -> list[torch.Tensor]:
         """Chain `steps` training forwards (alignment and `attention` modes in the module docstring; `chain_mode`:
         how the chain attention computes it, `ChainTrainAttention`'s `mode`).
 
@@ -526,21 +541,60 @@ class ChainHead(DraftHead):
         sequences' own tokens t_i (NOT shifted: step j shifts them j+1 to the left). Step j > 0 reads step j-1's
         output at the same row. Returns one (T, H) tensor per step; row i of step j estimates h_{i+j+1}.
         Gradients flow through the whole chain.
+
+        shard: sequence parallelism (`heads/sequence.py`): hidden is then this rank's rows (T/N, ·) of the padded
+        batch that input_ids and seq_lens describe whole; each step's per-row work runs on those rows at their
+        global positions, its attention over the whole batch through the shard's Ulysses exchange, and the
+        returned tensors are this rank's rows (T/N, H). checkpoint: each step's forward is recomputed in the
+        backward instead of keeping its activations (`torch.utils.checkpoint`, non-reentrant).
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         if attention not in UNROLL_ATTENTION:
             raise ValueError(f"unknown unroll attention {attention!r}; choose one of {', '.join(UNROLL_ATTENTION)}")
         self.check_input(hidden, True)
-        lens = resolve_seq_lens(hidden.shape[0], seq_lens)
-        attn = chain_attention(self.args, chain_mode) if attention == "chain" else self._train_attn
+        lens = resolve_seq_lens(input_ids.shape[0], seq_lens)
+        rows = input_ids.shape[0] if shard is None else shard.hi - shard.lo
+        if hidden.shape[0] != rows:
+            raise ValueError(f"{hidden.shape[0]} hidden rows for {rows} rows of the unroll")
+        attn = self.unroll_attention(attention, chain_mode, shard)
         outs: list[torch.Tensor] = []
         x = hidden
         for j in range(steps):
             meta = AttentionMetadata.build(lens, device=hidden.device)
             meta.positions = meta.positions + j  # step j drafts at i + j; only the chain's mixed keys can tell
-            attn.prepare(meta)
-            # step 0 reads the target's features, every later step the previous step's output
-            x = self.features(x, packed_shift(input_ids, lens, j + 1), meta, None, attn, from_target=j == 0)
+            tokens = packed_shift(input_ids, lens, j + 1)
+            own = meta if shard is None else shard.local_meta(meta)  # this rank's rows at their global positions
+            if shard is not None:
+                tokens = shard.local(tokens)
+            if checkpoint:
+                x = torch_checkpoint(self._unroll_step, x, tokens, meta, own, attn, j, use_reentrant=False)
+            else:
+                x = self._unroll_step(x, tokens, meta, own, attn, j)
             outs.append(x)
         return outs
+
+    def unroll_attention(self, attention: str, chain_mode: str,
+                         shard: SequenceShard | None) -> AttentionBackend | MLABackend:
+        """A fresh attention for one unroll: the chain's (`attention="chain"`) or the plain causal one; under a
+        sequence shard, that attention over this rank's share of the heads inside the shard's Ulysses exchange."""
+        if shard is None:
+            return chain_attention(self.args, chain_mode) if attention == "chain" else self._train_attn
+        args, repeat = ulysses_heads(self.args, shard.size)
+        inner = (chain_attention(args, chain_mode) if attention == "chain"
+                 else family_of(args).attention(args, "torch", torch.device("cpu"), None))
+        return shard.wrap(inner, repeat)
+
+    def _unroll_step(self, x: torch.Tensor, tokens: torch.Tensor, meta: AttentionMetadata, own: AttentionMetadata,
+                     attn: AttentionBackend | MLABackend, step: int) -> torch.Tensor:
+        """Step `step` of `unroll`: x (R, ·) the step's input rows, tokens (R,) their next tokens, meta the whole
+        batch's metadata (the attention's), own the rows' (their positions) → (R, H).
+
+        Re-entered in the backward when checkpointed: `begin_step` lets a chain attention drop the keys a first
+        run of this step kept, and `prepare` restores the step's metadata (a later step prepared its own)."""
+        begin = getattr(attn, "begin_step", None)  # the chain's attention keeps keys per step; causal has none
+        if begin is not None:
+            begin(step)
+        attn.prepare(meta)
+        # step 0 reads the target's features, every later step the previous step's output
+        return self.features(x, tokens, own, None, attn, from_target=step == 0)

@@ -34,12 +34,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from mtp_train.config import HeadConfig
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.block_attention import BlockLayout, packed_block_attention
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.packing import packed_shift, resolve_seq_lens
+from mtp_train.heads.sequence import SequenceShard
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, KVLayout
 from mtp_train.layers.linear import Linear
 from mtp_train.layers.norm import RMSNorm
@@ -166,7 +168,8 @@ class DFlashHead(DraftHead):
         return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
 
     def block(self, tokens: torch.Tensor, positions: torch.Tensor,
-              ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], layout: BlockLayout) -> torch.Tensor:
+              ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], layout: BlockLayout,
+              checkpoint: bool = False) -> torch.Tensor:
         """The blocks' output features.
 
         Args:
@@ -174,13 +177,18 @@ class DFlashHead(DraftHead):
             positions: (A, B) a..a+B-1.
             ctx_kv: per draft layer, the packed context (K, V) (N, Hkv, D) the layout's groups index.
             layout: which context rows each block sees.
+            checkpoint: run each draft layer under non-reentrant `torch.utils.checkpoint` (training with
+                train.activation_checkpointing: its activations are recomputed in the backward, not kept).
         Returns (A, B, H) after the final norm: slot s estimates h_{a+s-1} (slot 0 is not a draft).
         """
         a, b = tokens.shape
         x = self.embed(tokens.reshape(-1)).view(a, b, -1)
         cos, sin = self.rope(positions.reshape(-1), x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, cos, sin, k, v, layout)
+            if checkpoint:
+                x = torch_checkpoint(layer, x, cos, sin, k, v, layout, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, k, v, layout)
         return self.norm(x)
 
     def block_tokens(self, first: torch.Tensor) -> torch.Tensor:
@@ -220,32 +228,42 @@ class DFlashHead(DraftHead):
 
     def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
                steps: int, attention: str = "chain", chain_mode: str = "diagonal",
-               rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+               rows: torch.Tensor | None = None, *, shard: SequenceShard | None = None,
+               checkpoint: bool = False) -> list[torch.Tensor]:
         """The blocks of a packed batch, one per anchor, as `steps` (T, ·) tensors (module docstring).
 
         Args:
-            hidden: (T, k·H) the target's aux layers.
+            hidden: (T, k·H) the target's aux layers (this rank's rows (T/N, k·H) under a shard).
             input_ids: (T,) the sequences' tokens t_i.
             seq_lens: (B,) the packed sequences' lengths.
             steps: 1..`drafts`: step j is the block's (j+1)-th draft (`slot_outputs`).
             attention, chain_mode: unused (a block does not chain).
             rows: (T,) bool, the rows whose block to compute (`loss_rows`); None = every row with a next token.
+            shard: sequence parallelism (`heads/sequence.py`): input_ids, seq_lens and rows describe the padded
+                batch whole, hidden and the returned tensors are this rank's rows, whose anchors' blocks it runs.
+            checkpoint: recompute each draft layer in the backward (`block`).
         Rows without a block are zeros (the loss counts only `loss_rows`).
         """
         if not 1 <= steps <= self.drafts:
             raise ValueError(f"a {self.type_name} head of block_size {self.block_size} drafts {self.drafts} tokens "
                              f"per block; loss.steps={steps} (1..{self.drafts})")
         self.check_input(hidden, True)
-        row_idx, out = self.anchor_blocks(hidden, input_ids, seq_lens, rows)
-        return self.slot_outputs(out, row_idx, input_ids, steps)
+        row_idx, out = self.anchor_blocks(hidden, input_ids, seq_lens, rows, shard=shard, checkpoint=checkpoint)
+        span = (0, input_ids.shape[0]) if shard is None else (shard.lo, shard.hi)
+        return self.slot_outputs(out, row_idx, input_ids, steps, span)
 
     def anchor_blocks(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor,
-                      rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      rows: torch.Tensor | None = None, *, shard: SequenceShard | None = None,
+                      checkpoint: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The block of every anchor a = i+1 of the rows i selected (`unroll`'s arguments) →
-        (row_idx (A,) long ascending, the blocks' outputs (A, B, H))."""
-        lens = resolve_seq_lens(hidden.shape[0], seq_lens)
+        (row_idx (A,) long ascending, the blocks' outputs (A, B, H)).
+
+        Under a shard: the context K/V of every draft layer are computed on this rank's rows and all-gathered over
+        the group (each block reads its sequence's context before its anchor, wherever those rows lie), and the
+        blocks are those of the selected rows in this rank's slice; row_idx stays a row of the whole batch."""
+        lens = resolve_seq_lens(input_ids.shape[0], seq_lens)
         dev = hidden.device
-        total = hidden.shape[0]
+        total = input_ids.shape[0]
         len_t = torch.tensor(lens, device=dev)
         starts = torch.cumsum(len_t, 0) - len_t
         seq_of = torch.repeat_interleave(torch.arange(len(lens), device=dev), len_t)  # (T,)
@@ -253,6 +271,11 @@ class DFlashHead(DraftHead):
         sel = packed_shift(torch.ones(total, dtype=torch.bool, device=dev), lens, 1, fill=False)
         if rows is not None:
             sel = sel & rows.to(dev)
+        lo, hi = (0, total) if shard is None else (shard.lo, shard.hi)
+        if hidden.shape[0] != hi - lo:
+            raise ValueError(f"{hidden.shape[0]} hidden rows for rows [{lo}, {hi}) of the batch")
+        sel[:lo] = False  # this rank's anchors only
+        sel[hi:] = False
         row_idx = sel.nonzero().squeeze(1)  # (A,) ascending: anchors grouped by sequence
         anchors = pos[row_idx] + 1
         counts = torch.bincount(seq_of[row_idx], minlength=len(lens)).tolist()
@@ -262,13 +285,17 @@ class DFlashHead(DraftHead):
                 groups.append((a0, a0 + c, int(starts[s]), int(starts[s]) + n))
             a0 += c
         layout = BlockLayout(tuple(groups), anchors)
-        ctx_kv = self.context_kv(self.context(hidden), pos)
+        ctx_kv = self.context_kv(self.context(hidden), pos[lo:hi])
+        if shard is not None:  # every rank's context rows, in batch order (the layout indexes the whole batch)
+            ctx_kv = [(shard.gather_rows(k), shard.gather_rows(v)) for k, v in ctx_kv]
         tokens = self.block_tokens(input_ids[row_idx + 1])
         positions = anchors[:, None] + torch.arange(self.block_size, device=dev)
-        return row_idx, self.block(tokens, positions, ctx_kv, layout)  # (A, B, H)
+        return row_idx, self.block(tokens, positions, ctx_kv, layout, checkpoint)  # (A, B, H)
 
     def slot_outputs(self, out: torch.Tensor, row_idx: torch.Tensor, input_ids: torch.Tensor,
-                     steps: int) -> list[torch.Tensor]:
-        """The blocks' outputs out (A, B, H) of rows row_idx (A,) → per step j, (T, H): slot j+1 at its row."""
-        zeros = out.new_zeros(input_ids.shape[0], out.shape[-1])
-        return [zeros.index_copy(0, row_idx, out[:, j + 1]) for j in range(steps)]
+                     steps: int, span: tuple[int, int] | None = None) -> list[torch.Tensor]:
+        """The blocks' outputs out (A, B, H) of rows row_idx (A,) → per step j, (R, H): slot j+1 at its row, over
+        the batch's rows span = [lo, hi) (default all; a sequence shard's own rows), R = hi - lo."""
+        lo, hi = (0, input_ids.shape[0]) if span is None else span
+        zeros = out.new_zeros(hi - lo, out.shape[-1])
+        return [zeros.index_copy(0, row_idx - lo, out[:, j + 1]) for j in range(steps)]

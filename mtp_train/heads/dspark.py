@@ -80,16 +80,17 @@ class DSparkHead(DFlashHead):
         return self.block_size
 
     def slot_outputs(self, out: torch.Tensor, row_idx: torch.Tensor, input_ids: torch.Tensor,
-                     steps: int) -> list[torch.Tensor]:
-        """out (A, B, H) of rows row_idx (A,) → per step j, (T, H + r): [slot j ; W1[t_{a+j}]] at its row, the
+                     steps: int, span: tuple[int, int] | None = None) -> list[torch.Tensor]:
+        """out (A, B, H) of rows row_idx (A,) → per step j, (R, H + r): [slot j ; W1[t_{a+j}]] at its row, the
         previous token teacher-forced from the batch (a row past the batch's end takes its last token: such a
-        step is never counted)."""
+        step is never counted); over the batch's rows span = [lo, hi) (default all), R = hi - lo."""
         total = input_ids.shape[0]
+        lo, hi = (0, total) if span is None else span
         prev_at = (row_idx[:, None] + 1 + torch.arange(steps, device=row_idx.device)).clamp_max(total - 1)
         e = self.markov_head.markov_w1(input_ids[prev_at]).to(out.dtype)  # (A, steps, r)
         feats = torch.cat([out[:, :steps], e], dim=-1)
-        zeros = feats.new_zeros(total, feats.shape[-1])
-        return [zeros.index_copy(0, row_idx, feats[:, j]) for j in range(steps)]
+        zeros = feats.new_zeros(hi - lo, feats.shape[-1])
+        return [zeros.index_copy(0, row_idx - lo, feats[:, j]) for j in range(steps)]
 
     # -- logits: the Markov bias as r more columns of the lm_head --
 

@@ -9,7 +9,9 @@ the hidden states in just before the head's step, `mtp_train.train.sources`). Bo
 Ranks: the dataset is NOT split by rank; the batch sampler splits the *batches* (rank r takes batches r, r+world,
 ...). Every rank then yields the same number of batches (the sampler pads the list to a multiple of world), and
 the global batch of a step (world · grad_accum micro-batches) is the same run of batches whatever world and
-grad_accum are, so a run on 2 ranks sees exactly what 1 rank with twice the accumulation sees.
+grad_accum are, so a run on 2 ranks sees exactly what 1 rank with twice the accumulation sees. Under sequence
+parallelism the rank and world here are the data-parallel ones (rank // N of world / N): the N ranks of a group
+read the same batches and split each one's rows (`mtp_train.train.sequence_parallel`).
 """
 
 from __future__ import annotations

@@ -37,8 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mtp_train.config.errors import ConfigError
 from mtp_train.config.loss import CE_IMPLS, LossConfig
 from mtp_train.heads import DraftHead, packed_shift, resolve_seq_lens
+from mtp_train.heads.sequence import SequenceShard
 from mtp_train.train.divergences import ChunkSums, token_loss, weighted_sum
 from mtp_train.train.position_weights import dpace_weights, target_argmax_probability
 
@@ -61,13 +63,18 @@ def step_targets(hidden: torch.Tensor, loss_mask: torch.Tensor, seq_lens: Sequen
 
 
 def step_token_counts(loss_mask: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor, steps: int,
-                      rows: torch.Tensor | None = None) -> torch.Tensor:
+                      rows: torch.Tensor | None = None, shard: SequenceShard | None = None) -> torch.Tensor:
     """(steps,) float counted rows per step: all-reduce (sum) it over ranks and pass it as `num_tokens`.
 
-    rows: (T,) bool, the head's `loss_rows` (only those rows count), or None."""
+    rows: (T,) bool, the head's `loss_rows` (only those rows count), or None. shard: count this rank's rows of the
+    batch only (sequence parallelism: the ranks of a group hold one batch, and each row is counted once)."""
     mask = loss_mask.to(torch.bool)
     counted = [packed_shift(mask, seq_lens, j + 1, fill=False) for j in range(steps)]
-    return torch.stack([(c if rows is None else c & rows.to(c.device)).sum() for c in counted]).float()
+    if rows is not None:
+        counted = [c & rows.to(c.device) for c in counted]
+    if shard is not None:  # the pad rows past the batch's end are never counted: the slice may run past it
+        counted = [c[shard.lo:shard.hi] for c in counted]
+    return torch.stack([c.sum() for c in counted]).float()
 
 
 def uniform_noise(x: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -267,29 +274,33 @@ def in_draft_vocab(head: DraftHead, hidden: torch.Tensor, chunk_size: int = 1024
 
 
 def _counted_rows(hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int], step: int,
-                  in_vocab: torch.Tensor | None, rows: torch.Tensor | None = None,
+                  in_vocab: torch.Tensor | None, rows: torch.Tensor | None = None, span: slice = slice(None),
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step `step`'s target rows (T, H), its counted rows (T,) bool (the head's `loss_rows` and in_vocab applied)
-    and the count before in_vocab."""
+    """Step `step`'s target rows (R, H), its counted rows (R,) bool (the head's `loss_rows` and in_vocab applied)
+    and the count before in_vocab: of the batch's rows `span` (a sequence shard's own; default all, R = T). The
+    targets and the mask are taken from the whole batch first (row i's target is row i + step + 1)."""
     target, counted = step_targets(hidden, loss_mask, lens, step)
     if rows is not None:
         counted = counted & rows
+    if in_vocab is not None:
+        kept = counted & packed_shift(in_vocab, lens, step + 1, fill=False)
+    target, counted = target[span], counted[span]
     n_all = counted.sum().float()
     if in_vocab is not None:
-        counted = counted & packed_shift(in_vocab, lens, step + 1, fill=False)
+        counted = kept[span]
     return target, counted, n_all
 
 
 def row_weights(head: DraftHead, preds: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torch.Tensor,
                 lens: list[int], cfg: LossConfig, in_vocab: torch.Tensor | None,
-                rows: torch.Tensor | None = None) -> list[torch.Tensor | None]:
-    """Per step, the (T,) row weights of `cfg.position_weights` (None for `decay`, whose weights are per step):
-    D-PACE's from one no-grad lm_head pass per step over the head's predictions."""
+                rows: torch.Tensor | None = None, span: slice = slice(None)) -> list[torch.Tensor | None]:
+    """Per step, the (R,) row weights of `cfg.position_weights` (None for `decay`, whose weights are per step):
+    D-PACE's from one no-grad lm_head pass per step over the head's predictions (of the batch's rows `span`)."""
     if cfg.position_weights != "dpace":
         return [None] * len(preds)
     conf, masks = [], []
     for j, pred in enumerate(preds):
-        target, counted, _ = _counted_rows(hidden, loss_mask, lens, j, in_vocab, rows)
+        target, counted, _ = _counted_rows(hidden, loss_mask, lens, j, in_vocab, rows, span)
         # Only the counted rows: dpace_weights ignores the others, and a block head counts a quarter of its rows
         # or fewer (its anchors), so the two lm_head passes over every row were most of a step's forward.
         idx = counted.nonzero().squeeze(1)
@@ -304,14 +315,16 @@ def row_weights(head: DraftHead, preds: list[torch.Tensor], hidden: torch.Tensor
 def step_loss(head: DraftHead, out: torch.Tensor, hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int],
               step: int, cfg: LossConfig, num_tokens: float | torch.Tensor | None,
               in_vocab: torch.Tensor | None = None, row_weight: torch.Tensor | None = None,
-              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`draft_loss` of draft step `step` of a head: out (T, H) its output, hidden (T, H) the target's final hidden.
+              rows: torch.Tensor | None = None, span: slice = slice(None),
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`draft_loss` of draft step `step` of a head: out (R, H) its output, hidden (T, H) the target's final hidden.
 
     The head's lm_head reads `head.logit_input(out)` through `head.draft_lm_head()`; the target's distribution
     comes from its own lm_head rows of the draft vocabulary. in_vocab (T,) (see `in_draft_vocab`): rows whose
-    target position is out of the draft vocabulary are not counted; rows (T,): the head's `loss_rows`, or None.
+    target position is out of the draft vocabulary are not counted; rows (T,): the head's `loss_rows`, or None;
+    span: the batch's rows `out` holds (a sequence shard's own, R of them; default all, R = T).
     """
-    target, counted, n_all = _counted_rows(hidden, loss_mask, lens, step, in_vocab, rows)
+    target, counted, n_all = _counted_rows(hidden, loss_mask, lens, step, in_vocab, rows, span)
     if in_vocab is not None:
         num_tokens = n_all if num_tokens is None else num_tokens
     loss, m = draft_loss(head.logit_input(out), target, counted, head.lm_head_weight(), num_tokens, w_feat=cfg.w_feat,
@@ -346,7 +359,8 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
                   seq_lens: Sequence[int] | torch.Tensor, cfg: LossConfig,
                   num_tokens: Sequence[float] | torch.Tensor | None = None,
                   generator: torch.Generator | None = None,
-                  aux_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  aux_hidden: torch.Tensor | None = None, *, shard: SequenceShard | None = None,
+                  checkpoint: bool = False, every_row: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The training loss of a packed batch over `cfg.steps` chained draft steps.
 
     hidden: (T, H) stored target hidden h_i (the targets, and the input of a final-features head); aux_hidden:
@@ -354,6 +368,12 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
     seq_lens: (B,). Step j is aligned as in `mtp_train.heads.base` (row i predicts h_{i+j+1}, counted by
     loss_mask[i+j+1]). num_tokens: per-step normalisers (steps,) (None → local counts; see `step_token_counts`).
     In training mode, uniform noise of `cfg.noise_std` is added to the input features (never to the targets).
+    shard: sequence parallelism (`heads/sequence.py`): every rank passes the batch whole; the targets, counted
+    rows and noise are taken from the whole batch (so they are those of an unsharded run), then the head unrolls
+    this rank's rows and the loss and metrics are this rank's rows' share (they add up over the group's ranks:
+    num_tokens must then count each row once, `step_token_counts(..., shard=shard)`). checkpoint: the head's
+    unrolled steps are recomputed in the backward (train.activation_checkpointing). every_row: score every row, not
+    only the head's `loss_rows` (a block drafter's sampled anchors), as its inference path does (evaluation).
     Returns (Σ_j w_j · loss_j, metrics): loss (the total), step{j}/{loss,feat_loss,tok_loss,top1,top3,
     num_tokens} and the step-0 values without prefix.
     """
@@ -362,22 +382,47 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
         raise ValueError(f"{len(num_tokens)} num_tokens for {cfg.steps} steps")
     x = head_inputs(head, hidden, aux_hidden)
     if head.training and cfg.noise_std > 0:
-        x = uniform_noise(x, cfg.noise_std, generator)
+        x = uniform_noise(x, cfg.noise_std, generator)  # the whole batch's draw, whatever the shard
     in_vocab = in_draft_vocab(head, hidden, cfg.chunk_size) if cfg.mask_out_of_draft else None
-    rows = head.loss_rows(input_ids, loss_mask, lens)  # a block drafter's anchors; None: every row
-    preds = head.unroll(x, input_ids, lens, cfg.steps, cfg.unroll_attention, **({} if rows is None else {"rows": rows}))
-    rows_w = row_weights(head, preds, hidden, loss_mask, lens, cfg, in_vocab, rows)
+    rows = None if every_row else head.loss_rows(input_ids, loss_mask, lens)  # a block drafter's anchors
+    options: dict[str, object] = {} if rows is None else {"rows": rows}
+    span = slice(None)
+    if shard is not None:
+        # the pad sequence: never counted, never an anchor, attended by none of the batch's rows
+        hidden, x, input_ids = shard.padded(hidden), shard.padded(x), shard.padded(input_ids)
+        loss_mask, lens = shard.padded(loss_mask), shard.padded_lens(lens)
+        in_vocab = None if in_vocab is None else shard.padded(in_vocab, False)
+        if rows is not None:
+            rows = options["rows"] = shard.padded(rows, False)
+        x, span = shard.local(x), slice(shard.lo, shard.hi)
+        options["shard"] = shard
+    if checkpoint:
+        options["checkpoint"] = True
+    refuse_unroll_options(head, options)
+    preds = head.unroll(x, input_ids, lens, cfg.steps, cfg.unroll_attention, **options)
+    rows_w = row_weights(head, preds, hidden, loss_mask, lens, cfg, in_vocab, rows, span)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     metrics: dict[str, torch.Tensor] = {}
     for j, (pred, w) in enumerate(zip(preds, cfg.weights())):
         loss_j, m = step_loss(head, pred, hidden, loss_mask, lens, j, cfg,
-                              None if num_tokens is None else num_tokens[j], in_vocab, rows_w[j], rows)
+                              None if num_tokens is None else num_tokens[j], in_vocab, rows_w[j], rows, span)
         total = total + w * loss_j
         metrics.update({f"step{j}/{k}": v for k, v in m.items()})
     metrics.update({k: metrics[f"step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "alpha",
                                                         "num_tokens")})
     metrics["loss"] = total.detach()
     return total, metrics
+
+
+UNROLL_OPTION_SETTINGS = {"shard": "train.sequence_parallel", "checkpoint": "train.activation_checkpointing"}
+
+
+def refuse_unroll_options(head: DraftHead | type[DraftHead], options: Sequence[str]) -> None:
+    """Refuse, naming the setting, an unroll keyword (`shard`, `checkpoint`) the head type's `unroll` does not take."""
+    for name, setting in UNROLL_OPTION_SETTINGS.items():
+        if name in options and not head.accepts_unroll_option(name):
+            raise ConfigError(f"{setting}: the {head.type_name} head type's training unroll does not support it "
+                              f"(its unroll takes no `{name}`); train it without {setting}")
 
 
 # --- the module DeepSpeed trains ---------------------------------------------------------------------------------
@@ -390,18 +435,22 @@ class HeadLoss(nn.Module):
     engine's forward and backward hooks see one call per micro-batch.
     """
 
-    def __init__(self, head: DraftHead, loss_cfg: LossConfig) -> None:
+    def __init__(self, head: DraftHead, loss_cfg: LossConfig, checkpoint: bool = False) -> None:
         super().__init__()
         self.head = head
         self.loss_cfg = loss_cfg
+        self.checkpoint = checkpoint  # train.activation_checkpointing
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 seq_lens: Sequence[int], num_tokens: torch.Tensor, generator: torch.Generator | None = None,
-                aux_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                aux_hidden: torch.Tensor | None = None,
+                shard: SequenceShard | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """hidden: (T, H); input_ids, loss_mask: (T,); seq_lens: (B,); num_tokens: (steps,) global counts;
-        aux_hidden: (T, k·H) the head's aux layers, or None.
+        aux_hidden: (T, k·H) the head's aux layers, or None; shard: this rank's rows under sequence parallelism.
 
-        Returns `unrolled_loss`'s (loss, metrics): sums over this micro-batch divided by the global counts.
+        Returns `unrolled_loss`'s (loss, metrics): sums over this micro-batch (this rank's rows of it) divided by
+        the global counts.
         """
         return unrolled_loss(self.head, hidden, input_ids, loss_mask, seq_lens, self.loss_cfg,
-                             num_tokens=num_tokens, generator=generator, aux_hidden=aux_hidden)
+                             num_tokens=num_tokens, generator=generator, aux_hidden=aux_hidden, shard=shard,
+                             checkpoint=self.checkpoint and self.training)

@@ -21,6 +21,11 @@ bf16 on CUDA and fp32 on CPU, like the engine's compute (`deepspeed.bf16.enabled
 parameters at all) and exactly those go to the optimizer, so what ZeRO partitions is settled before
 `deepspeed.initialize` looks.
 
+Sequence parallelism (`train.sequence_parallel=N`, `train.sequence_parallel`): groups of N consecutive ranks read
+the batches of one data-parallel rank and split each batch's rows; each rank's loss is its rows' share and counts
+only its rows, so steps 2-4 above hold unchanged (the sum over all ranks' gradients is the global one). The
+samples and tokens seen are counted once per group.
+
 Evaluation runs the head's *inference* forward, as speculative decoding runs it (`mtp_train.train.evaluation`),
 plus the injected validator, if any, on rank 0 (e.g. `speculative.validator.SpeculativeValidator`, which measures
 τ by decoding). Models and heads never import deepspeed; only this floor does, lazily (`train.deepspeed_setup`).
@@ -65,6 +70,7 @@ from mtp_train.train.evaluation import evaluate
 from mtp_train.train.foreign import check_foreign_target
 from mtp_train.train.logging import RunLogger
 from mtp_train.train.losses import HeadLoss, noise_generator, step_token_counts
+from mtp_train.train.sequence_parallel import SequenceParallel, check_sequence_parallel
 from mtp_train.train.sources import build_source
 
 log = logging.getLogger(__name__)
@@ -108,6 +114,8 @@ class Trainer:
         self.head_dir: Path | None = None
         self._saved_step = -1
         self.best = BestTracker.from_config(cfg.train)  # train.keep_best: heads/best (train/best.py)
+        # train.sequence_parallel: the groups (collective: every rank here at once) and each batch's shard
+        self.sp = SequenceParallel.setup(cfg.train.sequence_parallel, info.rank, info.world, device)
         self._setup_data()
         try:
             check_keep_best(cfg, self.val_set is not None)
@@ -131,7 +139,10 @@ class Trainer:
 
     def _setup_data(self) -> None:
         self.target_dir = Path(self.cfg.model.path)
-        self.data = build_source(self.cfg, self.info, self.device)
+        # A sequence-parallel group reads one data-parallel rank's batches (its ranks split each batch's rows).
+        g = self.sp.groups
+        self.data = build_source(self.cfg, dataclasses.replace(self.info, rank=g.dp_rank, world=g.dp_world),
+                                 self.device)
         self.train_set, self.val_set, self.stream = self.data.train_set, self.data.val_set, self.data.stream
         self.target_fingerprint = self.data.target_fingerprint  # recorded in every checkpoint and head export
 
@@ -153,17 +164,18 @@ class Trainer:
             head.set_draft_vocab(draft_vocab_from_data(self.train_set, head.vocab_size, head.args.vocab_size,
                                                              head.args.eos_token_ids))
         head.train()
-        module = HeadLoss(head, self.loss_cfg)
+        module = HeadLoss(head, self.loss_cfg, checkpoint=c.train.activation_checkpointing)
         params = [p for p in module.parameters() if p.requires_grad]
         ds_config = build_ds_config(c.deepspeed, optim=c.optim, grad_accum=c.train.grad_accum, bf16=bf16)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=module, model_parameters=params, config=ds_config,
             lr_scheduler=make_lr_scheduler(c.optim, c.train.max_steps))
         if self.info.is_main:
-            log.info("head %s: %.2fM trainable parameters; DeepSpeed ZeRO-%d, %s, world %d, grad_accum %d",
-                     c.head.type, sum(p.numel() for p in params) / 1e6,
+            log.info("head %s: %.2fM trainable parameters; DeepSpeed ZeRO-%d, %s, world %d (sequence parallel %d), "
+                     "grad_accum %d%s", c.head.type, sum(p.numel() for p in params) / 1e6,
                      int(ds_config.get("zero_optimization", {}).get("stage", 0)), "bf16" if bf16 else "fp32",
-                     self.info.world, c.train.grad_accum)
+                     self.info.world, self.sp.size, c.train.grad_accum,
+                     ", activation checkpointing" if c.train.activation_checkpointing else "")
 
     @property
     def head(self) -> DraftHead:
@@ -187,8 +199,9 @@ class Trainer:
         self.samples_seen, self.tokens_seen = int(client["samples_seen"]), int(client["tokens_seen"])
         self._saved_step = self.step
         self.best.load_state_dict(client.get("best"))  # compare against the interrupted run's best, not afresh
-        for key, now in (("micro_batch_tokens", self.cfg.train.micro_batch_tokens), ("seed", self.cfg.train.seed)):
-            if client.get(key) != now:
+        for key, now in (("micro_batch_tokens", self.cfg.train.micro_batch_tokens), ("seed", self.cfg.train.seed),
+                         ("sequence_parallel", self.sp.size)):
+            if client.get(key, 1 if key == "sequence_parallel" else None) != now:
                 log.warning("resuming with train.%s=%s (checkpoint: %s): the batch order differs from the "
                             "interrupted run's", key, now, client.get(key))
         self.data.check_resume(client)  # online and hybrid share one batch plan; offline's is the folder's
@@ -209,25 +222,30 @@ class Trainer:
         c = self.cfg
         steps, world = self.loss_cfg.steps, self.info.world
         micro = [self.stream.next() for _ in range(c.train.grad_accum)]
-        # (steps,); a block drafter counts its anchors only (`DraftHead.loss_rows`)
+        shards = [self.sp.shard(b.num_rows) for b in micro]  # this rank's rows of each (None: all of them)
+        # (steps,); a block drafter counts its anchors only (`DraftHead.loss_rows`); a shard its own rows only
         counts = sum(step_token_counts(b.loss_mask, b.seq_lens, steps,
-                                       self.head.loss_rows(b.input_ids, b.loss_mask, b.seq_lens)) for b in micro)
+                                       self.head.loss_rows(b.input_ids, b.loss_mask, b.seq_lens), shard)
+                     for b, shard in zip(micro, shards))
         counts = self._all_reduce(counts.to(self.device))
         lr = float(self.engine.get_lr()[0])  # the rate this step uses (the schedule moves after the update)
         self.engine.train()
         sums: dict[str, torch.Tensor] = {}
-        for m, batch in enumerate(micro):
+        for m, (batch, shard) in enumerate(zip(micro, shards)):
             b = self.data.fill(batch).to(self.device, non_blocking=True)  # online: the target runs here
-            gen = (noise_generator(c.train.seed, self.step, m, self.info.rank, self.device)
+            # the data-parallel rank's generator: a group's ranks draw the same noise for their shared batch
+            gen = (noise_generator(c.train.seed, self.step, m, self.sp.groups.dp_rank, self.device)
                    if self.loss_cfg.noise_std > 0 else None)
             loss, metrics = self.engine(b.hidden, b.input_ids, b.loss_mask, b.seq_lens, counts, gen,
-                                        b.head_aux(self.aux_cols))
+                                        b.head_aux(self.aux_cols), shard)
             # x world: the engine averages gradients over ranks, the loss is already a share of the global mean.
             self.engine.backward(loss * world, scale_wrt_gas=False)
             self.engine.step()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0) + v.detach().double()
-        seen = torch.tensor([sum(len(b.seq_lens) for b in micro), sum(b.num_rows for b in micro)],
+        # a group's ranks share their batches: the first of them counts them
+        mine = self.sp.groups.index == 0
+        seen = torch.tensor([sum(len(b.seq_lens) for b in micro) * mine, sum(b.num_rows for b in micro) * mine],
                             dtype=torch.float64)
         keys = sorted(sums)
         vec = self._all_reduce(torch.cat([torch.stack([sums[k] for k in keys]), seen.to(self.device)]))
@@ -250,10 +268,13 @@ class Trainer:
         if self.val_set is None:
             return {}
         c = self.cfg
+        g = self.sp.groups
         batches = (self.data.fill(b) for b in eval_batches(self.val_set, c.train.micro_batch_tokens,
-                                                             c.train.eval_batches, self.info.rank, self.info.world,
+                                                             c.train.eval_batches, g.dp_rank, g.dp_world,
                                                              seed=c.train.seed))
-        self.last_eval = evaluate(self.head, batches, self.loss_cfg, self.device, self.info.world, self.aux_cols)
+        # under sequence parallelism every rank scores its rows of the group's batches (train.evaluation)
+        self.last_eval = evaluate(self.head, batches, self.loss_cfg, self.device, self.info.world, self.aux_cols,
+                                  shard_of=self.sp.shard if self.sp.size > 1 else None)
         if self.validator is not None and self.info.is_main:
             self.last_eval.update(self.validator(self.head))
         return self.last_eval
@@ -268,6 +289,7 @@ class Trainer:
             "step": self.step, "data": self.stream.state_dict(), "samples_seen": self.samples_seen,
             "tokens_seen": self.tokens_seen, "world": self.info.world,
             "micro_batch_tokens": self.cfg.train.micro_batch_tokens, "seed": self.cfg.train.seed,
+            "sequence_parallel": self.sp.size,
             "target_fingerprint": self.target_fingerprint, "data_source": self.data.name,
             "data_where": str(self.data.where),  # a resume on other data is refused (check_resume)
             "best": self.best.state_dict(),
@@ -394,6 +416,7 @@ def train(cfg: TrainConfig, info: DistInfo, device: torch.device, *, wandb_mode:
     `mtp_train.train.logging.resolve_wandb_mode`); validator, on_step, on_start: see Trainer.
     """
     check_foreign_target(cfg)  # a target our engine does not implement: only what reads no layer of it
+    check_sequence_parallel(cfg, info.world)  # train.sequence_parallel / activation_checkpointing, before any work
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     own_group = prepare_deepspeed(device)
     try:

@@ -150,6 +150,10 @@ class FleetSource(DataSource):
         if cfg.train.save_every <= 0:
             raise ConfigError("data.source=fleet deletes a capture once a checkpoint covers it: set train.save_every "
                               "to a positive number of steps")
+        if cfg.train.sequence_parallel > 1:
+            raise ConfigError(f"data.source=fleet trains in one process, so train.sequence_parallel="
+                              f"{cfg.train.sequence_parallel} has no ranks to split a sample over: set "
+                              "train.sequence_parallel=1, or train from a precompute folder (data.source=offline)")
 
     def __init__(self, cfg: TrainConfig, info: DistInfo, device: torch.device) -> None:
         c, f, o = cfg, cfg.data.fleet, cfg.data.online

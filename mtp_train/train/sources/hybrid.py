@@ -110,6 +110,17 @@ class HybridSource(OnlineSource):
     writes_folder = True
 
     @classmethod
+    def check_config(cls, cfg: TrainConfig) -> None:
+        super().check_config(cfg)
+        if cfg.train.sequence_parallel > 1:
+            # Each rank writes its own shards of the folder; the ranks of a sequence-parallel group share their
+            # batches, so the group would write each shard more than once.
+            raise ConfigError(f"data.source=hybrid writes data.dir one rank's shards at a time, which "
+                              f"train.sequence_parallel={cfg.train.sequence_parallel} (ranks sharing batches) does not "
+                              "fit: write the folder first (mtp-precompute) and train with data.source=offline, or "
+                              "train with data.source=online")
+
+    @classmethod
     def lock(cls, cfg: TrainConfig, out: Path, stack: ExitStack, command: str) -> None:
         # It writes data.dir too: one run at a time there as well.
         check_hybrid_dir(Path(cfg.data.dir), out)

@@ -1,0 +1,251 @@
+"""Sequence parallelism (train.sequence_parallel) and activation checkpointing (train.activation_checkpointing).
+
+The equality test runs one packed batch (a 4096-token sample and a short one) through each head type's training
+unroll on 2 gloo ranks, each holding half the rows: the sum of the two ranks' losses and of their gradients equals
+the 1-rank loss and gradients (fp32). Checkpointing gives the same loss and gradients and keeps fewer saved bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+from mtp_train.cli.train import train_main
+from mtp_train.config import ConfigError, HeadConfig, LossConfig, TrainConfig
+from mtp_train.config.train import LoopConfig
+from mtp_train.dist import sequence_groups
+from mtp_train.heads import build_head
+from mtp_train.heads.sequence import SequenceShard, ulysses_heads
+from mtp_train.models.families import args_from_dir
+from mtp_train.precompute.synthetic import make_folder
+from mtp_train.train.losses import step_token_counts, unrolled_loss
+from mtp_train.train.sequence_parallel import SequenceParallel, check_sequence_parallel
+from tests._family import save_random
+from tests.conftest import compose_config, make_tiny_checkpoint, metrics_by_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LONG, SHORT = 4096, 37  # the batch: a long sample and a short one (4133 rows: one pad row under SP = 2)
+# name → (head settings, loss settings, the target's KV heads): eagle3 over a single KV head repeats it for 2 ranks
+CASES: dict[str, tuple[dict, dict, int]] = {
+    "mtp": ({"type": "mtp"}, {"steps": 3}, 2),
+    "mtp-causal": ({"type": "mtp"}, {"steps": 2, "unroll_attention": "causal"}, 2),
+    "eagle3": ({"type": "eagle3", "aux_layers": [1, 2, 3], "draft_vocab_size": 200}, {"steps": 3}, 1),
+    "dflash": ({"type": "dflash", "aux_layers": [1, 2, 3], "block_size": 4, "layers": 2, "max_anchors": 64},
+               {"steps": 3}, 2),
+}
+
+
+def _target(root: Path, kv_heads: int) -> Path:
+    path = root / f"llama-kv{kv_heads}"
+    if not (path / "config.json").is_file():
+        make_tiny_checkpoint("llama", path, num_key_value_heads=kv_heads, max_position_embeddings=8192)
+    return path
+
+
+def _batch(width: int, hidden_size: int) -> dict:
+    """A packed batch of a LONG and a SHORT sample: tokens, a loss mask with gaps, hidden and aux states."""
+    g = torch.Generator().manual_seed(0)
+    rows = LONG + SHORT
+    mask = (torch.rand(rows, generator=g) < 0.7).to(torch.uint8)
+    mask[:5] = 0  # a prompt
+    return {"input_ids": torch.randint(0, 255, (rows,), generator=g), "loss_mask": mask,
+            "hidden": torch.randn(rows, hidden_size, generator=g),
+            "aux_hidden": torch.randn(rows, width, generator=g) if width else None, "seq_lens": [LONG, SHORT]}
+
+
+def _head(path: Path, head_kw: dict):
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(**head_kw), path, dtype="float32")
+    head.train()
+    return head
+
+
+def _loss_and_grads(head, batch: dict, loss_cfg: LossConfig, shard: SequenceShard | None = None,
+                    counts: torch.Tensor | None = None, checkpoint: bool = False):
+    head.zero_grad(set_to_none=True)
+    aux = batch["aux_hidden"] if head.aux_layers else None
+    loss, _ = unrolled_loss(head, batch["hidden"], batch["input_ids"], batch["loss_mask"], batch["seq_lens"],
+                            loss_cfg, num_tokens=counts, aux_hidden=aux, shard=shard, checkpoint=checkpoint)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+
+def _worker(rank: int, world: int, store: str, root: str, out: str) -> None:
+    """One rank of the SP = 2 run: every case's local loss and gradients, saved to out/rank{rank}.pt."""
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        sp = SequenceParallel.setup(world, rank, world, torch.device("cpu"))
+        results = {}
+        for name, (head_kw, loss_kw, kv) in CASES.items():
+            head = _head(_target(Path(root), kv), head_kw)
+            batch = _batch(head.input_width if head.aux_layers else 0, head.args.hidden_size)
+            loss_cfg = LossConfig(**loss_kw)
+            shard = sp.shard(LONG + SHORT)
+            rows = head.loss_rows(batch["input_ids"], batch["loss_mask"], batch["seq_lens"])
+            counts = step_token_counts(batch["loss_mask"], batch["seq_lens"], loss_cfg.steps, rows, shard)
+            tdist.all_reduce(counts)  # each row counted once, by the rank that holds it
+            results[name] = _loss_and_grads(head, batch, loss_cfg, shard, counts)
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sp2_results(tmp_path_factory) -> list[dict]:
+    """Every case on 2 gloo ranks with train.sequence_parallel = 2 (one spawn for all cases)."""
+    root = tmp_path_factory.mktemp("sp")
+    for _, _, kv in CASES.values():  # made once, before the ranks read them
+        _target(root, kv)
+    mp.start_processes(_worker, args=(2, str(root / "store"), str(root), str(root)), nprocs=2, start_method="spawn")
+    return [torch.load(root / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sp2_loss_and_gradients_equal_sp1(sp2_results, tmp_path_factory, name):
+    head_kw, loss_kw, kv = CASES[name]
+    root = Path(str(tmp_path_factory.getbasetemp())) / "sp0"
+    head = _head(_target(root, kv), head_kw)
+    batch = _batch(head.input_width if head.aux_layers else 0, head.args.hidden_size)
+    loss_cfg = LossConfig(**loss_kw)
+    rows = head.loss_rows(batch["input_ids"], batch["loss_mask"], batch["seq_lens"])
+    counts = step_token_counts(batch["loss_mask"], batch["seq_lens"], loss_cfg.steps, rows)
+    ref_loss, ref_grads = _loss_and_grads(head, batch, loss_cfg, counts=counts)
+    losses = [r[name][0] for r in sp2_results]
+    assert all(bool(x != 0) for x in losses)  # both ranks hold counted rows
+    torch.testing.assert_close(sum(losses), ref_loss, rtol=1e-5, atol=1e-6)
+    grads = [r[name][1] for r in sp2_results]
+    assert set(grads[0]) == set(ref_grads)
+    for n, ref in ref_grads.items():
+        torch.testing.assert_close(grads[0][n] + grads[1][n], ref, rtol=1e-4, atol=1e-6, msg=n)
+
+
+# -- activation checkpointing --
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward while `fn` runs."""
+    seen: dict[tuple, int] = {}
+
+    def pack(t: torch.Tensor):
+        if t.device.type == "cpu" and t.untyped_storage().nbytes():
+            seen[(t.untyped_storage().data_ptr(),)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name", ["mtp", "eagle3", "dflash"])
+def test_activation_checkpointing_same_loss_and_gradients_fewer_saved_bytes(tmp_path, name):
+    head_kw, loss_kw, kv = CASES[name]
+    head = _head(_target(tmp_path, kv), head_kw)
+    batch = _batch(head.input_width if head.aux_layers else 0, head.args.hidden_size)
+    batch = {**batch, **{k: batch[k][:1024] for k in ("input_ids", "loss_mask", "hidden")}, "seq_lens": [1000, 24],
+             "aux_hidden": None if batch["aux_hidden"] is None else batch["aux_hidden"][:1024]}
+    loss_cfg = LossConfig(**loss_kw)
+    ref_loss, ref_grads = _loss_and_grads(head, batch, loss_cfg)
+    loss, grads = _loss_and_grads(head, batch, loss_cfg, checkpoint=True)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    for n, ref in ref_grads.items():
+        torch.testing.assert_close(grads[n], ref, rtol=1e-5, atol=1e-7, msg=n)
+    plain = _saved_bytes(lambda: _loss_and_grads(head, batch, loss_cfg))
+    recomputed = _saved_bytes(lambda: _loss_and_grads(head, batch, loss_cfg, checkpoint=True))
+    assert recomputed < plain, (recomputed, plain)
+
+
+# -- refusals, before any work --
+
+def _train_cfg(path: Path, head_type: str, n: int, **train) -> TrainConfig:
+    cfg = TrainConfig(head=HeadConfig(type=head_type), train=LoopConfig(sequence_parallel=n, **train))
+    cfg.model.path = str(path)
+    return cfg
+
+
+def test_refusals_name_the_setting(tmp_path):
+    path = _target(tmp_path, 2)  # 4 query heads, 2 KV heads
+    with pytest.raises(ConfigError, match=r"train.sequence_parallel=2 does not divide the world size 3"):
+        check_sequence_parallel(_train_cfg(path, "mtp", 2), world=3)
+    with pytest.raises(ConfigError, match=r"train.sequence_parallel=8 .* num_attention_heads=4"):
+        check_sequence_parallel(_train_cfg(path, "mtp", 8), world=8)
+    with pytest.raises(ConfigError, match="train.sequence_parallel=0"):
+        LoopConfig(sequence_parallel=0)
+    with pytest.raises(ConfigError, match="train.sequence_parallel=3 does not divide the world size 4"):
+        sequence_groups(3, 0, 4)
+    check_sequence_parallel(_train_cfg(path, "dflash", 8), world=8)  # block drafters split no heads
+    check_sequence_parallel(_train_cfg(path, "mtp", 4), world=4)  # 2 KV heads repeated for 4 ranks
+
+
+def test_ulysses_heads_repeat_kv_heads_only_as_needed(tmp_path):
+    args = args_from_dir(_target(tmp_path, 2))  # Hq 4, Hkv 2
+    assert [(a.num_heads, a.num_kv_heads, r) for a, r in (ulysses_heads(args, n) for n in (1, 2, 4))] == [
+        (4, 2, 1), (2, 1, 1), (1, 1, 2)]
+
+
+def test_refuses_mla(tmp_path):
+    import transformers
+
+    from tests.test_deepseek_v2 import BASE, CONFIGS
+
+    path = tmp_path / "ds"
+    save_random(transformers.DeepseekV2Config(**{**BASE, **CONFIGS["lite"]}), path)
+    with pytest.raises(ConfigError, match=r"train.sequence_parallel=2: .*latent KV row"):
+        check_sequence_parallel(_train_cfg(path, "mtp", 2), world=2)
+    check_sequence_parallel(_train_cfg(path, "mtp", 1), world=2)  # N = 1: nothing to split
+
+
+def test_world_of_one_changes_nothing():
+    groups = sequence_groups(1, 0, 1)
+    assert (groups.size, groups.index, groups.dp_rank, groups.dp_world, groups.group) == (1, 0, 0, 1, None)
+    assert SequenceParallel(groups).shard(100) is None
+    assert not tdist.is_initialized()  # no group was made
+
+
+# -- the trainer --
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_overrides(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return [f"model.path={target}", "model.device=cpu", "model.backend=torch", f"data.dir={data}", f"out={out}",
+            "wandb.mode=disabled", "train.progress=false", "train.micro_batch_tokens=1024", "train.log_every=1",
+            "train.eval_every=2", "train.eval_batches=1", "train.save_every=0", "train.max_steps=2",
+            "optim.lr=1e-2", "optim.warmup_steps=1", "spec_eval.prompts=[]", "deepspeed=zero2", *extra]
+
+
+def _torchrun(overrides: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "mtp_train.cli.train", *overrides]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["mtp", "dflash"])
+def test_two_rank_sequence_parallel_run_equals_one_rank(tmp_path, head):
+    target = _target(tmp_path, 2)
+    data = tmp_path / "pc"
+    make_folder(data, 24, target=target, aux_layers=[1, 2, 3], min_len=100, max_len=700, val_fraction=0.2)
+    kind = ["head=mtp", "loss.steps=2", "loss.noise_std=0.05"] if head == "mtp" else [
+        "head=dflash", "head.aux_layers=[1,2,3]", "head.block_size=4", "loss.steps=3"]
+    one = tmp_path / "one"
+    train_main(compose_config("train", _run_overrides(target, data, one, *kind)))
+    two = tmp_path / "two"
+    _torchrun(_run_overrides(target, data, two, *kind, "train.sequence_parallel=2"))
+    a, b = metrics_by_step(one), metrics_by_step(two)
+    for s in (1, 2):
+        for key in ("train/num_tokens", "train/samples_seen", "train/tokens_seen"):
+            assert b[s][key] == a[s][key], (s, key)
+        for key in ("train/loss", "train/step1/loss", "train/grad_norm", "train/top1"):
+            assert b[s][key] == pytest.approx(a[s][key], rel=1e-4, abs=1e-6), (s, key)
+    assert b[2]["eval/num_tokens"] == a[2]["eval/num_tokens"]
+    assert b[2]["eval/loss"] == pytest.approx(a[2]["eval/loss"], rel=1e-4)  # sharded unroll = inference path
