@@ -82,7 +82,8 @@ def unfold_sink(out: torch.Tensor, own: torch.Tensor, width: int) -> torch.Tenso
     (its softmax-weighted values) → (..., Dv) the attention over all keys: the value part + the sink's share
     (column W) · own. In own's dtype."""
     dv = own.shape[-1]
-    return out[..., :dv].to(own.dtype) + out[..., width:width + 1].to(own.dtype) * own
+    share = out[..., width:width + 1].to(own.dtype, copy=True)  # a copy: the product keeps it, not all of out
+    return out[..., :dv].to(own.dtype) + share * own
 
 
 # -- block attention --

@@ -9,6 +9,7 @@ reproduces exactly that in a cache-free packed batch; `chain_attention` adapts i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -122,14 +123,16 @@ class ChainTrainAttention(AttentionBackend):
         as dot products. q (n, Hq, D) → (its softmax-weighted values (n, Hq, Dv), its logsumexp (n, Hq)),
         float32."""
         n, hkv, g = q.shape[0], self.num_kv_heads, self.num_q_heads // self.num_kv_heads
-        ks = torch.stack([x[sl] for x in self.keys[:step + 1]], 1).float()  # (n, step+1, Hkv, D)
-        vs = torch.stack([x[sl] for x in self.values[:step + 1]], 1).float()  # (n, step+1, Hkv, Dv)
-        d = torch.einsum("nkgd,nskd->nkgs", q.view(n, hkv, g, -1).float(), ks) * self.scale  # (n, Hkv, g, s)
+        qg = q.view(n, hkv, g, -1).float()
+        # one product per step over views of its keys / values: nothing (n, step+1, ...) stacked and kept
+        d = torch.stack([torch.einsum("nkgd,nkd->nkg", qg, k[sl].float()) for k in self.keys[:step + 1]], -1)
+        d = d * self.scale  # (n, Hkv, g, step+1)
         if self.sliding_window is not None:  # key of step s sits at i + s, the query at i + step
             seen = torch.arange(step + 1, device=q.device) > step - self.sliding_window  # step's own: always
             d = d.masked_fill(~seen, float("-inf"))
-        own = torch.einsum("nkgs,nskv->nkgv", torch.softmax(d, -1), vs).reshape(n, self.num_q_heads, -1)
-        return own, torch.logsumexp(d, -1).reshape(n, self.num_q_heads)
+        p = torch.softmax(d, -1)
+        own = sum(torch.einsum("nkg,nkv->nkgv", p[..., s], v[sl].float()) for s, v in enumerate(self.values[:step + 1]))
+        return own.reshape(n, self.num_q_heads, -1), torch.logsumexp(d, -1).reshape(n, self.num_q_heads)
 
     def _diagonal(self, q: torch.Tensor, sl: slice, step: int) -> torch.Tensor:
         """One sequence's rows `sl`: q (n, Hq, D) → (n, Hq, Dv).
@@ -240,8 +243,7 @@ class ChainTrainAttention(AttentionBackend):
             self.keys.append(k)
             self.values.append(v)
         outs = []
-        for b, n in enumerate(meta.qo_lens):
-            lo = int(meta.qo_indptr[b])
+        for lo, n in zip(accumulate(meta.qo_lens, initial=0), meta.qo_lens):  # host offsets: no device sync
             sl = slice(lo, lo + n)
             if self.mode == "masked":
                 outs.append(self._masked(q[sl], sl, step))
