@@ -298,13 +298,16 @@ class SampleStream:
             "dropped_truncated": tok_stats.dropped_truncated,
             "dropped_template_error": tok_stats.dropped_template_error,
             "history_turns_unsupervised": tok_stats.history_turns_unsupervised,
-            "context": self.context,  # the target's positions the samples were checked against (None: unchecked)
-            "over_context": self.cfg.data.over_context,  # what a longer sample became
-            "longer_than_context": over,  # samples longer than it, split or truncated
             "duplicate_ids": unique.duplicates,  # ids met more than once (renamed id#2, id#3, ...)
             "duplicate_id_examples": unique.repeated,
             "duplicate_id_rows": unique.renamed,  # "file:line: 'x' kept as 'x#2'" of the first renamed rows
         })
+        if over:  # recorded where it changed the samples, so data that fits gives the manifest it always gave
+            self.info.update({
+                "context": self.context,  # the target's positions
+                "over_context": self.cfg.data.over_context,  # what a longer sample became
+                "longer_than_context": over,  # samples longer than it, split or truncated
+            })
 
 
 def check_context(tokenizer: Any, cfg: PrecomputeConfig, context: int, prefix: str = "") -> None:
