@@ -310,6 +310,22 @@ def test_precompute_refuses_a_sample_longer_than_the_context_before_any_work(qwe
     assert manifest.totals.samples == 4 and "longer_than_context" not in manifest.data
 
 
+def test_the_command_says_it_in_one_line_and_exits_2(qwen3, tmp_path):
+    import subprocess
+    import sys
+
+    path, _ = qwen3
+    data = context_data(tmp_path)
+    out = tmp_path / "pc"
+    r = subprocess.run([sys.executable, "-m", "mtp_train.cli.precompute", f"model.path={path}", "model.fetch=null",
+                        "model.device=cpu", f"data.paths=[{data}]", f"out={out}", "max_seq_len=4096", "progress=false"],
+                       capture_output=True, text=True)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("mtp-precompute: error: ")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"{data}:4 conversation 'long'" in errors[0] and "data.over_context=split" in errors[0]
+    assert not any(out.glob("*.safetensors"))
+
+
 def test_split_gives_windows_within_the_context_whose_masks_add_up(qwen3, tmp_path):
     path, tok = qwen3
     data = context_data(tmp_path)
