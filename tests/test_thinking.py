@@ -162,6 +162,34 @@ def test_regeneration_passes_the_thinking_switch_and_stores_what_the_target_gene
     assert masked(tok, sample) == tok.decode(target.ids, skip_special_tokens=False)
 
 
+@pytest.mark.parametrize("kwargs", [ON, OFF])
+def test_a_regenerated_multi_turn_conversation_trains_each_turn_on_what_the_target_saw(qwen3, tmp_path, kwargs):
+    """Turn 2 is asked after turn 1's answer, whose trace the template drops from the history (thinking on): the
+    stored conversation renders to turn 2's prompt and its tokens, and turn 1, answered after a trace this
+    rendering no longer shows, stays out of the loss. Without traces (thinking off) both turns are learnt."""
+    from mtp_train.data.chat import tokenize_conversations
+    from mtp_train.data.readers import read_conversations
+
+    _, tok = qwen3
+    answer = TRACE if kwargs == ON else "The answer is 4."
+    target = ScriptedTarget(tok, answer, tok.convert_tokens_to_ids("<|im_end|>"))
+    rows = [{"id": "q", "messages": [*QUESTION, {"role": "assistant", "content": "old"},
+                                     {"role": "user", "content": "And 3 * 3?"}]}]
+    cfg = RegenerateConfig(data=DataConfig(paths=[str(write_rows(tmp_path / "q.jsonl", rows))]),
+                           chat_template_kwargs=dict(kwargs))
+    convs, _ = read_conversations(cfg.data)
+    regenerate(convs, target, tok, tmp_path / "regen.jsonl", cfg, stop_ids=target.ids[-1:])
+    (record,) = [json.loads(line) for line in (tmp_path / "regen.jsonl").read_text().splitlines()]
+    first, second = target.prompts
+    assert "Two plus two" not in tok.decode(second)  # the history the target saw holds no trace
+    (sample,), stats = tokenize_conversations(tok, [record["messages"]], template_kwargs=kwargs)
+    end = len(second) + len(target.ids)
+    assert sample.input_ids[:end] == second + target.ids
+    learnt = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
+    assert learnt == (target.ids if kwargs == ON else [*target.ids, *target.ids])
+    assert stats.history_turns_unsupervised == (kwargs == ON)
+
+
 def test_an_answer_the_template_rewrites_is_counted(qwen3, tmp_path, caplog):
     """Qwen3's template strips the newlines around a trace: an answer with more of them is kept as generated, and
     counted and named, since its conversation no longer renders to the tokens the target wrote."""
