@@ -7,6 +7,7 @@ the 1-rank loss and gradients (fp32). Checkpointing gives the same loss and grad
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -33,14 +34,20 @@ from tests.conftest import compose_config, make_tiny_checkpoint, metrics_by_step
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LONG, SHORT = 4096, 37  # the batch: a long sample and a short one (4133 rows: one pad row under SP = 2)
-# name → (head settings, loss settings, the target's KV heads): eagle3 over a single KV head repeats it for 2 ranks
-CASES: dict[str, tuple[dict, dict, int]] = {
-    "mtp": ({"type": "mtp"}, {"steps": 3}, 2),
-    "mtp-causal": ({"type": "mtp"}, {"steps": 2, "unroll_attention": "causal"}, 2),
-    "eagle3": ({"type": "eagle3", "aux_layers": [1, 2, 3], "draft_vocab_size": 200}, {"steps": 3}, 1),
+# name → (head settings, loss settings, the target's KV heads, activation checkpointing): eagle3 over a single KV
+# head repeats it for 2 ranks
+CASES: dict[str, tuple[dict, dict, int, bool]] = {
+    "mtp": ({"type": "mtp"}, {"steps": 3}, 2, False),
+    "mtp-causal": ({"type": "mtp"}, {"steps": 2, "unroll_attention": "causal"}, 2, False),
+    "eagle3": ({"type": "eagle3", "aux_layers": [1, 2, 3], "draft_vocab_size": 200}, {"steps": 3}, 1, False),
+    "eagle3-recomputed": ({"type": "eagle3", "aux_layers": [1, 2, 3], "draft_vocab_size": 200}, {"steps": 3}, 2,
+                          True),
     "dflash": ({"type": "dflash", "aux_layers": [1, 2, 3], "block_size": 4, "layers": 2, "max_anchors": 64},
-               {"steps": 3}, 2),
+               {"steps": 3}, 2, False),
+    "dspark-recomputed": ({"type": "dspark", "aux_layers": [1, 2, 3], "block_size": 4, "layers": 2,
+                           "max_anchors": 64}, {"steps": 4}, 2, True),
 }
+DP_SP_CASES = ["mtp", "dflash"]  # also on 4 ranks: 2 groups of 2
 
 
 def _target(root: Path, kv_heads: int) -> Path:
@@ -78,54 +85,79 @@ def _loss_and_grads(head, batch: dict, loss_cfg: LossConfig, shard: SequenceShar
     return loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
 
 
-def _worker(rank: int, world: int, store: str, root: str, out: str) -> None:
-    """One rank of the SP = 2 run: every case's local loss and gradients, saved to out/rank{rank}.pt."""
+def _worker(rank: int, world: int, size: int, names: list[str], root: str) -> None:
+    """One rank of a run of `world` ranks in groups of `size`: the listed cases' local loss and gradients, saved
+    to root/w{world}-rank{rank}.pt. Every group holds the same batch (what its data-parallel rank would read)."""
     torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    tdist.init_process_group("gloo", init_method=f"file://{root}/store-w{world}", rank=rank, world_size=world)
     try:
-        sp = SequenceParallel.setup(world, rank, world, torch.device("cpu"))
+        sp = SequenceParallel.setup(size, rank, world, torch.device("cpu"))
         results = {}
-        for name, (head_kw, loss_kw, kv) in CASES.items():
+        for name in names:
+            head_kw, loss_kw, kv, recompute = CASES[name]
             head = _head(_target(Path(root), kv), head_kw)
             batch = _batch(head.input_width if head.aux_layers else 0, head.args.hidden_size)
             loss_cfg = LossConfig(**loss_kw)
             shard = sp.shard(LONG + SHORT)
             rows = head.loss_rows(batch["input_ids"], batch["loss_mask"], batch["seq_lens"])
             counts = step_token_counts(batch["loss_mask"], batch["seq_lens"], loss_cfg.steps, rows, shard)
-            tdist.all_reduce(counts)  # each row counted once, by the rank that holds it
-            results[name] = _loss_and_grads(head, batch, loss_cfg, shard, counts)
-        torch.save(results, Path(out) / f"rank{rank}.pt")
+            tdist.all_reduce(counts, group=sp.groups.group)  # each row counted once, by the rank that holds it
+            results[name] = _loss_and_grads(head, batch, loss_cfg, shard, counts, checkpoint=recompute)
+        torch.save(results, Path(root) / f"w{world}-rank{rank}.pt")
     finally:
         tdist.destroy_process_group()
+
+
+def _spawn(root: Path, world: int, size: int, names: list[str]) -> list[dict]:
+    for name in names:  # the targets are made once, before the ranks read them
+        _target(root, CASES[name][2])
+    mp.start_processes(_worker, args=(world, size, names, str(root)), nprocs=world, start_method="spawn")
+    return [torch.load(root / f"w{world}-rank{r}.pt") for r in range(world)]
 
 
 @pytest.fixture(scope="module")
 def sp2_results(tmp_path_factory) -> list[dict]:
     """Every case on 2 gloo ranks with train.sequence_parallel = 2 (one spawn for all cases)."""
-    root = tmp_path_factory.mktemp("sp")
-    for _, _, kv in CASES.values():  # made once, before the ranks read them
-        _target(root, kv)
-    mp.start_processes(_worker, args=(2, str(root / "store"), str(root), str(root)), nprocs=2, start_method="spawn")
-    return [torch.load(root / f"rank{r}.pt") for r in range(2)]
+    return _spawn(tmp_path_factory.mktemp("sp"), 2, 2, list(CASES))
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_sp2_loss_and_gradients_equal_sp1(sp2_results, tmp_path_factory, name):
-    head_kw, loss_kw, kv = CASES[name]
-    root = Path(str(tmp_path_factory.getbasetemp())) / "sp0"
+def _reference(root: Path, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The case's loss and gradients on one rank, without sequence parallelism (or checkpointing)."""
+    head_kw, loss_kw, kv, _ = CASES[name]
     head = _head(_target(root, kv), head_kw)
     batch = _batch(head.input_width if head.aux_layers else 0, head.args.hidden_size)
     loss_cfg = LossConfig(**loss_kw)
     rows = head.loss_rows(batch["input_ids"], batch["loss_mask"], batch["seq_lens"])
     counts = step_token_counts(batch["loss_mask"], batch["seq_lens"], loss_cfg.steps, rows)
-    ref_loss, ref_grads = _loss_and_grads(head, batch, loss_cfg, counts=counts)
-    losses = [r[name][0] for r in sp2_results]
-    assert all(bool(x != 0) for x in losses)  # both ranks hold counted rows
+    return _loss_and_grads(head, batch, loss_cfg, counts=counts)
+
+
+def _assert_group_equals(group: list[dict], name: str, ref_loss: torch.Tensor,
+                         ref_grads: dict[str, torch.Tensor]) -> None:
+    """The group's ranks' losses and gradients, summed, equal the 1-rank ones; every rank held counted rows."""
+    losses = [r[name][0] for r in group]
+    assert all(bool(x != 0) for x in losses)
     torch.testing.assert_close(sum(losses), ref_loss, rtol=1e-5, atol=1e-6)
-    grads = [r[name][1] for r in sp2_results]
-    assert set(grads[0]) == set(ref_grads)
+    grads = [r[name][1] for r in group]
+    assert all(set(g) == set(ref_grads) for g in grads)
     for n, ref in ref_grads.items():
-        torch.testing.assert_close(grads[0][n] + grads[1][n], ref, rtol=1e-4, atol=1e-6, msg=n)
+        torch.testing.assert_close(sum(g[n] for g in grads), ref, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sp2_loss_and_gradients_equal_sp1(sp2_results, tmp_path_factory, name):
+    ref_loss, ref_grads = _reference(Path(str(tmp_path_factory.getbasetemp())) / "sp0", name)
+    _assert_group_equals(sp2_results, name, ref_loss, ref_grads)
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_ranks_each_equal_sp1(tmp_path):
+    """4 ranks, train.sequence_parallel = 2: groups [0, 1] and [2, 3] (data parallel over them), each exact."""
+    results = _spawn(tmp_path, 4, 2, DP_SP_CASES)
+    for name in DP_SP_CASES:
+        ref_loss, ref_grads = _reference(tmp_path, name)
+        for group in (results[:2], results[2:]):
+            _assert_group_equals(group, name, ref_loss, ref_grads)
 
 
 # -- activation checkpointing --
@@ -146,7 +178,7 @@ def _saved_bytes(fn) -> int:
 
 @pytest.mark.parametrize("name", ["mtp", "eagle3", "dflash"])
 def test_activation_checkpointing_same_loss_and_gradients_fewer_saved_bytes(tmp_path, name):
-    head_kw, loss_kw, kv = CASES[name]
+    head_kw, loss_kw, kv, _ = CASES[name]
     head = _head(_target(tmp_path, kv), head_kw)
     batch = _batch(head.input_width if head.aux_layers else 0, head.args.hidden_size)
     batch = {**batch, **{k: batch[k][:1024] for k in ("input_ids", "loss_mask", "hidden")}, "seq_lens": [1000, 24],
@@ -249,3 +281,22 @@ def test_two_rank_sequence_parallel_run_equals_one_rank(tmp_path, head):
             assert b[s][key] == pytest.approx(a[s][key], rel=1e-4, abs=1e-6), (s, key)
     assert b[2]["eval/num_tokens"] == a[2]["eval/num_tokens"]
     assert b[2]["eval/loss"] == pytest.approx(a[2]["eval/loss"], rel=1e-4)  # sharded unroll = inference path
+
+
+@pytest.mark.slow
+def test_eagle3_trains_on_16k_and_32k_token_samples_over_two_ranks(tmp_path):
+    """The acceptance run: a tiny random Qwen3 target (q/k norms) of 32768 positions, eagle3 with the chain
+    attention, two steps on 16k-token samples and two on 32k-token ones, each sample split over 2 ranks."""
+    target = tmp_path / "qwen3"
+    make_tiny_checkpoint("qwen3", target, max_position_embeddings=32768, head_dim=16, hidden_size=32,
+                         intermediate_size=64)
+    for tokens in (16384, 32768):
+        data, out = tmp_path / f"pc{tokens}", tmp_path / f"run{tokens}"
+        make_folder(data, 2, target=target, aux_layers=[1, 2, 3], min_len=tokens, max_len=tokens, val_fraction=0.0)
+        _torchrun([*_run_overrides(target, data, out, "head=eagle3", "head.aux_layers=[1,2,3]", "loss.steps=3",
+                                   "train.sequence_parallel=2", "train.eval_batches=0", "train.eval_every=0"),
+                   f"train.micro_batch_tokens={tokens}"])
+        m = metrics_by_step(out)
+        assert sorted(m) == [1, 2]
+        assert all(math.isfinite(m[s]["train/loss"]) and math.isfinite(m[s]["train/grad_norm"]) for s in m)
+        assert m[2]["train/tokens_seen"] == 2 * tokens  # one sample a step, counted once per group
