@@ -102,6 +102,27 @@ def test_a_turn_whose_reasoning_the_template_drops_stays_out_of_the_loss(qwen3):
     assert masked(tok, sample) == "4.<|im_end|>9.<|im_end|>" and stats.history_turns_unsupervised == 0
 
 
+def test_history_turns_split_learns_each_turn_once_in_the_context_it_was_answered_from(qwen3, tmp_path):
+    """data.history_turns=split: a turn whose trace the conversation drops is also a sample of its own, the
+    conversation up to it, where it renders with its trace as the target produced it. Every turn is learnt once."""
+    _, tok = qwen3
+    turns = [*QUESTION, {"role": "assistant", "content": TRACE}, {"role": "user", "content": "And 3 * 3?"},
+             {"role": "assistant", "content": "<think>\nThree threes.\n</think>\n\nIt is 9."},
+             {"role": "user", "content": "And 1 + 1?"},
+             {"role": "assistant", "content": "<think>\nOne and one.\n</think>\n\n2."}]
+    data = write_rows(tmp_path / "c.jsonl", [{"id": "c", "messages": turns}])
+    split = list(SampleStream(tok, PrecomputeConfig(data=DataConfig(paths=[str(data)], history_turns="split"))))
+    assert [s.id for s in split] == ["c", "c@turn1", "c@turn3"]  # the message index of each such turn
+    learnt = [tok.decode([t for t, m in zip(s.input_ids, s.loss_mask) if m], skip_special_tokens=False)
+              for s in split]
+    assert learnt == [turns[5]["content"] + "<|im_end|>", TRACE + "<|im_end|>", turns[3]["content"] + "<|im_end|>"]
+    for s, upto in zip(split[1:], (2, 4)):  # the conversation up to that turn, as it renders
+        assert s.input_ids == tokenize_conversation(tok, turns[:upto]).input_ids
+    stream = SampleStream(tok, PrecomputeConfig(data=DataConfig(paths=[str(data)])))
+    (masked_only,) = list(stream)  # the default: those turns out of the loss, counted
+    assert masked_only.loss_mask == split[0].loss_mask and stream.info["history_turns_unsupervised"] == 2
+
+
 # ------------------------------------------------------------------------------------------- regeneration
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from mtp_train.config.errors import ConfigError
 
 OVER_CONTEXT = ("error", "split", "truncate")  # what a sample longer than the target's context becomes
+HISTORY_TURNS = ("mask", "split")  # what a turn rendered otherwise in later history becomes
 
 
 @dataclass
@@ -24,11 +25,19 @@ class DataConfig:
     # id and length) | split (consecutive windows of at most the context, each its own sample, positions from 0)
     # | truncate (its first context tokens)
     over_context: str = "error"
+    # An assistant turn the conversation renders otherwise than when the target produced it (its reasoning dropped
+    # from later history, as Qwen3's and GPT-OSS's templates do): mask (out of the loss) | split (also a sample of
+    # its own: the conversation up to that turn)
+    history_turns: str = "mask"
 
     def __post_init__(self) -> None:
         if self.over_context not in OVER_CONTEXT:
             raise ConfigError(f"data.over_context={self.over_context!r}: choose one of {' | '.join(OVER_CONTEXT)} "
                               "(what a sample longer than the target's context becomes: docs/stages.md)")
+        if self.history_turns not in HISTORY_TURNS:
+            raise ConfigError(f"data.history_turns={self.history_turns!r}: choose one of "
+                              f"{' | '.join(HISTORY_TURNS)} (what a turn whose reasoning the template drops from "
+                              "later history becomes: docs/stages.md)")
 
 
 SOURCES = ("offline", "online", "hybrid", "fleet")  # where training's target hidden states come from (`data.source`)

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from mtp_train.config.data import HISTORY_TURNS
 from mtp_train.data.fingerprints import load_tokenizer as load_tokenizer
 from mtp_train.data.fingerprints import tokenizer_fingerprint as tokenizer_fingerprint
 from mtp_train.data.formats import DataError
@@ -71,6 +72,7 @@ class TokenizeStats:
     # assistant turns left out of the loss: the template renders them otherwise in the conversation than when the
     # target produced them (their reasoning dropped from later history)
     history_turns_unsupervised: int = 0
+    history_turn_samples: int = 0  # history_turns="split": samples of such a turn (the conversation up to it)
     tokens: int = 0  # tokens of kept samples
     loss_tokens: int = 0  # masked tokens of kept samples
 
@@ -111,10 +113,11 @@ def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple
 
 
 def _encode(tokenizer: Any, convs: Sequence[Messages], template_kwargs: Mapping[str, Any] | None,
-            ) -> list[tuple[list[int], list[int], str, int] | ChatTemplateError]:
-    """(input_ids, loss_mask, method, turns left out of the loss) of each whole conversation, untruncated, or the
-    ChatTemplateError that one conversation's rendering raised; one tokenizer call for all."""
-    rendered: list[tuple[str, list[tuple[int, int]], str, int] | ChatTemplateError] = []
+            ) -> list[tuple[list[int], list[int], str, list[int]] | ChatTemplateError]:
+    """(input_ids, loss_mask, method, the message indices of the turns left out of the loss) of each whole
+    conversation, untruncated, or the ChatTemplateError that one conversation's rendering raised; one tokenizer
+    call for all."""
+    rendered: list[tuple[str, list[tuple[int, int]], str, list[int]] | ChatTemplateError] = []
     for messages in convs:
         try:
             rendered.append(assistant_char_spans(tokenizer, messages, template_kwargs))
@@ -129,7 +132,7 @@ def _encode(tokenizer: Any, convs: Sequence[Messages], template_kwargs: Mapping[
     except NotImplementedError as exc:
         raise ChatTemplateError("loss masks need a fast tokenizer (character offsets)") from exc
     encoded = iter(zip(enc["input_ids"], enc["offset_mapping"]))
-    out: list[tuple[list[int], list[int], str, int] | ChatTemplateError] = []
+    out: list[tuple[list[int], list[int], str, list[int]] | ChatTemplateError] = []
     for r in rendered:
         if isinstance(r, ChatTemplateError):
             out.append(r)
@@ -187,22 +190,47 @@ def tokenize_conversation(tokenizer: Any, messages: Messages | Conversation, max
 
 def tokenize_conversations(tokenizer: Any, convs: Iterable[Messages | Conversation], max_seq_len: int | None = None,
                            *, template_kwargs: Mapping[str, Any] | None = None, batch_size: int = 64,
-                           on_bad_row: str = "error") -> tuple[list[TokenizedSample], TokenizeStats]:
+                           on_bad_row: str = "error", history_turns: str = "mask",
+                           ) -> tuple[list[TokenizedSample], TokenizeStats]:
     """`tokenize_conversation` over many conversations; counts what was truncated and dropped, and why.
 
     Conversations are tokenized `batch_size` at a time (one tokenizer call each), in order. A conversation the
     chat template fails on is a bad row: a `Conversation` raises DataError naming its file and line, or, with
     on_bad_row="skip", is dropped and counted (`dropped_template_error`); plain message lists raise
     ChatTemplateError.
+
+    An assistant turn the conversation renders otherwise than as its last message (its reasoning dropped from
+    later history) is out of the conversation's loss; with history_turns="split" it is also a sample of its own
+    right after the conversation's: the conversation up to that turn (id "<id>@turn<i>", i its message index),
+    where it renders as the target produced it and is learnt (turns before it that render otherwise there are
+    left out: they have samples of their own). Each turn is then learnt once; the tokens grow with the square of
+    such turns.
     """
     _check_max_seq_len(max_seq_len)
+    if history_turns not in HISTORY_TURNS:
+        raise ValueError(f"data.history_turns={history_turns!r}: choose one of {' | '.join(HISTORY_TURNS)}")
     check_template(tokenizer)  # a template that does not parse is its file's fault, not the first row's
     stats = TokenizeStats()
-    samples = []
+    samples: list[TokenizedSample] = []
+
+    def keep(ids: list[int], mask: list[int], sample_id: str | None, where: str | None) -> None:
+        sample, outcome = _finish(ids, mask, sample_id, max_seq_len, where)
+        if sample is None:
+            if outcome == "no_assistant":
+                stats.dropped_no_assistant += 1
+            else:
+                stats.dropped_truncated += 1
+            return
+        stats.kept += 1
+        stats.truncated += sample.truncated
+        stats.tokens += len(sample.input_ids)
+        stats.loss_tokens += sample.num_loss_tokens
+        samples.append(sample)
+
     it = iter(convs)
     while batch := [(c, *_as_messages(c)) for c in itertools.islice(it, batch_size)]:
         encoded = _encode(tokenizer, [msgs for _, msgs, _ in batch], template_kwargs)
-        for (conv, _, conv_id), result in zip(batch, encoded):
+        for (conv, msgs, conv_id), result in zip(batch, encoded):
             stats.conversations += 1
             if isinstance(result, ChatTemplateError):
                 if not isinstance(conv, Conversation):
@@ -215,19 +243,15 @@ def tokenize_conversations(tokenizer: Any, convs: Iterable[Messages | Conversati
                 continue
             ids, mask, method, rerendered = result
             stats.diff_method += method == "diff"
-            stats.history_turns_unsupervised += rerendered
-            sample, outcome = _finish(ids, mask, conv_id, max_seq_len, _where(conv))
-            if sample is None:
-                if outcome == "no_assistant":
-                    stats.dropped_no_assistant += 1
-                else:
-                    stats.dropped_truncated += 1
+            keep(ids, mask, conv_id, _where(conv))
+            if history_turns != "split":
+                stats.history_turns_unsupervised += len(rerendered)
                 continue
-            stats.kept += 1
-            stats.truncated += sample.truncated
-            stats.tokens += len(sample.input_ids)
-            stats.loss_tokens += sample.num_loss_tokens
-            samples.append(sample)
+            for i, turn in zip(rerendered, _encode(tokenizer, [msgs[:i + 1] for i in rerendered], template_kwargs)):
+                if isinstance(turn, ChatTemplateError):  # its conversation rendered whole: the template's fault
+                    raise turn
+                stats.history_turn_samples += 1
+                keep(turn[0], turn[1], None if conv_id is None else f"{conv_id}@turn{i}", _where(conv))
     return samples, stats
 
 

@@ -189,7 +189,8 @@ def dropped_summary(info: Mapping[str, Any]) -> str:
                       ("longer_than_context", "sample(s) longer than the target's context cut as "
                        "data.over_context says"),
                       ("history_turns_unsupervised", "assistant turn(s) left out of the loss: the template "
-                       "renders them otherwise in later history (docs/stages.md)")):
+                       "renders them otherwise in later history (data.history_turns=split learns them: "
+                       "docs/stages.md)")):
         if info.get(key):
             parts.append(f"{info[key]} {what}")
     dups = int(info.get("duplicate_ids") or 0)
@@ -238,7 +239,8 @@ class SampleStream:
 
     def _tokenize(self, convs: Iterable[Any], on_bad_row: str) -> tuple[list[Any], TokenizeStats]:
         return tokenize_conversations(self.tokenizer, convs, self.cfg.max_seq_len,
-                                      template_kwargs=dict(self.cfg.chat_template_kwargs), on_bad_row=on_bad_row)
+                                      template_kwargs=dict(self.cfg.chat_template_kwargs), on_bad_row=on_bad_row,
+                                      history_turns=self.cfg.data.history_turns)
 
     def _renamed_form_ids(self) -> set[str]:
         """Every kept id of the form "x#<digits>" in the data: a second read, tokenizing only those."""
@@ -298,6 +300,7 @@ class SampleStream:
             "dropped_truncated": tok_stats.dropped_truncated,
             "dropped_template_error": tok_stats.dropped_template_error,
             "history_turns_unsupervised": tok_stats.history_turns_unsupervised,
+            "history_turn_samples": tok_stats.history_turn_samples,  # data.history_turns=split: their own samples
             "duplicate_ids": unique.duplicates,  # ids met more than once (renamed id#2, id#3, ...)
             "duplicate_id_examples": unique.repeated,
             "duplicate_id_rows": unique.renamed,  # "file:line: 'x' kept as 'x#2'" of the first renamed rows

@@ -328,7 +328,7 @@ def _by_turn(located: Sequence[tuple[Slot, Span]]) -> list[tuple[int, list[tuple
 
 
 def _linear_spans(tokenizer: Any, messages: Messages, full: str, turns: Sequence[int],
-                  kw: Mapping[str, Any] | None) -> tuple[list[Span], str, int] | None:
+                  kw: Mapping[str, Any] | None) -> tuple[list[Span], str, list[int]] | None:
     """The spans of `prefix_char_spans` from `_rendered_fields` and two renderings of a short window per turn
     (`_window`, the turn last, alone and with its last field probed: its closing; two more for a turn with two
     rendered fields: the generation prompt that starts a next message; one for a field the conversation does not
@@ -336,7 +336,7 @@ def _linear_spans(tokenizer: Any, messages: Messages, full: str, turns: Sequence
 
     The method is "diff" when a turn renders differently as the last message of its window than in the
     conversation (history re-rendered) or its closing does not follow its content whole. A turn whose fields
-    render otherwise as the last message than in the conversation (`_rerendered`) has no span; their number is
+    render otherwise as the last message than in the conversation has no span; their message indices are
     returned last.
     """
     located = _rendered_fields(tokenizer, messages, full, [(i, keys) for i in turns for keys in _fields(messages[i])],
@@ -344,7 +344,8 @@ def _linear_spans(tokenizer: Any, messages: Messages, full: str, turns: Sequence
     if located is None:
         return None
     spans: list[Span] = []
-    method, bound, last_end, rerendered = "prefix", 0, 0, 0
+    method, bound, last_end = "prefix", 0, 0
+    rerendered: list[int] = []
     for i, fields in _by_turn(located):
         window = _window(messages, i)
         hidden = [keys for keys in _fields(messages[i]) if keys not in dict(fields)]
@@ -379,14 +380,14 @@ def _linear_spans(tokenizer: Any, messages: Messages, full: str, turns: Sequence
             turn.append((start, c1 + len(full[c1:turn_end].rstrip())))
             last_end = turn[-1][1]
             if changed:
-                rerendered += 1
+                rerendered.append(i)
             else:
                 spans.extend(turn)
     return _merged(spans), method, rerendered
 
 
 def assistant_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mapping[str, Any] | None = None,
-                         ) -> tuple[str, list[Span], str, int]:
+                         ) -> tuple[str, list[Span], str, list[int]]:
     """Render `messages`; return (text, [start, end) of every assistant span in it, method, rerendered).
 
     A span runs from the first character of a rendered field (the content, or the reasoning where the template
@@ -395,17 +396,18 @@ def assistant_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Ma
     "prefix", or "diff" when any turn needed the per-turn diff because the template re-renders history or closes
     the last turn differently.
 
-    `rerendered` counts the turns left without a span: those whose fields the template renders otherwise in the
-    conversation than as its last message, i.e. than when the target produced the turn (Qwen3 and harmony drop
-    the reasoning of turns before the last user message; a <think> block in a content is cut from it). The tokens
-    of such a turn in this rendering follow a context the target never answered from; they stay out of the loss.
+    `rerendered` lists the message indices of the turns left without a span: those whose fields the template
+    renders otherwise in the conversation than as its last message, i.e. than when the target produced the turn
+    (Qwen3 and harmony drop the reasoning of turns before the last user message; a <think> block in a content is
+    cut from it). The tokens of such a turn in this rendering follow a context the target never answered from;
+    they stay out of the loss.
 
     Linear in the conversation's length (`_linear_spans`); `prefix_char_spans` for templates that fail its checks.
     """
     full = render(tokenizer, messages, template_kwargs=template_kwargs)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
-        return full, [], "prefix", 0
+        return full, [], "prefix", []
     try:
         linear = _linear_spans(tokenizer, messages, full, turns, template_kwargs)
     except ChatTemplateError:  # a probe or window rendering the template refuses: the reference method decides
@@ -419,16 +421,17 @@ def assistant_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Ma
 
 
 def prefix_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mapping[str, Any] | None = None,
-                      ) -> tuple[str, list[Span], str, int]:
+                      ) -> tuple[str, list[Span], str, list[int]]:
     """`assistant_char_spans` by the reference method: per field of a turn, the conversation rendered with that
     field probed, and per turn the generation prompt before it and `messages[:i+1]`, whose cost grows with the
     square of the number of turns. Where `messages[:i+1]` does not render as a prefix of the full text (history
     re-rendered, as Qwen3 drops the reasoning of earlier turns), the turn's closing comes from the per-turn diff
-    ("diff"); a turn whose fields render otherwise there than in the full text has no span (counted last)."""
+    ("diff"); a turn whose fields render otherwise there than in the full text has no span (listed last)."""
     kw = template_kwargs
     full = render(tokenizer, messages, template_kwargs=kw)
     spans: list[Span] = []
-    method, rerendered = "prefix", 0
+    method = "prefix"
+    rerendered: list[int] = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -482,7 +485,7 @@ def prefix_char_spans(tokenizer: Any, messages: Messages, template_kwargs: Mappi
             raise ChatTemplateError(f"{where}: span overlaps the previous assistant span")
         turn.append((c0, end))
         if changed:
-            rerendered += 1
+            rerendered.append(i)
         else:
             spans.extend(turn)
     return full, _merged(spans), method, rerendered
