@@ -205,16 +205,17 @@ class ChainTrainAttention(AttentionBackend):
         hkv, dev = k0.shape[1], q_ext.device
         sink_k, sink_v = sink_keys(k0[:0], v0[:0], width, extra)  # (1, Hkv, W+e): the sink alone
 
-        def segments(x: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        def segments(rows_kv: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
             """(n, Hkv, ·) → (blocks · (R+1), Hkv, W+e): per block, the sink then its rows (zeros past n)."""
-            x = F.pad(x, (0, we - x.shape[-1], 0, 0, 0, blocks * rows - n)).view(blocks, rows, hkv, we)
-            return torch.cat([sink[None].expand(blocks, 1, hkv, we), x], 1).view(blocks * seg, hkv, we)
+            padded = F.pad(rows_kv, (0, we - rows_kv.shape[-1], 0, 0, 0, blocks * rows - n))
+            return torch.cat([sink[None].expand(blocks, 1, hkv, we), padded.view(blocks, rows, hkv, we)], 1
+                             ).view(blocks * seg, hkv, we)
 
         ks, vs = segments(k0, sink_k), segments(v0, sink_v)
         col = torch.arange(nseg * seg, device=dev)
         t, p = col // seg, col % seg  # each column's segment (S - 1: the block's own) and place in it
-        x = torch.arange(rows, device=dev)[:, None]
-        ahead = (t - nseg + 1) * rows + p - 1 - x  # key row - query row
+        row = torch.arange(rows, device=dev)[:, None]  # the query's place in its block
+        ahead = (t - nseg + 1) * rows + p - 1 - row  # key row - query row
         seen = torch.where(p == 0, t == nseg - 1, (ahead < 0) & (ahead >= -band))  # (R, S·(R+1))
         mask = torch.zeros(seen.shape, dtype=q_ext.dtype, device=dev).masked_fill(~seen, float("-inf"))
         qb = F.pad(q_ext, (0, 0, 0, 0, 0, blocks * rows - n)).view(blocks, rows, hq, we).transpose(1, 2)
@@ -225,7 +226,7 @@ class ChainTrainAttention(AttentionBackend):
             outs.append(F.scaled_dot_product_attention(qb[m:m + 1], *keys, attn_mask=mask[:, (nseg - 1 - m) * seg:],
                                                        scale=self.scale, enable_gqa=gqa))
         if blocks >= nseg:  # the rest as one batch: block m reads segments m - S + 1 .. m, a strided view
-            keys = tuple(x.unfold(0, nseg * seg, seg).permute(0, 1, 3, 2) for x in (ks, vs))  # (·, Hkv, S·seg, W+e)
+            keys = tuple(kv.unfold(0, nseg * seg, seg).permute(0, 1, 3, 2) for kv in (ks, vs))  # (·, Hkv, S·seg, W+e)
             outs.append(F.scaled_dot_product_attention(qb[nseg - 1:], *keys, attn_mask=mask, scale=self.scale,
                                                        enable_gqa=gqa))
         out = torch.cat(outs).transpose(1, 2).reshape(blocks * rows, hq, we)
