@@ -425,3 +425,17 @@ def test_online_training_refuses_it_before_the_target_runs(qwen3, tmp_path):
         train_main(cfg)
     with pytest.raises(ConfigError, match="data.over_context='cut'"):
         DataConfig(over_context="cut")
+
+
+def test_precompute_refuses_a_longer_sample_it_is_given_directly(qwen3, tmp_path):
+    """Samples handed to `precompute` without the stream's check never run past the target's positions."""
+    from mtp_train.data.samples import Sample
+    from mtp_train.precompute.pipeline import precompute
+
+    path, tok = qwen3
+    model = load_model(path, dtype="float32", device="cpu")
+    ok = Sample("ok", [5] * 8, [1] * 8)
+    long = Sample("long", [5] * (CONTEXT + 1), [1] * (CONTEXT + 1))
+    with pytest.raises(ContextError, match=rf"sample 'long': {CONTEXT + 1} tokens, longer than the target's context"):
+        precompute(model, [ok, long], PrecomputeConfig(out=str(tmp_path / "pc"), progress=False), model_dir=path,
+                   data_info={}, tokenizer_fingerprint="t", chat_template_fingerprint="c")

@@ -33,6 +33,11 @@ WINDOW = 1024  # conversations read and tokenized at a time, when the caller doe
 RENAMED_FORM = re.compile(r"#[0-9]+\Z")
 
 
+class ContextError(ValueError):
+    """A sample longer than the target's context, refused (`data.over_context=error`); the message names its
+    file:line, id, length, the context and the settings that change what happens."""
+
+
 @dataclass(frozen=True)
 class Sample:
     """One tokenized conversation: loss_mask is 1 on the tokens the head learns (assistant tokens)."""
@@ -73,6 +78,17 @@ def checked_rows(samples: Iterable[Sample], vocab_size: int) -> Iterator[Row]:
         if not seen.add(s.id):
             raise ValueError(f"duplicate sample id {s.id!r}: ids must be unique (they decide resume and the split)")
         yield to_row(s, vocab_size)
+
+
+def within_context(rows: Iterable[Row], context: int) -> Iterator[Row]:
+    """The rows as they come, refusing (ContextError) one longer than `context`, the target's positions: samples
+    that did not come through `SampleStream`'s check (`data.over_context`) still never run past them."""
+    for r in rows:
+        if r.ids.size > context:
+            raise ContextError(f"sample {r.id!r}: {r.ids.size} tokens, longer than the target's context of {context} "
+                               "positions (its max_position_embeddings); cut it to the context (data.over_context="
+                               "split or truncate, or max_seq_len) before precomputing it")
+        yield r
 
 
 def to_rows(samples: Sequence[Sample], vocab_size: int) -> list[Row]:
@@ -137,11 +153,6 @@ class UniqueIds:
         if len(self.renamed) < self._examples:
             self.renamed.append(f"{where or 'row ' + str(self.count)}: {i!r} kept as {new!r}")
         return new
-
-
-class ContextError(ValueError):
-    """A sample longer than the target's context, refused (`data.over_context=error`); the message names its
-    file:line, id, length, the context and the settings that change what happens."""
 
 
 def fit_context(sample: Sample, where: str | None, context: int, over: str, max_seq_len: str) -> list[Sample]:

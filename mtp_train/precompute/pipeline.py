@@ -31,7 +31,7 @@ from mtp_train import dist as mdist
 from mtp_train.config import Interrupted, PrecomputeConfig
 from mtp_train.config.head import check_aux_layers
 from mtp_train.data import chat_template_fingerprint, tokenizer_fingerprint
-from mtp_train.data.samples import Sample, SampleStream, check_context, checked_rows
+from mtp_train.data.samples import Sample, SampleStream, check_context, checked_rows, within_context
 from mtp_train.engine.runner import prefill_hidden
 from mtp_train.models.base import CausalLM
 from mtp_train.precompute.manifest import Manifest, ShardInfo
@@ -159,7 +159,7 @@ def precompute(
         )
     spec = folder_spec(model.args, model.dtype, model_dir, cfg.hidden_dtype, aux_layers)
     out = Path(cfg.out)
-    rows = checked_rows(samples, model.args.vocab_size)
+    rows = within_context(checked_rows(samples, model.args.vocab_size), model.args.max_position_embeddings)
     first = next(rows, None)  # a stream reads its first window here: its bad rows are refused before any write
     if first is None:
         raise ValueError("no samples to precompute")
