@@ -42,6 +42,8 @@ CASES: dict[str, tuple[dict, dict, int, bool]] = {
     "eagle3": ({"type": "eagle3", "aux_layers": [1, 2, 3], "draft_vocab_size": 200}, {"steps": 3}, 1, False),
     "eagle3-recomputed": ({"type": "eagle3", "aux_layers": [1, 2, 3], "draft_vocab_size": 200}, {"steps": 3}, 2,
                           True),
+    "eagle3-masked-dpace": ({"type": "eagle3", "aux_layers": [1, 2, 3], "draft_vocab_size": 200},
+                            {"steps": 3, "mask_out_of_draft": True, "position_weights": "dpace"}, 2, False),
     "dflash": ({"type": "dflash", "aux_layers": [1, 2, 3], "block_size": 4, "layers": 2, "max_anchors": 64},
                {"steps": 3}, 2, False),
     "dspark-recomputed": ({"type": "dspark", "aux_layers": [1, 2, 3], "block_size": 4, "layers": 2,

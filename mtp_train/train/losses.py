@@ -383,7 +383,18 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
     x = head_inputs(head, hidden, aux_hidden)
     if head.training and cfg.noise_std > 0:
         x = uniform_noise(x, cfg.noise_std, generator)  # the whole batch's draw, whatever the shard
-    in_vocab = in_draft_vocab(head, hidden, cfg.chunk_size) if cfg.mask_out_of_draft else None
+    in_vocab = None
+    if cfg.mask_out_of_draft:
+        if shard is None:
+            in_vocab = in_draft_vocab(head, hidden, cfg.chunk_size)
+        else:  # only the rows this rank's steps read (its own and the `steps` after them): an lm_head pass each
+            lo, hi = shard.lo, min(shard.hi + cfg.steps, hidden.shape[0])
+            part = in_draft_vocab(head, hidden[lo:hi], cfg.chunk_size) if lo < hi else None
+            if part is not None:
+                in_vocab = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+                in_vocab[lo:hi] = part
+            elif head.draft_vocab is not None:  # a rank holding only pad rows
+                in_vocab = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
     rows = None if every_row else head.loss_rows(input_ids, loss_mask, lens)  # a block drafter's anchors
     options: dict[str, object] = {} if rows is None else {"rows": rows}
     span = slice(None)
