@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-head-step bench-tau bench-remote bench-tree bench-memory bench-scale bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-fleet check-vllm-foreign clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-head-step bench-tau bench-remote bench-tree bench-memory bench-train-memory bench-scale bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-fleet check-vllm-foreign clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,11 @@ bench-regenerate: model
 # GPU memory per rank (precompute, training) and disk per million tokens at the shipped configs (no GPU needed).
 bench-memory: setup
 	$(PY) -m bench.memory_plan $(BENCH_MEMORY_ARGS)
+
+# Training memory measured against the memory plan (mtp-train plan=true): peak RSS of real mtp-train runs of mtp,
+# eagle3 and dflash at 1k-8k-token samples on the CPU, e.g. `make bench-train-memory BENCH_TRAIN_MEMORY_ARGS="--sp 2"`.
+bench-train-memory: model
+	$(PY) -m bench.train_memory --model $(MODEL_DIR) $(BENCH_TRAIN_MEMORY_ARGS)
 
 # Seconds to the first sample and peak RSS of mtp-regenerate, mtp-precompute and mtp-train (eagle3, mtp) run as the
 # commands on 10^4, 10^5 and 10^6 synthetic conversations / samples, e.g. `make bench-scale

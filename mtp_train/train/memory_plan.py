@@ -275,9 +275,9 @@ def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
 
 
 def loss_rows(s: PlanSettings, share: int, tokens: int) -> int:
-    """Rows one step's loss scores on this rank: its share of the tokens, or a block drafter's anchors."""
+    """Rows one step's loss scores on this rank: its share of the tokens, or a block drafter's anchors in it."""
     if s.head.spec.block:
-        return min(s.head.max_anchors, tokens)
+        return -(-min(s.head.max_anchors, tokens) // max(1, s.sequence_parallel))
     return share
 
 
@@ -305,15 +305,18 @@ def activation_term(s: PlanSettings, args: ModelArgs, shape: HeadShape, share: i
     sp = max(1, s.sequence_parallel)
     kv = args.num_kv_heads * args.head_dim
     if head.spec.block:
-        rows = block_rows(head, tokens)
+        anchors = -(-min(head.max_anchors, tokens) // sp)  # a rank drafts the blocks of the anchors in its rows
+        rows = anchors * head.block_size
         per_layer = rows * layer_values(args, shape.qkv_in)
-        context = tokens * (k * h + 2 * h + shape.layers * 2 * kv) // sp
+        # the context over this rank's rows: fc over the aux layers, its norm, each layer's K/V; under SP every
+        # rank also holds all ranks' context K/V, gathered (a block reads its sequence's context before its anchor)
+        context = share * (k * h + 2 * h + shape.layers * 2 * kv) + (tokens * shape.layers * 2 * kv if sp > 1 else 0)
         outs = s.steps * share * (h + loss_values(args, s.w_feat))
         kept = (per_layer + (shape.layers - 1) * rows * h if s.activation_checkpointing
                 else shape.layers * per_layer)
         kept += context + outs
-        how = (f"{shape.layers} draft layer(s) × {rows} rows ({min(head.max_anchors, tokens)} anchors × "
-               f"{head.block_size}), context {tokens} rows, {s.steps} slots")
+        how = (f"{shape.layers} draft layer(s) × {rows} rows ({anchors} anchors × {head.block_size}), context "
+               f"{share} rows, {s.steps} slots")
     else:
         layer = layer_values(args, shape.qkv_in) + chain_around_values(args)
         loss = loss_values(args, s.w_feat)
