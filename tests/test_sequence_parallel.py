@@ -302,3 +302,17 @@ def test_eagle3_trains_on_16k_and_32k_token_samples_over_two_ranks(tmp_path):
         assert sorted(m) == [1, 2]
         assert all(math.isfinite(m[s]["train/loss"]) and math.isfinite(m[s]["train/grad_norm"]) for s in m)
         assert m[2]["train/tokens_seen"] == 2 * tokens  # one sample a step, counted once per group
+
+
+def test_a_shard_pads_the_batch_to_equal_contiguous_rows():
+    shards = [SequenceShard.split(None, 4, k, 4133) for k in range(4)]  # type: ignore[arg-type]
+    assert [(s.rows, s.pad, s.lo, s.hi) for s in shards] == [
+        (4136, 3, 0, 1034), (4136, 3, 1034, 2068), (4136, 3, 2068, 3102), (4136, 3, 3102, 4136)]
+    s = shards[3]
+    assert s.padded_lens([4096, 37]) == [4096, 37, 3]
+    mask = s.padded(torch.ones(4133, dtype=torch.uint8))
+    assert mask.shape == (4136,) and int(mask[4133:].sum()) == 0  # the pad sequence is never counted
+    counts = [step_token_counts(torch.ones(4133), [4096, 37], 2, shard=x) for x in shards]
+    assert torch.equal(sum(counts), step_token_counts(torch.ones(4133), [4096, 37], 2))  # each row counted once
+    even = SequenceShard.split(None, 2, 1, 10)  # type: ignore[arg-type]
+    assert (even.pad, even.padded_lens([10]), even.lo, even.hi) == (0, [10], 5, 10)
