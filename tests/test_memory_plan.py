@@ -153,3 +153,18 @@ def test_the_plan_is_within_15_percent_of_the_measured_peak(head, tmp_path):
     for length in (1024, 2048, 4096, 8192):
         row = run_one(DEFAULT_MODEL.resolve(), head, length, steps=2, sp=1, work=tmp_path)
         assert 0.85 <= row.ratio <= 1.15, (head, length, row.measured / GIB, row.planned / GIB)
+
+
+def test_a_block_drafters_attention_backward_is_counted_once_beside_the_loss_chunk():
+    """dflash's attention backward writes the context K/V's gradient as every anchor's view (anchors × context):
+    a transient term like the loss's chunk; the peak counts the larger of the two, and SP halves it (a rank drafts
+    the anchors in its rows)."""
+    plan = plan_memory(settings("dflash", length=32768, micro_batch_tokens=32768), llama_args())
+    grad, chunk = term(plan, "attention grad"), term(plan, "loss chunk")
+    lasting = sum(t.bytes for t in plan.terms if not t.transient)
+    assert plan.total == lasting + max(grad, chunk) and grad > chunk
+    assert plan.largest().name == "attention grad"
+    half = plan_memory(settings("dflash", length=32768, micro_batch_tokens=32768, sequence_parallel=2), llama_args())
+    assert term(half, "attention grad") == pytest.approx(grad / 2, rel=0.01)
+    with pytest.raises(ConfigError, match="attention grad.*head.max_anchors"):
+        check_plan(plan, 80 * GIB, "the GPU's total")

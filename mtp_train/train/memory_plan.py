@@ -19,6 +19,9 @@ step's activations are still kept for the backward and one vocabulary chunk of l
                    per-row tensors, over the rank's share of the tokens (divided by train.sequence_parallel);
                    train.activation_checkpointing keeps only each step's inputs and recomputes one step at a time
     loss chunk     `loss.chunk_size` rows × the (draft) vocabulary of fp32 logits, the copies the token loss holds
+                   (transient: in the forward and the loss's backward)
+    attention grad a block drafter's attention backward: the context K/V's gradient as every anchor's view
+                   (transient: in the layer's backward; the peak counts the larger of the two)
     online target  data.source=online|hybrid: the target's weights / model.tp and its prefill over one micro-batch
 
 The coefficients of the activation and loss terms are counts of the tensors the code keeps (module docstrings
@@ -38,6 +41,7 @@ from mtp_train.config import HeadConfig, TrainConfig
 from mtp_train.config.errors import ConfigError
 from mtp_train.fileio import human_bytes
 from mtp_train.heads import head_class
+from mtp_train.heads.block_attention import SCORE_BUDGET
 from mtp_train.models.config import ModelArgs
 
 GIB = 2**30
@@ -53,15 +57,21 @@ LOSS_CHUNK_COPIES = {"checkpoint": 6.0, "fused": 3.0}
 # The backward's own temporaries of a layer beyond what the forward kept: the gradients of its widest products
 # (the MLP's gate / up and their activation), alive while the saved tensors still are.
 BACKWARD_WIDTHS = 3  # × the MLP's intermediate size
+# A block drafter's attention backward: the gradients of the context K/V as every anchor's view (K and V), and what
+# the backward holds beside them in proportion (measured on the CPU: 2.15 rather than 2, bench.train_memory).
+KV_VIEW_GRADS = 2.15
 
 
 @dataclass(frozen=True)
 class Term:
-    """One term of the plan: its name, bytes per rank, and how it was counted (shown beside it)."""
+    """One term of the plan: its name, bytes per rank, and how it was counted (shown beside it). A transient term
+    exists at one moment of the step only (the loss's chunk in the forward, a gradient in the backward): the peak
+    counts the largest of them, beside every other term."""
 
     name: str
     bytes: int
     how: str
+    transient: bool = False
 
 
 @dataclass
@@ -119,7 +129,9 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return sum(t.bytes for t in self.terms)
+        """The peak: every lasting term, plus the largest transient one."""
+        return (sum(t.bytes for t in self.terms if not t.transient)
+                + max((t.bytes for t in self.terms if t.transient), default=0))
 
     def largest(self) -> Term:
         return max(self.terms, key=lambda t: t.bytes)
@@ -132,7 +144,9 @@ class MemoryPlan:
                f"world {s.world}, ZeRO-{s.zero_stage}, sequence_parallel={s.sequence_parallel}, "
                f"activation_checkpointing={str(s.activation_checkpointing).lower()}")
         for t in self.terms:
-            yield f"  {t.name:<15}{t.bytes / GIB:9.3f} GiB  {t.how}"
+            yield f"  {t.name:<15}{t.bytes / GIB:9.3f} GiB  {'(transient) ' if t.transient else ''}{t.how}"
+        if sum(t.transient for t in self.terms) > 1:
+            yield "  (the transient terms exist at different moments of a step: the peak counts the largest)"
         for note in self.notes:
             yield f"  ({note})"
         yield f"peak per rank {self.total / GIB:.3f} GiB ({self.total} bytes)"
@@ -264,7 +278,10 @@ def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
     own = 2 * shape.own_lm_head * FP32
     terms.append(Term("loss chunk", int(copies_l * chunk * v_loss * FP32) + own,
                       f"{copies_l:g} × {chunk} rows × {v_loss} vocabulary, fp32 ({s.ce_impl})"
-                      + (f" + the own lm_head's gradient, 2 × {shape.own_lm_head / 1e6:.1f}M fp32" if own else "")))
+                      + (f" + the own lm_head's gradient, 2 × {shape.own_lm_head / 1e6:.1f}M fp32" if own else ""),
+                      transient=True))
+    if head.spec.block:
+        terms.append(block_context_grad_term(s, args, tokens, act, cuda))
 
     if s.online:
         terms.append(online_term(args, tokens, s.tp, act))
@@ -329,6 +346,21 @@ def activation_term(s: PlanSettings, args: ModelArgs, shape: HeadShape, share: i
     if s.activation_checkpointing:
         how += ", checkpointed"
     return Term("activations", kept * act, how + f", {'bf16' if act == BF16 else 'fp32'}")
+
+
+def block_context_grad_term(s: PlanSettings, args: ModelArgs, tokens: int, act: int, cuda: bool) -> Term:
+    """A block drafter's attention backward: the fused attention reads the sequence's context K/V (with its sink
+    row and columns) as one stride-0 view per anchor, and its backward writes their gradients at the view's full
+    size, 2 × anchors × Hkv × (n + 1) × (D + sink columns), for one chunk of anchors at a time
+    (`heads.block_attention`: at most `SCORE_BUDGET` anchor × context entries) before summing them to the context's.
+    n: the longest sequence's context (the longest sample)."""
+    n = min(s.length, tokens)
+    anchors = -(-min(s.head.max_anchors, tokens) // max(1, s.sequence_parallel))
+    chunk = max(1, min(anchors, SCORE_BUDGET // (n + 1)))
+    width = args.head_dim + (8 if cuda else 2)  # `block_attention.sink_columns`: 8 on CUDA, 2 elsewhere
+    grads = int(KV_VIEW_GRADS * chunk * args.num_kv_heads * (n + 1) * width * act) + chunk * (n + 1)  # + the mask
+    return Term("attention grad", grads, f"context K/V gradient per anchor view: {KV_VIEW_GRADS:g} × {chunk} anchors "
+                                         f"× {args.num_kv_heads} KV heads × {n + 1} keys × {width}", transient=True)
 
 
 def online_term(args: ModelArgs, tokens: int, tp: int, act: int) -> Term:
@@ -441,6 +473,7 @@ ADVICE = {
     "gradients": "use ZeRO-2 over more ranks, or lower deepspeed.zero_optimization.reduce_bucket_size",
     "weights": "use ZeRO-1/2 over more ranks",
     "online target": "raise model.tp or precompute the hidden states (data.source=offline)",
+    "attention grad": "lower head.max_anchors or train.micro_batch_tokens, or raise train.sequence_parallel",
     "frozen": "use a device with more memory",
     "runtime": "use a device with more memory",
 }
