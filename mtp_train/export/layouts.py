@@ -32,6 +32,9 @@ them: `Family.fusings`); every other layout stores them split. A layout is a pai
 | dspark          | dspark  | dflash's plus `markov_head.markov_w{1,2}`, `confidence_head.proj`; config:   |
 |                 |         | dflash's with `markov_rank`, `enable_confidence_head`, `sample_from_anchor`  |
 |                 |         | ("Qwen3DSparkModel", `export/dspark.py`)                                     |
+| speculators-    | peagle  | speculators' + `mask_hidden` [1, 1, k·H]; config: speculators' with          |
+|   peagle        |         | `speculators_model_type: peagle`, `mask_token_id` (vLLM serves it as eagle3  |
+|                 |         | with parallel_drafting, `export/peagle.py`)                                  |
 
 Fit: vLLM's EAGLE-1 and both MTP layouts have no fc bias, so a head trained with `fc_bias` only exports to
 native / sglang-eagle. Two differences an engine brings, not the file: DeepSeek-V3's MTP module feeds the
@@ -53,7 +56,7 @@ import torch
 
 from mtp_train.config.head import HEAD_TYPES
 from mtp_train.config.registry import Registry
-from mtp_train.export import dflash, dspark, eagle3, speculators_dflash
+from mtp_train.export import dflash, dspark, eagle3, peagle, speculators_dflash
 from mtp_train.heads.base import DraftHead
 from mtp_train.models.families import family_of
 from mtp_train.models.fusing import fuse, fusion_plan, unfuse
@@ -268,6 +271,14 @@ def _eagle3_layout(name: str, check: Callable[[eagle3.Eagle3Spec], list[str]], t
                   lambda head, target: config(eagle3.Eagle3Spec.of(head), target), keeps_draft_vocab=True)
 
 
+def _peagle_layout() -> Layout:
+    """speculators' P-EAGLE layout (`export/peagle.py`): EAGLE-3's, the placeholder's hidden state and token."""
+    return Layout("speculators-peagle", lambda head: peagle.problems(eagle3.Eagle3Spec.of(head)),
+                  _on_spec(peagle.to_layout), _on_spec(peagle.from_layout),
+                  lambda head, target: peagle.config(eagle3.Eagle3Spec.of(head), target, head.mask_token_id),
+                  keeps_draft_vocab=True)
+
+
 # Export formats by name. A head type's spec names the formats that take it (`HeadTypeSpec.formats`); a plug-in
 # that brings a new layout registers it here (`LAYOUTS.add(Layout(...))`). `unmatched_formats` is the cross-check.
 LAYOUTS: Registry[Layout] = Registry("export format")
@@ -286,6 +297,7 @@ for _layout_entry in (
     Layout("speculators-dflash", speculators_dflash.problems, speculators_dflash.to_layout,
            speculators_dflash.from_layout, speculators_dflash.config, keeps_draft_vocab=True),
     Layout("dspark", dspark.problems, dspark.to_layout, dspark.from_layout, dspark.config),
+    _peagle_layout(),
 ):
     LAYOUTS.add(_layout_entry)
 

@@ -1,0 +1,274 @@
+"""The peagle head (P-EAGLE): its slots read the placeholder and see only their anchor's context and earlier slots,
+its training unroll equals its inference path through the paged cache, it trains (the loss falls), its drafter runs
+one head forward per step whose k drafts equal the unroll's and decodes exactly as plain greedy, it is trained by
+`mtp-train` and evaluated by `mtp-eval`, and its exports (native, speculators-peagle) read back unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mtp_train.cli.eval import eval_main
+from mtp_train.cli.precompute import precompute_main
+from mtp_train.cli.train import train_main
+from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig
+from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
+from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
+from mtp_train.head_types.peagle import HEAD_TYPE, ParallelProposer, parallel_drafter, parallel_inference_path
+from mtp_train.heads import build_head, packed_shift, save_head
+from mtp_train.heads.peagle import PEagleHead
+from mtp_train.models import load_model
+from mtp_train.speculative.engine import SpecEngine
+from mtp_train.train.losses import unrolled_loss
+from tests.conftest import compose_config, make_chat_target, make_tiny_checkpoint, metrics_by_step, topic_conversations
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+if "peagle" not in HEAD_TYPES:  # a checkout whose installed entry points predate the type (pip install -e . adds it)
+    HEAD_TYPES.add(HEAD_TYPE)
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+PROMPTS = [[3, 17, 42], [5, 9, 11, 200, 7, 1, 8], list(range(20, 33)), [250] * 2 + list(range(40, 58))]
+
+
+def _head(path, seed=0, **kw) -> PEagleHead:
+    torch.manual_seed(seed)
+    kw.setdefault("draft_vocab_size", 64)
+    head = build_head(HeadConfig(type="peagle", **kw), path, dtype="float32")
+    assert isinstance(head, PEagleHead)
+    return head
+
+
+def _perturbed(head: PEagleHead) -> PEagleHead:
+    """Weights away from their start (unit norms, the target's lm_head rows), so that a wrong map shows."""
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            p.add_(torch.randn_like(p) * (0.2 if n.endswith("norm.weight") else 0.05))
+    return head
+
+
+def _batch(head, path, seqs):
+    model = load_model(path, dtype="float32")
+    out = prefill_hidden(model, seqs, hidden_layers=head.aux_layers)
+    aux = torch.cat([out.layers[j] for j in head.aux_layers], -1)
+    return out.hidden, aux, torch.tensor([t for s in seqs for t in s]), [len(s) for s in seqs]
+
+
+def test_slots_see_their_anchor_context_and_earlier_slots_only(tiny_checkpoints):
+    """Slot j of anchor i reads neither the rows after i nor the tokens after t_{i+1} (it drafts from the context up
+    to i alone); the unroll equals the inference path through the paged cache, and depth 0 is EAGLE-3's step 0."""
+    path = tiny_checkpoints["llama"][0]
+    head = _perturbed(_head(path))
+    assert head.mask_token_id == head.args.vocab_size - 1 and head.mask_hidden.shape == (head.input_width,)
+    assert head.kv_shape[0] == 1
+    _, aux, ids, lens = _batch(head, path, [PROMPTS[2], PROMPTS[1]])
+    steps = 4
+    with torch.no_grad():
+        outs = head.unroll(aux, ids, lens, steps)
+        path_outs = parallel_inference_path(head, aux, ids, lens, steps)
+        for a, b in zip(outs, path_outs):
+            torch.testing.assert_close(a, b, **TOL)
+        torch.testing.assert_close(outs[0], head.forward_train(aux, packed_shift(ids, lens, 1), lens), **TOL)
+        i = 5  # change every row after anchor i of the first sequence, and every token after t_{i+1} (its row's)
+        aux2, ids2 = aux.clone(), ids.clone()
+        aux2[i + 1:lens[0]] += 1.0
+        ids2[i + 2:lens[0]] = (ids2[i + 2:lens[0]] + 7) % head.args.vocab_size
+        changed = head.unroll(aux2, ids2, lens, steps)
+    for j in range(1, steps):  # the slots of anchors 0..i and of the other sequence are unchanged
+        torch.testing.assert_close(changed[j][:i + 1], outs[j][:i + 1], **TOL)
+        torch.testing.assert_close(changed[j][lens[0]:], outs[j][lens[0]:], **TOL)
+        assert not torch.allclose(changed[j][i + 1:lens[0]], outs[j][i + 1:lens[0]], **TOL)
+    with torch.no_grad():
+        head.mask_hidden.add_(1.0)  # only the slots read it
+        moved = head.unroll(aux, ids, lens, steps)
+    torch.testing.assert_close(moved[0], outs[0])
+    assert not torch.allclose(moved[1], outs[1], **TOL)
+
+
+def test_settings_and_refusals(tiny_checkpoints):
+    path = tiny_checkpoints["llama"][0]
+    head = _head(path)
+    with pytest.raises(ValueError, match="own draft vocabulary"):
+        HeadConfig(type="peagle")
+    with pytest.raises(ValueError, match="aux layers only"):
+        HeadConfig(type="peagle", features="final", draft_vocab_size=8)
+    with pytest.raises(ValueError, match="only a block drafter"):
+        HeadConfig(type="peagle", draft_vocab_size=8, block_size=4)
+    with pytest.raises(ValueError, match="norm_output"):
+        HeadConfig(type="peagle", draft_vocab_size=8, norm_output=True)
+    with pytest.raises(ValueError, match="loss.unroll_attention=chain"):
+        head.unroll(torch.randn(5, head.input_width), torch.arange(5), [5], 2, attention="causal")
+    with pytest.raises(ValueError, match="parallel drafter takes draft_threshold; not draft_width"):
+        parallel_drafter(head, {"draft_width": 2})
+    assert head.accepts_unroll_option("shard") and head.accepts_unroll_option("checkpoint")
+
+
+def _greedy(model, prompts, n=24, page_size=3):
+    out = LLMEngine(model, page_size=page_size, num_pages=256).generate(
+        prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    return [o.output_ids for o in out]
+
+
+def _trained(path, steps=6, iters=80):
+    """A peagle head trained briefly on the target's own greedy continuations (so its drafts are often right)."""
+    model = load_model(path, dtype="float32")
+    head = _head(path, draft_vocab_size=256)
+    seqs = [p + o for p, o in zip(PROMPTS, _greedy(model, PROMPTS, n=40))]
+    hidden, aux, ids, lens = _batch(head, path, seqs)
+    cfg = LossConfig(steps=steps, step_decay=1.0, w_feat=0.0, w_tok=1.0, kind="argmax_ce")
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(iters):
+        loss, _ = unrolled_loss(head, hidden, ids, torch.ones_like(ids), lens, cfg, aux_hidden=aux)
+        opt.zero_grad()
+        loss.backward()
+        assert head.mask_hidden.grad is not None and head.mask_hidden.grad.abs().sum() > 0
+        opt.step()
+        losses.append(float(loss.detach()))
+    return model, head.eval(), losses
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_checkpoints):
+    return _trained(tiny_checkpoints["llama"][0])
+
+
+def test_the_loss_falls_and_greedy_parallel_drafts_equal_plain_greedy(trained):
+    model, head, losses = trained
+    assert losses[-1] < 0.7 * losses[0], losses
+    ref = _greedy(model, PROMPTS)
+    for k in (1, 3, 6):
+        proposer = ParallelProposer(head)
+        eng = SpecEngine(model, proposer, k, page_size=3, num_pages=256)
+        out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+        assert [o.output_ids for o in out] == ref
+        m = eng.stats.metrics
+        assert m.num_draft_tokens == k * m.num_drafts  # all k drafts of a step, every step
+        assert proposer.forwards == eng.stats.verify_steps  # from one head forward per step
+        if k > 1:
+            assert m.mean_acceptance_length > 1.5
+        assert eng.runner.kv.allocator.num_free == eng.runner.kv.num_pages
+
+
+class _Recording(ParallelProposer):
+    """The drafter, keeping each step's sequences (their tokens then) and the features of its one forward."""
+
+    def __init__(self, head: PEagleHead) -> None:
+        super().__init__(head)
+        self.seen: list[tuple[list[list[int]], torch.Tensor]] = []
+
+    def draft_forward(self, seqs, k):
+        feats, logits = super().draft_forward(seqs, k)
+        self.seen.append(([list(s.token_ids) for s in seqs], feats.clone()))
+        return feats, logits
+
+
+def test_the_drafter_forward_equals_the_unroll(tiny_checkpoints, trained):
+    """Every step's one forward (after prefill, and after verifications that left slots past the accepted length,
+    then overwritten) gives the k features the unroll computes from the whole sequence's target features at that
+    anchor: drafting is exactly the trained computation."""
+    path = tiny_checkpoints["llama"][0]
+    model, head, _ = trained
+    k = 4
+    proposer = _Recording(head)
+    eng = SpecEngine(model, proposer, k, page_size=3, num_pages=256)
+    eng.generate(PROMPTS[:3], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert len(proposer.seen) == eng.stats.verify_steps > 3
+    for tokens, feats in proposer.seen[::2]:
+        for ids, got in zip(tokens, feats):
+            _, aux, t, lens = _batch(head, path, [ids])
+            with torch.no_grad():
+                want = head.unroll(aux, t, lens, k)
+            i = len(ids) - 2  # the last row with a next token drafts d_1: anchor L-2
+            for j in range(k):
+                torch.testing.assert_close(got[j], want[j][i], **TOL)
+
+
+def test_draft_threshold_shortens_the_chain(trained):
+    model, head, _ = trained
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    eng = SpecEngine(model, ParallelProposer(head, draft_threshold=0.9), 4, page_size=3, num_pages=256)
+    assert [o.output_ids for o in eng.generate(PROMPTS, params)] == _greedy(model, PROMPTS, n=16)
+    m = eng.stats.metrics
+    assert m.num_draft_tokens < 4 * m.num_drafts
+
+
+@pytest.mark.parametrize("fmt", ["native", "speculators-peagle"])
+def test_export_round_trip_gives_identical_features(tmp_path, fmt):
+    target = tmp_path / "target"
+    make_tiny_checkpoint("llama", target, num_hidden_layers=5)  # vLLM captures hidden_states[1..L-1]
+    head = _perturbed(_head(target, aux_layers=[1, 2, 4]))
+    head_dir = save_head(head, tmp_path / "head")
+    out = export_head(head_dir, target, fmt, tmp_path / fmt)
+    assert verify_round_trip(head_dir, out, target) == 0.0
+    back = load_export(out, target)
+    assert isinstance(back, PEagleHead) and torch.equal(back.mask_hidden, head.mask_hidden)
+    assert torch.equal(back.draft_vocab, head.draft_vocab) and back.cfg.aux_layers == [1, 2, 4]
+    with torch.no_grad():  # the drafts of a whole step agree
+        hidden, ids = torch.randn(9, head.input_width), torch.randint(0, head.args.vocab_size, (9,))
+        for a, b in zip(head.unroll(hidden, ids, [4, 5], 3), back.unroll(hidden, ids, [4, 5], 3)):
+            assert torch.equal(a, b)
+        head.mask_hidden.mul_(1.5)  # a change the slots alone read shows in the round-trip check
+    assert verify_round_trip(save_head(head, tmp_path / "other"), out, target) > 1e-4
+
+
+def test_the_speculators_peagle_layout_names_and_config(tmp_path):
+    """The tensors and config.json keys vLLM reads (`configs/speculators/algos.py` update_peagle, `llama_eagle3.py`
+    load_weights): speculators_model_type peagle, mask_token_id, mask_hidden of the fc's input width."""
+    target = tmp_path / "target"
+    make_tiny_checkpoint("llama", target, num_hidden_layers=5)
+    head = _head(target, aux_layers=[1, 2, 4])
+    out = export_head(save_head(head, tmp_path / "head"), target, "speculators-peagle", tmp_path / "pe")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "peagle" and cfg["mask_token_id"] == head.args.vocab_size - 1
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4] and cfg["draft_vocab_size"] == 64
+    assert cfg["norm_before_residual"] is False and "fc_norm" not in cfg
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert cfg["speculators_config"]["algorithm"] == "peagle"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert tuple(f.get_tensor("mask_hidden").shape) == (1, 1, 3 * head.args.hidden_size)
+    assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.gate_proj.weight", "norm.weight",
+            "lm_head.weight", "d2t", "t2d", "mask_hidden"} <= names
+    with pytest.raises(LayoutError, match="head.aux_norm=true: vLLM's peagle config reader"):
+        export_head(save_head(_head(target, aux_layers=[1, 2, 4], aux_norm=True), tmp_path / "h31"), target,
+                    "speculators-peagle", tmp_path / "x")
+    with pytest.raises(LayoutError, match="use a format for peagle heads: native, speculators-peagle"):
+        export_head(save_head(_head(target, aux_layers=[1, 2, 4]), tmp_path / "h"), target, "speculators",
+                    tmp_path / "y")
+
+
+@pytest.mark.slow
+def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
+    """`mtp-precompute` (its aux layers) → `mtp-train head=peagle` (validated through its inference path and its
+    drafter) → `mtp-eval` drafts k tokens per forward whose greedy answers equal plain decoding."""
+    target = make_chat_target(tmp_path / "target")
+    convs, prompts = topic_conversations(tmp_path)
+    precompute_main(compose_config("precompute", [
+        f"model.path={target}", "model.device=cpu", f"data.paths=[{convs}]", f"out={tmp_path / 'pc'}",
+        "max_seq_len=64", "progress=false", "val_fraction=0.25", "aux_layers=[1,2]"]))
+    train_main(compose_config("train", [
+        f"model.path={target}", "model.device=cpu", "model.backend=torch", f"data.dir={tmp_path / 'pc'}",
+        f"out={tmp_path / 'run'}", "wandb.mode=disabled", "train.progress=false", "train.max_steps=12",
+        "train.micro_batch_tokens=256", "train.eval_every=6", "train.eval_batches=2", "train.save_every=0",
+        "optim.lr=3e-2", "optim.warmup_steps=1", "head=peagle", "head.draft_vocab_size=128", "head.aux_layers=[1,2]",
+        "loss.steps=3",
+        "loss.kind=argmax_ce", "train.log_every=1", f"spec_eval.prompts=[{prompts}]", "spec_eval.k=3",
+        "spec_eval.max_new_tokens=8"]))
+    history = metrics_by_step(tmp_path / "run")
+    losses = [m["train/loss"] for _, m in sorted(history.items()) if "train/loss" in m]
+    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses))), losses
+    evals = [m for m in history.values() if "eval/step2/top1" in m]
+    assert evals and all(1.0 <= m["spec/tau"] <= 4.0 for m in evals), history
+    head = tmp_path / "run" / "heads" / "step-12"
+    assert json.loads((head / "config.json").read_text())["head"]["type"] == "peagle"
+    base = [f"model.path={target}", "model.device=cpu", f"head_ckpt={head}", f"prompts=[{prompts}]",
+            "max_new_tokens=16", "progress=false", "warmup=false", "plots=false", "ngram.compare=false"]
+    report = eval_main(compose_config("eval", [*base, "k=3", f"out={tmp_path / 'eval'}"]))
+    rows = [r for r in report["rows"] if r["method"] == "mtp"]
+    assert rows and all(r["exact_match"] == 1.0 and r["mean_draft_len"] == 3 for r in rows)
+    with pytest.raises(ValueError, match="peagle heads draft with their own drafter, which takes no draft_width=2"):
+        eval_main(compose_config("eval", [*base, "k=3", "draft_width=2", f"out={tmp_path / 'eval-width'}"]))
