@@ -273,13 +273,15 @@ def training_table(world: int = 8) -> list[dict]:
 def print_training_table(rows: list[dict], world: int, gpu_gib: float) -> None:
     print(f"predicted peak per rank (GiB), {world} GPUs, ZeRO-2, bf16; one sample per micro-batch "
           f"(train.micro_batch_tokens = its length); a GPU of {gpu_gib} GiB\n")
-    print("| target | head | tokens | SP | act. ckpt | peak GiB/rank | activations | loss chunk | largest | fits |")
-    print("|---|---|---:|---:|---|---:|---:|---:|---|---|")
+    print("| target | head | tokens | SP | act. ckpt | peak GiB/rank | activations | loss chunk | attention grad "
+          "| largest | fits |")
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|---|---|")
     for r in rows:
         t = r["terms_gib"]
         print(f"| {r['target']} | {r['head']} | {r['tokens']} | {r['sp']} | "
               f"{'on' if r['activation_checkpointing'] else 'off'} | {r['peak_gib']} | {t['activations']} | "
-              f"{t['loss chunk']} | {r['largest']} | {'yes' if r['peak_gib'] <= gpu_gib else 'no'} |")
+              f"{t['loss chunk']} | {t.get('attention grad', '–')} | {r['largest']} | "
+              f"{'yes' if r['peak_gib'] <= gpu_gib else 'no'} |")
     print("\ncommands:")
     for r in rows:
         print(f"  {r['command']}")
