@@ -425,14 +425,16 @@ def longest_sample(folder: str | Path) -> int | None:
 
 def sample_length(tc: TrainConfig) -> tuple[int, str]:
     """The sample length to plan for and where it came from: `plan_length`, the data's longest sample (a readable
-    precompute folder; online data's max_seq_len), else train.micro_batch_tokens."""
+    precompute folder), the cut of samples made from conversations (data.online.max_seq_len: online, fleet, a
+    hybrid run's first epoch), else train.micro_batch_tokens."""
     if tc.plan_length > 0:
         return tc.plan_length, "plan_length"
-    if tc.data.source in ("online", "fleet"):
+    if tc.data.source in ("offline", "hybrid"):  # hybrid: the folder its epoch 0 wrote, once there
+        found = longest_sample(tc.data.dir)
+        if found is not None:
+            return found, f"the longest sample of {tc.data.dir}"
+    if tc.data.source != "offline":  # samples made from conversations are cut at max_seq_len
         return tc.data.online.max_seq_len, "data.online.max_seq_len"
-    found = longest_sample(tc.data.dir)
-    if found is not None:
-        return found, f"the longest sample of {tc.data.dir}"
     return tc.train.micro_batch_tokens, "train.micro_batch_tokens (the data is not readable)"
 
 
