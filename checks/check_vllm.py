@@ -1,7 +1,7 @@
-"""`make check-vllm`: our exported EAGLE, DFlash and DSpark heads served by a real vLLM, compared with our own engine.
+"""`make check-vllm`: our exported EAGLE, P-EAGLE, DFlash and DSpark heads served by a real vLLM beside our engine.
 
-For each head type (eagle1, eagle3, dflash, dspark), and `dflash-speculators` (a dflash head with the demo's 8k draft
-vocabulary in speculators' layout, `format=speculators-dflash`: the one DFlash layout with `d2t`):
+For each head type (eagle1, eagle3, dflash, dspark, peagle), and `dflash-speculators` (a dflash head with the demo's
+8k draft vocabulary in speculators' layout, `format=speculators-dflash`: the one DFlash layout with `d2t`):
 
 1. the head: a given folder (`--head-eagle1 DIR`, a head written by mtp-train) or a small one trained here on the
    default model with the demo recipe (the conversations of `runs/demo/regenerated.jsonl` and the hidden states of
@@ -9,7 +9,9 @@ vocabulary in speculators' layout, `format=speculators-dflash`: the one DFlash l
 2. exported (`mtp-export format=vllm-eagle` for eagle1, `format=speculators` for eagle3, `format=dflash` for
    dflash: vLLM's `method=dflash` drafts with a block of 1 + k queries, so the dflash head is trained with
    block_size k + 1 and reads the aux layers the precompute folder stores; `format=dspark` for dspark: vLLM's
-   `method=dspark` queries the last token and k - 1 masks and drafts from every slot, so block_size k);
+   `method=dspark` queries the last token and k - 1 masks and drafts from every slot, so block_size k;
+   `format=speculators-peagle` for peagle: vLLM's `method=eagle3` with `parallel_drafting` drafts its k tokens in one
+   forward, so the head trains k depths);
 3. measured by our `mtp-eval`: k = 3, batch 1, greedy, 96 new tokens, the first 16 held-out demo prompts;
 4. served by vLLM (`checks/vllm_side.py` in vLLM's own venv): plain greedy and speculative greedy (k = 3) on the
    very prompt token ids our engine saw (rendered here with our chat template code, each later turn after our
@@ -21,7 +23,8 @@ vocabulary in speculators' layout, `format=speculators-dflash`: the one DFlash l
 
 A head type this checkout does not implement (no conf/head/<type>.yaml, no registered head, no export format) is
 reported as skipped with the reason. vLLM's own failure is recorded with its error text, and the head fails. A
-method vLLM's build may refuse outright (`PROBE_FIRST`: dspark, which vLLM 0.32's CPU build refuses, docs/exports.md)
+method vLLM's build may refuse outright (`PROBE_FIRST`: dspark, which vLLM 0.32's CPU build refuses, docs/exports.md;
+peagle, whose parallel drafting vLLM's model runner may refuse)
 is first asked of vLLM with an untrained head's export on one short prompt: when vLLM's engine refuses the method
 at configuration (`refusal`), the head is reported as unsupported with vLLM's error, before any training, and does
 not fail the check; when vLLM runs it, the head is trained and compared like the others.
@@ -56,18 +59,20 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAD_TYPES = ("eagle1", "eagle3", "dflash", "dflash-speculators", "dspark")  # rows: a head type or a ROW_TYPE
+HEAD_TYPES = ("eagle1", "eagle3", "dflash", "dflash-speculators", "dspark", "peagle")  # rows: a type or a ROW_TYPE
 ROW_TYPE = {"dflash-speculators": "dflash"}  # rows that check another layout of a head type
 EXPORT_FORMAT = {"eagle1": "vllm-eagle", "eagle3": "speculators", "dflash": "dflash",
-                 "dflash-speculators": "speculators-dflash", "dspark": "dspark"}
+                 "dflash-speculators": "speculators-dflash", "dspark": "dspark", "peagle": "speculators-peagle"}
 VLLM_METHOD = {"eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dflash-speculators": "dflash",
-               "dspark": "dspark"}
+               "dspark": "dspark", "peagle": "eagle3"}
+# Rows vLLM serves with `parallel_drafting` (P-EAGLE: its eagle3 method drafting all k tokens in one forward).
+PARALLEL_DRAFTING = ("peagle",)
 # the demo recipe's: ~6x cheaper lm_head in training; z-lab's DFlash and the DSpark layouts draft over the whole
 # vocabulary, speculators' DFlash layout carries the draft vocabulary (d2t)
-DRAFT_VOCAB = {"eagle1": 8192, "eagle3": 8192, "dflash": 0, "dflash-speculators": 8192, "dspark": 0}
+DRAFT_VOCAB = {"eagle1": 8192, "eagle3": 8192, "dflash": 0, "dflash-speculators": 8192, "dspark": 0, "peagle": 8192}
 BLOCK_HEADS = ("dflash", "dspark")  # trained with the block vLLM drafts (`block_recipe`)
 # Methods vLLM's build may refuse outright: asked first with an untrained head (module docstring).
-PROBE_FIRST = ("dspark",)
+PROBE_FIRST = ("dspark", "peagle")
 # What vLLM's engine says when its configuration refuses a method (vllm/config/vllm.py's model-runner checks).
 REFUSALS = ("does not support", "does not yet support", "requires Triton")
 DEMO_CONVERSATIONS = Path("runs/demo/regenerated.jsonl")
@@ -80,10 +85,12 @@ TRAIN_RECIPE = ("loss.w_tok=1.0", "loss.ce_impl=fused", "optim.lr=1.0e-3", "opti
 # eagle1.yaml's 3-step cost); EAGLE-3's loss (conf/head/eagle3.yaml: no feature loss, out-of-draft mask) with a
 # 3-step training-time test (k = 3 drafts; EAGLE-3's 7 would cost 7x a step here) over half the steps.
 # dflash / dspark: conf/head/<type>.yaml's recipe (token loss, D-PACE) with the block vLLM drafts (`block_recipe`).
+# peagle: conf/head/peagle.yaml's recipe with the k depths vLLM drafts (loss.steps = k, `depth_recipe`).
 HEAD_RECIPE = {"eagle1": ("loss.steps=1", "loss.position_weights=decay"),
                "eagle3": ("loss.w_feat=0", "loss.steps=3", "loss.mask_out_of_draft=true"),
-               "dflash": (), "dflash-speculators": (), "dspark": ()}
-STEP_SHARE = {"eagle1": 1.0, "eagle3": 0.5, "dflash": 0.5, "dflash-speculators": 0.5, "dspark": 0.5}
+               "dflash": (), "dflash-speculators": (), "dspark": (), "peagle": ()}
+STEP_SHARE = {"eagle1": 1.0, "eagle3": 0.5, "dflash": 0.5, "dflash-speculators": 0.5, "dspark": 0.5,
+              "peagle": 0.5}
 
 
 def head_type(row: str) -> str:
@@ -245,6 +252,20 @@ def block_recipe(k: int, aux: Sequence[int], head: str = "dflash") -> tuple[str,
     return (f"head.block_size={block}", f"loss.steps={k}", f"head.aux_layers=[{','.join(map(str, aux))}]")
 
 
+def depth_recipe(k: int, head: str) -> tuple[str, ...]:
+    """A parallel drafter (peagle) trained on the k depths vLLM drafts in its one forward; () for other heads."""
+    return (f"loss.steps={k}",) if head in PARALLEL_DRAFTING else ()
+
+
+def speculative(row: str, export: Path, k: int) -> dict[str, Any]:
+    """The request's `speculative` block of a row: vLLM's method, the export, k, and parallel drafting where the row
+    serves it (`vllm_side.py` passes it on)."""
+    spec: dict[str, Any] = {"method": VLLM_METHOD[row], "model": str(ROOT / export), "num_speculative_tokens": k}
+    if row in PARALLEL_DRAFTING:
+        spec["parallel_drafting"] = True
+    return spec
+
+
 def refusal(error: str) -> str | None:
     """The line of a vLLM error in which its engine refuses a method at configuration (REFUSALS), or None."""
     for line in error.splitlines():
@@ -298,7 +319,8 @@ class OurSide:
         candidates = [Path(self.a.precompute)] if self.a.precompute else [DEMO_PRECOMPUTE]
         for c in candidates:
             aux = manifest_aux(c)
-            if aux is not None and (head == "eagle1" or (len(aux) == 3 if head == "eagle3" else bool(aux))):
+            if aux is not None and (head == "eagle1" or (len(aux) == 3 if head in ("eagle3", "peagle")
+                                                         else bool(aux))):
                 return c
         path = self.out / "precompute"
         if manifest_aux(path) is None:  # the demo's precompute stage, plus EAGLE-3's layers (serves both heads)
@@ -323,7 +345,8 @@ class OurSide:
             run_command(f"{head} train", "train",
                         [f"model.path={self.model}", "data=demo-regen", f"data.dir={folder}",
                          f"out={train}", "resume=auto", f"head={kind}", f"head.draft_vocab_size={DRAFT_VOCAB[head]}",
-                         f"train.max_steps={steps}", *TRAIN_RECIPE, *HEAD_RECIPE[head], *block],
+                         f"train.max_steps={steps}", *TRAIN_RECIPE, *HEAD_RECIPE[head], *block,
+                         *depth_recipe(self.a.k, kind)],
                         self.out / "logs" / f"{head}_train.log")
         return head_dir
 
@@ -345,16 +368,17 @@ class OurSide:
         from mtp_train.heads import build_head, save_head
 
         a, head_dir = self.a, self.out / head / "probe-head"
-        block = a.k if head == "dspark" else a.k + 1
+        # a block head with the recipe's block; another (peagle) with the row's draft vocabulary
+        shape = ({"block_size": a.k if head == "dspark" else a.k + 1} if head in BLOCK_HEADS
+                 else {"draft_vocab_size": DRAFT_VOCAB[head]})
         torch.manual_seed(0)
-        h = build_head(HeadConfig(type=head, block_size=block, aux_layers=aux_layers(self.model)),
-                       ROOT / self.model, dtype="float32")
+        h = build_head(HeadConfig(type=head, aux_layers=aux_layers(self.model), **shape), ROOT / self.model,
+                       dtype="float32")
         save_head(h, ROOT / head_dir, extra_config={"check_vllm": "untrained probe"})
         export = self.export(head, head_dir, "probe-export")
         req = {"model": str(ROOT / self.model), "prompts": [[1, 2, 3, 4, 5, 6, 7, 8]], "max_tokens": 2,
                "stop_token_ids": [], "max_model_len": 2048, "dtype": "float32",
-               "speculative": {"method": VLLM_METHOD[head], "model": str(ROOT / export),
-                               "num_speculative_tokens": a.k},
+               "speculative": speculative(head, export, a.k),
                "head_weights": file_digest(ROOT / export / "model.safetensors")}
         try:
             run_vllm(a, req, f"probe-{head}", self.out)
@@ -507,8 +531,7 @@ def check_head(side: OurSide, head: str) -> dict[str, Any]:
         stage = "vllm plain"
         plain = run_vllm(a, base, "plain", side.out)
         stage = f"vllm {VLLM_METHOD[head]}"
-        spec_req = {**base, "speculative": {"method": VLLM_METHOD[head], "model": str(ROOT / export),
-                                            "num_speculative_tokens": a.k},
+        spec_req = {**base, "speculative": speculative(head, export, a.k),
                     "head_weights": file_digest(ROOT / export / "model.safetensors")}
         spec = run_vllm(a, spec_req, f"spec-{head}", side.out)
         if spec.get("spec") is None:

@@ -7,7 +7,8 @@ request and reads the result; both are JSON files:
 
     request: {"model": DIR, "prompts": [[token id, ...], ...], "max_tokens": 96, "stop_token_ids": [...],
               "max_model_len": 2048, "dtype": "float32",
-              "speculative": null | {"method": "eagle" | "eagle3", "model": HEAD_DIR, "num_speculative_tokens": 3}}
+              "speculative": null | {"method": "eagle" | "eagle3" | ..., "model": HEAD_DIR, "num_speculative_tokens": 3,
+                                     "parallel_drafting": true (optional: P-EAGLE, all k drafts in one forward)}}
     result:  {"vllm_version", "outputs": [{"token_ids": [...], "finish_reason": "stop" | "length"}, ...],
               "spec": null | {"num_drafts", "num_draft_tokens", "num_accepted", "accepted_per_pos": [...],
                               "tau", "acceptance_rate", "per_position": [...]}}
@@ -53,7 +54,10 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(**engine_kwargs(req))
+    kwargs = engine_kwargs(req)
+    if (req.get("speculative") or {}).get("parallel_drafting"):  # vLLM's eagle3 drafting all k in one forward
+        kwargs["speculative_config"]["parallel_drafting"] = True
+    llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=int(req["max_tokens"]),
                             stop_token_ids=[int(t) for t in req["stop_token_ids"]], detokenize=False)
     outputs = []

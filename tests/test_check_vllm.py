@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_arguments_default_to_the_check_settings():
     a = check.parse_args([])
-    assert a.heads == ["eagle1", "eagle3", "dflash", "dflash-speculators", "dspark"]
+    assert a.heads == ["eagle1", "eagle3", "dflash", "dflash-speculators", "dspark", "peagle"]
     assert (a.k, a.max_new_tokens, a.limit, a.prompts, a.tolerance) == (3, 96, 16, "demo-heldout", 0.05)
     assert a.head_eagle1 is None and a.head_eagle3 is None and a.head_dflash is None and a.head_dspark is None
     a = check.parse_args(["--heads", "eagle1", "--head-eagle1", "h/step-9", "--k", "2"])
@@ -100,7 +100,8 @@ def test_the_last_line_is_one_json_object_of_every_head(monkeypatch, capsys):
                "eagle3": {"status": "skipped", "reason": "no conf/head/eagle3.yaml in this checkout"},
                "dflash": {"status": "skipped", "reason": "no conf/head/dflash.yaml in this checkout"},
                "dflash-speculators": {"status": "skipped", "reason": "no conf/head/dflash.yaml in this checkout"},
-               "dspark": {"status": "unsupported", "reason": "Model Runner V1 does not support: dspark"}}
+               "dspark": {"status": "unsupported", "reason": "Model Runner V1 does not support: dspark"},
+               "peagle": {"status": "skipped", "reason": "no conf/head/peagle.yaml in this checkout"}}
     monkeypatch.setattr(check, "check_head", lambda side, head: entries[head])
     assert check.main(["--vllm-python", sys.executable]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

@@ -13,6 +13,7 @@ from mtp_train.heads.eagle3 import Eagle3Head
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer
 from mtp_train.heads.mtp import MTPHead
 from mtp_train.heads.packing import packed_shift, packed_valid, resolve_seq_lens
+from mtp_train.heads.peagle import PEagleHead
 from mtp_train.heads.registry import build_head, head_class, new_head
 from mtp_train.heads.sequence import SequenceShard
 
@@ -24,6 +25,7 @@ __all__ = [
     "FrozenTargetParts",
     "HeadOutput",
     "MTPHead",
+    "PEagleHead",
     "SequenceShard",
     "build_head",
     "head_class",
