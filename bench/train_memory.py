@@ -27,14 +27,15 @@ from bench.common import DEFAULT_MODEL, ints, parser, report
 
 GIB = 2**30
 TOTAL_LINE = re.compile(r"^peak per rank\s+([0-9.]+) GiB \((\d+) bytes\)", re.M)
-HWM_LINE = re.compile(r"^train_memory rank (\d+) VmHWM (\d+)$", re.M)
-# a rank's own peak, printed at exit by the `sitecustomize` of --sp runs (torchrun's children are not ours to wait4)
+# a rank's own peak, written at exit to $TRAIN_MEMORY_HWM/rank-<RANK> by the `sitecustomize` of --sp runs (torchrun's
+# children are not ours to wait4; its launcher, which has no RANK, writes nothing)
 HWM_HOOK = """import atexit, os
 def _hwm():
     for line in open('/proc/self/status'):
         if line.startswith('VmHWM:'):
-            print(f"train_memory rank {os.environ.get('RANK', '0')} VmHWM {int(line.split()[1]) * 1024}", flush=True)
-if os.environ.get('TRAIN_MEMORY_HWM'):
+            with open(os.path.join(os.environ['TRAIN_MEMORY_HWM'], 'rank-' + os.environ['RANK']), 'w') as f:
+                f.write(str(int(line.split()[1]) * 1024))
+if os.environ.get('TRAIN_MEMORY_HWM') and os.environ.get('RANK') is not None:
     atexit.register(_hwm)
 """
 
@@ -96,19 +97,23 @@ def measure(args: list[str], sp: int, work: Path) -> int:
         if proc.returncode != 0:
             raise RuntimeError(f"mtp-train {' '.join(args)} failed ({proc.returncode}):\n{out[-3000:]}")
         return int(usage.ru_maxrss) * 1024  # KiB on Linux
-    hook = work / "hwm_hook"
+    hook, peaks_dir = work / "hwm_hook", work / "hwm"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(HWM_HOOK)
-    env.update(TRAIN_MEMORY_HWM="1", PYTHONPATH=os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")])))
+    peaks_dir.mkdir(exist_ok=True)
+    for old in peaks_dir.glob("rank-*"):
+        old.unlink()
+    env.update(TRAIN_MEMORY_HWM=str(peaks_dir),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")])))
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={sp}",
                           "-m", "mtp_train.cli.train", *args, "model.device=cpu"], env=env, capture_output=True,
                          text=True)
     if run.returncode != 0:
         raise RuntimeError(f"torchrun mtp-train {' '.join(args)} failed ({run.returncode}):\n"
                            f"{(run.stdout + run.stderr)[-3000:]}")
-    peaks = [int(b) for _, b in HWM_LINE.findall(run.stdout)]
+    peaks = [int(f.read_text()) for f in peaks_dir.glob("rank-*")]
     if len(peaks) != sp:
-        raise RuntimeError(f"expected {sp} ranks' peaks, got {len(peaks)}")
+        raise RuntimeError(f"expected {sp} ranks' peaks in {peaks_dir}, got {len(peaks)}")
     return max(peaks)
 
 
