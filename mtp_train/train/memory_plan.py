@@ -1,8 +1,9 @@
 """The training memory plan: the predicted peak memory of one rank of `mtp-train`, term by term.
 
 A pure function of the settings and the target's config.json (no weights are read; nothing is allocated). The
-peak is the sum of what is alive at once in the step that peaks: the loss of the last unrolled step, when every
-step's activations are still kept for the backward and one vocabulary chunk of logits exists.
+peak is what is alive at once in the step that peaks: every lasting term below, plus the largest of the transient
+ones (the token loss's vocabulary chunk while every step's activations are kept, or a block drafter's attention
+backward while they still are).
 
     runtime        the process before any tensor: a CUDA context and the kernels' workspace (CUDA), or this
                    process's own resident set after torch and deepspeed are imported (CPU: measured, passed in)
@@ -24,8 +25,9 @@ step's activations are still kept for the backward and one vocabulary chunk of l
                    (transient: in the layer's backward; the peak counts the larger of the two)
     online target  data.source=online|hybrid: the target's weights / model.tp and its prefill over one micro-batch
 
-The coefficients of the activation and loss terms are counts of the tensors the code keeps (module docstrings
-below), checked against measured peaks of real runs (`python -m bench.train_memory`, tests/test_memory_plan.py).
+The coefficients of the activation and loss terms are counts of the tensors the code keeps (the functions'
+docstrings below), checked against measured peaks of real runs on the CPU (`python -m bench.train_memory`,
+tests/test_memory_plan.py); the CUDA side (bf16 values, the runtime, the whole bucket) is counted, not measured.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from mtp_train.models.config import ModelArgs
 
 GIB = 2**30
 FP32, BF16 = 4, 2
-# CUDA: the context, cuBLAS / cuDNN workspaces and the caching allocator's slack (a fresh process that has run a
-# step of a small model holds about this much beyond its tensors)
+# CUDA: the context, cuBLAS / cuDNN workspaces and the caching allocator's slack beyond the tensors (an estimate, not
+# a measurement of this code)
 CUDA_RUNTIME_BYTES = int(1.5 * GIB)
 # The token loss's (rows, V) fp32 tensors alive at its peak, per `loss.ce_impl`: checkpoint (the default) holds the
 # head's and the target's logits, the target's softmax, their product, the head's softmax inside α and the
@@ -119,7 +121,7 @@ class PlanSettings:
 
 @dataclass
 class MemoryPlan:
-    """The predicted peak of one rank: its terms (their sum is the peak) and what it was planned for."""
+    """The predicted peak of one rank (`total`): its terms and what it was planned for."""
 
     terms: list[Term]
     settings: PlanSettings
