@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from mtp_train.cli.eval import eval_main
 from mtp_train.cli.precompute import precompute_main
@@ -17,10 +18,11 @@ from mtp_train.cli.train import train_main
 from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
+from mtp_train.export.importer import import_drafter
 from mtp_train.head_types.peagle import HEAD_TYPE, ParallelProposer, parallel_drafter, parallel_inference_path
 from mtp_train.heads import build_head, packed_shift, save_head
 from mtp_train.heads.peagle import PEagleHead
-from mtp_train.models import load_model
+from mtp_train.models import ModelConfigError, load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.train.losses import unrolled_loss
 from tests.conftest import compose_config, make_chat_target, make_tiny_checkpoint, metrics_by_step, topic_conversations
@@ -272,3 +274,34 @@ def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
     assert rows and all(r["exact_match"] == 1.0 and r["mean_draft_len"] == 3 for r in rows)
     with pytest.raises(ValueError, match="peagle heads draft with their own drafter, which takes no draft_width=2"):
         eval_main(compose_config("eval", [*base, "k=3", "draft_width=2", f"out={tmp_path / 'eval-width'}"]))
+
+
+def test_a_speculators_peagle_folder_is_imported_and_refused_where_the_head_would_change_it(tmp_path):
+    """Our export read by the importer (`import_drafter`, as a folder from speculators) drafts the same; a folder
+    with another placeholder token or a trained embedding is refused by name."""
+    target = tmp_path / "target"
+    make_tiny_checkpoint("llama", target, num_hidden_layers=5)
+    head = _perturbed(_head(target, aux_layers=[1, 2, 4]))
+    out = export_head(save_head(head, tmp_path / "head"), target, "speculators-peagle", tmp_path / "pe")
+    back = import_drafter("speculators-peagle", out, target)
+    assert isinstance(back, PEagleHead) and back.cfg.aux_layers == [1, 2, 4] and back.cfg.draft_vocab_size == 64
+    with torch.no_grad():
+        hidden, ids = torch.randn(9, head.input_width), torch.randint(0, head.args.vocab_size, (9,))
+        for a, b in zip(head.unroll(hidden, ids, [4, 5], 3), back.unroll(hidden, ids, [4, 5], 3)):
+            assert torch.equal(a, b)
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    cfg = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({**cfg, "mask_token_id": 5}))
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ModelConfigError, match="mask_token_id=5: our peagle head's placeholder"):
+        import_drafter("speculators-peagle", folder, target)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({**tensors, "embed_tokens.weight": torch.randn(head.args.vocab_size, head.args.hidden_size)},
+              str(folder / "model.safetensors"))
+    with pytest.raises(ModelConfigError, match="embed_tokens.weight is not the target's embedding"):
+        import_drafter("speculators-peagle", folder, target)
+    (folder / "config.json").write_text(json.dumps({**cfg, "norm_before_fc": True}))
+    with pytest.raises(ModelConfigError, match="norm_before_fc=True"):
+        import_drafter("speculators-peagle", folder, target)

@@ -1,6 +1,6 @@
-"""Reading a DFlash or DSpark drafter trained elsewhere (z-lab's DFlash layout, speculators' DFlash layout, vLLM's
-DSpark layout, as vLLM loads them) into one of our heads, so that it can be evaluated (`mtp-eval`), exported again
-or fine-tuned (`mtp-train` from the saved head).
+"""Reading a DFlash, DSpark or P-EAGLE drafter trained elsewhere (z-lab's DFlash layout, speculators' DFlash layout,
+vLLM's DSpark layout, speculators' P-EAGLE layout, as vLLM loads them) into one of our heads, so that it can be
+evaluated (`mtp-eval`), exported again or fine-tuned (`mtp-train` from the saved head).
 
 The folder holds `config.json` (`architectures: ["DFlashDraftModel"]` or `["Qwen3DSparkModel"]`, `dflash_config:
 {block_size, mask_token_id, target_layer_ids}`, the draft layers' Qwen3 fields; DSpark adds `markov_rank` and
@@ -10,7 +10,10 @@ shares the target's, as vLLM does when they are absent). speculators' DFlash fol
 (`import_from=speculators-dflash`, `export/speculators_dflash.py`) says `speculators_model_type: "dflash"`, keeps
 the layers' fields in `transformer_layer_config` and, for a draft vocabulary, `lm_head.weight` (which must be the
 target's rows of those tokens, since our head drafts through the target's frozen lm_head: a trained one is refused),
-`d2t` and `t2d`. Its shapes are checked against the target's: a draft for another target is refused by name.
+`d2t` and `t2d`. speculators' P-EAGLE folder (`import_from=speculators-peagle`, `export/peagle.py`) says
+`speculators_model_type: "peagle"`: its lm_head is the head's own (trained), and a placeholder token other than
+the head's (`mask_token_id`) or a trained `embed_tokens.weight` is refused by name, since the head would change
+them. Its shapes are checked against the target's: a draft for another target is refused by name.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from mtp_train.config.head import HeadConfig
-from mtp_train.export import dflash, dspark, speculators_dflash
+from mtp_train.export import dflash, dspark, eagle3, peagle, speculators_dflash
 from mtp_train.fileio import file_problem, safetensors_problem
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTargetParts
@@ -153,6 +156,19 @@ def speculators_head_config(cfg: dict[str, Any], tensors: dict[str, torch.Tensor
     return HeadConfig(type="dflash", draft_vocab_size=int(tensors["d2t"].numel()) if vocab else 0, **fields)
 
 
+def peagle_head_config(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> HeadConfig:
+    """A speculators P-EAGLE config.json (and its d2t) → our HeadConfig (`export/peagle.py`)."""
+    try:
+        return HeadConfig(type="peagle", **peagle.head_fields(cfg, tensors))
+    except ValueError as e:
+        raise ModelConfigError(str(e)) from None
+
+
+def peagle_fit(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], head: DraftHead) -> list[str]:
+    """What the peagle head built for a speculators P-EAGLE folder would silently change (`peagle.fit_problems`)."""
+    return peagle.fit_problems(cfg, tensors, getattr(head, "mask_token_id", -1), head.require_frozen().embed)
+
+
 @dataclass(frozen=True)
 class Reader:
     """How `import_from=<name>` reads a folder."""
@@ -165,6 +181,9 @@ class Reader:
     from_layout: Callable[[dict[str, torch.Tensor], DraftHead], dict[str, torch.Tensor]]
     layer_key: str | None = None  # where config.json keeps the draft layers' fields (None: at the top)
     keep: tuple[str, ...] = ()  # shared-looking tensors that are the layout's own (checked, not skipped)
+    trained_lm_head: bool = False  # its lm_head.weight is the head's own (not the target's rows, which are checked)
+    # (config.json, tensors, the head built) → what the head would silently change (refused); None: nothing
+    fit: Callable[[dict[str, Any], dict[str, torch.Tensor], DraftHead], list[str]] | None = None
 
 
 def _archs(*names: str) -> Callable[[dict[str, Any]], bool]:
@@ -180,6 +199,12 @@ LAYOUTS = {
         speculators_dflash.from_layout, layer_key="transformer_layer_config", keep=("lm_head.weight",)),
     "dspark": Reader("DSpark", "vLLM", _archs(dspark.ARCH, "DSparkDraftModel"), f"architectures [{dspark.ARCH!r}]",
                      lambda cfg, _: dspark_head_config(cfg), dspark.from_layout),
+    "speculators-peagle": Reader(
+        "P-EAGLE", "speculators", lambda cfg: cfg.get("speculators_model_type") == peagle.MODEL_TYPE,
+        f"speculators_model_type {peagle.MODEL_TYPE!r}", peagle_head_config,
+        lambda tensors, head: peagle.from_layout(tensors, eagle3.Eagle3Spec.of(head)),
+        layer_key="transformer_layer_config", keep=("lm_head.weight", "embed_tokens.weight"), trained_lm_head=True,
+        fit=peagle_fit),
 }
 
 
@@ -229,6 +254,10 @@ def import_drafter(layout: str, folder: str | Path, target_dir: str | Path, devi
         raise ModelConfigError(f"{cfg_file}: {e}") from None
     frozen = FrozenTargetParts.from_pretrained(target_dir, device=device)
     head = new_head(head_cfg, args, frozen)
+    unfit = [] if reader.fit is None else reader.fit(cfg, tensors, head)
+    if unfit:
+        raise ModelConfigError(f"{folder}: a {noun} drafter this head would change:\n  " + "\n  ".join(unfit))
+    tensors.pop("embed_tokens.weight", None)  # checked to be the target's (above): the head reads that one
     try:
         state = reader.from_layout(tensors, head)
     except ValueError as e:  # e.g. d2t / t2d that do not describe one draft vocabulary
@@ -243,7 +272,7 @@ def import_drafter(layout: str, folder: str | Path, target_dir: str | Path, devi
     dt = dtype or next(v for v in state.values() if v.is_floating_point()).dtype
     head.load_state_dict({k: v.to(dt) if v.is_floating_point() else v for k, v in state.items()})
     head.attach(frozen.to(device=device, dtype=dt))
-    if "lm_head.weight" in reader.keep and "lm_head.weight" in tensors:
+    if "lm_head.weight" in reader.keep and "lm_head.weight" in tensors and not reader.trained_lm_head:
         _check_lm_head_rows(folder, tensors["lm_head.weight"], head)
     return head.to(device=device, dtype=dt).eval()
 

@@ -61,3 +61,45 @@ def config(spec: eagle3.Eagle3Spec, target: dict[str, Any], mask_token_id: int) 
     cfg.pop("norm_output")
     cfg["speculators_config"]["algorithm"] = MODEL_TYPE
     return cfg
+
+
+# --- reading a speculators P-EAGLE folder (`import_from=speculators-peagle`, `export/importer.py`) ---------------
+
+# config.json keys whose non-default value our head cannot compute: speculators' and vLLM's switches that ours fixes
+FIXED_KEYS = {"norm_before_fc": False, "norm_before_residual": False, "fc_norm": False, "norm_output": False}
+
+
+def head_fields(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A speculators P-EAGLE config.json (and its d2t) → our HeadConfig's fields; ValueError naming the key of a
+    layout our head does not compute."""
+    off = [f"{k}={cfg.get(k)!r} (ours: {v!r})" for k, v in FIXED_KEYS.items() if cfg.get(k, v) != v]
+    layers = (cfg.get("transformer_layer_config") or {}).get("num_hidden_layers", 1)
+    if layers != 1:
+        off.append(f"transformer_layer_config.num_hidden_layers={layers!r} (ours: one layer)")
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if not isinstance(ids, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in ids):
+        off.append(f"eagle_aux_hidden_state_layer_ids={ids!r} (a list of layer ids)")
+    if "d2t" not in tensors or "t2d" not in tensors:
+        off.append("no d2t / t2d tensors (the head drafts over its own draft vocabulary)")
+    if off:
+        raise ValueError("a P-EAGLE drafter this head cannot compute: " + "; ".join(off))
+    # vLLM's aux ids are ours (transformers' hidden_states[j] numbering, `export/eagle3.py`)
+    return {"aux_layers": [int(j) for j in ids], "draft_vocab_size": int(tensors["d2t"].numel())}
+
+
+def fit_problems(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], mask_token_id: int,
+                 embed: torch.Tensor) -> list[str]:
+    """What a speculators P-EAGLE folder holds that the head built for it would silently change: another placeholder
+    token than the head's (`mask_token_id`), or a trained embedding (`embed_tokens.weight`) other than the
+    target's `embed` (V, H), which the head reads frozen."""
+    out = []
+    if cfg.get("mask_token_id") != mask_token_id:
+        out.append(f"mask_token_id={cfg.get('mask_token_id')!r}: our peagle head's placeholder is the target's last "
+                   f"vocabulary id, {mask_token_id}")
+    mine = tensors.get("embed_tokens.weight")
+    if mine is not None and (mine.shape != embed.shape
+                             or not torch.allclose(mine.float(), embed.detach().to("cpu", torch.float32),
+                                                   rtol=1e-2, atol=1e-2)):
+        out.append("embed_tokens.weight is not the target's embedding (a trained one): our head reads the target's, "
+                   "frozen")
+    return out
