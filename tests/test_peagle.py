@@ -26,6 +26,7 @@ from mtp_train.models import ModelConfigError, load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.train.losses import unrolled_loss
 from tests.conftest import compose_config, make_chat_target, make_tiny_checkpoint, metrics_by_step, topic_conversations
+from tests.test_speculative_engine import _marginal_of_second_token, assert_second_tokens_follow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,7 +115,7 @@ def _greedy(model, prompts, n=24, page_size=3):
     return [o.output_ids for o in out]
 
 
-def _trained(path, steps=6, iters=80):
+def _trained(path, steps=6, iters=40):
     """A peagle head trained briefly on the target's own greedy continuations (so its drafts are often right)."""
     model = load_model(path, dtype="float32")
     head = _head(path, draft_vocab_size=256)
@@ -187,6 +188,19 @@ def test_the_drafter_forward_equals_the_unroll(tiny_checkpoints, trained):
             i = len(ids) - 2  # the last row with a next token drafts d_1: anchor L-2
             for j in range(k):
                 torch.testing.assert_close(got[j], want[j][i], **TOL)
+
+
+@pytest.mark.slow
+def test_sampled_parallel_drafts_follow_the_target_distribution(tiny_checkpoints, trained):
+    """Chi-square, as for the chain heads (`test_speculative_engine`): the second generated token of many seeded
+    requests, the first one through speculative acceptance of the slots' sampled drafts, follows the target."""
+    model, head, _ = trained
+    prompt, temp, n = [3, 17, 42, 7], 0.7, 3000
+    expected_p = _marginal_of_second_token(model, prompt, temp)
+    eng = SpecEngine(model, ParallelProposer(head), 3, page_size=4, num_pages=4096, max_batch_size=256)
+    outs = eng.generate([prompt] * n, SamplingParams(temperature=temp, max_new_tokens=2, ignore_eos=True, seed=1234))
+    assert eng.stats.metrics.num_draft_tokens > 0 and eng.stats.metrics.num_accepted > 0
+    assert_second_tokens_follow(outs, expected_p)
 
 
 def test_draft_threshold_shortens_the_chain(trained):
