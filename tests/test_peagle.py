@@ -6,9 +6,12 @@ one head forward per step whose k drafts equal the unroll's and decodes exactly 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -24,7 +27,8 @@ from mtp_train.heads import build_head, packed_shift, save_head
 from mtp_train.heads.peagle import PEagleHead
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.speculative.engine import SpecEngine
-from mtp_train.train.losses import unrolled_loss
+from mtp_train.train.losses import step_token_counts, unrolled_loss
+from mtp_train.train.sequence_parallel import SequenceParallel
 from tests.conftest import compose_config, make_chat_target, make_tiny_checkpoint, metrics_by_step, topic_conversations
 from tests.test_speculative_engine import _marginal_of_second_token, assert_second_tokens_follow
 
@@ -319,3 +323,61 @@ def test_a_speculators_peagle_folder_is_imported_and_refused_where_the_head_woul
     (folder / "config.json").write_text(json.dumps({**cfg, "norm_before_fc": True}))
     with pytest.raises(ModelConfigError, match="norm_before_fc=True"):
         import_drafter("speculators-peagle", folder, target)
+
+
+# --- sequence parallelism: the slots' unroll over 2 gloo ranks equals 1 rank (as tests/test_sequence_parallel.py) ---
+
+SP_LENS = [301, 37]  # a long and a short sample (338 rows: one pad row under SP = 2)
+
+
+def _sp_case(root: Path) -> tuple[PEagleHead, dict, LossConfig]:
+    target = root / "target"
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(type="peagle", aux_layers=[1, 2, 3], draft_vocab_size=200), target,
+                      dtype="float32").train()
+    g = torch.Generator().manual_seed(0)
+    rows = sum(SP_LENS)
+    mask = (torch.rand(rows, generator=g) < 0.7).to(torch.uint8)
+    batch = {"input_ids": torch.randint(0, 255, (rows,), generator=g), "loss_mask": mask,
+             "hidden": torch.randn(rows, head.args.hidden_size, generator=g),
+             "aux_hidden": torch.randn(rows, head.input_width, generator=g)}
+    return head, batch, LossConfig(steps=4, step_decay=1.0, w_feat=0.0, w_tok=1.0)
+
+
+def _sp_loss(head, batch, cfg, shard=None, counts=None, checkpoint=False):
+    head.zero_grad(set_to_none=True)
+    loss, _ = unrolled_loss(head, batch["hidden"], batch["input_ids"], batch["loss_mask"], SP_LENS, cfg,
+                            num_tokens=counts, aux_hidden=batch["aux_hidden"], shard=shard, checkpoint=checkpoint)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+
+def _sp_worker(rank: int, world: int, root: str) -> None:
+    """One of 2 ranks (train.sequence_parallel = 2): its loss and gradients, plain and checkpointed."""
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=world)
+    try:
+        sp = SequenceParallel.setup(world, rank, world, torch.device("cpu"))
+        head, batch, cfg = _sp_case(Path(root))
+        shard = sp.shard(sum(SP_LENS))
+        counts = step_token_counts(batch["loss_mask"], SP_LENS, cfg.steps, None, shard)
+        tdist.all_reduce(counts, group=sp.groups.group)
+        out = {c: _sp_loss(head, batch, cfg, shard, counts, checkpoint=c) for c in (False, True)}
+        torch.save(out, Path(root) / f"rank{rank}.pt")
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sequence_parallel_slots_equal_one_rank(tmp_path):
+    make_tiny_checkpoint("llama", tmp_path / "target", num_key_value_heads=2, max_position_embeddings=1024)
+    mp.start_processes(_sp_worker, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    head, batch, cfg = _sp_case(tmp_path)
+    ref_loss, ref_grads = _sp_loss(head, batch, cfg, counts=step_token_counts(batch["loss_mask"], SP_LENS,
+                                                                               cfg.steps))
+    assert "mask_hidden" in ref_grads
+    for checkpoint in (False, True):
+        torch.testing.assert_close(sum(r[checkpoint][0] for r in ranks), ref_loss, rtol=1e-5, atol=1e-6)
+        for n, ref in ref_grads.items():
+            torch.testing.assert_close(sum(r[checkpoint][1][n] for r in ranks), ref, rtol=1e-4, atol=1e-6, msg=n)
