@@ -407,8 +407,9 @@ def runtime_bytes(device: str) -> int:
 
 
 def longest_sample(folder: str | Path) -> int | None:
-    """The longest sample of a finished precompute folder, from its shards' offsets (None when unreadable)."""
-    from safetensors import safe_open
+    """The longest sample of a finished precompute folder, from its shards' offsets (None when unreadable: a damaged
+    folder is the data source's to refuse, by name, once the run reads it)."""
+    from safetensors import SafetensorError, safe_open
 
     from mtp_train.precompute.manifest import Manifest, ManifestError
 
@@ -421,7 +422,7 @@ def longest_sample(folder: str | Path) -> int | None:
             if offsets.size > 1:
                 longest = max(longest, int(np.diff(offsets).max()))
         return longest or None
-    except (ManifestError, OSError, KeyError, ValueError):
+    except (ManifestError, OSError, KeyError, ValueError, SafetensorError):
         return None
 
 
