@@ -5,7 +5,8 @@ For each head type and sample length, a synthetic precompute folder of samples o
 `mtp-train` subprocess (one micro-batch = one sample: `train.micro_batch_tokens` = the length; evaluation, W&B and
 periodic saves off), and the same command with `plan=true` prints its plan. The measured peak is the process's
 `ru_maxrss` (its VmHWM, the peak resident set, from `os.wait4`); with `--sp N` the run is N CPU ranks under torchrun
-(`train.sequence_parallel=N`) and the peak is the largest rank's, read from each rank's own VmHWM.
+(`train.sequence_parallel=N`) and the peak is the largest rank's, read from each rank's own VmHWM (a chain head's N
+must divide the target's attention heads: 3 for SmolLM2-135M's 9; a block drafter takes any N).
 
 Prints measured, planned and planned / measured per (head, length); the last line is one JSON object.
 
