@@ -11,7 +11,7 @@ must divide the target's attention heads: 3 for SmolLM2-135M's 9; a block drafte
 Prints measured, planned and planned / measured per (head, length); the last line is one JSON object.
 
 Usage: python -m bench.train_memory [--model DIR] [--heads mtp,eagle3,dflash] [--lengths 1024,2048,4096,8192]
-       [--steps 2] [--sp 1] [--work DIR]
+       [--steps 2] [--sp 1] [--activation-checkpointing] [--work DIR]
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class Row:
     sp: int
     measured: int
     planned: int
+    checkpointing: bool = False
 
     @property
     def ratio(self) -> float:
@@ -129,23 +130,27 @@ def planned(args: list[str], sp: int) -> int:
     return int(found.group(2))
 
 
-def run_one(model: Path, head: str, length: int, steps: int, sp: int, work: Path, samples: int = 4) -> Row:
-    """Measure and plan one (head, length, sp)."""
+def run_one(model: Path, head: str, length: int, steps: int, sp: int, work: Path, samples: int = 4,
+            checkpointing: bool = False) -> Row:
+    """Measure and plan one (head, length, sp), with train.activation_checkpointing when `checkpointing`."""
     folder = folder_for(work, model, head, length, max(samples, steps * sp))
     out = work / f"run-{head}-{length}-sp{sp}"
     args = overrides(model, head, folder, out, length, steps, sp)
-    row = Row(head, length, sp, measure(args + ["overwrite=true", "resume=none"], sp, work), planned(args, sp))
+    if checkpointing:
+        args.append("train.activation_checkpointing=true")
+    row = Row(head, length, sp, measure(args + ["overwrite=true", "resume=none"], sp, work), planned(args, sp),
+              checkpointing)
     for p in sorted(out.rglob("*"), reverse=True):  # a run's checkpoint is not needed once its peak is read
         p.unlink() if not p.is_dir() or p.is_symlink() else p.rmdir()
     return row
 
 
 def print_rows(rows: list[Row]) -> None:
-    print("| head | tokens | SP | measured GiB | planned GiB | planned / measured |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| head | tokens | SP | act. ckpt | measured GiB | planned GiB | planned / measured |")
+    print("|---|---:|---:|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r.head} | {r.length} | {r.sp} | {r.measured / GIB:.2f} | {r.planned / GIB:.2f} | {r.ratio:.3f} |",
-              flush=True)
+        print(f"| {r.head} | {r.length} | {r.sp} | {'on' if r.checkpointing else 'off'} | {r.measured / GIB:.2f} | "
+              f"{r.planned / GIB:.2f} | {r.ratio:.3f} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -155,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lengths", type=ints, default=[1024, 2048, 4096, 8192], help="sample lengths in tokens")
     ap.add_argument("--steps", type=int, default=2, help="training steps per run")
     ap.add_argument("--sp", type=int, default=1, help="train.sequence_parallel (that many CPU ranks)")
+    ap.add_argument("--activation-checkpointing", action="store_true", help="train.activation_checkpointing=true")
     ap.add_argument("--work", type=Path, default=None, help="where folders and runs go (default: a temporary one)")
     args = ap.parse_args(argv)
     model = args.model.resolve()
@@ -164,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows = []
         for head in args.heads.split(","):
             for length in args.lengths:
-                rows.append(run_one(model, head, length, args.steps, args.sp, work))
+                rows.append(run_one(model, head, length, args.steps, args.sp, work,
+                                    checkpointing=args.activation_checkpointing))
                 print(f"{head} {length}: measured {rows[-1].measured / GIB:.2f} GiB, planned "
                       f"{rows[-1].planned / GIB:.2f} GiB ({rows[-1].ratio:.3f})", flush=True)
     print_rows(rows)
