@@ -1,10 +1,11 @@
 """A block drafter's training attention: ours (per sequence, anchors in chunks) against one dense masked SDPA.
 
 DFlash trains many blocks per packed batch: each of A anchors has B query rows that see their own sequence's
-context before the anchor and the B rows of their own block. Ours (`heads/block_attention.py`) runs each
-sequence's anchors as the batch of one fused SDPA over that sequence's context alone (the block's own B keys folded
-in as one extra key), so it keeps no scores: its memory is the blocks' rows, the context and an anchors × context
-mask (`python -m bench.attention_memory` counts it against the explicit formula's). The baseline is what a
+context before the anchor and the B rows of their own block. Ours (`heads/block_attention.py`) cuts each
+sequence's anchors into chunks: one mask-free fused SDPA over a chunk's common prefix of that sequence's context,
+the rest (the ragged context and the block's own B keys) explicit and folded in as one extra key, so it keeps no
+scores: its memory is the blocks' rows, the context and one chunk's explicit scores (`python -m
+bench.attention_memory` counts it against the explicit formula's). The baseline is what a
 packed trainer writes without the block structure: every block row of the batch against every key of the batch
 (T context rows and A·B block rows) in one `scaled_dot_product_attention`, with a dense boolean mask of
 (A·B) × (T + A·B) and K/V expanded to the query heads.
