@@ -21,8 +21,8 @@ backward while they still are).
                    train.activation_checkpointing keeps only each step's inputs and recomputes one step at a time
     loss chunk     `loss.chunk_size` rows × the (draft) vocabulary of fp32 logits, the copies the token loss holds
                    (transient: in the forward and the loss's backward)
-    attention grad a block drafter's attention backward: the context K/V's gradient as every anchor's view
-                   (transient: in the layer's backward; the peak counts the larger of the two)
+    attention grad a block drafter's attention backward: the context K/V's gradient and one chunk of anchors'
+                   explicit group (transient: in the layer's backward; the peak counts the larger of the two)
     online target  data.source=online|hybrid: the target's weights / model.tp and its prefill over one micro-batch
 
 The coefficients of the activation and loss terms are counts of the tensors the code keeps (the functions'
@@ -59,9 +59,9 @@ LOSS_CHUNK_COPIES = {"checkpoint": 6.0, "fused": 3.0}
 # The backward's own temporaries of a layer beyond what the forward kept: the gradients of its widest products
 # (the MLP's gate / up and their activation), alive while the saved tensors still are.
 BACKWARD_WIDTHS = 3  # × the MLP's intermediate size
-# A block drafter's attention backward: the gradients of the context K/V as every anchor's view (K and V), and what
-# the backward holds beside them in proportion (measured on the CPU: 2.15 rather than 2, bench.train_memory).
-KV_VIEW_GRADS = 2.15
+# A block drafter's attention backward: one chunk's explicit group in float32 (its recomputed scores and
+# probabilities, and their gradients), in units of `heads.block_attention.SCORE_BUDGET` scores.
+EXPLICIT_GROUP_COPIES = 4
 
 
 @dataclass(frozen=True)
@@ -283,7 +283,7 @@ def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
                       + (f" + the own lm_head's gradient, 2 × {shape.own_lm_head / 1e6:.1f}M fp32" if own else ""),
                       transient=True))
     if head.spec.block:
-        terms.append(block_context_grad_term(s, args, tokens, act, cuda))
+        terms.append(block_attention_grad_term(s, args, tokens, act, cuda))
 
     if s.online:
         terms.append(online_term(args, tokens, s.tp, act))
@@ -350,19 +350,18 @@ def activation_term(s: PlanSettings, args: ModelArgs, shape: HeadShape, share: i
     return Term("activations", kept * act, how + f", {'bf16' if act == BF16 else 'fp32'}")
 
 
-def block_context_grad_term(s: PlanSettings, args: ModelArgs, tokens: int, act: int, cuda: bool) -> Term:
-    """A block drafter's attention backward: the fused attention reads the sequence's context K/V (with its sink
-    row and columns) as one stride-0 view per anchor, and its backward writes their gradients at the view's full
-    size, 2 × anchors × Hkv × (n + 1) × (D + sink columns), for one chunk of anchors at a time
-    (`heads.block_attention`: at most `SCORE_BUDGET` anchor × context entries) before summing them to the context's.
+def block_attention_grad_term(s: PlanSettings, args: ModelArgs, tokens: int, act: int, cuda: bool) -> Term:
+    """A block drafter's attention backward (`heads.block_attention`): the gradient of the sequence's context K/V
+    (with its sink row and columns), once (every chunk's SDPA reads one view of them), and one chunk of anchors'
+    explicit group recomputed in float32 (its probabilities and their gradients, `SCORE_BUDGET` scores each).
     n: the longest sequence's context (the longest sample)."""
     n = min(s.length, tokens)
-    anchors = -(-min(s.head.max_anchors, tokens) // max(1, s.sequence_parallel))
-    chunk = max(1, min(anchors, SCORE_BUDGET // (n + 1)))
     width = args.head_dim + (8 if cuda else 2)  # `block_attention.sink_columns`: 8 on CUDA, 2 elsewhere
-    grads = int(KV_VIEW_GRADS * chunk * args.num_kv_heads * (n + 1) * width * act) + chunk * (n + 1)  # + the mask
-    return Term("attention grad", grads, f"context K/V gradient per anchor view: {KV_VIEW_GRADS:g} × {chunk} anchors "
-                                         f"× {args.num_kv_heads} KV heads × {n + 1} keys × {width}", transient=True)
+    kv_grad = 2 * args.num_kv_heads * (n + 1) * width * act
+    group = EXPLICIT_GROUP_COPIES * SCORE_BUDGET * FP32
+    return Term("attention grad", kv_grad + group,
+                f"the context K/V gradient, 2 × {args.num_kv_heads} KV heads × {n + 1} keys × {width}, + one chunk's "
+                f"explicit group, {EXPLICIT_GROUP_COPIES} × {SCORE_BUDGET} fp32 scores", transient=True)
 
 
 def online_term(args: ModelArgs, tokens: int, tp: int, act: int) -> Term:
@@ -478,7 +477,7 @@ ADVICE = {
     "gradients": "use ZeRO-2 over more ranks, or lower deepspeed.zero_optimization.reduce_bucket_size",
     "weights": "use ZeRO-1/2 over more ranks",
     "online target": "raise model.tp or precompute the hidden states (data.source=offline)",
-    "attention grad": "lower head.max_anchors or train.micro_batch_tokens, or raise train.sequence_parallel",
+    "attention grad": "lower train.micro_batch_tokens",
     "frozen": "use a device with more memory",
     "runtime": "use a device with more memory",
 }
