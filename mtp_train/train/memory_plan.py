@@ -58,7 +58,7 @@ CUDA_RUNTIME_BYTES = int(1.5 * GIB)
 LOSS_CHUNK_COPIES = {"checkpoint": 6.0, "fused": 3.0}
 # The backward's own temporaries of a layer beyond what the forward kept: the gradients of its widest products
 # (the MLP's gate / up and their activation), alive while the saved tensors still are.
-BACKWARD_WIDTHS = 3  # × the MLP's intermediate size
+BACKWARD_WIDTHS = 2  # × the MLP's intermediate size
 # A block drafter's attention backward: one chunk's explicit group in float32 (its recomputed scores and
 # probabilities, and their gradients), in units of `heads.block_attention.SCORE_BUDGET` scores.
 EXPLICIT_GROUP_COPIES = 4
