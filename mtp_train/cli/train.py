@@ -147,27 +147,26 @@ def check_head_fits(tc: TrainConfig) -> None:
                           f"{human_bytes(free)} free on {device}; lower head.block_size or head.max_anchors")
 
 
-def run_plan(tc: TrainConfig) -> MemoryPlan | None:
-    """The memory plan of this run (plan_* settings over the launch's), or None when the target's config.json is
-    not there yet (a folder still to be fetched)."""
+def run_plan(tc: TrainConfig) -> tuple[MemoryPlan, str] | None:
+    """The memory plan of this run (plan_* settings over the launch's) and where its sample length came from, or
+    None when the target's config.json is not there yet (a folder still to be fetched)."""
     if not (Path(tc.model.path) / "config.json").is_file():
         return None
     launch = launch_env()
     device = tc.plan_device or rank_device(tc.model.device, launch.world, launch.local_rank).type
-    length, _ = sample_length(tc)
+    length, source = sample_length(tc)
     args = head_target_args(tc.model.path)
-    return plan_memory(plan_settings(tc, args, device, planned_world(tc, launch.world), length,
-                                     runtime_bytes(device)), args)
+    settings = plan_settings(tc, args, device, planned_world(tc, launch.world), length, runtime_bytes(device))
+    return plan_memory(settings, args), source
 
 
 def show_plan(tc: TrainConfig) -> dict[str, Any]:
     """`plan=true`: print the plan (rank 0) and return it, without training or writing anything."""
-    if not (Path(tc.model.path) / "config.json").is_file():
+    planned = run_plan(tc)
+    if planned is None:
         raise ConfigError(f"plan=true needs the target's config.json: {Path(tc.model.path) / 'config.json'} is "
                           "missing; point model.path at a folder holding it (the weights are not needed)")
-    plan = run_plan(tc)
-    assert plan is not None
-    _, source = sample_length(tc)
+    plan, source = planned
     if launch_env().rank == 0:
         print("\n".join(plan.lines()), flush=True)
         print(f"(sample length from {source}; nothing was trained or written)", flush=True)
@@ -179,12 +178,13 @@ def check_memory(tc: TrainConfig) -> None:
     else the device's: a GPU's total memory, or the CPU memory available to this process shared by the launch's
     ranks); memory_check=false only logs it."""
     try:
-        plan = run_plan(tc)
+        planned = run_plan(tc)
     except (ConfigError, ValueError) as exc:  # settings the run's own checks refuse, by name, further on
         log.debug("no memory plan: %s", exc)
         return
-    if plan is None:
+    if planned is None:
         return
+    plan = planned[0]
     launch = launch_env()
     if tc.memory_limit_gib > 0:
         limit, what = int(tc.memory_limit_gib * 2**30), f"memory_limit_gib={tc.memory_limit_gib:g}"
