@@ -40,7 +40,13 @@ def _clustered() -> tuple[tuple[tuple[int, int, int, int], ...], list[int], int]
             [60, 61, 62, 63, 64, 65, 66, 110, 119, 1, 2, 3], 130)
 
 
-LAYOUTS = {"several_sequences": _several_sequences, "spread": _spread, "clustered": _clustered}
+def _unordered() -> tuple[tuple[tuple[int, int, int, int], ...], list[int], int]:
+    """Anchors out of order and repeated (a batch packs them ascending; a chunk reads from its shortest)."""
+    return ((0, 6, 0, 50),), [30, 5, 49, 0, 12, 12], 50
+
+
+LAYOUTS = {"several_sequences": _several_sequences, "spread": _spread, "clustered": _clustered,
+           "unordered": _unordered}
 
 
 def _inputs(heads: tuple[int, int], layout: str = "several_sequences", b: int = 3, d: int = 8,
