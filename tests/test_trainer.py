@@ -237,6 +237,9 @@ def test_tiny_run_learns(setup, trained, head):
     for key in ("train/feat_loss", "train/tok_loss", "train/step0/top1", "train/step0/top3", "train/grad_norm",
                 "train/tokens_per_s", "train/samples_seen", "eval/step0/top3", "eval/loss"):
         assert key in m[STEPS], key
+    # the measured peak (this CPU process's resident high-water mark): at least the torch runtime, and it never falls
+    peaks = [m[s]["train/peak_memory_gib"] for s in sorted(m) if "train/peak_memory_gib" in m[s]]
+    assert peaks and peaks[0] > 0.1 and peaks == sorted(peaks), peaks
     assert run.result["head_dir"] == str(run.out / "heads" / f"step-{STEPS}")
 
 

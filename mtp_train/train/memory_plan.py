@@ -384,15 +384,31 @@ def online_term(args: ModelArgs, tokens: int, tp: int, act: int) -> Term:
 # --- from the run's settings -----------------------------------------------------------------------------------
 
 
-def process_rss() -> int:
-    """This process's resident set in bytes (VmRSS), 0 where /proc does not say."""
+def _status_bytes(field: str) -> int:
+    """A /proc/self/status size field (VmRSS, VmHWM) in bytes, 0 where /proc does not say."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
     return 0
+
+
+def process_rss() -> int:
+    """This process's resident set in bytes (VmRSS), 0 where /proc does not say."""
+    return _status_bytes("VmRSS")
+
+
+def peak_bytes(device: torch.device) -> int:
+    """What this rank has used at most so far, the measured counterpart of the plan's peak: on CUDA the caching
+    allocator's peak reservation plus what the device holds outside it now (the context, cuBLAS workspaces: the
+    plan's runtime term; exact with one process per GPU); on the CPU the process's peak resident set (VmHWM)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        outside = max(0, total - free - torch.cuda.memory_reserved(device))
+        return int(torch.cuda.max_memory_reserved(device)) + outside
+    return _status_bytes("VmHWM")
 
 
 def runtime_bytes(device: str) -> int:

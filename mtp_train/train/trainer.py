@@ -70,6 +70,7 @@ from mtp_train.train.evaluation import evaluate
 from mtp_train.train.foreign import check_foreign_target
 from mtp_train.train.logging import RunLogger
 from mtp_train.train.losses import HeadLoss, noise_generator, step_token_counts
+from mtp_train.train.memory_plan import peak_bytes
 from mtp_train.train.sequence_parallel import SequenceParallel, check_sequence_parallel
 from mtp_train.train.sources import build_source
 
@@ -259,6 +260,11 @@ class Trainer:
         out["train/samples_seen"] = float(self.samples_seen)
         out["train/tokens_seen"] = float(self.tokens_seen)
         out["train/epoch"] = float(self.stream.epoch)
+        # the busiest rank's peak so far, the measured side of the memory plan (`mtp-train plan=true`)
+        peak = torch.tensor([float(peak_bytes(self.device))], dtype=torch.float64, device=self.device)
+        if self.info.world > 1:
+            tdist.all_reduce(peak, op=tdist.ReduceOp.MAX)
+        out["train/peak_memory_gib"] = float(peak.item()) / 2**30
         return out
 
     # -- evaluation, checkpoints --
