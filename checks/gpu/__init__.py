@@ -18,6 +18,8 @@ reported as a failed check and the next group runs. The groups, one module each:
     deepseek.py         DeepSeek-V2 (MLA over the latent-only paged cache, MoE) at FlashInfer's MLA widths
     tree_mask.py        claim (c): verify time by rows 1-64 with the tree mask against a chain (tree_cost.py times it)
     chain_attention.py  the heads' chained training attention, diagonal against masked, in bf16
+    train_memory.py     the memory plan against real mtp-train runs (eagle3, dflash; 4k, 8k; activation
+                        checkpointing on and off); the chain and block training attentions against their references
     tensor_parallel.py  with two or more GPUs: tp=2 over NCCL (tp_worker.py is each rank) = one GPU
 
 common.py holds the PASS/FAIL record (`Checks`), the tolerance, a random checkpoint, teacher-forced logits, the

@@ -24,6 +24,7 @@ from checks.gpu.deepseek import deepseek_checks
 from checks.gpu.speculative import speculative_checks
 from checks.gpu.tensor_parallel import tensor_parallel_check
 from checks.gpu.throughput import throughput
+from checks.gpu.train_memory import train_memory_check
 from checks.gpu.tree_mask import tree_mask_cost
 
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs.append(("deepseek-v2", lambda: deepseek_checks(check, Path(tmp))))
         jobs.append(("tree mask cost", lambda: tree_mask_cost(check, tag, smol)))
         jobs.append(("chain attention", lambda: chain_attention_check(check)))
+        jobs.append(("train memory", lambda: train_memory_check(check, smol, Path(tmp) / "train-memory")))
         if torch.cuda.device_count() > 1:
             jobs.append(("tensor parallel", lambda: tensor_parallel_check(check, Path(tmp), small)))
         else:
