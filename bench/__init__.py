@@ -17,7 +17,7 @@
     tree             a head's τ over the dynamic-tree grid beside its chains             make bench-tree
     tree_rules       EAGLE-2's choice of a tree's nodes against other rules              python -m bench.tree_rules
     memory_plan      GPU memory per rank and disk per million tokens                     make bench-memory
-    train_memory     measured peak memory of mtp-train runs against the memory plan     python -m bench.train_memory
+    train_memory     measured peak memory of mtp-train runs against the memory plan     make bench-train-memory
     scale            each stage's seconds to its first sample and peak RSS against N     make bench-scale
     ablation_norms   the RMSNorm-restored mtp head against eagle1                        make ablation
     curve/           τ of each head type against its training tokens (a package)         make curve
