@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mtp_train.cli.eval import eval_main
+from mtp_train.cli.export import export_main
 from mtp_train.cli.precompute import precompute_main
 from mtp_train.cli.train import train_main
 from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig
@@ -323,6 +324,12 @@ def test_a_speculators_peagle_folder_is_imported_and_refused_where_the_head_woul
     (folder / "config.json").write_text(json.dumps({**cfg, "norm_before_fc": True}))
     with pytest.raises(ModelConfigError, match="norm_before_fc=True"):
         import_drafter("speculators-peagle", folder, target)
+    # the command: `mtp-export import_from=speculators-peagle` writes the same head as a native one
+    res = export_main(compose_config("export", [f"model.path={target}", "model.device=cpu", f"head_ckpt={out}",
+                                                "import_from=speculators-peagle", f"out={tmp_path / 'imported'}"]))
+    assert res["max_abs_diff"] == 0.0
+    saved = json.loads((tmp_path / "imported" / "config.json").read_text())
+    assert saved["head"]["type"] == "peagle" and saved["extra"]["imported_from"] == str(out)
 
 
 # --- sequence parallelism: the slots' unroll over 2 gloo ranks equals 1 rank (as tests/test_sequence_parallel.py) ---

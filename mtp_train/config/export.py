@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from mtp_train.config.model import ModelConfig
 
 # The layouts `mtp-export import_from=` reads back into one of our heads.
-IMPORT_LAYOUTS = ("dflash", "speculators-dflash", "dspark")
+IMPORT_LAYOUTS = ("dflash", "speculators-dflash", "dspark", "speculators-peagle")
 
 
 @dataclass
