@@ -186,3 +186,23 @@ def topic_conversations(folder: Path) -> tuple[Path, Path]:
         for i, t in enumerate(TOPICS * 2)])
     prompts = write_jsonl(folder / "prompts.jsonl", [{"id": t, "prompt": f"Tell me about {t}."} for t in TOPICS[:3]])
     return convs, prompts
+
+
+def precompute_and_train(tmp_path: Path, train_overrides: list[str]) -> tuple[Path, Path, Path]:
+    """A tiny chat target's `topic_conversations` through `mtp-precompute` (aux layers 1 and 2) and `mtp-train` on
+    the CPU (small batches, lr 3e-2, every step logged, no periodic saves, spec_eval on the prompts at k = 3) with
+    `train_overrides` (the head, its loss, steps, evaluation); returns (target, prompts, the run folder)."""
+    from mtp_train.cli.precompute import precompute_main
+    from mtp_train.cli.train import train_main
+
+    target = make_chat_target(tmp_path / "target")
+    convs, prompts = topic_conversations(tmp_path)
+    precompute_main(compose_config("precompute", [
+        f"model.path={target}", "model.device=cpu", f"data.paths=[{convs}]", f"out={tmp_path / 'pc'}",
+        "max_seq_len=64", "progress=false", "val_fraction=0.25", "aux_layers=[1,2]"]))
+    train_main(compose_config("train", [
+        f"model.path={target}", "model.device=cpu", "model.backend=torch", f"data.dir={tmp_path / 'pc'}",
+        f"out={tmp_path / 'run'}", "wandb.mode=disabled", "train.progress=false", "train.micro_batch_tokens=256",
+        "train.eval_batches=2", "train.save_every=0", "optim.lr=3e-2", "optim.warmup_steps=1", "train.log_every=1",
+        f"spec_eval.prompts=[{prompts}]", "spec_eval.k=3", "spec_eval.max_new_tokens=8", *train_overrides]))
+    return target, prompts, tmp_path / "run"

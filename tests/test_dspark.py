@@ -14,8 +14,6 @@ from safetensors import safe_open
 
 from mtp_train.cli.eval import eval_main
 from mtp_train.cli.export import export_main
-from mtp_train.cli.precompute import precompute_main
-from mtp_train.cli.train import train_main
 from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig
 from mtp_train.engine import SamplingParams
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
@@ -28,7 +26,7 @@ from mtp_train.models.families import args_from_hf_config
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.train.divergences import TOKEN_LOSSES
 from mtp_train.train.losses import unrolled_loss
-from tests.conftest import compose_config, make_chat_target, metrics_by_step, topic_conversations
+from tests.conftest import compose_config, make_chat_target, metrics_by_step, precompute_and_train
 from tests.test_dflash import PROMPTS, _batch, _greedy
 from tests.test_families import CASES as FAMILY_CASES
 from tests.test_families import TINY as FAMILY_CONFIGS
@@ -296,18 +294,9 @@ def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
     """`mtp-precompute` → `mtp-train head=dspark` (conf/head/dspark.yaml's recipe, a confidence head; the loss
     falls) → `mtp-eval` drafts Markov chains whose greedy answers equal plain decoding, with and without the
     confidence head's length."""
-    target = make_chat_target(tmp_path / "target")
-    convs, prompts = topic_conversations(tmp_path)
-    precompute_main(compose_config("precompute", [
-        f"model.path={target}", "model.device=cpu", f"data.paths=[{convs}]", f"out={tmp_path / 'pc'}",
-        "max_seq_len=64", "progress=false", "val_fraction=0.25", "aux_layers=[1,2]"]))
-    train_main(compose_config("train", [
-        f"model.path={target}", "model.device=cpu", "model.backend=torch", f"data.dir={tmp_path / 'pc'}",
-        f"out={tmp_path / 'run'}", "wandb.mode=disabled", "train.progress=false", "train.max_steps=20",
-        "train.micro_batch_tokens=256", "train.eval_every=10", "train.eval_batches=2", "train.save_every=0",
-        "optim.lr=3e-2", "optim.warmup_steps=1", "head=dspark", "head.block_size=3", "loss.steps=3",
-        "head.markov_rank=8", "head.confidence_head=true", "loss.kind=argmax_ce", "train.log_every=1",
-        f"spec_eval.prompts=[{prompts}]", "spec_eval.k=3", "spec_eval.max_new_tokens=8"]))
+    target, prompts, _ = precompute_and_train(tmp_path, [
+        "train.max_steps=20", "train.eval_every=10", "head=dspark", "head.block_size=3", "loss.steps=3",
+        "head.markov_rank=8", "head.confidence_head=true", "loss.kind=argmax_ce"])
     history = metrics_by_step(tmp_path / "run")
     losses = [m["train/loss"] for _, m in sorted(history.items()) if "train/loss" in m]
     assert len(losses) == 20 and sum(losses[-3:]) < 0.98 * sum(losses[:3]), losses

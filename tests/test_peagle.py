@@ -17,8 +17,6 @@ from safetensors.torch import load_file, save_file
 
 from mtp_train.cli.eval import eval_main
 from mtp_train.cli.export import export_main
-from mtp_train.cli.precompute import precompute_main
-from mtp_train.cli.train import train_main
 from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
@@ -30,7 +28,7 @@ from mtp_train.models import ModelConfigError, load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.train.losses import step_token_counts, unrolled_loss
 from mtp_train.train.sequence_parallel import SequenceParallel
-from tests.conftest import compose_config, make_chat_target, make_tiny_checkpoint, metrics_by_step, topic_conversations
+from tests.conftest import compose_config, make_tiny_checkpoint, metrics_by_step, precompute_and_train
 from tests.test_speculative_engine import _marginal_of_second_token, assert_second_tokens_follow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -266,19 +264,9 @@ def test_the_speculators_peagle_layout_names_and_config(tmp_path):
 def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
     """`mtp-precompute` (its aux layers) → `mtp-train head=peagle` (validated through its inference path and its
     drafter) → `mtp-eval` drafts k tokens per forward whose greedy answers equal plain decoding."""
-    target = make_chat_target(tmp_path / "target")
-    convs, prompts = topic_conversations(tmp_path)
-    precompute_main(compose_config("precompute", [
-        f"model.path={target}", "model.device=cpu", f"data.paths=[{convs}]", f"out={tmp_path / 'pc'}",
-        "max_seq_len=64", "progress=false", "val_fraction=0.25", "aux_layers=[1,2]"]))
-    train_main(compose_config("train", [
-        f"model.path={target}", "model.device=cpu", "model.backend=torch", f"data.dir={tmp_path / 'pc'}",
-        f"out={tmp_path / 'run'}", "wandb.mode=disabled", "train.progress=false", "train.max_steps=12",
-        "train.micro_batch_tokens=256", "train.eval_every=6", "train.eval_batches=2", "train.save_every=0",
-        "optim.lr=3e-2", "optim.warmup_steps=1", "head=peagle", "head.draft_vocab_size=128", "head.aux_layers=[1,2]",
-        "loss.steps=3",
-        "loss.kind=argmax_ce", "train.log_every=1", f"spec_eval.prompts=[{prompts}]", "spec_eval.k=3",
-        "spec_eval.max_new_tokens=8"]))
+    target, prompts, _ = precompute_and_train(tmp_path, [
+        "train.max_steps=12", "train.eval_every=6", "head=peagle", "head.draft_vocab_size=128",
+        "head.aux_layers=[1,2]", "loss.steps=3", "loss.kind=argmax_ce"])
     history = metrics_by_step(tmp_path / "run")
     losses = [m["train/loss"] for _, m in sorted(history.items()) if "train/loss" in m]
     assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses))), losses
