@@ -58,6 +58,13 @@ def test_sequence_parallel_halves_the_activations_and_keeps_the_batch_whole():
         assert term(two, "activations") == pytest.approx(term(one, "activations") / 2, rel=0.01)
         assert term(two, "batch") == term(one, "batch")
         assert two.total < one.total
+        # a chain head's rank adds the Ulysses exchange over its share of the rows (none without SP, none for a
+        # block drafter, whose context K/V are gathered instead)
+        assert not any(t.name == "exchange" for t in one.terms)
+        four = plan_memory(settings(head, sequence_parallel=4), llama_args())
+        assert term(two, "exchange") == pytest.approx(2 * term(four, "exchange"), rel=0.01)
+    block = plan_memory(settings("dflash", sequence_parallel=2), llama_args())
+    assert not any(t.name == "exchange" for t in block.terms)
 
 
 def test_activation_checkpointing_shrinks_the_activations():

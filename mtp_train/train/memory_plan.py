@@ -23,6 +23,10 @@ backward while they still are).
                    (transient: in the forward and the loss's backward)
     attention grad a block drafter's attention backward: the context K/V's gradient and one chunk of anchors'
                    explicit group (transient: in the layer's backward; the peak counts the larger of the two)
+    exchange       a chain head under sequence parallelism: what Ulysses adds on a rank, per row and step of its
+                   share ~`ULYSSES_VALUES` H-wide values (the all-to-alls' contiguous copies of q, k, v and the output
+                   and their gradients, the whole-batch attention's folded inputs over this rank's heads); a
+                   coefficient measured on the CPU, not counted (tests/test_memory_plan.py)
     online target  data.source=online|hybrid: the target's weights / model.tp and its prefill over one micro-batch
 
 The coefficients of the activation and loss terms are counts of the tensors the code keeps (the functions'
@@ -56,6 +60,9 @@ CUDA_RUNTIME_BYTES = int(1.5 * GIB)
 # recomputation's pair in the backward; fused holds the logits, the target's and the gradient written into one of
 # them. Measured on the CPU (bench.train_memory) and rounded up.
 LOSS_CHUNK_COPIES = {"checkpoint": 6.0, "fused": 3.0}
+# H-wide values per row and unrolled step a chain head's rank adds under sequence parallelism (the Ulysses exchange
+# and the whole-batch attention over its heads): fitted to measured peaks of eagle3 / mtp at SP 2 and 3, 4k-16k tokens
+ULYSSES_VALUES = 14
 # The backward's own temporaries of a layer beyond what the forward kept: the gradients of its widest products
 # (the MLP's gate / up and their activation), alive while the saved tensors still are.
 BACKWARD_WIDTHS = 2  # × the MLP's intermediate size
@@ -284,6 +291,9 @@ def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
                       transient=True))
     if head.spec.block:
         terms.append(block_attention_grad_term(s, args, tokens, act, cuda))
+    elif sp > 1:
+        terms.append(Term("exchange", ULYSSES_VALUES * s.steps * share * h * act,
+                          f"Ulysses: ~{ULYSSES_VALUES} × {h} values per row and step of {share} rows (measured)"))
 
     if s.online:
         terms.append(online_term(args, tokens, s.tp, act))
