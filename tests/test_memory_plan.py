@@ -12,7 +12,14 @@ import pytest
 from mtp_train.cli.train import train_main
 from mtp_train.config import ConfigError, HeadConfig
 from mtp_train.models.families import args_from_hf_config
-from mtp_train.train.memory_plan import GIB, PlanSettings, check_plan, longest_sample, plan_memory
+from mtp_train.train.memory_plan import (
+    CONTEXT_GRAD_COPIES,
+    GIB,
+    PlanSettings,
+    check_plan,
+    longest_sample,
+    plan_memory,
+)
 from tests.conftest import compose_config
 
 # Llama-3.1-8B's public config.json shapes (the plan needs no weights)
@@ -179,6 +186,6 @@ def test_a_block_drafters_attention_backward_is_transient_beside_the_loss_chunk(
     assert term(plan_memory(settings("dflash", head=many, length=32768, micro_batch_tokens=32768), llama_args()),
                 "attention grad") == grad
     longer = plan_memory(settings("dflash", length=65536, micro_batch_tokens=65536), llama_args())
-    assert term(longer, "attention grad") - grad == 2 * 8 * 32768 * (128 + 8) * 2  # K and V, 8 KV heads, bf16
+    assert term(longer, "attention grad") - grad == CONTEXT_GRAD_COPIES * 8 * 32768 * (128 + 8) * 2  # 8 KV heads, bf16
     half = plan_memory(settings("dflash", length=32768, micro_batch_tokens=32768, sequence_parallel=2), llama_args())
     assert term(half, "loss chunk") == pytest.approx(chunk / 2, rel=0.01)

@@ -66,8 +66,13 @@ ULYSSES_VALUES = 14
 # The backward's own temporaries of a layer beyond what the forward kept: the gradients of its widest products
 # (the MLP's gate / up and their activation), alive while the saved tensors still are.
 BACKWARD_WIDTHS = 2  # × the MLP's intermediate size
-# A block drafter's attention backward: one chunk's explicit group in float32 (its recomputed scores and
+# A block drafter's attention backward: the sequence's context K/V gradient (sink row and columns included) in
+# copies of Hkv × (n + 1) × (D + e): for K and V each the running sum over the chunks, a chunk's SDPA gradient of
+# its prefix, that prefix's gradient as the whole context's (autograd's slice backward), and at the end the packed
+# context's own gradient (the backward's peak RSS on the CPU, SmolLM2's head shape, 16 anchors of 16: 7.3-8.0
+# copies at 64k-128k context rows); and one chunk's explicit group in float32 (its recomputed scores and
 # probabilities, and their gradients), in units of `heads.block_attention.SCORE_BUDGET` scores.
+CONTEXT_GRAD_COPIES = 8
 EXPLICIT_GROUP_COPIES = 4
 
 
@@ -362,16 +367,18 @@ def activation_term(s: PlanSettings, args: ModelArgs, shape: HeadShape, share: i
 
 def block_attention_grad_term(s: PlanSettings, args: ModelArgs, tokens: int, act: int, cuda: bool) -> Term:
     """A block drafter's attention backward (`heads.block_attention`): the gradient of the sequence's context K/V
-    (with its sink row and columns), once (every chunk's SDPA reads one view of them), and one chunk of anchors'
-    explicit group recomputed in float32 (its probabilities and their gradients, `SCORE_BUDGET` scores each).
+    (with its sink row and columns), `CONTEXT_GRAD_COPIES` × Hkv × (n + 1) × (D + sink columns) (every chunk's SDPA
+    reads one view of them; no copy per anchor), and one chunk of anchors' explicit group recomputed in float32
+    (its probabilities and their gradients, `SCORE_BUDGET` scores each). Neither grows with the anchors.
     n: the longest sequence's context (the longest sample)."""
     n = min(s.length, tokens)
     width = args.head_dim + (8 if cuda else 2)  # `block_attention.sink_columns`: 8 on CUDA, 2 elsewhere
-    kv_grad = 2 * args.num_kv_heads * (n + 1) * width * act
+    kv_grad = CONTEXT_GRAD_COPIES * args.num_kv_heads * (n + 1) * width * act
     group = EXPLICIT_GROUP_COPIES * SCORE_BUDGET * FP32
     return Term("attention grad", kv_grad + group,
-                f"the context K/V gradient, 2 × {args.num_kv_heads} KV heads × {n + 1} keys × {width}, + one chunk's "
-                f"explicit group, {EXPLICIT_GROUP_COPIES} × {SCORE_BUDGET} fp32 scores", transient=True)
+                f"the context K/V gradient, {CONTEXT_GRAD_COPIES} × {args.num_kv_heads} KV heads × {n + 1} keys × "
+                f"{width}, + one chunk's explicit group, {EXPLICIT_GROUP_COPIES} × {SCORE_BUDGET} fp32 scores",
+                transient=True)
 
 
 def online_term(args: ModelArgs, tokens: int, tp: int, act: int) -> Term:
