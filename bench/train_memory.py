@@ -4,8 +4,8 @@ For each head type and sample length, a synthetic precompute folder of samples o
 (`mtp_train.precompute.synthetic.make_folder`, the aux layers the head reads) is trained on for a few steps by an
 `mtp-train` subprocess (one micro-batch = one sample: `train.micro_batch_tokens` = the length; evaluation, W&B and
 periodic saves off), and the same command with `plan=true` prints its plan. The measured peak is the process's
-`ru_maxrss` (its VmHWM, the peak resident set, from `os.wait4`); with `--sp N` the run is N CPU ranks under torchrun
-(`train.sequence_parallel=N`) and the peak is the largest rank's, read from each rank's own VmHWM (a chain head's N
+VmHWM (the peak resident set of its image after exec, which it writes at exit); with `--sp N` the run is N CPU ranks
+under torchrun (`train.sequence_parallel=N`) and the peak is the largest rank's (a chain head's N
 must divide the target's attention heads: 3 for SmolLM2-135M's 9; a block drafter takes any N).
 
 Prints measured, planned and planned / measured per (head, length); the last line is one JSON object.
@@ -28,8 +28,8 @@ from bench.common import DEFAULT_MODEL, ints, parser, report
 
 GIB = 2**30
 TOTAL_LINE = re.compile(r"^peak per rank\s+([0-9.]+) GiB \((\d+) bytes\)", re.M)
-# a rank's own peak, written at exit to $TRAIN_MEMORY_HWM/rank-<RANK> by the `sitecustomize` of --sp runs (torchrun's
-# children are not ours to wait4; its launcher, which has no RANK, writes nothing)
+# a process's own peak, written at exit to $TRAIN_MEMORY_HWM/rank-<RANK> by the `sitecustomize` of every measured run
+# (torchrun's launcher, which has no RANK, writes nothing)
 HWM_HOOK = """import atexit, os
 def _hwm():
     for line in open('/proc/self/status'):
@@ -88,17 +88,12 @@ def overrides(model: Path, head: str, folder: Path, out: Path, length: int, step
 
 
 def measure(args: list[str], sp: int, work: Path) -> int:
-    """The peak RSS in bytes of `mtp-train args`: the process's own (sp = 1), or the largest of its sp CPU ranks."""
+    """The peak RSS in bytes of `mtp-train args`: the process's own (sp = 1), or the largest of its sp CPU ranks.
+
+    Each process writes its own VmHWM at exit (`HWM_HOOK`): the resident high-water mark of its image after exec.
+    The parent's `wait4` would not do: a child's ru_maxrss counts the pages it shared with its parent between fork and
+    exec, so a child of a large process (a test suite's) reports the parent's size."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if sp == 1:
-        proc = subprocess.Popen([sys.executable, "-m", "mtp_train.cli.train", *args], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        out = proc.stdout.read() if proc.stdout else ""
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
-            raise RuntimeError(f"mtp-train {' '.join(args)} failed ({proc.returncode}):\n{out[-3000:]}")
-        return int(usage.ru_maxrss) * 1024  # KiB on Linux
     hook, peaks_dir = work / "hwm_hook", work / "hwm"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(HWM_HOOK)
@@ -107,12 +102,15 @@ def measure(args: list[str], sp: int, work: Path) -> int:
         old.unlink()
     env.update(TRAIN_MEMORY_HWM=str(peaks_dir),
                PYTHONPATH=os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={sp}",
-                          "-m", "mtp_train.cli.train", *args, "model.device=cpu"], env=env, capture_output=True,
-                         text=True)
+    if sp == 1:
+        env["RANK"] = "0"  # rank 0 of 1, as without torchrun (the hook names its file by RANK)
+        cmd = [sys.executable, "-m", "mtp_train.cli.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={sp}",
+               "-m", "mtp_train.cli.train", *args, "model.device=cpu"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if run.returncode != 0:
-        raise RuntimeError(f"torchrun mtp-train {' '.join(args)} failed ({run.returncode}):\n"
-                           f"{(run.stdout + run.stderr)[-3000:]}")
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({run.returncode}):\n{(run.stdout + run.stderr)[-3000:]}")
     peaks = [int(f.read_text()) for f in peaks_dir.glob("rank-*")]
     if len(peaks) != sp:
         raise RuntimeError(f"expected {sp} ranks' peaks in {peaks_dir}, got {len(peaks)}")
