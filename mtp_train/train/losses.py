@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mtp_train.config.errors import ConfigError
 from mtp_train.config.loss import CE_IMPLS, LossConfig
-from mtp_train.heads import DraftHead, packed_shift, resolve_seq_lens
+from mtp_train.heads import DraftHead, packed_shift, packed_valid, resolve_seq_lens
 from mtp_train.heads.sequence import SequenceShard
 from mtp_train.train.divergences import ChunkSums, token_loss, weighted_sum
 from mtp_train.train.position_weights import dpace_weights, target_argmax_probability
@@ -278,13 +278,21 @@ def _counted_rows(hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step `step`'s target rows (R, H), its counted rows (R,) bool (the head's `loss_rows` and in_vocab applied)
     and the count before in_vocab: of the batch's rows `span` (a sequence shard's own; default all, R = T). The
-    targets and the mask are taken from the whole batch first (row i's target is row i + step + 1)."""
-    target, counted = step_targets(hidden, loss_mask, lens, step)
+    targets and the mask are read from the whole batch (row i's target is row i + step + 1); only the span's target
+    rows are gathered (a sequence shard holds R of the T rows, not a shifted copy of the whole batch)."""
+    shift = step + 1
+    valid = packed_valid(lens, shift, hidden.device)
+    counted = packed_shift(loss_mask.to(torch.bool), lens, shift, fill=False)
     if rows is not None:
         counted = counted & rows
     if in_vocab is not None:
-        kept = counted & packed_shift(in_vocab, lens, step + 1, fill=False)
-    target, counted = target[span], counted[span]
+        kept = counted & packed_shift(in_vocab, lens, shift, fill=False)
+    own = torch.arange(hidden.shape[0], device=hidden.device)[span]
+    ok = valid[span]
+    src = torch.where(ok, own + shift, own)
+    target = torch.where(ok.view(-1, *([1] * (hidden.dim() - 1))), hidden[src], torch.zeros((), dtype=hidden.dtype,
+                                                                                           device=hidden.device))
+    counted = counted[span]
     n_all = counted.sum().float()
     if in_vocab is not None:
         counted = kept[span]
