@@ -7,7 +7,7 @@
     train            training throughput and MFU of the mtp head                         make bench-train
     chain_attention  the chained training attention: diagonal against masked             make bench-chain
     block_attention  a block drafter's training attention against one dense masked SDPA  make bench-block
-    attention_memory what the training attentions keep and their backward's largest tensor  python -m bench.attention_memory
+    attention_memory what the training attentions keep, backward's largest tensor   python -m bench.attention_memory
     regenerate       batched greedy decoding against transformers' batched generate     make bench-regenerate
     spec             speculative decoding with a trained head against plain decoding    make bench-spec
     step             where a speculative step goes, part by part, against a decode step  make bench-step

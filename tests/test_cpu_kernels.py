@@ -738,8 +738,8 @@ def test_a_heads_kept_step_plan_follows_its_weights_from_step_to_step(tiny_check
     with the weights as they are then (the op-by-op step's features and logits)."""
     from mtp_train.config import HeadConfig
     from mtp_train.engine.kv_cache import KVCache
+    from mtp_train.head_types.mtp.head import MTPHead
     from mtp_train.heads import build_head
-    from mtp_train.heads.mtp import MTPHead
     from mtp_train.layers.attention import AttentionMetadata
 
     head = build_head(HeadConfig(type="mtp", draft_vocab_size=64), tiny_checkpoints["llama"][0],

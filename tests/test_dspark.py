@@ -18,9 +18,10 @@ from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig
 from mtp_train.engine import SamplingParams
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
 from mtp_train.export.importer import import_drafter
-from mtp_train.head_types.dspark import HEAD_TYPE, MarkovBlockProposer
+from mtp_train.head_types.dspark import HEAD_TYPE
+from mtp_train.head_types.dspark.drafter import MarkovBlockProposer
+from mtp_train.head_types.dspark.head import DSparkHead
 from mtp_train.heads import FrozenTargetParts, build_head, new_head, save_head
-from mtp_train.heads.dspark import DSparkHead
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.models.families import args_from_hf_config
 from mtp_train.speculative.engine import SpecEngine

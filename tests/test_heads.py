@@ -11,10 +11,10 @@ import mtp_train.heads.frozen as frozen_mod
 from mtp_train.config import HeadConfig
 from mtp_train.config.head import HEAD_TYPES, HeadType
 from mtp_train.engine import prefill_hidden
+from mtp_train.head_types.mtp.head import MTPHead
 from mtp_train.heads import (
     DraftHead,
     FrozenTargetParts,
-    MTPHead,
     build_head,
     load_head,
     packed_shift,

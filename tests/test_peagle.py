@@ -21,9 +21,10 @@ from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
 from mtp_train.export.importer import import_drafter
-from mtp_train.head_types.peagle import HEAD_TYPE, ParallelProposer, parallel_drafter, parallel_inference_path
+from mtp_train.head_types.peagle import HEAD_TYPE
+from mtp_train.head_types.peagle.drafter import ParallelProposer, parallel_drafter, parallel_inference_path
+from mtp_train.head_types.peagle.head import PEagleHead
 from mtp_train.heads import build_head, packed_shift, save_head
-from mtp_train.heads.peagle import PEagleHead
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.speculative.engine import SpecEngine
 from mtp_train.train.losses import step_token_counts, unrolled_loss

@@ -25,9 +25,9 @@ import torch
 
 from checks.gpu.common import DT, TOL, Checks, rel_err
 from mtp_train.config.head import default_aux_layers
+from mtp_train.head_types.dflash.head import default_block_layers
 from mtp_train.heads.block_attention import BlockLayout, explicit_block_attention, packed_block_attention
 from mtp_train.heads.chain_attention import ChainTrainAttention, attend_chain
-from mtp_train.heads.dflash import default_block_layers
 from mtp_train.models.families import args_from_dir
 from mtp_train.precompute.synthetic import make_folder
 

@@ -19,7 +19,7 @@ from typing import Any
 from mtp_train.config.registry import Registry
 
 # How a new head's weights start: random | the target's last decoder layer | the target's own MTP layer
-# (DeepSeek-V3 / Kimi-K2 checkpoints' `model.layers.{L}.*`, fine-tuned in place: heads/mtp.py)
+# (DeepSeek-V3 / Kimi-K2 checkpoints' `model.layers.{L}.*`, fine-tuned in place: head_types/mtp/head.py)
 INITS = ("scratch", "last_layer", "target_mtp")
 FEATURES = ("final", "aux")  # what step 0 reads: the target's last hidden, or its aux layers concatenated
 FEATURE_NAMES = {"final": "the final hidden state", "aux": "the aux layers"}  # FEATURES in messages
@@ -101,23 +101,34 @@ class HeadType:
         return self.spec.name
 
 
-HEAD_TYPE_GROUP = "mtp_train.head_types"  # the entry-point group a package registers its head types under
+HEAD_TYPE_GROUP = "mtp_train.head_types"  # the entry-point group another package registers its head types under
+HEAD_TYPE_PACKAGE = "mtp_train.head_types"  # the in-tree plug-ins: one sub-package per head type, found by scanning
+
+
+def _register_found(entry: object, where: str, name: str) -> None:
+    if not isinstance(entry, HeadType) or entry.name != name:
+        raise TypeError(f"{where} is not a HeadType named {name!r}")
+    if HEAD_TYPES.registered(name) is not entry:  # an installed copy and a source tree may both name it
+        HEAD_TYPES.add(entry)
 
 
 def _discover_head_types() -> None:
-    # The plug-ins live above this floor (they need torch, the heads and the engine), in this package or in any
-    # installed package: each is an entry point of HEAD_TYPE_GROUP naming a module's HeadType (pyproject.toml).
-    found = sorted(metadata.entry_points(group=HEAD_TYPE_GROUP), key=lambda ep: ep.name)
-    if not found:
-        raise RuntimeError(f"no head types are registered (entry points {HEAD_TYPE_GROUP!r}): install the package "
-                           "(`make setup`, or `pip install -e .` in the checkout) so that its entry points exist")
-    for ep in found:
-        entry = ep.load()
-        if not isinstance(entry, HeadType) or entry.name != ep.name:
-            raise TypeError(f"entry point {ep.name} = {ep.value} ({HEAD_TYPE_GROUP}) is not a HeadType named "
-                            f"{ep.name!r}")
-        if HEAD_TYPES.registered(ep.name) is not entry:  # an installed copy and a source tree may both name it
-            HEAD_TYPES.add(entry)
+    # The plug-ins live above this floor (they need torch, the heads and the engine). The in-tree ones are the
+    # sub-packages of HEAD_TYPE_PACKAGE that define HEAD_TYPE, found by scanning the folder (a new folder needs no
+    # reinstall); another installed package adds its own through an entry point of HEAD_TYPE_GROUP naming a
+    # module's HeadType. Imported by computed name, so this floor keeps importing nothing of the project.
+    import importlib
+    import pkgutil
+
+    package = importlib.import_module(HEAD_TYPE_PACKAGE)
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if not info.ispkg:
+            continue  # modules beside the folders (chain.py) are parts several types share
+        module = importlib.import_module(f"{HEAD_TYPE_PACKAGE}.{info.name}")
+        if hasattr(module, "HEAD_TYPE"):
+            _register_found(module.HEAD_TYPE, f"{module.__name__}.HEAD_TYPE", info.name)
+    for ep in sorted(metadata.entry_points(group=HEAD_TYPE_GROUP), key=lambda ep: ep.name):
+        _register_found(ep.load(), f"entry point {ep.name} = {ep.value} ({HEAD_TYPE_GROUP})", ep.name)
 
 
 HEAD_TYPES: Registry[HeadType] = Registry("head type", discover=_discover_head_types)

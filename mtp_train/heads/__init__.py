@@ -8,24 +8,16 @@ head folders, `packing.py` the packed-batch alignment, `chain_attention.py` the 
 
 from mtp_train.heads.base import ChainHead, DraftHead, HeadOutput
 from mtp_train.heads.checkpoint import load_head, read_head_config, save_head
-from mtp_train.heads.eagle1 import Eagle1Head
-from mtp_train.heads.eagle3 import Eagle3Head
 from mtp_train.heads.frozen import FrozenTargetParts, read_decoder_layer
-from mtp_train.heads.mtp import MTPHead
 from mtp_train.heads.packing import packed_shift, packed_valid, resolve_seq_lens
-from mtp_train.heads.peagle import PEagleHead
 from mtp_train.heads.registry import build_head, head_class, new_head
 from mtp_train.heads.sequence import SequenceShard
 
 __all__ = [
     "ChainHead",
     "DraftHead",
-    "Eagle1Head",
-    "Eagle3Head",
     "FrozenTargetParts",
     "HeadOutput",
-    "MTPHead",
-    "PEagleHead",
     "SequenceShard",
     "build_head",
     "head_class",

@@ -1091,12 +1091,12 @@ int mtp_decoder_stack_f32(const mtp_layer *const *layers, int n, float *const *c
     return 0;
 }
 
-/* A chain head's whole step (mtp_train.heads.mtp: MTPHead.features, then its logits at chosen rows) as
+/* A chain head's whole step (mtp_train.head_types.mtp.head: MTPHead.features, then its logits at chosen rows) as
  * `cpu_kernels.HeadPlan` fills it once per set of weights: the frozen embedding's rows of the next tokens and the
  * features, each through its RMSNorm where the head has one, concatenated [e ; h] into the fc, the head's decoder
  * layer, its final norm, and the (draft-vocabulary) lm_head rows. fc and lm are (N, K) contiguous, of the kinds
  * `wkinds` gives (WKIND: 0 fc, 1 lm); NULL norms and bias are absent.
- * Without an fc (EAGLE-3, mtp_train.heads.eagle3): [enorm(e) ; hnorm(h)] is what the layer's q/k/v read (its qkv
+ * Without an fc (EAGLE-3, mtp_train.head_types.eagle3.head): [enorm(e) ; hnorm(h)] is what the layer's q/k/v read (its qkv
  * weight (Nqkv, 2H), its own ln1 NULL) and h its residual; raw_out: the step's features are the layer's output
  * before the final norm (the logits still read its norm), as EAGLE-3 feeds its next step. */
 typedef struct {

@@ -12,9 +12,9 @@ read its `Family` entry instead of branching on `model_type`:
 | attention       | the inference backend for its layout (auto/torch/flashinfer)| the loaders, draft heads           |
 | adapt_attention | a generic cache-free backend → its block's attention        | heads/chain_attention.py           |
 | rope            | how RoPE angles reach its layers                            | draft heads                        |
-| head_block      | a draft head's decoder layer over this target               | heads/mtp.py                       |
+| head_block      | a draft head's decoder layer over this target               | head_types/mtp/head.py             |
 | head_types      | the head types that fit (None: all); head_note says why     | heads/base.py                      |
-| head_moe        | whether its head block can be MoE (`head.moe`)              | heads/mtp.py                       |
+| head_moe        | whether its head block can be MoE (`head.moe`)              | head_types/mtp/head.py             |
 | fusings         | checkpoint projections fused on load (q/k/v → qkv_proj, ...)| loaders, heads' init, export       |
 | tp              | tensor-parallel rules (None: the family runs with tp=1)     | models/tensor_parallel.py          |
 

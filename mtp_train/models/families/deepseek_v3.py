@@ -22,7 +22,7 @@ rule, not by gradients, and no gradient reaches it through the top-k).
 A draft head over this target takes DeepSeek's own MTP block (MLA + a dense MLP, or the V3 MoE with head.moe=true)
 over a latent-only pool of its own; only mtp heads fit. The checkpoint's own MTP layers
 (`num_nextn_predict_layers`, `model.layers.{L}.*`) are skipped by the loader and start such a head with
-`head.init=target_mtp` (heads/mtp.py). The released FP8 block-scaled weights load dequantised
+`head.init=target_mtp` (head_types/mtp/head.py). The released FP8 block-scaled weights load dequantised
 (`mtp_train/models/fp8.py`); other quantisations are refused.
 
 Tensor parallelism: DeepSeek-V2's rules (`deepseek_v2.TP`: MLA by heads with the latent cache replicated, the MoE

@@ -154,7 +154,7 @@ class DFlashHead(DraftHead):
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor | None, attn: AttentionBackend, *, from_target: bool) -> torch.Tensor:
         raise ValueError("a dflash head drafts a whole block from its context (`DFlashHead.block`, its drafter "
-                         "`head_types/dflash.py`); it has no per-row forward")
+                         "`head_types/dflash/drafter.py`); it has no per-row forward")
 
     # -- the block forward, shared by training and drafting --
 

@@ -1,7 +1,7 @@
 """The P-EAGLE head (AWS, arXiv:2602.01469, "P-EAGLE: parallel drafting EAGLE"): EAGLE-3's layer drafting k tokens
 in ONE forward, as vLLM's `eagle3` method runs it with `parallel_drafting` (`vllm/v1/spec_decode/llm_base_proposer.py`).
 
-The layer, fc, norms and lm_head are EAGLE-3's (`heads/eagle3.py`); what P-EAGLE adds is the input of the rows
+The layer, fc, norms and lm_head are EAGLE-3's (`head_types/eagle3/head.py`); what P-EAGLE adds is the input of the rows
 after the first draft, the *slots*:
 
     row L-1 (depth 0)         g = fc(a_{L-1}), token t_L           (the target's aux layers: EAGLE-3's step 0)
@@ -25,7 +25,7 @@ The references thin the deeper depths by COD sampling (depth d keeps a random r^
 their dense attention masks; the chain attention here keeps nothing quadratic, so every anchor trains at every
 depth.
 
-State dict: eagle3's (`heads/eagle3.py`) plus `mask_hidden` (k·H,).
+State dict: eagle3's (`head_types/eagle3/head.py`) plus `mask_hidden` (k·H,).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from mtp_train.config import HeadConfig
-from mtp_train.heads.eagle3 import Eagle3Head
+from mtp_train.head_types.eagle3.head import Eagle3Head
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.heads.sequence import SequenceShard
 from mtp_train.layers.attention import AttentionBackend, AttentionMetadata, MLABackend

@@ -1,4 +1,4 @@
-"""The `dspark` head type: DFlash's block drafter with DSpark's Markov head (`mtp_train.heads.dspark.DSparkHead`),
+"""The `dspark` head type: DFlash's block drafter with DSpark's Markov head (`head.py` `DSparkHead`),
 exported natively and in the layout vLLM serves as `method=dspark` (`qwen3_dspark.py`, `Qwen3DSparkModel`).
 
 Its drafter, `MarkovBlockProposer`, is DFlash's `BlockProposer` (the same paged context cache, prefill and update)
@@ -22,11 +22,9 @@ from typing import Any
 
 import torch
 
-from mtp_train.config.head import NORM_FLAGS, HeadType, HeadTypeSpec
 from mtp_train.engine.sequence import Sequence
-from mtp_train.head_types.dflash import BlockProposer
-from mtp_train.heads.dflash import default_block_layers
-from mtp_train.heads.dspark import DSparkHead
+from mtp_train.head_types.dflash.drafter import BlockProposer
+from mtp_train.head_types.dspark.head import DSparkHead
 from mtp_train.speculative.proposers import Drafts
 from mtp_train.speculative.tree import DraftTree
 
@@ -88,15 +86,3 @@ def markov_inference_path(head: DSparkHead, hidden: torch.Tensor, input_ids: tor
     """The block drafted from every position as the drafter computes it, each draft's Markov input the target's
     token: the drafter's own wherever the earlier drafts were accepted, the only drafts acceptance counts."""
     return head.unroll(hidden, input_ids, list(seq_lens), steps)
-
-
-HEAD_TYPE = HeadType(
-    spec=HeadTypeSpec("dspark", "DSpark: DFlash's block drafting B tokens left to right through a low-rank Markov "
-                                "head, with an optional confidence head",
-                      dict.fromkeys(NORM_FLAGS, True), fixed_norms=NORM_FLAGS, features="aux", fixed_features=True,
-                      formats=("native", "dspark"), block=True, markov=True, aux_default=default_block_layers),
-    module=DSparkHead,
-    drafter=markov_drafter,
-    inference_path=markov_inference_path,
-    draft_options=MARKOV_OPTIONS,
-)

@@ -11,7 +11,7 @@ EAGLE expects an fc bias). Any norm can still be switched back on, one flag at a
 
 from __future__ import annotations
 
-from mtp_train.heads.mtp import MTPHead
+from mtp_train.head_types.mtp.head import MTPHead
 
 
 class Eagle1Head(MTPHead):

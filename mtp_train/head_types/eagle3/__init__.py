@@ -1,4 +1,4 @@
-"""The `eagle3` head type: EAGLE-3 (`mtp_train.heads.eagle3.Eagle3Head`: aux target layers in, its own lm_head over a
+"""The `eagle3` head type: EAGLE-3 (`head.py` `Eagle3Head`: aux target layers in, its own lm_head over a
 draft vocabulary), drafting chains and trees (`chain.py`); exported natively, in the speculators format (vLLM) and
 SGLang's EAGLE-3 layout."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from mtp_train.config.head import NORM_FLAGS, HeadType, HeadTypeSpec
 from mtp_train.head_types.chain import CHAIN_OPTIONS, chain_drafter
-from mtp_train.heads.eagle3 import Eagle3Head
+from mtp_train.head_types.eagle3.head import Eagle3Head
 from mtp_train.speculative.chain import inference_chain
 
 HEAD_TYPE = HeadType(

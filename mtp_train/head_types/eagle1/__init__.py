@@ -1,11 +1,11 @@
-"""The `eagle1` head type: the original EAGLE head (`mtp_train.heads.eagle1.Eagle1Head`, the mtp structure with every
+"""The `eagle1` head type: the original EAGLE head (`head.py` `Eagle1Head`, the mtp structure with every
 norm off), drafting chains and trees (`chain.py`); exported natively and in vLLM's and SGLang's EAGLE-1 layouts."""
 
 from __future__ import annotations
 
 from mtp_train.config.head import NORM_FLAGS, HeadType, HeadTypeSpec
 from mtp_train.head_types.chain import CHAIN_OPTIONS, chain_drafter
-from mtp_train.heads.eagle1 import Eagle1Head
+from mtp_train.head_types.eagle1.head import Eagle1Head
 from mtp_train.speculative.chain import inference_chain
 
 HEAD_TYPE = HeadType(

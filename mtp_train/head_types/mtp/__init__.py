@@ -1,11 +1,11 @@
-"""The `mtp` head type: the RMSNorm-restored head in the DeepSeek-V3 MTP shape (`mtp_train.heads.mtp.MTPHead`),
+"""The `mtp` head type: the RMSNorm-restored head in the DeepSeek-V3 MTP shape (`head.py` `MTPHead`),
 drafting chains and trees (`chain.py`); exported natively and in the DeepSeek-V3 and Qwen3-Next MTP layouts."""
 
 from __future__ import annotations
 
 from mtp_train.config.head import INITS, NORM_FLAGS, HeadType, HeadTypeSpec
 from mtp_train.head_types.chain import CHAIN_OPTIONS, chain_drafter
-from mtp_train.heads.mtp import MTPHead
+from mtp_train.head_types.mtp.head import MTPHead
 from mtp_train.speculative.chain import inference_chain
 
 HEAD_TYPE = HeadType(

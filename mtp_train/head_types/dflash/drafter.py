@@ -1,4 +1,4 @@
-"""The `dflash` head type: a block drafter (`mtp_train.heads.dflash.DFlashHead`) that drafts up to B-1 tokens with
+"""The `dflash` head type: a block drafter (`head.py` `DFlashHead`) that drafts up to B-1 tokens with
 ONE forward per step, exported natively and in the z-lab DFlash layout vLLM serves (`method=dflash`).
 
 Its drafter, `BlockProposer`, keeps the head's context K/V in its own paged pool (one layer per draft layer, the
@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 
-from mtp_train.config.head import NORM_FLAGS, HeadType, HeadTypeSpec
 from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.sequence import Sequence
+from mtp_train.head_types.dflash.head import DFlashHead
 from mtp_train.heads.block_attention import BlockLayout
-from mtp_train.heads.dflash import DFlashHead, default_block_layers
 from mtp_train.speculative.proposers import Drafts, Proposer
 from mtp_train.speculative.tree import ROOT, DraftTree
 from mtp_train.speculative.tree_draft import TreeSpec, best, expand, preorder, renumber, rerank, static_parents
@@ -200,14 +199,3 @@ def block_inference_path(head: DFlashHead, hidden: torch.Tensor, input_ids: torc
     """The block drafted from every position (anchor a = row i+1), as the drafter computes it: the same context
     features and block forward (`DFlashHead.block`), with no anchor sampling."""
     return head.unroll(hidden, input_ids, list(seq_lens), steps)
-
-
-HEAD_TYPE = HeadType(
-    spec=HeadTypeSpec("dflash", "DFlash: a block of B-1 drafts from one forward over the target's aux layers",
-                      dict.fromkeys(NORM_FLAGS, True), fixed_norms=NORM_FLAGS, features="aux", fixed_features=True,
-                      formats=("native", "dflash", "speculators-dflash"), block=True, aux_default=default_block_layers),
-    module=DFlashHead,
-    drafter=block_drafter,
-    inference_path=block_inference_path,
-    draft_options=BLOCK_OPTIONS,
-)

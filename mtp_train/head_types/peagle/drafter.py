@@ -1,4 +1,4 @@
-"""The `peagle` head type: P-EAGLE (`mtp_train.heads.peagle.PEagleHead`), EAGLE-3's layer drafting k tokens in ONE
+"""The `peagle` head type: P-EAGLE (`head.py` `PEagleHead`), EAGLE-3's layer drafting k tokens in ONE
 forward; exported natively and in the speculators layout vLLM serves with `parallel_drafting` (`speculators-peagle`).
 
 Its drafter, `ParallelProposer`, runs each step as vLLM's parallel drafting does: one head forward per sequence over
@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 
-from mtp_train.config.head import NORM_FLAGS, HeadType, HeadTypeSpec
 from mtp_train.engine.kv_cache import KVCache
 from mtp_train.engine.sequence import Sequence
+from mtp_train.head_types.peagle.head import PEagleHead
 from mtp_train.heads import packed_shift
-from mtp_train.heads.peagle import PEagleHead
 from mtp_train.layers.attention import AttentionMetadata
 from mtp_train.speculative.proposers import Drafts, Proposer
 from mtp_train.speculative.tree import DraftTree
@@ -166,15 +165,3 @@ def parallel_inference_path(head: PEagleHead, hidden: torch.Tensor, input_ids: t
         for d in range(slots):
             outs[d + 1][lo:part.stop] = out[:, d]
     return outs
-
-
-HEAD_TYPE = HeadType(
-    # enorm = the layer's input_layernorm on the embedding, hnorm = its hidden_norm, final_norm = `norm` (eagle3's).
-    spec=HeadTypeSpec("peagle", "P-EAGLE: EAGLE-3's layer drafting k tokens in one forward from a learned placeholder",
-                      dict.fromkeys(NORM_FLAGS, True), fixed_norms=NORM_FLAGS, features="aux", fixed_features=True,
-                      draft_vocab_required=True, formats=("native", "speculators-peagle")),
-    module=PEagleHead,
-    drafter=parallel_drafter,
-    inference_path=parallel_inference_path,
-    draft_options=PARALLEL_OPTIONS,
-)

@@ -1,6 +1,6 @@
 """The DSpark block drafter (vLLM's `qwen3_dspark`): DFlash's block, every slot a draft, plus a low-rank Markov head.
 
-    out = DFlashHead.block([t_a, m, ..., m])              positions a..a+B-1 over the context < a (heads/dflash.py)
+    out = DFlashHead.block([t_a, m, ..., m])              positions a..a+B-1 over the context < a (dflash/head.py)
     e_j = W1[x_{j-1}]                                      (r,) x_{-1} = t_a (the anchor), x_j = the j-th draft
     logits_j = lm_head(out_j) + W2 · e_j                   slot j drafts t_{a+j+1}, j = 0..B-1
     confidence_j = sigmoid(proj(out_j))  or  sigmoid(proj([out_j ; e_j]))   (optional; P(draft j is accepted))
@@ -10,13 +10,13 @@ j (position a+j) predicting the token after it (DFlash's slot s drafts the token
 in the unroll contract (row i of step j estimates h_{i+j+1}), the block of anchor a = i+1 gives step j from slot j.
 The Markov bias makes the block left-to-right: draft j's logits depend on the token before it, the anchor for j = 0.
 In training that token is the target's own (teacher forcing: `slot_outputs` reads t_{a+j} from the batch); in
-drafting it is the previous draft (`head_types/dspark.py`), the same token wherever the earlier drafts are accepted.
+drafting it is the previous draft (`drafter.py`), the same token wherever the earlier drafts are accepted.
 
 The loss sees the bias through the lm_head: a step's prediction is [out_j ; e_j] (T, H + r) and the head's side of
 the lm_head is [W_lm | W2] (Vd, H + r), so [out_j ; e_j] · [W_lm | W2]ᵀ = lm_head(out_j) + W2 · e_j and every
 loss.kind, ce_impl and position weight applies unchanged (the feature loss compares the first H columns).
 
-State dict (vLLM's names after its `model.` prefix): DFlash's (heads/dflash.py), `markov_head.markov_w1.weight`
+State dict (vLLM's names after its `model.` prefix): DFlash's (dflash/head.py), `markov_head.markov_w1.weight`
 (V, r) (the target's vocabulary: it embeds the previous token), `markov_head.markov_w2.weight` (Vd, r), and with
 head.confidence_head `confidence_head.proj.weight` (1, H or H + r) and `confidence_head.proj.bias` (1,), float32.
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_train.config import HeadConfig
-from mtp_train.heads.dflash import DFlashHead
+from mtp_train.head_types.dflash.head import DFlashHead
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.layers.linear import Linear, linear
 from mtp_train.models.config import ModelArgs
