@@ -302,6 +302,17 @@ class HeadConfig:
         if self.confidence_with_markov and not self.confidence_head:
             raise ValueError("head.confidence_with_markov=true needs head.confidence_head=true")
 
+    @classmethod
+    def of(cls, type: str = "mtp", **keys: Any) -> HeadConfig:  # noqa: A002 (the setting's name)
+        """A head config from flat keys, as `head.<key>` says them: the shared ones and the type's own settings
+        (e.g. `HeadConfig.of(type="dflash", layers=2, block_size=4)`)."""
+        return cls(type=type, **keys)
+
+    @classmethod
+    def from_dict(cls, flat: Mapping[str, Any]) -> HeadConfig:
+        """A head config from its flat form (`to_dict`, a saved head's config.json, `conf/head/*.yaml`)."""
+        return cls.of(**dict(flat))
+
     @property
     def spec(self) -> HeadTypeSpec:
         """The registered spec of this head's type."""
