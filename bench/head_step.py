@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"unknown heads {unknown}; choose among {', '.join(HEADS)}")
     heads = {}
     for name in names:
-        head = build_head(HeadConfig(**HEADS[name]), args.model, dtype="float32").eval()
+        head = build_head(HeadConfig.of(**HEADS[name]), args.model, dtype="float32").eval()
         head.stream_weights(None if args.weights == "fp32" else args.weights)
         heads[name] = head
     page = 16

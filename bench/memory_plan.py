@@ -162,7 +162,7 @@ def stored_aux_layers(head: str, num_layers: int) -> list[int]:
     conf = yaml.safe_load((ROOT / "conf" / "head" / f"{head}.yaml").read_text())
     conf = conf.get("head", conf)  # the types that bring a recipe nest their head settings under `head:`
     fields = {k: v for k, v in conf.items() if k in HeadConfig.__dataclass_fields__}
-    resolved = HeadConfig(**fields).resolved(num_layers)
+    resolved = HeadConfig.of(**fields).resolved(num_layers)
     return list(resolved.aux_layers) if resolved.features == "aux" else []
 
 

@@ -372,7 +372,7 @@ class OurSide:
         shape = ({"block_size": a.k if head == "dspark" else a.k + 1} if head in BLOCK_HEADS
                  else {"draft_vocab_size": DRAFT_VOCAB[head]})
         torch.manual_seed(0)
-        h = build_head(HeadConfig(type=head, aux_layers=aux_layers(self.model), **shape), ROOT / self.model,
+        h = build_head(HeadConfig.of(type=head, aux_layers=aux_layers(self.model), **shape), ROOT / self.model,
                        dtype="float32")
         save_head(h, ROOT / head_dir, extra_config={"check_vllm": "untrained probe"})
         export = self.export(head, head_dir, "probe-export")

@@ -1066,7 +1066,7 @@ def _zlab(w: World, tmp: Path) -> Path:
     from mtp_train.export import export_head
     from mtp_train.heads import build_head, save_head
 
-    head = build_head(HeadConfig(type="dflash", block_size=4, mask_token_id=1, aux_layers=[1]), w.target,
+    head = build_head(HeadConfig.of(type="dflash", block_size=4, mask_token_id=1, aux_layers=[1]), w.target,
                       dtype="float32")
     folder = export_head(save_head(head, tmp / "dflash-head"), w.target, "dflash", tmp / "zlab")
     cfg = json.loads((folder / "config.json").read_text())

@@ -111,7 +111,7 @@ def test_each_head_type_spec_drives_its_config(name):
     assert cfg.to_dict()["features"] == spec.features and "native" in spec.formats
     for flag in spec.fixed_norms:
         with pytest.raises(ValueError, match=f"fixed norms; {flag}"):
-            HeadConfig(type=name, draft_vocab_size=vocab, **{flag: not spec.norms[flag]})
+            HeadConfig.of(type=name, draft_vocab_size=vocab, **{flag: not spec.norms[flag]})
     other = next(f for f in FEATURES if f != spec.features)
     if spec.fixed_features:
         with pytest.raises(ValueError, match=f"head.features={spec.features}"):
@@ -141,8 +141,8 @@ def test_block_size_is_bounded_and_its_memory_estimated():
     from mtp_train.config.head import MAX_BLOCK_SIZE, block_bytes
 
     with pytest.raises(ValueError, match=rf"head.block_size=1000000 is over {MAX_BLOCK_SIZE}.*choose at most"):
-        HeadConfig(type="dflash", block_size=1_000_000)
-    assert HeadConfig(type="dflash", block_size=MAX_BLOCK_SIZE).block_size == MAX_BLOCK_SIZE
-    cfg = HeadConfig(type="dflash", block_size=16, max_anchors=512, layers=2)
+        HeadConfig.of(type="dflash", block_size=1_000_000)
+    assert HeadConfig.of(type="dflash", block_size=MAX_BLOCK_SIZE).block_size == MAX_BLOCK_SIZE
+    cfg = HeadConfig.of(type="dflash", block_size=16, max_anchors=512, layers=2)
     assert block_bytes(cfg, hidden_size=4096) == 512 * 16 * 4096 * 2 * 4
     assert block_bytes(HeadConfig(type="mtp"), hidden_size=4096) == 0

@@ -631,7 +631,7 @@ def test_a_chain_heads_step_in_one_native_call_equals_its_step_op_by_op(tiny_che
            "eagle1": HeadConfig(type="eagle1"),
            "mtp-aux": HeadConfig(type="mtp", features="aux", aux_layers=[1, 2]),
            "eagle3": HeadConfig(type="eagle3", aux_layers=[1, 2], draft_vocab_size=64),
-           "eagle3.1": HeadConfig(type="eagle3", aux_layers=[1, 2], draft_vocab_size=64, aux_norm=True,
+           "eagle3.1": HeadConfig.of(type="eagle3", aux_layers=[1, 2], draft_vocab_size=64, aux_norm=True,
                                   norm_output=True)}[kind]
     head = build_head(cfg, path, dtype="float32").eval()
     with torch.no_grad():  # weights away from their init (norms at 1, zero biases) so that every part counts

@@ -50,7 +50,7 @@ PROMPTS = [[3, 17, 42], [5, 9, 11, 200, 7, 1, 8], list(range(20, 33)), [250] * 2
 
 def _head(path, block_size=4, layers=1, seed=0, **kw) -> DFlashHead:
     torch.manual_seed(seed)
-    head = build_head(HeadConfig(type="dflash", block_size=block_size, layers=layers, **kw), path, dtype="float32")
+    head = build_head(HeadConfig.of(type="dflash", block_size=block_size, layers=layers, **kw), path, dtype="float32")
     assert isinstance(head, DFlashHead)
     return head
 
@@ -113,9 +113,9 @@ def test_settings_defaults_and_refusals(tiny_checkpoints):
     assert head.aux_layers == [1, 2] and head.mask_token_id == head.args.vocab_size - 1
     assert head.kv_shape[0] == 1
     with pytest.raises(ValueError, match="only a block drafter"):
-        HeadConfig(type="mtp", block_size=4)
+        HeadConfig.of(type="mtp", block_size=4)
     with pytest.raises(ValueError, match="block_size >= 2"):
-        HeadConfig(type="dflash", block_size=1)
+        HeadConfig.of(type="dflash", block_size=1)
     with pytest.raises(ValueError, match="aux layers only"):
         HeadConfig(type="dflash", features="final")
     with pytest.raises(ValueError, match="not a token of the target"):
@@ -418,7 +418,7 @@ def test_every_family_builds_a_dflash_head_or_refuses_it_by_name(family, name):
     """Llama-family targets (sliding windows, q/k/v biases, q/k norms, MoE, attention sinks) take the head and its
     block runs; DeepSeek (MLA) targets refuse it, naming the head types they take."""
     args = args_from_hf_config(FAMILY_CONFIGS[family][name])
-    cfg = HeadConfig(type="dflash", block_size=3, aux_layers=[1, 2])
+    cfg = HeadConfig.of(type="dflash", block_size=3, aux_layers=[1, 2])
     if family.startswith("deepseek"):
         with pytest.raises(ModelConfigError, match="takes an mtp head"):
             new_head(cfg, args)

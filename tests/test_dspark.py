@@ -41,7 +41,7 @@ if "dspark" not in HEAD_TYPES:  # a checkout whose installed entry points predat
 
 def _head(path, block_size=4, layers=1, seed=0, markov_rank=8, **kw) -> DSparkHead:
     torch.manual_seed(seed)
-    head = build_head(HeadConfig(type="dspark", block_size=block_size, layers=layers, markov_rank=markov_rank, **kw),
+    head = build_head(HeadConfig.of(type="dspark", block_size=block_size, layers=layers, markov_rank=markov_rank, **kw),
                       path, dtype="float32")
     assert isinstance(head, DSparkHead)
     return head
@@ -58,12 +58,12 @@ def test_settings_and_the_sample_from_anchor_alignment(tiny_checkpoints):
     input is the batch's token at the slot's position, and the logits are lm_head(slot) + W2·W1[that token]."""
     path = tiny_checkpoints["qwen3"][0]
     with pytest.raises(ValueError, match="markov_rank >= 1"):
-        HeadConfig(type="dspark", markov_rank=0)
+        HeadConfig.of(type="dspark", markov_rank=0)
     assert HeadConfig(type="dspark").resolved().markov_rank == 64
     with pytest.raises(ValueError, match="only a block drafter with a Markov head"):
-        HeadConfig(type="dflash", markov_rank=4)
+        HeadConfig.of(type="dflash", markov_rank=4)
     with pytest.raises(ValueError, match="confidence_with_markov=true needs head.confidence_head=true"):
-        HeadConfig(type="dspark", markov_rank=4, confidence_with_markov=True)
+        HeadConfig.of(type="dspark", markov_rank=4, confidence_with_markov=True)
     head = _head(path, block_size=4)
     _perturb(head)
     assert head.drafts == 4 and head.markov_head.markov_w1.weight.shape == (head.args.vocab_size, 8)
@@ -258,7 +258,7 @@ def test_the_vllm_dspark_layout_names_and_config(tiny_checkpoints, tmp_path):
     with pytest.raises(LayoutError, match="hidden_states\\[1..2\\]"):
         export_head(save_head(_head(target, aux_layers=[0, 2]), tmp_path / "h0"), target, "dspark", tmp_path / "x")
     with pytest.raises(LayoutError, match="format dspark takes dspark heads"):
-        export_head(save_head(build_head(HeadConfig(type="dflash", block_size=3), target, dtype="float32"),
+        export_head(save_head(build_head(HeadConfig.of(type="dflash", block_size=3), target, dtype="float32"),
                               tmp_path / "df"), target, "dspark", tmp_path / "y")
 
 
@@ -320,7 +320,7 @@ def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
 def test_every_family_builds_a_dspark_head_or_refuses_it_by_name(family, name):
     """As dflash: Llama-family targets take the head and its Markov block runs; DeepSeek (MLA) targets refuse it."""
     args = args_from_hf_config(FAMILY_CONFIGS[family][name])
-    cfg = HeadConfig(type="dspark", block_size=3, aux_layers=[1, 2], markov_rank=4, confidence_head=True)
+    cfg = HeadConfig.of(type="dspark", block_size=3, aux_layers=[1, 2], markov_rank=4, confidence_head=True)
     if family.startswith("deepseek"):
         with pytest.raises(ModelConfigError, match="takes an mtp head"):
             new_head(cfg, args)

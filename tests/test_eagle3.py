@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _eagle3(tiny, name: str = "llama", **kw) -> DraftHead:
     kw.setdefault("draft_vocab_size", 64)
-    return build_head(HeadConfig(type="eagle3", **kw), tiny[name][0], dtype="float32")
+    return build_head(HeadConfig.of(type="eagle3", **kw), tiny[name][0], dtype="float32")
 
 
 def _aux_batch(tiny, name: str, layers, lens=LENS, seed: int = 0):
@@ -206,7 +206,7 @@ def test_training_time_test_equals_what_draft_step_j_sees(tiny_checkpoints, name
     kw = dict(draft_vocab_size=64) if type_ == "eagle3" else dict(features="aux", aux_layers=[1, 3])
     if type_ == "mtp":
         flags = {k: v for k, v in flags.items() if k == "aux_norm"}
-    head = build_head(HeadConfig(type=type_, **kw, **flags), tiny_checkpoints[name][0], dtype="float32")
+    head = build_head(HeadConfig.of(type=type_, **kw, **flags), tiny_checkpoints[name][0], dtype="float32")
     if flags:
         _perturb(head)
     steps, page_size = 3, 2
@@ -248,7 +248,7 @@ def test_eagle31_flags_are_refused_where_they_mean_nothing(tiny_checkpoints):
         with pytest.raises(ValueError, match="head.aux_norm=true needs head.features=aux"):
             HeadConfig(type=type_, aux_norm=True)
         with pytest.raises(ValueError, match=f"head.norm_output=true: {type_} heads already feed"):
-            HeadConfig(type=type_, features="aux", norm_output=True)
+            HeadConfig.of(type=type_, features="aux", norm_output=True)
     folder = tiny_checkpoints["llama"][0]
     mtp = build_head(HeadConfig(type="mtp", features="aux", aux_norm=True), folder, dtype="float32")
     with pytest.raises(LayoutError, match="head.aux_norm=true: the MTP layouts"):
@@ -297,7 +297,7 @@ def test_save_load_round_trip_keeps_aux_layers_and_lm_head(tiny_checkpoints, tmp
     folder = tiny_checkpoints["llama"][0]
     kw = dict(draft_vocab_size=64) if type_ == "eagle3" else dict(features="aux")
     flags = ({"aux_norm": True, "norm_output": type_ == "eagle3"}) if eagle31 else {}
-    head = build_head(HeadConfig(type=type_, **kw, **flags), folder, dtype="float32")
+    head = build_head(HeadConfig.of(type=type_, **kw, **flags), folder, dtype="float32")
     if eagle31:
         _perturb(head)
     if type_ == "eagle3":
@@ -326,7 +326,7 @@ def test_a_single_aux_layer_goes_through_the_aux_fc_in_training_and_inference(ti
     fc there (the caller says which input it is), in the training forward, the unroll and the paged inference chain
     alike; a later step's H-wide input never goes through it."""
     kw = dict(draft_vocab_size=64) if type_ == "eagle3" else dict(features="aux")
-    head = build_head(HeadConfig(type=type_, aux_layers=[2], **kw), tiny_checkpoints["llama"][0], dtype="float32")
+    head = build_head(HeadConfig.of(type=type_, aux_layers=[2], **kw), tiny_checkpoints["llama"][0], dtype="float32")
     fc = head.fc if type_ == "eagle3" else head.aux_fc
     assert head.input_width == head.args.hidden_size and tuple(fc.weight.shape) == (head.args.hidden_size,) * 2
     with torch.no_grad():

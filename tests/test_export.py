@@ -34,7 +34,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}  # MKL's results may depend on memory alignme
 def _trained_like(tiny_checkpoints, name, type_, tmp_path, **cfg):
     """A head with weights away from their init (norms ≠ 1), saved as mtp-train saves it."""
     torch.manual_seed(0)
-    head = build_head(HeadConfig(type=type_, **cfg), tiny_checkpoints[name][0])
+    head = build_head(HeadConfig.of(type=type_, **cfg), tiny_checkpoints[name][0])
     with torch.no_grad():
         for n, p in head.named_parameters():
             p.add_(torch.randn_like(p) * (0.2 if n.endswith("norm.weight") else 0.02))
@@ -214,7 +214,7 @@ def _trained_in(folder, target_name="tgt"):
 
     target = make_chat_target(folder / "models" / target_name)
     torch.manual_seed(0)
-    head = build_head(HeadConfig(type="dflash", block_size=4, mask_token_id=1, aux_layers=[1]), target,
+    head = build_head(HeadConfig.of(type="dflash", block_size=4, mask_token_id=1, aux_layers=[1]), target,
                       dtype="float32")
     run = compose_config("train", [f"model.path=models/{target_name}", "out=runs/t", "head=dflash"])
     return save_step(head, folder / "runs" / "t", 1, OmegaConf.to_yaml(run), target_fingerprint=None), target

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _head(tiny, name: str, type_: str = "mtp", **kw) -> DraftHead:
-    return build_head(HeadConfig(type=type_, **kw), tiny[name][0], dtype="float32")
+    return build_head(HeadConfig.of(type=type_, **kw), tiny[name][0], dtype="float32")
 
 
 def _batch(tiny, name: str, lens=LENS, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

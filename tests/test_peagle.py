@@ -44,7 +44,7 @@ PROMPTS = [[3, 17, 42], [5, 9, 11, 200, 7, 1, 8], list(range(20, 33)), [250] * 2
 def _head(path, seed=0, **kw) -> PEagleHead:
     torch.manual_seed(seed)
     kw.setdefault("draft_vocab_size", 64)
-    head = build_head(HeadConfig(type="peagle", **kw), path, dtype="float32")
+    head = build_head(HeadConfig.of(type="peagle", **kw), path, dtype="float32")
     assert isinstance(head, PEagleHead)
     return head
 
@@ -103,9 +103,9 @@ def test_settings_and_refusals(tiny_checkpoints):
     with pytest.raises(ValueError, match="aux layers only"):
         HeadConfig(type="peagle", features="final", draft_vocab_size=8)
     with pytest.raises(ValueError, match="only a block drafter"):
-        HeadConfig(type="peagle", draft_vocab_size=8, block_size=4)
+        HeadConfig.of(type="peagle", draft_vocab_size=8, block_size=4)
     with pytest.raises(ValueError, match="norm_output"):
-        HeadConfig(type="peagle", draft_vocab_size=8, norm_output=True)
+        HeadConfig.of(type="peagle", draft_vocab_size=8, norm_output=True)
     with pytest.raises(ValueError, match="loss.unroll_attention=chain"):
         head.unroll(torch.randn(5, head.input_width), torch.arange(5), [5], 2, attention="causal")
     with pytest.raises(ValueError, match="parallel drafter takes draft_threshold; not draft_width"):

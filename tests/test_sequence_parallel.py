@@ -72,7 +72,7 @@ def _batch(width: int, hidden_size: int) -> dict:
 
 def _head(path: Path, head_kw: dict):
     torch.manual_seed(0)
-    head = build_head(HeadConfig(**head_kw), path, dtype="float32")
+    head = build_head(HeadConfig.of(**head_kw), path, dtype="float32")
     head.train()
     return head
 

@@ -27,7 +27,7 @@ def _head(path, vocab: int = 0, **kw) -> DFlashHead:
     """A dflash head with perturbed weights (so a wrong map shows) and, with `vocab`, a draft vocabulary of
     that many scattered target ids."""
     torch.manual_seed(0)
-    head = build_head(HeadConfig(type="dflash", draft_vocab_size=vocab, **kw), path, dtype="float32")
+    head = build_head(HeadConfig.of(type="dflash", draft_vocab_size=vocab, **kw), path, dtype="float32")
     assert isinstance(head, DFlashHead)
     if vocab:
         head.set_draft_vocab(torch.randperm(head.args.vocab_size)[:vocab])

@@ -266,7 +266,7 @@ def test_target_mtp_refusals_name_the_key(target, tiny_checkpoints):
     for over, key in [({"fc_bias": True}, "head.fc_bias=true"), ({"hnorm": False}, "head.hnorm=false"),
                       ({"final_norm": False}, "head.final_norm=false"), ({"features": "aux"}, "head.features=aux")]:
         with pytest.raises(ValueError, match=key):
-            HeadConfig(type="mtp", init="target_mtp", **over)
+            HeadConfig.of(type="mtp", init="target_mtp", **over)
     with pytest.raises(ValueError, match="head.init=target_mtp takes mtp heads; eagle1"):
         HeadConfig(type="eagle1", init="target_mtp")
 

@@ -487,7 +487,7 @@ def aux_data(setup, tmp_path_factory) -> Path:
                          ids=["eagle3", "mtp-aux"])
 def test_aux_heads_evaluate_through_the_inference_path_as_they_train(setup, aux_data, kw):
     torch.manual_seed(0)
-    head = build_head(HeadConfig(**kw), setup.target, dtype=torch.float32)
+    head = build_head(HeadConfig.of(**kw), setup.target, dtype=torch.float32)
     assert head.aux_layers == AUX
     batches = list(eval_batches(PrecomputedDataset(aux_data, split="val"), 400, 2))
     for b in batches:
