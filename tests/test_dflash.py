@@ -430,3 +430,94 @@ def test_every_family_builds_a_dflash_head_or_refuses_it_by_name(family, name):
     x, ids = torch.randn(9, head.input_width), torch.randint(0, args.vocab_size, (9,))
     outs = head.unroll(x, ids, [4, 5], 2)
     assert len(outs) == 2 and all(o.shape == (9, args.hidden_size) and torch.isfinite(o).all() for o in outs)
+
+
+# -- anchors drawn afresh every training step --
+
+
+def _anchor_batch(rows: int = 61, lens: tuple[int, ...] = (40, 21)):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 255, (rows,), generator=g)
+    mask = (torch.rand(rows, generator=g) < 0.8).to(torch.uint8)
+    return ids, mask, list(lens)
+
+
+def test_anchors_are_fresh_every_step_and_the_same_within_one(tiny_checkpoints):
+    """The trainer's seed (train.seed, step, micro-batch, dp rank) draws the anchors: the same batch at two steps
+    trains other anchors (the old draw, from the tokens alone, repeated them every epoch); one step's counts and
+    loss draw the same ones, and the count is max_anchors either way."""
+    from mtp_train.train.losses import step_anchor_seed
+
+    head = _head(tiny_checkpoints["llama"][0], block_size=4, max_anchors=8)
+    ids, mask, lens = _anchor_batch()
+    step3, step4 = (head.loss_rows(ids, mask, lens, step_anchor_seed(0, s, 0, 0)) for s in (3, 4))
+    assert int(step3.sum()) == int(step4.sum()) == 8
+    assert not torch.equal(step3, step4)
+    assert torch.equal(step3, head.loss_rows(ids, mask, lens, step_anchor_seed(0, 3, 0, 0)))
+    assert not torch.equal(step3, head.loss_rows(ids, mask, lens, step_anchor_seed(0, 3, 1, 0)))  # micro-batch
+    assert not torch.equal(step3, head.loss_rows(ids, mask, lens, step_anchor_seed(0, 3, 0, 1)))  # dp rank
+    assert torch.equal(head.loss_rows(ids, mask, lens), head.loss_rows(ids, mask, lens))  # evaluation: fixed
+    # the loss counts exactly the rows the trainer counted for that step
+    x = torch.randn(ids.shape[0], head.input_width)
+    cfg = LossConfig(steps=3, w_feat=0.0, w_tok=1.0)
+    hidden = torch.randn(ids.shape[0], head.args.hidden_size)
+    for seed in (step_anchor_seed(0, 3, 0, 0), step_anchor_seed(0, 4, 0, 0)):
+        counts = step_token_counts(mask, lens, 3, head.loss_rows(ids, mask, lens, seed))
+        _, m = unrolled_loss(head, hidden, ids, mask, lens, cfg, aux_hidden=x, anchor_seed=seed)
+        assert [float(m[f"step{j}/num_tokens"]) for j in range(3)] == counts.tolist()
+
+
+def _sp_anchor_worker(rank: int, world: int, path: str, root: str, seed: int) -> None:
+    """One of 2 sequence-parallel ranks: its share of the seeded dflash loss and gradients, saved to root."""
+    import torch.distributed as tdist
+
+    from mtp_train.train.sequence_parallel import SequenceParallel
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=world)
+    try:
+        sp = SequenceParallel.setup(world, rank, world, torch.device("cpu"))
+        head, batch = _sp_anchor_case(path)
+        shard = sp.shard(batch[0].shape[0])
+        counts = step_token_counts(batch[1], batch[2], 3, head.loss_rows(*batch, seed), shard)
+        tdist.all_reduce(counts, group=sp.groups.group)
+        torch.save(_sp_anchor_loss(head, batch, counts, seed, shard), f"{root}/rank{rank}.pt")
+    finally:
+        tdist.destroy_process_group()
+
+
+def _sp_anchor_case(path: str):
+    head = _head(path, block_size=4, layers=2, max_anchors=12, aux_layers=[1, 2, 3])
+    head.train()
+    return head, _anchor_batch(rows=97, lens=(60, 37))
+
+
+def _sp_anchor_loss(head, batch, counts, seed, shard=None):
+    ids, mask, lens = batch
+    g = torch.Generator().manual_seed(1)
+    hidden, aux = torch.randn(ids.shape[0], head.args.hidden_size, generator=g), \
+        torch.randn(ids.shape[0], head.input_width, generator=g)
+    head.zero_grad(set_to_none=True)
+    loss, _ = unrolled_loss(head, hidden, ids, mask, lens, LossConfig(steps=3), num_tokens=counts, aux_hidden=aux,
+                            shard=shard, anchor_seed=seed)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+
+def test_sequence_parallel_ranks_draw_one_steps_anchors(tiny_checkpoints, tmp_path):
+    """train.sequence_parallel = 2 with a step's seed: both ranks draw the whole batch's anchors alike, so their
+    losses and gradients add up to the 1-rank ones."""
+    import torch.multiprocessing as mp
+
+    from mtp_train.train.losses import step_anchor_seed
+
+    path, seed = str(tiny_checkpoints["llama"][0]), step_anchor_seed(0, 7, 0, 0)
+    mp.start_processes(_sp_anchor_worker, args=(2, path, str(tmp_path), seed), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    head, batch = _sp_anchor_case(path)
+    counts = step_token_counts(batch[1], batch[2], 3, head.loss_rows(*batch, seed))
+    ref_loss, ref_grads = _sp_anchor_loss(head, batch, counts, seed)
+    assert all(bool(r[0] != 0) for r in ranks)
+    torch.testing.assert_close(ranks[0][0] + ranks[1][0], ref_loss, rtol=1e-5, atol=1e-6)
+    for n, ref in ref_grads.items():
+        torch.testing.assert_close(ranks[0][1][n] + ranks[1][1][n], ref, rtol=1e-4, atol=1e-6, msg=n)

@@ -83,6 +83,15 @@ def uniform_noise(x: torch.Tensor, std: float, generator: torch.Generator | None
     return x + ((2 * u - 1) * std).to(x.dtype)
 
 
+def step_anchor_seed(seed: int, step: int, micro: int, dp_rank: int) -> int:
+    """The seed a block drafter draws one micro-batch's anchors from (`DraftHead.loss_rows`), from (train.seed,
+    step, micro-batch, data-parallel rank) alone: fresh every step, so a batch seen again in a later epoch trains
+    other anchors; the same for a sequence-parallel group's ranks (they share the data-parallel rank) and for a
+    resumed run."""
+    return int(np.random.SeedSequence([seed, step, micro, dp_rank, 0xA7C]).generate_state(1, dtype=np.uint64)[0]
+               & ((1 << 63) - 1))
+
+
 def noise_generator(seed: int, step: int, micro: int, rank: int, device: torch.device) -> torch.Generator:
     """A generator for the feature noise of one micro-batch, from (seed, step, micro, rank) alone.
 
@@ -368,7 +377,8 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
                   num_tokens: Sequence[float] | torch.Tensor | None = None,
                   generator: torch.Generator | None = None,
                   aux_hidden: torch.Tensor | None = None, *, shard: SequenceShard | None = None,
-                  checkpoint: bool = False, every_row: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  checkpoint: bool = False, every_row: bool = False,
+                  anchor_seed: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The training loss of a packed batch over `cfg.steps` chained draft steps.
 
     hidden: (T, H) stored target hidden h_i (the targets, and the input of a final-features head); aux_hidden:
@@ -382,6 +392,8 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
     num_tokens must then count each row once, `step_token_counts(..., shard=shard)`). checkpoint: the head's
     unrolled steps are recomputed in the backward (train.activation_checkpointing). every_row: score every row, not
     only the head's `loss_rows` (a block drafter's sampled anchors), as its inference path does (evaluation).
+    anchor_seed: the seed of those anchors' draw (`step_anchor_seed`; the trainer's counts must use the same), or
+    None: a draw fixed by the batch.
     Returns (Σ_j w_j · loss_j, metrics): loss (the total), step{j}/{loss,feat_loss,tok_loss,top1,top3,
     num_tokens} and the step-0 values without prefix.
     """
@@ -403,7 +415,7 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
                 in_vocab[lo:hi] = part
             elif head.draft_vocab is not None:  # a rank holding only pad rows
                 in_vocab = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-    rows = None if every_row else head.loss_rows(input_ids, loss_mask, lens)  # a block drafter's anchors
+    rows = None if every_row else head.loss_rows(input_ids, loss_mask, lens, anchor_seed)  # a block drafter's
     options: dict[str, object] = {} if rows is None else {"rows": rows}
     span = slice(None)
     if shard is not None:
@@ -462,14 +474,15 @@ class HeadLoss(nn.Module):
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 seq_lens: Sequence[int], num_tokens: torch.Tensor, generator: torch.Generator | None = None,
-                aux_hidden: torch.Tensor | None = None,
-                shard: SequenceShard | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                aux_hidden: torch.Tensor | None = None, shard: SequenceShard | None = None,
+                anchor_seed: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """hidden: (T, H); input_ids, loss_mask: (T,); seq_lens: (B,); num_tokens: (steps,) global counts;
-        aux_hidden: (T, k·H) the head's aux layers, or None; shard: this rank's rows under sequence parallelism.
+        aux_hidden: (T, k·H) the head's aux layers, or None; shard: this rank's rows under sequence parallelism;
+        anchor_seed: a block drafter's anchor draw (`step_anchor_seed`), the one its counts used.
 
         Returns `unrolled_loss`'s (loss, metrics): sums over this micro-batch (this rank's rows of it) divided by
         the global counts.
         """
         return unrolled_loss(self.head, hidden, input_ids, loss_mask, seq_lens, self.loss_cfg,
                              num_tokens=num_tokens, generator=generator, aux_hidden=aux_hidden, shard=shard,
-                             checkpoint=self.checkpoint and self.training)
+                             checkpoint=self.checkpoint and self.training, anchor_seed=anchor_seed)

@@ -69,7 +69,7 @@ from mtp_train.train.deepspeed_setup import prepare_deepspeed, release_deepspeed
 from mtp_train.train.evaluation import evaluate
 from mtp_train.train.foreign import check_foreign_target
 from mtp_train.train.logging import RunLogger
-from mtp_train.train.losses import HeadLoss, noise_generator, step_token_counts
+from mtp_train.train.losses import HeadLoss, noise_generator, step_anchor_seed, step_token_counts
 from mtp_train.train.memory_plan import peak_bytes
 from mtp_train.train.sequence_parallel import SequenceParallel, check_sequence_parallel
 from mtp_train.train.sources import build_source
@@ -224,10 +224,12 @@ class Trainer:
         steps, world = self.loss_cfg.steps, self.info.world
         micro = [self.stream.next() for _ in range(c.train.grad_accum)]
         shards = [self.sp.shard(b.num_rows) for b in micro]  # this rank's rows of each (None: all of them)
+        # a block drafter's anchors, drawn afresh every step (a group's ranks draw the same: the dp rank's seed)
+        seeds = [step_anchor_seed(c.train.seed, self.step, m, self.sp.groups.dp_rank) for m in range(len(micro))]
         # (steps,); a block drafter counts its anchors only (`DraftHead.loss_rows`); a shard its own rows only
         counts = sum(step_token_counts(b.loss_mask, b.seq_lens, steps,
-                                       self.head.loss_rows(b.input_ids, b.loss_mask, b.seq_lens), shard)
-                     for b, shard in zip(micro, shards))
+                                       self.head.loss_rows(b.input_ids, b.loss_mask, b.seq_lens, seed), shard)
+                     for b, shard, seed in zip(micro, shards, seeds))
         counts = self._all_reduce(counts.to(self.device))
         lr = float(self.engine.get_lr()[0])  # the rate this step uses (the schedule moves after the update)
         self.engine.train()
@@ -238,7 +240,7 @@ class Trainer:
             gen = (noise_generator(c.train.seed, self.step, m, self.sp.groups.dp_rank, self.device)
                    if self.loss_cfg.noise_std > 0 else None)
             loss, metrics = self.engine(b.hidden, b.input_ids, b.loss_mask, b.seq_lens, counts, gen,
-                                        b.head_aux(self.aux_cols), shard)
+                                        b.head_aux(self.aux_cols), shard, seeds[m])
             # x world: the engine averages gradients over ranks, the loss is already a share of the global mean.
             self.engine.backward(loss * world, scale_wrt_gas=False)
             self.engine.step()

@@ -205,16 +205,19 @@ class DFlashHead(DraftHead):
     # -- training --
 
     def loss_rows(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                  seq_lens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+                  seq_lens: Sequence[int] | torch.Tensor, seed: int | None = None) -> torch.Tensor:
         """(T,) bool, the rows i whose block (anchor a = i+1) trains: anchors among the loss positions, at most
-        head.max_anchors per batch, sampled by a generator seeded from the batch's tokens (so the trainer's counts
-        and the loss pick the same ones)."""
+        head.max_anchors per batch, drawn by a generator seeded from `seed` (the trainer passes one per step and
+        micro-batch, `train.losses.step_anchor_seed`, so a batch seen again in a later epoch trains other anchors), or
+        from the batch's tokens when None (evaluation: the same anchors every time). Either way the same arguments
+        draw the same rows: the trainer's counts, the loss and every sequence-parallel rank pick the same ones."""
         lens = resolve_seq_lens(input_ids.shape[0], seq_lens)
         eligible = packed_shift(loss_mask.to(torch.bool), lens, 1, fill=False)
         idx = eligible.nonzero().squeeze(1)
         if idx.numel() > self.cfg.max_anchors:
-            ids = input_ids.detach().to("cpu", torch.long).numpy()
-            seed = int(np.random.SeedSequence([int(t) for t in ids[:4096]] + [len(ids)]).generate_state(1)[0])
+            if seed is None:
+                ids = input_ids.detach().to("cpu", torch.long).numpy()
+                seed = int(np.random.SeedSequence([int(t) for t in ids[:4096]] + [len(ids)]).generate_state(1)[0])
             pick = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed))[:self.cfg.max_anchors]
             idx = idx[pick.to(idx.device)]
         rows = torch.zeros_like(eligible)
