@@ -72,9 +72,7 @@ class EndpointCapture:
                 dtype: torch.dtype) -> EndpointCapture:
         """Ask every endpoint what it serves (`OpenAIGenerator.connect`: one line each for one that does not
         answer or serves another model)."""
-        gen = OpenAIGenerator.connect(v.endpoints, model=v.served_model, concurrency=v.concurrency,
-                                      timeout=v.timeout, retries=v.retries, backoff=v.backoff,
-                                      dead_after=v.dead_after)
+        gen = OpenAIGenerator.connect(v.endpoints, **v.client_kwargs())
         return cls(gen, spool, tag, layer_ids, dtype, v.capture_timeout)
 
     def provenance(self) -> dict[str, Any]:

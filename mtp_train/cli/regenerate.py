@@ -132,9 +132,7 @@ def _remote_generator(rc: RegenerateConfig, convs: list[Any], is_main: bool) -> 
     tokenizer = load_tokenizer(path)
     args = head_target_args(path)
     stop_ids = stop_token_ids(tokenizer, args.eos_token_ids, rc.chat_template_kwargs)
-    generator = OpenAIGenerator.connect(rc.endpoints, model=rc.served_model, concurrency=rc.concurrency,
-                                        timeout=rc.timeout, retries=rc.retries, backoff=rc.backoff,
-                                        dead_after=rc.dead_after, vocab_size=args.vocab_size)
+    generator = OpenAIGenerator.connect(rc.endpoints, **rc.client_kwargs(), vocab_size=args.vocab_size)
     if rc.template_check_rows and is_main:
         rows = generator.check_template(convs, tokenizer, rc.chat_template_kwargs, rc.template_check_rows)
         log.info("%d rows rendered alike by %s and by us", rows, ", ".join(generator.endpoints))

@@ -6,31 +6,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_train.config.data import DataConfig
+from mtp_train.config.endpoints import EndpointsConfig
 from mtp_train.config.model import ModelConfig
 from mtp_train.config.vllm import VllmEngineConfig
 
 
 @dataclass
-class VllmCaptureConfig(VllmEngineConfig):
+class VllmCaptureConfig(VllmEngineConfig, EndpointsConfig):
     """`backend=vllm`: the vLLM engine mtp-precompute launches to capture the hidden states, or the running
-    servers it captures through (`endpoints`)."""
+    `vllm serve` processes it captures through (`endpoints`, started with our connector: `serve_command=true` prints
+    how; nothing is launched then). EndpointsConfig's keys (endpoints, served_model, concurrency, timeout, retries,
+    backoff, dead_after) apply to those servers."""
 
     # The connector's capture folder (one file per conversation, removed once its shard is written); null:
     # <out>/capture. With endpoints: the folder those servers write to, as this machine sees it (required).
     spool_dir: str | None = None
-    # Running `vllm serve` processes started with our connector (`serve_command=true` prints how); nothing is launched.
-    endpoints: list[str] = field(default_factory=list)
-    served_model: str | None = None  # endpoints: the model id to ask for (null: the one they serve)
-    concurrency: int = 8  # endpoints: requests in flight per endpoint
-    timeout: float = 600.0  # endpoints: seconds one request may take
-    retries: int = 8  # endpoints: tries of a request after its first failed on a live endpoint (dropped, 5xx, ...)
-    backoff: float = 1.0  # endpoints: seconds a failing endpoint waits before its first probe (doubled, at most 60)
-    dead_after: float = 180.0  # endpoints: seconds of failures in a row after which an endpoint is dead
     capture_timeout: float = 120.0  # endpoints: seconds a capture file may take to appear once its request is answered
     serve_command: bool = False  # print the `vllm serve` command that captures for these settings, and exit
     max_num_seqs: int = 16  # requests vLLM runs at once
     max_num_batched_tokens: int | None = None  # tokens per vLLM step (null: vLLM's default)
+    # and EndpointsConfig's: endpoints, served_model, concurrency, timeout, retries, backoff, dead_after;
     # and VllmEngineConfig's: enforce_eager, tensor_parallel_size, gpu_memory_utilization, cpu_kvcache_gb, engine_args
+
+    def endpoint_key(self, name: str) -> str:
+        """EndpointsConfig's keys sit under `vllm.` in mtp-precompute."""
+        return f"vllm.{name}"
 
 
 @dataclass

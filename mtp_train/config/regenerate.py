@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_train.config.data import DataConfig
+from mtp_train.config.endpoints import EndpointsConfig
 from mtp_train.config.errors import ConfigError
 from mtp_train.config.model import ModelConfig
 
@@ -14,8 +15,10 @@ SAMPLING_KEYS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "seed")
 
 
 @dataclass
-class RegenerateConfig:
-    """`mtp-regenerate`: answer the conversations' user turns with the target (self-distillation)."""
+class RegenerateConfig(EndpointsConfig):
+    """`mtp-regenerate`: answer the conversations' user turns with the target (self-distillation). With
+    generator=openai, EndpointsConfig's keys (endpoints, served_model, concurrency, timeout, retries, backoff,
+    dead_after) name the servers that answer and how the client treats them."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -33,25 +36,17 @@ class RegenerateConfig:
     progress: bool = True  # progress bar on rank 0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     generator: str = "engine"  # engine (our engine, here) | openai (OpenAI-compatible servers at `endpoints`)
-    endpoints: list[str] = field(default_factory=list)  # generator=openai: base URLs (http://host:port), or a router
-    served_model: str | None = None  # generator=openai: the model id to ask for; None: the one model served
-    concurrency: int = 8  # generator=openai: requests in flight per endpoint
-    timeout: float = 600.0  # generator=openai: seconds one request may take before it is retried
-    retries: int = 8  # generator=openai: retries of a request failed on live endpoints (429, 5xx, timeout, dropped)
-    backoff: float = 1.0  # generator=openai: a failing endpoint's wait before its first probe (doubled, at most 60 s)
-    dead_after: float = 180.0  # generator=openai: seconds of failures in a row after which an endpoint is dead
+    # and EndpointsConfig's (generator=openai): endpoints, served_model, concurrency, timeout, retries, backoff,
+    # dead_after
     template_check_rows: int = 3  # generator=openai: rows whose prompt token ids each server must render like us
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.generator not in GENERATORS:
             raise ConfigError(f"generator={self.generator!r}: choose one of {', '.join(GENERATORS)}")
         if self.generator == "openai" and not self.endpoints:
             raise ConfigError("generator=openai needs endpoints=[http://host:port,...] (OpenAI-compatible servers "
                               "or a router in front of them)")
-        if self.backoff < 0:
-            raise ConfigError(f"backoff must be >= 0 seconds, got {self.backoff}")
-        if self.dead_after < 0:
-            raise ConfigError(f"dead_after must be >= 0 seconds, got {self.dead_after}")
         if self.window < 1:
             raise ConfigError(f"window must be >= 1 (conversations in flight), got {self.window}")
         if self.n < 1:
