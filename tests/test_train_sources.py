@@ -353,30 +353,39 @@ def test_two_ranks_with_a_tensor_parallel_target_write_one_folder(chat, hybrid_r
 
 
 def test_sources_are_registered_by_name_and_an_unknown_one_is_refused():
-    from mtp_train.config.data import SOURCES as NAMES
-    from mtp_train.train.sources import SOURCES, source_class
-    from mtp_train.train.sources.base import DataSource, register_source
+    """Each source module adds its class where it defines it; the registry, declared on the settings floor, finds
+    the modules by scanning the package, and the settings and `source_class` refuse an unknown name naming them."""
+    from mtp_train.config import DATA_SOURCES, TrainDataConfig
+    from mtp_train.train.sources import source_class
+    from mtp_train.train.sources.base import DataSource
 
-    assert sorted(SOURCES) == sorted(NAMES) and all(cls.name == name for name, cls in SOURCES.items())
-    assert [n for n, cls in SOURCES.items() if cls.writes_folder] == ["hybrid"]
-    assert {n for n, cls in SOURCES.items() if cls.plans_from_conversations} == {"online", "hybrid", "fleet"}
+    assert sorted(DATA_SOURCES) == ["fleet", "hybrid", "offline", "online"]
+    assert all(cls.name == name for name, cls in DATA_SOURCES.items())
+    assert [n for n, cls in DATA_SOURCES.items() if cls.writes_folder] == ["hybrid"]
+    assert {n for n, cls in DATA_SOURCES.items() if cls.plans_from_conversations} == {"online", "hybrid", "fleet"}
     with pytest.raises(ConfigError) as e:
         source_class("streaming")
-    assert "data.source='streaming'" in str(e.value) and "choose one of offline | online | hybrid" in str(e.value)
-
-    class Streaming(DataSource):
-        name = "streaming"
-
-    with pytest.raises(TypeError, match="'streaming' is not a data.source"):
-        register_source(Streaming)
+    assert "data.source='streaming'" in str(e.value) and "choose one of fleet | hybrid | offline | online" in str(
+        e.value)
+    with pytest.raises(ConfigError) as e:
+        TrainDataConfig(source="streaming")
+    assert "data.source='streaming': choose one of fleet | hybrid | offline | online (offline reads" in str(e.value)
 
     class Again(DataSource):
         name = "online"
 
     with pytest.raises(ValueError, match="data source 'online' is registered twice"):
-        register_source(Again)
-    assert source_class("online").__name__ == "OnlineSource" and "streaming" not in SOURCES
+        DATA_SOURCES.add(Again)
 
+    class Streaming(DataSource):
+        name = "streaming"
+
+    DATA_SOURCES.add(Streaming)  # a source registered at run time (a plug-in of another package) is accepted
+    try:
+        assert source_class("streaming") is Streaming and TrainDataConfig(source="streaming").source == "streaming"
+    finally:
+        DATA_SOURCES.unregister("streaming")
+    assert source_class("online").__name__ == "OnlineSource" and "streaming" not in DATA_SOURCES
 
 
 def test_online_and_hybrid_settings_are_refused_by_key(chat, tmp_path):
@@ -390,7 +399,7 @@ def test_online_and_hybrid_settings_are_refused_by_key(chat, tmp_path):
     assert "data.online.hidden_dtype='int4'" in refused("hybrid", "data.online.hidden_dtype=int4")
     assert "set model.path" in refused("online", "model.path=''")
     assert "model.tp=2 must divide the number of processes (1)" in refused("online", "model.tp=2")
-    assert "choose one of offline | online | hybrid" in refused("streaming")
+    assert "choose one of fleet | hybrid | offline | online" in refused("streaming")
     assert "data.online.max_seq_len" in refused("online", "data.online.max_seq_len=0")
     msg = refused("hybrid", f"data.dir={tmp_path / 'run'}")
     assert "data.dir" in msg and "out=" in msg

@@ -41,7 +41,7 @@ from mtp_train.config import PrecomputeConfig, check_config, typed
 from mtp_train.data.samples import dropped_summary
 from mtp_train.precompute.manifest import Manifest
 from mtp_train.precompute.pipeline import run_precompute
-from mtp_train.precompute.vllm_backend import BACKENDS, check_vllm_python, precompute_vllm, serve_command
+from mtp_train.precompute.vllm_backend import PRECOMPUTE_BACKENDS, check_vllm_python, precompute_vllm, serve_command
 
 log = logging.getLogger(__name__)
 PROG = "mtp-precompute"
@@ -54,7 +54,7 @@ def precompute_main(cfg: DictConfig) -> dict[str, Any]:
     if pc.backend == "vllm":
         return capture_main(cfg, pc)
     if pc.backend != "engine":
-        raise ValueError(f"backend={pc.backend!r}: choose one of {', '.join(BACKENDS)}")
+        raise ValueError(f"backend={pc.backend!r}: choose one of {', '.join(PRECOMPUTE_BACKENDS)}")
     with distributed(pc.model) as (info, stack):
         group = dist.cpu_group(timedelta(hours=24))
         out = Path(pc.out)

@@ -19,7 +19,7 @@ from mtp_train.config.checks import (
     typed,
     unknown_key_error,
 )
-from mtp_train.config.data import SOURCES, DataConfig, OnlineDataConfig, TrainDataConfig
+from mtp_train.config.data import DATA_SOURCES, DataConfig, OnlineDataConfig, TrainDataConfig
 from mtp_train.config.demo import DemoConfig
 from mtp_train.config.device import bf16_enabled, device_kind, rank_device, resolve_device
 from mtp_train.config.errors import ConfigError, Interrupted
@@ -42,7 +42,8 @@ from mtp_train.config.train import (
 )
 
 __all__ = [
-    "CE_IMPLS", "CONF_DIR", "GENERATORS", "GRID_AXES", "HEAD_TYPES", "INITS", "LOWER_BOUNDS", "SCHEMAS", "SOURCES",
+    "CE_IMPLS", "CONF_DIR", "DATA_SOURCES", "GENERATORS", "GRID_AXES", "HEAD_TYPES", "INITS", "LOWER_BOUNDS",
+    "SCHEMAS",
     "UNROLL_ATTENTION",
     "ConfigError", "DataConfig", "DeepSpeedConfig", "DemoConfig", "EvalConfig", "ExportConfig", "HeadConfig",
     "HeadType", "HeadTypeSpec", "Interrupted",

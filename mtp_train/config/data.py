@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtp_train.config.errors import ConfigError
+from mtp_train.config.registry import Registry
 
 OVER_CONTEXT = ("error", "split", "truncate")  # what a sample longer than the target's context becomes
 HISTORY_TURNS = ("mask", "split")  # what a turn rendered otherwise in later history becomes
@@ -40,7 +41,10 @@ class DataConfig:
                               "later history becomes: docs/stages.md)")
 
 
-SOURCES = ("offline", "online", "hybrid", "fleet")  # where training's target hidden states come from (`data.source`)
+# Where training's target hidden states come from (`data.source`): the `DataSource` classes, one module of
+# mtp_train.train.sources each, every one added where it is defined; the first read imports that package (by
+# computed name: this floor imports nothing of the project at import time).
+DATA_SOURCES: Registry[Any] = Registry("data source", "mtp_train.train.sources")
 TRANSPORTS = ("spool",)  # how a fleet's captures reach the trainer (`data.fleet.transport`)
 
 
@@ -96,7 +100,7 @@ class TrainDataConfig(DataConfig):
     later epochs read it.
     """
 
-    source: str = "offline"  # offline | online | hybrid
+    source: str = "offline"  # offline | online | hybrid | fleet (DATA_SOURCES)
     dir: str = "runs/precompute"  # precompute folder: shards + manifest.json for this target (hybrid writes it)
     num_workers: int = 0  # DataLoader worker processes per rank (0 = read in the training process)
     verify: str = "first_open"  # shard checksums: first_open | always (before training) | never (sizes only)
@@ -105,8 +109,12 @@ class TrainDataConfig(DataConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.source not in SOURCES:
-            raise ConfigError(f"data.source={self.source!r}: choose one of {' | '.join(SOURCES)} (offline reads the "
-                             "precompute folder data.dir, online computes hidden states from data.paths, hybrid "
-                             "does epoch 0 online and writes data.dir for the later epochs, fleet trains from "
-                             "running vLLM servers' captures)")
+        if self.source not in DATA_SOURCES:
+            raise ConfigError(f"{unknown_source(self.source)} (offline reads the precompute folder data.dir, online "
+                              "computes hidden states from data.paths, hybrid does epoch 0 online and writes data.dir "
+                              "for the later epochs, fleet trains from running vLLM servers' captures)")
+
+
+def unknown_source(name: str) -> str:
+    """The refusal of `data.source=name`, naming the registered sources."""
+    return f"data.source={name!r}: choose one of {' | '.join(sorted(DATA_SOURCES.names()))}"

@@ -14,7 +14,7 @@ GRID_AXES = ("k", "draft_threshold", "catch_up", "draft_width", "tree", "tempera
 GRID_KINDS: dict[str, type] = {"k": int, "draft_threshold": float, "catch_up": str, "draft_width": int, "tree": str,
                                "temperature": float}
 TREE_SHAPE = re.compile(r"none|\d+x\d+x\d+")  # `tree` values: none (a chain / draft_width) or STEPSxTOPKxTOKENS
-BACKENDS = ("engine", "vllm")  # who runs the speculative decoding mtp-eval measures
+EVAL_BACKENDS = ("engine", "vllm")  # who runs the speculative decoding mtp-eval measures (`backend`)
 HEAD_WEIGHTS = ("bf16", "int8", "fp32")  # what a head's few-row CPU products stream (`head_weights`)
 
 
@@ -106,8 +106,8 @@ class EvalConfig:
         if self.repeats < 1 or self.batch_size < 1:
             raise ConfigError(f"repeats and batch_size must be >= 1, got {self.repeats} and {self.batch_size}")
         check_head_weights(self.head_weights)
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend={self.backend!r}: choose one of {' | '.join(BACKENDS)}")
+        if self.backend not in EVAL_BACKENDS:
+            raise ConfigError(f"backend={self.backend!r}: choose one of {' | '.join(EVAL_BACKENDS)}")
 
     def grid(self, axis: str) -> list[Any]:
         """The values of grid setting `axis` (one of GRID_AXES) as a non-empty list of its kind (GRID_KINDS):

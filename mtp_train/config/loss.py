@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from mtp_train.config.registry import Registry
 
 CE_IMPLS = ("checkpoint", "fused")  # how the soft cross-entropy's backward is computed (see train/losses.py)
-# the token loss between the head's and the target's distributions (see train/divergences.py)
-LOSS_KINDS = ("soft_ce", "rkl", "jsd", "tv", "nla", "lk_hybrid", "argmax_ce")
+# The token losses between the head's and the target's distributions (`loss.kind`): `TokenLoss`es, each added
+# where train/divergences.py defines it, which the first read imports (by computed name: this floor imports
+# nothing of the project at import time).
+TOKEN_LOSSES: Registry[Any] = Registry("loss kind", "mtp_train.train.divergences")
 POSITION_WEIGHTS = ("decay", "dpace")  # how the unrolled steps' rows are weighted (see train/position_weights.py)
 UNROLL_ATTENTION = ("chain", "causal")  # how unrolled steps j > 0 attend (see heads/chain_attention.py)
 
@@ -50,8 +55,7 @@ class LossConfig:
                              f"{', '.join(POSITION_WEIGHTS)}")
         if not 0.0 < self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
-        if self.kind not in LOSS_KINDS:
-            raise ValueError(f"unknown loss kind {self.kind!r}; choose one of {', '.join(LOSS_KINDS)}")
+        TOKEN_LOSSES.get(self.kind)  # unknown → a ValueError naming the registered kinds
         if self.ce_impl not in CE_IMPLS:
             raise ValueError(f"unknown ce_impl {self.ce_impl!r}; choose one of {', '.join(CE_IMPLS)}")
 

@@ -1,20 +1,27 @@
-"""One registry helper for every swappable part: head types, data sources, loss kinds, eval methods, export layouts
-and target families.
+"""One registry helper for every swappable part: head types, target families, data sources, loss kinds, eval
+methods and export layouts.
 
 A `Registry` maps names to entries. Names are checked when registered (a lower-case identifier with `-`, `.` or
-`_`, never registered twice) and an unknown name is answered with the known ones, the same way everywhere. A
-registry whose entries live in plug-in modules (one module per head type or per family) takes a `discover`
-callable that imports them on the first look-up, so that the registry is complete whenever it is read and a
-plug-in is found without being imported by hand.
+`_`, never registered twice) and an unknown name is answered with the known ones, the same way everywhere.
 
-It imports nothing, like the rest of the config floor (neither the project nor torch nor Hydra).
+One way to fill one: an entry is added where it is defined, `REGISTRY.add(entry)` (a decorator for a class), under
+its own name (its `key` attribute). A registry whose entries live in other modules names them with `package`: on
+its first read it imports that module by computed name, and when it is a package, every module and sub-package
+directly in it (sorted by name), so that the registry is complete whenever it is read and a new plug-in module is
+found without being listed anywhere or imported by hand. A plug-in either adds its entries itself (data sources,
+loss kinds) or defines them as a module-level `attr` the scan adds (`FAMILY = Family(...)`, `HEAD_TYPE = ...`,
+under the module's name); `group` adds the entries another installed package declares as entry points.
+
+A registry on the settings floor whose entries are defined above it (the loss kinds, the data sources) is
+declared here, on the floor, and filled by its `package` on the first read: the settings check names against it
+while this floor imports nothing of the project at import time (neither the project nor torch nor Hydra).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -30,17 +37,76 @@ class Registry(Generic[T]):
 
     Args:
         kind: what an entry is, for messages.
-        discover: called once, before the first read, to import the modules that register the entries (plug-ins
-            found by scanning a package); None when every entry is registered where the registry is defined.
+        package: the dotted name of the module that fills the registry, imported on the first read; a package is
+            scanned (its modules and sub-packages, by name). None = every entry is added where the registry is.
+        attr: the module-level name under which a scanned plug-in defines its entry, which the scan adds under
+            the module's name (the entry's own name must equal it); None = the modules add their entries themselves.
+        packages_only: scan only the sub-packages (the modules beside them are parts several plug-ins share).
+        optional: a scanned module without `attr` is skipped; else it is refused (every module is a plug-in).
+        group: an entry-point group whose entries (objects named by another installed package) are added too.
+        entry_type: the class every entry the scan finds must be an instance of (None: not checked).
+        on_add: called with every entry before it is registered (an index of the registry, a cross-entry check:
+            raising refuses the entry).
         key: the attribute of an entry that holds its name, for `add(entry)`; None = entries are named by `register`.
+        discover: a callable doing the discovery instead of `package` (kept for a registry not yet declared with
+            `package`); not with `package`.
     """
 
-    def __init__(self, kind: str, discover: Callable[[], None] | None = None, key: str | None = "name") -> None:
+    def __init__(self, kind: str, package: str | None = None, *, attr: str | None = None,
+                 packages_only: bool = False, optional: bool = False, group: str | None = None,
+                 entry_type: type | None = None, on_add: Callable[[T], None] | None = None,
+                 key: str | None = "name", discover: Callable[[], None] | None = None) -> None:
+        if package is not None and discover is not None:
+            raise TypeError(f"the {kind} registry takes a package to scan or a discover callable, not both")
+        if package is None and (attr or packages_only or group):
+            raise TypeError(f"the {kind} registry scans nothing: attr, packages_only and group need a package")
         self.kind = kind
+        self.package, self.attr, self.group = package, attr, group
+        self.packages_only, self.optional, self.entry_type = packages_only, optional, entry_type
         self._entries: dict[str, T] = {}
-        self._discover = discover
+        self._discover = discover if discover is not None else (self._scan if package is not None else None)
         self._discovering = False
+        self._on_add = on_add
         self._key = key
+
+    # -- discovery --
+
+    def _scan(self) -> None:
+        """Import `package` (and, a package, each module / sub-package in it) by computed name; add the `attr` of
+        each and the entry points of `group`. Imported here, at the first read: this floor imports nothing of the
+        project at import time, and the plug-ins may live on any floor above it."""
+        import importlib
+        import pkgutil
+
+        assert self.package is not None
+        root = importlib.import_module(self.package)
+        if hasattr(root, "__path__"):  # a package: every module in it is a plug-in (or fills the registry)
+            for info in sorted(pkgutil.iter_modules(root.__path__), key=lambda m: m.name):
+                if self.packages_only and not info.ispkg:
+                    continue
+                module = importlib.import_module(f"{self.package}.{info.name}")
+                if self.attr is None:
+                    continue  # the module added its entries itself, where it defines them
+                if not hasattr(module, self.attr):
+                    if self.optional:
+                        continue
+                    raise TypeError(f"{module.__name__} defines no {self.attr}; every module of {self.package} is a "
+                                    f"{self.kind} plug-in (define {self.attr} in it, or move it out of the package)")
+                self._add_found(getattr(module, self.attr), f"{module.__name__}.{self.attr}", info.name)
+        if self.group is not None:
+            from importlib import metadata
+
+            for ep in sorted(metadata.entry_points(group=self.group), key=lambda ep: ep.name):
+                self._add_found(ep.load(), f"entry point {ep.name} = {ep.value} ({self.group})", ep.name)
+
+    def _add_found(self, entry: Any, where: str, name: str) -> None:
+        """Add a plug-in's entry, which must be named as its module (or entry point) is."""
+        if (self.entry_type is not None and not isinstance(entry, self.entry_type)) or (
+                self._key is not None and getattr(entry, self._key, None) != name):
+            what = self.entry_type.__name__ if self.entry_type is not None else self.kind
+            raise TypeError(f"{where} is not a {what} named {name!r}")
+        if self._entries.get(name) is not entry:  # an installed copy and a source tree may both name it
+            self.register(name, entry)
 
     # -- writing --
 
@@ -51,11 +117,14 @@ class Registry(Generic[T]):
                                 "or '_'")
         if name in self._entries:
             raise RegistryError(f"{self.kind} {name!r} is registered twice")
+        if self._on_add is not None:
+            self._on_add(entry)
         self._entries[name] = entry
         return entry
 
     def add(self, entry: T) -> T:
-        """Register `entry` under its own name (the `key` attribute). Returns `entry` (usable as a decorator)."""
+        """Register `entry` under its own name (the `key` attribute), where it is defined. Returns `entry`, so it is
+        usable as a class decorator (`@DATA_SOURCES.add`) and in an assignment (`X = REGISTRY.add(Entry(...))`)."""
         if self._key is None:
             raise TypeError(f"the {self.kind} registry names its entries explicitly: use register(name, entry)")
         return self.register(getattr(entry, self._key), entry)

@@ -71,7 +71,7 @@ from mtp_train.precompute.writer import (
 from mtp_train.remote.http import RemoteError
 
 log = logging.getLogger(__name__)
-BACKENDS = ("engine", "vllm")
+PRECOMPUTE_BACKENDS = ("engine", "vllm")  # who runs the target for mtp-precompute (`backend`): ours, or vLLM
 POLL_S = 0.5  # how often the driver looks for the next capture while vLLM runs
 
 

@@ -14,10 +14,11 @@ that a token drafted from q is accepted against p (Leviathan et al. 2023, the ex
     argmax_ce  −log q[argmax p]           hard cross-entropy on the target's greedy token: what greedy acceptance
                (draft argmax = target argmax) rewards, and nothing of the rest of p
 
-Each kind is one registered `TokenLoss` (`TOKEN_LOSSES`): its row losses, and how `chunked_token_loss` reduces a
-chunk with them, differentiably (`chunk_sums`, the checkpoint path) or with the gradient computed in the forward
-(`chunk_grad`, the fused path). A kind without closed forms gets both from its row losses and autograd; soft CE
-brings its own (logsumexp − Σ p·z, and d/dz = softmax(z) − p, natively on fp32 CPU).
+Each kind is one `TokenLoss`, added to `TOKEN_LOSSES` (declared in `mtp_train.config.loss`) where it is defined: its
+row losses, and how `chunked_token_loss` reduces a chunk with them, differentiably (`chunk_sums`, the checkpoint
+path) or with the gradient computed in the forward (`chunk_grad`, the fused path). A kind without closed forms gets
+both from its row losses and autograd; soft CE brings its own (logsumexp − Σ p·z, and d/dz = softmax(z) − p,
+natively on fp32 CPU).
 
 All arithmetic runs in the logits' dtype (float32 at least, see `losses._logits`); log-probabilities come from
 log_softmax, so no log of an underflowed zero appears (m's log is a logaddexp of the two).
@@ -31,8 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp_train.config.loss import LOSS_KINDS
-from mtp_train.config.registry import Registry
+from mtp_train.config.loss import TOKEN_LOSSES
 from mtp_train.layers import cpu_kernels, kernel_choice
 
 LK_HYBRID_RATE = 3.0  # λ = exp(−rate · α), the LK paper's adaptive blend
@@ -104,7 +104,7 @@ class TokenLoss:
     """One `loss.kind`: its row losses, and how a chunk of logits is reduced with them (two ways).
 
     Args:
-        name: the `loss.kind` value (one of `mtp_train.config.loss.LOSS_KINDS`).
+        name: the `loss.kind` value it is registered under (`TOKEN_LOSSES`).
         rows: (log q, log p) (C, V) each → (C,) row losses, differentiable in log q.
         chunk: (z, t, row_weight) → `ChunkSums`, differentiable in z (the `checkpoint` path); None = from `rows`.
         grad: (z, t, row_weight) → (`ChunkSums`, d Σ / d z (C, V)) without autograd (the `fused` path: z may be
@@ -196,22 +196,15 @@ def _soft_ce_probe_setup() -> Callable[[str], tuple[Callable[[], object], Callab
 
 kernel_choice.register(kernel_choice.Probe("soft_ce", ("chunk",), _soft_ce_probe_setup, budget_s=0.15))
 
-
-TOKEN_LOSSES: Registry[TokenLoss] = Registry("loss kind")
-
-
-def register_loss(loss: TokenLoss) -> TokenLoss:
-    """Add a token loss; its name must be a `loss.kind` the config accepts (`LOSS_KINDS`)."""
-    if loss.name not in LOSS_KINDS:
-        raise TypeError(f"token loss {loss.name!r} is not a loss.kind of mtp_train.config.loss.LOSS_KINDS "
-                        f"({', '.join(LOSS_KINDS)})")
-    return TOKEN_LOSSES.add(loss)
-
-
-for _loss in (TokenLoss("soft_ce", _soft_ce, chunk=_soft_ce_chunk, grad=_soft_ce_grad), TokenLoss("rkl", _rkl),
-              TokenLoss("jsd", _jsd), TokenLoss("tv", _tv), TokenLoss("nla", _nla), TokenLoss("lk_hybrid", _lk_hybrid),
-              TokenLoss("argmax_ce", _argmax_ce)):
-    register_loss(_loss)
+# The kinds of `loss.kind`, in the order messages list them (the registry is declared on the settings floor, which
+# checks the name; its first read imports this module).
+TOKEN_LOSSES.add(TokenLoss("soft_ce", _soft_ce, chunk=_soft_ce_chunk, grad=_soft_ce_grad))
+TOKEN_LOSSES.add(TokenLoss("rkl", _rkl))
+TOKEN_LOSSES.add(TokenLoss("jsd", _jsd))
+TOKEN_LOSSES.add(TokenLoss("tv", _tv))
+TOKEN_LOSSES.add(TokenLoss("nla", _nla))
+TOKEN_LOSSES.add(TokenLoss("lk_hybrid", _lk_hybrid))
+TOKEN_LOSSES.add(TokenLoss("argmax_ce", _argmax_ce))
 
 
 def token_loss(kind: str) -> TokenLoss:

@@ -5,14 +5,14 @@ makes a backend of either kind by name; `masks.py` holds what several backends b
 `windows.py` runs layers of different windows in one model.
 """
 
-from mtp_train.layers.attention.base import BACKENDS, AttentionBackend, KVLayout, resolve_backend_name
+from mtp_train.layers.attention.base import ATTENTION_BACKENDS, AttentionBackend, KVLayout, resolve_backend_name
 from mtp_train.layers.attention.metadata import AttentionMetadata, ForwardMode
 from mtp_train.layers.attention.mla import LatentAsOneHead, MLABackend, TorchMLA
 from mtp_train.layers.attention.selection import make_attention_backend, make_mla_backend, resolve_mla_backend_name
 from mtp_train.layers.attention.windows import LayerWindowAttention
 
 __all__ = [
-    "BACKENDS",
+    "ATTENTION_BACKENDS",
     "AttentionBackend",
     "AttentionMetadata",
     "ForwardMode",

@@ -18,7 +18,7 @@ import torch
 from mtp_train.config.device import on_cuda
 from mtp_train.layers.attention.metadata import AttentionMetadata
 
-BACKENDS = ("auto", "torch", "flashinfer")  # what model.attention_backend (and `backend=`) may say
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")  # what model.attention_backend (and `backend=`) may say
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -89,9 +89,9 @@ class AttentionBackend(ABC):
 
 
 def check_backend_name(name: str) -> None:
-    """ValueError naming the choices unless `name` is one of BACKENDS."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    """ValueError naming the choices unless `name` is one of ATTENTION_BACKENDS."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:

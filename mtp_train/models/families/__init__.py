@@ -20,14 +20,13 @@ read its `Family` entry instead of branching on `model_type`:
 
 Adding a family (e.g. Qwen3-MoE) is one new module here, `<name>.py`, plus its parity test against transformers
 (`tests/test_<name>.py`, as tests/test_deepseek_v2.py) and a tiny config in tests/test_families.py. The module
-defines its args parsing, its `CausalLM` subclass and head block, and a module-level `FAMILY = Family(...)`;
-the registry imports every module of this package on the first look-up, so nothing else is edited.
+defines its args parsing, its `CausalLM` subclass and head block, and a module-level `FAMILY = Family(...)` named
+as the module; the registry (`FAMILIES`, `config/registry.py`'s package scan) imports every module of this package
+on the first look-up and registers its FAMILY, so nothing else is edited.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,23 +92,21 @@ class Family:
     tp: TPRules | None = None
 
 
-def _discover() -> None:
-    # Every module of this package is a family: import each, register its FAMILY by name and by model_type.
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        family = getattr(module, "FAMILY", None)
-        if not isinstance(family, Family):
-            raise TypeError(f"{module.__name__} defines no FAMILY = Family(...); every module of "
-                            f"{__name__} is a target family")
-        for t in family.model_types:
-            if t in _BY_TYPE:
-                raise TypeError(f"model_type {t!r} is claimed by families {_BY_TYPE[t].name} and {family.name}")
-        FAMILIES.add(family)
-        _BY_TYPE.update(dict.fromkeys(family.model_types, family))
+_BY_TYPE: dict[str, Family] = {}  # model_type → family, filled as FAMILIES is
 
 
-FAMILIES: Registry[Family] = Registry("target family", discover=_discover)  # by name, filled on the first look-up
-_BY_TYPE: dict[str, Family] = {}  # model_type → family, filled with FAMILIES
+def _index(family: Family) -> None:
+    # A model_type runs on one family: a second claim is refused before the family is registered.
+    for t in family.model_types:
+        if t in _BY_TYPE:
+            raise TypeError(f"model_type {t!r} is claimed by families {_BY_TYPE[t].name} and {family.name}")
+    _BY_TYPE.update(dict.fromkeys(family.model_types, family))
+
+
+# By name, filled on the first look-up: every module of this package is a family, its FAMILY registered under the
+# module's name (a module without one is refused).
+FAMILIES: Registry[Family] = Registry("target family", package=__name__, attr="FAMILY", entry_type=Family,
+                                      on_add=_index)
 
 
 def _registry() -> dict[str, Family]:

@@ -1,8 +1,10 @@
 """Where training's target hidden states come from (`data.source`): a precompute folder, the target itself, or both.
 
-Every source is a `DataSource` (`base.py`) registered under its name in `SOURCES`, one module of this package each,
-and yields the same kind of micro-batches through the same path (`mtp_train.train.data`): a dataset of samples, the
-length-bucketed batch plan of `make_sampler`, a resumable `MicroBatchStream`. They differ in where a batch's hidden
+Every source is a `DataSource` (`base.py`) added under its name to `DATA_SOURCES` (`mtp_train.config.data`) where
+it is defined, one module of this package each, found by the registry's scan of this package (a new source is one
+new module; nothing lists them). Each yields the same kind of micro-batches through the same path
+(`mtp_train.train.data`): a dataset of samples, the length-bucketed batch plan of `make_sampler`, a resumable
+`MicroBatchStream`. They differ in where a batch's hidden
 states come from, which `DataSource.fill` settles just before the head's step, and in their own checks, locks and
 state:
 
@@ -24,22 +26,17 @@ from __future__ import annotations
 import torch
 
 from mtp_train import dist
-from mtp_train.config import ConfigError, TrainConfig
-from mtp_train.config.data import SOURCES as SOURCE_NAMES
+from mtp_train.config import DATA_SOURCES, ConfigError, TrainConfig
+from mtp_train.config.data import unknown_source
 from mtp_train.dist import DistInfo
-from mtp_train.train.sources.base import SOURCES, DataSource, register_source
-from mtp_train.train.sources.fleet import FleetSource
-from mtp_train.train.sources.hybrid import HybridSource
-from mtp_train.train.sources.offline import OfflineSource
-from mtp_train.train.sources.online import OnlineSource
+from mtp_train.train.sources.base import DataSource
 
 
 def source_class(name: str) -> type[DataSource]:
     """The class of `data.source=name`; ConfigError naming the key and the registered sources otherwise."""
-    if name not in SOURCES:
-        names = [n for n in SOURCE_NAMES if n in SOURCES] + [n for n in SOURCES if n not in SOURCE_NAMES]
-        raise ConfigError(f"data.source={name!r}: choose one of {' | '.join(names)}")
-    return SOURCES.get(name)
+    if name not in DATA_SOURCES:
+        raise ConfigError(unknown_source(name))
+    return DATA_SOURCES.get(name)
 
 
 def build_source(cfg: TrainConfig, info: DistInfo, device: torch.device) -> DataSource:
@@ -50,5 +47,4 @@ def build_source(cfg: TrainConfig, info: DistInfo, device: torch.device) -> Data
     return source
 
 
-__all__ = ["SOURCES", "DataSource", "FleetSource", "HybridSource", "OfflineSource", "OnlineSource", "build_source",
-           "register_source", "source_class"]
+__all__ = ["DataSource", "build_source", "source_class"]

@@ -1,10 +1,12 @@
-"""A training data source: the base every `data.source` (offline | online | hybrid) is a subclass of, and its registry.
+"""A training data source: the base every `data.source` (offline | online | hybrid | fleet) is a subclass of.
 
-A source is one class registered under its `data.source` name with `@register_source` (one module of this package
-each; the package's `build_source` builds the configured one). It owns what differs between them: the checks of its
-settings (`check_config`), the locks it takes besides the run's own (`lock`), how a resumed checkpoint's source is
-judged (`check_resume`), what a head export records about the data (`record`) and how a micro-batch gets its hidden
-states (`fill`, with `begin` / `flush` / `close` around the run). Nothing outside the sources compares the name.
+A source is one class added to `DATA_SOURCES` (declared on the settings floor, `mtp_train.config.data`) where it is
+defined, `@DATA_SOURCES.add`, under its `name` (one module of this package each, found by the registry's scan of the
+package; the package's `build_source` builds the configured one). It owns what differs between them: the checks of
+its settings (`check_config`), the locks it takes besides the run's own (`lock`), how a resumed checkpoint's source
+is judged (`check_resume`), what a head export records about the data (`record`) and how a micro-batch gets its
+hidden states (`fill`, with `begin` / `flush` / `close` around the run). Nothing outside the sources compares the
+name.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mtp_train.config import TrainConfig
-from mtp_train.config.data import SOURCES as SOURCE_NAMES
-from mtp_train.config.registry import Registry
+from mtp_train.config.data import DATA_SOURCES
 from mtp_train.data.sampler import LengthBucketedBatchSampler
 from mtp_train.train.data import MicroBatchStream, PackedBatch, SampleDataset
 
@@ -45,7 +46,7 @@ def val_or_none(val: SampleDataset | None, where: str) -> SampleDataset | None:
 
 class DataSource:
     """What the trainer reads: the train / val datasets, the micro-batch stream, the target's fingerprint, and how
-    a batch gets its hidden states (`fill`). Subclasses set `name` and register themselves."""
+    a batch gets its hidden states (`fill`). Subclasses set `name` and add themselves (`@DATA_SOURCES.add`)."""
 
     name: ClassVar[str] = ""  # the `data.source` value
     writes_folder: ClassVar[bool] = False  # writes `data.dir` as a precompute folder (so it is locked, `lock`)
@@ -80,7 +81,7 @@ class DataSource:
         """Judge a checkpoint's data source (`client["data_source"]`, as `save` wrote it) before resuming from it:
         a source with another batch plan is allowed, with a warning."""
         was = str(client.get("data_source", "offline"))
-        other = SOURCES.get(was) if was in SOURCES else None
+        other = DATA_SOURCES.get(was) if was in DATA_SOURCES else None
         if other is None or other.plans_from_conversations != self.plans_from_conversations:
             log.warning("resuming with data.source=%s (checkpoint: %s): the batch order differs from the "
                         "interrupted run's", self.name, was)
@@ -106,17 +107,6 @@ class DataSource:
 
     def close(self) -> None:
         """Called when the run ends, however it ends."""
-
-
-SOURCES: Registry[type[DataSource]] = Registry("data source")  # data.source name → class, by @register_source
-
-
-def register_source(cls: type[DataSource]) -> type[DataSource]:
-    """Class decorator: make `cls` the source `cls.name`, which must be a `data.source` the config accepts."""
-    if cls.name not in SOURCE_NAMES:
-        raise TypeError(f"{cls.__name__}.name {cls.name!r} is not a data.source of mtp_train.config.data.SOURCES "
-                        f"({', '.join(SOURCE_NAMES)})")
-    return SOURCES.register(cls.name, cls)
 
 
 def online_record(cfg: TrainConfig) -> dict[str, Any]:

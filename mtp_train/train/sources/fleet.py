@@ -33,7 +33,7 @@ from mtp_train.capture.endpoints import EndpointCapture
 from mtp_train.capture.fleet import FleetDriver, Wanted
 from mtp_train.capture.layers import layer_map
 from mtp_train.capture.spool import PREFIX, SUFFIX, capture_bound, read_capture, remove_torn
-from mtp_train.config import ConfigError, TrainConfig
+from mtp_train.config import DATA_SOURCES, ConfigError, TrainConfig
 from mtp_train.config.precompute import VllmCaptureConfig
 from mtp_train.data.chat import load_tokenizer
 from mtp_train.data.samples import Row, load_rows
@@ -46,7 +46,7 @@ from mtp_train.precompute.vllm_backend import capture_tag, check_writable, final
 from mtp_train.precompute.writer import folder_spec
 from mtp_train.train.checkpoint import CKPT_DIR, LATEST, tag_for
 from mtp_train.train.data import MicroBatchStream, PackedBatch, SampleDataset, eval_batches
-from mtp_train.train.sources.base import DataSource, make_sampler, online_record, register_source, val_or_none
+from mtp_train.train.sources.base import DataSource, make_sampler, online_record, val_or_none
 from mtp_train.train.sources.online import OnlineSource, split_rows
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class FleetStream(MicroBatchStream):
         return batch
 
 
-@register_source
+@DATA_SOURCES.add
 class FleetSource(DataSource):
     """Batches of the conversations of `data.paths`, their hidden states captured by running servers (module
     docstring)."""

@@ -27,7 +27,7 @@ import torch
 
 import mtp_train
 from mtp_train import dist
-from mtp_train.config import ConfigError, TrainConfig
+from mtp_train.config import DATA_SOURCES, ConfigError, TrainConfig
 from mtp_train.data.sampler import LengthBucketedBatchSampler
 from mtp_train.data.samples import Row, TokenDataset, row_item
 from mtp_train.dist import DistInfo
@@ -45,7 +45,7 @@ from mtp_train.precompute import (
     plan_shards,
 )
 from mtp_train.train.data import PackedBatch, collate_packed
-from mtp_train.train.sources.base import make_sampler, register_source
+from mtp_train.train.sources.base import make_sampler
 from mtp_train.train.sources.online import OnlineSource, split_rows, token_lists
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def check_hybrid_dir(folder: Path, out: Path) -> None:
                           "folder, or train on this one with data.source=offline")
 
 
-@register_source
+@DATA_SOURCES.add
 class HybridSource(OnlineSource):
     """Epoch 0 online, written into `data.dir` as a precompute folder on the way; later epochs read that folder.
 

@@ -8,18 +8,18 @@ from typing import Any
 
 import torch
 
-from mtp_train.config import TrainConfig
+from mtp_train.config import DATA_SOURCES, TrainConfig
 from mtp_train.config.device import on_cuda
 from mtp_train.dist import DistInfo
 from mtp_train.models.fingerprint import weights_fingerprint
 from mtp_train.precompute import PrecomputedDataset
 from mtp_train.train.data import MicroBatchStream
-from mtp_train.train.sources.base import DataSource, make_sampler, register_source, val_or_none
+from mtp_train.train.sources.base import DataSource, make_sampler, val_or_none
 
 log = logging.getLogger(__name__)
 
 
-@register_source
+@DATA_SOURCES.add
 class OfflineSource(DataSource):
     """Batches of the precompute folder `data.dir` (checked against the target's weights)."""
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from mtp_train.config import ConfigError, ModelConfig, TrainConfig
+from mtp_train.config import DATA_SOURCES, ConfigError, ModelConfig, TrainConfig
 from mtp_train.config.device import on_cuda
 from mtp_train.data.samples import Row, TokenDataset, load_rows
 from mtp_train.dist import DistInfo
@@ -33,7 +33,7 @@ from mtp_train.models.loader import load_model
 from mtp_train.models.tensor_parallel import TPGroup, load_model_tp, tp_groups
 from mtp_train.precompute import as_stored, check_settings, in_split
 from mtp_train.train.data import MicroBatchStream, PackedBatch
-from mtp_train.train.sources.base import DataSource, make_sampler, online_record, register_source, val_or_none
+from mtp_train.train.sources.base import DataSource, make_sampler, online_record, val_or_none
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def split_rows(rows: Sequence[Row], split: str, cfg: TrainConfig) -> TokenDatase
     return TokenDataset([r for r in rows if in_split(r.id, split, o.seed, o.val_fraction)], split)
 
 
-@register_source
+@DATA_SOURCES.add
 class OnlineSource(DataSource):
     """Batches of the conversations of `data.paths`, their hidden states computed by the target held here."""
 
