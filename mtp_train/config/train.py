@@ -16,20 +16,32 @@ from mtp_train.config.model import ModelConfig
 from mtp_train.config.precompute import PrecomputeConfig
 
 KEEP_BEST_MODES = ("auto", "max", "min")  # train.keep_best_mode
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer
+MUON_ADJUST_LR = ("original", "match_rms_adamw")  # optim.muon_adjust_lr_fn (torch.optim.Muon's adjust_lr_fn)
 PLAN_DEVICES = ("", "cuda", "cpu")  # plan_device
 
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule (linear warmup, then cosine down to min_lr_ratio · lr)."""
+    """The optimiser's settings (AdamW's, and Muon's under train.optimizer=muon) and the learning-rate schedule
+    (linear warmup, then cosine down to min_lr_ratio · lr), which scales every group's rate alike."""
 
-    lr: float = 1e-4  # peak learning rate
+    lr: float = 1e-4  # peak learning rate (AdamW; under muon the AdamW group of norms, biases and vectors)
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
     eps: float = 1e-8  # AdamW epsilon
     warmup_steps: int = 100  # optimizer steps of linear warmup from lr/warmup_steps to lr
     min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio · lr at train.max_steps
     grad_clip: float = 0.5  # clip the global gradient norm to this (0 = off)
+    # train.optimizer=muon (torch.optim.Muon on the 2-D weight matrices; the vocabulary-indexed matrices, a head's
+    # own lm_head or Markov tables, take AdamW at muon_lr and muon_weight_decay, as speculators does):
+    muon_lr: float | None = None  # peak rate of the Muon group; null = 10 · optim.lr (speculators' default)
+    muon_momentum: float = 0.95  # Muon's momentum
+    muon_nesterov: bool = True  # Nesterov momentum
+    muon_weight_decay: float = 0.1  # Muon's decoupled weight decay
+    muon_ns_steps: int = 5  # Newton-Schulz iterations of the orthogonalisation
+    # original (lr · sqrt(max(1, rows/cols))) | match_rms_adamw (lr · 0.2 · sqrt(max(rows, cols)): AdamW's update RMS)
+    muon_adjust_lr_fn: str = "match_rms_adamw"
 
     def __post_init__(self) -> None:
         # torch's AdamW would refuse some of these too, but without naming the key; lr=0 it would accept.
@@ -47,6 +59,23 @@ class OptimConfig:
                 raise ConfigError(f"optim.{key}={value} is out of range: `optim.{key}` must be 0 or more")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} is out of range: it must be in [0, 1]")
+        if self.muon_lr is not None and (not math.isfinite(self.muon_lr) or self.muon_lr <= 0):
+            raise ConfigError(f"optim.muon_lr={self.muon_lr} is out of range: give a positive rate, or null for "
+                              "10 · optim.lr")
+        for key in ("muon_momentum", "muon_weight_decay"):
+            value = getattr(self, key)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"optim.{key}={value} is out of range: `optim.{key}` must be 0 or more")
+        if self.muon_ns_steps < 1:
+            raise ConfigError(f"optim.muon_ns_steps={self.muon_ns_steps}: give 1 or more Newton-Schulz steps, e.g. 5")
+        if self.muon_adjust_lr_fn not in MUON_ADJUST_LR:
+            raise ConfigError(f"optim.muon_adjust_lr_fn={self.muon_adjust_lr_fn!r}: give one of "
+                              f"{' | '.join(MUON_ADJUST_LR)}")
+
+    @property
+    def muon_peak_lr(self) -> float:
+        """The Muon group's peak rate: optim.muon_lr, or 10 · optim.lr when it is null."""
+        return float(self.muon_lr) if self.muon_lr is not None else 10.0 * float(self.lr)
 
 
 @dataclass
@@ -64,7 +93,11 @@ class LoopConfig:
     eval_batches: int = 16  # val micro-batches per rank per evaluation (0 = no evaluation)
     save_every: int = 1000  # full checkpoint + head export every N steps (0 = only at the end)
     log_every: int = 10  # log training metrics every N steps
-    seed: int = 0  # seeds the head's init, the batch order and the feature noise
+    seed: int = 0  # seeds the head's init, the batch order, the feature noise and a block drafter's anchors
+    # adamw (torch's AdamW over every parameter, the deepspeed preset's optimizer) | muon (torch.optim.Muon on the
+    # 2-D weight matrices, AdamW on the rest; needs deepspeed.zero_optimization.stage=0, deepspeed=zero0: ZeRO
+    # hands the optimiser flat partitions of the weights, and Muon orthogonalises each whole matrix)
+    optimizer: str = "adamw"
     progress: bool = True  # tqdm progress bar on rank 0
     # Keep heads/best as a copy of the best evaluated head by this validation metric ("" = off), e.g. spec/tau
     # (needs spec_eval.prompts) or eval/loss; each improvement logs best/<metric> and best/step (train/best.py).
@@ -82,6 +115,8 @@ class LoopConfig:
                 or self.sequence_parallel < 1:
             raise ConfigError(f"train.sequence_parallel={self.sequence_parallel!r}: give a whole number of ranks "
                               "≥ 1 that divides the world size (1 = off), e.g. train.sequence_parallel=2")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer={self.optimizer!r}: give one of {' | '.join(OPTIMIZERS)}")
         if self.keep_best_mode not in KEEP_BEST_MODES:
             raise ConfigError(f"train.keep_best_mode={self.keep_best_mode!r}: give one of "
                               f"{' | '.join(KEEP_BEST_MODES)} (auto = min for a metric ending in loss, else max)")
@@ -165,6 +200,11 @@ class TrainConfig:
                               f"{self.memory_limit_gib}: each must be 0 (the run's own) or more")
         if self.plan_device not in PLAN_DEVICES:
             raise ConfigError(f"plan_device={self.plan_device!r}: give one of cuda | cpu, or \"\" for the run's device")
+        stage = (self.deepspeed.zero_optimization or {}).get("stage", 0)
+        if self.train.optimizer == "muon" and int(stage) != 0:
+            raise ConfigError(f"train.optimizer=muon with deepspeed.zero_optimization.stage={stage}: ZeRO hands the "
+                              "optimiser flat partitions of the weights, and Muon orthogonalises each whole matrix; "
+                              "use deepspeed=zero0 (or deepspeed.zero_optimization.stage=0)")
 
     def precompute_config(self, aux_layers: Sequence[int] = ()) -> PrecomputeConfig:
         """The `mtp-precompute` settings whose samples (and folder, for hybrid) an online or hybrid run reads:

@@ -82,11 +82,15 @@ def _fill(node: Any, values: Mapping[str, Any], path: str = "") -> Any:
     return node
 
 
-def build_ds_config(preset: DeepSpeedConfig, *, optim: OptimConfig, grad_accum: int, bf16: bool) -> dict[str, Any]:
+def build_ds_config(preset: DeepSpeedConfig, *, optim: OptimConfig, grad_accum: int, bf16: bool,
+                    client_optimizer: bool = False) -> dict[str, Any]:
     """The DeepSpeed config dict for `deepspeed.initialize(config=...)`.
 
     preset: the `deepspeed` settings; optim: `optim.*`; grad_accum: `train.grad_accum`; bf16: train in bf16
-    (`mtp_train.config.bf16_enabled` of the device).
+    (`mtp_train.config.bf16_enabled` of the device). client_optimizer: the trainer hands `deepspeed.initialize` an
+    optimiser of its own (train.optimizer=muon, `train.optimizers`): the preset's `optimizer` block is left out,
+    and so is DeepSpeed's gradient clipping (that optimiser clips at optim.grad_clip and reports the norm, which
+    DeepSpeed does not when it clips an fp32 client optimiser); it needs ZeRO off (stage 0).
     Refuses what this trainer cannot honour, naming the key: a micro-batch size other than 1, ZeRO-3 (it
     would partition the head's weights, which evaluation and the head export read whole), fp16, and a
     DeepSpeed `scheduler` (the schedule comes from `optim.*`).
@@ -109,7 +113,11 @@ def build_ds_config(preset: DeepSpeedConfig, *, optim: OptimConfig, grad_accum: 
         "optimizer.params.weight_decay": float(optim.weight_decay),
         "optimizer.params.torch_adam": True,
     }
+    if client_optimizer:
+        cfg.pop("optimizer", None)
     cfg = _fill(cfg, values)
+    if client_optimizer:
+        cfg["gradient_clipping"] = 0.0
 
     if cfg.get("train_micro_batch_size_per_gpu", 1) != 1:
         raise ValueError("deepspeed.train_micro_batch_size_per_gpu must be 1: a micro-batch is one packed batch of "
@@ -118,6 +126,10 @@ def build_ds_config(preset: DeepSpeedConfig, *, optim: OptimConfig, grad_accum: 
     if stage not in ZERO_STAGES:
         raise ValueError(f"deepspeed.zero_optimization.stage {stage} is not supported: use 0, 1 or 2 (ZeRO-3 would "
                          "partition the head's weights, which evaluation and the head export read whole)")
+    if client_optimizer and stage != 0:
+        raise ValueError(f"train.optimizer=muon with deepspeed.zero_optimization.stage {stage}: ZeRO hands the "
+                         "optimiser flat partitions of the weights, and Muon orthogonalises each whole matrix; use "
+                         "deepspeed=zero0")
     if (cfg.get("fp16") or {}).get("enabled"):
         raise ValueError("deepspeed.fp16 is not supported: heads train in bf16 on CUDA (bf16.enabled) or fp32 on CPU")
     if "scheduler" in cfg:

@@ -71,6 +71,7 @@ from mtp_train.train.foreign import check_foreign_target
 from mtp_train.train.logging import RunLogger
 from mtp_train.train.losses import HeadLoss, noise_generator, step_anchor_seed, step_token_counts
 from mtp_train.train.memory_plan import peak_bytes
+from mtp_train.train.optimizers import build_muon
 from mtp_train.train.sequence_parallel import SequenceParallel, check_sequence_parallel
 from mtp_train.train.sources import build_source
 
@@ -167,10 +168,13 @@ class Trainer:
         head.train()
         module = HeadLoss(head, self.loss_cfg, checkpoint=c.train.activation_checkpointing)
         params = [p for p in module.parameters() if p.requires_grad]
-        ds_config = build_ds_config(c.deepspeed, optim=c.optim, grad_accum=c.train.grad_accum, bf16=bf16)
+        # adamw: the preset's optimizer block (DeepSpeed builds torch's AdamW); muon: torch's Muon + AdamW, built here
+        muon = c.train.optimizer == "muon"
+        ds_config = build_ds_config(c.deepspeed, optim=c.optim, grad_accum=c.train.grad_accum, bf16=bf16,
+                                    client_optimizer=muon)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=module, model_parameters=params, config=ds_config,
-            lr_scheduler=make_lr_scheduler(c.optim, c.train.max_steps))
+            model=module, model_parameters=params, config=ds_config, optimizer=build_muon(module, c.optim) if muon
+            else None, lr_scheduler=make_lr_scheduler(c.optim, c.train.max_steps))
         if self.info.is_main:
             log.info("head %s: %.2fM trainable parameters; DeepSpeed ZeRO-%d, %s, world %d (sequence parallel %d), "
                      "grad_accum %d%s", c.head.type, sum(p.numel() for p in params) / 1e6,
