@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import resource
-import subprocess
 import sys
 import time
 
@@ -39,19 +38,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     args = ap.parse_args(argv)
+    from mtp_train import processes
     from mtp_train.engine.sampling import SamplingParams
     from mtp_train.remote.generator import OpenAIGenerator
-    from mtp_train.remote.http import free_port, wait_ready
 
-    port = free_port()
+    port = processes.free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    server = subprocess.Popen([sys.executable, "-m", "mtp_train.cli.serve", f"model.path={args.model}",
-                               "model.fetch=null", "model.dtype=float32", "model.device=cpu", f"port={port}",
-                               f"max_batch_size={args.concurrency}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    try:
-        wait_ready(url, server, timeout=300.0, every=0.1, name="mtp-serve")
+    argv = [sys.executable, "-m", "mtp_train.cli.serve", f"model.path={args.model}", "model.fetch=null",
+            "model.dtype=float32", "model.device=cpu", f"port={port}", f"max_batch_size={args.concurrency}"]
+    with processes.serving(argv, env, os.devnull, url, timeout=300.0, name="mtp-serve", every=0.1):
         gen = OpenAIGenerator.connect([url], concurrency=args.concurrency, timeout=600.0)
         prompts = [[(7 * i + j) % 1000 + 100 for j in range(args.prompt_tokens)] for i in range(args.requests)]
         params = [SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True, seed=i)
@@ -60,9 +56,6 @@ def main(argv: list[str] | None = None) -> dict:
         c0, t0 = _cpu_seconds(), time.perf_counter()
         outs = gen.generate(prompts, params)
         cpu, wall = _cpu_seconds() - c0, time.perf_counter() - t0
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     assert len(outs) == args.requests and all(len(o.output_ids) == args.max_tokens for o in outs)
     res = {"requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
            "requests_per_s": args.requests / wall, "client_cpu_ms_per_request": 1000 * cpu / args.requests,

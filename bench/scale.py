@@ -48,7 +48,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -60,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import DEFAULT_MODEL, ROOT, ints, parser, report
+from mtp_train import processes
 
 STAGES = ("regenerate", "precompute", "train")
 GIB = 2**30
@@ -200,25 +200,6 @@ def vm_hwm(pid: int) -> int:
     return 0
 
 
-def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """Stop the run's process group: SIGTERM, then SIGKILL after `grace` seconds."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
-        if proc.poll() is not None:
-            break
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
-    if proc.poll() is None:
-        proc.wait()
-    with contextlib.suppress(ProcessLookupError):  # children left in the group after the leader ended
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
 @dataclass
 class Run:
     """One timed run of a stage at one size."""
@@ -244,25 +225,24 @@ def run_until_first(label: str, size: int, cmd: list[str], ready: Callable[[], b
         env: its environment.
         poll: seconds between checks and memory samples.
     """
-    with log.open("wb") as fh:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        peak, seconds, rc = 0, None, None
-        try:
-            while True:
-                rss, hwm = process_tree_rss(proc.pid)
-                peak = max(peak, rss, hwm)
-                if ready():
-                    seconds = time.perf_counter() - t0
-                    break
-                if proc.poll() is not None:
-                    rc = proc.returncode
-                    break
-                if time.perf_counter() - t0 > timeout:
-                    break
-                time.sleep(poll)
-        finally:
-            stop_group(proc)
+    t0 = time.perf_counter()
+    proc = processes.start(cmd, env, log, cwd=ROOT)  # its own process group: stopped with its children
+    peak, seconds, rc = 0, None, None
+    try:
+        while True:
+            rss, hwm = process_tree_rss(proc.pid)
+            peak = max(peak, rss, hwm)
+            if ready():
+                seconds = time.perf_counter() - t0
+                break
+            if proc.poll() is not None:
+                rc = proc.returncode
+                break
+            if time.perf_counter() - t0 > timeout:
+                break
+            time.sleep(poll)
+    finally:
+        processes.stop(proc, grace=10.0)  # the run and every process it spawned
     note = ""
     if seconds is None:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]

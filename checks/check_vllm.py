@@ -486,13 +486,18 @@ def run_vllm(a: argparse.Namespace, req: dict[str, Any], name: str, out: Path) -
             return result
     req_path.write_text(json.dumps(req) + "\n")
     print(f"check-vllm: vLLM {name} ({len(req['prompts'])} prompts; log: {log})", flush=True)
+    from mtp_train import processes
     from mtp_train.capture import launch
 
-    with tempfile.TemporaryDirectory(prefix="check-vllm-") as tmp, open(log, "w") as f:
+    with tempfile.TemporaryDirectory(prefix="check-vllm-") as tmp:
         # Of this project, vLLM's venv sees only the staged vLLM-side modules (vllm_side imports vllm_generate).
         env = launch.child_env(os.environ, launch.stage_modules(Path(tmp)), 2)
-        rc = subprocess.call([a.vllm_python, str(ROOT / "checks" / "vllm_side.py"), "--request", str(req_path),
-                              "--out", str(result_path)], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = processes.start([a.vllm_python, ROOT / "checks" / "vllm_side.py", "--request", req_path,
+                                "--out", result_path], env, log, cwd=ROOT)
+        try:
+            rc = proc.wait()
+        finally:
+            processes.stop(proc)  # an interrupted check stops vLLM and its engine processes
     result = json.loads(result_path.read_text()) if result_path.is_file() else {}
     if rc != 0 or "error" in result:
         text = log.read_text(errors="replace")

@@ -40,9 +40,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from mtp_train import processes
 from mtp_train.capture import launch, serve
 from mtp_train.capture.layers import layer_map
-from mtp_train.remote.http import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSWERS = ["Sure. Here is a short answer, written plainly and without fuss.",
@@ -93,7 +93,7 @@ def served_capture(a: argparse.Namespace, common: list[str], out: Path, aux: lis
     """`mtp-precompute backend=vllm vllm.endpoints=[...]` through a `vllm serve` this check starts with our
     connector (`capture.serve.serve_argv`, the command `vllm.serve_command=true` prints) and stops afterwards."""
     spool = out / "served-capture"
-    port = free_port()
+    port = processes.free_port()
     with tempfile.TemporaryDirectory(prefix="mtp-serve-") as tmp:
         env = launch.child_env(os.environ, launch.stage_modules(Path(tmp)), 2)
         argv = serve.serve_argv(Path(a.vllm_python).absolute(), Path(a.model).absolute(),
@@ -101,7 +101,7 @@ def served_capture(a: argparse.Namespace, common: list[str], out: Path, aux: lis
                                 port=port, extra=["--max-num-seqs=4"])
         url = f"http://127.0.0.1:{port}"
         print(f"check-vllm-capture: served: starting vllm serve with our connector at {url}", flush=True)
-        with serve.running(argv, env, out / "vllm-serve.log", url, a.ready_timeout):
+        with processes.serving(argv, env, out / "vllm-serve.log", url, a.ready_timeout):
             command("served", [*common, f"out={out / 'served'}", "backend=vllm", f"vllm.endpoints=[{url}]",
                             f"vllm.spool_dir={spool}", "vllm.concurrency=2"], out / "served.log")
 

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from checks.check_vllm_capture import ANSWERS, head_difference
+from mtp_train import processes
 from mtp_train.capture import launch, serve
 from mtp_train.capture.layers import layer_map
-from mtp_train.remote.http import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,12 +63,6 @@ def write_conversations(path: Path, n: int) -> None:
             for i in range(n)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def start_server(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """A `vllm serve` in its own process group (killed with its engine processes), output appended to `log`."""
-    with open(log, "ab") as f:
-        return subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def train_overrides(a: argparse.Namespace, model: str, convs: Path, out: Path, steps: int) -> list[str]:
@@ -126,13 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {"conversations": len(rows), "steps": steps, "max_spool_bytes": a.max_spool_bytes}
     with tempfile.TemporaryDirectory(prefix="mtp-serve-") as tmp:
         senv = launch.child_env(os.environ, launch.stage_modules(Path(tmp)), 2)
-        port = free_port()
+        port = processes.free_port()
         url = f"http://127.0.0.1:{port}"
         argv_ = serve.serve_argv(vllm_python, model, layer_map([], num_layers).vllm_ids, spool, dtype="float32",
                                  max_model_len=1024, port=port, extra=["--max-num-seqs=8"])
-        server = start_server(argv_, senv, out / "vllm-serve.log")
+        # in its own process group (killed with its engine processes), output appended to one log across restarts
+        server = processes.start(argv_, senv, out / "vllm-serve.log", append=True)
         try:
-            wait_ready(url, server, a.ready_timeout, every=1.0, name="vllm serve")
+            processes.wait_ready(url, server, a.ready_timeout, every=1.0, name="vllm serve")
             print(f"check-vllm-fleet: fleet: vllm serve with our connector at {url}", flush=True)
             fleet_out = out / "train-fleet"
             cmd = [sys.executable, "-m", "mtp_train.cli.train",
@@ -149,17 +143,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 time.sleep(0.5)
             killed_at = latest.read_text().strip() if latest.is_file() else None
             print(f"check-vllm-fleet: fleet: killing the server (SIGKILL) at checkpoint {killed_at}", flush=True)
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-            server = start_server(argv_, senv, out / "vllm-serve.log")
-            wait_ready(url, server, a.ready_timeout, every=1.0, name="vllm serve")
+            processes.kill(server)
+            server = processes.start(argv_, senv, out / "vllm-serve.log", append=True)
+            processes.wait_ready(url, server, a.ready_timeout, every=1.0, name="vllm serve")
             print("check-vllm-fleet: fleet: the server is back", flush=True)
             finished(trainer, "train-fleet", out / "train-fleet.log")
             result["server_killed_at"] = killed_at
         finally:
             if server.poll() is None:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+                processes.kill(server)
         text = (out / "train-fleet.log").read_text(errors="replace")
         peaks = re.findall(r"the spool's peak (\d+) of (\d+) bytes", text)
         peak = int(peaks[-1][0]) if peaks else -1
@@ -168,11 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result.update(peak_spool_bytes=peak, retries_seen=retried)
 
         # The file path: a precompute through a fresh server, then offline training on it.
-        port = free_port()
+        port = processes.free_port()
         url = f"http://127.0.0.1:{port}"
         argv_ = serve.serve_argv(vllm_python, model, layer_map([], num_layers).vllm_ids, out / "pc-spool",
                                  dtype="float32", max_model_len=1024, port=port, extra=["--max-num-seqs=8"])
-        with serve.running(argv_, senv, out / "vllm-serve-pc.log", url, a.ready_timeout):
+        with processes.serving(argv_, senv, out / "vllm-serve-pc.log", url, a.ready_timeout):
             proc = run([sys.executable, "-m", "mtp_train.cli.precompute", f"model.path={model}", "model.dtype=float32",
                         "hidden_dtype=float32", f"data.paths=[{convs}]", "max_seq_len=512", "val_fraction=0.0",
                         f"out={out / 'precompute'}", "progress=false", "backend=vllm", f"vllm.endpoints=[{url}]",

@@ -52,9 +52,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtp_train.capture import serve
+from mtp_train import processes
+from mtp_train.capture import launch, serve
 from mtp_train.heads.checkpoint import CONFIG_DIGEST, config_digest
-from mtp_train.remote.http import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY = "granite"  # the model_type of the target built here (one vLLM serves with EAGLE-3 and we do not)
@@ -145,14 +145,13 @@ def vllm_server(vllm_python: Path, target: Path, log: Path) -> Iterator[str]:
     """`vllm serve` on `target` (float32, greedy defaults) on a free local port, as check_vllm_serve.py launches
     it; yields its URL once `/health` answers and stops it on exit. RuntimeError / TimeoutError (with the log's
     last lines) when it ends or stalls before it is ready."""
-    port = free_port()
+    port = processes.free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this project in vLLM's venv
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env = launch.child_env(os.environ, None, 2)  # nothing of this project in vLLM's venv
     argv = [str(vllm_python), "-m", serve.SERVER_MODULE, "--model", str(target), "--served-model-name", SERVED_NAME,
             "--dtype", "float32", "--max-model-len", "2048", "--port", str(port), "--host", "127.0.0.1",
             "--generation-config", "vllm", "--seed", "0"]
-    with serve.running(argv, env, log, url, READY_TIMEOUT):
+    with processes.serving(argv, env, log, url, READY_TIMEOUT):
         yield url
 
 

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mtp_train.capture import serve
-from mtp_train.remote.http import free_port
+from mtp_train import processes
+from mtp_train.capture import launch, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 900.0  # seconds vLLM's CPU build may take to load and warm up
@@ -81,17 +81,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("*.jsonl*"):
         f.unlink()  # a fresh comparison each time
-    port = free_port()
+    port = processes.free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this project in vLLM's venv
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env = launch.child_env(os.environ, None, 2)  # nothing of this project in vLLM's venv
     log = out / "vllm-serve.log"
     t0 = time.perf_counter()
     argv = [str(python), "-m", serve.SERVER_MODULE, "--model", str(Path(a.model).absolute()), "--served-model-name",
             "smollm2-135m", "--dtype", "float32", "--max-model-len", "2048", "--port", str(port), "--host",
             "127.0.0.1", "--generation-config", "vllm", "--seed", "0"]
     try:
-        with serve.running(argv, env, log, url, READY_TIMEOUT):  # it loads for minutes
+        with processes.serving(argv, env, log, url, READY_TIMEOUT):  # it loads for minutes
             print(f"check-vllm-serve: vllm serve ready in {time.perf_counter() - t0:.0f} s", flush=True)
             regenerate(out / "vllm.jsonl", a, "generator=openai", f"endpoints=[{url}]", "concurrency=4", "retries=2")
     except RuntimeError as exc:

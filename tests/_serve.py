@@ -13,14 +13,14 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from mtp_train.remote.http import free_port
-from mtp_train.remote.http import wait_ready as _wait_ready
+from mtp_train.processes import free_port
+from mtp_train.processes import wait_ready as _wait_ready
 
 READY_TIMEOUT = 120.0  # seconds a server may take to load its model and listen
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = READY_TIMEOUT) -> None:
-    """`mtp_train.remote.http.wait_ready` with the tests' bound."""
+    """`mtp_train.processes.wait_ready` with the tests' bound."""
     _wait_ready(url, proc, timeout)
 
 

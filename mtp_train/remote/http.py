@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,27 +83,3 @@ async def request_json(client: httpx.AsyncClient, method: str, url: str, body: A
         return r.json()
     except ValueError:
         raise Retryable(f"{url}: an answer that is not JSON ({r.text[:80]!r})") from None
-
-
-def free_port() -> int:
-    """A TCP port free on localhost now (for a server this process starts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 120.0, every: float = 0.05,
-               name: str = "the server") -> None:
-    """Poll `url`/health until it answers 200; RuntimeError when `proc` (the server's process) exits first,
-    TimeoutError after `timeout` seconds. `every`: the poll interval (readiness, not the interval, ends the wait)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=max(1.0, every)).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(every)
-    raise TimeoutError(f"{name} at {url} not ready after {timeout:.0f} s")
