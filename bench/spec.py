@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     ks = [int(k) for k in args.ks.split(",")]
     args.head, args.prompts = head_dir, prompts
     model, tokenizer, head, sets, stops = load_head_run(args)
-    settings = EvalConfig(method="mtp", k=ks, temperature=[0.0], max_new_tokens=args.max_new_tokens, progress=False,
+    settings = EvalConfig(method="head", k=ks, temperature=[0.0], max_new_tokens=args.max_new_tokens, progress=False,
                           ngram=NgramConfig(compare=False))
 
     def show(run, base) -> None:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['update_seconds']:.1f}s)", flush=True)
 
     # The head loaded here (fp32 on the CPU) stands in for the one mtp-eval would load from head_ckpt.
-    pairs, baselines = evaluate(model, tokenizer, sets, expand_grid(settings), MethodSet(settings, {"mtp": head}),
+    pairs, baselines = evaluate(model, tokenizer, sets, expand_grid(settings), MethodSet(settings, {"head": head}),
                                 settings, stop_ids=stops, on_result=show)
     rows = overall_rows(pairs)
     best = best_row(rows)

@@ -163,10 +163,10 @@ def timed(model, tokenizer, head, sets: Sequence[PromptSet], trees: Sequence[str
           max_new_tokens: int, stops: list[int] | None, repeats: int = 1) -> dict[str, dict[str, Any]]:
     """Speed-up over plain decoding (interleaved, batch 1, `evaluate`) of each tree and the chain of chain_k →
     {tree name or "chain k=K": {"speedup", "speedup_lo", "speedup_hi", "tau", "step_cost"}}."""
-    cfg = EvalConfig(method="mtp", k=chain_k, tree=["none", *trees], temperature=0.0, max_new_tokens=max_new_tokens,
+    cfg = EvalConfig(method="head", k=chain_k, tree=["none", *trees], temperature=0.0, max_new_tokens=max_new_tokens,
                      repeats=repeats, progress=False, ngram=NgramConfig(compare=False))
     # The head loaded here stands in for the one mtp-eval would load from head_ckpt.
-    pairs, _ = evaluate(model, tokenizer, sets, expand_grid(cfg), MethodSet(cfg, {"mtp": head}), cfg,
+    pairs, _ = evaluate(model, tokenizer, sets, expand_grid(cfg), MethodSet(cfg, {"head": head}), cfg,
                         stop_ids=stops)
     out = {}
     for row in overall_rows(pairs):

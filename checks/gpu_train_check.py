@@ -254,7 +254,7 @@ def eval_overrides(a: argparse.Namespace, head_dir: Path, out: Path, device: str
     """The `mtp-eval` overrides of one head: greedy, the k grid, the prompt sets, against plain decoding; then the
     user's (`--eval-override`, later ones win in Hydra)."""
     return [f"model.path={hydra_value(a.model)}", f"model.device={device}", f"model.dtype={dtype}",
-            f"model.backend={a.backend}", "method=mtp", f"head_ckpt={hydra_value(head_dir)}",
+            f"model.backend={a.backend}", "method=head", f"head_ckpt={hydra_value(head_dir)}",
             f"prompts={hydra_list(a.prompts)}", f"k=[{','.join(str(k) for k in a.k)}]", "temperature=0",
             f"limit={a.limit}", f"max_new_tokens={a.max_new_tokens}", f"batch_size={a.batch_size}",
             f"ngram.compare={'true' if a.ngram else 'false'}", f"out={hydra_value(out)}", "progress=false",
@@ -280,7 +280,7 @@ def summary_line(head: str, record: dict[str, Any], report: dict[str, Any], *, b
                  train_wall_s: float) -> dict[str, Any]:
     """The head's JSON line: training counts and seconds, τ / speed-up per k (all prompt sets, then per set),
     exact_match (the lowest over k), where it ran."""
-    rows = [r for r in report["rows"] if r["method"] == "mtp" and r["temperature"] == 0]
+    rows = [r for r in report["rows"] if r["method"] == "head" and r["temperature"] == 0]
     overall = sorted((r for r in rows if r["dataset"] == "overall"), key=lambda r: r["k"])
     per_set: dict[str, dict[str, Any]] = {}
     for r in sorted((r for r in rows if r["dataset"] != "overall"), key=lambda r: r["k"]):

@@ -62,7 +62,7 @@ def test_demo_runs_every_stage_then_skips_them(default_model_dir, tmp_path, caps
     first = capsys.readouterr().out
     assert "τ" in first and all(s in first for s in STAGES) and "prompt lookup" in first
     # Every greedy row of the grid, with its step cost and its speed-up's interval, in the summary and its file.
-    assert [(r["method"], r["k"]) for r in saved["rows"]] == [("mtp", 2), ("ngram", 2)]
+    assert [(r["method"], r["k"]) for r in saved["rows"]] == [("head", 2), ("ngram", 2)]
     assert all(r["step_cost"] > 0 and r["speedup_lo"] <= r["speedup"] <= r["speedup_hi"] for r in saved["rows"])
     assert "step_cost" in first and f"step_cost {saved['step_cost']:.2f}" in first
 

@@ -70,7 +70,7 @@ def test_eval_writes_reports_and_greedy_speculation_equals_plain_decoding(traine
                                      "draft_threshold=[0.0,0.5]", "catch_up=[target,own]",
                                      f"out={out}", "progress=false", "warmup=false"]))
     rows = report["rows"]
-    heads = [r for r in rows if r["method"] == "mtp"]
+    heads = [r for r in rows if r["method"] == "head"]
     assert {(r["dataset"], r["k"], r["draft_threshold"], r["catch_up"]) for r in heads} == {
         (d, k, t, c) for d in ("prompts", "overall") for k in (1, 3) for t in (0.0, 0.5) for c in ("target", "own")}
     # prompt lookup ran beside the head at every k, and every head row carries its figures
@@ -84,15 +84,15 @@ def test_eval_writes_reports_and_greedy_speculation_equals_plain_decoding(traine
         assert r["step_cost"] == pytest.approx(r["tau"] / r["speedup"])  # the break-even τ on this machine
         assert r["speedup_lo"] <= r["speedup"] <= r["speedup_hi"]  # two chunks (batch 1): the interval of their pair
         assert 0 <= r["mean_draft_len"] <= r["k"]
-        if r["method"] == "mtp":
+        if r["method"] == "head":
             ng = floor[(r["dataset"], r["k"])]
             assert (r["tau_ngram"], r["speedup_ngram"]) == (ng["tau"], ng["speedup"])
             if r["draft_threshold"] == 0.0:
                 assert r["mean_draft_len"] == r["k"]  # a fixed chain always drafts k
-    assert report["best"]["k"] in (1, 3) and report["best"]["method"] == "mtp"
+    assert report["best"]["k"] in (1, 3) and report["best"]["method"] == "head"
     # every axis that varies is in the labels: 8 head points and 2 lookup points, all named apart
     labels = {r["label"] for r in rows if r["dataset"] == "overall"}
-    assert len(labels) == 10 and "mtp head k=3 thr=0.5 catch-up=own" in labels and "prompt lookup k=1" in labels
+    assert len(labels) == 10 and "head k=3 thr=0.5 catch-up=own" in labels and "prompt lookup k=1" in labels
     assert {o["label"] for o in outputs_of(out)} == labels | {"plain"}
     md = (out / "report.md").read_text()
     assert "step_cost" in md and "tau_ngram" in md and "mean_draft_len" in md
@@ -100,7 +100,7 @@ def test_eval_writes_reports_and_greedy_speculation_equals_plain_decoding(traine
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert OmegaConf.load(out / "config.yaml").out == str(out)
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
-    assert {o["method"] for o in outputs} == {"mtp", "none", "ngram"}
+    assert {o["method"] for o in outputs} == {"head", "none", "ngram"}
     assert all(o["turns"] and isinstance(o["turns"][0]["text"], str) for o in outputs)
     # The two-turn conversation is answered turn by turn, by every run: 8 head runs, 2 lookup runs, plain once.
     assert [len(o["turns"]) for o in outputs if o["id"] == "two"] == [2] * 11
@@ -128,7 +128,8 @@ def test_eval_names_an_unknown_prompt_set(default_model_dir, tmp_path):
 def test_eval_refuses_an_unknown_method_naming_the_registered_ones(default_model_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mtp_train.cli.eval", f"model.path={default_model_dir}",
                            "method=medusa", f"out={tmp_path / 'eval'}"], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 2 and "unknown eval method 'medusa'; choose one of none, mtp, draft, ngram" in proc.stderr
+    assert proc.returncode == 2
+    assert "unknown eval method 'medusa'; choose one of none, head, draft, ngram" in proc.stderr
 
 
 def test_eval_prompt_lookup_alone(default_model_dir, tmp_path):
@@ -170,7 +171,7 @@ def test_eval_draft_width_axis_runs_trees_beside_chains(trained, default_model_d
     assert rows[1]["mean_draft_len"] == 1.0 and rows[2]["mean_draft_len"] == 2.0
     assert all(r["exact_match"] == 1.0 for r in rows.values())
     assert rows[1]["num_alt_accepted"] == 0 and rows[2]["num_alt_accepted"] >= 0
-    assert (rows[1]["label"], rows[2]["label"]) == ("mtp head width=1", "mtp head width=2")  # k=1 only: not named
-    assert report["best"]["label"] in ("mtp head width=1", "mtp head width=2")
+    assert (rows[1]["label"], rows[2]["label"]) == ("head width=1", "head width=2")  # k=1 only: not named
+    assert report["best"]["label"] in ("head width=1", "head width=2")
     with pytest.raises(ValueError, match="draft_width"):
         eval_main(_cfg("eval", [*base, "draft_width=0", f"out={root / 'eval-bad'}"]))

@@ -169,7 +169,7 @@ def test_a_head_type_from_outside_trains_drafts_in_eval_and_decodes_exactly(pair
     base = [f"model.path={target}", "model.device=cpu", f"head_ckpt={head}", f"prompts=[{prompts}]",
             "max_new_tokens=16", "progress=false", "warmup=false", "plots=false", "ngram.compare=false"]
     report = eval_main(_cfg("eval", [*base, "k=2", f"out={tmp_path / 'eval'}"]))
-    rows = [r for r in report["rows"] if r["method"] == "mtp"]
+    rows = [r for r in report["rows"] if r["method"] == "head"]
     assert rows and all(r["exact_match"] == 1.0 and 1.0 <= r["tau"] <= 3.0 for r in rows)
     assert all(r["mean_draft_len"] == 2 for r in rows)  # both drafts of every step come from its one forward
     with pytest.raises(ValueError, match="pair heads draft with their own drafter, which takes no draft_width=2"):

@@ -51,7 +51,7 @@ def stage_overrides(cfg: DemoConfig, out: Path) -> dict[str, list[str]]:
                        *cfg.precompute],
         "train": [*model, "data=demo-regen", f"data.dir={out / 'precompute'}", f"out={out / 'train'}",
                   "resume=auto", *cfg.train],
-        "eval": [*model, "method=mtp", f"out={out / 'eval'}", *cfg.eval],  # head_ckpt added after training
+        "eval": [*model, "method=head", f"out={out / 'eval'}", *cfg.eval],  # head_ckpt added after training
         "export": [f"out={out / 'export'}", *cfg.export],  # head_ckpt added after training
     }
 

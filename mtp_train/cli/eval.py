@@ -8,8 +8,10 @@
 Writes into `out`: report.json (one row per prompt set and grid point, plus "overall" rows and the best k at
 temperature 0), report.md (the same as a table), outputs.jsonl (per prompt: each turn's token ids and text),
 acceptance_per_position.png and tau_speedup_vs_k.png, and config.yaml. The methods are registered in
-`mtp_train.eval.methods`, the grid is laid out (and every run labelled) by `mtp_train.eval.options`; see
-`mtp_train.eval.acceptance` (the runs) and `mtp_train.eval.rows` (the report's rows).
+`mtp_train.eval.methods` (method=head, the default, runs a trained head of any type with its type's drafter, the
+grid's axes those the drafter takes; method=mtp is its deprecated name), the grid is laid out (and every run
+labelled) by `mtp_train.eval.options`; see `mtp_train.eval.acceptance` (the runs) and `mtp_train.eval.rows` (the
+report's rows).
 """
 
 from __future__ import annotations

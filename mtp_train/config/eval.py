@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,8 @@ GRID_KINDS: dict[str, type] = {"k": int, "draft_threshold": float, "catch_up": s
                                "temperature": float}
 TREE_SHAPE = re.compile(r"none|\d+x\d+x\d+")  # `tree` values: none (a chain / draft_width) or STEPSxTOPKxTOKENS
 EVAL_BACKENDS = ("engine", "vllm")  # who runs the speculative decoding mtp-eval measures (`backend`)
+# An old `method` name → the method that replaced it: said once (a FutureWarning naming the new one), then run as it.
+RENAMED_METHODS = {"mtp": "head"}  # `mtp` is a head type; method=head runs a trained head of any type
 HEAD_WEIGHTS = ("bf16", "int8", "fp32")  # what a head's few-row CPU products stream (`head_weights`)
 
 
@@ -46,20 +49,23 @@ class EvalConfig:
     """`mtp-eval`: speculative decoding on held-out prompts, against plain decoding in the same run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    method: str = "mtp"  # mtp (a trained head) | draft (a small model) | ngram (prompt lookup) | none (plain only):
-    # the methods registered in mtp_train.eval.methods, each multiplied only by the axes of GRID_AXES it has
+    # head (a trained head of any type, drafting with its type's drafter) | draft (a small model) | ngram (prompt
+    # lookup) | none (plain only): the methods registered in mtp_train.eval.methods, each multiplied only by the
+    # axes of GRID_AXES it has (the head's: those its drafter takes); mtp is a deprecated name of head
+    method: str = "head"
     head_ckpt: str | None = None  # head folder (mtp-train's heads/step-N or an mtp-export native folder)
     draft_model: str | None = None  # Hugging Face folder of the draft model (method=draft), same tokenizer
     prompts: list[str] = field(default_factory=lambda: ["demo-heldout"])  # conf/data names or prompt files
     k: Any = 4  # draft tokens per step (the most, with a threshold): an int or a list (a grid)
-    draft_threshold: Any = 0.0  # mtp: stop a chain before a draft with top-1 prob below it; a float or a list
-    catch_up: Any = "target"  # mtp: after verification re-run accepted rows on the target's h | own; or a list
-    draft_width: Any = 1  # mtp: candidates at the first draft position (the head's top w; the top one carries the
-    # chain, the others are verified beside it in one tree step); an int or a list
-    tree: Any = "none"  # mtp: a dynamic draft tree STEPSxTOPKxTOKENS (SGLang's speculative_num_steps /
+    draft_threshold: Any = 0.0  # head: stop a chain before a draft with top-1 prob below it; a float or a list
+    catch_up: Any = "target"  # chain heads: after verification re-run accepted rows on the target's h | own; a list
+    # chain heads: candidates at the first draft position (the head's top w; the top one carries the chain, the
+    # others are verified beside it in one tree step); an int or a list
+    draft_width: Any = 1
+    tree: Any = "none"  # head: a dynamic draft tree STEPSxTOPKxTOKENS (SGLang's speculative_num_steps /
     # speculative_eagle_topk / speculative_num_draft_tokens, the root counted), e.g. 3x4x8, or none; or a list. A
     # tree's point runs at k = STEPS whatever `k` says (the k axis multiplies only the chains)
-    # mtp, on CPU in float32: bf16 (the head's few-row products stream a bfloat16 copy of its weights, half the
+    # head, on CPU in float32: bf16 (the head's few-row products stream a bfloat16 copy of its weights, half the
     # bytes; a draft may change, never an answer: the target verifies every token) | int8 (int8 rows with a scale
     # each, a quarter) | fp32 (its own weights)
     head_weights: str = "bf16"
@@ -92,6 +98,13 @@ class EvalConfig:
     vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)  # backend=vllm: its engine settings
 
     def __post_init__(self) -> None:
+        if self.method in RENAMED_METHODS:
+            new = RENAMED_METHODS[self.method]
+            # FutureWarning: shown to users by default, once per run (Python's default filter)
+            warnings.warn(f"method={self.method} is deprecated: use method={new} (it runs any trained head with its "
+                          f"head type's drafter; {self.method} names a head type); running method={new}",
+                          FutureWarning, stacklevel=2)
+            self.method = new
         if not self.prompts:  # nothing to measure: the run would only replace a report with an empty one
             raise ConfigError("prompts=[] names no prompt set: mtp-eval measures on prompts; give one or more, e.g. "
                               "prompts=[demo-heldout] or prompts=[data/my_prompts.jsonl]")

@@ -1,11 +1,12 @@
 """The grid of an evaluation, expanded once: one `EvalPoint` per run, each labelled by the axes that vary.
 
 `expand_grid(cfg)` multiplies, per method of the evaluation (`mtp_train.eval.methods.grid_methods`), only the axes
-the method owns (`MethodSpec.axes`): `none` gets one point per temperature whatever k is, prompt lookup one per
-(k, temperature), the head one per (k, threshold, catch-up, width, tree, temperature), a tree's points at k = its
-steps only (the head method's rule). A point's
-`label` names its method and every axis that takes more than one value in the grid (`mtp head k=3 tree=3x4x8`), so
-two runs of one grid never share a label; report rows, plot series and the console all use it.
+the method owns (`MethodSpec.grid_axes`): `none` gets one point per temperature whatever k is, prompt lookup one per
+(k, temperature), the head one per k, temperature and each option its head type's drafter takes (a chain head's
+threshold, catch-up, width and tree; a block head's threshold and tree), a tree's points at k = its steps only (the
+head method's rule). A point's `label` names its method and every axis that takes more than one value in the grid
+(`head k=3 tree=3x4x8`), so two runs of one grid never share a label; report rows, plot series and the console all
+use it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class EvalPoint:
     @classmethod
     def of(cls, method: str, k: int = 0, temperature: float = 0.0, varies: frozenset[str] = frozenset(),
            **options: Any) -> EvalPoint:
-        """A point from keyword options, e.g. `EvalPoint.of("mtp", k=2, draft_width=2, ...)`."""
+        """A point from keyword options, e.g. `EvalPoint.of("head", k=2, draft_width=2, ...)`."""
         return cls(method, k, temperature, tuple(options.items()), varies)
 
     @property
@@ -44,8 +45,8 @@ class EvalPoint:
     @property
     def options(self) -> dict[str, Any]:
         """The method's own settings beyond k and temperature, e.g. {"draft_threshold": 0.0, "catch_up": "target",
-        "draft_width": 2, "tree": "none"} for `mtp` (what its proposer is built with, and columns of its rows); {}
-        for the methods without other axes."""
+        "draft_width": 2, "tree": "none"} for a chain head under `head` (what its proposer is built with, and
+        columns of its rows); {} for the methods without other axes."""
         return dict(self.opts)
 
     def value(self, axis: str) -> Any:
@@ -63,7 +64,7 @@ class EvalPoint:
 
     @property
     def label(self) -> str:
-        """The method's display name and every axis of it that varies in the grid: `mtp head k=2 width=2`."""
+        """The method's display name and every axis of it that varies in the grid: `head k=2 width=2`."""
         return self.label_without()
 
     @property
@@ -81,17 +82,18 @@ def expand_grid(cfg: EvalConfig) -> list[EvalPoint]:
     """Every run of `cfg`'s grid (unknown method or bad axis values refused here, before anything loads): the
     plain baseline per temperature first, then per method its own axes multiplied, k innermost, each point as the
     method's rule leaves it (a tree at k = its steps), once."""
-    values: list[tuple[MethodSpec, dict[str, Any]]] = []
+    values: list[tuple[MethodSpec, tuple[str, ...], dict[str, Any]]] = []
     for spec in grid_methods(cfg):
-        axes = [a for a in spec.axis_names if a != "k"] + [a for a in spec.axis_names if a == "k"]  # k innermost
+        owned = tuple(a.name for a in spec.grid_axes(cfg))  # the head's: its drafter's options, k and temperature
+        axes = [a for a in owned if a != "k"] + [a for a in owned if a == "k"]  # k innermost
         for combo in itertools.product(*(cfg.grid(a) for a in axes)):
             v = spec.rule(dict(zip(axes, combo)))
-            if (spec, v) not in values:
-                values.append((spec, v))
-    names = {a for spec, _ in values for a in spec.axis_names}
-    varies = frozenset(a for a in names if len({v[a] for _, v in values if a in v}) > 1)
+            if (spec, owned, v) not in values:
+                values.append((spec, owned, v))
+    names = {a for _, owned, _ in values for a in owned}
+    varies = frozenset(a for a in names if len({v[a] for _, _, v in values if a in v}) > 1)
     points = []
-    for spec, v in values:
-        opts = tuple((a, v[a]) for a in spec.axis_names if a not in ("k", "temperature"))
+    for spec, owned, v in values:
+        opts = tuple((a, v[a]) for a in owned if a not in ("k", "temperature"))
         points.append(EvalPoint(spec.name, v.get("k", 0), v.get("temperature", 0.0), opts, varies))
     return points
