@@ -1,6 +1,6 @@
-"""One set of OpenAI-compatible client keys (`config.endpoints.EndpointsConfig`) in mtp-regenerate and mtp-precompute:
-the same fields, defaults and checks, at the keys the docs name (top level in regenerate, under `vllm.` in
-precompute)."""
+"""One set of OpenAI-compatible client keys (`config.endpoints.EndpointsConfig`) in mtp-regenerate, mtp-precompute and
+mtp-train's fleet source: the same fields, defaults and checks, at the keys the docs name (top level in regenerate,
+under `vllm.` in precompute, under `data.fleet.` in train)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from mtp_train.config import ConfigError, PrecomputeConfig, RegenerateConfig, typed
+from mtp_train.config.data import FleetConfig
 from mtp_train.config.endpoints import EndpointsConfig
 from mtp_train.config.precompute import VllmCaptureConfig
 from tests.conftest import compose_config
@@ -26,14 +27,16 @@ def _defaults(cls: type) -> dict[str, object]:
 
 def test_both_commands_take_every_endpoint_key_with_its_default():
     assert KEYS == ["endpoints", "served_model", "concurrency", "timeout", "retries", "backoff", "dead_after"]
-    for cls in (RegenerateConfig, VllmCaptureConfig):
+    for cls in (RegenerateConfig, VllmCaptureConfig, FleetConfig):
         assert issubclass(cls, EndpointsConfig)
         assert _defaults(cls) == _defaults(EndpointsConfig)
-    # the command templates list them where the docs say: top level in regenerate, under vllm. in precompute
+    # the command templates list them where the docs say: top level in regenerate, under vllm. in precompute,
+    # under data.fleet. in train
     regen, pre = OmegaConf.load(CONF / "regenerate.yaml"), OmegaConf.load(CONF / "precompute.yaml")
+    fleet = OmegaConf.load(CONF / "train.yaml").data.fleet
     for key in KEYS:
-        assert key in regen and key in pre.vllm, key
-        assert regen[key] == pre.vllm[key] == _defaults(EndpointsConfig)[key], key
+        assert key in regen and key in pre.vllm and key in fleet, key
+        assert regen[key] == pre.vllm[key] == fleet[key] == _defaults(EndpointsConfig)[key], key
 
 
 def test_the_keys_compose_at_their_documented_places():
@@ -59,3 +62,6 @@ def test_an_out_of_range_setting_is_refused_by_its_key_in_either_command(key, va
         RegenerateConfig(**{key: value})
     with pytest.raises(ConfigError, match=f"^vllm.{key}={value} is out of range: `vllm.{key}` must be {what}"):
         VllmCaptureConfig(**{key: value})
+    with pytest.raises(ConfigError, match=f"^data.fleet.{key}={value} is out of range: `data.fleet.{key}` must be "
+                                          f"{what}"):
+        FleetConfig(**{key: value})

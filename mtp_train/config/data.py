@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtp_train.config.endpoints import EndpointsConfig
 from mtp_train.config.errors import ConfigError
 from mtp_train.config.registry import Registry
 
@@ -66,24 +67,24 @@ class OnlineDataConfig:
 
 
 @dataclass
-class FleetConfig:
+class FleetConfig(EndpointsConfig):
     """`data.source=fleet`: the running `vllm serve` processes (started with our capture connector) whose captures
-    training consumes as they land, and the bound on the spool folder they write to (docs/training.md)."""
+    training consumes as they land, and the bound on the spool folder they write to (docs/training.md).
+    EndpointsConfig's keys (endpoints, served_model, concurrency, timeout, retries, backoff, dead_after: those of
+    mtp-regenerate and of mtp-precompute's vllm.) name the servers and the client's rules."""
 
-    endpoints: list[str] = field(default_factory=list)  # base URLs of the servers (http://host:port)
     spool_dir: str | None = None  # the folder the servers write captures to, as this machine sees it (one per run)
     max_spool_bytes: int = 20 * 2**30  # most bytes of captures on disk or on their way at any moment
     window: int = 64  # most requests sent at once (a part; the next part goes once it is answered)
     transport: str = "spool"  # how captures reach the trainer: spool (files in spool_dir)
-    served_model: str | None = None  # the model id to ask for (null: the one the servers serve)
-    concurrency: int = 8  # requests in flight per endpoint
-    timeout: float = 600.0  # seconds one request may take
-    retries: int = 8  # tries of a request after its first failed on a live endpoint (dropped, 5xx, ...)
-    backoff: float = 1.0  # seconds a failing endpoint waits before its first probe (doubled, at most 60)
-    dead_after: float = 180.0  # seconds of failures in a row before an endpoint is dead (restart quicker)
     capture_timeout: float = 120.0  # seconds a capture file may take to appear once its request is answered
 
+    def endpoint_key(self, name: str) -> str:
+        """EndpointsConfig's keys sit under `data.fleet.` in mtp-train."""
+        return f"data.fleet.{name}"
+
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"data.fleet.transport={self.transport!r}: choose one of {' | '.join(TRANSPORTS)} "
                               "(docs/serving.md says where Mooncake stands)")
