@@ -161,8 +161,7 @@ def stored_aux_layers(head: str, num_layers: int) -> list[int]:
     ([2, L//2, L-3] for eagle3, five spread for the block drafters); [] for a head that reads the final hidden only."""
     conf = yaml.safe_load((ROOT / "conf" / "head" / f"{head}.yaml").read_text())
     conf = conf.get("head", conf)  # the types that bring a recipe nest their head settings under `head:`
-    fields = {k: v for k, v in conf.items() if k in HeadConfig.__dataclass_fields__}
-    resolved = HeadConfig.of(**fields).resolved(num_layers)
+    resolved = HeadConfig.from_dict(conf).resolved(num_layers)
     return list(resolved.aux_layers) if resolved.features == "aux" else []
 
 

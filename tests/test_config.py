@@ -135,14 +135,3 @@ def test_an_unknown_head_type_or_a_malformed_spec_is_refused():
         HeadTypeSpec("odd", "bad features", dict.fromkeys(NORM_FLAGS, True), features="both")
 
 
-def test_block_size_is_bounded_and_its_memory_estimated():
-    """head.block_size past MAX_BLOCK_SIZE is refused by key with the bound; `block_bytes` is the lower bound that
-    mtp-train compares with the free memory (tests/test_bad_inputs.py runs both through the command)."""
-    from mtp_train.config.head import MAX_BLOCK_SIZE, block_bytes
-
-    with pytest.raises(ValueError, match=rf"head.block_size=1000000 is over {MAX_BLOCK_SIZE}.*choose at most"):
-        HeadConfig.of(type="dflash", block_size=1_000_000)
-    assert HeadConfig.of(type="dflash", block_size=MAX_BLOCK_SIZE).block_size == MAX_BLOCK_SIZE
-    cfg = HeadConfig.of(type="dflash", block_size=16, max_anchors=512, layers=2)
-    assert block_bytes(cfg, hidden_size=4096) == 512 * 16 * 4096 * 2 * 4
-    assert block_bytes(HeadConfig(type="mtp"), hidden_size=4096) == 0

@@ -112,7 +112,7 @@ def test_settings_defaults_and_refusals(tiny_checkpoints):
     head = _head(tiny_checkpoints["llama"][0])
     assert head.aux_layers == [1, 2] and head.mask_token_id == head.args.vocab_size - 1
     assert head.kv_shape[0] == 1
-    with pytest.raises(ValueError, match="only a block drafter"):
+    with pytest.raises(ValueError, match="head.block_size is a dflash / dspark setting"):
         HeadConfig.of(type="mtp", block_size=4)
     with pytest.raises(ValueError, match="block_size >= 2"):
         HeadConfig.of(type="dflash", block_size=1)
@@ -345,7 +345,7 @@ def test_a_zlab_folder_is_imported_into_a_native_head(tiny_checkpoints, tmp_path
     tensors["embed_tokens.weight"] = torch.zeros(head.args.vocab_size, head.args.hidden_size)
     save_file(tensors, str(out / "model.safetensors"))
     got = import_dflash(out, target, dtype=torch.float32)
-    assert (got.cfg.layers, got.block_size, got.mask_token_id, got.aux_layers) == (2, 5, 9, head.aux_layers)
+    assert (got.cfg.settings.layers, got.block_size, got.mask_token_id, got.aux_layers) == (2, 5, 9, head.aux_layers)
     x = torch.randn(6, head.input_width)
     ids = torch.randint(0, head.args.vocab_size, (6,))
     with torch.no_grad():

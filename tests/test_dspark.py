@@ -59,8 +59,8 @@ def test_settings_and_the_sample_from_anchor_alignment(tiny_checkpoints):
     path = tiny_checkpoints["qwen3"][0]
     with pytest.raises(ValueError, match="markov_rank >= 1"):
         HeadConfig.of(type="dspark", markov_rank=0)
-    assert HeadConfig(type="dspark").resolved().markov_rank == 64
-    with pytest.raises(ValueError, match="only a block drafter with a Markov head"):
+    assert HeadConfig(type="dspark").resolved().settings.markov_rank == 64
+    with pytest.raises(ValueError, match="head.markov_rank is a dspark setting"):
         HeadConfig.of(type="dflash", markov_rank=4)
     with pytest.raises(ValueError, match="confidence_with_markov=true needs head.confidence_head=true"):
         HeadConfig.of(type="dspark", markov_rank=4, confidence_with_markov=True)
@@ -227,7 +227,8 @@ def test_export_round_trip_gives_identical_blocks(tiny_checkpoints, tmp_path, fm
     out = export_head(head_dir, target, fmt, tmp_path / fmt)
     assert verify_round_trip(head_dir, out, target) == 0.0
     back = load_export(out, target)
-    assert (back.cfg.markov_rank, back.cfg.confidence_head, back.cfg.confidence_with_markov) == (8, True, True)
+    assert (back.cfg.settings.markov_rank, back.cfg.settings.confidence_head,
+            back.cfg.settings.confidence_with_markov) == (8, True, True)
     assert back.mask_token_id == 7 and back.block_size == 4 and back.cfg.aux_layers == head.cfg.aux_layers
     for i, change in enumerate((lambda: head.markov_head.markov_w2.weight.mul_(1.5),
                                 lambda: head.confidence_head.proj.bias.add_(1.0))):
@@ -274,7 +275,8 @@ def test_mtp_export_in_reverse_imports_a_vllm_dspark_folder(tmp_path):
     del cfg["mtp_train"]  # a folder written elsewhere: vLLM's fields only
     (folder / "config.json").write_text(json.dumps(cfg))
     got = import_drafter("dspark", folder, target, dtype=torch.float32)
-    assert (got.cfg.type, got.block_size, got.mask_token_id, got.cfg.markov_rank, got.cfg.confidence_head) == \
+    own = got.cfg.settings
+    assert (got.cfg.type, got.block_size, got.mask_token_id, own.markov_rank, own.confidence_head) == \
         ("dspark", 3, 1, 8, True)
     base = [f"model.path={target}", "model.device=cpu", f"head_ckpt={folder}", "import_from=dspark"]
     res = export_main(compose_config("export", [*base, f"out={tmp_path / 'imported'}"]))

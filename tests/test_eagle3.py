@@ -247,7 +247,7 @@ def test_eagle31_flags_are_refused_where_they_mean_nothing(tiny_checkpoints):
     for type_ in ("mtp", "eagle1"):
         with pytest.raises(ValueError, match="head.aux_norm=true needs head.features=aux"):
             HeadConfig(type=type_, aux_norm=True)
-        with pytest.raises(ValueError, match=f"head.norm_output=true: {type_} heads already feed"):
+        with pytest.raises(ValueError, match=f"head.norm_output is an eagle3 setting \\(head=eagle3\\); {type_} heads"):
             HeadConfig.of(type=type_, features="aux", norm_output=True)
     folder = tiny_checkpoints["llama"][0]
     mtp = build_head(HeadConfig(type="mtp", features="aux", aux_norm=True), folder, dtype="float32")
@@ -296,7 +296,7 @@ def test_mtp_aux_features_change_only_the_step0_input(tiny_checkpoints):
 def test_save_load_round_trip_keeps_aux_layers_and_lm_head(tiny_checkpoints, tmp_path, type_, eagle31):
     folder = tiny_checkpoints["llama"][0]
     kw = dict(draft_vocab_size=64) if type_ == "eagle3" else dict(features="aux")
-    flags = ({"aux_norm": True, "norm_output": type_ == "eagle3"}) if eagle31 else {}
+    flags = ({"aux_norm": True, **({"norm_output": True} if type_ == "eagle3" else {})}) if eagle31 else {}
     head = build_head(HeadConfig.of(type=type_, **kw, **flags), folder, dtype="float32")
     if eagle31:
         _perturb(head)
@@ -307,7 +307,7 @@ def test_save_load_round_trip_keeps_aux_layers_and_lm_head(tiny_checkpoints, tmp
     save_head(head, tmp_path / "h", target_fingerprint=weights_fingerprint(folder))
     back = load_head(tmp_path / "h", folder, dtype="float32")
     assert back.aux_layers == head.aux_layers == [2, 1, 0]
-    assert (back.cfg.aux_norm, back.cfg.norm_output) == (head.cfg.aux_norm, head.cfg.norm_output)
+    assert (back.cfg.aux_norm, back.cfg.settings) == (head.cfg.aux_norm, head.cfg.settings)
     assert ("aux_norm.2.weight" in back.state_dict()) == eagle31
     assert back.state_dict().keys() == head.state_dict().keys()
     for k, v in head.state_dict().items():

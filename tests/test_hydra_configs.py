@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from mtp_train.cli.common import CONF_DIR
-from mtp_train.config import register_configs
+from mtp_train.config import TrainConfig, register_configs, typed
 
 CONF = Path(CONF_DIR)
 ROOTS = sorted(p.stem for p in CONF.glob("*.yaml") if p.stem != "demo")  # demo.yaml lists overrides of the others
@@ -81,7 +81,7 @@ def test_demo_config_is_typed_and_its_stage_overrides_compose():
 def test_each_head_group_brings_its_measured_recipe_and_the_ablation_pins_its_own(head, steps, weights):
     """conf/head/<type>.yaml's defaults are the learning curve's best per head type (docs/curve.md); a
     command-line override still wins, and the norm ablation compares every head at its one recipe."""
-    cfg = compose("train", overrides=[f"head={head}"])
+    cfg = typed(compose("train", overrides=[f"head={head}"]), TrainConfig)  # loss.steps: null = the head's, else 1
     assert (cfg.head.type, cfg.loss.steps, cfg.loss.position_weights) == (head, steps, weights)
     assert compose("train", overrides=[f"head={head}", "loss.steps=2"]).loss.steps == 2
     ablation = compose("train", overrides=["+experiment=ablation_norms", f"head={head}"])

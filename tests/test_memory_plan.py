@@ -80,7 +80,7 @@ def test_activation_checkpointing_shrinks_the_activations():
     plain = plan_memory(settings("eagle3"), llama_args())
     ckpt = plan_memory(settings("eagle3", activation_checkpointing=True), llama_args())
     assert term(ckpt, "activations") < 0.5 * term(plain, "activations")
-    block = dataclasses.replace(settings("dflash").head, layers=4)
+    block = HeadConfig.of(type="dflash", layers=4).resolved(32)
     plain = plan_memory(settings("dflash", head=block), llama_args())
     ckpt = plan_memory(settings("dflash", head=block, activation_checkpointing=True), llama_args())
     assert term(ckpt, "activations") < term(plain, "activations")
@@ -182,7 +182,7 @@ def test_a_block_drafters_attention_backward_is_transient_beside_the_loss_chunk(
     grad, chunk = term(plan, "attention grad"), term(plan, "loss chunk")
     lasting = sum(t.bytes for t in plan.terms if not t.transient)
     assert plan.total == lasting + max(grad, chunk)
-    many = dataclasses.replace(settings("dflash").head, max_anchors=2048)
+    many = HeadConfig.of(type="dflash", max_anchors=2048).resolved(32)
     assert term(plan_memory(settings("dflash", head=many, length=32768, micro_batch_tokens=32768), llama_args()),
                 "attention grad") == grad
     longer = plan_memory(settings("dflash", length=65536, micro_batch_tokens=65536), llama_args())

@@ -102,7 +102,7 @@ def test_settings_and_refusals(tiny_checkpoints):
         HeadConfig(type="peagle")
     with pytest.raises(ValueError, match="aux layers only"):
         HeadConfig(type="peagle", features="final", draft_vocab_size=8)
-    with pytest.raises(ValueError, match="only a block drafter"):
+    with pytest.raises(ValueError, match="head.block_size is a dflash / dspark setting"):
         HeadConfig.of(type="peagle", draft_vocab_size=8, block_size=4)
     with pytest.raises(ValueError, match="norm_output"):
         HeadConfig.of(type="peagle", draft_vocab_size=8, norm_output=True)

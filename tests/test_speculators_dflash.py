@@ -94,7 +94,7 @@ def test_a_speculators_folder_is_imported_and_a_trained_lm_head_refused(tiny_che
     out = export_head(head_dir, target, "speculators-dflash", tmp_path / "spec")
     _foreign(out)
     got = import_drafter("speculators-dflash", out, target, dtype=torch.float32)
-    assert (got.cfg.layers, got.block_size, got.mask_token_id) == (1, 5, 9)
+    assert (got.cfg.settings.layers, got.block_size, got.mask_token_id) == (1, 5, 9)
     assert torch.equal(got.draft_vocab, head.draft_vocab)
     x = torch.randn(6, head.input_width)
     ids = torch.randint(0, head.args.vocab_size, (6,))

@@ -45,7 +45,6 @@ from mtp_train.cli.common import (
 )
 from mtp_train.cli.outputs import claim_output
 from mtp_train.config import ConfigError, TrainConfig, bf16_enabled, check_config, rank_device, typed
-from mtp_train.config.head import block_bytes
 from mtp_train.data.prompts import load_prompt_sets
 from mtp_train.data.readers import DataError
 from mtp_train.fileio import human_bytes
@@ -122,29 +121,20 @@ def train_main(cfg: DictConfig, on_step: StepHook | None = None) -> dict[str, An
 
 
 def check_head_fits(tc: TrainConfig) -> None:
-    """Refuse, naming the key, the bound and why, head settings the target or the memory cannot hold: a block
-    drafter's head.block_size past the target's max_position_embeddings (a block's positions run from its anchor
-    to anchor + block_size - 1, all of them positions the target's RoPE knows), or blocks whose memory alone
-    (`block_bytes`, a lower bound) is over what the device has free. A target folder still to be fetched is
-    checked against `MAX_BLOCK_SIZE` only (HeadConfig's own bound)."""
-    head = tc.head
+    """Refuse, naming the key, the bound and why, head settings the target or the memory cannot hold, as the head's
+    type says (`HeadSettings.fit_problem`: a block drafter's head.block_size past the target's
+    max_position_embeddings, or blocks whose memory alone is over what the device has free). A target folder still
+    to be fetched is checked by the settings' own bounds only (e.g. a block drafter's MAX_BLOCK_SIZE)."""
     config = Path(tc.model.path) / "config.json"
-    if not head.spec.block or not config.is_file():
+    if not config.is_file():
         return
     args = head_target_args(tc.model.path)
-    if head.block_size > args.max_position_embeddings:
-        raise ConfigError(f"head.block_size={head.block_size} is over the target's max_position_embeddings "
-                          f"({args.max_position_embeddings}, {config}): a block's positions run from its anchor to "
-                          f"anchor + block_size - 1, and the target knows no position past that; choose at most "
-                          f"{args.max_position_embeddings}")
     launch = launch_env()
     device = rank_device(tc.model.device, launch.world, launch.local_rank)
-    need, free = block_bytes(head, args.hidden_size), free_memory(device)
-    if free is not None and need > free:
-        raise ConfigError(f"head.block_size={head.block_size} with head.max_anchors={head.max_anchors}: the blocks of "
-                          f"one micro-batch alone take at least {human_bytes(need)}: {head.max_anchors} blocks of "
-                          f"{head.block_size} rows of {args.hidden_size} values per draft layer, more than the "
-                          f"{human_bytes(free)} free on {device}; lower head.block_size or head.max_anchors")
+    problem = tc.head.settings.fit_problem(args.max_position_embeddings, args.hidden_size,
+                                           lambda: free_memory(device), human_bytes, str(config), str(device))
+    if problem:
+        raise ConfigError(problem)
 
 
 def run_plan(tc: TrainConfig) -> tuple[MemoryPlan, str] | None:

@@ -5,6 +5,11 @@ fails inside Hydra with a hint that suggests the `+` form. Both are caught here,
 `check_overrides` looks at the command line before Hydra composes it (an argument Hydra's lexer rejects is named
 with the quoting that reads back as its value: `parse_overrides`), `check_config` at the composed config.
 `typed` turns a composed config into its schema's dataclass, once, in the CLI.
+
+The head's settings are flat on the command line and in the YAML (`head.block_size=16`), typed in `HeadConfig`
+(the shared ones, and `settings`, the type's own): Hydra composes them as one mapping (`hydra_schema`), a
+`head.<key>` is checked against the shared keys and the chosen type's settings (another type's setting names that
+type), and `typed` builds the `HeadConfig` with `HeadConfig.from_dict`.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import functools
 import re
 import types
 import typing
@@ -21,6 +27,7 @@ from typing import Any, TypeVar
 from mtp_train.config.errors import ConfigError
 from mtp_train.config.eval import EvalConfig
 from mtp_train.config.export import ExportConfig
+from mtp_train.config.head import HEAD_TYPES, HeadConfig, flat_schema, head_key_problem, without_legacy_keys
 from mtp_train.config.precompute import PrecomputeConfig
 from mtp_train.config.regenerate import RegenerateConfig
 from mtp_train.config.serve import ServeConfig
@@ -85,7 +92,53 @@ def _classify(hint: Any) -> tuple[str, Any]:
 
 
 def _fields(schema: type) -> dict[str, Any]:
-    return typing.get_type_hints(schema)
+    # A head's settings are flat keys: the shared ones and every registered type's own (which of them the chosen
+    # type takes is `head_key_problem`'s to say), never `settings`.
+    return _all_head_keys() if schema is HeadConfig else typing.get_type_hints(schema)
+
+
+def _all_head_keys() -> dict[str, Any]:
+    """The flat `head.<key>`s of every registered head type, with their type hints."""
+    out: dict[str, Any] = {}
+    for name in HEAD_TYPES.names():
+        out.update({k: v for k, v in typing.get_type_hints(flat_schema(name)).items() if k not in out})
+    return out
+
+
+def head_fields(schema: type) -> list[str]:
+    """The settings of `schema` that hold a `HeadConfig` (TrainConfig's `head`)."""
+    if not dataclasses.is_dataclass(schema):
+        return []
+    return [name for name, hint in typing.get_type_hints(schema).items() if hint is HeadConfig]
+
+
+@functools.cache
+def hydra_schema(schema: type) -> type:
+    """`schema` as Hydra composes it: each `HeadConfig` setting a flat mapping of `head.<key>`s (the YAML's and the
+    command line's form, whose keys depend on the head type; `check_config` checks them, `typed` types them);
+    `schema` itself when it has none."""
+    heads = head_fields(schema)
+    if not heads:
+        return schema
+    hints = typing.get_type_hints(schema)
+    fields = [(f.name, dict[str, Any], dataclasses.field(default_factory=dict)) if f.name in heads else
+              (f.name, hints[f.name], dataclasses.field(default=f.default, default_factory=f.default_factory))
+              for f in dataclasses.fields(schema)]
+    flat = dataclasses.make_dataclass(schema.__name__, fields)
+    flat.__module__ = schema.__module__
+    return flat
+
+
+def _head_key_error(key: str, head_type: str | None) -> ConfigError | None:
+    """The error for dotted `key` below a head setting (`head.<name>`) that head type `head_type` lacks, or None (a
+    key every type lacks when the type is not known)."""
+    field_name, _, name = key.partition(".")
+    if head_type is None or head_type not in HEAD_TYPES:  # an unknown type is HeadConfig's to name
+        problem = None if name in _all_head_keys() else head_key_problem(HeadConfig.type, name)
+    else:
+        problem = head_key_problem(head_type, name)
+    return ConfigError(problem.replace("`head.", f"`{field_name}.").replace("head.", f"{field_name}.", 1)
+                       if field_name != "head" else problem) if problem else None
 
 
 def schema_keys(schema: type, prefix: str = "") -> list[str]:
@@ -165,8 +218,14 @@ def check_config(cfg: Any, name: str) -> Any:
     ignored, so a mistyped setting would silently keep its default.
     """
     schema = SCHEMAS[name]
+    heads = head_fields(schema)
     for key in _flat_keys(cfg, schema):
-        if not is_schema_key(schema, key):
+        if key.split(".")[0] in heads and "." in key:
+            node = cfg.get(key.split(".")[0])
+            error = _head_key_error(key, str(node.get("type", HeadConfig.type)) if hasattr(node, "get") else None)
+            if error:
+                raise error
+        elif not is_schema_key(schema, key):
             raise unknown_key_error(schema, key, name)
     for key, (low, what) in LOWER_BOUNDS.items():
         node, parts = cfg, key.split(".")
@@ -256,7 +315,9 @@ def check_overrides(overrides: list[str], name: str) -> None:
     """
     schema = SCHEMAS[name]
     conf = Path(CONF_DIR)
-    for o in parse_overrides(overrides):
+    parsed = parse_overrides(overrides)
+    heads = head_fields(schema)
+    for o in parsed:
         key = o.key_or_group
         if o.is_delete() or o.package or key.startswith("hydra") or "/" in key:
             continue
@@ -270,9 +331,38 @@ def check_overrides(overrides: list[str], name: str) -> None:
                 raise ConfigError(f"`{key}={value}`: there is no conf/{key}/{value}.yaml; {hint}"
                                   f"choose one of {', '.join(choices)}")
             continue
-        if not is_schema_key(schema, key):
+        if key.split(".")[0] in heads and "." in key:
+            error = _head_key_error(key, _chosen_head_type(parsed, key.split(".")[0], name))
+            if error:
+                raise error
+        elif not is_schema_key(schema, key):
             raise unknown_key_error(schema, key, name)
         _check_type(schema, key, o)
+
+
+def _chosen_head_type(parsed: list[Any], field_name: str, name: str) -> str | None:
+    """The head type a command line chooses for head setting `field_name` before Hydra composes it: the last
+    `head=<type>` or `head.type=<type>`, else the root config's default (`conf/<name>.yaml`'s defaults list); None
+    when another config group (an experiment) may choose it."""
+    chosen = None
+    for o in parsed:
+        key = o.key_or_group
+        if key in (field_name, f"{field_name}.type") and not o.is_delete():
+            value = o.value()
+            chosen = value if isinstance(value, str) else chosen
+        elif "." not in key and "/" not in key and key not in ("model", "data", "deepspeed") \
+                and (Path(CONF_DIR) / key).is_dir():
+            return None  # e.g. +experiment=...: its file may choose the head
+    if chosen is not None:
+        return chosen
+    import yaml
+
+    root = Path(CONF_DIR) / f"{name}.yaml"
+    defaults = (yaml.safe_load(root.read_text(encoding="utf-8")) or {}).get("defaults", []) if root.is_file() else []
+    for entry in defaults:
+        if isinstance(entry, dict) and isinstance(entry.get(field_name), str):
+            return str(entry[field_name])
+    return HeadConfig.type
 
 
 def leaf_hint(schema: type, key: str) -> Any:
@@ -330,10 +420,60 @@ def _check_type(schema: type, key: str, override: Any) -> None:
 
 def typed(cfg: Any, schema: type[T]) -> T:
     """`cfg` (a composed DictConfig, a dict of overrides of the defaults, or already a `schema`) as a validated
-    `schema` instance: the dataclasses' own checks (`__post_init__`) run here."""
+    `schema` instance: the dataclasses' own checks (`__post_init__`) run here. A head setting's flat keys become a
+    `HeadConfig` (`typed_head`)."""
     if isinstance(cfg, schema):
         return cfg
     from omegaconf import OmegaConf
 
-    merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    heads = head_fields(schema)
+    if not heads:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    if isinstance(cfg, collections.abc.Mapping) or hasattr(cfg, "keys"):
+        cfg = {k: (v.to_dict() if isinstance(v, HeadConfig) else v) for k, v in cfg.items()}
+    merged = OmegaConf.merge(_declared_nulls(OmegaConf.structured(hydra_schema(schema)), schema), cfg)
+    flat = {h: OmegaConf.to_container(merged[h], resolve=True) for h in heads}
+    rest = OmegaConf.to_object(merged)  # the flat schema's instance: the other settings typed and checked
+    values = {f.name: getattr(rest, f.name) for f in dataclasses.fields(schema) if f.name not in heads}
+    return schema(**values, **{h: typed_head(flat[h], h) for h in heads})
+
+
+def _declared_nulls(node: Any, schema: type) -> Any:
+    """`node` (a structured config of `schema`) with each setting whose declared default is null set back to null
+    where its default instance's `__post_init__` filled it in (loss.steps: null until the head's derived value is
+    taken, `TrainConfig.apply_derived`)."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        kind, sub = _classify(hints[f.name])
+        if f.default is None and node.get(f.name) is not None:
+            node[f.name] = None
+        elif kind == "dataclass" and sub is not HeadConfig and hasattr(node.get(f.name), "keys"):
+            _declared_nulls(node[f.name], sub)
+    return node
+
+
+def typed_head(flat: collections.abc.Mapping[str, Any], field_name: str = "head") -> HeadConfig:
+    """A `HeadConfig` from its flat keys (`head.<key>` as composed), each key checked against the type's (a key of
+    another type names it) and each value against the key's type, as Hydra checks the rest."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    name = str(flat.get("type", HeadConfig.type))
+    if name not in HEAD_TYPES:
+        return HeadConfig.from_dict(flat)  # names the known types
+    keys = without_legacy_keys(flat)
+    for key in keys:
+        error = _head_key_error(f"{field_name}.{key}", name)
+        if error:
+            raise error
+    schema = flat_schema(name)
+    hints = typing.get_type_hints(schema)
+    try:
+        values = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema), keys))
+    except OmegaConfBaseException as exc:
+        key = str(getattr(exc, "full_key", "") or "?").split(".")[-1]
+        raise ConfigError(f"`{field_name}.{key}={keys.get(key)}`: `{field_name}.{key}` takes "
+                          f"{_describe_hint(hints.get(key))}, not {keys.get(key)!r}") from None
+    assert isinstance(values, dict)
+    return HeadConfig.from_dict({k: values[k] for k in keys})

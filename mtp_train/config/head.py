@@ -10,7 +10,10 @@ own); a head type can also be registered at run time (`HEAD_TYPES.add`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -41,17 +44,13 @@ class HeadTypeSpec:
     # vocabulary), and the draft_vocab buffer exists even when it covers the whole vocabulary.
     draft_vocab_required: bool = False
     formats: tuple[str, ...] = ("native",)  # `mtp-export format=` values that take this type
-    # The head feeds the next draft step its output BEFORE the final norm (eagle3, as vLLM and SGLang run it), so
-    # `head.norm_output` (EAGLE-3.1: feed the normed output instead) means something; the other types already feed
-    # the output the lm_head reads.
-    feeds_pre_norm: bool = False
     inits: tuple[str, ...] = ("scratch",)  # the HeadConfig.init values this type takes (INITS)
-    # A block drafter (dflash, dspark): `head.layers` draft layers draft a block per forward from a
-    # block [last token, mask_token_id × (B-1)]; the block settings are refused for the other types.
+    # A block drafter (dflash, dspark): it drafts a block of positions per forward from its anchors, so its loss rows
+    # and its memory are its settings' anchors and blocks (`train/memory_plan.py`), not one row per position.
     block: bool = False
-    # A block drafter with DSpark's Markov head (and optional confidence head): `head.markov_rank`,
-    # `head.confidence_head`, `head.confidence_with_markov` are refused for the other types.
-    markov: bool = False
+    # Its own settings (head.<key> beside the shared ones): a `HeadSettings` dataclass, checked by it, held typed in
+    # `HeadConfig.settings`; None = the type has no settings of its own.
+    settings: type | None = None
     # (target layers) → the default aux_layers (hidden_states numbering) when head.aux_layers is []; None =
     # EAGLE-3's low / mid / high (`default_aux_layers`).
     aux_default: Callable[[int], list[int]] | None = None
@@ -99,7 +98,6 @@ class HeadType:
     @property
     def name(self) -> str:
         return self.spec.name
-
 
 HEAD_TYPE_GROUP = "mtp_train.head_types"  # the entry-point group another package registers its head types under
 HEAD_TYPE_PACKAGE = "mtp_train.head_types"  # the in-tree plug-ins: one sub-package per head type, found by scanning
@@ -180,8 +178,47 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
 
 @dataclass
+class HeadSettings:
+    """A head type's own settings (`HeadTypeSpec.settings` names its subclass; this empty base is the settings of
+    a type that has none). The user writes them flat beside the shared ones (`head.block_size=16`, a head's
+    config.json, `conf/head/<type>.yaml`); `HeadConfig.settings` holds them typed. A subclass checks its values in
+    `__post_init__` (a ValueError naming `head.<key>` and what to give) and may override the hooks below."""
+
+    def resolved(self) -> HeadSettings:
+        """A copy with every null that stands for a default replaced by it (e.g. DSpark's markov_rank)."""
+        return dataclasses.replace(self)
+
+    def derived(self) -> dict[str, Any]:
+        """Settings of other groups that follow from these, by dotted key (e.g. {"loss.steps": 7} for a block of
+        8): taken where the user left them unset, refused where the user set another value (`TrainConfig`)."""
+        return {}
+
+    def derived_from(self, key: str) -> str:
+        """Which of these settings `derived()[key]` follows from, for messages (e.g. "head.block_size=8 - 1")."""
+        return ""
+
+    def fit_problem(self, max_positions: int, hidden_size: int, free_bytes: Callable[[], int | None],
+                    human: Callable[[int], str], target: str, device: str) -> str | None:
+        """What of these settings a target cannot hold, in words naming the key, or None (checked by mtp-train
+        before anything is written).
+
+        Args:
+            max_positions: the target's max_position_embeddings.
+            hidden_size: the target's H.
+            free_bytes: () -> the bytes free on the training device (None: unknown); called only when needed.
+            human: bytes -> "1.5 GiB" (for messages).
+            target, device: the target's config.json and the device, as messages name them.
+        """
+        return None
+
+
+@dataclass
 class HeadConfig:
-    """Which head, with which norms. A norm left as None takes the default of the type (mtp: on, eagle1: off)."""
+    """Which head, with which norms: the settings every head type shares, and `settings`, the type's own
+    (`HeadTypeSpec.settings`). A norm left as None takes the default of the type (mtp: on, eagle1: off).
+
+    Flat keys (`head.block_size=16`, a saved head's config.json) build one with `of` / `from_dict`; `to_dict` gives
+    the flat form back."""
 
     type: str = "mtp"  # a HEAD_TYPES name: mtp (RMSNorm-restored, DeepSeek-V3 MTP) | eagle1 (EAGLE) | eagle3 (EAGLE-3)
     enorm: bool | None = None  # RMSNorm on the token embedding before the fc; null = the type's default
@@ -207,29 +244,23 @@ class HeadConfig:
     # EAGLE-3.1 (speculators' `fc_norm`): one RMSNorm per aux layer on its H-slice of the (T, k·H) step-0 input,
     # before the k·H → H fc. Only with features=aux.
     aux_norm: bool = False
-    # EAGLE-3.1 (speculators' `norm_output`): the next draft step reads the final-normed output instead of the
-    # pre-norm one. Only for a type that feeds the pre-norm output (eagle3).
-    norm_output: bool = False
-    # Block drafters only (dflash, dspark, `HeadTypeSpec.block`; the defaults below for every other type):
-    layers: int = 1  # draft decoder layers of the block drafter (1 or more, Qwen3-shaped)
-    # B: the block [last token, mask × (B-1)] drafted in one forward (dflash: B-1 drafts; dspark: B, every slot)
-    block_size: int = 8
-    # The token id of the block's mask slots (its frozen target embedding); null = the target's last vocabulary id
-    # (a padding or reserved row of Qwen3 / Llama-3, never emitted in text; docs/training.md names it per target).
-    mask_token_id: int | None = None
-    max_anchors: int = 512  # training: most blocks (anchors, sampled among loss positions) per packed micro-batch
-    # DSpark only (`HeadTypeSpec.markov`; the defaults below for every other type): the rank r of the Markov head's
-    # bias W2·W1[x_{k-1}] on each block position's logits (null = DEFAULT_MARKOV_RANK), and the confidence head (a
-    # per-position acceptance estimate, sigmoid(proj(h)) or, with confidence_with_markov, sigmoid(proj([h ;
-    # W1[x_{k-1}]]))).
-    markov_rank: int | None = None
-    confidence_head: bool = False
-    confidence_with_markov: bool = False
+    # The type's own settings: an instance of its `HeadTypeSpec.settings` (dflash: head_types/dflash/settings.py
+    # `BlockSettings`), or the empty `HeadSettings` of a type without; None = the type's defaults. A mapping of
+    # its keys is taken too.
+    settings: HeadSettings | None = None
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0 = the full vocabulary), got {self.draft_vocab_size}")
         spec = head_spec(self.type)
+        own = settings_class(self.type)
+        if self.settings is None:
+            self.settings = own()
+        elif isinstance(self.settings, Mapping):
+            self.settings = own(**self.settings)
+        elif type(self.settings) is not own:
+            raise ValueError(f"head.settings is a {type(self.settings).__name__}: {self.type} heads take "
+                             f"{own.__name__} (build the config with HeadConfig.of(type=..., <key>=...))")
         if self.init not in INITS:
             raise ValueError(f"unknown head init {self.init!r}; choose one of {', '.join(INITS)}")
         if self.init not in spec.inits:
@@ -254,64 +285,32 @@ class HeadConfig:
         if self.aux_norm and self.resolved_features != "aux":
             raise ValueError("head.aux_norm=true needs head.features=aux: it norms each aux layer's slice before the "
                              "fc, and a head over the final hidden state has no aux layers")
-        if self.norm_output and not spec.feeds_pre_norm:
-            raise ValueError(f"head.norm_output=true: {self.type} heads already feed the next step the output their "
-                             "lm_head reads; only a head that feeds its pre-norm output (eagle3) takes it")
-
-        self._check_block(spec)
-        self._check_markov(spec)
         if self.init == "target_mtp":
             problems = target_mtp_problems(self)
             if problems:
                 raise ValueError("head.init=target_mtp copies the target's MTP layer (enorm, hnorm, eh_proj without "
                                  "bias, the block, shared_head.norm) and has no place for: " + "; ".join(problems))
 
-    def _check_block(self, spec: HeadTypeSpec) -> None:
-        """The block settings: in range for a block drafter, left at their defaults by every other type."""
-        if not spec.block:
-            set_ = [f"head.{k}={getattr(self, k)}" for k, v in BLOCK_DEFAULTS.items() if getattr(self, k) != v]
-            if set_:
-                takes = head_types_taking(lambda s: s.block)
-                raise ValueError(f"{', '.join(set_)}: only a block drafter ({'/'.join(takes) or 'none registered'}) "
-                                 f"takes block settings; {self.type} heads draft one token per forward")
-            return
-        if self.block_size > MAX_BLOCK_SIZE:
-            raise ValueError(f"head.block_size={self.block_size} is over {MAX_BLOCK_SIZE}, the most a block drafter "
-                             f"takes: a block drafts block_size - 1 tokens in one forward, and every block of a "
-                             f"training micro-batch holds block_size rows per layer; choose at most {MAX_BLOCK_SIZE} "
-                             "(DFlash drafters use 8 to 16)")
-        if self.layers < 1 or self.block_size < 2 or self.max_anchors < 1:
-            raise ValueError(f"a {self.type} head needs head.layers >= 1, head.block_size >= 2 (one draft per mask "
-                             f"slot) and head.max_anchors >= 1; got {self.layers}, {self.block_size}, "
-                             f"{self.max_anchors}")
-        if self.mask_token_id is not None and self.mask_token_id < 0:
-            raise ValueError(f"head.mask_token_id must be a token id >= 0 (or null), got {self.mask_token_id}")
-
-    def _check_markov(self, spec: HeadTypeSpec) -> None:
-        """DSpark's Markov and confidence settings: set for a Markov block drafter, defaults for every other type."""
-        if not spec.markov:
-            set_ = [f"head.{k}={getattr(self, k)}" for k, v in MARKOV_DEFAULTS.items() if getattr(self, k) != v]
-            if set_:
-                takes = head_types_taking(lambda s: s.markov)
-                raise ValueError(f"{', '.join(set_)}: only a block drafter with a Markov head "
-                                 f"({'/'.join(takes) or 'none registered'}) takes them; {self.type} heads have none")
-            return
-        if self.markov_rank is not None and self.markov_rank < 1:
-            raise ValueError(f"a {self.type} head needs head.markov_rank >= 1 (the rank of its Markov bias), got "
-                             f"{self.markov_rank}")
-        if self.confidence_with_markov and not self.confidence_head:
-            raise ValueError("head.confidence_with_markov=true needs head.confidence_head=true")
-
     @classmethod
     def of(cls, type: str = "mtp", **keys: Any) -> HeadConfig:  # noqa: A002 (the setting's name)
         """A head config from flat keys, as `head.<key>` says them: the shared ones and the type's own settings
-        (e.g. `HeadConfig.of(type="dflash", layers=2, block_size=4)`)."""
-        return cls(type=type, **keys)
+        (e.g. `HeadConfig.of(type="dflash", layers=2, block_size=4)`). A key neither shared nor the type's own is
+        a ValueError naming the type that owns it, or the nearest valid key."""
+        own = {f.name for f in dataclasses.fields(settings_class(type))}
+        shared, mine = {}, {}
+        for key, value in keys.items():
+            problem = head_key_problem(type, key)
+            if problem:
+                raise ValueError(problem)
+            (mine if key in own else shared)[key] = value
+        return cls(type=type, **shared, settings=settings_class(type)(**mine))
 
     @classmethod
     def from_dict(cls, flat: Mapping[str, Any]) -> HeadConfig:
-        """A head config from its flat form (`to_dict`, a saved head's config.json, `conf/head/*.yaml`)."""
-        return cls.of(**dict(flat))
+        """A head config from its flat form (`to_dict`, a saved head's config.json, `conf/head/*.yaml`). A head saved
+        before the types had settings of their own recorded every type's keys; those another type owns are
+        dropped where they hold the value such a head recorded (`LEGACY_KEYS`)."""
+        return cls.of(**without_legacy_keys(flat))
 
     @property
     def spec(self) -> HeadTypeSpec:
@@ -323,14 +322,15 @@ class HeadConfig:
         return self.spec.features if self.features is None else self.features
 
     def resolved(self, num_layers: int | None = None) -> HeadConfig:
-        """A copy with every norm flag and `features` set (None → the type's default); given the target's layer
-        count, empty aux_layers of an aux head become the default ones (checked against the count)."""
+        """A copy with every norm flag and `features` set (None → the type's default) and the type's settings
+        resolved (`HeadSettings.resolved`); given the target's layer count, empty aux_layers of an aux head become
+        the default ones (checked against the count)."""
         defaults = self.spec.norms
+        assert self.settings is not None  # set by __post_init__
         out = dataclasses.replace(self, features=self.resolved_features, aux_layers=[int(j) for j in self.aux_layers],
+                                  settings=self.settings.resolved(),
                                   **{k: v if getattr(self, k) is None else getattr(self, k)
                                      for k, v in defaults.items()})
-        if self.spec.markov and out.markov_rank is None:
-            out.markov_rank = DEFAULT_MARKOV_RANK
         if num_layers is not None and out.features == "aux":
             default = self.spec.aux_default or default_aux_layers
             layers = out.aux_layers or default(num_layers)
@@ -340,33 +340,78 @@ class HeadConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.resolved())
+        """The flat form, resolved: the shared keys and the type's own (what a head's config.json records)."""
+        out = self.resolved()
+        flat = {f.name: copy.deepcopy(getattr(out, f.name)) for f in dataclasses.fields(out) if f.name != "settings"}
+        return {**flat, **dataclasses.asdict(out.settings)}
 
 
-# The largest head.block_size: far past where drafts are still accepted (the chance that all of a block's B - 1 drafts
-# are right falls geometrically with B), and small enough that a block's rows and its attention over itself stay a
-# small part of a micro-batch. The target's max_position_embeddings bounds it too (mtp-train checks it).
-MAX_BLOCK_SIZE = 256
+def settings_class(name: str) -> type[HeadSettings]:
+    """The settings dataclass of head type `name` (`HeadTypeSpec.settings`; the empty `HeadSettings` if none)."""
+    return head_spec(name).settings or HeadSettings
 
 
-def block_bytes(cfg: HeadConfig, hidden_size: int, bytes_per_value: int = 4) -> int:
-    """A lower bound of the memory the blocks of one training micro-batch take: head.max_anchors blocks of
-    head.block_size rows of `hidden_size` values, kept once per draft layer for the backward pass (attention scores,
-    the MLP and the logits come on top); 0 for a head that is not a block drafter.
-
-    Args:
-        cfg: the head's settings.
-        hidden_size: the target's H (the draft layers' width).
-        bytes_per_value: 4 for the fp32 activations of mixed-precision training.
-    """
-    if not cfg.spec.block:
-        return 0
-    return cfg.max_anchors * cfg.block_size * hidden_size * cfg.layers * bytes_per_value
+SHARED_KEYS = tuple(f.name for f in dataclasses.fields(HeadConfig) if f.name != "settings")  # head.<key> of every type
 
 
-BLOCK_DEFAULTS = {"layers": 1, "block_size": 8, "mask_token_id": None, "max_anchors": 512}  # HeadConfig's
-MARKOV_DEFAULTS = {"markov_rank": None, "confidence_head": False, "confidence_with_markov": False}  # HeadConfig's
-DEFAULT_MARKOV_RANK = 64  # a Markov head's rank when head.markov_rank is null
+def head_keys(name: str) -> list[str]:
+    """The flat `head.<key>`s of head type `name`: the shared ones, then its own settings'."""
+    return [*SHARED_KEYS, *(f.name for f in dataclasses.fields(settings_class(name)))]
+
+
+def key_owners(key: str) -> list[str]:
+    """The registered head types whose own settings have `key` (none for a shared or unknown key)."""
+    return [name for name in HEAD_TYPES.names() if key in {f.name for f in dataclasses.fields(settings_class(name))}]
+
+
+def head_key_problem(name: str, key: str) -> str | None:
+    """Why `head.<key>` is not a setting of head type `name`, in words, or None when it is one: another type's
+    setting names the type(s) that own it, an unknown key the nearest valid one (difflib)."""
+    keys = head_keys(name)
+    if key in keys:
+        return None
+    owners = key_owners(key)
+    if owners:
+        return (f"head.{key} is {_a(owners[0])} {' / '.join(owners)} setting "
+                f"({' or '.join(f'head={o}' for o in owners)}); {name} heads have no such setting")
+    near = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    others = sorted({k for t in HEAD_TYPES.names() for k in head_keys(t)} - set(keys))
+    near_other = [] if near else difflib.get_close_matches(key, others, n=1, cutoff=0.6)
+    if near:
+        hint = f"did you mean `head.{near[0]}`?"
+    elif near_other:
+        hint = (f"did you mean `head.{near_other[0]}`? (a setting of {' / '.join(key_owners(near_other[0]))} "
+                f"heads, not of {name} heads)")
+    else:
+        hint = f"the keys of {_a(name)} {name} head are: {', '.join(keys)}"
+    return f"unknown config key `head.{key}` ({name} heads have no such setting); {hint}"
+
+
+def _a(word: str) -> str:
+    return "an" if word[:1].lower() in "aeio" else "a"
+
+
+def flat_schema(name: str) -> type:
+    """A dataclass of the flat `head.<key>`s of head type `name`, with their types and defaults (for checking a
+    value's type as Hydra would: `config.checks`)."""
+    own = settings_class(name)
+    hints = {**typing.get_type_hints(HeadConfig), **typing.get_type_hints(own)}
+    fields = [(f.name, hints[f.name], dataclasses.field(default=f.default, default_factory=f.default_factory))
+              for f in (*dataclasses.fields(HeadConfig), *dataclasses.fields(own)) if f.name != "settings"]
+    return dataclasses.make_dataclass(f"{own.__name__}Flat", fields)
+
+
+def without_legacy_keys(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """`flat` (a head's flat keys) without the `LEGACY_KEYS` its type does not take that hold their legacy value."""
+    mine = set(head_keys(str(flat.get("type", HeadConfig.type))))
+    return {k: v for k, v in flat.items() if k in mine or k not in LEGACY_KEYS or v != LEGACY_KEYS[k]}
+
+
+# The keys every head's config.json recorded before the types had settings of their own, with the value a type
+# that did not use them recorded: `HeadConfig.from_dict` drops them there, so that such a folder still loads.
+LEGACY_KEYS: dict[str, Any] = {"layers": 1, "block_size": 8, "mask_token_id": None, "max_anchors": 512,
+                               "markov_rank": None, "confidence_head": False, "confidence_with_markov": False,
+                               "norm_output": False}
 
 
 def target_mtp_problems(cfg: HeadConfig) -> list[str]:

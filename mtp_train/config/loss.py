@@ -24,7 +24,9 @@ class LossConfig:
     w_tok: float = 0.1  # weight of the token loss against the target's distribution
     kind: str = "soft_ce"  # token loss: soft_ce | rkl | jsd | tv (1 − α) | nla (−log α) | lk_hybrid | argmax_ce
     smooth_l1_beta: float = 1.0  # SmoothL1 switch point between quadratic and linear
-    steps: int = 1  # chained draft steps unrolled per batch
+    # Chained draft steps unrolled per batch; null = what the head type derives from its settings (a block drafter:
+    # one step per drafted slot of its block, `HeadSettings.derived`; applied by TrainConfig), else 1.
+    steps: int | None = None
     step_decay: float = 0.8  # step j weighs step_decay ** j, unless step_weights is given
     step_weights: list[float] | None = None  # explicit per-step weights (length = steps)
     # decay: step j weighs step_weights[j] (or step_decay ** j); dpace: each row of each step weighs the expected
@@ -41,6 +43,10 @@ class LossConfig:
     mask_out_of_draft: bool = False
 
     def __post_init__(self) -> None:
+        # Left null: 1 until TrainConfig gives the value the head type derives (`steps_unset` tells it apart).
+        self.steps_unset = self.steps is None
+        if self.steps is None:
+            self.steps = len(self.step_weights) if self.step_weights is not None else 1
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.step_weights is not None and len(self.step_weights) != self.steps:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from mtp_train.config.checks import hydra_schema
 from mtp_train.config.data import DataConfig
 from mtp_train.config.eval import EvalConfig
 from mtp_train.config.export import ExportConfig
-from mtp_train.config.head import HeadConfig
 from mtp_train.config.model import ModelConfig
 from mtp_train.config.precompute import PrecomputeConfig
 from mtp_train.config.regenerate import RegenerateConfig
@@ -14,7 +14,8 @@ from mtp_train.config.train import DeepSpeedConfig, TrainConfig
 
 
 def register_configs() -> None:
-    """Register the schemas with Hydra (idempotent); `<command>_schema`, plus the model/data/head/deepspeed groups."""
+    """Register the schemas with Hydra (idempotent); `<command>_schema`, plus the model/data/deepspeed groups. The head
+    is composed as a flat mapping (`hydra_schema`: its keys depend on its type), checked by `config.checks`."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
@@ -25,6 +26,5 @@ def register_configs() -> None:
     cs.store(name="export_schema", node=ExportConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
-    cs.store(name="train_schema", node=TrainConfig)
-    cs.store(group="head", name="head_schema", node=HeadConfig)
+    cs.store(name="train_schema", node=hydra_schema(TrainConfig))
     cs.store(group="deepspeed", name="deepspeed_schema", node=DeepSpeedConfig)

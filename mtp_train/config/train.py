@@ -205,6 +205,26 @@ class TrainConfig:
             raise ConfigError(f"train.optimizer=muon with deepspeed.zero_optimization.stage={stage}: ZeRO hands the "
                               "optimiser flat partitions of the weights, and Muon orthogonalises each whole matrix; "
                               "use deepspeed=zero0 (or deepspeed.zero_optimization.stage=0)")
+        self.apply_derived()
+
+    def apply_derived(self) -> None:
+        """Take what the head type derives from its settings (`HeadSettings.derived`: a block drafter's loss.steps
+        from head.block_size) where the user left it unset (null); refuse a value set to something else, naming
+        both."""
+        assert self.head.settings is not None  # HeadConfig sets it
+        for key, value in self.head.settings.derived().items():
+            if key != "loss.steps":
+                raise ConfigError(f"head type {self.head.type} derives {key}, which mtp-train cannot take; it may "
+                                  "derive loss.steps only")
+            if self.loss.steps_unset:
+                self.loss.steps = value
+            elif self.loss.steps != value:
+                raise ConfigError(f"loss.steps={self.loss.steps} contradicts the head: {self.head.type} heads train "
+                                  f"one step per drafted slot, loss.steps={value} "
+                                  f"({self.head.settings.derived_from(key)}); leave loss.steps unset or give {value}")
+        if self.loss.step_weights is not None and len(self.loss.step_weights) != self.loss.steps:
+            raise ConfigError(f"loss.step_weights has {len(self.loss.step_weights)} weights for loss.steps="
+                              f"{self.loss.steps}: give one per step")
 
     def precompute_config(self, aux_layers: Sequence[int] = ()) -> PrecomputeConfig:
         """The `mtp-precompute` settings whose samples (and folder, for hybrid) an online or hybrid run reads:

@@ -436,7 +436,8 @@ class DraftHead(nn.Module, ABC):
         c = self.cfg
         return (f"type={c.type}, enorm={c.enorm}, hnorm={c.hnorm}, input_norm={c.input_norm}, "
                 f"final_norm={c.final_norm}, fc_bias={c.fc_bias}, features={c.features}, aux_layers={self.aux_layers}, "
-                f"aux_norm={c.aux_norm}, norm_output={c.norm_output}, draft_vocab={self.vocab_size}")
+                f"aux_norm={c.aux_norm}, draft_vocab={self.vocab_size}"
+                + "".join(f", {k}={v}" for k, v in vars(c.settings).items()))
 
 
 class ChainHead(DraftHead):

@@ -80,11 +80,11 @@ def save_head(head: DraftHead, out_dir: str | Path, extra_config: dict[str, Any]
               target_fingerprint: str | None = None) -> Path:
     """Write `model.safetensors` (the head's trainable weights only) and `config.json` into `out_dir`.
 
-    config.json records the format, the head config (norms resolved), the target dims, the target's weight
-    fingerprint when given (`load_head` then refuses other weights), the parameter count, the dtype, the sha256
-    and size of model.safetensors under "files" (`load_head` checks them), and `extra_config` under "extra"
-    (e.g. training step, data manifest). Files are written to a temporary name and renamed, so a crash never
-    leaves a half-written head.
+    config.json records the format, the head config (flat, resolved: the shared keys and the type's own,
+    `HeadConfig.to_dict`), the target dims, the target's weight fingerprint when given (`load_head` then refuses
+    other weights), the parameter count, the dtype, the sha256 and size of model.safetensors under "files"
+    (`load_head` checks them), and `extra_config` under "extra" (e.g. training step, data manifest). Files are
+    written to a temporary name and renamed, so a crash never leaves a half-written head.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -259,8 +259,10 @@ def load_head(head_dir: str | Path, target_dir: str | Path, device: str | torch.
     problems = [f"dims.{k}: head checkpoint {cfg_json['dims'].get(k)!r}, target {v!r}"
                 for k, v in head_dims(args).items() if cfg_json["dims"].get(k) != v]
     try:
-        head_cfg = HeadConfig(**cfg_json["head"])  # `init` is history here: the weights come from the file
-    except (TypeError, ValueError) as e:  # a key HeadConfig lacks, or a value it refuses (an unknown type)
+        # The flat form (shared keys and the type's own; a folder saved before the types had their own settings
+        # recorded every type's keys, dropped there). `init` is history here: the weights come from the file.
+        head_cfg = HeadConfig.from_dict(cfg_json["head"])
+    except (TypeError, ValueError) as e:  # a key the type lacks, or a value it refuses (an unknown type)
         raise ModelConfigError(f"{head_dir / 'config.json'}: head {e}") from None
     with torch.device("meta"):
         head = new_head(head_cfg, args, None, backend)

@@ -227,7 +227,7 @@ def loss_values(args: ModelArgs, w_feat: float) -> int:
 
 def block_rows(head: HeadConfig, tokens: int) -> int:
     """Rows a block drafter's draft layers run: max_anchors blocks of block_size rows (fewer on a short batch)."""
-    return min(head.max_anchors, tokens) * head.block_size
+    return min(head.settings.max_anchors, tokens) * head.settings.block_size
 
 
 # --- the plan --------------------------------------------------------------------------------------------------
@@ -311,7 +311,7 @@ def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
 def loss_rows(s: PlanSettings, share: int, tokens: int) -> int:
     """Rows one step's loss scores on this rank: its share of the tokens, or a block drafter's anchors in it."""
     if s.head.spec.block:
-        return -(-min(s.head.max_anchors, tokens) // max(1, s.sequence_parallel))
+        return -(-min(s.head.settings.max_anchors, tokens) // max(1, s.sequence_parallel))
     return share
 
 
@@ -339,8 +339,9 @@ def activation_term(s: PlanSettings, args: ModelArgs, shape: HeadShape, share: i
     sp = max(1, s.sequence_parallel)
     kv = args.num_kv_heads * args.head_dim
     if head.spec.block:
-        anchors = -(-min(head.max_anchors, tokens) // sp)  # a rank drafts the blocks of the anchors in its rows
-        rows = anchors * head.block_size
+        # a rank drafts the blocks of the anchors in its rows
+        anchors = -(-min(head.settings.max_anchors, tokens) // sp)
+        rows = anchors * head.settings.block_size
         per_layer = rows * layer_values(args, shape.qkv_in)
         # the context over this rank's rows: fc over the aux layers, its norm, each layer's K/V; under SP every
         # rank also holds all ranks' context K/V, gathered (a block reads its sequence's context before its anchor)
@@ -349,7 +350,7 @@ def activation_term(s: PlanSettings, args: ModelArgs, shape: HeadShape, share: i
         kept = (per_layer + (shape.layers - 1) * rows * h if s.activation_checkpointing
                 else shape.layers * per_layer)
         kept += context + outs
-        how = (f"{shape.layers} draft layer(s) × {rows} rows ({anchors} anchors × {head.block_size}), context "
+        how = (f"{shape.layers} draft layer(s) × {rows} rows ({anchors} anchors × {head.settings.block_size}), context "
                f"{share} rows, {s.steps} slots")
     else:
         layer = layer_values(args, shape.qkv_in) + chain_around_values(args)

@@ -136,20 +136,21 @@ class DFlashHead(DraftHead):
         super().__init__(cfg, target_args, frozen, backend)
         a = self.args
         h = a.hidden_size
-        self.block_size = self.cfg.block_size
-        self.mask_token_id = a.vocab_size - 1 if self.cfg.mask_token_id is None else self.cfg.mask_token_id
+        self.block_size = self.cfg.settings.block_size
+        mask = self.cfg.settings.mask_token_id
+        self.mask_token_id = a.vocab_size - 1 if mask is None else mask
         if not 0 <= self.mask_token_id < a.vocab_size:
             raise ValueError(f"head.mask_token_id={self.mask_token_id} is not a token of the target's vocabulary "
                              f"(0..{a.vocab_size - 1})")
         self.fc = Linear(self.input_width, h, bias=False)
         self.hidden_norm = RMSNorm(h, a.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(a) for _ in range(self.cfg.layers))
+        self.layers = nn.ModuleList(DFlashLayer(a) for _ in range(self.cfg.settings.layers))
         self.norm = RMSNorm(h, a.rms_norm_eps)
 
     @property
     def kv_shape(self) -> tuple[int, KVLayout]:
         """One K/V layer per draft layer, the context's (the block's own K/V are never cached)."""
-        return self.cfg.layers, KVLayout(self.args.num_kv_heads, self.args.head_dim)
+        return self.cfg.settings.layers, KVLayout(self.args.num_kv_heads, self.args.head_dim)
 
     def features(self, hidden: torch.Tensor, token_ids: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: torch.Tensor | None, attn: AttentionBackend, *, from_target: bool) -> torch.Tensor:
@@ -214,11 +215,12 @@ class DFlashHead(DraftHead):
         lens = resolve_seq_lens(input_ids.shape[0], seq_lens)
         eligible = packed_shift(loss_mask.to(torch.bool), lens, 1, fill=False)
         idx = eligible.nonzero().squeeze(1)
-        if idx.numel() > self.cfg.max_anchors:
+        most = self.cfg.settings.max_anchors
+        if idx.numel() > most:
             if seed is None:
                 ids = input_ids.detach().to("cpu", torch.long).numpy()
                 seed = int(np.random.SeedSequence([int(t) for t in ids[:4096]] + [len(ids)]).generate_state(1)[0])
-            pick = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed))[:self.cfg.max_anchors]
+            pick = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed))[:most]
             idx = idx[pick.to(idx.device)]
         rows = torch.zeros_like(eligible)
         rows[idx] = True

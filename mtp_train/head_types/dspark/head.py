@@ -67,7 +67,7 @@ class DSparkHead(DFlashHead):
     def __init__(self, cfg: HeadConfig, target_args: ModelArgs, frozen: FrozenTargetParts | None = None,
                  backend: str = "torch") -> None:
         super().__init__(cfg, target_args, frozen, backend)
-        c, h = self.cfg, self.args.hidden_size
+        c, h = self.cfg.settings, self.args.hidden_size
         rank = c.markov_rank
         assert rank is not None, "HeadConfig.resolved() sets a Markov head's rank"
         self.markov_head = MarkovHead(self.args.vocab_size, self.vocab_size, rank)
@@ -117,7 +117,7 @@ class DSparkHead(DFlashHead):
         """x: (N, H + r) [slot output ; W1[prev]] → (N,) float32 logits of each draft's acceptance."""
         if self.confidence_head is None:
             raise ValueError("this dspark head has no confidence head (head.confidence_head=false)")
-        h = x[:, :self.args.hidden_size] if not self.cfg.confidence_with_markov else x
+        h = x[:, :self.args.hidden_size] if not self.cfg.settings.confidence_with_markov else x
         return self.confidence_head(h)
 
     def probe_features(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,11 @@ class Eagle3Head(ChainHead):
 
     type_name = "eagle3"
 
+    @property
+    def norm_output(self) -> bool:
+        """EAGLE-3.1's head.norm_output (eagle3's own setting): the next step reads the final-normed output."""
+        return bool(self.cfg.settings.norm_output)
+
     def __init__(self, cfg: HeadConfig, target_args: ModelArgs, frozen: FrozenTargetParts | None = None,
                  backend: str = "torch") -> None:
         super().__init__(cfg, target_args, frozen, backend)
@@ -95,7 +100,7 @@ class Eagle3Head(ChainHead):
             self._copy_target_rows()
 
     def logit_input(self, out: torch.Tensor) -> torch.Tensor:
-        return out if self.cfg.norm_output else self.norm(out)  # norm_output: `features` has normed it already
+        return out if self.norm_output else self.norm(out)  # norm_output: `features` has normed it already
 
     def target_fc(self) -> Linear | None:
         return self.fc  # a step from the target reads its k aux layers through the fc
@@ -114,7 +119,7 @@ class Eagle3Head(ChainHead):
             return ()
         return self._head_plan(plan, (layer.input_layernorm, layer.hidden_norm, self.norm),
                                layer.post_attention_layernorm.eps, None, hidden.shape[0], n,
-                               raw_out=not self.cfg.norm_output)
+                               raw_out=not self.norm_output)
 
     def draft_lm_head(self) -> torch.Tensor:
         return self.lm_head.weight
@@ -129,4 +134,4 @@ class Eagle3Head(ChainHead):
             g = self.fc(self.aux_input(g))  # the target's k aux layers: (T, k·H) → (T, H), sliced norms with aux_norm
         cos, sin = self.rope(meta.rotary_positions, g.dtype)  # a tree step rotates to depths
         x = self.layers[0](e, g, cos, sin, attn, kv_cache, meta)
-        return self.norm(x) if self.cfg.norm_output else x
+        return self.norm(x) if self.norm_output else x

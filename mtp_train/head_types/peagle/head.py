@@ -47,13 +47,19 @@ class PEagleHead(Eagle3Head):
     """EAGLE-3's head whose rows after the first draft read a learned placeholder: k drafts in one forward."""
 
     type_name = "peagle"
+    norm_output = False  # no step reads another's output: P-EAGLE has no head.norm_output
 
     def __init__(self, cfg: HeadConfig, target_args: ModelArgs, frozen: FrozenTargetParts | None = None,
                  backend: str = "torch") -> None:
         super().__init__(cfg, target_args, frozen, backend)
-        # The placeholder token: the target's last vocabulary id (as dflash's default mask token), whose frozen
-        # embedding every slot reads; the learned mask_hidden carries what a slot has of its own.
-        self.mask_token_id = target_args.vocab_size - 1
+        # The placeholder token (head.mask_token_id; null = the target's last vocabulary id, as dflash's default
+        # mask token), whose frozen embedding every slot reads; the learned mask_hidden carries what a slot has of
+        # its own.
+        mask = self.cfg.settings.mask_token_id
+        self.mask_token_id = target_args.vocab_size - 1 if mask is None else mask
+        if not 0 <= self.mask_token_id < target_args.vocab_size:
+            raise ValueError(f"head.mask_token_id={self.mask_token_id} is not a token of the target's vocabulary "
+                             f"(0..{target_args.vocab_size - 1})")
         # Standard normal, as speculators start it: the scale of the target's aux features, which the fc reads too.
         self.mask_hidden = nn.Parameter(torch.randn(self.input_width))
 
