@@ -61,12 +61,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 HEAD_TYPES = ("eagle1", "eagle3", "dflash", "dflash-speculators", "dspark", "peagle")  # rows: a type or a ROW_TYPE
 ROW_TYPE = {"dflash-speculators": "dflash"}  # rows that check another layout of a head type
-EXPORT_FORMAT = {"eagle1": "vllm-eagle", "eagle3": "speculators", "dflash": "dflash",
-                 "dflash-speculators": "speculators-dflash", "dspark": "dspark", "peagle": "speculators-peagle"}
-VLLM_METHOD = {"eagle1": "eagle", "eagle3": "eagle3", "dflash": "dflash", "dflash-speculators": "dflash",
-               "dspark": "dspark", "peagle": "eagle3"}
-# Rows vLLM serves with `parallel_drafting` (P-EAGLE: its eagle3 method drafting all k tokens in one forward).
-PARALLEL_DRAFTING = ("peagle",)
+# The layout such a row exports; every other row exports its head type's layout that vLLM serves, and asks vLLM for
+# the drafter that layout names (`HeadType.serving("vllm")`, `Layout.serves`: e.g. peagle's speculators-peagle as
+# eagle3 with `parallel_drafting`, all k tokens in one forward).
+ROW_LAYOUT = {"dflash-speculators": "speculators-dflash"}
 # the demo recipe's: ~6x cheaper lm_head in training; z-lab's DFlash and the DSpark layouts draft over the whole
 # vocabulary, speculators' DFlash layout carries the draft vocabulary (d2t)
 DRAFT_VOCAB = {"eagle1": 8192, "eagle3": 8192, "dflash": 0, "dflash-speculators": 8192, "dspark": 0, "peagle": 8192}
@@ -96,6 +94,27 @@ STEP_SHARE = {"eagle1": 1.0, "eagle3": 0.5, "dflash": 0.5, "dflash-speculators":
 def head_type(row: str) -> str:
     """The head type a check row trains (its own name, or ROW_TYPE's)."""
     return ROW_TYPE.get(row, row)
+
+
+def export_format(row: str) -> str:
+    """The layout a row exports: ROW_LAYOUT's, else the one of its head type that vLLM serves; StepError when the
+    type has none (or is not registered)."""
+    if row in ROW_LAYOUT:
+        return ROW_LAYOUT[row]
+    from mtp_train.config.head import HEAD_TYPES
+
+    served = HEAD_TYPES.get(head_type(row)).serving("vllm") if head_type(row) in HEAD_TYPES else None
+    if served is None:
+        raise StepError(f"{row}: no layout of head type {head_type(row)!r} is served by vLLM")
+    return served[0]
+
+
+def vllm_speculative(row: str) -> dict[str, Any]:
+    """vLLM's speculative settings that load the row's export as its drafter (its layout's `serves["vllm"]`, e.g.
+    {"method": "eagle3", "parallel_drafting": True} for peagle)."""
+    from mtp_train.export import LAYOUTS
+
+    return dict(LAYOUTS.get(export_format(row)).serves["vllm"])
 
 
 class StepError(RuntimeError):
@@ -254,16 +273,13 @@ def block_recipe(k: int, aux: Sequence[int], head: str = "dflash") -> tuple[str,
 
 def depth_recipe(k: int, head: str) -> tuple[str, ...]:
     """A parallel drafter (peagle) trained on the k depths vLLM drafts in its one forward; () for other heads."""
-    return (f"loss.steps={k}",) if head in PARALLEL_DRAFTING else ()
+    return (f"loss.steps={k}",) if vllm_speculative(head).get("parallel_drafting") else ()
 
 
 def speculative(row: str, export: Path, k: int) -> dict[str, Any]:
     """The request's `speculative` block of a row: vLLM's method, the export, k, and parallel drafting where the row
     serves it (`vllm_side.py` passes it on)."""
-    spec: dict[str, Any] = {"method": VLLM_METHOD[row], "model": str(ROOT / export), "num_speculative_tokens": k}
-    if row in PARALLEL_DRAFTING:
-        spec["parallel_drafting"] = True
-    return spec
+    return {**vllm_speculative(row), "model": str(ROOT / export), "num_speculative_tokens": k}
 
 
 def refusal(error: str) -> str | None:
@@ -290,8 +306,12 @@ def unavailable(row: str) -> str | None:
 
     if head not in IMPLEMENTED:
         return f"head type {head!r} has no implementation (known: {', '.join(sorted(IMPLEMENTED))})"
-    if EXPORT_FORMAT[row] not in export_formats():
-        return f"mtp-export has no format={EXPORT_FORMAT[row]} (known: {', '.join(export_formats())})"
+    try:
+        fmt = export_format(row)
+    except StepError as e:
+        return str(e)
+    if fmt not in export_formats():
+        return f"mtp-export has no format={fmt} (known: {', '.join(export_formats())})"
     return None
 
 
@@ -354,7 +374,7 @@ class OurSide:
         out = self.out / head / name
         again = ["overwrite=true"] if name != "export" else []  # the probe's head is written anew every run
         run_command(f"{head} {name}", "export", [f"model.path={self.model}", f"head_ckpt={head_dir}",
-                                                 f"format={EXPORT_FORMAT[head]}", f"out={out}", *again],
+                                                 f"format={export_format(head)}", f"out={out}", *again],
                     self.out / "logs" / f"{head}_{name}.log")
         return out
 
@@ -535,7 +555,7 @@ def check_head(side: OurSide, head: str) -> dict[str, Any]:
                 "stop_token_ids": stop, "max_model_len": 2048, "dtype": "float32", "speculative": None}
         stage = "vllm plain"
         plain = run_vllm(a, base, "plain", side.out)
-        stage = f"vllm {VLLM_METHOD[head]}"
+        stage = f"vllm {vllm_speculative(head)['method']}"
         spec_req = {**base, "speculative": speculative(head, export, a.k),
                     "head_weights": file_digest(ROOT / export / "model.safetensors")}
         spec = run_vllm(a, spec_req, f"spec-{head}", side.out)

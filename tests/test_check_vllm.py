@@ -92,7 +92,7 @@ def test_a_method_the_vllm_build_refuses_is_reported_unsupported():
     assert check.refusal("RuntimeError: shape mismatch in fc") is None
     assert check.report_lines("dspark", {"status": "unsupported", "reason": "Model Runner V1 does not support"}) == [
         "dspark: UNSUPPORTED by this vLLM build: Model Runner V1 does not support"]
-    assert "dspark" in check.PROBE_FIRST and check.VLLM_METHOD["dspark"] == "dspark"
+    assert "dspark" in check.PROBE_FIRST and check.vllm_speculative("dspark")["method"] == "dspark"
 
 
 def test_the_last_line_is_one_json_object_of_every_head(monkeypatch, capsys):
@@ -186,7 +186,7 @@ def test_a_dflash_head_is_trained_with_the_block_vllm_drafts():
     """vLLM's method=dflash queries the bonus token and k masks: the head's block is k + 1, over the folder's aux
     layers."""
     assert check.block_recipe(3, [2, 15, 27]) == ("head.block_size=4", "loss.steps=3", "head.aux_layers=[2,15,27]")
-    assert check.EXPORT_FORMAT["dflash"] == "dflash" and check.VLLM_METHOD["dflash"] == "dflash"
+    assert check.export_format("dflash") == "dflash" and check.vllm_speculative("dflash")["method"] == "dflash"
     # method=dspark queries the last token and k - 1 masks, every slot a draft (sample_from_anchor): a block of k
     assert check.block_recipe(3, [2, 15, 27], "dspark") == ("head.block_size=3", "loss.steps=3",
                                                              "head.aux_layers=[2,15,27]")
@@ -195,8 +195,10 @@ def test_a_dflash_head_is_trained_with_the_block_vllm_drafts():
 def test_the_speculators_dflash_row_trains_a_dflash_head_with_a_draft_vocabulary():
     """A row that checks another layout of a head type: dflash trained, exported in speculators' layout with d2t."""
     assert check.head_type("dflash-speculators") == "dflash" and check.head_type("eagle3") == "eagle3"
-    assert check.EXPORT_FORMAT["dflash-speculators"] == "speculators-dflash"
-    assert check.VLLM_METHOD["dflash-speculators"] == "dflash" and check.DRAFT_VOCAB["dflash-speculators"] > 0
+    assert check.export_format("dflash-speculators") == "speculators-dflash"
+    assert check.vllm_speculative("dflash-speculators")["method"] == "dflash"
+    assert check.DRAFT_VOCAB["dflash-speculators"] > 0
+    assert check.speculative("peagle", Path("x"), 3)["parallel_drafting"] is True  # the layout's own vLLM settings
     assert check.unavailable("dflash-speculators") is None
     a = check.parse_args(["--heads", "dflash-speculators", "--head-dflash-speculators", "runs/x"])
     assert a.heads == ["dflash-speculators"] and a.head_dflash_speculators == "runs/x"

@@ -18,10 +18,10 @@ from mtp_train.cli.train import train_main
 from mtp_train.config import HEAD_TYPES, HeadConfig, LossConfig
 from mtp_train.engine import LLMEngine, SamplingParams, prefill_hidden
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
-from mtp_train.export.importer import import_dflash
 from mtp_train.head_types.dflash import HEAD_TYPE
 from mtp_train.head_types.dflash.drafter import BlockProposer, block_tree
 from mtp_train.head_types.dflash.head import DFlashHead, default_block_layers
+from mtp_train.head_types.dflash.layouts import import_dflash
 from mtp_train.heads import FrozenTargetParts, build_head, new_head, save_head
 from mtp_train.heads.block_attention import BlockLayout, packed_block_attention
 from mtp_train.models import ModelConfigError, load_model

@@ -10,15 +10,18 @@ import torch
 from safetensors import safe_open
 
 from mtp_train.config import HEAD_TYPES, HeadConfig
+from mtp_train.config.export import check_import
 from mtp_train.export import (
     LAYOUTS,
     LayoutError,
     export_formats,
     export_head,
+    import_layouts,
     load_export,
     unmatched_formats,
     verify_round_trip,
 )
+from mtp_train.export.importer import reader_of
 from mtp_train.heads import build_head, load_head, save_head
 from mtp_train.layers import AttentionMetadata
 from mtp_train.models import ModelConfigError
@@ -176,6 +179,44 @@ def test_each_format_is_named_by_the_specs_of_the_head_types_it_takes():
     assert {f for t in HEAD_TYPES.values() for f in t.spec.formats} == set(export_formats())
     for fmt, layout in LAYOUTS.items():
         assert layout.head_types == tuple(n for n, t in HEAD_TYPES.items() if fmt in t.spec.formats) != ()
+
+
+def test_the_layouts_come_from_the_head_types_with_their_readers_and_serving_engines():
+    """LAYOUTS is filled from each type's `HeadType.layouts` (its folder), the spec's formats derive from them, and
+    `import_from` takes exactly the layouts with a reader; each type names the vLLM drafter its layout loads as
+    (`make check-vllm` ran these) without anything outside its folder spelling it."""
+    for name, t in HEAD_TYPES.items():
+        assert t.formats == t.spec.formats == ("native", *(lo.name for lo in t.layouts))
+        assert all(LAYOUTS[lo.name] is lo and lo.head_types == (name,) for lo in t.layouts)
+        assert all(type(lo).__module__ == "mtp_train.export.layouts" for lo in t.layouts)
+    assert import_layouts() == ("dflash", "speculators-dflash", "dspark", "speculators-peagle")
+    served = {name: t.serving("vllm") for name, t in HEAD_TYPES.items()}
+    assert served == {"dflash": ("dflash", {"method": "dflash"}), "dspark": ("dspark", {"method": "dspark"}),
+                      "eagle1": ("vllm-eagle", {"method": "eagle"}), "eagle3": ("speculators", {"method": "eagle3"}),
+                      "mtp": None,
+                      "peagle": ("speculators-peagle", {"method": "eagle3", "parallel_drafting": True})}
+    assert HEAD_TYPES.get("eagle3").serving("sglang") == ("sglang-eagle3", {"speculative_algorithm": "EAGLE3"})
+
+
+def test_import_from_is_checked_against_the_layouts_that_have_a_reader():
+    check_import("dspark", "native", None, import_layouts())
+    with pytest.raises(ValueError, match=r"import_from='speculators': choose one of dflash, speculators-dflash"):
+        check_import("speculators", "native", None, import_layouts())  # a layout, but one nothing reads back
+    with pytest.raises(ValueError, match="import_from=dflash writes a native head: drop format=dflash"):
+        check_import("dflash", "dflash", None, import_layouts())
+    with pytest.raises(ModelConfigError, match="no reader for that layout; choose one of dflash"):
+        reader_of("vllm-eagle")
+
+
+def test_sets_of_head_types_are_properties_of_the_types():
+    """A family's head block and a foreign target take the types that say so, never a list of names."""
+    from mtp_train.models.families import family_for_type
+    from mtp_train.models.foreign import FOREIGN_HEAD_TYPES
+
+    deepseek = family_for_type("deepseek_v3").head_types
+    assert list(deepseek) == [n for n, t in HEAD_TYPES.items() if "target_mtp" in t.spec.inits] == ["mtp"]
+    assert "mtp" in deepseek and "eagle1" not in deepseek and "nonesuch" not in deepseek and len(deepseek) == 1
+    assert list(FOREIGN_HEAD_TYPES) == [n for n, t in HEAD_TYPES.items() if t.foreign_targets] == ["eagle3"]
 
 
 def test_round_trip_check_reads_an_aux_mtp_head_through_its_aux_fc(tiny_checkpoints, tmp_path):

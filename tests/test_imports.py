@@ -1,4 +1,5 @@
-"""The package's import graph: no loops between modules, no private name imported across modules.
+"""The package's import graph: no loops between modules, no private name imported across modules, no module
+importing one of a higher floor (docs/architecture.md).
 
 The graph is read from the source with `ast`, not by importing, so it sees every import statement: at module
 level, inside functions (lazy imports are edges too: a loop closed at call time is still a loop in the design)
@@ -24,6 +25,22 @@ ALLOWED_CYCLES: frozenset[tuple[str, ...]] = frozenset()
 ALLOWED_PRIVATE: frozenset[tuple[str, str, str]] = frozenset()
 
 PACKAGE_DIR = Path(mtp_train.__file__).parent
+
+# Each top-level part of the package and its floor (docs/architecture.md, "Floors"): a module imports only its own
+# floor and the floors below. The package's own `__init__` is the ground (it imports nothing).
+FLOORS: dict[str, int] = {
+    "mtp_train": 0,
+    "config": 1, "fileio": 1, "processes": 1,
+    "layers": 2, "fetch": 2, "dist": 2,
+    "models": 3,
+    "heads": 4, "data": 4,
+    "engine": 5, "export": 5,
+    # capture/: the modules vLLM's processes import read nothing of ours; its driver side (launch, endpoints, fleet)
+    # reads rows, sampling and the OpenAI client, so the part as a whole sits beside precompute, its user
+    "speculative": 6, "precompute": 6, "regenerate": 6, "remote": 6, "capture": 6,
+    "train": 7, "eval": 7, "head_types": 7, "serve": 7,
+    "cli": 8,
+}
 
 
 def module_files(package_dir: Path) -> dict[str, Path]:
@@ -163,6 +180,39 @@ def test_no_private_name_is_imported_across_modules():
                     "them to a module both import):\n" + "\n".join(f"{a} imports {c} from {b}" for a, b, c in new)
     gone = ALLOWED_PRIVATE - set(private)
     assert not gone, f"these allowed private imports are gone: remove them from ALLOWED_PRIVATE: {sorted(gone)}"
+
+
+def part_of(module: str) -> str:
+    """The top-level part of the package a dotted module name belongs to (`mtp_train.export.layouts` → export)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def floor_violations(edges: dict[str, set[str]], floors: dict[str, int]) -> list[tuple[str, int, str, int]]:
+    """Every (module, its floor, imported module, its floor) where a module imports one of a higher floor."""
+    return sorted((a, floors[part_of(a)], b, floors[part_of(b)]) for a, targets in edges.items() for b in targets
+                  if floors[part_of(b)] > floors[part_of(a)])
+
+
+def test_every_part_of_the_package_has_a_floor():
+    parts = {part_of(m) for m in module_files(PACKAGE_DIR)}
+    assert not parts - FLOORS.keys(), f"parts of the package without a floor: {sorted(parts - FLOORS.keys())}; " \
+                                      "give each its floor in FLOORS and in docs/architecture.md (Floors)"
+    assert not FLOORS.keys() - parts, f"FLOORS names parts the package no longer has: {sorted(FLOORS.keys() - parts)}"
+
+
+def test_no_module_imports_a_higher_floor():
+    """Lazy and TYPE_CHECKING imports count; a plug-in found by computed name (importlib: the head types, the
+    families) is no edge."""
+    edges, _ = import_graph(PACKAGE_DIR)
+    up = floor_violations(edges, FLOORS)
+    assert not up, "imports of a higher floor (move what the lower module needs down, or look it up through a " \
+                   "registry):\n" + "\n".join(f"{a} (floor {fa}) imports {b} (floor {fb})" for a, fa, b, fb in up)
+
+
+def test_a_floor_violation_is_found():
+    edges = {"pkg.low.a": {"pkg.high.b"}, "pkg.high.b": {"pkg.low.a"}, "pkg": set()}
+    assert floor_violations(edges, {"low": 1, "high": 2, "pkg": 0}) == [("pkg.low.a", 1, "pkg.high.b", 2)]
 
 
 def test_the_graph_sees_every_kind_of_import(tmp_path):

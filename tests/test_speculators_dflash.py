@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 from mtp_train.cli.export import export_main
 from mtp_train.config import HeadConfig
 from mtp_train.export import LayoutError, export_head, load_export, verify_round_trip
-from mtp_train.export.importer import import_dflash, import_drafter
+from mtp_train.export.importer import import_drafter
 from mtp_train.head_types.dflash.head import DFlashHead
+from mtp_train.head_types.dflash.layouts import import_dflash
 from mtp_train.heads import build_head, save_head
 from mtp_train.models import ModelConfigError
 from tests.conftest import compose_config, make_chat_target

@@ -9,8 +9,9 @@
         # the command in reverse: a DFlash drafter trained elsewhere (z-lab's layout) as a native head for mtp-eval
         # and mtp-train (model.path required: such a drafter records no target of ours)
     mtp-export import_from=dspark head_ckpt=downloads/dspark-drafter model.path=models/Qwen3-8B out=runs/imported
-    formats: native | vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp | speculators | sglang-eagle3 |
-        dflash | dspark
+    formats: native and each head type's layouts (vllm-eagle | sglang-eagle | deepseek-mtp | qwen3-next-mtp |
+        speculators | sglang-eagle3 | dflash | speculators-dflash | dspark | speculators-peagle today); import_from:
+        the layouts with a reader (dflash | speculators-dflash | dspark | speculators-peagle today)
 
 The target is the one the head records (its train_config.yaml, or the config.json of a head mtp-export wrote),
 resolved to an absolute path and named on the console; `model.path=DIR` exports for another folder. The
@@ -32,7 +33,7 @@ from mtp_train.cli.common import ensure_model, hydra_entry
 from mtp_train.cli.outputs import EXPORT, claim_output, staged_folder
 from mtp_train.config import check_config
 from mtp_train.config.export import check_import
-from mtp_train.export import describe, export_head, stitch_head, verify_round_trip, verify_stitched
+from mtp_train.export import describe, export_head, import_layouts, stitch_head, verify_round_trip, verify_stitched
 from mtp_train.fileio import file_problem
 from mtp_train.heads.checkpoint import TARGET_KEY, recorded_target
 from mtp_train.models.config import ModelConfigError
@@ -43,7 +44,7 @@ PROG = "mtp-export"
 def export_main(cfg: DictConfig) -> dict[str, Any]:
     """Run `mtp-export`; returns {"out", "format", "tensors", "max_abs_diff"}."""
     check_config(cfg, "export")
-    check_import(cfg.get("import_from"), cfg.format, cfg.get("stitch"))
+    check_import(cfg.get("import_from"), cfg.format, cfg.get("stitch"), import_layouts())
     # Refuses `out` holding the head itself, another head's export or a trained head (unless overwrite=true),
     # then holds its lock.
     # An imported folder is not one of our heads: an earlier export in `out` is replaced only with overwrite=true.
@@ -107,9 +108,9 @@ def export_target(cfg: DictConfig) -> Path:
 
 
 def _import_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
-    """`import_from=dflash | speculators-dflash | dspark`: the drafter in head_ckpt (z-lab's or speculators' DFlash
-    layout, vLLM's DSpark layout) as a native head in `out_dir`, loaded back and compared with the drafter read from
-    the folder before success is reported."""
+    """`import_from=<a layout with a reader>`: the drafter in head_ckpt (e.g. z-lab's or speculators' DFlash layout,
+    vLLM's DSpark layout) as a native head in `out_dir`, loaded back and compared with the drafter read from the
+    folder before success is reported."""
     import torch
 
     from mtp_train.export.exporter import probe_difference
@@ -126,7 +127,7 @@ def _import_main(cfg: DictConfig, out_dir: str) -> dict[str, Any]:
     if diff > 0:
         raise RuntimeError(f"{out_dir}: the saved head differs from the drafter read from {cfg.head_ckpt} by {diff:g}")
     print(f"{PROG}: {cfg.import_from} drafter {cfg.head_ckpt} → native {head.cfg.type} head in {cfg.out} "
-          f"({head.num_params() / 1e6:.2f}M parameters, block {head.cfg.block_size}, aux layers {head.aux_layers}); "
+          f"({head.num_params() / 1e6:.2f}M parameters, aux layers {head.aux_layers}); "
           "loaded back exactly", flush=True)
     return {"out": cfg.out, "format": "native", "imported_from": cfg.import_from, "max_abs_diff": diff}
 

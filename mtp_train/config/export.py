@@ -6,9 +6,6 @@ from dataclasses import dataclass, field
 
 from mtp_train.config.model import ModelConfig
 
-# The layouts `mtp-export import_from=` reads back into one of our heads.
-IMPORT_LAYOUTS = ("dflash", "speculators-dflash", "dspark", "speculators-peagle")
-
 
 @dataclass
 class ExportConfig:
@@ -18,8 +15,8 @@ class ExportConfig:
     # (`heads.checkpoint.recorded_target`: its train_config.yaml or config.json), resolved; set it to use another.
     model: ModelConfig = field(default_factory=ModelConfig)
     head_ckpt: str | None = None  # head folder (mtp-train's heads/step-N)
-    # native (any head) | vllm-eagle, sglang-eagle (eagle1) | deepseek-mtp, qwen3-next-mtp (mtp) |
-    # speculators, sglang-eagle3 (eagle3) | dflash (dflash) | dspark (dspark)
+    # native (any head) | a layout of the head's type (`mtp-export formats`: its `HeadType.layouts`, e.g.
+    # speculators for eagle3 heads; mtp_train/export/layouts.py lists them)
     format: str = "native"
     out: str = "runs/export"
     # Replace an export of another head or a trained head in `out`, and remove links found there (else refused).
@@ -31,21 +28,24 @@ class ExportConfig:
     # The model id a server serves the target under (e.g. `vllm serve ... --served-model-name`), written as the
     # verifier's name (speculators formats: speculators_config.verifier.name_or_path); null = the target's folder
     verifier_name: str | None = None
-    # The command in reverse: dflash = head_ckpt is a DFlash drafter in z-lab's layout, dspark = a DSpark drafter
-    # in vLLM's Qwen3 layout (trained elsewhere, as vLLM loads them), read into our dflash / dspark head and written
-    # as a native head (format=native) that mtp-eval evaluates and mtp-train fine-tunes; null = one of our heads
+    # The command in reverse: head_ckpt is a drafter trained elsewhere in this layout (one with a reader, e.g. z-lab's
+    # dflash or vLLM's dspark, as vLLM loads them), read into our head of its type and written as a native head
+    # (format=native) that mtp-eval evaluates and mtp-train fine-tunes; null = one of our heads. The name is checked
+    # against the registered layouts when the command runs (`mtp_train.export.import_layouts`).
     import_from: str | None = None
 
     def __post_init__(self) -> None:
         check_import(self.import_from, self.format, self.stitch)
 
 
-def check_import(import_from: str | None, fmt: str, stitch: str | None) -> None:
-    """Refuse, by key, an `import_from` that is unknown or combined with a layout or a stitch."""
+def check_import(import_from: str | None, fmt: str, stitch: str | None,
+                 known: tuple[str, ...] | None = None) -> None:
+    """Refuse, by key, an `import_from` combined with a layout or a stitch, or, given the layouts that can be read
+    back (`known`: the export registry's, which this floor does not import), one that is not among them."""
     if import_from is None:
         return
-    if import_from not in IMPORT_LAYOUTS:
-        raise ValueError(f"import_from={import_from!r}: choose one of {', '.join(IMPORT_LAYOUTS)} (or null)")
+    if known is not None and import_from not in known:
+        raise ValueError(f"import_from={import_from!r}: choose one of {', '.join(known)} (or null)")
     if fmt != "native":
         raise ValueError(f"import_from={import_from} writes a native head: drop format={fmt} (export the native "
                          "head afterwards if another layout is wanted)")

@@ -1,9 +1,9 @@
 """Which draft head to train, with which norms and input features (`conf/head/*.yaml`); saved with every head.
 
 A head type is one plug-in, a `HeadType` registered once in `HEAD_TYPES`: its settings (`HeadTypeSpec`: norm
-defaults and which of them are fixed, the features its step 0 reads, its draft-vocabulary rule, the export
-formats that take it), its module class, its inference drafter and its validation path. The plug-ins are found on
-the registry's first read through the entry points of `HEAD_TYPE_GROUP` (this package's own in
+defaults and which of them are fixed, the features its step 0 reads, its draft-vocabulary rule), its module
+class, its inference drafter, its validation path and its export layouts (with the engines that serve them). The
+plug-ins are found on the registry's first read through the entry points of `HEAD_TYPE_GROUP` (this package's own in
 `mtp_train/head_types/`, one module per type, listed in pyproject.toml; another installed package may add its
 own); a head type can also be registered at run time (`HEAD_TYPES.add`).
 """
@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import difflib
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -43,7 +43,6 @@ class HeadTypeSpec:
     # The head has its own lm_head over a draft vocabulary: draft_vocab_size must be > 0 (capped at the target's
     # vocabulary), and the draft_vocab buffer exists even when it covers the whole vocabulary.
     draft_vocab_required: bool = False
-    formats: tuple[str, ...] = ("native",)  # `mtp-export format=` values that take this type
     inits: tuple[str, ...] = ("scratch",)  # the HeadConfig.init values this type takes (INITS)
     # A block drafter (dflash, dspark): it drafts a block of positions per forward from its anchors, so its loss rows
     # and its memory are its settings' anchors and blocks (`train/memory_plan.py`), not one row per position.
@@ -63,6 +62,12 @@ class HeadTypeSpec:
         if not set(self.inits) <= set(INITS):
             raise ValueError(f"head type {self.name}: unknown inits {sorted(set(self.inits) - set(INITS))}")
 
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The `mtp-export format=` values that take this type: native and its plug-in's layouts
+        (`HeadType.formats`)."""
+        return head_type(self.name).formats
+
     def input_width(self, features: str, num_aux_layers: int, hidden_size: int) -> int:
         """Width of step 0's input rows: k·H for features=aux over k layers, else H."""
         return (max(1, num_aux_layers) if features == "aux" else 1) * hidden_size
@@ -76,7 +81,7 @@ class HeadType:
     name. The parts are plain callables and classes, so this floor needs none of their imports.
 
     Args:
-        spec: its settings (norm defaults, features, draft vocabulary, export formats, inits).
+        spec: its settings (norm defaults, features, draft vocabulary, inits).
         module: its `DraftHead` subclass (`mtp_train.heads.base`); the class's `unroll` is its training unroll: the
             input each step reads and the target row it is scored against (row i of step j predicts h_{i+j+1}).
         drafter: `(head, options) -> Proposer`, the head's proposer for speculative decoding with the options of one
@@ -87,6 +92,12 @@ class HeadType:
             at its (j+1)-th draft (compared with `unroll`'s rows by the tests).
         draft_options: the eval grid axes its drafter takes (besides `k` and `temperature`, which every drafter
             takes); a grid point's other axes are not its own.
+        layouts: its export layouts (`mtp_train.export.layouts.Layout`, built in its folder): `mtp-export format=`
+            takes `native` and each one's name for this type, the export registry `LAYOUTS` is filled from them,
+            and a layout with a reader is what `mtp-export import_from=` reads back. Each says which serving
+            engines load it and how (`Layout.serves`).
+        foreign_targets: the head takes a target no family runs (`models/foreign.py`): its block is a layer of its
+            own built from the target's shapes alone, and `mtp-eval backend=vllm` measures it.
     """
 
     spec: HeadTypeSpec
@@ -94,10 +105,47 @@ class HeadType:
     drafter: Callable[[Any, Mapping[str, Any]], Any]
     inference_path: Callable[..., list[Any]]
     draft_options: tuple[str, ...] = ()
+    layouts: tuple[Any, ...] = ()
+    foreign_targets: bool = False
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The `mtp-export format=` values that take this type: native and its layouts' names."""
+        return ("native", *(layout.name for layout in self.layouts))
+
+    def serving(self, engine: str) -> tuple[str, dict[str, Any]] | None:
+        """(the name of its first layout `engine` loads, the engine's speculative settings that select its drafter,
+        e.g. ("speculators", {"method": "eagle3"}) for vLLM), or None when no layout of this type is served there.
+
+        Args:
+            engine: a serving engine's name as the layouts spell it: "vllm" | "sglang".
+        """
+        for layout in self.layouts:
+            if engine in layout.serves:
+                return layout.name, dict(layout.serves[engine])
+        return None
+
+
+@dataclass(frozen=True)
+class HeadTypesWhere:
+    """The registered head types that `accepts`, as a collection of names (`in`, iteration, `len`): where a set of
+    head types is a property of the types (a family's block, a foreign target), never a list of their names."""
+
+    accepts: Callable[[HeadType], bool]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in HEAD_TYPES and self.accepts(HEAD_TYPES.get(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([name for name, t in HEAD_TYPES.items() if self.accepts(t)])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
 
 HEAD_TYPE_GROUP = "mtp_train.head_types"  # the entry-point group another package registers its head types under
 HEAD_TYPE_PACKAGE = "mtp_train.head_types"  # the in-tree plug-ins: one sub-package per head type, found by scanning

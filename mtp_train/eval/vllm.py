@@ -1,13 +1,14 @@
-"""`mtp-eval backend=vllm`: a trained eagle3 head exported and measured inside vLLM.
+"""`mtp-eval backend=vllm`: a trained head exported and measured inside vLLM.
 
 The way to measure a head for a target our engine does not implement (`models.foreign`), and a second opinion for
-one it does. The head is exported as `format=speculators` (the EAGLE-3 layout vLLM loads) into `<out>/export`; a
-vLLM engine is launched in its own environment (`vllm_python`, the staged `capture.vllm_generate` as its main
-module) on the target with `speculative_config = {method: eagle3, model: <out>/export, num_speculative_tokens:
-k}`; the prompt sets are answered turn by turn exactly as our engine's evaluation answers them
-(`engine.turns.answer_turns`: our chat-template rendering, our stop ids, each later turn after vLLM's own answer),
-one batch per turn of a prompt set. τ, the acceptance rate, per-position acceptance and the draft counts come from
-vLLM's spec-decode counters, read after every batch, so each prompt set gets its own row.
+one it does. The head is exported in its type's layout that vLLM loads (`HeadType.serving("vllm")`: an eagle3 head
+as `format=speculators`) into `<out>/export`; a vLLM engine is launched in its own environment (`vllm_python`, the
+staged `capture.vllm_generate` as its main module) on the target with `speculative_config = {<the layout's
+settings, e.g. method: eagle3>, model: <out>/export, num_speculative_tokens: k}`; the prompt sets are answered
+turn by turn exactly as our engine's evaluation answers them (`engine.turns.answer_turns`: our chat-template
+rendering, our stop ids, each later turn after vLLM's own answer), one batch per turn of a prompt set. τ, the
+acceptance rate, per-position acceptance and the draft counts come from vLLM's spec-decode counters, read after
+every batch, so each prompt set gets its own row.
 
 The report has mtp-eval's files (report.json, report.md, outputs.jsonl, config.yaml) and its row fields where they
 mean the same thing: dataset, method, k, temperature, label, prompts, generated_tokens, seconds, tokens_per_s,
@@ -35,6 +36,7 @@ from mtp_train import processes
 from mtp_train.capture import launch
 from mtp_train.capture.vllm_generate import count_delta, spec_summary
 from mtp_train.config import EvalConfig
+from mtp_train.config.head import HEAD_TYPES, head_type
 from mtp_train.data.fingerprints import load_tokenizer
 from mtp_train.data.prompts import PromptSet
 from mtp_train.engine.llm import GenerationOutput
@@ -42,12 +44,12 @@ from mtp_train.engine.sampling import SamplingParams
 from mtp_train.engine.turns import Dialogue, OnFinish, answer_text, answer_turns, stop_token_ids
 from mtp_train.eval.options import EvalPoint, expand_grid
 from mtp_train.export import export_head
+from mtp_train.heads.checkpoint import read_head_config
 from mtp_train.models.foreign import head_target_args
 from mtp_train.models.loader import resolve_dtype
 
 log = logging.getLogger(__name__)
-EXPORT_FORMAT = "speculators"  # the EAGLE-3 layout vLLM loads (`export/eagle3.py`)
-VLLM_METHOD = "eagle3"
+ENGINE = "vllm"  # the serving engine, as the head types' layouts name it (`Layout.serves`)
 GENERATE_MODULE = "mtp_train.capture.vllm_generate"
 POLL_S = 0.5  # how often the driver looks for a batch's result while vLLM runs
 # Grid axes our engine's drafter has and vLLM's eagle3 does not: each must keep its default value.
@@ -58,16 +60,29 @@ class VllmEvalError(ValueError):
     """vLLM could not run the head (not installed, a layout it refuses, a crash); the message says which."""
 
 
+def vllm_serving(head_ckpt: str | Path) -> tuple[str, dict[str, Any]]:
+    """(the export format, vLLM's speculative settings that load it) of the head in `head_ckpt`: its type's layout
+    that vLLM serves (`HeadType.serving`, e.g. speculators as `method: eagle3` for an eagle3 head); VllmEvalError
+    naming the types vLLM serves otherwise."""
+    kind = read_head_config(head_ckpt)["head"].get("type")
+    served = head_type(kind).serving(ENGINE)
+    if served is None:
+        takes = [name for name, t in HEAD_TYPES.items() if t.serving(ENGINE) is not None]
+        raise VllmEvalError(f"backend=vllm: vLLM serves no layout of {kind} heads ({head_ckpt}); it serves "
+                            f"{', '.join(takes)} heads")
+    return served
+
+
 def check_settings(ec: EvalConfig) -> EvalPoint:
     """The one grid point backend=vllm measures; VllmEvalError naming the key for anything else (a method other
     than mtp, no head, a grid, an option only our drafter has)."""
     if ec.method != "mtp" or not ec.head_ckpt:
-        raise VllmEvalError(f"backend=vllm measures a trained eagle3 head: method=mtp head_ckpt=DIR (got "
+        raise VllmEvalError(f"backend=vllm measures a trained head: method=mtp head_ckpt=DIR (got "
                             f"method={ec.method}, head_ckpt={ec.head_ckpt})")
     for axis, default in ENGINE_ONLY.items():
         if ec.grid(axis) != [default]:
             raise VllmEvalError(f"backend=vllm: {axis}={getattr(ec, axis)} is an option of our engine's drafter; "
-                                f"vLLM's eagle3 drafts a chain of k ({axis}={default})")
+                                f"vLLM's drafter drafts a chain of k ({axis}={default})")
     points = [p for p in expand_grid(ec) if p.method == "mtp"]
     if len(points) != 1:
         raise VllmEvalError(f"backend=vllm measures one point (one vLLM engine per setting): give one k and one "
@@ -135,14 +150,14 @@ class VllmGenerator:
 
 
 def settings(ec: EvalConfig, point: EvalPoint, export_dir: Path, dtype: torch.dtype,
-             stop_ids: list[int]) -> dict[str, Any]:
-    """The `vllm_generate` settings: the target, the head as vLLM's eagle3 drafter, sampling as mtp-eval's."""
+             stop_ids: list[int], speculative: Mapping[str, Any]) -> dict[str, Any]:
+    """The `vllm_generate` settings: the target, the head as vLLM's drafter (`speculative`: the settings that load
+    its export, `vllm_serving`), sampling as mtp-eval's."""
     v = ec.vllm
     engine = v.llm_kwargs(
         model=str(Path(ec.model.path).resolve()), dtype=str(dtype).replace("torch.", ""), max_num_seqs=ec.batch_size,
         seed=ec.seed, disable_log_stats=False, max_model_len=v.max_model_len,
-        speculative_config={"method": VLLM_METHOD, "model": str(export_dir.resolve()),
-                            "num_speculative_tokens": point.k})
+        speculative_config={**speculative, "model": str(export_dir.resolve()), "num_speculative_tokens": point.k})
     return {"engine": engine, "stop_token_ids": stop_ids, "max_tokens": ec.max_new_tokens,
             "temperature": point.temperature, "top_p": ec.top_p, "top_k": ec.top_k}
 
@@ -226,14 +241,15 @@ def evaluate_vllm(ec: EvalConfig, prompt_sets: list[PromptSet], *, environ: Mapp
     tokenizer = load_tokenizer(target_dir)
     stop_ids = stop_token_ids(tokenizer, args.eos_token_ids, ec.chat_template_kwargs)
     export_dir = out / "export"
-    export_head(ec.head_ckpt, target_dir, EXPORT_FORMAT, export_dir, verify_fingerprint=ec.verify_fingerprint)
+    fmt, speculative = vllm_serving(ec.head_ckpt)
+    export_head(ec.head_ckpt, target_dir, fmt, export_dir, verify_fingerprint=ec.verify_fingerprint)
     dtype = resolve_dtype(ec.model.dtype, args)
     rows: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
     total: tuple[int, int, float, dict[str, Any] | None] = (0, 0, 0.0, None)  # prompts, tokens, seconds, counts
     with tempfile.TemporaryDirectory(prefix="mtp-eval-vllm-") as tmp:
         env = launch.child_env(environ, launch.stage_modules(Path(tmp) / "modules"), ec.vllm.cpu_kvcache_gb)
-        gen = start(python, settings(ec, point, export_dir, dtype, stop_ids), Path(tmp), env,
+        gen = start(python, settings(ec, point, export_dir, dtype, stop_ids, speculative), Path(tmp), env,
                     out / "vllm-eval.log", str(target_dir))
         wait_s = 0.0  # a failure stops vLLM at once; a finished run lets it shut down
         try:

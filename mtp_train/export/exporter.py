@@ -186,7 +186,7 @@ def load_export(export_dir: str | Path, target_dir: str | Path, device: str | to
         raise ModelConfigError(f"{export_dir}: exported for dims {meta['dims']}, target {target_dir} has "
                                f"{head_dims(args)}")
     # Layouts without a draft vocabulary: a loaded export drafts over the whole vocabulary.
-    head_cfg = HeadConfig(**{**meta["head"], **({} if layout.keeps_draft_vocab else {"draft_vocab_size": 0})})
+    head_cfg = HeadConfig.from_dict({**meta["head"], **({} if layout.keeps_draft_vocab else {"draft_vocab_size": 0})})
     frozen = FrozenTargetParts.from_pretrained(target_dir, device=device)
     head = new_head(head_cfg, args, frozen)
     expected = layout_tensors(head, fmt)

@@ -162,7 +162,7 @@ def verify_stitched(head_dir: str | Path, stitched_dir: str | Path, target_dir: 
     """Max |Δ| between the trained head's output features and those of the head that `head.init=target_mtp` builds
     from the stitched folder (0.0 = identical), on `rows` random input rows and tokens, one prefill step each."""
     a = load_head(head_dir, target_dir, verify_fingerprint=False)
-    cfg = HeadConfig(**{**a.cfg.to_dict(), "init": "target_mtp", "draft_vocab_size": 0})
+    cfg = HeadConfig.from_dict({**a.cfg.to_dict(), "init": "target_mtp", "draft_vocab_size": 0})
     b = build_head(cfg, stitched_dir, dtype=a.dtype).eval()
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(rows, a.input_width, generator=g, dtype=a.dtype)  # (rows, H)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mtp_train.config.head import HeadTypesWhere
 from mtp_train.models.config import ModelArgs, ModelConfigError, read_config_json, rope_from_config
 from mtp_train.models.families import args_from_hf_config, family_for_type
 
@@ -32,7 +33,9 @@ LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_he
 FINAL_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
                     "model.final_layernorm.weight", "transformer.ln_f.weight", "backbone.norm_f.weight",
                     "norm.weight")
-FOREIGN_HEAD_TYPES = ("eagle3",)  # the head types a foreign target takes (a Llama block of the head's own)
+# The head types a foreign target takes: a block of the head's own built from the target's shapes (a Llama layer),
+# as each type says (`HeadType.foreign_targets`).
+FOREIGN_HEAD_TYPES = HeadTypesWhere(lambda t: t.foreign_targets)
 VLLM_ROUTE = ("capture its hidden states with `mtp-precompute backend=vllm`, train an eagle3 head on that folder "
               "(data.source=offline) and measure it with `mtp-eval backend=vllm`")
 

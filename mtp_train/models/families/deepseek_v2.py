@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp_train.config.head import HeadTypesWhere
 from mtp_train.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -334,6 +335,11 @@ def head_block(args: DeepseekV2Args, input_norm: bool, moe: bool) -> DeepseekV2L
     return DeepseekV2Layer(args, moe=moe)
 
 
+# The head types this family's head block fits: those in the shape of DeepSeek's own MTP layer (enorm, hnorm,
+# eh_proj, the block, shared_head.norm), i.e. the types that can start from a checkpoint's MTP layer
+# (`head.init=target_mtp`); EAGLE heads use Llama layers.
+MTP_SHAPED = HeadTypesWhere(lambda t: "target_mtp" in t.spec.inits)
+
 TP = TPRules(
     column=("self_attn.q_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj", "mlp.gate_proj", "mlp.up_proj",
             "mlp.experts.*.gate_proj", "mlp.experts.*.up_proj",
@@ -348,7 +354,7 @@ FAMILY = Family(
     model=DeepseekV2ForCausalLM, attention=attention, head_block=head_block,
     adapt_attention=latent_attention,  # the chained training attention over the latent row
     rope=pair_angles,  # pairwise RoPE: one float32 angle per pair
-    head_types=("mtp",),
+    head_types=MTP_SHAPED,
     head_note="its block is DeepSeek's: MLA + a dense MLP, or MoE with head.moe=true; EAGLE heads use Llama layers",
     head_moe=True,
     tp=TP,

@@ -45,6 +45,7 @@ from mtp_train.models.base import CausalLM
 from mtp_train.models.config import ModelConfigError
 from mtp_train.models.families import Family
 from mtp_train.models.families.deepseek_v2 import (
+    MTP_SHAPED,
     TP,
     DeepseekV2Args,
     DeepseekV2ForCausalLM,
@@ -224,7 +225,7 @@ FAMILY = Family(
     model=DeepseekV3ForCausalLM, attention=attention, head_block=head_block,
     adapt_attention=latent_attention,  # the chained training attention over the latent row
     rope=pair_angles,  # pairwise RoPE: one float32 angle per pair
-    head_types=("mtp",),
+    head_types=MTP_SHAPED,
     head_note="its block is DeepSeek's: MLA + a dense MLP, or V3's MoE with head.moe=true; EAGLE heads use Llama "
               "layers",
     head_moe=True,

@@ -1,7 +1,8 @@
 """EAGLE-3 serving layouts: speculators (what vLLM loads) and SGLang's `LlamaForCausalLMEagle3`.
 
 Pure functions over a head's state dict and an `Eagle3Spec` (the few facts of the head and its target they
-need), so they run without a head object; `Eagle3Spec.of(head)` reads them off an eagle3 `DraftHead`.
+need), so they run without a head object; `Eagle3Spec.of(head)` reads them off an eagle3 `DraftHead`. The
+`Layout`s built from them are in `layouts.py`; the d2t / t2d maps are `mtp_train.export.layouts`'.
 
 Our names (the eagle3 head's state dict) → the layouts' names:
 
@@ -58,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mtp_train.config.head import head_spec, head_types_taking
+from mtp_train.export.layouts import LayoutError, draft_vocab_from, vocab_maps, with_target_fields
 from mtp_train.models.config import ModelArgs
 from mtp_train.models.families import family_of
 from mtp_train.models.fusing import Fusing, fuse, parts_plan, unfuse
@@ -94,10 +96,12 @@ class Eagle3Spec:
         c = head.cfg
         return cls(args=head.target_args, aux_layers=tuple(c.aux_layers), draft_vocab_size=c.draft_vocab_size,
                    fusings=tuple(family_of(head.target_args).fusings), fc_bias=c.fc_bias, head_type=c.type,
-                   aux_norm=c.aux_norm, norm_output=c.norm_output)
+                   # EAGLE-3.1's `head.norm_output` is eagle3's own setting; a type without it (peagle) feeds the
+                   # pre-norm output
+                   aux_norm=c.aux_norm, norm_output=bool(getattr(c.settings, "norm_output", False)))
 
 
-class Eagle3LayoutError(ValueError):
+class Eagle3LayoutError(LayoutError):
     """A tensor file that is not what an EAGLE-3 layout writes (e.g. d2t and t2d disagree)."""
 
 
@@ -165,31 +169,6 @@ def sglang_problems(spec: Eagle3Spec) -> list[str]:
     return problems
 
 
-# --- vocabulary ------------------------------------------------------------------------------------------------
-
-
-def vocab_maps(draft_vocab: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """draft_vocab [V_d] (ascending target ids) → (d2t [V_d] int64 offsets, t2d [V] bool mask)."""
-    dv = draft_vocab.to(torch.int64)
-    d2t = dv - torch.arange(dv.numel(), dtype=torch.int64)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[dv] = True
-    return d2t, t2d
-
-
-def draft_vocab_from(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-    """The inverse of `vocab_maps`: d2t + arange, checked against t2d (both must name the same tokens)."""
-    dv = d2t.to(torch.int64) + torch.arange(d2t.numel(), dtype=torch.int64)
-    if dv.numel() and (int(dv.min()) < 0 or int(dv.max()) >= t2d.numel()):
-        raise Eagle3LayoutError(f"d2t points outside the target vocabulary [0, {t2d.numel()})")
-    _, check = vocab_maps(dv, t2d.numel())
-    if not torch.equal(check, t2d.to(torch.bool)):
-        raise Eagle3LayoutError("d2t and t2d name different draft tokens")
-    if dv.numel() > 1 and not bool((dv[1:] > dv[:-1]).all()):
-        raise Eagle3LayoutError("d2t + arange is not ascending: lm_head rows must follow the target ids' order")
-    return dv
-
-
 # --- weights ---------------------------------------------------------------------------------------------------
 
 _O_BIAS = "self_attn.o_proj.bias"
@@ -245,20 +224,6 @@ from_sglang = _from("midlayer.", zero_o_bias=False)
 
 
 # --- config.json -----------------------------------------------------------------------------------------------
-
-_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
-
-
-def with_target_fields(cfg: dict[str, Any], target: dict[str, Any], rope_theta: float) -> dict[str, Any]:
-    """`cfg` (a draft's config.json) with what it takes from the target's config.json as it is: the RoPE keys (or
-    `rope_theta` alone when the target names none), torch_dtype and the bos / eos token ids."""
-    rope = {k: target[k] for k in _ROPE_KEYS if target.get(k) is not None}
-    cfg.update(rope or {"rope_theta": rope_theta})
-    for key in ("torch_dtype", "bos_token_id", "eos_token_id"):
-        if target.get(key) is not None:
-            cfg[key] = target[key]
-    return cfg
-
 
 def llama_layer_config(spec: Eagle3Spec, target: dict[str, Any]) -> dict[str, Any]:
     """The one draft layer as a transformers LlamaConfig dict: the target's shapes, rope and context length,

@@ -1,10 +1,10 @@
 """speculators' DFlash layout (`format=speculators-dflash`): what `speculators` 0.7+ saves for a DFlash drafter and
 vLLM loads through its speculators adapter (`vllm/transformers_utils/configs/speculators/algos.py`,
-`update_dflash`), the same model class as z-lab's layout (`export/dflash.py`) behind another config.
+`update_dflash`), the same model class as z-lab's layout (`export.py`) behind another config.
 
 Tensors: z-lab's names (`fc`, `hidden_norm`, `layers.N.*`, `norm`), plus, for a head with a draft vocabulary,
 `lm_head.weight` [V_d, H] (the target's rows of the draft tokens, as speculators keeps a reduced-vocabulary
-lm_head in the checkpoint), `d2t` [V_d] int64 and `t2d` [V] bool (the maps `export/eagle3.py` defines). vLLM adds
+lm_head in the checkpoint), `d2t` [V_d] int64 and `t2d` [V] bool (EAGLE-3's maps, `export/layouts.py`). vLLM adds
 `model.` to every name but lm_head and d2t, and skips t2d. No embedding: vLLM shares the target's.
 
 config.json: `speculators_model_type: "dflash"`, `transformer_layer_config` (the draft layers as a Qwen3 config,
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mtp_train.export import dflash
-from mtp_train.export.eagle3 import draft_vocab_from, vocab_maps
+from mtp_train.export.layouts import draft_vocab_from, vocab_maps
+from mtp_train.head_types.dflash import export as dflash
 
 if TYPE_CHECKING:
     from mtp_train.heads.base import DraftHead
@@ -72,7 +72,7 @@ def config(head: DraftHead, target: dict[str, Any]) -> dict[str, Any]:
     """config.json of `format=speculators-dflash` (fields: speculators' `DFlashSpeculatorConfig` and
     `SpeculatorsConfig`; read by vLLM's `SpeculatorsConfig` and `update_dflash`)."""
     a, c = head.target_args, head.cfg
-    block = int(c.block_size)
+    block = int(c.settings.block_size)
     return {
         "speculators_model_type": MODEL_TYPE,
         "architectures": [ARCH],
@@ -81,7 +81,7 @@ def config(head: DraftHead, target: dict[str, Any]) -> dict[str, Any]:
         "block_size": block,
         "target_hidden_size": a.hidden_size,
         "aux_hidden_state_layer_ids": [int(j) for j in c.aux_layers],
-        "mask_token_id": int(getattr(head, "mask_token_id", c.mask_token_id)),
+        "mask_token_id": int(getattr(head, "mask_token_id", c.settings.mask_token_id)),
         "sample_from_anchor": False,  # the anchor is the verified token: the block drafts B − 1 tokens
         "sliding_window_non_causal": True,  # see the module docstring: vLLM reads it as `causal: false`
         "speculators_config": {

@@ -1,13 +1,13 @@
 """vLLM's DSpark layout (`format=dspark`): what `method=dspark` loads (`qwen3_dspark.py`, `Qwen3DSparkForCausalLM`).
 
 Tensors: our dspark head's state dict as it is, the names being vLLM's already (it prefixes `model.`): DFlash's
-(`export/dflash.py`), `markov_head.markov_w1.weight` [V, r], `markov_head.markov_w2.weight` [V, r] and, with a
+(`dflash/export.py`), `markov_head.markov_w1.weight` [V, r], `markov_head.markov_w2.weight` [V, r] and, with a
 confidence head, `confidence_head.proj.{weight,bias}` [1, H (+ r)], [1] (vLLM keeps them in float32). No
 embedding and no lm_head: vLLM shares the target's.
 
 config.json: DFlash's Qwen3 config of the draft layers with `architectures: ["Qwen3DSparkModel"]`, `block_size` (vLLM's
 num_speculative_tokens defaults to it), `dflash_config: {block_size, mask_token_id, target_layer_ids}` (the aux
-layer numbering of `export/dflash.py`: target_layer_ids = aux_layers − 1, read by vLLM from dflash_config first),
+layer numbering of `dflash/export.py`: target_layer_ids = aux_layers − 1, read by vLLM from dflash_config first),
 `markov_rank`, `markov_head_type: "vanilla"`, `enable_confidence_head`, `confidence_head_with_markov`,
 `sample_from_anchor: true` (B queries, each slot predicting the token after it) and `dspark_bonus_anchor: false`.
 """
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mtp_train.export import dflash
+from mtp_train.head_types.dflash import export as dflash
 
 if TYPE_CHECKING:
     from mtp_train.heads.base import DraftHead
@@ -42,9 +42,9 @@ def from_layout(tensors: dict[str, torch.Tensor], head: DraftHead) -> dict[str, 
 
 def config(head: DraftHead, target: dict[str, Any]) -> dict[str, Any]:
     """config.json of `format=dspark` (the fields vLLM's `qwen3_dspark.py` and its DSpark speculator read)."""
-    c = head.cfg
+    s = head.cfg.settings
     cfg = dflash.config(head, target)
-    cfg.update({"architectures": [ARCH], "markov_rank": c.markov_rank, "markov_head_type": "vanilla",
-                "enable_confidence_head": c.confidence_head, "confidence_head_with_markov": c.confidence_with_markov,
+    cfg.update({"architectures": [ARCH], "markov_rank": s.markov_rank, "markov_head_type": "vanilla",
+                "enable_confidence_head": s.confidence_head, "confidence_head_with_markov": s.confidence_with_markov,
                 "sample_from_anchor": True, "dspark_bonus_anchor": False, "use_aux_hidden_state": True})
     return cfg

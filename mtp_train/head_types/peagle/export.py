@@ -1,5 +1,5 @@
 """The P-EAGLE layout vLLM serves with `parallel_drafting` (`format=speculators-peagle`): speculators' EAGLE-3
-layout (`export/eagle3.py`) with the placeholder's hidden state and token.
+layout (`head_types/eagle3/export.py`) with the placeholder's hidden state and token.
 
 Tensors: `to_speculators`'s (fc, `layers.0.*` split, norm, lm_head, d2t, t2d) plus `mask_hidden` [1, 1, k·H] (ours
 `mask_hidden` [k·H], speculators' `PEagleDraftModel` shape; vLLM's `Eagle3LlamaForCausalLM.load_weights` reads any
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mtp_train.export import eagle3
+from mtp_train.head_types.eagle3 import export as eagle3
 
 MODEL_TYPE = "peagle"  # speculators_model_type
 ARCH = "PEagleSpeculator"  # the class speculators registers; vLLM replaces `architectures` with its own
@@ -63,7 +63,7 @@ def config(spec: eagle3.Eagle3Spec, target: dict[str, Any], mask_token_id: int) 
     return cfg
 
 
-# --- reading a speculators P-EAGLE folder (`import_from=speculators-peagle`, `export/importer.py`) ---------------
+# --- reading a speculators P-EAGLE folder (`import_from=speculators-peagle`, `layouts.py`) ---------------
 
 # config.json keys whose non-default value our head cannot compute: speculators' and vLLM's switches that ours fixes
 FIXED_KEYS = {"norm_before_fc": False, "norm_before_residual": False, "fc_norm": False, "norm_output": False}
@@ -83,7 +83,7 @@ def head_fields(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[s
         off.append("no d2t / t2d tensors (the head drafts over its own draft vocabulary)")
     if off:
         raise ValueError("a P-EAGLE drafter this head cannot compute: " + "; ".join(off))
-    # vLLM's aux ids are ours (transformers' hidden_states[j] numbering, `export/eagle3.py`)
+    # vLLM's aux ids are ours (transformers' hidden_states[j] numbering, `head_types/eagle3/export.py`)
     return {"aux_layers": [int(j) for j in ids], "draft_vocab_size": int(tensors["d2t"].numel())}
 
 

@@ -14,7 +14,7 @@ Layer numbering. Ours (head.aux_layers) is transformers' `hidden_states[j]` (0 =
 j-1's output). z-lab's `target_layer_ids` name decoder layers whose OUTPUT is taken (its code reads
 `hidden_states[id + 1]`), and vLLM reads them the same way: its DFlash adapter for speculators' configs writes
 `target_layer_ids = [i - 1 for i in aux_hidden_state_layer_ids]`, the speculators ids being vLLM's EAGLE aux ids,
-which equal ours (`export/eagle3.py`). So `target_layer_ids = aux_layers - 1`, and hidden_states[0] (the
+which equal ours (`head_types/eagle3/export.py`). So `target_layer_ids = aux_layers - 1`, and hidden_states[0] (the
 embeddings) has no id: such a head is refused. `make check-vllm` proves the numbering by vLLM's acceptance.
 """
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mtp_train.export.eagle3 import with_target_fields
+from mtp_train.export.layouts import with_target_fields
 from mtp_train.models.families import family_of
 
 if TYPE_CHECKING:
@@ -78,16 +78,16 @@ def from_layout(tensors: dict[str, torch.Tensor], head: DraftHead) -> dict[str, 
 
 def config(head: DraftHead, target: dict[str, Any]) -> dict[str, Any]:
     """config.json of `format=dflash` (fields read by vLLM's `qwen3_dflash.py` and z-lab's `DFlashDraftModel`)."""
-    a, c = head.target_args, head.cfg
-    mask = getattr(head, "mask_token_id", c.mask_token_id)
+    a, c, s = head.target_args, head.cfg, head.cfg.settings
+    mask = getattr(head, "mask_token_id", s.mask_token_id)
     cfg: dict[str, Any] = {
         "architectures": [ARCH], "model_type": "qwen3", "hidden_size": a.hidden_size,
-        "intermediate_size": a.intermediate_size, "num_hidden_layers": c.layers, "num_attention_heads": a.num_heads,
+        "intermediate_size": a.intermediate_size, "num_hidden_layers": s.layers, "num_attention_heads": a.num_heads,
         "num_key_value_heads": a.num_kv_heads, "head_dim": a.head_dim, "hidden_act": "silu",
         "rms_norm_eps": a.rms_norm_eps, "vocab_size": a.vocab_size,
         "max_position_embeddings": a.max_position_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-        "tie_word_embeddings": False, "num_target_layers": a.num_layers, "block_size": c.block_size,
-        "dflash_config": {"block_size": c.block_size, "mask_token_id": mask,
+        "tie_word_embeddings": False, "num_target_layers": a.num_layers, "block_size": s.block_size,
+        "dflash_config": {"block_size": s.block_size, "mask_token_id": mask,
                           "target_layer_ids": target_layer_ids(c.aux_layers)},
     }
     return with_target_fields(cfg, target, a.rope.theta)
