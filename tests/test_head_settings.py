@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from omegaconf import OmegaConf
 
 from mtp_train.config import ConfigError, HeadConfig, TrainConfig, typed
 from mtp_train.config.checks import check_config, check_overrides
@@ -137,6 +138,23 @@ def test_the_yaml_and_the_command_line_say_the_settings_flat():
     assert tc.head.settings == DSparkSettings(block_size=5, markov_rank=64, confidence_head=True)
     assert tc.loss.steps == 5
     assert dataclasses.asdict(tc.head.settings)["confidence_head"] is True
+    # Hydra's schema is a TrainConfig whose head is composed flat: building it types the head and runs every check
+    built = OmegaConf.to_object(cfg)
+    assert isinstance(built, TrainConfig) and built.head == tc.head and built.loss.steps == 5
+    assert typed(built, TrainConfig) == tc and type(typed(built, TrainConfig)) is TrainConfig
+
+
+def test_a_peagle_heads_placeholder_token_is_its_setting(tiny_checkpoints):
+    """P-EAGLE's slots read head.mask_token_id (null = the target's last vocabulary id), as dflash's blocks do."""
+    from mtp_train.heads import build_head
+
+    folder = tiny_checkpoints["llama"][0]
+    default = build_head(HeadConfig.of(type="peagle", draft_vocab_size=8), folder, dtype="float32")
+    assert default.mask_token_id == default.args.vocab_size - 1
+    head = build_head(HeadConfig.of(type="peagle", draft_vocab_size=8, mask_token_id=5), folder, dtype="float32")
+    assert head.mask_token_id == 5 and head.slot_inputs(3)[1].tolist() == [5, 5, 5]
+    with pytest.raises(ValueError, match="head.mask_token_id=100000 is not a token of the target's vocabulary"):
+        build_head(HeadConfig.of(type="peagle", draft_vocab_size=8, mask_token_id=100_000), folder, dtype="float32")
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

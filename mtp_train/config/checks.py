@@ -115,8 +115,9 @@ def head_fields(schema: type) -> list[str]:
 @functools.cache
 def hydra_schema(schema: type) -> type:
     """`schema` as Hydra composes it: each `HeadConfig` setting a flat mapping of `head.<key>`s (the YAML's and the
-    command line's form, whose keys depend on the head type; `check_config` checks them, `typed` types them);
-    `schema` itself when it has none."""
+    command line's form, whose keys depend on the head type; `check_config` checks them); `schema` itself when it
+    has none. A subclass of `schema`: building it (`OmegaConf.to_object` of a composed config) types each head with
+    `typed_head` and runs `schema`'s own checks, so it is a valid `schema` (`typed` gives the `schema` itself)."""
     heads = head_fields(schema)
     if not heads:
         return schema
@@ -124,7 +125,16 @@ def hydra_schema(schema: type) -> type:
     fields = [(f.name, dict[str, Any], dataclasses.field(default_factory=dict)) if f.name in heads else
               (f.name, hints[f.name], dataclasses.field(default=f.default, default_factory=f.default_factory))
               for f in dataclasses.fields(schema)]
-    flat = dataclasses.make_dataclass(schema.__name__, fields)
+
+    def __post_init__(self: Any) -> None:
+        for h in heads:
+            if not isinstance(getattr(self, h), HeadConfig):
+                setattr(self, h, typed_head(dict(getattr(self, h)), h))
+        if hasattr(schema, "__post_init__"):
+            schema.__post_init__(self)
+
+    flat = dataclasses.make_dataclass(schema.__name__, fields, bases=(schema,),
+                                      namespace={"__post_init__": __post_init__, "flat_of": schema})
     flat.__module__ = schema.__module__
     return flat
 
@@ -422,7 +432,7 @@ def typed(cfg: Any, schema: type[T]) -> T:
     """`cfg` (a composed DictConfig, a dict of overrides of the defaults, or already a `schema`) as a validated
     `schema` instance: the dataclasses' own checks (`__post_init__`) run here. A head setting's flat keys become a
     `HeadConfig` (`typed_head`)."""
-    if isinstance(cfg, schema):
+    if isinstance(cfg, schema) and getattr(type(cfg), "flat_of", None) is not schema:
         return cfg
     from omegaconf import OmegaConf
 
@@ -432,11 +442,12 @@ def typed(cfg: Any, schema: type[T]) -> T:
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     if isinstance(cfg, collections.abc.Mapping) or hasattr(cfg, "keys"):
         cfg = {k: (v.to_dict() if isinstance(v, HeadConfig) else v) for k, v in cfg.items()}
-    merged = OmegaConf.merge(_declared_nulls(OmegaConf.structured(hydra_schema(schema)), schema), cfg)
-    flat = {h: OmegaConf.to_container(merged[h], resolve=True) for h in heads}
-    rest = OmegaConf.to_object(merged)  # the flat schema's instance: the other settings typed and checked
-    values = {f.name: getattr(rest, f.name) for f in dataclasses.fields(schema) if f.name not in heads}
-    return schema(**values, **{h: typed_head(flat[h], h) for h in heads})
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):  # hydra_schema's subclass: checked already
+        flat = cfg
+    else:
+        merged = OmegaConf.merge(_declared_nulls(OmegaConf.structured(hydra_schema(schema)), schema), cfg)
+        flat = OmegaConf.to_object(merged)  # every setting typed and checked, the heads typed by typed_head
+    return schema(**{f.name: getattr(flat, f.name) for f in dataclasses.fields(schema)})
 
 
 def _declared_nulls(node: Any, schema: type) -> Any:
