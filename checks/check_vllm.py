@@ -426,7 +426,7 @@ class OurSide:
     def evaluate(self, head: str, head_dir: Path) -> tuple[dict[str, Any], list[dict], list[dict]]:
         """mtp-eval at the check's settings: (its row, its speculative records, its plain records)."""
         a, out = self.a, self.out / head / "eval"
-        overrides = [f"model.path={self.model}", "method=mtp", f"head_ckpt={head_dir}", f"prompts=[{a.prompts}]",
+        overrides = [f"model.path={self.model}", "method=head", f"head_ckpt={head_dir}", f"prompts=[{a.prompts}]",
                      f"limit={a.limit}", f"k={a.k}", "draft_threshold=0.0", f"max_new_tokens={a.max_new_tokens}",
                      "batch_size=1", "temperature=0.0", "ngram.compare=false", "plots=false", "progress=false",
                      f"out={out}"]
@@ -436,11 +436,11 @@ class OurSide:
             run_command(f"{head} eval", "eval", overrides, self.out / "logs" / f"{head}_eval.log")
             stamp.write_text(key)
         report = json.loads((ROOT / out / "report.json").read_text())
-        rows = [r for r in report["rows"] if r["dataset"] != "overall" and r["method"] == "mtp" and r["k"] == a.k]
+        rows = [r for r in report["rows"] if r["dataset"] != "overall" and r["method"] == "head" and r["k"] == a.k]
         if len(rows) != 1:
             raise StepError(f"{head} eval: {len(rows)} rows for method mtp k={a.k} in {out}/report.json")
         records = [json.loads(line) for line in (ROOT / out / "outputs.jsonl").read_text().splitlines() if line]
-        return (rows[0], [r for r in records if r["method"] == "mtp"], [r for r in records if r["method"] == "none"])
+        return (rows[0], [r for r in records if r["method"] == "head"], [r for r in records if r["method"] == "none"])
 
     def prompts(self, plain: list[dict]) -> tuple[list[list[int]], list[int]]:
         """Every turn's prompt ids as our engine rendered them (later turns after our plain answers) and the stop

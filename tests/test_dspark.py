@@ -312,7 +312,7 @@ def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
     base = [f"model.path={target}", "model.device=cpu", f"head_ckpt={head}", f"prompts=[{prompts}]",
             "max_new_tokens=16", "progress=false", "warmup=false", "plots=false", "ngram.compare=false"]
     report = eval_main(compose_config("eval", [*base, "k=3", "draft_threshold=[0.0,0.3]", f"out={tmp_path / 'e'}"]))
-    rows = [r for r in report["rows"] if r["method"] == "mtp"]
+    rows = [r for r in report["rows"] if r["method"] == "head"]
     assert len(rows) >= 2 and all(r["exact_match"] == 1.0 and 1.0 <= r["tau"] <= 4.0 for r in rows)
     with pytest.raises(ValueError, match="dspark heads draft with their own drafter, which takes no tree=3x2x6"):
         eval_main(compose_config("eval", [*base, "k=3", "tree=3x2x6", f"out={tmp_path / 'eval-tree'}"]))

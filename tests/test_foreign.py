@@ -203,9 +203,9 @@ def _eval_cfg(**kw) -> EvalConfig:
 
 def test_a_vllm_eval_measures_one_point_of_the_head():
     point = check_settings(_eval_cfg(k=3, temperature=0.0))
-    assert (point.method, point.k, point.temperature) == ("mtp", 3, 0.0)
+    assert (point.method, point.k, point.temperature) == ("head", 3, 0.0)
     for kw, said in (({"k": [2, 3]}, "one point"), ({"temperature": [0, 1]}, "one point"),
-                     ({"method": "ngram"}, "method=mtp head_ckpt=DIR"), ({"tree": "3x2x4"}, "tree=3x2x4"),
+                     ({"method": "ngram"}, "method=head head_ckpt=DIR"), ({"tree": "3x2x4"}, "tree=3x2x4"),
                      ({"draft_width": 2}, "draft_width=2"), ({"draft_threshold": 0.5}, "draft_threshold=0.5")):
         with pytest.raises(VllmEvalError, match=said):
             check_settings(_eval_cfg(**kw))

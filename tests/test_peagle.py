@@ -278,7 +278,7 @@ def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
     base = [f"model.path={target}", "model.device=cpu", f"head_ckpt={head}", f"prompts=[{prompts}]",
             "max_new_tokens=16", "progress=false", "warmup=false", "plots=false", "ngram.compare=false"]
     report = eval_main(compose_config("eval", [*base, "k=3", f"out={tmp_path / 'eval'}"]))
-    rows = [r for r in report["rows"] if r["method"] == "mtp"]
+    rows = [r for r in report["rows"] if r["method"] == "head"]
     assert rows and all(r["exact_match"] == 1.0 and r["mean_draft_len"] == 3 for r in rows)
     with pytest.raises(ValueError, match="peagle heads draft with their own drafter, which takes no draft_width=2"):
         eval_main(compose_config("eval", [*base, "k=3", "draft_width=2", f"out={tmp_path / 'eval-width'}"]))

@@ -76,14 +76,14 @@ def vllm_serving(head_ckpt: str | Path) -> tuple[str, dict[str, Any]]:
 def check_settings(ec: EvalConfig) -> EvalPoint:
     """The one grid point backend=vllm measures; VllmEvalError naming the key for anything else (a method other
     than mtp, no head, a grid, an option only our drafter has)."""
-    if ec.method != "mtp" or not ec.head_ckpt:
-        raise VllmEvalError(f"backend=vllm measures a trained head: method=mtp head_ckpt=DIR (got "
+    if ec.method != "head" or not ec.head_ckpt:
+        raise VllmEvalError(f"backend=vllm measures a trained head: method=head head_ckpt=DIR (got "
                             f"method={ec.method}, head_ckpt={ec.head_ckpt})")
     for axis, default in ENGINE_ONLY.items():
         if ec.grid(axis) != [default]:
             raise VllmEvalError(f"backend=vllm: {axis}={getattr(ec, axis)} is an option of our engine's drafter; "
                                 f"vLLM's drafter drafts a chain of k ({axis}={default})")
-    points = [p for p in expand_grid(ec) if p.method == "mtp"]
+    points = [p for p in expand_grid(ec) if p.method == "head"]
     if len(points) != 1:
         raise VllmEvalError(f"backend=vllm measures one point (one vLLM engine per setting): give one k and one "
                             f"temperature (got k={ec.k}, temperature={ec.temperature})")
