@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from mtp_train.config import ConfigError, HeadConfig, TrainConfig, typed
-from mtp_train.config.checks import check_config, check_overrides
+from mtp_train.config.checks import check_config, check_overrides, plain
 from mtp_train.config.head import HEAD_TYPES, SHARED_KEYS, HeadSettings, head_keys, head_spec
 from mtp_train.head_types.dflash.settings import MAX_BLOCK_SIZE, BlockSettings
 from mtp_train.head_types.dspark.settings import DEFAULT_MARKOV_RANK, DSparkSettings
@@ -142,6 +142,10 @@ def test_the_yaml_and_the_command_line_say_the_settings_flat():
     built = OmegaConf.to_object(cfg)
     assert isinstance(built, TrainConfig) and built.head == tc.head and built.loss.steps == 5
     assert typed(built, TrainConfig) == tc and type(typed(built, TrainConfig)) is TrainConfig
+    # a run records its settings with the head flat (train_config.yaml), and they read back
+    recorded = plain(tc)
+    assert recorded["head"] == tc.head.to_dict(resolve=False) and recorded["head"]["block_size"] == 5
+    assert "settings" not in recorded["head"] and typed(OmegaConf.create(recorded), TrainConfig) == tc
 
 
 def test_a_peagle_heads_placeholder_token_is_its_setting(tiny_checkpoints):

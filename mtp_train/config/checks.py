@@ -464,6 +464,15 @@ def _declared_nulls(node: Any, schema: type) -> Any:
     return node
 
 
+def plain(cfg: Any) -> dict[str, Any]:
+    """A settings dataclass (TrainConfig) as plain nested values, each head flat as the user says it
+    (`HeadConfig.to_dict(resolve=False)`): what a run records in YAML."""
+    out = dataclasses.asdict(cfg)
+    for h in head_fields(type(cfg)):
+        out[h] = getattr(cfg, h).to_dict(resolve=False)
+    return out
+
+
 def typed_head(flat: collections.abc.Mapping[str, Any], field_name: str = "head") -> HeadConfig:
     """A `HeadConfig` from its flat keys (`head.<key>` as composed), each key checked against the type's (a key of
     another type names it) and each value against the key's type, as Hydra checks the rest."""

@@ -387,9 +387,11 @@ class HeadConfig:
             out.aux_layers = layers
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        """The flat form, resolved: the shared keys and the type's own (what a head's config.json records)."""
-        out = self.resolved()
+    def to_dict(self, resolve: bool = True) -> dict[str, Any]:
+        """The flat form: the shared keys and the type's own (what a head's config.json records, resolved;
+        `resolve=False`: as set, nulls kept, as a run's train_config.yaml records them)."""
+        out = self.resolved() if resolve else self
+        assert out.settings is not None  # set by __post_init__
         flat = {f.name: copy.deepcopy(getattr(out, f.name)) for f in dataclasses.fields(out) if f.name != "settings"}
         return {**flat, **dataclasses.asdict(out.settings)}
 

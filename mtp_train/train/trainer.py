@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 
 from mtp_train import dist
 from mtp_train.config import Interrupted, TrainConfig, bf16_enabled
+from mtp_train.config.checks import plain
 from mtp_train.dist import DistInfo
 from mtp_train.heads import DraftHead, FrozenTargetParts, build_head
 from mtp_train.train.best import BestTracker, check_keep_best, sync_best
@@ -429,7 +430,7 @@ def train(cfg: TrainConfig, info: DistInfo, device: torch.device, *, wandb_mode:
     """
     check_foreign_target(cfg)  # a target our engine does not implement: only what reads no layer of it
     check_sequence_parallel(cfg, info.world)  # train.sequence_parallel / activation_checkpointing, before any work
-    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    config_yaml = OmegaConf.to_yaml(plain(cfg))  # the head flat, as the user says it
     own_group = prepare_deepspeed(device)
     try:
         return Trainer(cfg, info, device, config_yaml, wandb_mode=wandb_mode, validator=validator,
