@@ -198,6 +198,27 @@ def test_the_layouts_come_from_the_head_types_with_their_readers_and_serving_eng
     assert HEAD_TYPES.get("eagle3").serving("sglang") == ("sglang-eagle3", {"speculative_algorithm": "EAGLE3"})
 
 
+def test_a_head_type_registered_later_brings_its_layouts():
+    """A type registered after the registries were read (a plug-in added at run time) exports in its own layout:
+    the export registry picks its layouts up; nothing else lists them."""
+    import dataclasses
+
+    from mtp_train.export.layouts import layout_named
+
+    eagle1 = HEAD_TYPES.get("eagle1")
+    mine = dataclasses.replace(eagle1.layouts[0], name="vllm-eagle-again")
+    HEAD_TYPES.add(dataclasses.replace(eagle1, spec=dataclasses.replace(eagle1.spec, name="eagle1-again"),
+                                       layouts=(mine,)))
+    try:
+        assert export_formats()[-1] == "vllm-eagle-again" and layout_named("vllm-eagle-again") is mine
+        assert mine.head_types == ("eagle1-again",) and unmatched_formats() == ([], [])
+        assert HEAD_TYPES.get("eagle1-again").serving("vllm") == ("vllm-eagle-again", {"method": "eagle"})
+    finally:
+        HEAD_TYPES.unregister("eagle1-again")
+        LAYOUTS.unregister("vllm-eagle-again")
+    assert "vllm-eagle-again" not in export_formats()
+
+
 def test_import_from_is_checked_against_the_layouts_that_have_a_reader():
     check_import("dspark", "native", None, import_layouts())
     with pytest.raises(ValueError, match=r"import_from='speculators': choose one of dflash, speculators-dflash"):

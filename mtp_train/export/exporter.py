@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mtp_train.config.head import HeadConfig, head_spec
-from mtp_train.export.layouts import LAYOUTS, Layout, LayoutError, export_formats
+from mtp_train.export.layouts import Layout, LayoutError, export_formats, layout_named
 from mtp_train.fileio import atomic_write, atomic_write_text, tensor_bytes
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.checkpoint import (
@@ -51,9 +51,9 @@ META_KEYS = ("format", "head", "dims")  # what `load_export` needs from it
 
 
 def _layout(fmt: str) -> Layout:
-    if fmt not in LAYOUTS:
+    if fmt not in export_formats():
         raise LayoutError(f"unknown export format {fmt!r}; choose one of {', '.join(export_formats())}")
-    return LAYOUTS[fmt]
+    return layout_named(fmt)
 
 
 def check_fits(head: DraftHead, fmt: str) -> None:

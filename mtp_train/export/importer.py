@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from mtp_train.export.layouts import LAYOUTS, Reader, import_layouts
+from mtp_train.export.layouts import Reader, import_layouts, layout_named
 from mtp_train.fileio import file_problem, safetensors_problem
 from mtp_train.heads.base import DraftHead
 from mtp_train.heads.frozen import FrozenTargetParts
@@ -96,7 +96,7 @@ def integers(value: Any, key: str) -> list[int]:
 
 def reader_of(layout: str) -> Reader:
     """The reader of the registered layout `layout`; a ModelConfigError naming the layouts that have one otherwise."""
-    found = LAYOUTS.get(layout).reader if layout in LAYOUTS else None
+    found = layout_named(layout).reader if layout in import_layouts() else None
     if found is None:
         raise ModelConfigError(f"import_from={layout}: no reader for that layout; choose one of "
                                f"{', '.join(import_layouts())}")
@@ -148,7 +148,7 @@ def import_drafter(layout: str, folder: str | Path, target_dir: str | Path, devi
         raise ModelConfigError(f"{folder}: a {noun} drafter this head would change:\n  " + "\n  ".join(unfit))
     tensors.pop("embed_tokens.weight", None)  # checked to be the target's (above): the head reads that one
     try:
-        state = LAYOUTS[layout].from_layout(tensors, head)
+        state = layout_named(layout).from_layout(tensors, head)
     except ValueError as e:  # e.g. d2t / t2d that do not describe one draft vocabulary
         raise ModelConfigError(f"{folder}: {e}") from None
     own = head.state_dict()

@@ -173,27 +173,39 @@ def draft_vocab_from(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
 # --- the registry ----------------------------------------------------------------------------------------------
 
 
-def _discover_layouts() -> None:
-    # Each registered head type brings its layouts (`HeadType.layouts`, built in its folder): read through the
-    # head-type registry, which finds the plug-ins by computed name, so this floor imports none of them.
+def sync_layouts() -> None:
+    """Register the layouts of every registered head type not registered yet (`HeadType.layouts`, built in its
+    folder): the registry's discovery, and again wherever a head type registered since may bring one. Read through
+    the head-type registry, which finds the plug-ins by computed name, so this floor imports none of them; two
+    layouts of one name are refused by the registry."""
     for t in HEAD_TYPES.values():
         for layout in t.layouts:
             if LAYOUTS.registered(layout.name) is not layout:
                 LAYOUTS.add(layout)
 
 
-# Export formats by name, filled from the head types' layouts on the first read; a layout registered at run time
-# (`LAYOUTS.add`) joins them. `unmatched_formats` is the cross-check.
-LAYOUTS: Registry[Layout] = Registry("export format", discover=_discover_layouts)
+# Export formats by name, filled from the head types' layouts on the first read (and by `sync_layouts` when a head
+# type is registered later); a layout registered at run time (`LAYOUTS.add`) joins them. `unmatched_formats` is the
+# cross-check.
+LAYOUTS: Registry[Layout] = Registry("export format", discover=sync_layouts)
+
+
+def layout_named(name: str) -> Layout:
+    """The layout `name`, a head type registered since the first read included; RegistryError naming the known
+    ones otherwise."""
+    sync_layouts()
+    return LAYOUTS.get(name)
 
 
 def export_formats() -> tuple[str, ...]:
     """Every `mtp-export format=` value: native and each registered layout."""
+    sync_layouts()
     return ("native", *LAYOUTS.names())
 
 
 def import_layouts() -> tuple[str, ...]:
     """Every `mtp-export import_from=` value: the registered layouts that have a reader."""
+    sync_layouts()
     return tuple(name for name, layout in LAYOUTS.items() if layout.reader is not None)
 
 
