@@ -21,7 +21,7 @@ The layers are Qwen3-shaped for any Llama-family target (separate q/k/v/o projec
 per head, SwiGLU MLP of the target's intermediate size), full attention whatever the target's windows; the
 embedding and lm_head are the target's, frozen. DeepSeek (MLA) targets list their head types and refuse it.
 
-State dict (the z-lab names, `export/dflash.py`): fc.weight (H, k·H); hidden_norm.weight; layers.N.{input_layernorm,
+State dict (the z-lab names, `export.py`): fc.weight (H, k·H); hidden_norm.weight; layers.N.{input_layernorm,
 post_attention_layernorm}.weight; layers.N.self_attn.{q,k,v,o}_proj.weight; layers.N.self_attn.{q,k}_norm.weight
 (D,); layers.N.mlp.{gate,up,down}_proj.weight; norm.weight.
 """
