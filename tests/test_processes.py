@@ -110,9 +110,9 @@ def test_serving_yields_a_ready_server_and_stops_it(tmp_path):
 def test_a_server_that_ends_before_it_is_ready_is_named_with_its_log(tmp_path):
     url = f"http://127.0.0.1:{processes.free_port()}"
     code = "import sys; print('cannot load the model', flush=True); sys.exit(3)"
-    with pytest.raises(RuntimeError, match="(?s)the test server exited with 3 before it was ready.*cannot load"):
-        with processes.serving([sys.executable, "-c", code], os.environ, tmp_path / "s.log", url, 60,
-                               name="the test server", every=0.05):
-            pass
+    said = "(?s)the test server exited with 3 before it was ready.*cannot load"
+    with pytest.raises(RuntimeError, match=said), processes.serving(
+            [sys.executable, "-c", code], os.environ, tmp_path / "s.log", url, 60, name="the test server", every=0.05):
+        pass
     with pytest.raises(TimeoutError, match="not ready after 0 s"):
         processes.wait_ready(url, None, timeout=0.3, every=0.05)
