@@ -1,124 +1,42 @@
 """Head types are plug-ins: a type registered from outside the package (here, by this test) trains, validates,
 drafts in `mtp-eval` and decodes exactly, with nothing of the package naming it.
 
-The type is `pair`: one forward of a small MLP over [E(t_{i+1}) ; h_i] gives two features at once, the estimates of
-h_{i+1} and h_{i+2} (a block of two drafts from one forward, no chain and no KV cache). Its training unroll is that
-one forward's two outputs as steps 0 and 1 (row i of step j predicts h_{i+j+1}, the alignment every head type
-shares); its drafter proposes both drafts of a step from the last target hidden state and the last token.
+The type is the template `pair` (tests/head_template/pair/): one forward of a small MLP over [E(t_{i+1}) ; h_i]
+gives two features at once, the estimates of h_{i+1} and h_{i+2} (a block of two drafts from one forward, no chain
+and no KV cache). Its training unroll is that one forward's two outputs as steps 0 and 1 (row i of step j predicts
+h_{i+j+1}, the alignment every head type shares); its drafter proposes both drafts of a step from the last target
+hidden state and the last token.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
-from collections.abc import Sequence as Seq
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import torch
-from torch import nn
 
 from mtp_train.cli.eval import eval_main
 from mtp_train.cli.precompute import precompute_main
 from mtp_train.cli.train import train_main
-from mtp_train.config import HEAD_TYPES, HeadConfig, HeadType, HeadTypeSpec
-from mtp_train.config.head import NORM_FLAGS
-from mtp_train.engine import KVCache, LLMEngine, SamplingParams, Sequence
-from mtp_train.heads import DraftHead, build_head, packed_shift, resolve_seq_lens
+from mtp_train.config import HEAD_TYPES, HeadConfig, HeadType
+from mtp_train.engine import LLMEngine, SamplingParams
+from mtp_train.export.layouts import LAYOUTS
+from mtp_train.heads import build_head
 from mtp_train.layers import AttentionMetadata
-from mtp_train.layers.norm import RMSNorm
 from mtp_train.models import load_model
 from mtp_train.speculative.engine import SpecEngine
-from mtp_train.speculative.proposers import Drafts, Proposer
-from mtp_train.speculative.tree import DraftTree
 from tests.conftest import compose_config, make_chat_target, metrics_by_step, topic_conversations
+from tests.head_template.pair import HEAD_TYPE as TEMPLATE_TYPE
+from tests.head_template.pair.drafter import PairProposer, pair_inference_path
+from tests.head_template.pair.head import PairHead
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class PairHead(DraftHead):
-    """Two draft features from one forward: x = MLP(fc [E(t_{i+1}) ; h_i]); ĥ_{i+1} = norm(x), ĥ_{i+2} = norm(W x)."""
-
-    type_name = "pair"
-
-    def __init__(self, cfg: HeadConfig, target_args: Any, frozen: Any = None, backend: str = "torch") -> None:
-        super().__init__(cfg, target_args, frozen, backend)
-        h = self.args.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.mlp = nn.Sequential(nn.Linear(h, 2 * h), nn.SiLU(), nn.Linear(2 * h, h))
-        self.second = nn.Linear(h, h, bias=False)
-        self.norm = RMSNorm(h, self.args.rms_norm_eps)
-
-    def pair(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, H) target hidden h_i, (T,) t_{i+1} → the estimates of h_{i+1} and h_{i+2}, (T, H) each."""
-        x = self.fc(torch.cat([self.embed(token_ids), hidden.to(self.dtype)], -1))
-        x = x + self.mlp(x)
-        return self.norm(x), self.norm(self.second(x))
-
-    def features(self, hidden, token_ids, meta, kv_cache, attn, *, from_target: bool) -> torch.Tensor:
-        if not from_target:
-            raise ValueError("a pair head reads the target's hidden states only (it never chains)")
-        return self.pair(hidden, token_ids)[0]
-
-    def unroll(self, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens, steps: int, attention: str = "chain",
-               chain_mode: str = "diagonal") -> list[torch.Tensor]:
-        if not 1 <= steps <= 2:
-            raise ValueError(f"a pair head drafts 2 tokens per forward; loss.steps={steps}")
-        self.check_input(hidden, True)
-        lens = resolve_seq_lens(hidden.shape[0], seq_lens)
-        return list(self.pair(hidden, packed_shift(input_ids, lens, 1)))[:steps]
-
-
-class PairProposer(Proposer):
-    """Both drafts of a step from one head forward over (h_{L-2}, t_{L-1}): no cache, the last target row kept."""
-
-    name = "pair"
-
-    def __init__(self, head: PairHead) -> None:
-        self.head = head.eval()
-        self.forwards = 0  # head forwards so far: one per step that drafts
-        self._last: dict[int, torch.Tensor] = {}  # seq_id → (H,) the target's hidden state at position L-2
-
-    def bind(self, target_kv: KVCache) -> None:
-        pass
-
-    def prefill(self, seqs: Seq[Sequence], target_hidden: torch.Tensor) -> None:
-        ends = torch.tensor([s.num_prompt_tokens for s in seqs]).cumsum(0) - 1
-        for s, e in zip(seqs, ends.tolist()):
-            self._last[s.seq_id] = target_hidden[e]
-
-    @torch.inference_mode()
-    def propose(self, seqs: Seq[Sequence], k: int) -> list[DraftTree]:
-        hidden = torch.stack([self._last[s.seq_id] for s in seqs])
-        tokens = torch.tensor([s.token_ids[-1] for s in seqs])
-        first, second = self.head.pair(hidden, tokens)
-        self.forwards += 1
-        drafts = Drafts(seqs, self.head.draft_vocab, self.head.args.vocab_size)
-        for feat in (first, second)[:min(k, 2)]:
-            drafts.add(self.head.compute_logits(feat))
-        return drafts.trees()
-
-    def update(self, seqs, old_lens, trees, paths, target_hidden) -> None:
-        for s, h in zip(seqs, target_hidden):
-            self._last[s.seq_id] = h[-1]
-
-    def release(self, seq: Sequence) -> None:
-        self._last.pop(seq.seq_id, None)
-
-
-def pair_drafter(head: PairHead, options: Mapping[str, Any]) -> PairProposer:
-    assert not options, options  # it takes no eval options: `mtp-eval` passes it none
-    return PairProposer(head)
-
-
-def pair_inference_path(head: PairHead, hidden: torch.Tensor, input_ids: torch.Tensor, seq_lens: Seq[int],
-                        steps: int) -> list[torch.Tensor]:
-    """The drafter's features from every position: the same one forward (it keeps no cache)."""
-    return list(head.pair(hidden, packed_shift(input_ids, list(seq_lens), 1)))[:steps]
-
-
-PAIR = HeadType(HeadTypeSpec("pair", "two drafts from one forward", dict.fromkeys(NORM_FLAGS, False),
-                             fixed_norms=NORM_FLAGS), PairHead, pair_drafter, pair_inference_path)
+# The template head type's parts (tests/head_template/pair/), registered here by hand, as a package of one's own
+# would register them through an entry point (tests/test_head_template.py finds the same folder by scanning).
+PAIR = TEMPLATE_TYPE
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +44,8 @@ def pair_type() -> Iterator[HeadType]:
     HEAD_TYPES.add(PAIR)
     yield PAIR
     HEAD_TYPES.unregister("pair")
+    if LAYOUTS.registered("pair-flat") is not None:  # its layout, registered when the export formats were read
+        LAYOUTS.unregister("pair-flat")
 
 
 _cfg = compose_config

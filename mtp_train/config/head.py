@@ -3,9 +3,9 @@
 A head type is one plug-in, a `HeadType` registered once in `HEAD_TYPES`: its settings (`HeadTypeSpec`: norm
 defaults and which of them are fixed, the features its step 0 reads, its draft-vocabulary rule), its module
 class, its inference drafter, its validation path and its export layouts (with the engines that serve them). The
-plug-ins are found on the registry's first read through the entry points of `HEAD_TYPE_GROUP` (this package's own in
-`mtp_train/head_types/`, one module per type, listed in pyproject.toml; another installed package may add its
-own); a head type can also be registered at run time (`HEAD_TYPES.add`).
+plug-ins are found on the registry's first read: this package's own by scanning `mtp_train/head_types/` (one folder
+per type, whose `__init__` defines `HEAD_TYPE`), another installed package's through an entry point of
+`HEAD_TYPE_GROUP`; a head type can also be registered at run time (`HEAD_TYPES.add`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import difflib
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 from mtp_train.config.registry import Registry
@@ -151,33 +150,12 @@ HEAD_TYPE_GROUP = "mtp_train.head_types"  # the entry-point group another packag
 HEAD_TYPE_PACKAGE = "mtp_train.head_types"  # the in-tree plug-ins: one sub-package per head type, found by scanning
 
 
-def _register_found(entry: object, where: str, name: str) -> None:
-    if not isinstance(entry, HeadType) or entry.name != name:
-        raise TypeError(f"{where} is not a HeadType named {name!r}")
-    if HEAD_TYPES.registered(name) is not entry:  # an installed copy and a source tree may both name it
-        HEAD_TYPES.add(entry)
-
-
-def _discover_head_types() -> None:
-    # The plug-ins live above this floor (they need torch, the heads and the engine). The in-tree ones are the
-    # sub-packages of HEAD_TYPE_PACKAGE that define HEAD_TYPE, found by scanning the folder (a new folder needs no
-    # reinstall); another installed package adds its own through an entry point of HEAD_TYPE_GROUP naming a
-    # module's HeadType. Imported by computed name, so this floor keeps importing nothing of the project.
-    import importlib
-    import pkgutil
-
-    package = importlib.import_module(HEAD_TYPE_PACKAGE)
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        if not info.ispkg:
-            continue  # modules beside the folders (chain.py) are parts several types share
-        module = importlib.import_module(f"{HEAD_TYPE_PACKAGE}.{info.name}")
-        if hasattr(module, "HEAD_TYPE"):
-            _register_found(module.HEAD_TYPE, f"{module.__name__}.HEAD_TYPE", info.name)
-    for ep in sorted(metadata.entry_points(group=HEAD_TYPE_GROUP), key=lambda ep: ep.name):
-        _register_found(ep.load(), f"entry point {ep.name} = {ep.value} ({HEAD_TYPE_GROUP})", ep.name)
-
-
-HEAD_TYPES: Registry[HeadType] = Registry("head type", discover=_discover_head_types)
+# The plug-ins live above this floor (they need torch, the heads and the engine): the in-tree ones are the
+# sub-packages of HEAD_TYPE_PACKAGE that define HEAD_TYPE, found by scanning the folder on the first read (a new
+# folder needs no reinstall; modules beside the folders, like chain.py, are parts several types share); another
+# installed package adds its own through an entry point of HEAD_TYPE_GROUP naming a module's HeadType.
+HEAD_TYPES: Registry[HeadType] = Registry("head type", HEAD_TYPE_PACKAGE, attr="HEAD_TYPE", packages_only=True,
+                                          optional=True, group=HEAD_TYPE_GROUP, entry_type=HeadType)
 
 
 def head_type(name: str) -> HeadType:

@@ -99,6 +99,14 @@ class Registry(Generic[T]):
             for ep in sorted(metadata.entry_points(group=self.group), key=lambda ep: ep.name):
                 self._add_found(ep.load(), f"entry point {ep.name} = {ep.value} ({self.group})", ep.name)
 
+    def rescan(self) -> None:
+        """Scan the package again after the first read, adding the plug-ins that appeared since (a head-type folder
+        put on the package's path at run time); entries found before stay as they are."""
+        if self.package is None:
+            raise TypeError(f"the {self.kind} registry scans no package")
+        self._load()
+        self._scan()
+
     def _add_found(self, entry: Any, where: str, name: str) -> None:
         """Add a plug-in's entry, which must be named as its module (or entry point) is."""
         if (self.entry_type is not None and not isinstance(entry, self.entry_type)) or (
