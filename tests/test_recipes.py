@@ -31,11 +31,11 @@ EXPECTED: dict[str, dict[str, object]] = {
         "loss.w_feat": 0.0, "loss.w_tok": 1.0, "loss.mask_out_of_draft": False, "loss.noise_std": 0.05, **MUON},
     "dflash-reference": {
         "head.type": "dflash", "head.layers": 5, "head.block_size": 16, "head.max_anchors": 512,
-        "head.mask_token_id": None, "loss.kind": "argmax_ce", "loss.steps": 15, "loss.position_weights": "dpace",
+        "head.mask_token_id": None, "loss.kind": "argmax_ce", "loss.steps": None, "loss.position_weights": "dpace",
         "loss.dpace_alpha": 0.5, "loss.w_feat": 0.0, "loss.w_tok": 1.0, "loss.noise_std": 0.05, **MUON},
     "specforge-dflash": {
         "head.type": "dflash", "head.layers": 5, "head.block_size": 16, "head.max_anchors": 512,
-        "loss.kind": "argmax_ce", "loss.steps": 15, "loss.position_weights": "decay",
+        "loss.kind": "argmax_ce", "loss.steps": None, "loss.position_weights": "decay",
         "loss.step_decay": pytest.approx(math.exp(-1 / 7), abs=1e-6), "loss.noise_std": 0.0, "loss.w_feat": 0.0,
         "train.optimizer": "adamw", "optim.lr": 6e-4, "optim.weight_decay": 0.0, "optim.betas": [0.9, 0.999],
         "optim.min_lr_ratio": 0.0, "optim.grad_clip": 1.0, "deepspeed.zero_optimization.stage": 2},
@@ -57,7 +57,10 @@ def test_a_recipe_composes_to_the_peers_values_and_builds_a_train_config(name):
         got = OmegaConf.select(cfg, key)
         got = list(got) if OmegaConf.is_list(got) else got
         assert got == want, (name, key, got)
-    assert isinstance(OmegaConf.to_object(cfg), TrainConfig)  # every check of the settings passes
+    typed = OmegaConf.to_object(cfg)
+    assert isinstance(typed, TrainConfig)  # every check of the settings passes
+    if typed.head.type == "dflash":  # the block drafters' steps follow their block (block_size - 1)
+        assert typed.loss.steps == typed.head.settings.block_size - 1 == 15
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -72,8 +75,9 @@ def test_a_recipe_names_its_source_project_files_and_version(name):
 
 
 def test_command_line_overrides_win_over_a_recipe():
-    cfg = _compose("recipe=dflash-reference", "head.block_size=8", "loss.steps=7", "optim.muon_lr=2e-3")
-    assert (cfg.head.block_size, cfg.loss.steps, cfg.optim.muon_lr, cfg.head.layers) == (8, 7, 2e-3, 5)
+    cfg = _compose("recipe=dflash-reference", "head.block_size=8", "optim.muon_lr=2e-3")
+    assert (cfg.head.block_size, cfg.optim.muon_lr, cfg.head.layers) == (8, 2e-3, 5)
+    assert OmegaConf.to_object(cfg).loss.steps == 7  # derived from the smaller block
     assert _compose("recipe=speculators-eagle3", "head=eagle1").head.type == "eagle1"
 
 

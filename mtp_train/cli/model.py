@@ -50,10 +50,11 @@ def _cmd_list() -> None:
 
 def _cmd_families() -> None:
     """Print one line per registered target family: its config.json model types and what it supports."""
+    from mtp_train.config.head import HEAD_TYPES
     from mtp_train.models.families import families  # torch is imported only for this command
 
     for f in families():
-        heads = ", ".join(f.head_types) if f.head_types else "mtp, eagle1, eagle3"
+        heads = ", ".join(f.head_types if f.head_types is not None else HEAD_TYPES.names())
         moe = "; head.moe" if f.head_moe else ""
         tp = "tp >= 1" if f.tp is not None else "tp = 1"
         print(f"{f.name}\t{f.title}\tmodel_type: {', '.join(f.model_types)}\theads: {heads}{moe}\t{tp}")

@@ -27,7 +27,7 @@ on the first look-up and registers its FAMILY, so nothing else is edited.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,7 +85,7 @@ class Family:
     adapt_attention: Callable[[AttentionBackend, ModelArgs], Attention] = _as_is
     # (rotary, positions (T,), dtype) → cos, sin as the family's layers take them
     rope: Callable[[RotaryEmbedding, torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = rotate_half_rope
-    head_types: tuple[str, ...] | None = None
+    head_types: Collection[str] | None = None  # the names of the head types that fit (a live view of the registry)
     head_note: str = ""
     head_moe: bool = False
     fusings: tuple[Fusing, ...] = ()
