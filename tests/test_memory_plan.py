@@ -57,6 +57,17 @@ def test_zero2_partitions_the_optimizer_state_by_world():
     assert term(eight, "gradients") == 4 * eight.head_params // 8 + 500_000_000 * 2
 
 
+def test_muon_keeps_one_momentum_per_matrix_and_adamw_moments_on_the_own_lm_head():
+    """train.optimizer=muon (ZeRO 0): one fp32 momentum per matrix parameter; the head's own vocabulary-indexed
+    lm_head (eagle3's draft rows) stays on AdamW, two moments."""
+    mtp = plan_memory(settings("mtp", zero_stage=0, optimizer="muon"), llama_args())
+    assert term(mtp, "optimizer") == 4 * mtp.head_params
+    eagle3 = plan_memory(settings("eagle3", zero_stage=0, optimizer="muon"), llama_args())
+    adamw = plan_memory(settings("eagle3", zero_stage=0), llama_args())
+    own = 32000 * 4096  # the draft vocabulary's lm_head rows
+    assert term(eagle3, "optimizer") == 4 * (eagle3.head_params + own) < term(adamw, "optimizer")
+
+
 def test_sequence_parallel_halves_the_activations_and_keeps_the_batch_whole():
     """SP = 2 halves the activation term (each rank runs half the rows); every SP rank still holds the batch."""
     for head in ("mtp", "eagle3"):

@@ -109,6 +109,8 @@ class PlanSettings:
         runtime: bytes of the process before any tensor (see the module docstring).
         storage_bytes: bytes per stored hidden value (2 for bf16 folders).
         online: the trainer holds the target (data.source online / hybrid).
+        optimizer: `train.optimizer`; muon keeps one fp32 momentum per 2-D matrix, AdamW's two moments on the rest
+            (the head's own vocabulary-indexed lm_head among them).
         tp: the online target's tensor-parallel ranks (`model.tp`).
     """
 
@@ -128,6 +130,7 @@ class PlanSettings:
     runtime: int
     storage_bytes: int = BF16
     online: bool = False
+    optimizer: str = "adamw"  # train.optimizer: adamw (two moments) | muon (one momentum per matrix)
     tp: int = 1
 
 
@@ -280,8 +283,14 @@ def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
         grads = params * act + (params * FP32 // dp if s.zero_stage == 1 else 0) + bucket
         how = "whole" + (f" + fp32 partition / {dp} + bucket" if s.zero_stage == 1 else "")
     terms.append(Term("gradients", grads, how))
-    terms.append(Term("optimizer", 2 * params * FP32 // (dp if s.zero_stage >= 1 else 1),
-                      f"AdamW moments, 2 × fp32{f' / {dp}' if s.zero_stage >= 1 else ''}"))
+    if s.optimizer == "muon":  # ZeRO 0 only (refused otherwise): Muon's momentum on the matrices, AdamW on the rest
+        adam = shape.own_lm_head
+        terms.append(Term("optimizer", ((params - adam) + 2 * adam) * FP32,
+                          f"Muon momentum, 1 × fp32 on {(params - adam) / 1e6:.1f}M"
+                          + (f" + AdamW moments, 2 × fp32 on the own lm_head's {adam / 1e6:.1f}M" if adam else "")))
+    else:
+        terms.append(Term("optimizer", 2 * params * FP32 // (dp if s.zero_stage >= 1 else 1),
+                          f"AdamW moments, 2 × fp32{f' / {dp}' if s.zero_stage >= 1 else ''}"))
 
     terms.append(activation_term(s, args, shape, share, tokens, act))
     rows = loss_rows(s, share, tokens)
@@ -496,7 +505,8 @@ def plan_settings(tc: TrainConfig, args: ModelArgs, device: str, world: int, len
         sequence_parallel=int(getattr(tc.train, "sequence_parallel", 1)),
         activation_checkpointing=bool(getattr(tc.train, "activation_checkpointing", False)), world=world,
         zero_stage=stage, reduce_bucket_size=bucket, device=device, runtime=runtime, storage_bytes=storage,
-        online=tc.data.source in ("online", "hybrid"), tp=max(1, tc.model.tp))
+        online=tc.data.source in ("online", "hybrid"), tp=max(1, tc.model.tp),
+        optimizer=str(getattr(tc.train, "optimizer", "adamw")))
 
 
 # --- the check -------------------------------------------------------------------------------------------------
