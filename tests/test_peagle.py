@@ -27,7 +27,7 @@ from mtp_train.head_types.peagle.head import PEagleHead
 from mtp_train.heads import build_head, packed_shift, save_head
 from mtp_train.models import ModelConfigError, load_model
 from mtp_train.speculative.engine import SpecEngine
-from mtp_train.train.losses import step_token_counts, unrolled_loss
+from mtp_train.train.losses import in_draft_vocab, step_anchor_seed, step_loss, step_token_counts, unrolled_loss
 from mtp_train.train.sequence_parallel import SequenceParallel
 from tests.conftest import compose_config, make_tiny_checkpoint, metrics_by_step, precompute_and_train
 from tests.test_speculative_engine import _marginal_of_second_token, assert_second_tokens_follow
@@ -128,8 +128,9 @@ def _trained(path, steps=6, iters=40):
     cfg = LossConfig(steps=steps, step_decay=1.0, w_feat=0.0, w_tok=1.0, kind="argmax_ce")
     opt = torch.optim.Adam(head.parameters(), lr=1e-2)
     losses = []
-    for _ in range(iters):
-        loss, _ = unrolled_loss(head, hidden, ids, torch.ones_like(ids), lens, cfg, aux_hidden=aux)
+    for it in range(iters):  # COD sampling drawn afresh every step, as the trainer draws it
+        loss, _ = unrolled_loss(head, hidden, ids, torch.ones_like(ids), lens, cfg, aux_hidden=aux,
+                                anchor_seed=step_anchor_seed(0, it, 0, 0))
         opt.zero_grad()
         loss.backward()
         assert head.mask_hidden.grad is not None and head.mask_hidden.grad.abs().sum() > 0
@@ -285,8 +286,8 @@ def test_trained_by_mtp_train_and_evaluated_by_mtp_eval(tmp_path):
 
 
 def test_a_speculators_peagle_folder_is_imported_and_refused_where_the_head_would_change_it(tmp_path):
-    """Our export read by the importer (`import_drafter`, as a folder from speculators) drafts the same; a folder
-    with another placeholder token or a trained embedding is refused by name."""
+    """Our export read by the importer (`import_drafter`, as a folder from speculators) drafts the same; a folder's
+    own placeholder token becomes the head's (head.mask_token_id); a trained embedding is refused by name."""
     target = tmp_path / "target"
     make_tiny_checkpoint("llama", target, num_hidden_layers=5)
     head = _perturbed(_head(target, aux_layers=[1, 2, 4]))
@@ -303,8 +304,21 @@ def test_a_speculators_peagle_folder_is_imported_and_refused_where_the_head_woul
     tensors = load_file(str(out / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps({**cfg, "mask_token_id": 5}))
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(ModelConfigError, match="mask_token_id=5: our peagle head's placeholder"):
-        import_drafter("speculators-peagle", folder, target)
+    five = import_drafter("speculators-peagle", folder, target)
+    assert isinstance(five, PEagleHead) and five.mask_token_id == 5 and five.cfg.settings.mask_token_id == 5
+    same = _head(target, aux_layers=[1, 2, 4], mask_token_id=5)
+    same.load_state_dict(head.state_dict())
+    with torch.no_grad():  # its slots read token 5: the drafts of the head with that placeholder, not ours
+        for j, (a, b, c) in enumerate(zip(five.unroll(hidden, ids, [4, 5], 3), same.unroll(hidden, ids, [4, 5], 3),
+                                          head.unroll(hidden, ids, [4, 5], 3))):
+            assert torch.equal(a, b) and (j == 0) == torch.equal(a, c)
+    again = export_head(save_head(five, tmp_path / "five"), target, "speculators-peagle", tmp_path / "pe5")
+    assert json.loads((again / "config.json").read_text())["mask_token_id"] == 5
+    for bad, why in ((-1, "a token id >= 0"), (True, "a token id >= 0"),
+                     (10**6, "not a token of transformer_layer_config.vocab_size")):
+        (folder / "config.json").write_text(json.dumps({**cfg, "mask_token_id": bad}))
+        with pytest.raises(ModelConfigError, match=f"mask_token_id={bad!r} \\({why}"):
+            import_drafter("speculators-peagle", folder, target)
     (folder / "config.json").write_text(json.dumps(cfg))
     save_file({**tensors, "embed_tokens.weight": torch.randn(head.args.vocab_size, head.args.hidden_size)},
               str(folder / "model.safetensors"))
@@ -340,10 +354,20 @@ def _sp_case(root: Path) -> tuple[PEagleHead, dict, LossConfig]:
     return head, batch, LossConfig(steps=4, step_decay=1.0, w_feat=0.0, w_tok=1.0)
 
 
+SP_SEED = step_anchor_seed(0, 3, 0, 0)  # one training step's COD draw, the same on every rank of the group
+
+
+def _sp_counts(head, batch, cfg, shard=None):
+    rows = head.loss_rows(batch["input_ids"], batch["loss_mask"], SP_LENS, SP_SEED)
+    assert rows is not None and (rows > 1).sum() < (rows > 0).sum()  # the deeper depths train fewer anchors
+    return step_token_counts(batch["loss_mask"], SP_LENS, cfg.steps, rows, shard)
+
+
 def _sp_loss(head, batch, cfg, shard=None, counts=None, checkpoint=False):
     head.zero_grad(set_to_none=True)
     loss, _ = unrolled_loss(head, batch["hidden"], batch["input_ids"], batch["loss_mask"], SP_LENS, cfg,
-                            num_tokens=counts, aux_hidden=batch["aux_hidden"], shard=shard, checkpoint=checkpoint)
+                            num_tokens=counts, aux_hidden=batch["aux_hidden"], shard=shard, checkpoint=checkpoint,
+                            anchor_seed=SP_SEED)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
 
@@ -356,7 +380,7 @@ def _sp_worker(rank: int, world: int, root: str) -> None:
         sp = SequenceParallel.setup(world, rank, world, torch.device("cpu"))
         head, batch, cfg = _sp_case(Path(root))
         shard = sp.shard(sum(SP_LENS))
-        counts = step_token_counts(batch["loss_mask"], SP_LENS, cfg.steps, None, shard)
+        counts = _sp_counts(head, batch, cfg, shard)
         tdist.all_reduce(counts, group=sp.groups.group)
         out = {c: _sp_loss(head, batch, cfg, shard, counts, checkpoint=c) for c in (False, True)}
         torch.save(out, Path(root) / f"rank{rank}.pt")
@@ -370,10 +394,90 @@ def test_sequence_parallel_slots_equal_one_rank(tmp_path):
     mp.start_processes(_sp_worker, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     head, batch, cfg = _sp_case(tmp_path)
-    ref_loss, ref_grads = _sp_loss(head, batch, cfg, counts=step_token_counts(batch["loss_mask"], SP_LENS,
-                                                                               cfg.steps))
+    ref_loss, ref_grads = _sp_loss(head, batch, cfg, counts=_sp_counts(head, batch, cfg))
     assert "mask_hidden" in ref_grads
     for checkpoint in (False, True):
         torch.testing.assert_close(sum(r[checkpoint][0] for r in ranks), ref_loss, rtol=1e-5, atol=1e-6)
         for n, ref in ref_grads.items():
             torch.testing.assert_close(sum(r[checkpoint][1][n] for r in ranks), ref, rtol=1e-4, atol=1e-6, msg=n)
+
+
+# --- COD sampling: fewer anchors at deeper depths, as speculators' P-EAGLE trains ---------------------------------
+
+
+def _cod_batch(lens, seed=0):
+    """Random tokens and a loss mask with stretches out of the loss (user turns) over packed sequences `lens`."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    mask = torch.rand(total, generator=g) < 0.9
+    for lo in torch.randint(0, total - 8, (6,), generator=g).tolist():
+        mask[lo:lo + 8] = False
+    return torch.randint(0, 255, (total,), generator=g), mask
+
+
+@pytest.mark.parametrize(("ratio", "floor"), [(0.7, 0.2), (0.5, 0.0), (0.9, 0.6)])
+def test_cod_sampling_follows_the_references_rule(tiny_checkpoints, ratio, floor):
+    """Depth d >= 1 trains min(floor((n - d) · max(r^d, r_min)), its candidates) anchors: those depth d - 1 trained
+    whose depth-d target (position i+d+1 of the row's own sequence) is a loss position; n counts depth 0's. The same
+    seed draws the same rows, another seed others; no seed: a draw fixed by the batch."""
+    head = _head(tiny_checkpoints["llama"][0], down_sample_ratio=ratio, down_sample_ratio_min=floor)
+    lens = [301, 37, 500]
+    ids, mask = _cod_batch(lens)
+    seed = step_anchor_seed(0, 5, 0, 0)
+    rows = head.loss_rows(ids, mask, lens, seed)
+    assert rows is not None and rows.dtype == torch.long and bool((rows >= 1).all())
+    n = int(packed_shift(mask, lens, 1, fill=False).sum())
+    counts, d = [], 1
+    while True:
+        candidates = (rows > d - 1) & packed_shift(mask, lens, d + 1, fill=False)
+        drawn = rows > d
+        assert not bool((drawn & ~candidates).any()), d  # nested, and every drawn row has a target
+        want = min(int(max(0, n - d) * max(ratio**d, floor)), int(candidates.sum()))
+        assert int(drawn.sum()) == want, (d, int(drawn.sum()), want)
+        counts.append(want)
+        if not want:
+            break
+        d += 1
+    assert counts[0] == int((n - 1) * ratio) and counts[0] > counts[1] > counts[2] > 0
+    assert torch.equal(rows, head.loss_rows(ids, mask, lens, seed))
+    assert not torch.equal(rows, head.loss_rows(ids, mask, lens, step_anchor_seed(0, 6, 0, 0)))
+    assert torch.equal(head.loss_rows(ids, mask, lens), head.loss_rows(ids, mask, lens))
+    assert _head(tiny_checkpoints["llama"][0], down_sample_ratio=1.0).loss_rows(ids, mask, lens, seed) is None
+    with pytest.raises(ValueError, match=r"head.down_sample_ratio must lie in \(0, 1\]"):
+        HeadConfig.of(type="peagle", draft_vocab_size=8, down_sample_ratio=0.0)
+    with pytest.raises(ValueError, match=r"head.down_sample_ratio_min must lie in \[0, 1\]"):
+        HeadConfig.of(type="peagle", draft_vocab_size=8, down_sample_ratio_min=1.5)
+
+
+def test_cod_counts_and_loss_agree_and_rows_not_drawn_are_not_in_it(tiny_checkpoints):
+    """The trainer's counts (`step_token_counts` over `loss_rows` of the step's seed) are the loss's own, and the
+    loss is the depths' losses over the drawn rows alone: other values at the unroll's rows not drawn change nothing
+    of it or of its gradient."""
+    path = tiny_checkpoints["llama"][0]
+    head = _perturbed(_head(path)).train()
+    hidden, aux, ids, lens = _batch(head, path, [PROMPTS[3] * 3, PROMPTS[2] * 2])
+    mask = torch.ones_like(ids)
+    mask[30:36] = 0
+    cfg = LossConfig(steps=4, step_decay=1.0, w_feat=0.0, w_tok=1.0, mask_out_of_draft=True, noise_std=0.0)
+    seed = step_anchor_seed(0, 7, 0, 0)
+    rows = head.loss_rows(ids, mask, lens, seed)
+    counts = step_token_counts(mask, lens, cfg.steps, rows)
+    assert counts[3] < counts[1] < counts[0]
+    head.zero_grad(set_to_none=True)
+    loss, m = unrolled_loss(head, hidden, ids, mask, lens, cfg, num_tokens=counts, aux_hidden=aux, anchor_seed=seed)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+    assert [float(m[f"step{j}/num_tokens"]) for j in range(cfg.steps)] == counts.tolist()
+    head.zero_grad(set_to_none=True)
+    preds = head.unroll(aux, ids, lens, cfg.steps)
+    in_vocab = in_draft_vocab(head, hidden)
+    # other values at the rows not drawn (finite: the final norm before the lm_head reads every row, and its weight's
+    # gradient sums 0 · x over the rows not counted)
+    total = sum(step_loss(head, torch.where((rows > j)[:, None], p, 100 * torch.randn_like(p)), hidden, mask, lens,
+                          j, cfg, counts[j], in_vocab, None, rows)[0] for j, p in enumerate(preds))
+    torch.testing.assert_close(total, loss)
+    total.backward()
+    assert "mask_hidden" in grads
+    for n, p in head.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n], msg=n)

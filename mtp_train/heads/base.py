@@ -392,10 +392,12 @@ class DraftHead(nn.Module, ABC):
     def loss_rows(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                   seq_lens: Sequence[int] | torch.Tensor, seed: int | None = None) -> torch.Tensor | None:
         """(T,) bool, the only rows `unroll` predicts and the loss counts (a block drafter's anchors), or None: every
-        row. A head that returns rows gets them as `unroll(..., rows=...)`; they must depend on the batch and `seed`
-        alone (the trainer counts them before the loss, `train.losses.step_token_counts`, and every sequence-parallel
-        rank draws them for the whole batch). seed: the training step's draw (`train.losses.step_anchor_seed`), or None
-        (evaluation: a draw fixed by the batch)."""
+        row; or (T,) integer, row i counted at the steps j < rows[i] only (P-EAGLE's COD sampling: fewer rows at
+        deeper steps; `heads.packing.step_rows` gives a step's). A head that returns rows gets them as
+        `unroll(..., rows=...)`; they must depend on the batch and `seed` alone (the trainer counts them before the
+        loss, `train.losses.step_token_counts`, and every sequence-parallel rank draws them for the whole batch).
+        seed: the training step's draw (`train.losses.step_anchor_seed`), or None (evaluation: a draw fixed by the
+        batch)."""
         return None
 
     def step_extra_loss(self, pred: torch.Tensor, target: torch.Tensor,

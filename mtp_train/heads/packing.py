@@ -55,3 +55,13 @@ def packed_shift(x: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor, shift:
     out = x[src]
     mask = valid.view(-1, *([1] * (x.dim() - 1)))
     return torch.where(mask, out, torch.full_like(out, fill))
+
+
+def step_rows(rows: torch.Tensor | None, step: int) -> torch.Tensor | None:
+    """A head's `loss_rows` → (T,) bool, the rows draft step `step` (0-based) trains, or None (every row).
+
+    rows: None; (T,) bool, the same rows at every step (a block drafter's anchors); or (T,) integer, row i trained
+    at the steps j < rows[i] (fewer rows at deeper steps: P-EAGLE's COD sampling)."""
+    if rows is None or rows.dtype == torch.bool:
+        return rows
+    return rows > step

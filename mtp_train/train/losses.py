@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from mtp_train.config.errors import ConfigError
 from mtp_train.config.loss import CE_IMPLS, LossConfig
 from mtp_train.heads import DraftHead, packed_shift, packed_valid, resolve_seq_lens
+from mtp_train.heads.packing import step_rows
 from mtp_train.heads.sequence import SequenceShard
 from mtp_train.train.divergences import ChunkSums, token_loss, weighted_sum
 from mtp_train.train.position_weights import dpace_weights, target_argmax_probability
@@ -66,12 +67,13 @@ def step_token_counts(loss_mask: torch.Tensor, seq_lens: Sequence[int] | torch.T
                       rows: torch.Tensor | None = None, shard: SequenceShard | None = None) -> torch.Tensor:
     """(steps,) float counted rows per step: all-reduce (sum) it over ranks and pass it as `num_tokens`.
 
-    rows: (T,) bool, the head's `loss_rows` (only those rows count), or None. shard: count this rank's rows of the
-    batch only (sequence parallelism: the ranks of a group hold one batch, and each row is counted once)."""
+    rows: the head's `loss_rows` (only those rows count: `heads.packing.step_rows`, per step), or None. shard: count
+    this rank's rows of the batch only (sequence parallelism: the ranks of a group hold one batch, and each row is
+    counted once)."""
     mask = loss_mask.to(torch.bool)
     counted = [packed_shift(mask, seq_lens, j + 1, fill=False) for j in range(steps)]
     if rows is not None:
-        counted = [c & rows.to(c.device) for c in counted]
+        counted = [c & step_rows(rows.to(c.device), j) for j, c in enumerate(counted)]
     if shard is not None:  # the pad rows past the batch's end are never counted: the slice may run past it
         counted = [c[shard.lo:shard.hi] for c in counted]
     return torch.stack([c.sum() for c in counted]).float()
@@ -293,7 +295,7 @@ def _counted_rows(hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int]
     valid = packed_valid(lens, shift, hidden.device)
     counted = packed_shift(loss_mask.to(torch.bool), lens, shift, fill=False)
     if rows is not None:
-        counted = counted & rows
+        counted = counted & step_rows(rows, step)
     if in_vocab is not None:
         kept = counted & packed_shift(in_vocab, lens, shift, fill=False)
     own = torch.arange(hidden.shape[0], device=hidden.device)[span]

@@ -70,12 +70,19 @@ FIXED_KEYS = {"norm_before_fc": False, "norm_before_residual": False, "fc_norm":
 
 
 def head_fields(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """A speculators P-EAGLE config.json (and its d2t) → our HeadConfig's fields; ValueError naming the key of a
-    layout our head does not compute."""
+    """A speculators P-EAGLE config.json (and its d2t) → our HeadConfig's fields, the folder's placeholder token
+    (`mask_token_id`, head.mask_token_id; absent or null: ours, the target's last vocabulary id) among them;
+    ValueError naming the key of a layout our head does not compute."""
     off = [f"{k}={cfg.get(k)!r} (ours: {v!r})" for k, v in FIXED_KEYS.items() if cfg.get(k, v) != v]
-    layers = (cfg.get("transformer_layer_config") or {}).get("num_hidden_layers", 1)
+    layer = cfg.get("transformer_layer_config") or {}
+    layers = layer.get("num_hidden_layers", 1)
     if layers != 1:
         off.append(f"transformer_layer_config.num_hidden_layers={layers!r} (ours: one layer)")
+    mask, vocab = cfg.get("mask_token_id"), layer.get("vocab_size")
+    if mask is not None and (not isinstance(mask, int) or isinstance(mask, bool) or mask < 0):
+        off.append(f"mask_token_id={mask!r} (a token id >= 0, or null)")
+    elif isinstance(mask, int) and isinstance(vocab, int) and mask >= vocab:
+        off.append(f"mask_token_id={mask} (not a token of transformer_layer_config.vocab_size={vocab})")
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     if not isinstance(ids, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in ids):
         off.append(f"eagle_aux_hidden_state_layer_ids={ids!r} (a list of layer ids)")
@@ -84,18 +91,15 @@ def head_fields(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[s
     if off:
         raise ValueError("a P-EAGLE drafter this head cannot compute: " + "; ".join(off))
     # vLLM's aux ids are ours (transformers' hidden_states[j] numbering, `head_types/eagle3/export.py`)
-    return {"aux_layers": [int(j) for j in ids], "draft_vocab_size": int(tensors["d2t"].numel())}
+    return {"aux_layers": [int(j) for j in ids], "draft_vocab_size": int(tensors["d2t"].numel()),
+            "mask_token_id": mask}
 
 
-def fit_problems(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], mask_token_id: int,
-                 embed: torch.Tensor) -> list[str]:
-    """What a speculators P-EAGLE folder holds that the head built for it would silently change: another placeholder
-    token than the head's (`mask_token_id`), or a trained embedding (`embed_tokens.weight`) other than the
-    target's `embed` (V, H), which the head reads frozen."""
+def fit_problems(tensors: dict[str, torch.Tensor], embed: torch.Tensor) -> list[str]:
+    """What a speculators P-EAGLE folder holds that the head built for it would silently change: a trained embedding
+    (`embed_tokens.weight`) other than the target's `embed` (V, H), which the head reads frozen (the placeholder
+    token's row among them)."""
     out = []
-    if cfg.get("mask_token_id") != mask_token_id:
-        out.append(f"mask_token_id={cfg.get('mask_token_id')!r}: our peagle head's placeholder is the target's last "
-                   f"vocabulary id, {mask_token_id}")
     mine = tensors.get("embed_tokens.weight")
     if mine is not None and (mine.shape != embed.shape
                              or not torch.allclose(mine.float(), embed.detach().to("cpu", torch.float32),

@@ -1,9 +1,9 @@
 """The peagle head type's layout and its reader: speculators' P-EAGLE layout (`export.py`), which vLLM serves as
 `method=eagle3` with `parallel_drafting`, read back by `mtp-export import_from=speculators-peagle`.
 
-Reading: the folder says `speculators_model_type: "peagle"`; its lm_head is the head's own (trained), and a
-placeholder token other than the head's (`mask_token_id`) or a trained `embed_tokens.weight` is refused by name,
-since the head would change them.
+Reading: the folder says `speculators_model_type: "peagle"`; its lm_head is the head's own (trained), its
+placeholder token (`mask_token_id`) becomes the head's (head.mask_token_id), and a trained `embed_tokens.weight` is
+refused by name, since the head reads the target's embedding frozen.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def peagle_head_config(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) ->
 
 def peagle_fit(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], head: DraftHead) -> list[str]:
     """What the peagle head built for a speculators P-EAGLE folder would silently change (`peagle.fit_problems`)."""
-    return peagle.fit_problems(cfg, tensors, getattr(head, "mask_token_id", -1), head.require_frozen().embed)
+    return peagle.fit_problems(tensors, head.require_frozen().embed)
 
 
 READER = Reader("P-EAGLE", "speculators", lambda cfg: cfg.get("speculators_model_type") == peagle.MODEL_TYPE,
