@@ -22,14 +22,15 @@ i+j, reading (m, mask_hidden), attending to the depth-0 rows 0..i of its sequenc
 sees step 0's keys of rows 0..i and its own keys of steps 1..j), so the unroll is `ChainHead.unroll` with the
 slots' inputs in place of the chain's (row i of step j estimates h_{i+j+1}, the contract every head type shares).
 
-The references thin the deeper depths by COD sampling (`loss_rows`; speculators' `generate_cod_sample_indices`, the
-paper's section on training): of a micro-batch's n loss positions, depth d >= 1 trains floor((n - d) · max(r^d,
-r_min)) anchors (head.down_sample_ratio r, head.down_sample_ratio_min r_min; 0.7 and 0.2 as speculators'), drawn
-uniformly among the anchors depth d - 1 trained whose depth-d target is a loss position (all of them when fewer), so
-an anchor trains depths 0..c-1 for its own c. The draw weighs the depths as the references do (each depth's loss is
-the mean over its own rows, and a deeper depth's mean rests on fewer of them) and bounds the loss's lm_head work;
-their dense masks needed it for memory, the chain attention here keeps nothing quadratic and computes every
-anchor's slots, so the rows not drawn are dropped before the loss (none of them is in it or in its counts).
+Training thins the deeper depths by COD sampling, as the references do (`loss_rows`; speculators'
+`generate_cod_sample_indices`, the paper's section on training): of a micro-batch's n loss positions, depth d >= 1
+trains floor((n - d) · max(r^d, r_min)) anchors (head.down_sample_ratio r, head.down_sample_ratio_min r_min; 0.7
+and 0.2 as speculators'), drawn uniformly among the anchors depth d - 1 trained whose depth-d target is a loss
+position (all of them when fewer), so an anchor trains depths 0..c-1 for its own c. The draw weighs the depths as
+the references do (each depth's loss is the mean over its own rows, and a deeper depth's mean rests on fewer of
+them) and bounds the loss's lm_head work; their dense masks needed it for memory, the chain attention here keeps
+nothing quadratic and computes every anchor's slots, so the rows not drawn are dropped before the loss (none of
+them is in it or in its counts).
 
 State dict: eagle3's (`head_types/eagle3/head.py`) plus `mask_hidden` (k·H,).
 """
