@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-spec bench-step bench-head-step bench-tau bench-remote bench-tree bench-memory bench-train-memory bench-scale bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-fleet check-vllm-foreign clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-head-train bench-spec bench-step bench-head-step bench-tau bench-remote bench-tree bench-memory bench-train-memory bench-scale bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-fleet check-vllm-foreign clean
 
 setup: $(STAMP)
 
@@ -62,6 +62,11 @@ bench-chain: model
 # A block drafter's training attention (dflash): ours per sequence against one dense masked SDPA, B 4 / 8 / 16.
 bench-block: setup
 	$(PY) -m bench.block_attention
+
+# One training step (forward + backward of the loss) per token of mtp, eagle3, dflash B 4/8/16 and dspark on the same
+# micro-batch, one thread, each against eagle3, e.g. `make bench-head-train BENCH_HEAD_TRAIN_ARGS="--ce-impl fused"`.
+bench-head-train: model
+	$(PY) -m bench.head_train_step --model $(MODEL_DIR) $(BENCH_HEAD_TRAIN_ARGS)
 
 # Self-distillation throughput: our batched greedy decoding vs transformers' batched generate, and the peak share.
 bench-regenerate: model

@@ -8,6 +8,7 @@
     chain_attention  the chained training attention: diagonal against masked             make bench-chain
     block_attention  a block drafter's training attention against one dense masked SDPA  make bench-block
     attention_memory what the training attentions keep, backward's largest tensor   python -m bench.attention_memory
+    head_train_step  one training step per token of each head type, against eagle3    make bench-head-train
     regenerate       batched greedy decoding against transformers' batched generate     make bench-regenerate
     spec             speculative decoding with a trained head against plain decoding    make bench-spec
     step             where a speculative step goes, part by part, against a decode step  make bench-step
