@@ -521,3 +521,36 @@ def test_sequence_parallel_ranks_draw_one_steps_anchors(tiny_checkpoints, tmp_pa
     torch.testing.assert_close(ranks[0][0] + ranks[1][0], ref_loss, rtol=1e-5, atol=1e-6)
     for n, ref in ref_grads.items():
         torch.testing.assert_close(ranks[0][1][n] + ranks[1][1][n], ref, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("head_type", ["dflash", "dspark"])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_the_shared_first_layer_gives_the_explicit_loss_and_gradients(tiny_checkpoints, head_type, checkpoint):
+    """Training runs the first layer's token-only part (its norm, q/k/v projections and q/k norms) once per distinct
+    block token (`DFlashHead.share_first_layer`): the loss and every gradient equal the explicit path's, which runs
+    it on all A·B rows, in float32 (two draft layers, under activation checkpointing too; a mask id that is also
+    a token of the batch, so some anchors' rows equal the mask rows)."""
+    torch.manual_seed(0)
+    settings = {"markov_rank": 8} if head_type == "dspark" else {}
+    head = build_head(HeadConfig.of(type=head_type, block_size=5, layers=2, max_anchors=24, mask_token_id=7,
+                                    **settings), tiny_checkpoints["qwen3"][0], dtype="float32")
+    head.train()
+    ids, mask, lens = _anchor_batch()
+    ids[::5] = 7  # the mask token among the anchors' tokens
+    x = torch.randn(ids.shape[0], head.input_width)
+    hidden = torch.randn(ids.shape[0], head.args.hidden_size)
+    cfg = LossConfig(steps=head.drafts, w_feat=0.0, w_tok=1.0, position_weights="dpace")
+    results = []
+    for share in (True, False):
+        head.share_first_layer = share
+        head.zero_grad(set_to_none=True)
+        loss, _ = unrolled_loss(head, hidden, ids, mask, lens, cfg, aux_hidden=x, anchor_seed=11,
+                                checkpoint=checkpoint)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys() and any("layers.0.self_attn.q_proj" in n for n in grads_a)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")

@@ -81,12 +81,22 @@ class DFlashAttention(nn.Module):
         return apply_rotary(k, cos, sin), self.v_proj(ctx).view(n, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ctx: torch.Tensor,
-                v_ctx: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-        """x: (A, B, H) the blocks (after input_layernorm); cos, sin: (A·B, 1, D) → (A, B, H)."""
-        a, b, _ = x.shape
-        rows = x.reshape(a * b, -1)
-        q = apply_rotary(self.q_norm(self.q_proj(rows).view(a * b, self.num_heads, self.head_dim)), cos, sin)
-        k, v = self.context_kv(rows, cos, sin)
+                v_ctx: torch.Tensor, layout: BlockLayout, inverse: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (A, B, H) the blocks (after input_layernorm); cos, sin: (A·B, 1, D) → (A, B, H).
+
+        With inverse (A·B,) long, x is (U, H) the blocks' distinct rows, block row r being x[inverse[r]]: the
+        projections and the q/k norms run on the U rows (the first layer's [t_a, mask, ..., mask] blocks hold at
+        most A + 1 distinct rows), the rows are spread out before RoPE, the only per-position step."""
+        a = x.shape[0] if inverse is None else layout.ctx_len.shape[0]
+        b = x.shape[1] if inverse is None else inverse.numel() // a
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        q = self.q_norm(self.q_proj(rows).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(rows).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(rows).view(n, self.num_kv_heads, self.head_dim)
+        if inverse is not None:
+            q, k, v = q[inverse], k[inverse], v[inverse]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = packed_block_attention(q.view(a, b, self.num_heads, self.head_dim),
                                      k.view(a, b, self.num_kv_heads, self.head_dim),
                                      v.view(a, b, self.num_kv_heads, self.head_dim), k_ctx, v_ctx, layout)
@@ -119,9 +129,12 @@ class DFlashLayer(nn.Module):
         self.mlp = DFlashMLP(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ctx: torch.Tensor,
-                v_ctx: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-        """x: (A, B, H) → (A, B, H)."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, layout)
+                v_ctx: torch.Tensor, layout: BlockLayout, inverse: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (A, B, H) → (A, B, H); with inverse (A·B,), x is (U, H) the blocks' distinct rows
+        (`DFlashAttention.forward`): the norm and the projections run on those, the residual on every row."""
+        h = self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, layout, inverse)
+        x = x.view(h.shape) if inverse is None else x[inverse].view(h.shape)
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -130,6 +143,9 @@ class DFlashHead(DraftHead):
     [last token, mask × (B-1)] through them → norm → the target's lm_head."""
 
     type_name = "dflash"
+    # `block` under autograd runs the first layer's token-only part once per distinct token (False: on every row,
+    # the explicit path the tests compare it with)
+    share_first_layer = True
 
     def __init__(self, cfg: HeadConfig, target_args: ModelArgs, frozen: FrozenTargetParts | None = None,
                  backend: str = "torch") -> None:
@@ -183,13 +199,22 @@ class DFlashHead(DraftHead):
         Returns (A, B, H) after the final norm: slot s estimates h_{a+s-1} (slot 0 is not a draft).
         """
         a, b = tokens.shape
-        x = self.embed(tokens.reshape(-1)).view(a, b, -1)
+        inverse = None
+        if self.share_first_layer and torch.is_grad_enabled() and tokens.numel():
+            # training: the blocks [t_a, mask, ..., mask] repeat their mask rows A·(B-1) times, and until the first
+            # attention a row depends on its token alone: the first layer's norm, q/k/v projections and q/k norms
+            # run once per distinct token (at most A + 1 rows, not A·B), forward and backward
+            uniq, inverse = torch.unique(tokens.reshape(-1), return_inverse=True)
+            x = self.embed(uniq)  # (U, H)
+        else:
+            x = self.embed(tokens.reshape(-1)).view(a, b, -1)
         cos, sin = self.rope(positions.reshape(-1), x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
             if checkpoint:
-                x = torch_checkpoint(layer, x, cos, sin, k, v, layout, use_reentrant=False)
+                x = torch_checkpoint(layer, x, cos, sin, k, v, layout, inverse, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, k, v, layout)
+                x = layer(x, cos, sin, k, v, layout, inverse)
+            inverse = None  # (A, B, H) from here on
         return self.norm(x)
 
     def block_tokens(self, first: torch.Tensor) -> torch.Tensor:
