@@ -271,19 +271,34 @@ def packed_block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Te
     a, b, hq, d = q.shape
     extra = sink_columns(q)
     ends = layout.host_ctx_len
-    parts: list[torch.Tensor] = []
-    for a0, a1, c0, c1 in layout.groups:
+    chunks: list[tuple[int, int, int]] = []  # (first anchor, end, the group's index)
+    for i, (a0, a1, c0, c1) in enumerate(layout.groups):
         if a1 > a0 and not 0 <= min(ends[a0:a1]) <= max(ends[a0:a1]) <= c1 - c0:
             raise ValueError(f"anchors {a0}..{a1 - 1} see up to {max(ends[a0:a1])} context rows, but their "
                              f"sequence has {c1 - c0}")
-        # the sequence's context with its sink, once: each chunk reads a prefix of it as a view
-        k_ext, v_ext = context_keys(k_ctx[c0:c1], v_ctx[c0:c1], d, extra)  # (Hkv, n+1, D+e)
-        for s, e in anchor_chunks(ends[a0:a1], b, hq, SCORE_BUDGET):
-            s, e = a0 + s, a0 + e
-            parts.append(chunk_attend(q[s:e], k_blk[s:e], v_blk[s:e], k_ctx[c0:c1], v_ctx[c0:c1], k_ext, v_ext,
-                                      layout.ctx_len[s:e], min(ends[s:e]), max(ends[s:e])))
+        chunks += [(a0 + s, a0 + e, i) for s, e in anchor_chunks(ends[a0:a1], b, hq, SCORE_BUDGET)]
+    spans = [(s, e) for s, e, _ in chunks]
+    qs, ks, vs = (_pieces(x, spans) for x in (q, k_blk, v_blk))
+    parts: list[torch.Tensor] = []
+    ext: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    for (s, e, i), q_c, k_c, v_c in zip(chunks, qs, ks, vs):
+        _, _, c0, c1 = layout.groups[i]
+        if ext is None or ext[0] != i:  # the sequence's context with its sink, once: each chunk reads a prefix
+            ext = (i, *context_keys(k_ctx[c0:c1], v_ctx[c0:c1], d, extra))  # (Hkv, n+1, D+e) each
+        parts.append(chunk_attend(q_c, k_c, v_c, k_ctx[c0:c1], v_ctx[c0:c1], ext[1], ext[2], layout.ctx_len[s:e],
+                                  min(ends[s:e]), max(ends[s:e])))
     _check_cover(parts, a)
     return torch.cat(parts) if parts else q.new_zeros(q.shape)
+
+
+def _pieces(x: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """x's rows [s, e) for each span. Spans that tile x in order are one `split`, whose backward is one
+    concatenation, where a slice per span gives each span's gradient a zero-filled copy of the whole of x (the
+    anchors' rows are chunks × A·B·H values to fill and add in the backward)."""
+    tiled = all(e0 == s1 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+    if spans and tiled and spans[0][0] == 0 and spans[-1][1] == x.shape[0]:
+        return list(x.split([e - s for s, e in spans]))
+    return [x[s:e] for s, e in spans]
 
 
 def explicit_block_attention(q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor, k_ctx: torch.Tensor,

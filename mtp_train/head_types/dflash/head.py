@@ -49,6 +49,13 @@ from mtp_train.layers.rotary import apply_rotary
 from mtp_train.models.config import ModelArgs
 
 
+def spread_slots(slots: torch.Tensor, idx: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """slots (A, S, W) each block's slots → per slot s, (rows, W) zeros with row idx[a] = slots[a, s]. One unbind
+    takes the slots apart (its backward one stack of their (A, W) gradients), where indexing one slot at a time gave
+    each slot's gradient a zero-filled copy of all the blocks' rows to add."""
+    return [slots.new_zeros(rows, slots.shape[2]).index_copy_(0, idx, slot) for slot in slots.unbind(1)]
+
+
 def default_block_layers(num_layers: int, count: int = 5) -> list[int]:
     """The aux layers of a DFlash head when head.aux_layers is [] (hidden_states numbering).
 
@@ -327,5 +334,4 @@ class DFlashHead(DraftHead):
         """The blocks' outputs out (A, B, H) of rows row_idx (A,) → per step j, (R, H): slot j+1 at its row, over
         the batch's rows span = [lo, hi) (default all; a sequence shard's own rows), R = hi - lo."""
         lo, hi = (0, input_ids.shape[0]) if span is None else span
-        zeros = out.new_zeros(hi - lo, out.shape[-1])
-        return [zeros.index_copy(0, row_idx - lo, out[:, j + 1]) for j in range(steps)]
+        return spread_slots(out[:, 1:steps + 1], row_idx - lo, hi - lo)

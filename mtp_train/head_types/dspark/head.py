@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_train.config import HeadConfig
-from mtp_train.head_types.dflash.head import DFlashHead
+from mtp_train.head_types.dflash.head import DFlashHead, spread_slots
 from mtp_train.heads.frozen import FrozenTargetParts
 from mtp_train.layers.linear import Linear, linear
 from mtp_train.models.config import ModelArgs
@@ -88,9 +88,7 @@ class DSparkHead(DFlashHead):
         lo, hi = (0, total) if span is None else span
         prev_at = (row_idx[:, None] + 1 + torch.arange(steps, device=row_idx.device)).clamp_max(total - 1)
         e = self.markov_head.markov_w1(input_ids[prev_at]).to(out.dtype)  # (A, steps, r)
-        feats = torch.cat([out[:, :steps], e], dim=-1)
-        zeros = feats.new_zeros(hi - lo, feats.shape[-1])
-        return [zeros.index_copy(0, row_idx - lo, feats[:, j]) for j in range(steps)]
+        return spread_slots(torch.cat([out[:, :steps], e], dim=-1), row_idx - lo, hi - lo)
 
     # -- logits: the Markov bias as r more columns of the lm_head --
 
