@@ -1,13 +1,6 @@
-"""The `dflash` head type: a block drafter (`head.py` `DFlashHead`) that drafts up to B-1 tokens with
-ONE forward per step, exported natively and in the z-lab DFlash layout vLLM serves (`method=dflash`).
-
-Its drafter, `BlockProposer`, keeps the head's context K/V in its own paged pool (one layer per draft layer, the
-target's page ids): `prefill` writes the prompt's positions from the target's aux layers, `update` the accepted
-positions after each verify, so the pool grows with accepted tokens only. `propose` runs the block
-[t_{L-1}, mask × (B-1)] at positions L-1..L+B-2 over the context 0..L-2 and returns a chain of min(k, B-1) drafts
-(each slot's own distribution: the slots are drafted in parallel), cut where a slot's top-1 probability falls
-under `draft_threshold`; or, with `tree` (greedy sequences), a tree from the slots' top-k (`block_tree`).
-"""
+"""The `dflash` head type: a block drafter (`head.py` `DFlashHead`) drafting up to B-1 tokens with ONE forward per
+step (`drafter.py` `BlockProposer`), its settings (`settings.py`), exported natively and in the z-lab and speculators
+DFlash layouts vLLM serves (`layouts.py`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The `dflash` head type: a block drafter (`head.py` `DFlashHead`) that drafts up to B-1 tokens with
-ONE forward per step, exported natively and in the z-lab DFlash layout vLLM serves (`method=dflash`).
+"""The `dflash` head type's drafter: up to B-1 drafts from ONE forward of the block drafter (`head.py` `DFlashHead`)
+per step.
 
 Its drafter, `BlockProposer`, keeps the head's context K/V in its own paged pool (one layer per draft layer, the
 target's page ids): `prefill` writes the prompt's positions from the target's aux layers, `update` the accepted

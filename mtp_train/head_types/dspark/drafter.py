@@ -1,5 +1,5 @@
-"""The `dspark` head type: DFlash's block drafter with DSpark's Markov head (`head.py` `DSparkHead`),
-exported natively and in the layout vLLM serves as `method=dspark` (`qwen3_dspark.py`, `Qwen3DSparkModel`).
+"""The `dspark` head type's drafter: DFlash's block with DSpark's Markov head (`head.py` `DSparkHead`), as vLLM
+samples it for `method=dspark` (`qwen3_dspark.py`, `Qwen3DSparkModel`).
 
 Its drafter, `MarkovBlockProposer`, is DFlash's `BlockProposer` (the same paged context cache, prefill and update)
 with vLLM's DSpark sampling: ONE block forward per step gives B slot outputs, then the drafts are picked left to

@@ -1,16 +1,6 @@
-"""The `peagle` head type: P-EAGLE (`head.py` `PEagleHead`), EAGLE-3's layer drafting k tokens in ONE
-forward; exported natively and in the speculators layout vLLM serves with `parallel_drafting` (`speculators-peagle`).
-
-Its drafter, `ParallelProposer`, runs each step as vLLM's parallel drafting does: one head forward per sequence over
-the rows its cache lacks, i.e. the positions the last verification accepted (the whole prompt after prefill), each
-reading the target's aux layers there and the token after it, followed by k-1 slots (mask_hidden and the
-placeholder token) at the next positions. Causal attention over the head's paged cache gives every row what
-vLLM's does: the last accepted row sees the context and drafts d_1, slot d sees the context and slots 1..d and
-drafts d_{d+1}. The slots' K/V land beyond the accepted length; the next step's accepted rows overwrite them
-before anything reads them. `prefill` and `update` only keep the target's rows for that forward.
-
-A chain of k drafts, cut where a draft's top-1 probability falls under `draft_threshold` (0 = all k).
-"""
+"""The `peagle` head type: P-EAGLE (`head.py` `PEagleHead`), EAGLE-3's layer drafting k tokens in ONE forward
+(`drafter.py` `ParallelProposer`); exported natively and in the speculators layout vLLM serves with
+`parallel_drafting` (`layouts.py`)."""
 
 from __future__ import annotations
 

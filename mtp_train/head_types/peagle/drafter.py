@@ -1,5 +1,5 @@
-"""The `peagle` head type: P-EAGLE (`head.py` `PEagleHead`), EAGLE-3's layer drafting k tokens in ONE
-forward; exported natively and in the speculators layout vLLM serves with `parallel_drafting` (`speculators-peagle`).
+"""The `peagle` head type's drafter: P-EAGLE (`head.py` `PEagleHead`), EAGLE-3's layer drafting k tokens in ONE
+forward, as vLLM runs it with `parallel_drafting`.
 
 Its drafter, `ParallelProposer`, runs each step as vLLM's parallel drafting does: one head forward per sequence over
 the rows its cache lacks, i.e. the positions the last verification accepted (the whole prompt after prefill), each
