@@ -59,14 +59,16 @@ def _rope(x, pos, theta):
     return x * cos + half * sin
 
 
-def reference_eagle3(sd, embed, aux, tokens, cfg, theta):
-    """One sequence, step 0, causal: EAGLE-3 as published (fc over 3 layers; [E ; g] into attention; residual g)."""
+def reference_eagle3(sd, embed, aux, tokens, cfg, theta, norm_before_residual=False):
+    """One sequence, step 0, causal: EAGLE-3 as published (fc over 3 layers; [E ; g] into attention; residual g, or
+    hidden_norm(g) with `norm_before_residual`, speculators' `Eagle3FirstLayerMixin.forward`)."""
     eps, nh, nkv = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads
     d = cfg.hidden_size // nh
     p = "layers.0."
     g = aux @ sd["fc.weight"].T
     e = embed[tokens]
-    u = torch.cat([_rms(e, sd[p + "input_layernorm.weight"], eps), _rms(g, sd[p + "hidden_norm.weight"], eps)], -1)
+    gn = _rms(g, sd[p + "hidden_norm.weight"], eps)
+    u = torch.cat([_rms(e, sd[p + "input_layernorm.weight"], eps), gn], -1)
     q, k, v = (u @ sd[p + "self_attn.qkv_proj.weight"].T).split([nh * d, nkv * d, nkv * d], -1)
     n = u.shape[0]
     pos = torch.arange(n)
@@ -76,7 +78,7 @@ def reference_eagle3(sd, embed, aux, tokens, cfg, theta):
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
     scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     att = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, nh * d)
-    r = g + att @ sd[p + "self_attn.o_proj.weight"].T
+    r = (gn if norm_before_residual else g) + att @ sd[p + "self_attn.o_proj.weight"].T
     mid = _rms(r, sd[p + "post_attention_layernorm.weight"], eps)
     gate, up = (mid @ sd[p + "mlp.gate_up_proj.weight"].T).chunk(2, -1)
     x = r + (F.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
@@ -130,7 +132,12 @@ def test_own_lm_head_starts_as_the_target_rows_and_draft_vocab_is_mandatory(tiny
 
 
 EAGLE31 = dict(aux_norm=True, norm_output=True)
-CASES = [("llama", LENS, {}), ("qwen3", LENS, {}), ("mistral", [20, 18], {}), ("llama", LENS, EAGLE31)]
+# speculators' EAGLE-3 recipe (conf/recipe/speculators-eagle3.yaml): norm_before_fc, norm_before_residual,
+# norm_output, a frozen draft lm_head
+SPECULATORS = dict(fc_input_norm=True, norm_before_residual=True, norm_output=True, train_lm_head=False)
+CASES = [("llama", LENS, {}), ("qwen3", LENS, {}), ("mistral", [20, 18], {}), ("llama", LENS, EAGLE31),
+         ("llama", LENS, SPECULATORS), ("qwen3", [6, 5], dict(norm_before_residual=True))]
+CASE_IDS = ["llama", "qwen3", "mistral", "llama-eagle3.1", "llama-speculators", "qwen3-norm-before-residual"]
 
 
 def _perturb(head: DraftHead, seed: int = 1) -> None:
@@ -168,7 +175,90 @@ def test_eagle31_norms_follow_the_published_equations(tiny_checkpoints):
             assert not torch.allclose(other(aux, nxt, meta, from_target=True).hidden, out.hidden, **TOL), flag
 
 
-@pytest.mark.parametrize(("name", "lens", "flags"), CASES, ids=["llama", "qwen3", "mistral", "llama-eagle3.1"])
+def test_speculators_norms_follow_the_published_equations_forward_and_backward(tiny_checkpoints):
+    """head.fc_input_norm: fc reads n(a), ONE RMSNorm over the whole k·H row (speculators' norm_before_fc,
+    `input_norm`); head.norm_before_residual: the layer's residual is hidden_norm(g). The head's inference forward
+    and its training unroll equal the hand-written equations, and so does every weight's gradient (the reference
+    reads the head's own parameters); each flag alone changes the output."""
+    flags = dict(fc_input_norm=True, norm_before_residual=True)
+    head = _eagle3(tiny_checkpoints, **flags)
+    _perturb(head)
+    cfg = tiny_checkpoints["llama"][1].config
+    theta = json.loads((tiny_checkpoints["llama"][0] / "config.json").read_text()).get("rope_theta", 10000.0)
+    eps, h = cfg.rms_norm_eps, cfg.hidden_size
+    params = dict(head.named_parameters())
+    assert tuple(params["fc_input_norm.weight"].shape) == (3 * h,) and not any("aux_norm" in k for k in params)
+    aux, _, tokens = _aux_batch(tiny_checkpoints, "llama", head.aux_layers, [8])
+    nxt = packed_shift(tokens, [8], 1)
+
+    def reference():
+        return reference_eagle3(params, head.frozen.embed, _rms(aux, params["fc_input_norm.weight"], eps), nxt, cfg,
+                                theta, norm_before_residual=True)
+
+    meta, rows = AttentionMetadata.build([8]), torch.arange(8)
+    with torch.no_grad():
+        want_x, want_logits = reference()
+        out = head(aux, nxt, meta, from_target=True, logits_indices=rows)
+        torch.testing.assert_close(out.hidden, want_x, **TOL)
+        torch.testing.assert_close(out.logits, want_logits, **TOL)
+        sd = head.state_dict()
+        for flag in flags:  # the same weights with one flag off give another output
+            other = _eagle3(tiny_checkpoints, **{**flags, flag: False})
+            other.load_state_dict({k: v for k, v in sd.items() if flag != "fc_input_norm" or "fc_input" not in k})
+            assert not torch.allclose(other(aux, nxt, meta, from_target=True).hidden, out.hidden, **TOL), flag
+    g = torch.Generator().manual_seed(3)
+    wx, wl = torch.randn(want_x.shape, generator=g), torch.randn(want_logits.shape, generator=g)
+    x = head.unroll(aux, tokens, [8], 1)[0]  # the training path
+    torch.testing.assert_close(x.detach(), want_x, **TOL)
+    ((x * wx).sum() + (head.compute_logits(x) * wl).sum()).backward()
+    grads = {k: p.grad.clone() for k, p in params.items()}
+    head.zero_grad(set_to_none=True)
+    want_x, want_logits = reference()
+    ((want_x * wx).sum() + (want_logits * wl).sum()).backward()
+    for k, p in params.items():
+        torch.testing.assert_close(grads[k], p.grad, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_a_frozen_lm_head_gets_no_gradient_and_stays_the_targets_rows(tiny_checkpoints):
+    """head.train_lm_head=false (speculators' frozen draft lm_head): the rows are the target's rows of the draft
+    vocabulary, require no gradient, are in neither optimiser's groups (the trainer's split, Muon's vocabulary group
+    included) and are bit-for-bit the target's after optimiser steps with weight decay, while every other weight
+    moves; the default head's rows move under the same steps."""
+    from mtp_train.config import LossConfig, OptimConfig
+    from mtp_train.train.losses import HeadLoss, step_token_counts
+    from mtp_train.train.optimizers import build_muon, split_for_muon
+
+    aux, hidden, tokens = _aux_batch(tiny_checkpoints, "llama", default_aux_layers(3), [9, 7])
+    lens, mask = [9, 7], torch.ones(16, dtype=torch.bool)
+    loss_cfg = LossConfig(kind="soft_ce", steps=3, w_feat=0.0, w_tok=1.0, mask_out_of_draft=False)
+    moved = {}
+    for train_lm_head in (False, True):
+        head = _eagle3(tiny_checkpoints, train_lm_head=train_lm_head)
+        head.set_draft_vocab(torch.arange(0, 256, 4))
+        rows = head.frozen.lm_head[head.draft_vocab].clone()
+        assert head.lm_head.weight.requires_grad is train_lm_head
+        torch.testing.assert_close(head.lm_head.weight, rows, rtol=0, atol=0)
+        module = HeadLoss(head, loss_cfg)
+        split = split_for_muon(module.named_parameters())
+        in_groups = {n for part in split.values() for n, _ in part}
+        assert ("head.lm_head.weight" in in_groups) is train_lm_head and "head.fc.weight" in in_groups
+        opt = build_muon(module, OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0))
+        start = {k: v.detach().clone() for k, v in head.state_dict().items()}
+        counts = step_token_counts(mask, lens, loss_cfg.steps)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss, _ = module(hidden, tokens, mask, lens, counts, aux_hidden=aux)
+            loss.backward()
+            assert (head.lm_head.weight.grad is None) is not train_lm_head
+            opt.step()
+        moved[train_lm_head] = {k for k, v in head.state_dict().items() if not torch.equal(v, start[k])}
+        if not train_lm_head:
+            torch.testing.assert_close(head.lm_head.weight, rows, rtol=0, atol=0)
+    assert "lm_head.weight" not in moved[False] and "lm_head.weight" in moved[True]
+    assert moved[False] == moved[True] - {"lm_head.weight"}  # every other weight trains as before
+
+
+@pytest.mark.parametrize(("name", "lens", "flags"), CASES, ids=CASE_IDS)
 def test_training_forward_equals_inference_prefill_verify_and_decode(tiny_checkpoints, name, lens, flags):
     head = _eagle3(tiny_checkpoints, name, **flags)
     if flags:
@@ -195,7 +285,7 @@ def test_training_forward_equals_inference_prefill_verify_and_decode(tiny_checkp
         torch.testing.assert_close(out, train, **TOL)
 
 
-@pytest.mark.parametrize("flags", [{}, EAGLE31], ids=["eagle3.0", "eagle3.1"])
+@pytest.mark.parametrize("flags", [{}, EAGLE31, SPECULATORS], ids=["eagle3.0", "eagle3.1", "speculators"])
 @pytest.mark.parametrize("type_", ["eagle3", "mtp"])
 @pytest.mark.parametrize(("name", "lens"), [("qwen3", [6, 5]), ("mistral", [19])], ids=["qwen3", "mistral"])
 def test_training_time_test_equals_what_draft_step_j_sees(tiny_checkpoints, name, lens, type_, flags):
@@ -369,3 +459,42 @@ def test_a_single_aux_layer_head_serves_through_its_fc_and_exports_where_a_layou
     plain = LLMEngine(model, page_size=3, num_pages=128).generate(prompts, params)
     spec = SpecEngine(model, HeadProposer(head), 3, page_size=3, num_pages=128).generate(prompts, params)
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+
+
+@pytest.mark.parametrize("flags", [SPECULATORS, dict(norm_before_residual=True)], ids=["speculators", "nbr"])
+def test_greedy_speculative_decoding_with_speculators_settings_equals_plain_decoding(tiny_checkpoints, flags):
+    """A head with speculators' switches (perturbed, so its drafts are neither all accepted nor all refused) drafts
+    through the engine, native steps included: the greedy answers are plain decoding's."""
+    from mtp_train.engine import LLMEngine, SamplingParams
+    from mtp_train.head_types.chain import HeadProposer
+    from mtp_train.speculative.engine import SpecEngine
+
+    head = _eagle3(tiny_checkpoints, **flags)
+    _perturb(head)
+    model = load_model(tiny_checkpoints["llama"][0], dtype="float32", backend="torch")
+    prompts = [[5, 9, 11, 3], [7, 2, 8], [1, 4, 4, 4, 6, 2]]
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    plain = LLMEngine(model, page_size=3, num_pages=128).generate(prompts, params)
+    spec = SpecEngine(model, HeadProposer(head), 3, page_size=3, num_pages=128).generate(prompts, params)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+
+
+def test_speculators_settings_survive_save_and_load(tiny_checkpoints, tmp_path):
+    """The three switches are saved with the head (its config.json, flat) and reloaded: the same tensors (the
+    whole-input norm among them), the lm_head still frozen, the same unroll."""
+    folder = tiny_checkpoints["llama"][0]
+    head = _eagle3(tiny_checkpoints, **SPECULATORS)
+    _perturb(head)
+    head.set_draft_vocab(torch.arange(100, 164))  # the frozen rows follow the draft vocabulary
+    save_head(head, tmp_path / "h", target_fingerprint=weights_fingerprint(folder))
+    saved = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert {k: saved.get(k, (saved.get("head") or {}).get(k)) for k in SPECULATORS} == SPECULATORS
+    back = load_head(tmp_path / "h", folder, dtype="float32")
+    assert back.cfg.settings == head.cfg.settings and not back.lm_head.weight.requires_grad
+    assert back.state_dict().keys() == head.state_dict().keys() and "fc_input_norm.weight" in back.state_dict()
+    for k, v in head.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k], v, rtol=0, atol=0)
+    torch.testing.assert_close(back.lm_head.weight, back.frozen.lm_head[100:164], rtol=0, atol=0)
+    aux, _, tokens = _aux_batch(tiny_checkpoints, "llama", head.aux_layers, [5])
+    with torch.no_grad():
+        torch.testing.assert_close(back.unroll(aux, tokens, [5], 2)[1], head.unroll(aux, tokens, [5], 2)[1], **TOL)

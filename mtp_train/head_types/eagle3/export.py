@@ -12,6 +12,7 @@ Our names (the eagle3 head's state dict) → the layouts' names:
 | `layers.0.<x>` (qkv, gate_up fused)| `layers.0.<x>` split q/k/v, gate/up| `midlayer.<x>` split            |
 | `norm.weight`, `lm_head.weight`    | same                               | same                            |
 | `aux_norm.{i}.weight` [H] (3.1)    | `fc_norm.{i}.weight`               | refused                         |
+| `fc_input_norm.weight` [3H]        | `input_norm.weight`                | refused                         |
 | `draft_vocab` [V_d] int64          | `d2t` [V_d] int64, `t2d` [V] bool  | `d2t`, `t2d`                    |
 
 `d2t[i] = draft_vocab[i] - i` (both engines add `arange(V_d)` back: vLLM's `Eagle3LlamaForCausalLM.compute_logits`,
@@ -30,10 +31,16 @@ Facts the maps and configs rest on (files read in the engines' sources):
   (2, L//2, L-3) are in vLLM's numbering (SGLang applies its default without the +1), as is EAGLE-3's reference
   (SafeAILab/EAGLE `modeling_llama_kv.py` keeps the input of decoder layers 2, L//2 and L-3).
 * vLLM's `update_eagle3` (`vllm/transformers_utils/configs/speculators/algos.py`) defaults `norm_before_residual`
-  to True, speculators' `Eagle3SpeculatorConfig` (`src/speculators/models/eagle3/config.py`) to False; ours
-  takes the residual from the un-normed g (SGLang's `llama_eagle3.py` does the same, and has no flag), so the
-  speculators config writes it False; `norm_before_fc` (ONE RMSNorm over the whole k·H input, `input_norm.weight`)
-  has no counterpart here and is written False.
+  to True, speculators' `Eagle3SpeculatorConfig` (`src/speculators/models/eagle3/config.py`) to False (its
+  trainer's `--norm-before-residual` to True), so the config always writes it: head.norm_before_residual, whose
+  residual is hidden_norm(g) (vLLM's `_norm_before_residual`, speculators' `Eagle3FirstLayerMixin.forward`);
+  SGLang's `llama_eagle3.py` takes the un-normed g and has no flag, so `format=sglang-eagle3` refuses it.
+* `norm_before_fc` (speculators' trainer default for eagle3): ONE RMSNorm over the whole k·H aux input before fc,
+  `input_norm.weight` [k·H] in both speculators (`Eagle3DraftModel.input_norm`) and vLLM (its loader maps
+  `input_norm.` to `model.input_norm`, built from `norm_before_fc`, and drops the tensor when the flag is off);
+  ours is head.fc_input_norm (`fc_input_norm.weight`). Both apply it before `fc_norm`'s per-layer norms, and
+  speculators' config refuses the two together, so the speculators layout does; SGLang has neither (refused).
+* A frozen lm_head (head.train_lm_head=false) changes no tensor name or config field: the layouts write the rows.
 * EAGLE-3.1. speculators' `Eagle3SpeculatorConfig` has `fc_norm` (one RMSNorm per aux layer on its H-slice before
   fc: `fc_norm.{i}.weight`, ModuleList over the aux layers, `Eagle3DraftModel.forward` in `core.py`) and
   `norm_output` (the TTT steps feed the post-norm output); vLLM's `update_eagle3` copies both into the draft's
@@ -90,15 +97,20 @@ class Eagle3Spec:
     head_type: str = "eagle3"
     aux_norm: bool = False  # EAGLE-3.1: an RMSNorm per aux layer before fc (speculators' `fc_norm`)
     norm_output: bool = False  # EAGLE-3.1: the next step reads the normed output (speculators' `norm_output`)
+    fc_input_norm: bool = False  # one RMSNorm over the whole k·H input before fc (speculators' `norm_before_fc`)
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(g) (`norm_before_residual`)
 
     @classmethod
     def of(cls, head: DraftHead) -> Eagle3Spec:
         c = head.cfg
+
+        def own(key: str) -> bool:  # eagle3's own settings; a type without them (peagle) has each switch off
+            return bool(getattr(c.settings, key, False))
+
         return cls(args=head.target_args, aux_layers=tuple(c.aux_layers), draft_vocab_size=c.draft_vocab_size,
                    fusings=tuple(family_of(head.target_args).fusings), fc_bias=c.fc_bias, head_type=c.type,
-                   # EAGLE-3.1's `head.norm_output` is eagle3's own setting; a type without it (peagle) feeds the
-                   # pre-norm output
-                   aux_norm=c.aux_norm, norm_output=bool(getattr(c.settings, "norm_output", False)))
+                   aux_norm=c.aux_norm, norm_output=own("norm_output"), fc_input_norm=own("fc_input_norm"),
+                   norm_before_residual=own("norm_before_residual"))
 
 
 class Eagle3LayoutError(LayoutError):
@@ -154,6 +166,9 @@ def speculators_problems(spec: Eagle3Spec) -> list[str]:
     problems = _common_problems(spec, "speculators")
     if spec.args.o_bias and not spec.args.qkv_bias:
         problems.append("o_proj bias without q/k/v bias: vLLM's `attention_bias` switches both on")
+    if spec.fc_input_norm and spec.aux_norm:
+        problems.append("head.fc_input_norm=true with head.aux_norm=true: speculators' config refuses "
+                        "norm_before_fc with fc_norm (retrain with one of them, or export native)")
     return problems
 
 
@@ -161,9 +176,13 @@ def sglang_problems(spec: Eagle3Spec) -> list[str]:
     """Why a head does not fit `format=sglang-eagle3` (empty: it fits)."""
     a = spec.args
     problems = _common_problems(spec, "sglang-eagle3")
-    problems += [f"head.{flag}=true: SGLang's LlamaForCausalLMEagle3 layout has no {flag} (EAGLE-3.1); it would "
+    problems += [f"head.{flag}=true: SGLang's LlamaForCausalLMEagle3 layout has no {flag} ({what}); it would "
                  "load the head without it (export format=speculators)"
-                 for flag, on in (("aux_norm", spec.aux_norm), ("norm_output", spec.norm_output)) if on]
+                 for flag, on, what in (("aux_norm", spec.aux_norm, "EAGLE-3.1"),
+                                        ("norm_output", spec.norm_output, "EAGLE-3.1"),
+                                        ("fc_input_norm", spec.fc_input_norm, "speculators' norm_before_fc"),
+                                        ("norm_before_residual", spec.norm_before_residual,
+                                         "speculators' norm_before_residual")) if on]
     problems += [f"{name}: SGLang's LlamaForCausalLMEagle3 layer has no such bias (export format=speculators)"
                  for name, on in (("qkv_bias", a.qkv_bias), ("o_bias", a.o_bias), ("mlp_bias", a.mlp_bias)) if on]
     return problems
@@ -175,8 +194,10 @@ _O_BIAS = "self_attn.o_proj.bias"
 # Outside the decoder layer, the same names in every layout; anything else of a head is left out (and then
 # reported by the exporter's coverage check).
 _TOP = ("fc.weight", "norm.weight", "lm_head.weight")
-# EAGLE-3.1's per-aux-layer norms: ours `aux_norm.{i}.*`, speculators' (and vLLM's) `fc_norm.{i}.*`.
+# EAGLE-3.1's per-aux-layer norms: ours `aux_norm.{i}.*`, speculators' (and vLLM's) `fc_norm.{i}.*`; the one norm
+# over the whole k·H input (speculators' norm_before_fc): ours `fc_input_norm.*`, theirs `input_norm.*`.
 _AUX_NORM, _FC_NORM = "aux_norm.", "fc_norm."
+_FC_INPUT_NORM, _INPUT_NORM = "fc_input_norm.", "input_norm."
 
 
 def _renamed(tensors: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
@@ -193,6 +214,7 @@ def _to(prefix: str, zero_o_bias: bool) -> Callable[[dict[str, torch.Tensor], Ea
             layer[_O_BIAS] = torch.zeros(w.shape[0], dtype=w.dtype)
         out = {k: state[k] for k in _TOP}
         out.update(_renamed(state, _AUX_NORM, _FC_NORM))
+        out.update(_renamed(state, _FC_INPUT_NORM, _INPUT_NORM))
         out.update({f"{prefix}{k}": v for k, v in layer.items()})
         out["d2t"], out["t2d"] = vocab_maps(state["draft_vocab"], spec.args.vocab_size)
         return out
@@ -210,6 +232,7 @@ def _from(prefix: str, zero_o_bias: bool) -> Callable[[dict[str, torch.Tensor], 
         layer.update(fuse(layer, parts_plan(list(layer), spec.fusings)))
         state = {k: tensors[k] for k in _TOP}
         state.update(_renamed(tensors, _FC_NORM, _AUX_NORM))
+        state.update(_renamed(tensors, _INPUT_NORM, _FC_INPUT_NORM))
         state.update({f"layers.0.{k}": v for k, v in layer.items()})
         state["draft_vocab"] = draft_vocab_from(tensors["d2t"], tensors["t2d"])
         return state
@@ -250,7 +273,7 @@ def speculators_config(spec: Eagle3Spec, target: dict[str, Any]) -> dict[str, An
         "target_hidden_size": spec.args.hidden_size,
         "eagle_aux_hidden_state_layer_ids": vllm_aux_ids(spec.aux_layers),
         # Written out: vLLM and speculators default norm_before_residual differently (True / False).
-        "norm_before_residual": False, "norm_before_fc": False,
+        "norm_before_residual": spec.norm_before_residual, "norm_before_fc": spec.fc_input_norm,
         "fc_norm": spec.aux_norm, "norm_output": spec.norm_output,  # EAGLE-3.1 (see the module docstring)
         "embed_requires_grad": False,
         "speculators_config": {
