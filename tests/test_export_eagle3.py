@@ -49,6 +49,8 @@ def _state(spec: e3.Eagle3Spec, seed: int = 0) -> dict[str, torch.Tensor]:
         s["layers.0.self_attn.qkv_proj.bias"] = r(qkv_rows)
     if spec.aux_norm:  # EAGLE-3.1: one RMSNorm per aux layer
         s.update({f"aux_norm.{i}.weight": r(H) for i in range(len(spec.aux_layers))})
+    if spec.fc_input_norm:  # speculators' norm_before_fc: one RMSNorm over the whole k·H input
+        s["fc_input_norm.weight"] = r(len(spec.aux_layers) * H)
     return s
 
 
@@ -190,7 +192,10 @@ class _StubEagle3Head:
     def __init__(self, spec: e3.Eagle3Spec, **cfg):
         self.cfg = SimpleNamespace(**{"type": "eagle3", "aux_layers": list(spec.aux_layers), "fc_bias": False,
                                       "draft_vocab_size": spec.draft_vocab_size, "aux_norm": spec.aux_norm,
-                                      "settings": SimpleNamespace(norm_output=spec.norm_output), **cfg})
+                                      "settings": SimpleNamespace(norm_output=spec.norm_output,
+                                                                  fc_input_norm=spec.fc_input_norm,
+                                                                  norm_before_residual=spec.norm_before_residual),
+                                      **cfg})
         self.target_args = spec.args
         self._state = _state(spec)
 
@@ -245,3 +250,78 @@ def test_sglang_refuses_the_eagle31_flags_by_name(flag):
     assert [p for p in e3.sglang_problems(spec) if f"head.{flag}=true" in p and "SGLang" in p]
     with pytest.raises(LayoutError, match=f"head.{flag}=true"):
         check_fits(_StubEagle3Head(spec), "sglang-eagle3")
+
+
+def test_speculators_norms_in_the_speculators_layout():
+    """head.fc_input_norm → speculators' `norm_before_fc` with its `input_norm.weight` [k·H] (vLLM builds
+    `model.input_norm` from the flag and loads the tensor there), head.norm_before_residual → `norm_before_residual`
+    (vLLM's `_norm_before_residual`); the maps stay exact inverses, and the flags are written as they are."""
+    spec = _spec(fc_input_norm=True, norm_before_residual=True, norm_output=True)
+    state = _state(spec)
+    out = e3.to_speculators(state, spec)
+    assert torch.equal(out["input_norm.weight"], state["fc_input_norm.weight"]) and out["input_norm.weight"].shape == (
+        3 * H,)
+    assert not any(k.startswith("fc_input_norm.") for k in out)
+    back = e3.from_speculators(out, spec)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    cfg = e3.speculators_config(spec, TARGET)
+    flags = ("norm_before_fc", "norm_before_residual", "norm_output", "fc_norm")
+    assert {k: cfg[k] for k in flags} == {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True,
+                                          "fc_norm": False}
+    only = e3.speculators_config(_spec(norm_before_residual=True), TARGET)
+    assert (only["norm_before_residual"], only["norm_before_fc"]) == (True, False)
+    assert e3.speculators_problems(spec) == []
+    tensors = layout_tensors(_StubEagle3Head(spec), "speculators")  # coverage and exactness through the exporter
+    assert "input_norm.weight" in tensors
+
+
+def test_speculators_refuses_norm_before_fc_with_fc_norm_and_sglang_refuses_both_switches():
+    both = _spec(fc_input_norm=True, aux_norm=True)
+    assert [p for p in e3.speculators_problems(both) if "norm_before_fc with fc_norm" in p]
+    with pytest.raises(LayoutError, match="head.fc_input_norm=true with head.aux_norm=true"):
+        check_fits(_StubEagle3Head(both), "speculators")
+    for flag in ("fc_input_norm", "norm_before_residual"):
+        spec = _spec(**{flag: True})
+        assert e3.speculators_problems(spec) == []
+        with pytest.raises(LayoutError, match=f"head.{flag}=true: SGLang's LlamaForCausalLMEagle3 layout has no"):
+            check_fits(_StubEagle3Head(spec), "sglang-eagle3")
+
+
+@pytest.mark.parametrize("flags", [
+    {"fc_input_norm": True, "norm_before_residual": True, "norm_output": True, "train_lm_head": False},
+    {"norm_before_residual": True}], ids=["speculators-recipe", "norm-before-residual"])
+def test_a_head_with_speculators_settings_exports_and_reads_back_exactly(tmp_path, flags):
+    """A real eagle3 head with speculators' switches (its weights moved off their start): `format=speculators`
+    writes the tensors and config keys vLLM reads, and the export loads back into a head whose features equal the
+    trained head's bit for bit (the exporter's own round trip and `verify_round_trip`)."""
+    from safetensors import safe_open
+
+    from mtp_train.config import HeadConfig
+    from mtp_train.export import export_head, load_export, verify_round_trip
+    from mtp_train.heads import build_head, save_head
+    from tests.conftest import make_tiny_checkpoint
+
+    target = tmp_path / "target"
+    make_tiny_checkpoint("llama", target, num_hidden_layers=5)  # the engines capture hidden_states[1..L-1]
+    head = build_head(HeadConfig.of(type="eagle3", aux_layers=[1, 2, 4], draft_vocab_size=64, **flags), target,
+                      dtype="float32")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    out = export_head(save_head(head, tmp_path / "head"), target, "speculators", tmp_path / "spec")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["norm_before_fc"] is bool(flags.get("fc_input_norm")) and cfg["norm_before_residual"] is True
+    assert cfg["norm_output"] is bool(flags.get("norm_output")) and cfg["fc_norm"] is False
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        if flags.get("fc_input_norm"):
+            assert tuple(f.get_tensor("input_norm.weight").shape) == (3 * head.args.hidden_size,)
+    assert ("input_norm.weight" in names) is bool(flags.get("fc_input_norm"))
+    assert not any(n.startswith("fc_input_norm") for n in names)
+    back = load_export(out, target, dtype=torch.float32)
+    assert back.cfg.settings == head.cfg.settings and back.lm_head.weight.requires_grad is head.train_lm_head
+    sd = head.state_dict()
+    assert back.state_dict().keys() == sd.keys()
+    assert all(torch.equal(v, sd[k]) for k, v in back.state_dict().items())
+    assert verify_round_trip(tmp_path / "head", out, target) == 0.0
