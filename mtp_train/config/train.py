@@ -17,6 +17,7 @@ from mtp_train.config.precompute import PrecomputeConfig
 
 KEEP_BEST_MODES = ("auto", "max", "min")  # train.keep_best_mode
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer
+SCHEDULES = ("cosine", "linear")  # optim.schedule: the learning rate's decay after the warmup
 MUON_ADJUST_LR = ("original", "match_rms_adamw")  # optim.muon_adjust_lr_fn (torch.optim.Muon's adjust_lr_fn)
 PLAN_DEVICES = ("", "cuda", "cpu")  # plan_device
 
@@ -24,14 +25,17 @@ PLAN_DEVICES = ("", "cuda", "cpu")  # plan_device
 @dataclass
 class OptimConfig:
     """The optimiser's settings (AdamW's, and Muon's under train.optimizer=muon) and the learning-rate schedule
-    (linear warmup, then cosine down to min_lr_ratio · lr), which scales every group's rate alike."""
+    (linear warmup, then a cosine or a linear decay down to min_lr_ratio · lr), which scales every group's rate
+    alike."""
 
     lr: float = 1e-4  # peak learning rate (AdamW; under muon the AdamW group of norms, biases and vectors)
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
     eps: float = 1e-8  # AdamW epsilon
     warmup_steps: int = 100  # optimizer steps of linear warmup from lr/warmup_steps to lr
-    min_lr_ratio: float = 0.1  # the cosine ends at min_lr_ratio · lr at train.max_steps
+    min_lr_ratio: float = 0.1  # the decay ends at min_lr_ratio · lr at train.max_steps
+    # the decay from lr after the warmup: cosine | linear (speculators' default scheduler, with min_lr_ratio=0)
+    schedule: str = "cosine"
     grad_clip: float = 0.5  # clip the global gradient norm to this (0 = off)
     # train.optimizer=muon (torch.optim.Muon on the 2-D weight matrices; the vocabulary-indexed matrices, a head's
     # own lm_head or Markov tables, take AdamW at muon_lr and muon_weight_decay, as speculators does):
@@ -59,6 +63,9 @@ class OptimConfig:
                 raise ConfigError(f"optim.{key}={value} is out of range: `optim.{key}` must be 0 or more")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} is out of range: it must be in [0, 1]")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"optim.schedule={self.schedule!r}: give one of {' | '.join(SCHEDULES)} (the learning "
+                              "rate's decay after optim.warmup_steps)")
         if self.muon_lr is not None and (not math.isfinite(self.muon_lr) or self.muon_lr <= 0):
             raise ConfigError(f"optim.muon_lr={self.muon_lr} is out of range: give a positive rate, or null for "
                               "10 · optim.lr")

@@ -11,7 +11,8 @@ number is never written in two places:
                                   CUDA ZeRO hands the optimizer one flat fp32 partition per group, which torch's
                                   multi-tensor AdamW updates in a few kernels, so the fused op gains little.
 
-The learning-rate schedule is a torch `LambdaLR` over `WarmupCosine`, handed to `deepspeed.initialize`:
+The learning-rate schedule is a torch `LambdaLR` over `WarmupDecay` (`optim.schedule`: cosine or linear), handed
+to `deepspeed.initialize`:
 DeepSpeed's `WarmupCosineLR` starts warmup at lr 0 (the first step is wasted), needs at least two warmup steps,
 and its log-shaped warmup is not what `optim.warmup_steps` promises. The engine steps it once per optimizer step
 and saves its state in checkpoints.
@@ -28,39 +29,53 @@ from typing import Any
 import torch
 
 from mtp_train.config import DeepSpeedConfig, OptimConfig
+from mtp_train.config.train import SCHEDULES
 
 AUTO = "auto"
 NOT_DEEPSPEED_KEYS = ("name", "extra")  # preset fields of ours, not DeepSpeed's
 ZERO_STAGES = (0, 1, 2)
 
 
-class WarmupCosine:
-    """lr multiplier of optimizer step s (0-based): linear warmup, then cosine from 1 to `min_ratio`.
+class WarmupDecay:
+    """lr multiplier of optimizer step s (0-based): linear warmup, then a decay from 1 to `min_ratio`.
 
-    s < warmup: (s + 1) / warmup (the first step already learns); then
-    min_ratio + (1 - min_ratio) · (1 + cos(π · p)) / 2 with p = (s - warmup) / (total - warmup), clamped to 1,
-    so steps past `total` stay at min_ratio. A callable object rather than a closure: `LambdaLR.state_dict`
-    saves its fields.
+    s < warmup: (s + 1) / warmup (the first step already learns); then, with p = (s - warmup) / (total - warmup)
+    clamped to 1 (steps past `total` stay at min_ratio):
+        cosine   min_ratio + (1 - min_ratio) · (1 + cos(π · p)) / 2
+        linear   min_ratio + (1 - min_ratio) · (1 - p)   (min_ratio 0: transformers' `get_linear_schedule_with_warmup`
+                 after its warmup, (total - s) / (total - warmup), which speculators' trainer uses)
+    A callable object rather than a closure: `LambdaLR.state_dict` saves its fields.
     """
 
-    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float) -> None:
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float, shape: str = "cosine") -> None:
         if warmup_steps < 0 or total_steps < 1:
             raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}")
         if not 0.0 <= min_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_ratio}")
+        if shape not in SCHEDULES:
+            raise ValueError(f"optim.schedule={shape!r}: give one of {' | '.join(SCHEDULES)}")
         self.warmup_steps, self.total_steps, self.min_ratio = int(warmup_steps), int(total_steps), float(min_ratio)
+        self.shape = shape
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         span = max(1, self.total_steps - self.warmup_steps)
         p = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+        left = 1.0 - p if self.shape == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
+        return self.min_ratio + (1.0 - self.min_ratio) * left
+
+
+class WarmupCosine(WarmupDecay):
+    """`WarmupDecay` with the cosine decay (optim.schedule=cosine, the default)."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float) -> None:
+        super().__init__(warmup_steps, total_steps, min_ratio, "cosine")
 
 
 def make_lr_scheduler(optim: OptimConfig, max_steps: int) -> Callable[[torch.optim.Optimizer], Any]:
-    """What `deepspeed.initialize(lr_scheduler=...)` takes: optimizer → LambdaLR(WarmupCosine(...))."""
-    fn = WarmupCosine(optim.warmup_steps, max_steps, optim.min_lr_ratio)
+    """What `deepspeed.initialize(lr_scheduler=...)` takes: optimizer → LambdaLR(WarmupDecay(...)) of optim.schedule."""
+    fn = WarmupDecay(optim.warmup_steps, max_steps, optim.min_lr_ratio, optim.schedule)
 
     def build(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
@@ -134,7 +149,7 @@ def build_ds_config(preset: DeepSpeedConfig, *, optim: OptimConfig, grad_accum: 
         raise ValueError("deepspeed.fp16 is not supported: heads train in bf16 on CUDA (bf16.enabled) or fp32 on CPU")
     if "scheduler" in cfg:
         raise ValueError("deepspeed.scheduler must not be set: the schedule comes from optim.warmup_steps, "
-                         "optim.min_lr_ratio and train.max_steps")
+                         "optim.schedule, optim.min_lr_ratio and train.max_steps")
     if grad_accum < 1:
         raise ValueError(f"train.grad_accum must be >= 1, got {grad_accum}")
     return cfg
