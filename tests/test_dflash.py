@@ -554,3 +554,49 @@ def test_the_shared_first_layer_gives_the_explicit_loss_and_gradients(tiny_check
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("head_type,block_size", [("dflash", 4), ("dflash", 16), ("dspark", 4)])
+@pytest.mark.parametrize("ce_impl", ["checkpoint", "fused"])
+@pytest.mark.parametrize("kind,weights", [("soft_ce", "dpace"), ("soft_ce", "decay"), ("jsd", "dpace"),
+                                          ("argmax_ce", "decay"), ("lk_hybrid", "dpace")])
+def test_the_position_grouped_token_loss_gives_the_per_step_loss_and_gradients(tiny_checkpoints, head_type,
+                                                                              block_size, ce_impl, kind, weights):
+    """A block drafter's token loss runs over all its steps at once, rows grouped by target position
+    (`train.losses.grouped_token_losses`: the target's lm_head once per distinct position, the head's once per row
+    in the forward): the loss, every metric and every gradient equal the step-by-step path's in float32, for every
+    ce_impl, several loss kinds, D-PACE or per-step weights, a draft vocabulary (dflash) or dspark's trainable
+    Markov columns beside the whole vocabulary, chunks smaller than a position's rows."""
+    torch.manual_seed(0)
+    settings = {"markov_rank": 8} if head_type == "dspark" else {"draft_vocab_size": 64}
+    head = build_head(HeadConfig.of(type=head_type, block_size=block_size, max_anchors=24, **settings),
+                      tiny_checkpoints["qwen3"][0], dtype="float32")
+    if head.draft_vocab is not None:
+        head.set_draft_vocab(torch.randperm(head.args.vocab_size)[:64].sort().values)
+    head.train()
+    ids, mask, lens = _anchor_batch()
+    x = torch.randn(ids.shape[0], head.input_width)
+    hidden = torch.randn(ids.shape[0], head.args.hidden_size)
+    cfg = LossConfig(steps=head.drafts, w_feat=0.5, w_tok=1.0, position_weights=weights, kind=kind, chunk_size=7,
+                     ce_impl=ce_impl)
+    rows = head.loss_rows(ids, mask, lens, 11)
+    num = step_token_counts(mask, lens, cfg.steps, rows) * 1.5  # a global count, not the local one
+    results = []
+    for grouped in (True, False):
+        head.zero_grad(set_to_none=True)
+        loss, m = unrolled_loss(head, hidden, ids, mask, lens, cfg, num_tokens=num, aux_hidden=x, anchor_seed=11,
+                                group_targets=grouped)
+        loss.backward()
+        results.append((loss.detach(), m, {n: p.grad.clone() for n, p in head.named_parameters()
+                                           if p.grad is not None}))
+    (loss_a, m_a, grads_a), (loss_b, m_b, grads_b) = results
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    assert m_a.keys() == m_b.keys()
+    for k in m_a:
+        torch.testing.assert_close(m_a[k].float(), m_b[k].float(), rtol=1e-5, atol=1e-6, msg=lambda s, k=k: f"{k}: {s}")
+    assert grads_a.keys() == grads_b.keys() and any("layers.0.self_attn.q_proj" in n for n in grads_a)
+    if head_type == "dspark":
+        assert "markov_head.markov_w2.weight" in grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda s, n=name: f"{n}: {s}")

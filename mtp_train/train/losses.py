@@ -42,7 +42,8 @@ from mtp_train.config.loss import CE_IMPLS, LossConfig
 from mtp_train.heads import DraftHead, packed_shift, packed_valid, resolve_seq_lens
 from mtp_train.heads.packing import step_rows
 from mtp_train.heads.sequence import SequenceShard
-from mtp_train.train.divergences import ChunkSums, token_loss, weighted_sum
+from mtp_train.layers import cpu_kernels, kernel_choice
+from mtp_train.train.divergences import TOPK, ChunkSums, acceptance, token_loss, weighted_sum
 from mtp_train.train.position_weights import dpace_weights, target_argmax_probability
 
 # --- alignment --------------------------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, 
                num_tokens: float | torch.Tensor | None = None, *, w_feat: float = 1.0, w_tok: float = 0.1,
                smooth_l1_beta: float = 1.0, chunk_size: int = 1024, impl: str = "checkpoint",
                pred_head: torch.Tensor | None = None, kind: str = "soft_ce", row_weight: torch.Tensor | None = None,
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               tok: ChunkSums | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one draft step.
 
     pred: (T, H) head output (what its lm_head reads); target: (T, H) target hidden of the same rows; counted:
@@ -242,6 +243,8 @@ def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, 
     Returns (loss, metrics): loss, feat_loss, tok_loss, top1, top3, alpha (the mean acceptance α of a draft
     sampled from the head), each a sum over this batch's rows divided by num_tokens (so they add up over ranks),
     and num_tokens = this batch's counted rows.
+    tok: the token loss's sums over the counted rows, computed already (`grouped_token_losses`: a block drafter's
+    steps share target positions), as constants: the loss then carries no token-loss gradient (the caller adds it).
     """
     idx = counted.nonzero().squeeze(1)
     p, t = pred[idx], target[idx]  # (N, H)
@@ -254,7 +257,10 @@ def draft_loss(pred: torch.Tensor, target: torch.Tensor, counted: torch.Tensor, 
     # feature, its first H columns.
     feat = weighted_sum(F.smooth_l1_loss(p[:, :t.shape[-1]].to(acc), t.to(acc), reduction="none",
                                          beta=smooth_l1_beta).mean(-1), rw)
-    ce, top1, top3, alpha = chunked_token_loss(p, t, lm_head, chunk_size, impl, pred_head, kind, rw)
+    if tok is None:
+        ce, top1, top3, alpha = chunked_token_loss(p, t, lm_head, chunk_size, impl, pred_head, kind, rw)
+    else:
+        ce, top1, top3, alpha = tok
     feat_loss, tok_loss = feat / denom, ce / denom
     loss = w_feat * feat_loss + w_tok * tok_loss
     metrics = {
@@ -293,21 +299,30 @@ def _counted_rows(hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int]
     rows are gathered (a sequence shard holds R of the T rows, not a shifted copy of the whole batch)."""
     shift = step + 1
     valid = packed_valid(lens, shift, hidden.device)
-    counted = packed_shift(loss_mask.to(torch.bool), lens, shift, fill=False)
-    if rows is not None:
-        counted = counted & step_rows(rows, step)
-    if in_vocab is not None:
-        kept = counted & packed_shift(in_vocab, lens, shift, fill=False)
     own = torch.arange(hidden.shape[0], device=hidden.device)[span]
     ok = valid[span]
     src = torch.where(ok, own + shift, own)
     target = torch.where(ok.view(-1, *([1] * (hidden.dim() - 1))), hidden[src], torch.zeros((), dtype=hidden.dtype,
                                                                                            device=hidden.device))
+    counted, n_all = _counted_mask(loss_mask, lens, step, in_vocab, rows, span)
+    return target, counted, n_all
+
+
+def _counted_mask(loss_mask: torch.Tensor, lens: list[int], step: int, in_vocab: torch.Tensor | None,
+                  rows: torch.Tensor | None = None, span: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_counted_rows` without the targets: step `step`'s counted rows (R,) bool of the rows `span` and the count
+    before in_vocab. A counted row i's target is row i + step + 1 of the batch (it lies in the row's sequence)."""
+    shift = step + 1
+    counted = packed_shift(loss_mask.to(torch.bool), lens, shift, fill=False)
+    if rows is not None:
+        counted = counted & step_rows(rows, step)
+    if in_vocab is not None:
+        kept = counted & packed_shift(in_vocab, lens, shift, fill=False)
     counted = counted[span]
     n_all = counted.sum().float()
     if in_vocab is not None:
         counted = kept[span]
-    return target, counted, n_all
+    return counted, n_all
 
 
 def row_weights(head: DraftHead, preds: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torch.Tensor,
@@ -331,24 +346,219 @@ def row_weights(head: DraftHead, preds: list[torch.Tensor], hidden: torch.Tensor
     return list(dpace_weights(torch.stack(conf), torch.stack(masks), cfg.dpace_alpha).unbind(0))
 
 
+# --- the token loss of rows that share target positions (block drafters) ----------------------------------------
+#
+# A block drafter's rows do not map 1:1 to target positions: slot j of anchor a and slot j-1 of anchor a+1 predict
+# the same token, so with A anchors of B slots a position is the target of up to B-1 rows (about A·(B-1) / P of
+# them on average over the P distinct positions). `grouped_token_losses` takes every step's counted rows at once,
+# ordered by target position and cut into chunks of `loss.chunk_size` rows, so the target's lm_head runs once per
+# distinct position of a chunk and its logits are read by every row of that position. It also takes each row's
+# head logits once in the forward for the loss values, the metrics and D-PACE's confidence together (the per-step
+# path ran the head's lm_head twice and the target's twice there, and once more each under `checkpoint`); the
+# gradient is the fused path's (computed in that pass, scaled by the row weights once they are known) or, under
+# `checkpoint` and for a trainable head-side lm_head, recomputed chunk by chunk in the backward. The loss, the
+# metrics and every gradient are the per-step path's up to float rounding (tests/test_losses.py compares them).
+
+
+def _target_chunks(pos: torch.Tensor, chunk_size: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """pos (N,) each row's target position → the rows grouped by position, in chunks of at most `chunk_size`:
+    per chunk (rows (C,) long, its distinct positions u (U,) ascending, inverse (C,): row k's position is
+    u[inverse[k]])."""
+    order = torch.argsort(pos, stable=True)
+    out = []
+    for s in range(0, pos.shape[0], chunk_size):
+        rows = order[s:s + chunk_size]
+        u, inv = torch.unique_consecutive(pos[rows], return_inverse=True)
+        out.append((rows, u, inv))
+    return out
+
+
+def _chunk_logits(x: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target_weight: torch.Tensor,
+                  rows: torch.Tensor, u: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of `_target_chunks`: head logits z (C, V) of x[rows] (x (N, H) detached) and the target's logits
+    (C, V), its lm_head run on the U distinct positions' hidden rows of `hidden` (T, H) only. No grad."""
+    acc = torch.promote_types(torch.promote_types(weight.dtype, target_weight.dtype), torch.float32)
+    with torch.no_grad():
+        z = F.linear(x.index_select(0, rows).to(weight.dtype), weight).to(acc)
+        t = F.linear(hidden.index_select(0, u).to(target_weight.dtype), target_weight).to(acc)
+        if u.numel() != rows.numel():  # rows sharing a position read one row of logits (a fresh (C, V) copy)
+            t = t.index_select(0, inv)
+    return z, t
+
+
+def _row_stats(z: torch.Tensor, t: torch.Tensor, kind: str, grad: bool,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per row of one chunk of head logits z and target logits t (C, V): (the token loss of `kind` (C,), top-1 hit
+    (C,) bool, top-TOPK hit (C,) bool, α (C,), the head's probability of the target's argmax (C,) (D-PACE's
+    confidence), d loss_r / d z_r (C, V) unweighted when `grad`, else None). z and t may be overwritten.
+
+    The values are those of the kind's `chunk_sums` row by row: soft CE's closed form (natively on fp32 CPU, as its
+    fused path), the other kinds' row losses; top-k and α as `divergences.accuracy_counts` and `alpha_sum`."""
+    k = min(TOPK, z.shape[-1])
+    if kind == "soft_ce" and cpu_kernels.serves(z, t) and kernel_choice.prefers_native("soft_ce", "chunk"):
+        with torch.no_grad():
+            p_best = (t.amax(-1) - torch.logsumexp(t, -1)).exp_()  # softmax(t) at its argmax, before t is scratch
+        ce, best, rank, alpha = cpu_kernels.soft_ce_(z, t)  # z becomes softmax(z) − softmax(t)
+        q = (z.gather(1, best[:, None]).squeeze(1) + p_best).clamp_(0.0, 1.0)
+        return ce, rank == 0, rank < k, alpha, q, z if grad else None
+    with torch.no_grad():
+        best = t.argmax(-1)
+        top = z.topk(k, dim=-1).indices
+        top1, topk = top[:, 0] == best, (top == best[:, None]).any(-1)
+    if kind == "soft_ce":  # −Σ p·log_softmax(z) = logsumexp(z) − Σ p·z, d/dz = softmax(z) − p
+        with torch.no_grad():
+            p = t.softmax(-1)
+            lse = torch.logsumexp(z, -1)
+            ce = lse - (p * z).sum(-1)
+            sz = (z - lse[:, None]).exp_()
+            alpha = torch.minimum(sz, p).sum(-1)
+            q = sz.gather(1, best[:, None]).squeeze(1)
+            return ce, top1, topk, alpha, q, sz.sub_(p) if grad else None
+    with torch.enable_grad():
+        zg = z.detach().requires_grad_(grad)
+        log_q = zg.log_softmax(-1)
+        log_p = t.detach().log_softmax(-1)
+        loss = token_loss(kind).rows(log_q, log_p)
+        dz = torch.autograd.grad(loss.sum(), zg)[0] if grad else None
+    with torch.no_grad():
+        alpha = acceptance(log_q.detach(), log_p)
+        q = log_q.detach().gather(1, best[:, None]).squeeze(1).exp_()
+    return loss.detach(), top1, topk, alpha, q, dz
+
+
+class _GroupedTokenLoss(torch.autograd.Function):
+    """Σ_r scale_r · loss_r over the rows of `grouped_token_losses`, its value computed already: the forward returns
+    it, the backward gives d/dx (and d/dw when the head's side of the lm_head trains) from the unweighted per-row
+    gradient rows computed in the forward (g_rows (N, H), `fused` with a frozen w), or recomputes each chunk's
+    logits and gradient (`checkpoint`, or a trainable w)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, value: torch.Tensor,  # type: ignore[override]
+                scale: torch.Tensor, g_rows: torch.Tensor | None, hidden: torch.Tensor, target_weight: torch.Tensor,
+                chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kind: str) -> torch.Tensor:
+        ctx.has_rows = g_rows is not None
+        ctx.save_for_backward(x, w, scale, g_rows if g_rows is not None else torch.empty(0))
+        ctx.plan = (hidden, target_weight, chunks, kind)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, w, scale, g_rows = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        rw = scale * g.to(scale.dtype)  # (N,) each row's weight in the caller's objective
+        if ctx.has_rows:
+            return g_rows * rw[:, None].to(g_rows.dtype), None, None, None, None, None, None, None, None
+        hidden, target_weight, chunks, kind = ctx.plan
+        acc = torch.promote_types(torch.promote_types(w.dtype, target_weight.dtype), torch.float32)
+        loss = token_loss(kind)
+        gx = torch.zeros_like(x) if need_x else None
+        gw = torch.zeros(w.shape, dtype=acc, device=w.device) if need_w else None
+        wd = w.detach()
+        for rows, u, inv in chunks:
+            z, t = _chunk_logits(x, hidden, wd, target_weight, rows, u, inv)
+            _, dz = loss.chunk_grad(z, t, rw.index_select(0, rows))
+            if gx is not None:
+                gx.index_copy_(0, rows, (dz.to(wd.dtype) @ wd).to(x.dtype))
+            if gw is not None:
+                gw.addmm_(dz.T, x.index_select(0, rows).to(acc))
+        return gx, None if gw is None else gw.to(w.dtype), None, None, None, None, None, None, None
+
+
+def grouped_token_losses(head: DraftHead, preds: list[torch.Tensor], hidden: torch.Tensor, loss_mask: torch.Tensor,
+                         lens: list[int], cfg: LossConfig, in_vocab: torch.Tensor | None,
+                         rows: torch.Tensor | None = None, span: slice = slice(None),
+                         num_tokens: Sequence[float] | torch.Tensor | None = None,
+                         ) -> tuple[list[ChunkSums], list[torch.Tensor | None], torch.Tensor | None]:
+    """The token loss of every step at once, its rows grouped by target position (the section's comment).
+
+    preds: per step (R, H) the head's output over the batch's rows `span`; the other arguments are `unrolled_loss`'s
+    (hidden (T, H) the whole batch's). Returns (per step its `ChunkSums` (loss sum weighted by the row weights, top-1
+    and top-3 counts, Σ α), detached: `step_loss`'s `tok`; per step the (R,) row weights of `cfg.position_weights`
+    (`row_weights`'s); a scalar that is zero but carries the gradient of Σ_j w_j · w_tok · loss_j / denom_j (the
+    token part of `unrolled_loss`'s total; None without grad)), denom_j `draft_loss`'s normaliser of step j."""
+    steps, dev = len(preds), hidden.device
+    own = torch.arange(hidden.shape[0], device=dev)[span]
+    masks, n_alls, idxs, xs, pos, step_of = [], [], [], [], [], []
+    for j, pred in enumerate(preds):
+        counted, n_all = _counted_mask(loss_mask, lens, j, in_vocab, rows, span)
+        idx = counted.nonzero().squeeze(1)
+        masks.append(counted)
+        n_alls.append(n_all)
+        idxs.append(idx)
+        xs.append(head.logit_input(pred[idx]))  # a row's logit input is its own row's (a norm at most)
+        pos.append(own[idx] + (j + 1))  # counted rows have their target in their sequence
+        step_of.append(torch.full_like(idx, j))
+    x, all_pos, all_step, all_idx = torch.cat(xs), torch.cat(pos), torch.cat(step_of), torch.cat(idxs)
+    w, tw = head.draft_lm_head(), head.lm_head_weight().detach()
+    acc = torch.promote_types(torch.promote_types(w.dtype, tw.dtype), torch.float32)
+    n = x.shape[0]
+    grad = torch.is_grad_enabled() and n > 0 and (x.requires_grad or w.requires_grad)
+    # the fused path's gradient rows are computed in this pass when the head-side lm_head is frozen (dflash);
+    # a trainable one (dspark's Markov columns) needs the row weights in its gradient sum: recomputed in the backward
+    rows_in_forward = grad and cfg.ce_impl == "fused" and not w.requires_grad
+    chunks = _target_chunks(all_pos, cfg.chunk_size)
+    loss_r = torch.empty(n, dtype=acc, device=dev)
+    alpha_r = torch.empty(n, dtype=acc, device=dev)
+    conf_r = torch.empty(n, dtype=torch.float32, device=dev)
+    top1_r = torch.empty(n, dtype=torch.bool, device=dev)
+    topk_r = torch.empty(n, dtype=torch.bool, device=dev)
+    g_rows = torch.empty(x.shape, dtype=x.dtype, device=dev) if rows_in_forward else None
+    xd, wd = x.detach(), w.detach()
+    for r, u, inv in chunks:
+        z, t = _chunk_logits(xd, hidden, wd, tw, r, u, inv)
+        c, a, b, al, q, dz = _row_stats(z, t, cfg.kind, rows_in_forward)
+        loss_r[r], top1_r[r], topk_r[r], alpha_r[r], conf_r[r] = c.to(acc), a, b, al.to(acc), q.float()
+        if g_rows is not None and dz is not None:
+            g_rows.index_copy_(0, r, (dz.to(wd.dtype) @ wd).to(x.dtype))
+    rw_steps: list[torch.Tensor | None] = [None] * steps
+    rw_r = None
+    if cfg.position_weights == "dpace":
+        conf = torch.ones(steps, masks[0].shape[0], dtype=torch.float32, device=dev)
+        conf[all_step, all_idx] = conf_r
+        weights = dpace_weights(conf, torch.stack(masks), cfg.dpace_alpha)  # (S, R)
+        rw_steps = list(weights.unbind(0))
+        rw_r = weights[all_step, all_idx].to(acc)
+    weighted = loss_r if rw_r is None else loss_r * rw_r
+    ce_s = torch.zeros(steps, dtype=acc, device=dev).index_add_(0, all_step, weighted)
+    alpha_s = torch.zeros(steps, dtype=acc, device=dev).index_add_(0, all_step, alpha_r)
+    top1_s = torch.zeros(steps, dtype=torch.long, device=dev).index_add_(0, all_step, top1_r.long())
+    topk_s = torch.zeros(steps, dtype=torch.long, device=dev).index_add_(0, all_step, topk_r.long())
+    toks: list[ChunkSums] = [(ce_s[j], top1_s[j], topk_s[j], alpha_s[j]) for j in range(steps)]
+    if not grad:
+        return toks, rw_steps, None
+    per_step = []
+    for j, wj in enumerate(cfg.weights()):  # d total / d loss_sum_j, as `draft_loss` and `unrolled_loss` weigh it
+        nt = num_tokens[j] if num_tokens is not None else (n_alls[j] if in_vocab is not None else masks[j].sum())
+        denom = torch.as_tensor(nt, dtype=torch.float32, device=dev).clamp_min(1.0)
+        per_step.append(wj * cfg.w_tok / denom.to(acc))
+    scale = torch.stack(per_step)[all_step]
+    if rw_r is not None:
+        scale = scale * rw_r
+    value = (scale * loss_r).sum()
+    out = _GroupedTokenLoss.apply(x, w, value, scale, g_rows, hidden, tw, chunks, cfg.kind)
+    return toks, rw_steps, out - out.detach()
+
+
 def step_loss(head: DraftHead, out: torch.Tensor, hidden: torch.Tensor, loss_mask: torch.Tensor, lens: list[int],
               step: int, cfg: LossConfig, num_tokens: float | torch.Tensor | None,
               in_vocab: torch.Tensor | None = None, row_weight: torch.Tensor | None = None,
-              rows: torch.Tensor | None = None, span: slice = slice(None),
+              rows: torch.Tensor | None = None, span: slice = slice(None), tok: ChunkSums | None = None,
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`draft_loss` of draft step `step` of a head: out (R, H) its output, hidden (T, H) the target's final hidden.
 
     The head's lm_head reads `head.logit_input(out)` through `head.draft_lm_head()`; the target's distribution
     comes from its own lm_head rows of the draft vocabulary. in_vocab (T,) (see `in_draft_vocab`): rows whose
     target position is out of the draft vocabulary are not counted; rows (T,): the head's `loss_rows`, or None;
-    span: the batch's rows `out` holds (a sequence shard's own, R of them; default all, R = T).
+    span: the batch's rows `out` holds (a sequence shard's own, R of them; default all, R = T); tok: the step's
+    token-loss sums computed already, constants (`draft_loss`).
     """
     target, counted, n_all = _counted_rows(hidden, loss_mask, lens, step, in_vocab, rows, span)
     if in_vocab is not None:
         num_tokens = n_all if num_tokens is None else num_tokens
     loss, m = draft_loss(head.logit_input(out), target, counted, head.lm_head_weight(), num_tokens, w_feat=cfg.w_feat,
                          w_tok=cfg.w_tok, smooth_l1_beta=cfg.smooth_l1_beta, chunk_size=cfg.chunk_size,
-                         impl=cfg.ce_impl, pred_head=head.draft_lm_head(), kind=cfg.kind, row_weight=row_weight)
+                         impl=cfg.ce_impl, pred_head=head.draft_lm_head(), kind=cfg.kind, row_weight=row_weight,
+                         tok=tok)
     extra = head.step_extra_loss(out, target, counted)  # a head's own term (dspark's confidence head), a sum
     if extra is not None:
         denom = torch.as_tensor(counted.sum() if num_tokens is None else num_tokens, dtype=torch.float32,
@@ -379,8 +589,8 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
                   num_tokens: Sequence[float] | torch.Tensor | None = None,
                   generator: torch.Generator | None = None,
                   aux_hidden: torch.Tensor | None = None, *, shard: SequenceShard | None = None,
-                  checkpoint: bool = False, every_row: bool = False,
-                  anchor_seed: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  checkpoint: bool = False, every_row: bool = False, anchor_seed: int | None = None,
+                  group_targets: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The training loss of a packed batch over `cfg.steps` chained draft steps.
 
     hidden: (T, H) stored target hidden h_i (the targets, and the input of a final-features head); aux_hidden:
@@ -395,7 +605,8 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
     unrolled steps are recomputed in the backward (train.activation_checkpointing). every_row: score every row, not
     only the head's `loss_rows` (a block drafter's sampled anchors), as its inference path does (evaluation).
     anchor_seed: the seed of those anchors' draw (`step_anchor_seed`; the trainer's counts must use the same), or
-    None: a draw fixed by the batch.
+    None: a draw fixed by the batch. group_targets: a block drafter's token loss over all steps at once, its rows
+    grouped by target position (`grouped_token_losses`); False: step by step (the same loss and gradients, slower).
     Returns (Σ_j w_j · loss_j, metrics): loss (the total), step{j}/{loss,feat_loss,tok_loss,top1,top3,
     num_tokens} and the step-0 values without prefix.
     """
@@ -433,14 +644,24 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
         options["checkpoint"] = True
     refuse_unroll_options(head, options)
     preds = head.unroll(x, input_ids, lens, cfg.steps, cfg.unroll_attention, **options)
-    rows_w = row_weights(head, preds, hidden, loss_mask, lens, cfg, in_vocab, rows, span)
+    toks: list[ChunkSums | None] = [None] * cfg.steps
+    tok_grad = None
+    if group_targets and rows is not None and rows.dtype == torch.bool:  # a block drafter: steps share positions
+        grouped, rows_w, tok_grad = grouped_token_losses(head, preds, hidden, loss_mask, lens, cfg, in_vocab, rows,
+                                                         span, num_tokens)
+        toks = list(grouped)
+    else:
+        rows_w = row_weights(head, preds, hidden, loss_mask, lens, cfg, in_vocab, rows, span)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     metrics: dict[str, torch.Tensor] = {}
     for j, (pred, w) in enumerate(zip(preds, cfg.weights())):
         loss_j, m = step_loss(head, pred, hidden, loss_mask, lens, j, cfg,
-                              None if num_tokens is None else num_tokens[j], in_vocab, rows_w[j], rows, span)
+                              None if num_tokens is None else num_tokens[j], in_vocab, rows_w[j], rows, span,
+                              toks[j])
         total = total + w * loss_j
         metrics.update({f"step{j}/{k}": v for k, v in m.items()})
+    if tok_grad is not None:  # zero: the token losses' gradient, their values being in the steps' (detached)
+        total = total + tok_grad.to(total.dtype)
     metrics.update({k: metrics[f"step0/{k}"] for k in ("feat_loss", "tok_loss", "top1", "top3", "alpha",
                                                         "num_tokens")})
     metrics["loss"] = total.detach()
