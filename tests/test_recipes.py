@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from mtp_train.cli.common import CONF_DIR
@@ -27,7 +28,9 @@ MUON = {"train.optimizer": "muon", "deepspeed.zero_optimization.stage": 0, "opti
 EXPECTED: dict[str, dict[str, object]] = {
     "speculators-eagle3": {
         "head.type": "eagle3", "head.norm_output": True, "head.aux_norm": False, "head.draft_vocab_size": 32000,
-        "loss.kind": "soft_ce", "loss.steps": 3, "loss.position_weights": "decay", "loss.step_decay": 1.0,
+        "head.fc_input_norm": True, "head.norm_before_residual": True, "head.train_lm_head": False,
+        "optim.schedule": "linear", "loss.kind": "soft_ce", "loss.steps": 3, "loss.position_weights": "decay",
+        "loss.step_decay": 1.0,
         "loss.w_feat": 0.0, "loss.w_tok": 1.0, "loss.mask_out_of_draft": False, "loss.noise_std": 0.05, **MUON},
     "dflash-reference": {
         "head.type": "dflash", "head.layers": 5, "head.block_size": 16, "head.max_anchors": 512,
@@ -93,3 +96,10 @@ def test_a_recipe_trains_a_tiny_head(setup, aux_data, tmp_path, name):  # noqa: 
     assert sorted(s for s in m if "train/loss" in m[s]) == [1, 2, 3, 4]
     assert all(math.isfinite(m[s]["train/loss"]) and math.isfinite(m[s]["train/grad_norm"]) for s in range(1, 5))
     assert run.result["head_dir"].endswith("step-4")
+    if name == "speculators-eagle3":  # the frozen draft lm_head: after 4 Muon steps still the target's rows
+        from mtp_train.heads import load_head
+
+        head = load_head(run.result["head_dir"], setup.target, dtype="float32")
+        assert not head.train_lm_head and not head.lm_head.weight.requires_grad
+        assert torch.equal(head.lm_head.weight, head.frozen.lm_head[head.draft_vocab])
+        assert head.fc_input_norm is not None and head.norm_before_residual
