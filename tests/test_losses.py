@@ -576,3 +576,85 @@ def test_every_loss_kind_is_one_registered_token_loss_whose_two_paths_agree(kind
     torch.testing.assert_close(generic.chunk_sums(z, t, rw)[0], sums[0].detach(), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=f"loss kind '{kind}' is registered twice"):
         TOKEN_LOSSES.add(TokenLoss(kind, loss.rows))
+
+
+# --- a block drafter's token loss, rows grouped by target position ----------------------------------------------
+
+
+def _block_head_batch(tiny_checkpoints, block_size: int = 8):
+    """A dflash head with a 48-token draft vocabulary on the tiny llama target, and a packed batch whose anchors'
+    blocks overlap (so most target positions are predicted by several (anchor, slot) rows)."""
+    torch.manual_seed(0)
+    head = build_head(HeadConfig.of(type="dflash", block_size=block_size, max_anchors=30, draft_vocab_size=48),
+                      tiny_checkpoints["llama"][0], dtype="float32")
+    head.set_draft_vocab(torch.randperm(head.args.vocab_size, generator=torch.Generator().manual_seed(1))[:48].sort()
+                         .values)
+    head.train()
+    g = torch.Generator().manual_seed(2)
+    lens = [29, 17, 23]
+    ids = torch.randint(0, head.args.vocab_size, (sum(lens),), generator=g)
+    mask = (torch.rand(sum(lens), generator=g) < 0.75).long()
+    x = torch.randn(sum(lens), head.input_width, generator=g)
+    hidden = torch.randn(sum(lens), head.args.hidden_size, generator=g)
+    return head, hidden, ids, mask, lens, x
+
+
+def test_target_chunks_group_rows_by_position_within_the_chunk_size(tiny_checkpoints):
+    """`_target_chunks` orders a block drafter's rows by target position and cuts them into chunks of at most
+    chunk_size rows; each chunk names its distinct positions once, so the target's lm_head runs on far fewer rows
+    than the loss has (B = 8: 7 steps share each position)."""
+    from mtp_train.train.losses import _target_chunks
+
+    head, _, ids, mask, lens, _ = _block_head_batch(tiny_checkpoints)
+    rows = head.loss_rows(ids, mask, lens, 3)
+    own = torch.arange(ids.shape[0])
+    pos = torch.cat([own[packed_counted(mask, lens, rows, j)] + j + 1 for j in range(head.drafts)])
+    for size in (1, 5, 16, 4096):
+        chunks = _target_chunks(pos, size)
+        seen = torch.cat([r for r, _, _ in chunks])
+        assert sorted(seen.tolist()) == list(range(pos.numel()))
+        for r, u, inv in chunks:
+            assert r.numel() <= size and bool((u[1:] > u[:-1]).all())
+            assert torch.equal(u[inv], pos[r])
+        if size == 4096:
+            assert chunks[0][1].numel() < pos.numel() / 3  # one target row per distinct position
+
+
+def packed_counted(mask, lens, rows, step):
+    """Step `step`'s counted rows of a block drafter (`step_token_counts`'s rule), (T,) bool."""
+    from mtp_train.heads import packed_shift
+
+    return packed_shift(mask.bool(), lens, step + 1, fill=False) & rows
+
+
+@pytest.mark.parametrize("impl", ["checkpoint", "fused"])
+@pytest.mark.parametrize("chunk", [1, 5, 4096])
+@pytest.mark.parametrize("native", [True, False])
+def test_grouped_block_loss_equals_the_per_step_loss_with_out_of_draft_masking(tiny_checkpoints, monkeypatch, impl,
+                                                                               chunk, native):
+    """The position-grouped token loss (`grouped_token_losses`) against the step-by-step one on a dflash head with a
+    draft vocabulary and loss.mask_out_of_draft (the local counts as normalisers), D-PACE, every chunk size from one
+    row to the whole batch, through the native soft-CE kernel or torch's ops: the loss, the metrics and every
+    gradient agree in float32."""
+    if native and not cpu_kernels.available():
+        pytest.skip("native CPU kernels not built")
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "serves", lambda *a: False)
+    head, hidden, ids, mask, lens, x = _block_head_batch(tiny_checkpoints)
+    cfg = LossConfig(steps=head.drafts, w_feat=0.3, w_tok=1.0, position_weights="dpace", chunk_size=chunk,
+                     ce_impl=impl, mask_out_of_draft=True)
+    out = []
+    for grouped in (True, False):
+        head.zero_grad(set_to_none=True)
+        loss, m = unrolled_loss(head, hidden, ids, mask, lens, cfg, aux_hidden=x, anchor_seed=5,
+                                group_targets=grouped)
+        loss.backward()
+        out.append((loss.detach(), m, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}))
+    (la, ma, ga), (lb, mb, gb) = out
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
+    assert float(ma["step0/num_tokens"]) > 0
+    for k in ma:
+        torch.testing.assert_close(ma[k].float(), mb[k].float(), rtol=1e-5, atol=1e-6, msg=lambda s, k=k: f"{k}: {s}")
+    assert ga.keys() == gb.keys() and ga
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6, msg=lambda s, n=n: f"{n}: {s}")

@@ -374,30 +374,36 @@ def _target_chunks(pos: torch.Tensor, chunk_size: int) -> list[tuple[torch.Tenso
 
 
 def _chunk_logits(x: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, target_weight: torch.Tensor,
-                  rows: torch.Tensor, u: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of `_target_chunks`: head logits z (C, V) of x[rows] (x (N, H) detached) and the target's logits
-    (C, V), its lm_head run on the U distinct positions' hidden rows of `hidden` (T, H) only. No grad."""
+    (U, V) of its distinct positions u, the target's lm_head run on those rows of `hidden` (T, H) only. No grad."""
     acc = torch.promote_types(torch.promote_types(weight.dtype, target_weight.dtype), torch.float32)
     with torch.no_grad():
         z = F.linear(x.index_select(0, rows).to(weight.dtype), weight).to(acc)
-        t = F.linear(hidden.index_select(0, u).to(target_weight.dtype), target_weight).to(acc)
-        if u.numel() != rows.numel():  # rows sharing a position read one row of logits (a fresh (C, V) copy)
-            t = t.index_select(0, inv)
-    return z, t
+        t_u = F.linear(hidden.index_select(0, u).to(target_weight.dtype), target_weight).to(acc)
+    return z, t_u
 
 
-def _row_stats(z: torch.Tensor, t: torch.Tensor, kind: str, grad: bool,
+def _rows_of(per_position: torch.Tensor, inv: torch.Tensor, rows: int) -> torch.Tensor:
+    """A chunk's per-position values (U, ...) → per row (C, ...) (row k's position inv[k]): the tensor itself when
+    every row has its own position (inv is then 0..C-1), else a fresh copy."""
+    return per_position if per_position.shape[0] == rows else per_position.index_select(0, inv)
+
+
+def _row_stats(z: torch.Tensor, t_u: torch.Tensor, inv: torch.Tensor, kind: str, grad: bool,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per row of one chunk of head logits z and target logits t (C, V): (the token loss of `kind` (C,), top-1 hit
-    (C,) bool, top-TOPK hit (C,) bool, α (C,), the head's probability of the target's argmax (C,) (D-PACE's
-    confidence), d loss_r / d z_r (C, V) unweighted when `grad`, else None). z and t may be overwritten.
+    """Per row of one chunk of head logits z (C, V) against the target logits t_u (U, V) of its distinct positions
+    (row k's are t_u[inv[k]]): (the token loss of `kind` (C,), top-1 hit (C,) bool, top-TOPK hit (C,) bool, α (C,),
+    the head's probability of the target's argmax (C,) (D-PACE's confidence), d loss_r / d z_r (C, V) unweighted
+    when `grad`, else None). z and t_u may be overwritten.
 
     The values are those of the kind's `chunk_sums` row by row: soft CE's closed form (natively on fp32 CPU, as its
     fused path), the other kinds' row losses; top-k and α as `divergences.accuracy_counts` and `alpha_sum`."""
     k = min(TOPK, z.shape[-1])
+    t = _rows_of(t_u, inv, z.shape[0])
     if kind == "soft_ce" and cpu_kernels.serves(z, t) and kernel_choice.prefers_native("soft_ce", "chunk"):
-        with torch.no_grad():
-            p_best = (t.amax(-1) - torch.logsumexp(t, -1)).exp_()  # softmax(t) at its argmax, before t is scratch
+        with torch.no_grad():  # softmax(t) at its argmax, per position, before the kernel takes t as scratch
+            p_best = _rows_of((t_u.amax(-1) - torch.logsumexp(t_u, -1)).exp_(), inv, z.shape[0])
         ce, best, rank, alpha = cpu_kernels.soft_ce_(z, t)  # z becomes softmax(z) − softmax(t)
         q = (z.gather(1, best[:, None]).squeeze(1) + p_best).clamp_(0.0, 1.0)
         return ce, rank == 0, rank < k, alpha, q, z if grad else None
@@ -455,8 +461,9 @@ class _GroupedTokenLoss(torch.autograd.Function):
         gw = torch.zeros(w.shape, dtype=acc, device=w.device) if need_w else None
         wd = w.detach()
         for rows, u, inv in chunks:
-            z, t = _chunk_logits(x, hidden, wd, target_weight, rows, u, inv)
-            _, dz = loss.chunk_grad(z, t, rw.index_select(0, rows))
+            z, t_u = _chunk_logits(x, hidden, wd, target_weight, rows, u)
+            # (chunk_grad may take the rows' logits as scratch: t_u has no reader after it)
+            _, dz = loss.chunk_grad(z, _rows_of(t_u, inv, rows.numel()), rw.index_select(0, rows))
             if gx is not None:
                 gx.index_copy_(0, rows, (dz.to(wd.dtype) @ wd).to(x.dtype))
             if gw is not None:
@@ -505,8 +512,8 @@ def grouped_token_losses(head: DraftHead, preds: list[torch.Tensor], hidden: tor
     g_rows = torch.empty(x.shape, dtype=x.dtype, device=dev) if rows_in_forward else None
     xd, wd = x.detach(), w.detach()
     for r, u, inv in chunks:
-        z, t = _chunk_logits(xd, hidden, wd, tw, r, u, inv)
-        c, a, b, al, q, dz = _row_stats(z, t, cfg.kind, rows_in_forward)
+        z, t_u = _chunk_logits(xd, hidden, wd, tw, r, u)
+        c, a, b, al, q, dz = _row_stats(z, t_u, inv, cfg.kind, rows_in_forward)
         loss_r[r], top1_r[r], topk_r[r], alpha_r[r], conf_r[r] = c.to(acc), a, b, al.to(acc), q.float()
         if g_rows is not None and dz is not None:
             g_rows.index_copy_(0, r, (dz.to(wd.dtype) @ wd).to(x.dtype))
