@@ -68,6 +68,19 @@ def test_muon_keeps_one_momentum_per_matrix_and_adamw_moments_on_the_own_lm_head
     assert term(eagle3, "optimizer") == 4 * (eagle3.head_params + own) < term(adamw, "optimizer")
 
 
+def test_a_frozen_draft_lm_head_is_weights_only():
+    """head.train_lm_head=false (speculators' recipe): the draft lm_head's rows are counted as weights, with no
+    gradient, optimiser state or gradient of its own in the loss."""
+    trained = plan_memory(settings("eagle3"), llama_args())
+    frozen_head = HeadConfig.of(type="eagle3", draft_vocab_size=32000, train_lm_head=False)
+    frozen = plan_memory(settings("eagle3", head=frozen_head.resolved(32)), llama_args())
+    rows = 32000 * 4096
+    assert frozen.head_params == trained.head_params - rows
+    assert term(trained, "weights") - term(frozen, "weights") == rows * 4 // 8  # bf16 rows kept, no fp32 master
+    assert term(frozen, "optimizer") < term(trained, "optimizer")
+    assert term(frozen, "loss chunk") < term(trained, "loss chunk")  # no own lm_head gradient
+
+
 def test_sequence_parallel_halves_the_activations_and_keeps_the_batch_whole():
     """SP = 2 halves the activation term (each rank runs half the rows); every SP rank still holds the batch."""
     for head in ("mtp", "eagle3"):

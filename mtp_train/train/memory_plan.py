@@ -178,13 +178,15 @@ class HeadShape:
 
     params: trainable parameters; qkv_in: the width its layer's q/k/v read (H, or 2H for EAGLE-3's layer);
     own_lm_head: values of a trainable lm_head of its own (its gradient builds up in the loss's backward), 0 when it
-    reads the target's frozen one; layers: its draft decoder layers.
+    reads the target's frozen one; layers: its draft decoder layers; frozen: parameters of its own that never train
+    (an EAGLE-3 draft lm_head kept at the target's rows, `head.train_lm_head=false`): weights only.
     """
 
     params: int
     qkv_in: int
     own_lm_head: int
     layers: int
+    frozen: int = 0
 
 
 def head_shape(head: HeadConfig, args: ModelArgs) -> HeadShape:
@@ -196,7 +198,8 @@ def head_shape(head: HeadConfig, args: ModelArgs) -> HeadShape:
     lm = getattr(module, "lm_head", None)
     own = sum(p.numel() for p in lm.parameters() if p.requires_grad) if isinstance(lm, torch.nn.Module) else 0
     layers = len(module.layers) if isinstance(getattr(module, "layers", None), torch.nn.ModuleList) else 1
-    return HeadShape(params, qkv[0] if qkv else args.hidden_size, own, layers)
+    frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+    return HeadShape(params, qkv[0] if qkv else args.hidden_size, own, layers, frozen)
 
 
 def draft_vocab(head: HeadConfig, args: ModelArgs) -> int:
@@ -270,9 +273,10 @@ def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
                       + ("" if cuda else "; mapped pages + the batch")))
 
     master = params * FP32 // (dp if s.zero_stage >= 1 else 1)
-    weights = params * act + (master if s.zero_stage >= 1 or cuda else 0)
+    weights = (params + shape.frozen) * act + (master if s.zero_stage >= 1 or cuda else 0)
     terms.append(Term("weights", weights, f"{params / 1e6:.1f}M × {act} B"
-                      + (f" + fp32 master / {dp if s.zero_stage >= 1 else 1}" if s.zero_stage >= 1 or cuda else "")))
+                      + (f" + fp32 master / {dp if s.zero_stage >= 1 else 1}" if s.zero_stage >= 1 or cuda else "")
+                      + (f" + {shape.frozen / 1e6:.1f}M frozen × {act} B" if shape.frozen else "")))
 
     if s.zero_stage >= 2:
         bucket = s.reduce_bucket_size * act if cuda else min(s.reduce_bucket_size, params) * act
