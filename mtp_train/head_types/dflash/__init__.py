@@ -7,7 +7,7 @@ from __future__ import annotations
 from mtp_train.config.head import NORM_FLAGS, HeadType, HeadTypeSpec
 from mtp_train.head_types.dflash.drafter import BLOCK_OPTIONS, block_drafter, block_inference_path
 from mtp_train.head_types.dflash.head import DFlashHead, default_block_layers
-from mtp_train.head_types.dflash.layouts import LAYOUTS
+from mtp_train.head_types.dflash.layouts import TYPE_LAYOUTS
 from mtp_train.head_types.dflash.settings import BlockSettings
 
 HEAD_TYPE = HeadType(
@@ -19,5 +19,5 @@ HEAD_TYPE = HeadType(
     drafter=block_drafter,
     inference_path=block_inference_path,
     draft_options=BLOCK_OPTIONS,
-    layouts=LAYOUTS,
+    layouts=TYPE_LAYOUTS,
 )

@@ -75,7 +75,7 @@ SPECULATORS_READER = Reader(
     f"speculators_model_type {speculators.MODEL_TYPE!r}", speculators_head_config,
     layer_key="transformer_layer_config", keep=("lm_head.weight",))
 
-LAYOUTS = (
+TYPE_LAYOUTS = (
     Layout("dflash", dflash.problems, dflash.to_layout, dflash.from_layout, dflash.config,
            serves={"vllm": {"method": "dflash"}}, reader=ZLAB_READER),
     Layout("speculators-dflash", speculators.problems, speculators.to_layout, speculators.from_layout,

@@ -8,7 +8,7 @@ from mtp_train.config.head import NORM_FLAGS, HeadType, HeadTypeSpec
 from mtp_train.head_types.dflash.head import default_block_layers
 from mtp_train.head_types.dspark.drafter import MARKOV_OPTIONS, markov_drafter, markov_inference_path
 from mtp_train.head_types.dspark.head import DSparkHead
-from mtp_train.head_types.dspark.layouts import LAYOUTS
+from mtp_train.head_types.dspark.layouts import TYPE_LAYOUTS
 from mtp_train.head_types.dspark.settings import DSparkSettings
 
 HEAD_TYPE = HeadType(
@@ -21,5 +21,5 @@ HEAD_TYPE = HeadType(
     drafter=markov_drafter,
     inference_path=markov_inference_path,
     draft_options=MARKOV_OPTIONS,
-    layouts=LAYOUTS,
+    layouts=TYPE_LAYOUTS,
 )

@@ -48,7 +48,7 @@ READER = Reader("DSpark", "vLLM", lambda cfg: bool({dspark.ARCH, "DSparkDraftMod
                                                                                            or [])),
                 f"architectures [{dspark.ARCH!r}]", dspark_head_config)
 
-LAYOUTS = (
+TYPE_LAYOUTS = (
     Layout("dspark", dspark.problems, dspark.to_layout, dspark.from_layout, dspark.config,
            serves={"vllm": {"method": "dspark"}}, reader=READER),
 )

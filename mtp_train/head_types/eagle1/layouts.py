@@ -81,7 +81,7 @@ def _eagle_config(arch: str) -> Callable[[DraftHead, dict[str, Any]], dict[str, 
     return config
 
 
-LAYOUTS = (
+TYPE_LAYOUTS = (
     Layout("vllm-eagle", _eagle_check(bias_ok=False), _eagle_to("", bias=False), _eagle_from(""),
            _eagle_config("LlamaForCausalLM"), serves={"vllm": {"method": "eagle"}}),
     Layout("sglang-eagle", _eagle_check(bias_ok=True), _eagle_to("", bias=True), _eagle_from(""),

@@ -7,7 +7,7 @@ from __future__ import annotations
 from mtp_train.config.head import NORM_FLAGS, HeadType, HeadTypeSpec
 from mtp_train.head_types.chain import CHAIN_OPTIONS, chain_drafter
 from mtp_train.head_types.eagle3.head import Eagle3Head
-from mtp_train.head_types.eagle3.layouts import LAYOUTS
+from mtp_train.head_types.eagle3.layouts import TYPE_LAYOUTS
 from mtp_train.head_types.eagle3.settings import Eagle3Settings
 from mtp_train.speculative.chain import inference_chain
 
@@ -20,6 +20,6 @@ HEAD_TYPE = HeadType(
     drafter=chain_drafter,
     inference_path=inference_chain,
     draft_options=CHAIN_OPTIONS,
-    layouts=LAYOUTS,
+    layouts=TYPE_LAYOUTS,
     foreign_targets=True,
 )

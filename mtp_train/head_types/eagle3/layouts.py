@@ -25,7 +25,7 @@ def eagle3_layout(name: str, check: Callable[[eagle3.Eagle3Spec], list[str]], to
                   serves=serves)
 
 
-LAYOUTS = (
+TYPE_LAYOUTS = (
     eagle3_layout("speculators", eagle3.speculators_problems, eagle3.to_speculators, eagle3.from_speculators,
                   eagle3.speculators_config, serves={"vllm": {"method": "eagle3"}}),
     eagle3_layout("sglang-eagle3", eagle3.sglang_problems, eagle3.to_sglang, eagle3.from_sglang,

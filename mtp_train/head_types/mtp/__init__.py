@@ -6,7 +6,7 @@ from __future__ import annotations
 from mtp_train.config.head import INITS, NORM_FLAGS, HeadType, HeadTypeSpec
 from mtp_train.head_types.chain import CHAIN_OPTIONS, chain_drafter
 from mtp_train.head_types.mtp.head import MTPHead
-from mtp_train.head_types.mtp.layouts import LAYOUTS
+from mtp_train.head_types.mtp.layouts import TYPE_LAYOUTS
 from mtp_train.speculative.chain import inference_chain
 
 HEAD_TYPE = HeadType(
@@ -17,5 +17,5 @@ HEAD_TYPE = HeadType(
     drafter=chain_drafter,
     inference_path=inference_chain,
     draft_options=CHAIN_OPTIONS,
-    layouts=LAYOUTS,
+    layouts=TYPE_LAYOUTS,
 )

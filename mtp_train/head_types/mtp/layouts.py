@@ -114,7 +114,7 @@ def _qn_config(head: DraftHead, target: dict[str, Any]) -> dict[str, Any]:
     return hf_config(target, num_nextn_predict_layers=1, attn_output_gate=False)
 
 
-LAYOUTS = (
+TYPE_LAYOUTS = (
     Layout("deepseek-mtp", mtp_check, _ds_to, _ds_from, _ds_config, needs_frozen=True),
     Layout("qwen3-next-mtp", mtp_check, _qn_to, _qn_from, _qn_config, exact=False),
 )

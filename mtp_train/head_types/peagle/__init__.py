@@ -7,7 +7,7 @@ from __future__ import annotations
 from mtp_train.config.head import NORM_FLAGS, HeadType, HeadTypeSpec
 from mtp_train.head_types.peagle.drafter import PARALLEL_OPTIONS, parallel_drafter, parallel_inference_path
 from mtp_train.head_types.peagle.head import PEagleHead
-from mtp_train.head_types.peagle.layouts import LAYOUTS
+from mtp_train.head_types.peagle.layouts import TYPE_LAYOUTS
 from mtp_train.head_types.peagle.settings import PEagleSettings
 
 HEAD_TYPE = HeadType(
@@ -19,5 +19,5 @@ HEAD_TYPE = HeadType(
     drafter=parallel_drafter,
     inference_path=parallel_inference_path,
     draft_options=PARALLEL_OPTIONS,
-    layouts=LAYOUTS,
+    layouts=TYPE_LAYOUTS,
 )

@@ -39,7 +39,7 @@ READER = Reader("P-EAGLE", "speculators", lambda cfg: cfg.get("speculators_model
                 layer_key="transformer_layer_config", keep=("lm_head.weight", "embed_tokens.weight"),
                 trained_lm_head=True, fit=peagle_fit)
 
-LAYOUTS = (
+TYPE_LAYOUTS = (
     # speculators' P-EAGLE layout: EAGLE-3's, the placeholder's hidden state and token.
     Layout("speculators-peagle", lambda head: peagle.problems(eagle3.Eagle3Spec.of(head)),
            on_spec(peagle.to_layout), on_spec(peagle.from_layout),

@@ -11,7 +11,7 @@ from mtp_train.config.head import NORM_FLAGS, HeadType, HeadTypeSpec
 
 from .drafter import pair_drafter, pair_inference_path
 from .head import PairHead
-from .layouts import LAYOUTS
+from .layouts import TYPE_LAYOUTS
 from .settings import PairSettings
 
 HEAD_TYPE = HeadType(
@@ -20,5 +20,5 @@ HEAD_TYPE = HeadType(
     module=PairHead,
     drafter=pair_drafter,
     inference_path=pair_inference_path,
-    layouts=LAYOUTS,
+    layouts=TYPE_LAYOUTS,
 )

@@ -40,4 +40,4 @@ def _head_config(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> HeadC
 READER = Reader("pair", "this template's", lambda cfg: ARCH in (cfg.get("architectures") or []),
                 f"architectures [{ARCH!r}]", _head_config)
 
-LAYOUTS = (Layout("pair-flat", _problems, _to, _from, _config, reader=READER),)
+TYPE_LAYOUTS = (Layout("pair-flat", _problems, _to, _from, _config, reader=READER),)
