@@ -136,7 +136,7 @@ class Trainer:
             self.data.close()
             raise
         self.logger = RunLogger(enabled=info.is_main, out=self.out, wandb=cfg.wandb, mode=wandb_mode,
-                                config=dataclasses.asdict(cfg), resume_step=self._resume_step)
+                                config=plain(cfg), resume_step=self._resume_step)  # the head flat, as W&B filters it
 
     # -- set-up --
 
@@ -308,7 +308,7 @@ class Trainer:
             "best": self.best.state_dict(),
         }
         tag_dir = save_engine_state(self.engine, self.out, self.step, client, self.info.rank, self.info.world,
-                                    dataclasses.asdict(self.head.cfg))
+                                    self.head.cfg.to_dict())
         dist.barrier()
         if self.info.is_main:
             write_checksums(tag_dir)
