@@ -64,7 +64,7 @@ class HeadProposer(Proposer):
     then runs with k = tree.steps. Without either the head drafts a plain chain (CUDA graphs, draft_threshold).
     """
 
-    name = "mtp"
+    name = "chain"  # the chain drafter of every chain head type (mtp, eagle1, eagle3)
 
     def __init__(self, head: DraftHead, draft_threshold: float = 0.0, catch_up: str = "target",
                  draft_width: int = 1, tree: TreeSpec | None = None) -> None:
