@@ -25,6 +25,10 @@ path then also computes chunk by chunk). ĥ is `head.logit_input(out)` (eagle3: 
 forward). `loss.mask_out_of_draft` drops positions whose full-vocabulary target argmax is outside the draft
 vocabulary, as EAGLE-3 trains (one no-grad argmax pass per batch); the normaliser and num_tokens still count them,
 as EAGLE-3's mean does, so top-1 is the share of all loss positions drafted right (those rows are misses).
+
+A block drafter (its `loss_rows` a bool mask of anchors) has many rows per target position across its steps: its
+token loss runs over all steps at once, rows grouped by target position, the target's logits once per distinct
+position of a chunk (`grouped_token_losses`); the loss and every gradient are the per-step path's.
 """
 
 from __future__ import annotations
