@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (checks/gpu/: FlashInfer vs torch attention parity, speculative decoding, CUDA graphs (verify, the
 # head's catch-up over the verify rows, its draft steps), MLA, tree mask cost, chain attention, the training memory
-# plan against real runs, tensor parallelism)
+# plan against real runs, the block drafters' grouped token loss and the Muon recipe, tensor parallelism)
 # and tokens/s on a CUDA machine, every group in one run.
 # Prints PASS/FAIL per check; exits non-zero if any check fails. Finishes in a few minutes on one H100/H200
 # (the first FlashInfer use JIT-compiles its kernels).

@@ -20,6 +20,8 @@ reported as a failed check and the next group runs. The groups, one module each:
     chain_attention.py  the heads' chained training attention, diagonal against masked, in bf16
     train_memory.py     the memory plan against real mtp-train runs (eagle3, dflash; 4k, 8k; activation
                         checkpointing on and off); the chain and block training attentions against their references
+    train_step.py       a block drafter's position-grouped token loss = the per-step path (fp32, bf16; both ce_impl);
+                        mtp-train recipe=speculators-eagle3 (Muon, ZeRO 0, bf16) runs, its draft lm_head stays frozen
     tensor_parallel.py  with two or more GPUs: tp=2 over NCCL (tp_worker.py is each rank) = one GPU
 
 common.py holds the PASS/FAIL record (`Checks`), the tolerance, a random checkpoint, teacher-forced logits, the

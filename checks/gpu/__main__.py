@@ -25,6 +25,7 @@ from checks.gpu.speculative import speculative_checks
 from checks.gpu.tensor_parallel import tensor_parallel_check
 from checks.gpu.throughput import throughput
 from checks.gpu.train_memory import train_memory_check
+from checks.gpu.train_step import train_step_check
 from checks.gpu.tree_mask import tree_mask_cost
 
 
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs.append(("tree mask cost", lambda: tree_mask_cost(check, tag, smol)))
         jobs.append(("chain attention", lambda: chain_attention_check(check)))
         jobs.append(("train memory", lambda: train_memory_check(check, smol, Path(tmp) / "train-memory")))
+        jobs.append(("train step", lambda: train_step_check(check, smol, Path(tmp) / "train-step")))
         if torch.cuda.device_count() > 1:
             jobs.append(("tensor parallel", lambda: tensor_parallel_check(check, Path(tmp), small)))
         else:
