@@ -104,8 +104,10 @@ class Registry(Generic[T]):
         put on the package's path at run time); entries found before stay as they are."""
         if self.package is None:
             raise TypeError(f"the {self.kind} registry scans no package")
-        self._load()
-        self._scan()
+        if self._discover is not None:  # never read yet: the first read's scan finds everything there is
+            self._load()
+        else:
+            self._scan()
 
     def _add_found(self, entry: Any, where: str, name: str) -> None:
         """Add a plug-in's entry, which must be named as its module (or entry point) is."""
