@@ -8,10 +8,16 @@ VmHWM (the peak resident set of its image after exec, which it writes at exit); 
 under torchrun (`train.sequence_parallel=N`) and the peak is the largest rank's (a chain head's N
 must divide the target's attention heads: 3 for SmolLM2-135M's 9; a block drafter takes any N).
 
+Every measured process runs with glibc's `MALLOC_MMAP_THRESHOLD_` at 1 MiB (`MMAP_THRESHOLD`): a tensor of a MiB or
+more then lives in its own mapping, returned to the system when it is freed, so the resident set follows the live
+tensors (what the plan counts, and what a CUDA device holds). Without it glibc serves blocks up to 32 MiB from its
+heap and keeps what is freed resident: a run's peak then carried several hundred MiB of freed activations, varying
+from run to run (0.3 GiB between two runs of one SP 2 configuration).
+
 Prints measured, planned and planned / measured per (head, length); the last line is one JSON object.
 
 Usage: python -m bench.train_memory [--model DIR] [--heads mtp,eagle3,dflash] [--lengths 1024,2048,4096,8192]
-       [--steps 2] [--sp 1] [--activation-checkpointing] [--work DIR]
+       [--steps 2] [--sp 1] [--activation-checkpointing] [--work DIR] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from pathlib import Path
 from bench.common import DEFAULT_MODEL, ints, parser, report
 
 GIB = 2**30
+# glibc: allocations of this many bytes or more are mapped on their own and unmapped when freed (module docstring)
+MMAP_THRESHOLD = 2**20
 TOTAL_LINE = re.compile(r"^peak per rank\s+([0-9.]+) GiB \((\d+) bytes\)", re.M)
 # a process's own peak, written at exit to $TRAIN_MEMORY_HWM/rank-<RANK> by the `sitecustomize` of every measured run
 # (torchrun's launcher, which has no RANK, writes nothing)
@@ -93,7 +101,8 @@ def measure(args: list[str], sp: int, work: Path) -> int:
     Each process writes its own VmHWM at exit (`HWM_HOOK`): the resident high-water mark of its image after exec.
     The parent's `wait4` would not do: a child's ru_maxrss counts the pages it shared with its parent between fork and
     exec, so a child of a large process (a test suite's) reports the parent's size."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     hook, peaks_dir = work / "hwm_hook", work / "hwm"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(HWM_HOOK)
@@ -129,13 +138,15 @@ def planned(args: list[str], sp: int) -> int:
 
 
 def run_one(model: Path, head: str, length: int, steps: int, sp: int, work: Path, samples: int = 4,
-            checkpointing: bool = False) -> Row:
-    """Measure and plan one (head, length, sp), with train.activation_checkpointing when `checkpointing`."""
+            checkpointing: bool = False, extra: list[str] | None = None) -> Row:
+    """Measure and plan one (head, length, sp), with train.activation_checkpointing when `checkpointing` and the
+    `mtp-train` overrides `extra` after the bench's own."""
     folder = folder_for(work, model, head, length, max(samples, steps * sp))
     out = work / f"run-{head}-{length}-sp{sp}"
     args = overrides(model, head, folder, out, length, steps, sp)
     if checkpointing:
         args.append("train.activation_checkpointing=true")
+    args += extra or []
     row = Row(head, length, sp, measure(args + ["overwrite=true", "resume=none"], sp, work), planned(args, sp),
               checkpointing)
     for p in sorted(out.rglob("*"), reverse=True):  # a run's checkpoint is not needed once its peak is read
@@ -160,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sp", type=int, default=1, help="train.sequence_parallel (that many CPU ranks)")
     ap.add_argument("--activation-checkpointing", action="store_true", help="train.activation_checkpointing=true")
     ap.add_argument("--work", type=Path, default=None, help="where folders and runs go (default: a temporary one)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an mtp-train override for every run, e.g. --set loss.ce_impl=fused (repeatable)")
     args = ap.parse_args(argv)
     model = args.model.resolve()
     with tempfile.TemporaryDirectory(prefix="train-memory-") as tmp:
@@ -169,11 +182,11 @@ def main(argv: list[str] | None = None) -> dict:
         for head in args.heads.split(","):
             for length in args.lengths:
                 rows.append(run_one(model, head, length, args.steps, args.sp, work,
-                                    checkpointing=args.activation_checkpointing))
+                                    checkpointing=args.activation_checkpointing, extra=args.set))
                 print(f"{head} {length}: measured {rows[-1].measured / GIB:.2f} GiB, planned "
                       f"{rows[-1].planned / GIB:.2f} GiB ({rows[-1].ratio:.3f})", flush=True)
     print_rows(rows)
-    result = {"model": str(model), "steps": args.steps, "sp": args.sp,
+    result = {"model": str(model), "steps": args.steps, "sp": args.sp, "overrides": args.set,
               "rows": [{**asdict(r), "ratio": round(r.ratio, 4)} for r in rows]}
     report(result)
     return result

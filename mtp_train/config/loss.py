@@ -36,7 +36,8 @@ class LossConfig:
     dpace_alpha: float = 0.5  # D-PACE's confidence smoothing: (1 − a)·q + a, in (0, 1]
     unroll_attention: str = "chain"  # chain (as the inference chain sees it) | causal (DeepSeek-V3 MTP style)
     chunk_size: int = 1024  # rows per lm_head chunk: bounds memory at ~3 · chunk_size · V floats
-    ce_impl: str = "checkpoint"  # checkpoint | fused (see the module docstring)
+    # fused (the gradient in the forward: no recomputation, half the loss chunk's memory) | checkpoint
+    ce_impl: str = "fused"
     noise_std: float = 0.0  # uniform noise U(-std, std) on the input features in training mode (EAGLE); 0 = off
     # With a draft vocabulary: drop positions whose target argmax lies outside it (EAGLE-3 trains so). Costs one
     # no-grad full-vocabulary lm_head pass per batch (argmax only, shared by all steps); false = no such pass.

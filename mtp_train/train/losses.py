@@ -13,7 +13,8 @@ the count over all ranks). The target distribution is recomputed from the stored
 the frozen lm_head, never stored. Logits are computed `chunk_size` rows at a time, so a (T, V) tensor never
 exists: `impl="checkpoint"` recomputes each chunk's logits in the backward (torch.utils.checkpoint,
 non-reentrant); `impl="fused"` computes the gradient with respect to ĥ chunk by chunk during the forward and
-keeps only that (N, H) gradient, which saves the recomputation (about a third of the lm_head work). In fp32 on
+keeps only that (N, H) gradient, which saves the recomputation (about a third of the lm_head work) and half of
+the chunk's memory; it is `loss.ce_impl`'s default (checkpoint stays for comparison). In fp32 on
 CPU its per-row work (softmaxes, CE, argmax and top-k counts, the gradient softmax(z) − p) runs in one native
 kernel (`cpu_kernels.soft_ce_`) that reads each (C, V) chunk once, where torch's ops pass over it ~8 times;
 its top-k counts rank the target's argmax among the head's logits, which equals torch's top-k except on exact ties.

@@ -55,9 +55,9 @@ FP32, BF16 = 4, 2
 # CUDA: the context, cuBLAS / cuDNN workspaces and the caching allocator's slack beyond the tensors (an estimate, not
 # a measurement of this code)
 CUDA_RUNTIME_BYTES = int(1.5 * GIB)
-# The token loss's (rows, V) fp32 tensors alive at its peak, per `loss.ce_impl`: checkpoint (the default) holds the
-# head's and the target's logits, the target's softmax, their product, the head's softmax inside α and the
-# recomputation's pair in the backward; fused holds the logits, the target's and the gradient written into one of
+# The token loss's (rows, V) fp32 tensors alive at its peak, per `loss.ce_impl`: checkpoint holds the head's and
+# the target's logits, the target's softmax, their product, the head's softmax inside α and the recomputation's
+# pair in the backward; fused (the default) holds the logits, the target's and the gradient written into one of
 # them. Measured on the CPU (bench.train_memory) and rounded up.
 LOSS_CHUNK_COPIES = {"checkpoint": 6.0, "fused": 3.0}
 # H-wide values per row and unrolled step a chain head's rank adds under sequence parallelism (the Ulysses exchange
