@@ -31,6 +31,20 @@ class CurveEval:
     k: int = 3
     max_new_tokens: int = 96
     batch_size: int = 8
+    # The head's own best k, at the last point only (bench.curve.kgrid): τ measured at each k of the grid ([] = not
+    # measured). A drafter that drafts at most m tokens whatever k is asked (a block drafter: its block's drafts)
+    # takes `block_k_grid` cut at m instead, every k from 1 to m when that is [].
+    k_grid: list[int] = field(default_factory=list)
+    block_k_grid: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CurveData:
+    """Conversations the curve precomputes itself: `name` (a conf/data name) with its `paths` replaced. Without
+    paths, the shared self-distilled set when ../shared/data has it, else the demo's own conversations."""
+
+    name: str = "demo-regen"
+    paths: list[str] = field(default_factory=list)  # relative to the working directory (the checkout's root)
 
 
 @dataclass
@@ -45,6 +59,11 @@ class CurveConfig:
     eval: CurveEval = field(default_factory=CurveEval)
     ngram: dict[str, int] = field(default_factory=lambda: {"n_max": 3, "n_min": 1})
     variants: dict[str, VariantSpec] = field(default_factory=dict)  # run by --variants
+    full_curve: bool = False  # measure the variants at every point (as --full-curve), not the last only
+    data: CurveData = field(default_factory=CurveData)
+    # One precompute folder holding these target layers (hidden_states numbering) for every head and variant, each
+    # checked to read only layers it holds; None: one folder per set of layers the heads read.
+    aux_layers: list[int] | None = None
 
 
 def load_config(path: str | Path = CONFIG) -> CurveConfig:
@@ -91,6 +110,16 @@ def head_aux_layers(name: str, num_layers: int) -> list[int]:
     if str(head.get("features", "final")) != "aux":
         return []
     return [int(j) for j in (head.get("aux_layers") or [])] or default_aux_layers(num_layers)
+
+
+def reads_layers(train_conf: Any, num_layers: int) -> list[int]:
+    """The target layers a composed mtp-train config's head reads ([] for a head on the final state): its type's
+    defaults resolved against the target's layer count, after every override (a variant's `head.features=aux`,
+    a recipe's head), which `head_aux_layers` (the conf/head file alone) cannot see."""
+    from mtp_train.config import TrainConfig, typed
+
+    head = typed(train_conf, TrainConfig).head.resolved(num_layers)
+    return [int(j) for j in head.aux_layers] if head.features == "aux" else []
 
 
 # --- recipe variants ---------------------------------------------------------------------------------------------

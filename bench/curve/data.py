@@ -10,13 +10,35 @@ from bench.common import REGEN_DATA, ROOT, compose
 from bench.curve.config import CurveConfig
 
 
-def prepare_data(cfg: CurveConfig, out: Path, model: str, aux_layers: list[int]) -> tuple[Path, str, str]:
+def data_overrides(cfg: CurveConfig, check: bool = True) -> list[str]:
+    """The mtp-precompute / mtp-train data overrides of the config's own conversations (`data:` with paths):
+    `data=<name> data.paths=[...]`; [] without paths. With `check`, a missing file is refused by its key."""
+    if not cfg.data.paths:
+        return []
+    missing = [p for p in cfg.data.paths if not Path(p).is_file()]
+    if check and missing:
+        raise SystemExit(f"curve: data.paths {missing} not found (relative to {Path.cwd()}): make them first "
+                         "(e.g. mtp-regenerate ... out=<path>), or run from the checkout's root")
+    return [f"data={cfg.data.name}", f"data.paths=[{','.join(str(p) for p in cfg.data.paths)}]"]
+
+
+def prepare_data(cfg: CurveConfig, out: Path, model: str, aux_layers: list[int],
+                 name: str | None = None) -> tuple[Path, str, str]:
     """The precompute folder (made or resumed here), holding `aux_layers` besides the final hidden state when
-    given (in `precompute-aux`); returns (folder, data name, description)."""
+    given (`name`, default `precompute-aux`, else `precompute`); returns (folder, data name, description).
+
+    The conversations: the config's `data.paths` when given, else the shared self-distilled set when
+    ../shared/data has it, else the demo's own (regenerated here as `make demo` does)."""
     from mtp_train.cli.precompute import precompute_main
 
-    name = "precompute-aux" if aux_layers else "precompute"
+    name = name or ("precompute-aux" if aux_layers else "precompute")
     aux = [f"aux_layers=[{','.join(str(j) for j in aux_layers)}]"] if aux_layers else []
+    if cfg.data.paths:
+        pc = out / name
+        precompute_main(compose("precompute", [f"model.path={model}", *data_overrides(cfg), f"out={pc}",
+                                               *cfg.precompute, *aux]))
+        return pc, cfg.data.name, (f"{', '.join(cfg.data.paths)} (data={cfg.data.name}), "
+                                   f"{' '.join(cfg.precompute)}")
     if REGEN_DATA.is_file():
         pc = out / name
         precompute_main(compose("precompute", [f"model.path={model}", "data=shared-regen", f"out={pc}",

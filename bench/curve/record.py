@@ -15,7 +15,9 @@ def points_json(results: dict[str, Any]) -> dict[str, Any]:
     """docs/curve.json: per head, the curve's points (`curve`) and each variant's; the best τ at the budget.
 
     A point is {tokens, step, tau, pos}; `best_tau_512k` is the highest τ at the budget's step over the curve's
-    heads (variant `curve`) and every variant, with the variant and head that reached it.
+    heads (variant `curve`) and every variant, with the variant and head that reached it. `best_k`: per head of the
+    curve (`<head> (curve)`) and variant measured at a k grid (bench.curve.kgrid), its best k at the last point
+    with that τ and SE; `heads_k_grid`: the curve's heads' grids in full (the variants' are on their rows).
     """
     def pts(points: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"tokens": p["tokens"], "step": p["step"], "tau": p["tau"], "pos": p["pos"],
@@ -44,9 +46,19 @@ def points_json(results: dict[str, Any]) -> dict[str, Any]:
             "best_tau_512k": best[0] if best else None, "best_variant": best[1] if best else None,
             "best_head": best[2] if best else None, "ngram": results.get("ngram"),
             "seed_comparisons": comparisons(rows),  # e.g. mtp against eagle1 over 3 seeds
+            "best_k": {name: {"k": g["best_k"], "tau": g["best_tau"], "tau_se": g.get("best_tau_se"),
+                              "tokens": g["tokens"], "ks": g["ks"]} for name, g in k_grids(results)},
+            "heads_k_grid": {h: rec["k_grid"] for h, rec in (results.get("heads") or {}).items()
+                             if rec.get("k_grid")},
             # the measured rows in full, so that another checkout's run resumes from this file (see `seed`)
             "variant_order": results.get("variant_order", []),
             "variants": {r["variant"]: r for r in rows}}
+
+
+def k_grids(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, k grid) of the curve's heads (`<head> (curve)`) and the variants that hold one."""
+    heads = [(f"{h} (curve)", rec["k_grid"]) for h, rec in (results.get("heads") or {}).items() if rec.get("k_grid")]
+    return heads + [(r["variant"], r["k_grid"]) for r in ordered_rows(results) if r.get("k_grid")]
 
 
 def seed(results: dict[str, Any], record: dict[str, Any]) -> list[str]:
@@ -70,6 +82,8 @@ def seed(results: dict[str, Any], record: dict[str, Any]) -> list[str]:
         for h, by_variant in (record.get("heads") or {}).items():
             if by_variant.get("curve") and not (heads.get(h) or {}).get("points"):
                 heads[h] = {"points": {str(p["step"]): p for p in by_variant["curve"]}}
+                if (record.get("heads_k_grid") or {}).get(h):
+                    heads[h]["k_grid"] = record["heads_k_grid"][h]
                 taken.append(f"{h} (curve)")
         for key in ("recipe", "max_steps", "budget_tokens", "eval"):
             results.setdefault(key, record.get(key))

@@ -146,7 +146,8 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    """τ (left) and per-position acceptance (right) against training tokens, log x axis; prompt lookup dashed."""
+    """τ (left) and per-position acceptance (right) against training tokens, log x axis, of the heads and the
+    variants measured at several points; prompt lookup dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,8 +156,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", ":", "-."]
-    for i, h in enumerate(head_order(results)):
-        pts = sorted(results["heads"][h]["points"].values(), key=lambda p: p["tokens"])
+    # the curve's heads, then the variants measured at several points (--full-curve), each with its own colour
+    curves = [(h, results["heads"][h]["points"]) for h in head_order(results)]
+    curves += [(r["variant"], r["points"]) for r in ordered_rows(results) if len(r.get("points") or {}) > 1]
+    for i, (h, points) in enumerate(curves):
+        pts = sorted(points.values(), key=lambda p: p["tokens"])
         if not pts:
             continue
         xs = [p["tokens"] for p in pts]
@@ -179,8 +183,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
         a.set_xscale("log", base=2)
         a.grid(True, which="both", alpha=0.3)
         a.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: fmt_tokens(x)))
-    ax.legend(loc="upper left")
-    ax2.legend(loc="upper left", fontsize=7, ncol=2, handlelength=3.5)
+    if ax.get_legend_handles_labels()[0]:  # nothing measured yet: no legend
+        ax.legend(loc="upper left")
+        ax2.legend(loc="upper left", fontsize=7, ncol=2, handlelength=3.5)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -209,28 +214,95 @@ def versus(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
     return f"{diff:+.3f}" + ("" if se is None else f" ± {se:.3f}")
 
 
+def _tau(tau: float, se: float | None) -> str:
+    return f"{tau:.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+
 def variants_markdown(results: dict[str, Any]) -> str:
     """The variants table (empty string when none is measured): one row per variant at its last point, its τ with
-    its standard error over requests, and its difference to the best row with the paired standard error."""
+    its standard error over requests, and its difference to the best row with the paired standard error; with
+    "best k" columns (the k of highest τ at the last point, and that τ ± SE) when a row holds a k grid."""
     rows = ordered_rows(results)
     if not rows:
         return ""
     k = int(results["eval"]["k"])
     pos = " / ".join(f"pos{j}" for j in range(k))
     best = best_row(rows)
+    grids = any(r.get("k_grid") for r in rows)
     lines = ["| variant | head | overrides (after the recipe) | training tokens | step | τ ± SE | τ − best (paired SE) "
-             f"| acceptance rate | {pos} | measured (s) |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| acceptance rate | {pos} | measured (s) |" + (" best k | τ at best k ± SE |" if grids else ""),
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if grids else "")]
     for r in rows:
-        tau = f"{r['tau']:.3f}" + (f" ± {r['tau_se']:.3f}" if r.get("tau_se") is not None else "")
+        g = r.get("k_grid") or {}
+        best_k = "" if not grids else (f" {g['best_k']} | {_tau(g['best_tau'], g.get('best_tau_se'))} |" if g
+                                       else " – | – |")
         lines.append(f"| `{r['variant']}` | `{r['head']}` | `{' '.join(r['overrides'])}` | {r['tokens']} | "
-                     f"{r['step']} | {tau} | {versus(r, best)} | {r['acceptance_rate']:.3f} | "
-                     f"{' / '.join(f'{a:.3f}' for a in r['pos'])} | "
-                     f"{_seconds(r.get('seconds'))} |")
+                     f"{r['step']} | {_tau(r['tau'], r.get('tau_se'))} | {versus(r, best)} | "
+                     f"{r['acceptance_rate']:.3f} | {' / '.join(f'{a:.3f}' for a in r['pos'])} | "
+                     f"{_seconds(r.get('seconds'))} |" + best_k)
     return ("\n## Variants (the recipe at the budget)\n\n"
             "Each variant trains one head on the same folder, batches, seed and budget as the heads above, with the "
             "recipe's overrides followed by its own (`python -m bench.curve --variants NAME,...`), and is measured at "
             "the last point; SE is over the prompts' requests, the paired SE of a difference over the requests both "
-            "answered (greedy: the same tokens).\n\n" + "\n".join(lines) + "\n" + seeds_markdown(rows))
+            "answered (greedy: the same tokens).\n\n" + "\n".join(lines) + "\n" + variant_points_markdown(rows)
+            + k_grid_markdown(results) + seeds_markdown(rows))
+
+
+def variant_points_markdown(rows: list[dict[str, Any]]) -> str:
+    """τ ± SE of the variants measured at more than one point (--full-curve), training tokens × variant; empty
+    when none is. A variant batched otherwise reaches the points at other steps: the rows are the token points."""
+    curves = [r for r in rows if len(r.get("points") or {}) > 1]
+    if not curves:
+        return ""
+    # the i-th point of each run is the plan's i-th: its tokens within one batch of the others' (a variant that
+    # batches otherwise reaches it at another step)
+    lines = ["| training tokens | " + " | ".join(f"τ ± SE `{r['variant']}`" for r in curves) + " |",
+             "|---:|" + "---:|" * len(curves)]
+    order = {r["variant"]: sorted(r["points"].values(), key=lambda p: p["tokens"]) for r in curves}
+    for i in range(max(len(ps) for ps in order.values())):
+        cells, tokens = [], []
+        for r in curves:
+            ps = order[r["variant"]]
+            if i < len(ps):
+                tokens.append(int(ps[i]["tokens"]))
+                cells.append(_tau(ps[i]["tau"], ps[i].get("tau_se")))
+            else:
+                cells.append("–")
+        lo, hi = min(tokens), max(tokens)
+        label = fmt_tokens(lo) if lo == hi else f"{fmt_tokens(lo)}–{fmt_tokens(hi)}"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return ("\n### Variants at every point\n\nτ at k = the curve's k (± its SE over requests), point by point (the "
+            "i-th export of each run; its training tokens within one batch of the point's).\n\n"
+            + "\n".join(lines) + "\n")
+
+
+def k_grid_rows(results: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, head, k grid) of every head of the curve and every variant that holds one, in the report's order."""
+    out = [(f"{h} (curve)", h, results["heads"][h]["k_grid"]) for h in head_order(results)
+           if (results["heads"][h] or {}).get("k_grid")] if results.get("heads") else []
+    return out + [(r["variant"], r["head"], r["k_grid"]) for r in ordered_rows(results) if r.get("k_grid")]
+
+
+def k_grid_markdown(results: dict[str, Any]) -> str:
+    """τ ± SE at each k of the grids measured at the last point, the best k marked; empty without grids."""
+    rows = k_grid_rows(results)
+    if not rows:
+        return ""
+    ks = sorted({int(k) for _, _, g in rows for k in g["by_k"]})
+    lines = ["| head / variant | head type | training tokens | " + " | ".join(f"k = {k}" for k in ks)
+             + " | best k | τ at best k ± SE |", "|---|---|---:|" + "---:|" * len(ks) + "---:|---:|"]
+    for name, head, g in rows:
+        cells = []
+        for k in ks:
+            e = g["by_k"].get(str(k))
+            cell = "–" if e is None else _tau(e["tau"], e.get("tau_se"))
+            cells.append(f"**{cell}**" if e is not None and k == g["best_k"] else cell)
+        lines.append(f"| `{name}` | `{head}` | {fmt_tokens(g['tokens'])} | " + " | ".join(cells)
+                     + f" | {g['best_k']} | {_tau(g['best_tau'], g.get('best_tau_se'))} |")
+    return ("\n### τ at each k (the last point): the head's own best k\n\n"
+            "Greedy τ (± its SE over requests) with k drafts per verify step; a block drafter drafts at most its "
+            "block's slots whatever k is, so its grid stops there (– where a k was not measured). Bold: the best "
+            "k, the highest τ (the smallest k of equals).\n\n" + "\n".join(lines) + "\n")
 
 
 def write_report(results: dict[str, Any], out: Path, doc: Path | None = None, png: Path | None = None) -> str:

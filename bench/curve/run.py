@@ -24,7 +24,8 @@ from typing import Any
 from bench.common import DEFAULT_MODEL, ROOT, compose_train, parser, report
 from bench.curve import config as cc
 from bench.curve.config import CONFIG, CurveConfig, CurveEval, head_aux_layers, head_available, load_config
-from bench.curve.data import check_folder, prepare_data, same_samples
+from bench.curve.data import check_folder, data_overrides, prepare_data, same_samples
+from bench.curve.kgrid import has_grid
 from bench.curve.measure import Evaluator, remeasure
 from bench.curve.plan import PointSaver, log_spaced, schedule
 from bench.curve.record import seed, write_points_json
@@ -34,7 +35,11 @@ from bench.curve.variants import run_variants
 
 def train_overrides(cfg: CurveConfig, head: str, data_dir: Path, data_name: str, out: Path, model: str,
                     max_steps: int | None, extra: list[str]) -> list[str]:
-    return [f"model.path={model}", f"head={head}", f"data={data_name}", f"data.dir={data_dir}", f"out={out / head}",
+    """The mtp-train overrides of one head of the curve (a variant adds its own after them). The config's own
+    conversations (`data.paths`) are recorded with the run when its folder was made from them."""
+    paths = [o for o in data_overrides(cfg, check=False) if o.startswith("data.paths=")]
+    return [f"model.path={model}", f"head={head}", f"data={data_name}",
+            *(paths if data_name == cfg.data.name else []), f"data.dir={data_dir}", f"out={out / head}",
             *cfg.train, *([f"train.max_steps={max_steps}"] if max_steps else []), *extra]
 
 
@@ -52,21 +57,33 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
               full_curve: bool = False, run_heads: bool = True) -> dict[str, Any]:
     """Train and measure every head of cfg.heads (unless not run_heads), then every variant (resuming what
     curve.json and the run folders hold); data: (an existing precompute folder, its data name) instead of the
-    one made here."""
+    one made here. With eval.k_grid (or block_k_grid), each head and variant is also measured at every k of its
+    grid at the last point (bench.curve.kgrid)."""
     from mtp_train.cli.train import train_main
+    from mtp_train.config.head import default_aux_layers
     from mtp_train.train.checkpoint import HEADS_DIR, tag_for
 
     num_layers = int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
     folders: dict[tuple[int, ...], tuple[Path, str, str]] = {}
     walls = results.setdefault("precompute_wall_s_by_dir", {})
+    union = None if cfg.aux_layers is None else tuple(int(j) for j in cfg.aux_layers)
 
-    def data_for(head: str) -> tuple[Path, str, str]:
-        """(folder, data name, description) of the precompute folder this head trains on (made once)."""
-        aux = tuple(head_aux_layers(head, num_layers))
+    def data_for(reads: list[int]) -> tuple[Path, str, str]:
+        """(folder, data name, description) of the precompute folder a head reading these target layers trains
+        on (made once): the config's one folder (`aux_layers`) when set, else one per set of layers."""
+        if union is not None:
+            lacking = [j for j in reads if j not in union]
+            if lacking:
+                raise SystemExit(f"curve: a head reads target layers {reads}, but the config's aux_layers "
+                                 f"{list(union)} lack {lacking}: add them to the curve config's `aux_layers`")
+        aux = union if union is not None else tuple(reads)
         if aux not in folders:
             if data is None:
                 t0 = time.perf_counter()
-                folders[aux] = prepare_data(cfg, out, model, list(aux))
+                # one folder of EAGLE-3's three layers keeps its historical name; other sets are named by layers
+                name = None if union is not None or aux in ((), tuple(default_aux_layers(num_layers))) else (
+                    "precompute-aux-" + "-".join(str(j) for j in aux))
+                folders[aux] = prepare_data(cfg, out, model, list(aux), name)
                 walls.setdefault(str(folders[aux][0]), time.perf_counter() - t0)
             else:
                 check_folder(data[0], list(aux))
@@ -74,10 +91,12 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
         return folders[aux]
 
     available = [h for h in cfg.heads if head_available(h) is None]
-    data_dir, data_name, kind = data_for(available[0] if available else cfg.heads[0])
+    # the batch plan's probe: the first head, else the first variant's head (a curve of variants alone)
+    probe_head = (available or cfg.heads or [v.head for v in variants or []] or ["mtp"])[0]
+    data_dir, data_name, kind = data_for(head_aux_layers(probe_head, num_layers))
     results["precompute_wall_s"] = results.get("precompute_wall_s") or sum(walls.values())
     points = log_spaced(cfg.tokens.first, cfg.tokens.last)
-    probe = compose_train(train_overrides(cfg, cfg.heads[0], data_dir, data_name, out, model, None, extra))
+    probe = compose_train(train_overrides(cfg, probe_head, data_dir, data_name, out, model, None, extra))
     plan = schedule(data_dir, points, probe)
     max_steps = plan[-1][0]
     recipe = [*cfg.train, *extra]
@@ -93,6 +112,7 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
     print(f"curve: {len(points)} points {', '.join(fmt_tokens(p) for p in points)} tokens → steps "
           f"{[s for s, _ in plan]} (max_steps {max_steps}); data: {kind}", flush=True)
     evaluator: Evaluator | None = None
+    grid = bool(cfg.eval.k_grid or cfg.eval.block_k_grid)
     for head in cfg.heads if run_heads else []:
         why = head_available(head)
         if why is not None:
@@ -101,7 +121,7 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
             continue
         rec = results["heads"].setdefault(head, {"points": {}})
         run_out = out / head
-        head_dir, head_data, head_kind = data_for(head)
+        head_dir, head_data, head_kind = data_for(head_aux_layers(head, num_layers))
         results["data_dirs"][head] = str(head_dir)
         if head_dir != data_dir:
             same_samples(data_dir, head_dir)
@@ -123,16 +143,25 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
             print(f"curve: {head} step {step} ({fmt_tokens(p['tokens'])} tokens): τ {p['tau']:.3f}, pos "
                   f"{' / '.join(f'{a:.3f}' for a in p['pos'])} ({p['seconds']:.0f}s)", flush=True)
             save_results(results, out)
+        if grid and not has_grid(rec, max_steps) and (run_out / HEADS_DIR / tag_for(max_steps)).is_dir():
+            evaluator = evaluator or Evaluator(model, cfg.eval)
+            rec["k_grid"] = evaluator.head_k_grid(run_out / HEADS_DIR / tag_for(max_steps),
+                                                  rec["points"].get(str(max_steps)))
+            print(f"curve: {head}: best k {rec['k_grid']['best_k']} (τ {rec['k_grid']['best_tau']:.3f})", flush=True)
+            save_results(results, out)
     if not variants:
         return results
 
     plans: dict[str, list[tuple[int, int]]] = {}
 
     def variant_config(v: cc.Variant, steps: int) -> Any:
-        """The variant's composed mtp-train config, trained to `steps`."""
-        head_dir, head_data, _ = data_for(v.head)
-        shared = train_overrides(cfg, v.head, head_dir, head_data, out, model, steps, extra)
-        return compose_train(cc.variant_overrides(shared, v, out / cc.VARIANTS_DIR / v.name))
+        """The variant's composed mtp-train config, trained to `steps`, on the folder holding what it reads (its
+        layers resolved after its overrides: `head.features=aux` on mtp, a recipe's head)."""
+        def composed(head_dir: Path, head_data: str) -> Any:
+            shared = train_overrides(cfg, v.head, head_dir, head_data, out, model, steps, extra)
+            return compose_train(cc.variant_overrides(shared, v, out / cc.VARIANTS_DIR / v.name))
+
+        return composed(*data_for(cc.reads_layers(composed(data_dir, data_name), num_layers))[:2])
 
     def variant_plan(v: cc.Variant) -> list[tuple[int, int]]:
         """The curve's plan, or the variant's own where it batches otherwise (the same token points)."""
@@ -152,10 +181,15 @@ def run_curve(cfg: CurveConfig, out: Path, model: str, extra: list[str], command
         evaluator = evaluator or Evaluator(model, cfg.eval)
         return evaluator.head_point(out / cc.VARIANTS_DIR / v.name / HEADS_DIR / tag_for(step))
 
+    def variant_grid(v: cc.Variant, step: int, last: dict[str, Any]) -> dict[str, Any]:
+        nonlocal evaluator
+        evaluator = evaluator or Evaluator(model, cfg.eval)
+        return evaluator.head_k_grid(out / cc.VARIANTS_DIR / v.name / HEADS_DIR / tag_for(step), last)
+
     return run_variants(results, variants, plan, recipe, full_curve, variant_train, variant_measure,
-                           lambda: save_results(results, out),
-                           lambda v, step: (out / cc.VARIANTS_DIR / v.name / HEADS_DIR / tag_for(step)).is_dir(),
-                           plan_of=variant_plan)
+                        lambda: save_results(results, out),
+                        lambda v, step: (out / cc.VARIANTS_DIR / v.name / HEADS_DIR / tag_for(step)).is_dir(),
+                        plan_of=variant_plan, measure_grid=variant_grid if grid else None)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -217,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if (why := head_available(v.head)) is not None:
                     raise SystemExit(f"curve: variant {v.name}: {why}")
         results = run_curve(cfg, out, args.model, list(args.overrides), command.strip(), results, data, variants,
-                            args.full_curve, run_heads=variants is None or bool(args.heads))
+                            args.full_curve or cfg.full_curve, run_heads=variants is None or bool(args.heads))
     if args.remeasure:
         again = remeasure(results, out, args.model, CurveEval(**results["eval"]))
         print(f"curve: measured again (per-request counts): {', '.join(again) or 'none'}", flush=True)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.curve.config import VARIANTS_DIR, Variant
+from bench.curve.kgrid import has_grid
 
 LAST_FIELDS = ("tokens", "step", "tau", "tau_se", "acceptance_rate", "pos", "seconds")  # a row repeats its last point's
 
@@ -23,33 +24,39 @@ def point_steps(plan: list[tuple[int, int]], full_curve: bool) -> list[int]:
     return [s for s, _ in plan] if full_curve else [plan[-1][0]]
 
 
-def is_done(row: dict[str, Any] | None, variant: Variant, recipe: list[str], steps: list[int]) -> bool:
+def is_done(row: dict[str, Any] | None, variant: Variant, recipe: list[str], steps: list[int],
+            grid: bool = False) -> bool:
     """Whether curve.json's row already holds this variant, with the same head, overrides, shared recipe and
-    points (a changed definition is measured again)."""
+    points (a changed definition is measured again), and its k grid at the last point when `grid`."""
     if not row:
         return False
     same = (row.get("head") == variant.head and row.get("overrides") == list(variant.overrides)
             and row.get("recipe") == recipe)
-    return same and all(str(s) in row.get("points", {}) for s in steps)
+    return (same and all(str(s) in row.get("points", {}) for s in steps)
+            and (not grid or has_grid(row, steps[-1])))
 
 
 def run_variants(results: dict[str, Any], variants: list[Variant], plan: list[tuple[int, int]], recipe: list[str],
                  full_curve: bool, train: Callable[[Variant, list[int]], dict[str, Any]],
                  measure: Callable[[Variant, int], dict[str, Any]], save: Callable[[], None],
                  trained: Callable[[Variant, int], bool],
-                 plan_of: Callable[[Variant], list[tuple[int, int]]] | None = None) -> dict[str, Any]:
+                 plan_of: Callable[[Variant], list[tuple[int, int]]] | None = None,
+                 measure_grid: Callable[[Variant, int, dict[str, Any]], dict[str, Any]] | None = None
+                 ) -> dict[str, Any]:
     """Train (unless `trained(variant, last_step)`) and measure each variant not yet in results["variants"].
 
     train(variant, point_steps) → the trainer's final metrics; measure(variant, step) → a point (step, tokens,
     tau, acceptance_rate, pos, seconds); save() writes curve.json (after each training and each point).
     plan_of(variant): the variant's own batch plan where its overrides change the batches (micro-batch tokens,
     accumulation), so that it reaches the same token points at other steps; default: `plan` for every variant.
+    measure_grid(variant, last_step, last_point) → the row's `k_grid` (bench.curve.kgrid), measured once the last
+    point is; None: no k grid.
     """
     rows = results.setdefault("variants", {})
     results["variant_order"] = list(dict.fromkeys([*results.get("variant_order", []), *(v.name for v in variants)]))
     for v in variants:
         steps = point_steps(plan_of(v) if plan_of else plan, full_curve)
-        if is_done(rows.get(v.name), v, recipe, steps):
+        if is_done(rows.get(v.name), v, recipe, steps, grid=measure_grid is not None):
             print(f"curve: variant {v.name} already measured (curve.json): skipped", flush=True)
             continue
         row = rows.get(v.name) or {}
@@ -62,7 +69,14 @@ def run_variants(results: dict[str, Any], variants: list[Variant], plan: list[tu
                     "command": results.get("command")})
         row.setdefault("points", {})
         rows[v.name] = row
-        missing = [s for s in steps if not trained(v, s)]
+        # Every point measured, only the k grid missing: measured on the last head where it is here; a row taken
+        # from a record (its heads elsewhere) is not retrained for it.
+        measured = all(str(s) in row["points"] for s in steps)
+        if measured and not trained(v, steps[-1]):
+            print(f"curve: variant {v.name}: measured, but its head at step {steps[-1]} is not under "
+                  f"{VARIANTS_DIR}/ (a row taken from a record): its k grid is not measured", flush=True)
+            continue
+        missing = [] if measured else [s for s in steps if not trained(v, s)]
         if missing and trained(v, steps[-1]):
             raise SystemExit(f"curve: variant {v.name} was trained to the budget without exports at steps {missing} "
                              f"(a run without --full-curve): delete its folder under {VARIANTS_DIR}/ to retrain")
@@ -84,6 +98,11 @@ def run_variants(results: dict[str, Any], variants: list[Variant], plan: list[tu
         last = row["points"][str(steps[-1])]
         row.update({k: last[k] for k in LAST_FIELDS if k in last})
         save()
+        if measure_grid is not None and not has_grid(row, steps[-1]):
+            row["k_grid"] = measure_grid(v, steps[-1], last)
+            print(f"curve: variant {v.name}: best k {row['k_grid']['best_k']} (τ {row['k_grid']['best_tau']:.3f}) "
+                  f"of k = {row['k_grid']['ks']}", flush=True)
+            save()
     return results
 
 
