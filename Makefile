@@ -9,7 +9,7 @@ EXTRAS      ?= dev
 MODEL_DIR   ?= models/smollm2-135m-instruct
 STAMP       := $(VENV)/.setup-stamp
 
-.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-head-train bench-spec bench-step bench-head-step bench-tau bench-remote bench-tree bench-memory bench-train-memory bench-scale bench-regenerate ablation curve check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-fleet check-vllm-foreign clean
+.PHONY: setup model test test-fast demo chat lint bench-engine bench-kernels bench-precompute bench-train bench-chain bench-block bench-head-train bench-spec bench-step bench-head-step bench-tau bench-remote bench-tree bench-memory bench-train-memory bench-scale bench-regenerate ablation curve curve2m check-vllm check-vllm-serve vllm-venv check-vllm-capture check-vllm-fleet check-vllm-foreign clean
 
 setup: $(STAMP)
 
@@ -128,6 +128,14 @@ ablation: model
 # `make curve CURVE_ARGS="--variants all"` or `CURVE_ARGS="--variants mtp-soft_ce-s1,mtp-lk_hybrid-s1"`.
 curve: model
 	$(PY) -m bench.curve --model $(MODEL_DIR) --record docs/curve.json $(CURVE_ARGS)
+
+# The 2M-token curve (conf/experiment/curve2m.yaml, docs/curve.md "The 2M-token curve"): chain-best,
+# eagle3-speculators, dflash-reference and peagle, each at its own recipe, on runs/curve2m/regenerated.jsonl (made
+# first, as the config's header says), measured at every point and at each k of its grid at the last; resumes when
+# re-run. Its wall time has not been measured yet.
+curve2m: model
+	$(PY) -m bench.curve --config conf/experiment/curve2m.yaml --model $(MODEL_DIR) --out runs/curve2m \
+		--variants all --record docs/curve2m.json --doc docs/curve2m.md --png docs/curve2m.png $(CURVE_ARGS)
 
 # A real serving engine beside ours: vLLM's CPU build (its own venv, ~3.4 GB) serves our exported heads; the check
 # compares its greedy text and acceptance with mtp-eval's on the same prompt ids. Not part of `make test` (size).
