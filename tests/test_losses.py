@@ -658,3 +658,29 @@ def test_grouped_block_loss_equals_the_per_step_loss_with_out_of_draft_masking(t
     assert ga.keys() == gb.keys() and ga
     for n in ga:
         torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6, msg=lambda s, n=n: f"{n}: {s}")
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_soft_ce_torch_gradient_path_equals_autograd_in_place(weighted):
+    """The fused path's torch ops (off fp32 CPU, or where the native pass is slower) give soft CE's sums and
+    d/dz = softmax(z) - p as autograd does, while overwriting z with the gradient and t with p (no extra (C, V))."""
+    from mtp_train.train.divergences import _soft_ce_grad_torch, accuracy_counts
+
+    g = torch.Generator().manual_seed(3)
+    z0, t0 = torch.randn(37, 301, generator=g) * 3, torch.randn(37, 301, generator=g) * 3
+    rw = torch.rand(37, generator=g) if weighted else None
+    zg = z0.clone().requires_grad_()
+    p = t0.softmax(-1)
+    rows = torch.logsumexp(zg, -1) - (p * zg).sum(-1)
+    ce_ref = rows.sum() if rw is None else (rows * rw).sum()
+    (dz_ref,) = torch.autograd.grad(ce_ref, zg)
+    alpha_ref = torch.minimum(z0.softmax(-1), p).sum()
+    top_ref = accuracy_counts(z0, p.argmax(-1))
+    z, t = z0.clone(), t0.clone()
+    (ce, top1, topk, alpha), dz = _soft_ce_grad_torch(z, t, rw)
+    assert dz.data_ptr() == z.data_ptr()
+    torch.testing.assert_close(ce, ce_ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dz, dz_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(alpha, alpha_ref, rtol=1e-5, atol=1e-5)
+    assert (int(top1), int(topk)) == (int(top_ref[0]), int(top_ref[1]))
+    torch.testing.assert_close(t, p)

@@ -161,13 +161,17 @@ def _soft_ce_grad(z: torch.Tensor, t: torch.Tensor, row_weight: torch.Tensor | N
 
 def _soft_ce_grad_torch(z: torch.Tensor, t: torch.Tensor,
                         row_weight: torch.Tensor | None) -> tuple[ChunkSums, torch.Tensor]:
-    """`_soft_ce_grad` in torch's ops (z and t left as they are)."""
-    p = t.softmax(-1)
+    """`_soft_ce_grad` in torch's ops, in place like the native pass (z becomes the gradient, t the target's
+    softmax): beside z and t only logsumexp's temporary is ever (C, V)."""
+    top1, topk = accuracy_counts(z, t.argmax(-1))
+    p = t.sub_(t.amax(-1, keepdim=True)).exp_()
+    p.div_(p.sum(-1, keepdim=True))
     lse = torch.logsumexp(z, -1)  # (C,)
-    ce = weighted_sum(lse - (p * z).sum(-1), row_weight)
-    alpha = alpha_sum(z, p)
-    top1, topk = accuracy_counts(z, p.argmax(-1))
-    dz = (z - lse[:, None]).exp_().sub_(p)  # d CE / d z = softmax(z) - p
+    # Σ_v p·z per row as a batched dot product: no (C, V) product tensor
+    ce = weighted_sum(lse - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1), row_weight)
+    dz = z.sub_(lse[:, None]).exp_().sub_(p)  # d CE / d z = softmax(z) - p
+    # α = Σ min(q, p) = 1 - ½ Σ |q - p| per row: a norm of the gradient, no (C, V) minimum
+    alpha = z.shape[0] - 0.5 * torch.linalg.vector_norm(dz, ord=1, dim=-1).sum()
     if row_weight is not None:
         dz.mul_(row_weight[:, None])
     return (ce, top1, topk, alpha), dz

@@ -167,6 +167,8 @@ class _FusedTokenLoss(torch.autograd.Function):
                     grad[s:s + chunk_size] = (dz.to(weight.dtype) @ weight).to(pred.dtype)
             if grad_w is not None:
                 grad_w.addmm_(dz.T, chunk.to(acc))
+            # the chunk's (C, V) pair goes before the next one is made (held until rebinding, two chunks' would meet)
+            del z, t, dz
         ctx.has = (grad is not None, grad_w is not None)
         ctx.save_for_backward(grad if grad is not None else torch.empty(0),
                               grad_w.to(weight.dtype) if grad_w is not None else torch.empty(0))
@@ -473,6 +475,7 @@ class _GroupedTokenLoss(torch.autograd.Function):
                 gx.index_copy_(0, rows, (dz.to(wd.dtype) @ wd).to(x.dtype))
             if gw is not None:
                 gw.addmm_(dz.T, x.index_select(0, rows).to(acc))
+            del z, t_u, dz  # before the next chunk's logits
         return gx, None if gw is None else gw.to(w.dtype), None, None, None, None, None, None, None
 
 
@@ -522,6 +525,7 @@ def grouped_token_losses(head: DraftHead, preds: list[torch.Tensor], hidden: tor
         loss_r[r], top1_r[r], topk_r[r], alpha_r[r], conf_r[r] = c.to(acc), a, b, al.to(acc), q.float()
         if g_rows is not None and dz is not None:
             g_rows.index_copy_(0, r, (dz.to(wd.dtype) @ wd).to(x.dtype))
+        del z, t_u, dz  # before the next chunk's logits
     rw_steps: list[torch.Tensor | None] = [None] * steps
     rw_r = None
     if cfg.position_weights == "dpace":
