@@ -212,6 +212,7 @@ def test_report_best_k_columns_and_the_k_table(tmp_path):
     results = _results_with_grids()
     text = report.markdown(results) + report.variants_markdown(results)
     assert "| best k | τ at best k ± SE |" in text
+    assert "No head trained on the shared recipe alone" in text and "## Fits" not in text  # variants only
     best = results["variants"]["chain-best"]["k_grid"]
     assert best["best_k"] == 3 and best["ks"] == [1, 2, 3, 4, 5, 6]  # 1.0 + 0.1k - 0.02k²: 1.12, 1.12, 1.40 (k=3)
     assert "| 1024 | 1.400 ± 0.020 | – | 0.200 | 0.300 / 0.100 / 0.050 | 1 | 3 | 1.400 ± 0.020 |" in text

@@ -141,8 +141,10 @@ def markdown(results: dict[str, Any]) -> str:
             f"per turn, batch {ev['batch_size']}; τ = mean tokens per verify step, posj = acceptance at draft "
             f"position j.\n"
             f"- Training tokens = packed rows (prompt and answer tokens) the head has trained on; the smaller "
-            f"points are exports of the same run mid-way through its cosine schedule.{skipped}\n\n"
-            f"{markdown_table(results)}\n\n## Fits (computed)\n\n{fits_text(summary)}\n")
+            f"points are exports of the same run mid-way through its schedule.{skipped}\n\n"
+            + (f"{markdown_table(results)}\n\n## Fits (computed)\n\n{fits_text(summary)}\n"
+               if any(rec.get("points") for rec in results["heads"].values()) else
+               "No head trained on the shared recipe alone: the curve's rows are its variants (below).\n"))
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
