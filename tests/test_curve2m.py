@@ -46,7 +46,7 @@ def test_curve2m_config_points_data_and_eval():
                                                                   "dflash-reference", "peagle"]
     ev = cfg.eval
     assert (ev.prompts, ev.limit, ev.k, ev.max_new_tokens, ev.batch_size) == (["demo-heldout"], 48, 3, 96, 8)
-    assert ev.k_grid == [1, 2, 3, 4, 5, 6] and ev.block_k_grid == []
+    assert ev.k_grid == [1, 2, 3, 4, 5, 6] and ev.block_k_grid == [1, 2, 3, 4, 6, 8, 11, 15]
     # The shared list pins nothing a recipe sets: a key=value override beats a recipe group whatever the order.
     recipe_keys = ("loss.", "optim.", "head.", "train.optimizer", "deepspeed", "recipe")
     assert not [o for o in cfg.train if o.startswith(recipe_keys)]
@@ -114,6 +114,7 @@ def test_each_recipe_survives_the_curves_composition(tmp_path):
 
     conf, pe = composed["peagle"]  # conf/head/peagle.yaml's own recipe, mtp-train's optimiser defaults
     assert pe.head.type == "peagle" and pe.loss.steps == 8 and pe.loss.mask_out_of_draft
+    assert pe.head.settings.mask_token_id == 16  # the curve sets it: never emitted in chat, unlike 49151
     assert pe.head.draft_vocab_size == 32000 and pe.train.optimizer == "adamw"
     assert cc.reads_layers(conf, NUM_LAYERS) == [2, 15, 27]
 

@@ -201,7 +201,8 @@ def test_the_plan_is_within_15_percent_of_the_measured_peak(head, lengths, tmp_p
 def test_a_block_drafters_attention_backward_is_transient_beside_the_loss_chunk():
     """dflash's attention backward (the context K/V's gradient once, one chunk's explicit group) is a transient term
     like the loss's chunk: the peak counts the larger of the two. It grows with the context, not with the anchors;
-    SP divides the anchors a rank drafts, hence its loss chunk."""
+    SP divides the anchors a rank drafts; its loss runs over every slot's rows at once, in chunks of
+    loss.chunk_size rows, so the chunk shrinks only once a rank's anchors × slots are fewer."""
     plan = plan_memory(settings("dflash", length=32768, micro_batch_tokens=32768), llama_args())
     grad, chunk = term(plan, "attention grad"), term(plan, "loss chunk")
     lasting = sum(t.bytes for t in plan.terms if not t.transient)
@@ -212,4 +213,8 @@ def test_a_block_drafters_attention_backward_is_transient_beside_the_loss_chunk(
     longer = plan_memory(settings("dflash", length=65536, micro_batch_tokens=65536), llama_args())
     assert term(longer, "attention grad") - grad == CONTEXT_GRAD_COPIES * 8 * 32768 * (128 + 8) * 2  # 8 KV heads, bf16
     half = plan_memory(settings("dflash", length=32768, micro_batch_tokens=32768, sequence_parallel=2), llama_args())
-    assert term(half, "loss chunk") == pytest.approx(chunk / 2, rel=0.01)
+    assert term(half, "loss chunk") == chunk  # 256 anchors × 7 slots on a rank: still whole chunks of 1024 rows
+    few = HeadConfig.of(type="dflash", max_anchors=64).resolved(32)  # 64 × 7 = 448 rows, 224 on each of 2 ranks
+    one, two = (term(plan_memory(settings("dflash", head=few, length=32768, micro_batch_tokens=32768,
+                                          sequence_parallel=n), llama_args()), "loss chunk") for n in (1, 2))
+    assert two == pytest.approx(one / 2, rel=0.01)

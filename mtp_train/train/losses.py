@@ -397,6 +397,12 @@ def _rows_of(per_position: torch.Tensor, inv: torch.Tensor, rows: int) -> torch.
     return per_position if per_position.shape[0] == rows else per_position.index_select(0, inv)
 
 
+def _softmax_at_max(t: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """softmax(t) at each row's argmax, (U, V) → (U,): exp(max − logsumexp) a `block` of rows at a time, so that
+    logsumexp's (rows, V) temporary stays small beside the chunk's logits."""
+    return torch.cat([(b.amax(-1) - torch.logsumexp(b, -1)).exp_() for b in t.split(block)])
+
+
 def _row_stats(z: torch.Tensor, t_u: torch.Tensor, inv: torch.Tensor, kind: str, grad: bool,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per row of one chunk of head logits z (C, V) against the target logits t_u (U, V) of its distinct positions
@@ -410,7 +416,7 @@ def _row_stats(z: torch.Tensor, t_u: torch.Tensor, inv: torch.Tensor, kind: str,
     t = _rows_of(t_u, inv, z.shape[0])
     if kind == "soft_ce" and cpu_kernels.serves(z, t) and kernel_choice.prefers_native("soft_ce", "chunk"):
         with torch.no_grad():  # softmax(t) at its argmax, per position, before the kernel takes t as scratch
-            p_best = _rows_of((t_u.amax(-1) - torch.logsumexp(t_u, -1)).exp_(), inv, z.shape[0])
+            p_best = _rows_of(_softmax_at_max(t_u), inv, z.shape[0])
         ce, best, rank, alpha = cpu_kernels.soft_ce_(z, t)  # z becomes softmax(z) − softmax(t)
         q = (z.gather(1, best[:, None]).squeeze(1) + p_best).clamp_(0.0, 1.0)
         return ce, rank == 0, rank < k, alpha, q, z if grad else None

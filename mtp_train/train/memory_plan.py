@@ -298,6 +298,8 @@ def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
 
     terms.append(activation_term(s, args, shape, share, tokens, act))
     rows = loss_rows(s, share, tokens)
+    if head.spec.block:  # its token loss runs over every slot's rows at once (grouped by target position)
+        rows *= s.steps
     v_loss = draft_vocab(head, args)
     chunk = min(s.chunk_size, max(rows, 1))
     copies_l = LOSS_CHUNK_COPIES.get(s.ce_impl, LOSS_CHUNK_COPIES["checkpoint"])
