@@ -23,10 +23,9 @@ backward while they still are).
                    (transient: in the forward and the loss's backward)
     attention grad a block drafter's attention backward: the context K/V's gradient and one chunk of anchors'
                    explicit group (transient: in the layer's backward; the peak counts the larger of the two)
-    exchange       a chain head under sequence parallelism: what Ulysses adds on a rank, per row and step of its
-                   share ~`ULYSSES_VALUES` H-wide values (the all-to-alls' contiguous copies of q, k, v and the output
-                   and their gradients, the whole-batch attention's folded inputs over this rank's heads); a
-                   coefficient measured on the CPU, not counted (tests/test_memory_plan.py)
+    exchange       a chain head under sequence parallelism: what Ulysses adds on a rank, per row of its share
+                   ~`ULYSSES_VALUES` H-wide values once (one step's all-to-all copies of q, k, v and the output, or
+                   their gradients: transient, one step at a time); measured on the CPU, not counted
     online target  data.source=online|hybrid: the target's weights / model.tp and its prefill over one micro-batch
 
 The coefficients of the activation and loss terms are counts of the tensors the code keeps (the functions'
@@ -60,9 +59,10 @@ CUDA_RUNTIME_BYTES = int(1.5 * GIB)
 # pair in the backward; fused (the default) holds the logits, the target's and the gradient written into one of
 # them. Measured on the CPU (bench.train_memory) and rounded up.
 LOSS_CHUNK_COPIES = {"checkpoint": 6.0, "fused": 3.0}
-# H-wide values per row and unrolled step a chain head's rank adds under sequence parallelism (the Ulysses exchange
-# and the whole-batch attention over its heads): fitted to measured peaks of eagle3 / mtp at SP 2 and 3, 4k-16k tokens
-ULYSSES_VALUES = 14
+# H-wide values per row of its share a chain head's rank adds under sequence parallelism, once (one unrolled step's
+# Ulysses copies at a time): measured peaks of eagle3 at SP 2, 4k-32k tokens, grow per local row as at SP 1 (the
+# earlier 14 per row and step fitted peaks that held freed blocks, bench.train_memory's docstring)
+ULYSSES_VALUES = 2
 # The backward's own temporaries of a layer beyond what the forward kept: the gradients of its widest products
 # (the MLP's gate / up and their activation), alive while the saved tensors still are.
 BACKWARD_WIDTHS = 2  # × the MLP's intermediate size
@@ -210,12 +210,17 @@ def draft_vocab(head: HeadConfig, args: ModelArgs) -> int:
 def layer_values(args: ModelArgs, qkv_in: int) -> int:
     """Values per row a Llama-family decoder layer keeps for its backward: its input and input norm, q/k/v and
     the rotated q/k, the attention's output (a fused kernel keeps q, k, v, out and a logsumexp), o_proj's output,
-    the residual and the post-attention norm, gate/up, the activation and the product, the MLP's output; plus the
-    backward's temporaries (`BACKWARD_WIDTHS` × the intermediate size). qkv_in: the width q/k/v read (H, or 2H for
-    EAGLE-3's layer)."""
+    the residual and the post-attention norm, gate/up, the activation and the product, the MLP's output. qkv_in:
+    the width q/k/v read (H, or 2H for EAGLE-3's layer)."""
     h, inter = args.hidden_size, args.intermediate_size
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    return qkv_in + h + (q + 2 * kv) + (q + kv) + q + 4 * h + 4 * inter + BACKWARD_WIDTHS * inter
+    return qkv_in + h + (q + 2 * kv) + (q + kv) + q + 4 * h + 4 * inter
+
+
+def backward_values(args: ModelArgs) -> int:
+    """Values per row of the backward's own temporaries (`BACKWARD_WIDTHS` × the intermediate size): one layer's
+    backward runs at a time, so they are counted once, not per unrolled step or draft layer."""
+    return BACKWARD_WIDTHS * args.intermediate_size
 
 
 def chain_around_values(args: ModelArgs) -> int:
@@ -312,8 +317,9 @@ def plan_memory(s: PlanSettings, args: ModelArgs) -> MemoryPlan:
     if head.spec.block:
         terms.append(block_attention_grad_term(s, args, tokens, act, cuda))
     elif sp > 1:
-        terms.append(Term("exchange", ULYSSES_VALUES * s.steps * share * h * act,
-                          f"Ulysses: ~{ULYSSES_VALUES} × {h} values per row and step of {share} rows (measured)"))
+        terms.append(Term("exchange", ULYSSES_VALUES * share * h * act,
+                          f"Ulysses: ~{ULYSSES_VALUES} × {h} values per row of {share} rows, one step at a time "
+                          "(measured)"))
 
     if s.online:
         terms.append(online_term(args, tokens, s.tp, act))
@@ -358,24 +364,26 @@ def activation_term(s: PlanSettings, args: ModelArgs, shape: HeadShape, share: i
         anchors = -(-min(head.settings.max_anchors, tokens) // sp)
         rows = anchors * head.settings.block_size
         per_layer = rows * layer_values(args, shape.qkv_in)
+        backward = rows * backward_values(args)
         # the context over this rank's rows: fc over the aux layers, its norm, each layer's K/V; under SP every
         # rank also holds all ranks' context K/V, gathered (a block reads its sequence's context before its anchor)
         context = share * (k * h + 2 * h + shape.layers * 2 * kv) + (tokens * shape.layers * 2 * kv if sp > 1 else 0)
         outs = s.steps * share * (h + loss_values(args, s.w_feat))
         kept = (per_layer + (shape.layers - 1) * rows * h if s.activation_checkpointing
                 else shape.layers * per_layer)
-        kept += context + outs
+        kept += context + outs + backward
         how = (f"{shape.layers} draft layer(s) × {rows} rows ({anchors} anchors × {head.settings.block_size}), context "
                f"{share} rows, {s.steps} slots")
     else:
         layer = layer_values(args, shape.qkv_in) + chain_around_values(args)
         loss = loss_values(args, s.w_feat)
         step0 = share * k * h  # an aux head's step 0 reads (T, k·H) through its fc
+        backward = share * backward_values(args)
         if s.activation_checkpointing:
-            kept = share * (s.steps * (h + 2 * kv + loss) + layer) + step0
+            kept = share * (s.steps * (h + 2 * kv + loss) + layer) + step0 + backward
         else:
-            kept = share * s.steps * (layer + loss) + step0
-        how = f"{share} rows × {s.steps} step(s) × {layer + loss} values"
+            kept = share * s.steps * (layer + loss) + step0 + backward
+        how = f"{share} rows × ({s.steps} step(s) × {layer + loss} + {backward_values(args)} backward) values"
     if s.activation_checkpointing:
         how += ", checkpointed"
     return Term("activations", kept * act, how + f", {'bf16' if act == BF16 else 'fp32'}")
