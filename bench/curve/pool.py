@@ -83,6 +83,19 @@ def build(chat: int, code: int, seed: int, max_chars: int) -> list[dict]:
     take(read_prompts(SHARED / "mix_chat_prompts_dedup.jsonl"), chat)
     take(read_prompts(SHARED / "mix_code_prompts_dedup.jsonl"), code)
     rng.shuffle(pool)
+    return unique_ids(pool)
+
+
+def unique_ids(pool: list[dict]) -> list[dict]:
+    """Each record's id made unique where a source repeats one (ShareGPT ids name a conversation, and a pool may
+    hold two of its turns): the first keeps it, a later one gets `#2`, `#3`, ... (mtp-regenerate keeps one record per
+    id, so a repeated id would silently drop a prompt)."""
+    seen: dict[str, int] = {}
+    for r in pool:
+        n = seen.get(r["id"], 0) + 1
+        seen[r["id"]] = n
+        if n > 1:
+            r["id"] = f"{r['id']}#{n}"
     return pool
 
 
