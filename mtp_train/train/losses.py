@@ -636,8 +636,10 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
     if num_tokens is not None and len(num_tokens) != cfg.steps:
         raise ValueError(f"{len(num_tokens)} num_tokens for {cfg.steps} steps")
     x = head_inputs(head, hidden, aux_hidden)
+    made_here = False  # x a tensor of this function's (not a view of the caller's batch)
     if head.training and cfg.noise_std > 0:
         x = uniform_noise(x, cfg.noise_std, generator)  # the whole batch's draw, whatever the shard
+        made_here = True
     in_vocab = None
     if cfg.mask_out_of_draft:
         if shard is None:
@@ -661,6 +663,8 @@ def unrolled_loss(head: DraftHead, hidden: torch.Tensor, input_ids: torch.Tensor
         if rows is not None:
             rows = options["rows"] = shard.padded(rows, False)
         x, span = shard.local(x), slice(shard.lo, shard.hi)
+        if made_here or shard.pad:  # keep this rank's rows, not a view that holds the whole batch's (T, k·H) alive
+            x = x.clone()
         options["shard"] = shard
     if checkpoint:
         options["checkpoint"] = True
