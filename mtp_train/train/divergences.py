@@ -159,22 +159,30 @@ def _soft_ce_grad(z: torch.Tensor, t: torch.Tensor, row_weight: torch.Tensor | N
     return _soft_ce_grad_torch(z, t, row_weight)
 
 
-def _soft_ce_grad_torch(z: torch.Tensor, t: torch.Tensor,
-                        row_weight: torch.Tensor | None) -> tuple[ChunkSums, torch.Tensor]:
-    """`_soft_ce_grad` in torch's ops, in place like the native pass (z becomes the gradient, t the target's
-    softmax): beside z and t only logsumexp's temporary is ever (C, V)."""
-    top1, topk = accuracy_counts(z, t.argmax(-1))
+def soft_ce_rows_(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor]:
+    """Soft CE per row in torch's ops, in place like the native pass: head logits z (C, V) become the gradient
+    softmax(z) − p, target logits t (C, V) the target's softmax p; beside them only logsumexp's temporary is ever
+    (C, V). Returns (CE (C,), α (C,), the gradient (z), p (t)). No grad."""
     p = t.sub_(t.amax(-1, keepdim=True)).exp_()
     p.div_(p.sum(-1, keepdim=True))
     lse = torch.logsumexp(z, -1)  # (C,)
     # Σ_v p·z per row as a batched dot product: no (C, V) product tensor
-    ce = weighted_sum(lse - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1), row_weight)
+    ce = lse - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
     dz = z.sub_(lse[:, None]).exp_().sub_(p)  # d CE / d z = softmax(z) - p
     # α = Σ min(q, p) = 1 - ½ Σ |q - p| per row: a norm of the gradient, no (C, V) minimum
-    alpha = z.shape[0] - 0.5 * torch.linalg.vector_norm(dz, ord=1, dim=-1).sum()
+    alpha = 1.0 - 0.5 * torch.linalg.vector_norm(dz, ord=1, dim=-1)
+    return ce, alpha, dz, p
+
+
+def _soft_ce_grad_torch(z: torch.Tensor, t: torch.Tensor,
+                        row_weight: torch.Tensor | None) -> tuple[ChunkSums, torch.Tensor]:
+    """`_soft_ce_grad` in torch's ops (`soft_ce_rows_`: z becomes the gradient, t the target's softmax)."""
+    top1, topk = accuracy_counts(z, t.argmax(-1))
+    ce, alpha, dz, _ = soft_ce_rows_(z, t)
     if row_weight is not None:
         dz.mul_(row_weight[:, None])
-    return (ce, top1, topk, alpha), dz
+    return (weighted_sum(ce, row_weight), top1, topk, alpha.sum()), dz
 
 
 PROBE_CHUNK = (256, 8192)  # (rows, vocabulary) of the probe's logits: a quarter of a default chunk, the demo's V

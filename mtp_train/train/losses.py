@@ -48,7 +48,7 @@ from mtp_train.heads import DraftHead, packed_shift, packed_valid, resolve_seq_l
 from mtp_train.heads.packing import step_rows
 from mtp_train.heads.sequence import SequenceShard
 from mtp_train.layers import cpu_kernels, kernel_choice
-from mtp_train.train.divergences import TOPK, ChunkSums, acceptance, token_loss, weighted_sum
+from mtp_train.train.divergences import TOPK, ChunkSums, acceptance, soft_ce_rows_, token_loss, weighted_sum
 from mtp_train.train.position_weights import dpace_weights, target_argmax_probability
 
 # --- alignment --------------------------------------------------------------------------------------------------
@@ -426,13 +426,9 @@ def _row_stats(z: torch.Tensor, t_u: torch.Tensor, inv: torch.Tensor, kind: str,
         top1, topk = top[:, 0] == best, (top == best[:, None]).any(-1)
     if kind == "soft_ce":  # −Σ p·log_softmax(z) = logsumexp(z) − Σ p·z, d/dz = softmax(z) − p
         with torch.no_grad():
-            p = t.softmax(-1)
-            lse = torch.logsumexp(z, -1)
-            ce = lse - (p * z).sum(-1)
-            sz = (z - lse[:, None]).exp_()
-            alpha = torch.minimum(sz, p).sum(-1)
-            q = sz.gather(1, best[:, None]).squeeze(1)
-            return ce, top1, topk, alpha, q, sz.sub_(p) if grad else None
+            ce, alpha, dz, p = soft_ce_rows_(z, t)  # in place: z becomes softmax(z) − p, t becomes p
+            q = (dz.gather(1, best[:, None]) + p.gather(1, best[:, None])).squeeze(1).clamp_(0.0, 1.0)
+            return ce, top1, topk, alpha, q, dz if grad else None
     with torch.enable_grad():
         zg = z.detach().requires_grad_(grad)
         log_q = zg.log_softmax(-1)
