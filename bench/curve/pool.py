@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data" / "train"
 DEMO = sorted((ROOT / "data").glob("demo_prompts*.jsonl"))
-HELDOUT = ROOT / "data" / "demo_heldout.jsonl"
+HELDOUT = "demo-heldout"  # the held-out prompt set (conf/data), never in the pool
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -39,18 +39,16 @@ def read_prompts(path: Path) -> list[dict]:
 
 
 def heldout_texts() -> set[str]:
-    """Every user turn of the held-out set (a prompt equal to one of them never enters the pool)."""
-    out: set[str] = set()
-    with HELDOUT.open(encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            for key in ("prompt", "turns"):
-                v = rec.get(key)
-                out.update([v] if isinstance(v, str) else (v or []))
-            for m in rec.get("messages", []):
-                if m.get("role") == "user":
-                    out.add(m["content"])
-    return {t.strip() for t in out}
+    """Every user turn of the held-out set, as the project reads it (`conf/data/demo-heldout.yaml`: its format and
+    field map); a prompt equal to one of them never enters the pool."""
+    import dataclasses
+
+    from mtp_train.data.prompts import data_config
+    from mtp_train.data.readers import read_conversations
+
+    d = data_config(HELDOUT, ROOT / "conf")
+    convs, _ = read_conversations(dataclasses.replace(d, paths=[str(ROOT / q) for q in d.paths]))
+    return {m["content"].strip() for c in convs for m in c.messages if m["role"] == "user"}
 
 
 def build(chat: int, code: int, seed: int, max_chars: int) -> list[dict]:
